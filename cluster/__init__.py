@@ -1,0 +1,1 @@
+"""Configuration (pydantic), the app builder and Serve config YAML, local bring-up and the CLI."""

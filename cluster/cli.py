@@ -1,0 +1,142 @@
+"""`specserve` command line: serve, generate, serve-config, train-default, eval-pair, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import httpx
+
+from cluster.config import load_config
+
+DEMO_PROMPT = "def fibonacci(n):\n"
+
+
+def stream_completion(url: str, model: str, prompt: str, max_tokens: int, temperature: float,
+                      seed: int | None = None, out=sys.stdout) -> dict:
+    """POST /v1/completions with stream=true, echo text as it arrives; return the final chunk."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+            "seed": seed, "stream": True}
+    final: dict = {}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
+        if response.status_code != 200:
+            response.read()
+            raise SystemExit(f"HTTP {response.status_code}: {response.text}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                raise SystemExit(f"server error: {chunk['error']['message']}")
+            out.write(chunk["choices"][0]["text"])
+            out.flush()
+            if "speculation" in chunk:
+                final = chunk
+    out.write("\n")
+    return final
+
+
+def _print_stats(final: dict, elapsed_s: float) -> None:
+    usage, spec = final.get("usage") or {}, final.get("speculation") or {}
+    tokens = usage.get("completion_tokens", 0)
+    print(f"--- {tokens} tokens in {elapsed_s:.2f} s ({tokens / max(elapsed_s, 1e-9):.1f} tok/s), "
+          f"finish_reason={final.get('choices', [{}])[0].get('finish_reason')}")
+    print("--- speculation: " + json.dumps(spec))
+
+
+def _demo(url: str, model: str, prompt: str, max_tokens: int, temperature: float) -> None:
+    print(f"--- POST {url}/v1/completions  prompt={prompt!r}")
+    print(prompt, end="")
+    started = time.perf_counter()
+    final = stream_completion(url, model, prompt, max_tokens, temperature)
+    _print_stats(final, time.perf_counter() - started)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from cluster.local import start_local, stop_local
+
+    config = load_config(args.config)
+    url = start_local(config, dashboard=args.dashboard)
+    print(f"specserve is serving '{config.model_name}' at {url}  (OpenAI API under {url}/v1)", flush=True)
+    try:
+        if args.demo:
+            _demo(url, config.model_name, args.demo, args.max_tokens, args.temperature)
+        if args.exit_after_demo:
+            return
+        print("Ctrl-C to stop.", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop_local()
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from cluster.local import start_local, stop_local
+
+    config = load_config(args.config)
+    url = start_local(config)
+    try:
+        _demo(url, config.model_name, args.prompt, args.max_tokens, args.temperature)
+    finally:
+        stop_local()
+
+
+def cmd_serve_config(args: argparse.Namespace) -> None:
+    from cluster.builder import serve_config_yaml
+
+    text = serve_config_yaml(load_config(args.config))
+    if args.output:
+        with open(args.output, "w") as handle:
+            handle.write(text)
+    else:
+        print(text, end="")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add_request_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--config", help="YAML config (defaults: the shipped default pair)")
+        p.add_argument("--max-tokens", type=int, default=96)
+        p.add_argument("--temperature", type=float, default=0.0)
+
+    serve_parser = sub.add_parser("serve", help="start a local Ray cluster and serve the OpenAI API")
+    add_request_args(serve_parser)
+    serve_parser.add_argument("--demo", nargs="?", const=DEMO_PROMPT, default=None,
+                              help="answer one request (streamed) once serving")
+    serve_parser.add_argument("--exit-after-demo", action="store_true")
+    serve_parser.add_argument("--dashboard", action="store_true", help="start the Ray dashboard (metrics)")
+    serve_parser.set_defaults(func=cmd_serve)
+
+    generate_parser = sub.add_parser("generate", help="start, answer one prompt over HTTP, stop")
+    add_request_args(generate_parser)
+    generate_parser.add_argument("prompt", nargs="?", default=DEMO_PROMPT)
+    generate_parser.set_defaults(func=cmd_generate)
+
+    config_parser = sub.add_parser("serve-config", help="print a Serve config YAML for `serve deploy`")
+    config_parser.add_argument("--config")
+    config_parser.add_argument("-o", "--output")
+    config_parser.set_defaults(func=cmd_serve_config)
+
+    train_parser = sub.add_parser("train-default", help="train the default draft/target pair",
+                                  add_help=False)
+    train_parser.set_defaults(func=None)
+
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "train-default":
+        from training.default_pair import main as train_main
+
+        train_main(rest)
+        return
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

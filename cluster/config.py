@@ -1,0 +1,148 @@
+"""The one configuration object: validated at the edge, then passed whole to every deployment.
+
+Loaded from YAML (``specserve serve --config FILE``) and/or environment variables
+``SPECSERVE__SECTION__FIELD=value`` (double underscore = nesting), env winning over the file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODELS_DIR = PROJECT_ROOT / "models" / "default"
+ENV_PREFIX = "SPECSERVE__"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSpec(_Strict):
+    """One Hugging Face causal LM on local disk."""
+
+    path: str
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    device: str = "cpu"
+    torch_threads: int = Field(1, ge=1, description="intra-op threads per worker on CPU")
+    max_sequences: int = Field(256, ge=1, description="KV caches a worker holds at once")
+
+
+class WorkerResources(_Strict):
+    """Replicas and resources of one deployment (the engine actor of a worker gets them)."""
+
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    max_ongoing_requests: int = Field(256, ge=1)
+
+
+class SpeculationSpec(_Strict):
+    """How draft tokens are proposed and how deep each round goes.
+
+    K adapts per request between min and max from the request's own acceptance rate
+    (policies.depth); ``adaptive: false`` pins it at ``num_draft_tokens``.
+    """
+
+    proposer: Literal["draft", "ngram", "none"] = "draft"
+    num_draft_tokens: int = Field(4, ge=0, le=32)
+    min_draft_tokens: int = Field(1, ge=0, le=32)
+    max_draft_tokens: int = Field(8, ge=0, le=32)
+    adaptive: bool = True
+    draft_cost_ratio: float = Field(0.12, gt=0, le=1, description="draft step / target step latency, for the depth policy")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "SpeculationSpec":
+        if not self.min_draft_tokens <= self.num_draft_tokens <= self.max_draft_tokens:
+            raise ValueError("need min_draft_tokens <= num_draft_tokens <= max_draft_tokens")
+        return self
+
+
+class LimitsSpec(_Strict):
+    max_tokens: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
+    default_max_tokens: int = Field(64, ge=1)
+    max_prompt_chars: int = Field(100_000, ge=1)
+
+
+class HttpSpec(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+
+
+class SpecServeConfig(_Strict):
+    """Everything a deployment needs; the single source of truth."""
+
+    model_name: str = "specserve-default"
+    target: ModelSpec = ModelSpec(path=str(DEFAULT_MODELS_DIR / "target"))
+    draft: ModelSpec | None = ModelSpec(path=str(DEFAULT_MODELS_DIR / "draft"))
+    tokenizer_path: str | None = Field(None, description="defaults to the target's path")
+    speculation: SpeculationSpec = SpeculationSpec()
+    limits: LimitsSpec = LimitsSpec()
+    http: HttpSpec = HttpSpec()
+    ingress: WorkerResources = WorkerResources(num_cpus=0.25)
+    router: WorkerResources = WorkerResources(num_cpus=0.25)
+    target_workers: WorkerResources = WorkerResources()
+    draft_workers: WorkerResources = WorkerResources()
+
+    @model_validator(mode="after")
+    def _draft_needed(self) -> "SpecServeConfig":
+        if self.speculation.proposer == "draft" and self.draft is None:
+            raise ValueError("speculation.proposer 'draft' needs a draft model (set draft.path)")
+        return self
+
+    @property
+    def resolved_tokenizer_path(self) -> str:
+        return self.tokenizer_path or self.target.path
+
+    @property
+    def uses_draft_workers(self) -> bool:
+        return self.speculation.proposer != "none"
+
+
+def _set_nested(tree: dict[str, Any], dotted: list[str], value: Any) -> None:
+    for key in dotted[:-1]:
+        node = tree.get(key)
+        if not isinstance(node, dict):
+            node = tree[key] = {}
+        tree = node
+    tree[dotted[-1]] = value
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """``SPECSERVE__SPECULATION__NUM_DRAFT_TOKENS=6`` -> {"speculation": {"num_draft_tokens": 6}}.
+
+    Values are parsed as YAML scalars so numbers and booleans keep their types.
+    """
+    overrides: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if name.startswith(ENV_PREFIX):
+            path = name[len(ENV_PREFIX):].lower().split("__")
+            _set_nested(overrides, path, yaml.safe_load(raw))
+    return overrides
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> SpecServeConfig:
+    """File (optional) + environment overrides -> validated config."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text())
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: expected a YAML mapping at the top level")
+        data = loaded
+    data = _merge(data, env_overrides(os.environ if environ is None else environ))
+    return SpecServeConfig.model_validate(data)

@@ -1,0 +1,1 @@
+"""Thin Ray Serve glue over decoding/: HTTP ingress, router, draft and target worker deployments."""

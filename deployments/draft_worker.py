@@ -1,0 +1,54 @@
+"""Draft worker: proposes K tokens (and their processed q rows when sampling) per round."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from ray import serve
+
+from decoding.model_runner import ModelRunner
+from decoding.proposers import DraftModelProposer, NgramProposer, Proposal
+from decoding.sampling import SamplingParams, make_generator
+from deployments.engine_host import EngineHost
+
+
+class DraftEngine:
+    """Holds the proposer and, per request id, its KV cache and its seeded draft generator."""
+
+    def __init__(self, proposer_kind: str, model_spec: dict | None) -> None:
+        if proposer_kind == "ngram":
+            self.proposer = NgramProposer()
+        else:
+            assert model_spec is not None, "a draft-model proposer needs a model spec"
+            runner = ModelRunner(model_spec["path"], dtype=model_spec["dtype"], device=model_spec["device"],
+                                 num_threads=model_spec["torch_threads"], max_sequences=model_spec["max_sequences"])
+            self.proposer = DraftModelProposer(runner)
+        self.generators: dict[str, torch.Generator] = {}
+
+    def ping(self) -> bool:
+        return True
+
+    def propose(self, seq_id: str, history: Sequence[int], num_tokens: int, params: SamplingParams,
+                seed: int | None) -> tuple[Proposal, float]:
+        """Up to num_tokens draft tokens continuing history, and the seconds spent drafting.
+        num_tokens=0 only brings the cache up to date (used to prefill alongside the target)."""
+        started = time.perf_counter()
+        generator = self.generators.get(seq_id)
+        if generator is None:
+            generator = self.generators[seq_id] = make_generator(seed)
+        proposal = self.proposer.propose(seq_id, history, num_tokens, params, generator)
+        return proposal, time.perf_counter() - started
+
+    def release(self, seq_id: str) -> None:
+        self.proposer.release(seq_id)
+        self.generators.pop(seq_id, None)
+
+    def active_sequences(self) -> list[str]:
+        return sorted(self.generators)
+
+
+@serve.deployment
+class DraftWorker(EngineHost):
+    engine_class = DraftEngine

@@ -1,0 +1,193 @@
+"""Router: owns each request's committed history and drives its speculative rounds.
+
+Per round: draft engine proposes K tokens -> target engine scores [last, d1..dK] in one forward
+-> ``accept_round`` (rejection sampling) commits tokens here -> they stream out. Engines are
+plain Ray actors reached directly (see engine_host.py); Serve picks which replica's engine a
+request uses, once, at its start. Every engine call carries the full history, so a replacement
+engine re-prefills by itself: a dead target is swapped for another replica's engine, a dead
+draft makes the request continue target-only. Nothing committed is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.handle import DeploymentHandle
+from ray.util import metrics
+from transformers import AutoConfig, AutoTokenizer
+
+from cluster.config import SpecServeConfig
+from decoding.proposers import Proposal
+from decoding.sampling import SamplingParams
+from decoding.sequence import RequestState
+from decoding.speculation import accept_round
+from policies.depth import choose_draft_depth
+
+logger = logging.getLogger("ray.serve")
+MAX_TARGET_RETRIES = 2
+ENGINE_ERRORS = (RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+@dataclass
+class RoundTimings:
+    """Where a request's wall time went; overhead = round wall time minus engine compute."""
+
+    round_wall_s: list[float] = field(default_factory=list)
+    round_overhead_s: list[float] = field(default_factory=list)
+    draft_depths: list[int] = field(default_factory=list)
+    first_token_s: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        def median_ms(values: list[float]) -> float | None:
+            return round(1000 * statistics.median(values), 3) if values else None
+
+        return {
+            "median_round_ms": median_ms(self.round_wall_s),
+            "median_overhead_ms": median_ms(self.round_overhead_s),
+            "mean_draft_tokens": round(statistics.fmean(self.draft_depths), 3) if self.draft_depths else 0.0,
+            "time_to_first_token_ms": None if self.first_token_s is None else round(1000 * self.first_token_s, 3),
+        }
+
+
+class RouterMetrics:
+    """Ray metrics (visible in the Ray dashboard / Prometheus)."""
+
+    def __init__(self) -> None:
+        self.requests = metrics.Counter("specserve_requests_total", "Requests finished, by finish reason",
+                                        tag_keys=("finish_reason",))
+        self.tokens = metrics.Counter("specserve_output_tokens_total", "Tokens committed to outputs")
+        self.drafted = metrics.Counter("specserve_draft_tokens_total", "Draft tokens proposed")
+        self.accepted = metrics.Counter("specserve_accepted_tokens_total", "Draft tokens accepted")
+        self.round_latency = metrics.Histogram(
+            "specserve_round_latency_s", "Wall time of one speculative round",
+            boundaries=[0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5])
+        self.draft_failures = metrics.Counter("specserve_draft_failures_total", "Draft engine failures")
+        self.active = metrics.Gauge("specserve_active_requests", "Requests in flight on this router")
+
+
+@serve.deployment
+class Router:
+    def __init__(self, config: dict, target_workers: DeploymentHandle,
+                 draft_workers: DeploymentHandle | None = None) -> None:
+        self.config = SpecServeConfig.model_validate(config)
+        self.target_workers = target_workers
+        self.draft_workers = draft_workers
+        self.tokenizer = AutoTokenizer.from_pretrained(self.config.resolved_tokenizer_path, local_files_only=True)
+        model_config = AutoConfig.from_pretrained(self.config.target.path, local_files_only=True)
+        self.max_context = model_config.max_position_embeddings
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.metrics = RouterMetrics()
+        self.active_requests: dict[str, RequestState] = {}
+
+    def _detokenize(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def num_active_requests(self) -> int:
+        return len(self.active_requests)
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: dict) -> AsyncIterator[dict]:
+        """Stream {"text", "token_ids", "finish_reason"} chunks; the last adds "usage" and "speculation"."""
+        state = RequestState(request_id=request_id, prompt_ids=list(prompt_ids),
+                             params=SamplingParams.model_validate(params), eos_token_id=self.eos_token_id,
+                             max_context=self.max_context, detokenize=self._detokenize)
+        self.active_requests[request_id] = state
+        self.metrics.active.set(len(self.active_requests))
+        started = time.perf_counter()
+        timings = RoundTimings()
+        target = await self.target_workers.get_engine.remote()
+        draft = await self.draft_workers.get_engine.remote() if self.draft_workers is not None else None
+        try:
+            if draft is not None:  # draft prefills while the target does
+                draft.propose.remote(request_id, state.history, 0, state.params, self._draft_seed(state))
+            rows, _, target = await self._verify(state, target, 1)
+            committed = accept_round(state, Proposal([], None), rows)
+            timings.first_token_s = time.perf_counter() - started
+            yield self._chunk(state, committed)
+            while not state.finished:
+                round_started = time.perf_counter()
+                num_draft = self._draft_depth(state) if draft is not None else 0
+                proposal, draft_s = Proposal([], None), 0.0
+                if num_draft > 0:
+                    try:
+                        proposal, draft_s = await draft.propose.remote(
+                            request_id, state.history, num_draft, state.params, self._draft_seed(state))
+                    except ENGINE_ERRORS:
+                        logger.warning("draft engine lost for %s; continuing target-only", request_id)
+                        self.metrics.draft_failures.inc()
+                        draft = None
+                rows, target_s, target = await self._verify(state, target, len(proposal.token_ids) + 1, proposal)
+                committed = accept_round(state, proposal, rows)
+                round_wall_s = time.perf_counter() - round_started
+                timings.round_wall_s.append(round_wall_s)
+                timings.round_overhead_s.append(round_wall_s - draft_s - target_s)
+                timings.draft_depths.append(len(proposal.token_ids))
+                self.metrics.round_latency.observe(round_wall_s)
+                yield self._chunk(state, committed)
+            yield self._final_chunk(state, timings)
+        finally:
+            self.active_requests.pop(request_id, None)
+            self.metrics.active.set(len(self.active_requests))
+            self._record(state)
+            for engine in (target, draft):
+                if engine is not None:
+                    engine.release.remote(request_id)  # fire and forget: the engine may be gone
+
+    async def _verify(self, state: RequestState, target, num_rows: int,
+                      proposal: Proposal | None = None) -> tuple[Any, float, Any]:
+        """One target forward -> (rows, compute seconds, the engine that answered). On a lost
+        engine, ask Serve for another and re-run: the full history makes it re-prefill."""
+        tokens = state.history + (proposal.token_ids if proposal else [])
+        for attempt in range(MAX_TARGET_RETRIES + 1):
+            try:
+                rows, compute_s = await target.verify.remote(state.request_id, tokens, num_rows, state.params)
+                return rows, compute_s, target
+            except ENGINE_ERRORS:
+                if attempt == MAX_TARGET_RETRIES:
+                    raise
+                logger.warning("target engine lost for %s; re-prefilling on another replica", state.request_id)
+                await asyncio.sleep(0.05 * (attempt + 1))
+                target = await self.target_workers.get_engine.remote()
+        raise AssertionError("unreachable")
+
+    def _draft_depth(self, state: RequestState) -> int:
+        spec = self.config.speculation
+        if spec.adaptive:
+            depth = choose_draft_depth(state.stats.num_accepted, state.stats.num_drafted, spec.draft_cost_ratio,
+                                       spec.min_draft_tokens, spec.max_draft_tokens)
+        else:
+            depth = spec.num_draft_tokens
+        return state.draft_budget(depth)
+
+    @staticmethod
+    def _draft_seed(state: RequestState) -> int | None:
+        return None if state.params.seed is None else state.params.seed + 1
+
+    @staticmethod
+    def _chunk(state: RequestState, committed: list[int]) -> dict:
+        return {"text": state.take_text_delta(), "token_ids": committed, "finish_reason": state.finish_reason}
+
+    def _final_chunk(self, state: RequestState, timings: RoundTimings) -> dict:
+        usage = {"prompt_tokens": len(state.prompt_ids), "completion_tokens": len(state.output_ids),
+                 "total_tokens": len(state.prompt_ids) + len(state.output_ids)}
+        speculation = {**state.stats.to_dict(), **timings.to_dict(),
+                       "proposer": self.config.speculation.proposer}
+        return {"text": state.take_text_delta(), "token_ids": [], "finish_reason": state.finish_reason,
+                "usage": usage, "speculation": speculation}
+
+    def _record(self, state: RequestState) -> None:
+        self.metrics.requests.inc(tags={"finish_reason": state.finish_reason or "aborted"})
+        if state.output_ids:
+            self.metrics.tokens.inc(len(state.output_ids))
+        if state.stats.num_drafted:
+            self.metrics.drafted.inc(state.stats.num_drafted)
+        if state.stats.num_accepted:
+            self.metrics.accepted.inc(state.stats.num_accepted)

@@ -1,0 +1,1 @@
+"""Decision functions for speculation depth (and, later, replica counts): pure, testable without Ray."""
