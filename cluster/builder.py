@@ -30,7 +30,7 @@ def _worker_options(name: str, resources: WorkerResources) -> dict[str, Any]:
         "num_replicas": resources.num_replicas,
         "max_ongoing_requests": resources.max_ongoing_requests,
         "ray_actor_options": {"num_cpus": REPLICA_CPUS},
-        "placement_group_bundles": engine_bundles(resources.num_cpus, resources.num_gpus),
+        "placement_group_bundles": engine_bundles(resources.num_cpus, resources.num_gpus, resources.resources),
         "placement_group_strategy": "STRICT_PACK",
     }
 
@@ -61,12 +61,12 @@ def build_app(config: SpecServeConfig) -> Application:
     config_dict = config.model_dump(mode="json")
     target_spec = config.target.model_dump()
     targets = TargetWorker.options(**options["TargetWorker"]).bind(
-        config.target_workers.num_cpus, config.target_workers.num_gpus, target_spec)
+        config.target_workers.model_dump(), target_spec)
     drafts = None
     if config.uses_draft_workers:
         draft_spec = config.draft.model_dump() if config.draft is not None else None
         drafts = DraftWorker.options(**options["DraftWorker"]).bind(
-            config.draft_workers.num_cpus, config.draft_workers.num_gpus, config.speculation.proposer, draft_spec)
+            config.draft_workers.model_dump(), config.speculation.proposer, draft_spec)
     router = Router.options(**options["Router"]).bind(config_dict, targets, drafts)
     return Ingress.options(**options["Ingress"]).bind(config_dict, router)
 

@@ -96,6 +96,17 @@ def cmd_serve_config(args: argparse.Namespace) -> None:
         print(text, end="")
 
 
+def cmd_k8s_manifest(args: argparse.Namespace) -> None:
+    from cluster.kuberay import DEFAULT_IMAGE, rayservice_yaml
+
+    text = rayservice_yaml(load_config(args.config), image=args.image or DEFAULT_IMAGE)
+    if args.output:
+        with open(args.output, "w") as handle:
+            handle.write(text)
+    else:
+        print(text, end="")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -122,6 +133,12 @@ def main(argv: list[str] | None = None) -> None:
     config_parser.add_argument("--config")
     config_parser.add_argument("-o", "--output")
     config_parser.set_defaults(func=cmd_serve_config)
+
+    k8s_parser = sub.add_parser("k8s-manifest", help="print a KubeRay RayService manifest")
+    k8s_parser.add_argument("--config", default="k8s/specserve-gpu.yaml")
+    k8s_parser.add_argument("--image")
+    k8s_parser.add_argument("-o", "--output")
+    k8s_parser.set_defaults(func=cmd_k8s_manifest)
 
     train_parser = sub.add_parser("train-default", help="train the default draft/target pair",
                                   add_help=False)

@@ -39,6 +39,8 @@ class WorkerResources(_Strict):
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict,
+                                        description="custom Ray resources, e.g. to pin engines to a node group")
     max_ongoing_requests: int = Field(256, ge=1)
 
 

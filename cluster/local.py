@@ -26,10 +26,20 @@ def logical_cpus_needed(config: SpecServeConfig) -> int:
     return max(os.cpu_count() or 1, math.ceil(needed) + 1)
 
 
+def custom_resources_needed(config: SpecServeConfig) -> dict[str, float]:
+    """Custom Ray resources the worker engines ask for (a single node must offer all of them)."""
+    needed: dict[str, float] = {}
+    for workers in (config.target_workers, config.draft_workers):
+        for name, amount in workers.resources.items():
+            needed[name] = needed.get(name, 0.0) + amount * workers.num_replicas
+    return needed
+
+
 def start_local(config: SpecServeConfig, dashboard: bool = False, timeout_s: float = 300.0) -> str:
     """Start Ray + Serve + the app; block until /health answers; return the base URL."""
     if not ray.is_initialized():
-        ray.init(num_cpus=logical_cpus_needed(config), include_dashboard=dashboard,
+        ray.init(num_cpus=logical_cpus_needed(config), resources=custom_resources_needed(config),
+                 include_dashboard=dashboard,
                  _system_config=RAY_SYSTEM_CONFIG, configure_logging=False, log_to_driver=False)
     serve.start(http_options={"host": config.http.host, "port": config.http.port})
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")

@@ -21,16 +21,19 @@ ENGINE_BUNDLE_INDEX = 1
 REPLICA_CPUS = 0.01  # the replica only relays the engine handle and health checks
 
 
-def engine_bundles(num_cpus: float, num_gpus: float) -> list[dict[str, float]]:
+def engine_bundles(num_cpus: float, num_gpus: float,
+                   resources: dict[str, float] | None = None) -> list[dict[str, float]]:
     """Placement-group bundles for one worker replica: [replica, engine]."""
-    engine = {"CPU": num_cpus, "GPU": num_gpus}
+    engine = {"CPU": num_cpus, "GPU": num_gpus, **(resources or {})}
     return [{"CPU": REPLICA_CPUS}, {k: v for k, v in engine.items() if v > 0} or {"CPU": REPLICA_CPUS}]
 
 
-def spawn_engine(engine_class: type, num_cpus: float, num_gpus: float, *args: Any) -> "ray.actor.ActorHandle":
+def spawn_engine(engine_class: type, num_cpus: float, num_gpus: float, resources: dict[str, float],
+                 *args: Any) -> "ray.actor.ActorHandle":
     """Start engine_class as a Ray actor in this replica's engine bundle (or free-standing)."""
     placement_group = get_current_placement_group()
-    options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": 0}
+    options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "resources": resources,
+                               "max_restarts": 0}
     if placement_group is not None:
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement_group=placement_group, placement_group_bundle_index=ENGINE_BUNDLE_INDEX)
@@ -42,8 +45,10 @@ class EngineHost:
 
     engine_class: type
 
-    def __init__(self, num_cpus: float, num_gpus: float, *engine_args: Any) -> None:
-        self.engine = spawn_engine(self.engine_class, num_cpus, num_gpus, *engine_args)
+    def __init__(self, resources: dict[str, Any], *engine_args: Any) -> None:
+        """resources: a WorkerResources dump (num_cpus, num_gpus, resources) for the engine."""
+        self.engine = spawn_engine(self.engine_class, resources["num_cpus"], resources["num_gpus"],
+                                   resources["resources"], *engine_args)
         started = time.monotonic()
         ray.get(self.engine.ping.remote())  # fail replica start-up if the model cannot load
         self.startup_s = time.monotonic() - started

@@ -37,3 +37,25 @@ def test_no_draft_deployment_without_speculation():
 def test_build_app_binds_the_whole_graph():
     app = build_app(SpecServeConfig())
     assert type(app).__name__ == "Application"
+
+
+def test_committed_kuberay_manifest_is_generated_from_the_gpu_config():
+    from cluster.config import PROJECT_ROOT, load_config
+    from cluster.kuberay import rayservice_yaml
+
+    config = load_config(PROJECT_ROOT / "k8s" / "specserve-gpu.yaml", environ={})
+    committed = (PROJECT_ROOT / "k8s" / "rayservice.yaml").read_text()
+    assert committed == rayservice_yaml(config), "regenerate with `specserve k8s-manifest -o k8s/rayservice.yaml`"
+
+
+def test_kuberay_manifest_pins_draft_and_target_to_their_own_gpu_groups():
+    from cluster.config import PROJECT_ROOT, load_config
+    from cluster.kuberay import rayservice_manifest
+
+    manifest = rayservice_manifest(load_config(PROJECT_ROOT / "k8s" / "specserve-gpu.yaml", environ={}))
+    ServeDeploySchema.model_validate(yaml.safe_load(manifest["spec"]["serveConfigV2"]))
+    groups = {g["groupName"]: g for g in manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    assert "specserve_draft" in groups["draft-gpu"]["rayStartParams"]["resources"]
+    assert "specserve_target" in groups["target-gpu"]["rayStartParams"]["resources"]
+    for group in groups.values():
+        assert group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"

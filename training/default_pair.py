@@ -144,6 +144,33 @@ def save_checkpoint(path: Path, state: dict) -> None:
     os.replace(tmp, path)
 
 
+def build_pair(cfg: PairConfig):
+    """Fresh (target, draft) models of the pair's architecture."""
+    from transformers import LlamaForCausalLM
+
+    target = LlamaForCausalLM(llama_config(cfg, cfg.target_hidden, cfg.target_layers, cfg.target_heads,
+                                           cfg.target_intermediate))
+    draft = LlamaForCausalLM(llama_config(cfg, cfg.draft_hidden, cfg.draft_layers, cfg.draft_heads,
+                                          cfg.draft_intermediate))
+    return target, draft
+
+
+def save_pair(target, draft, tokenizer, out: Path) -> None:
+    """Save both models in fp16 safetensors, each with the shared tokenizer beside it."""
+    save_pair(target, draft, tokenizer, out)
+
+
+def export_checkpoint(work_dir: str | Path, out: str | Path, tokenizer_dir: str | Path) -> None:
+    """Save the pair from a (possibly unfinished) training checkpoint, e.g. to try it early."""
+    from transformers import AutoTokenizer
+
+    state = torch.load(Path(work_dir) / "checkpoint.pt", weights_only=False, map_location="cpu")
+    target, draft = build_pair(PairConfig())
+    target.load_state_dict(state["target"])
+    draft.load_state_dict(state["draft"])
+    save_pair(target, draft, AutoTokenizer.from_pretrained(tokenizer_dir), Path(out))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="models/default")
@@ -157,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint-every-s", type=float, default=300.0)
     args = parser.parse_args(argv)
 
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -190,8 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"corpus: {len(train_stream):,} train tokens, {len(held_stream):,} held-out tokens", flush=True)
 
     device = torch.device(args.device)
-    target = LlamaForCausalLM(llama_config(cfg, cfg.target_hidden, cfg.target_layers, cfg.target_heads, cfg.target_intermediate)).to(device)
-    draft = LlamaForCausalLM(llama_config(cfg, cfg.draft_hidden, cfg.draft_layers, cfg.draft_heads, cfg.draft_intermediate)).to(device)
+    target, draft = (model.to(device) for model in build_pair(cfg))
     target_opt = torch.optim.AdamW(target.parameters(), lr=cfg.target_lr, weight_decay=0.1, betas=(0.9, 0.95))
     draft_opt = torch.optim.AdamW(draft.parameters(), lr=cfg.draft_lr, weight_decay=0.1, betas=(0.9, 0.95))
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -260,9 +286,7 @@ def main(argv: list[str] | None = None) -> None:
 
     target_held = held_out_loss(target, held_stream.to(device), cfg.seq_len)
     draft_held = held_out_loss(draft, held_stream.to(device), cfg.seq_len)
-    for name, model in (("target", target), ("draft", draft)):
-        model.to(torch.float16).save_pretrained(out / name)
-        tokenizer.save_pretrained(out / name)
+    save_pair(target, draft, tokenizer, out)
     summary = {
         "config": asdict(cfg),
         "target_params": n_target,
