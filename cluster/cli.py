@@ -1,8 +1,9 @@
-"""`specserve` command line: serve, generate, serve-config, train-default, eval-pair, bench."""
+"""`specserve` command line: serve, generate, serve-config, k8s-manifest, train-default, eval-pair, bench."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -12,6 +13,12 @@ import httpx
 from cluster.config import load_config
 
 DEMO_PROMPT = "def fibonacci(n):\n"
+# Subcommands whose module has its own argparse main(argv): name -> (module, help).
+FORWARDED_COMMANDS = {
+    "train-default": ("training.default_pair", "train the default draft/target pair"),
+    "eval-pair": ("training.evaluate", "evaluate the default pair (acceptance, latency); --card writes its model card"),
+    "bench": ("bench.run", "benchmark vs target-only and HF assisted generation"),
+}
 
 
 def stream_completion(url: str, model: str, prompt: str, max_tokens: int, temperature: float,
@@ -140,15 +147,12 @@ def main(argv: list[str] | None = None) -> None:
     k8s_parser.add_argument("-o", "--output")
     k8s_parser.set_defaults(func=cmd_k8s_manifest)
 
-    train_parser = sub.add_parser("train-default", help="train the default draft/target pair",
-                                  add_help=False)
-    train_parser.set_defaults(func=None)
+    for name, (_, help_text) in FORWARDED_COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)  # their own parser reads the rest
 
     args, rest = parser.parse_known_args(argv)
-    if args.command == "train-default":
-        from training.default_pair import main as train_main
-
-        train_main(rest)
+    if args.command in FORWARDED_COMMANDS:
+        importlib.import_module(FORWARDED_COMMANDS[args.command][0]).main(rest)
         return
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -30,10 +30,13 @@ class DraftEngine:
     def ping(self) -> bool:
         return True
 
+    def prefill(self, seq_id: str, history: Sequence[int]) -> None:
+        """Warm the draft's cache with the prompt while the target prefills it."""
+        self.proposer.prefill(seq_id, history)
+
     def propose(self, seq_id: str, history: Sequence[int], num_tokens: int, params: SamplingParams,
                 seed: int | None) -> tuple[Proposal, float]:
-        """Up to num_tokens draft tokens continuing history, and the seconds spent drafting.
-        num_tokens=0 only brings the cache up to date (used to prefill alongside the target)."""
+        """Up to num_tokens draft tokens continuing history, and the seconds spent drafting."""
         started = time.perf_counter()
         generator = self.generators.get(seq_id)
         if generator is None:

@@ -1,11 +1,13 @@
 """OpenAI-compatible HTTP ingress: validate, tokenize, hand the request to the router, stream back.
 
+No `from __future__ import annotations` here: FastAPI must see real classes on the class-based routes
+to treat request models as JSON bodies.
+
 Routes: POST /v1/completions, POST /v1/chat/completions (``stream: true`` = SSE chunks in
 OpenAI's format, ending with ``data: [DONE]``), GET /v1/models, GET /health. Responses carry the
 usual ``usage`` plus a ``speculation`` field with the request's acceptance statistics.
 """
 
-from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator

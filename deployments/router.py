@@ -107,7 +107,7 @@ class Router:
         draft = await self.draft_workers.get_engine.remote() if self.draft_workers is not None else None
         try:
             if draft is not None:  # draft prefills while the target does
-                draft.propose.remote(request_id, state.history, 0, state.params, self._draft_seed(state))
+                draft.prefill.remote(request_id, state.history)
             rows, _, target = await self._verify(state, target, 1)
             committed = accept_round(state, Proposal([], None), rows)
             timings.first_token_s = time.perf_counter() - started

@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import platform
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -157,7 +158,9 @@ def build_pair(cfg: PairConfig):
 
 def save_pair(target, draft, tokenizer, out: Path) -> None:
     """Save both models in fp16 safetensors, each with the shared tokenizer beside it."""
-    save_pair(target, draft, tokenizer, out)
+    for name, model in (("target", target), ("draft", draft)):
+        model.to(torch.float16).save_pretrained(out / name)
+        tokenizer.save_pretrained(out / name)
 
 
 def export_checkpoint(work_dir: str | Path, out: str | Path, tokenizer_dir: str | Path) -> None:
@@ -222,6 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     draft_opt = torch.optim.AdamW(draft.parameters(), lr=cfg.draft_lr, weight_decay=0.1, betas=(0.9, 0.95))
     generator = torch.Generator().manual_seed(cfg.seed)
     step, log = 0, []
+    train_seconds: float | None = 0.0  # None when resumed from a checkpoint that did not track it
     checkpoint_path = work / "checkpoint.pt"
     if checkpoint_path.exists():
         state = torch.load(checkpoint_path, weights_only=False)
@@ -231,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
         draft_opt.load_state_dict(state["draft_opt"])
         generator.set_state(state["generator"])
         step, log = state["step"], state["log"]
+        train_seconds = state.get("train_seconds")
         print(f"resumed at step {step}", flush=True)
 
     n_target = sum(p.numel() for p in target.parameters())
@@ -276,7 +281,10 @@ def main(argv: list[str] | None = None) -> None:
             started = time.time()
         progress.update(1)
         if time.time() - last_checkpoint > args.checkpoint_every_s or step == total_steps:
+            if train_seconds is not None:
+                train_seconds += time.time() - last_checkpoint
             save_checkpoint(checkpoint_path, {
+                "train_seconds": train_seconds,
                 "target": target.state_dict(), "draft": draft.state_dict(),
                 "target_opt": target_opt.state_dict(), "draft_opt": draft_opt.state_dict(),
                 "generator": generator.get_state(), "step": step, "log": log,
@@ -297,6 +305,9 @@ def main(argv: list[str] | None = None) -> None:
         "held_out_loss": {"target": target_held, "draft": draft_held},
         "held_out_perplexity": {"target": math.exp(target_held), "draft": math.exp(draft_held)},
         "device": str(device),
+        "hardware": f"{platform.machine()} {os.cpu_count()} cores" + (
+            f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""),
+        "train_seconds": train_seconds,
         "torch_threads": torch.get_num_threads(),
         "log": log,
     }

@@ -1,0 +1,42 @@
+"""In-process reference generator (target-only and speculative).
+
+The oracle the distributed path is tested against, and the in-process row of the benchmarks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from decoding.model_runner import ModelRunner
+from decoding.proposers import Proposer, empty_proposal
+from decoding.sequence import RequestState
+from decoding.speculation import accept_round, target_rows
+
+
+def generate(target: ModelRunner, state: RequestState, proposer: Proposer | None = None,
+             num_draft_tokens: int = 4) -> Iterator[list[int]]:
+    """Decode state to completion, yielding the (non-empty) tokens committed at each target pass.
+
+    The first pass is the prefill and gives the first token; every later pass verifies up to
+    num_draft_tokens tokens from proposer (capped by state.draft_budget). proposer None or
+    num_draft_tokens 0 is target-only decoding. The sequence is released from the target runner
+    and the proposer when decoding ends or the iterator is closed."""
+    speculate = proposer is not None and num_draft_tokens > 0
+    params = state.params
+    try:
+        prefilled = False
+        while not state.finished:
+            history = state.history
+            num_tokens = state.draft_budget(num_draft_tokens) if speculate and prefilled else 0
+            proposal = (proposer.propose(state.request_id, history, num_tokens, params, state.draft_generator)
+                        if num_tokens > 0 else empty_proposal())
+            num_drafted = len(proposal.token_ids)
+            logits = target.forward(state.request_id, history + proposal.token_ids, num_rows=num_drafted + 1)
+            committed = accept_round(state, proposal, target_rows(logits, params))
+            prefilled = True
+            if committed:
+                yield committed
+    finally:
+        target.release(state.request_id)
+        if proposer is not None:
+            proposer.release(state.request_id)

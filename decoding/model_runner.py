@@ -1,0 +1,190 @@
+"""A Hugging Face causal LM with per-sequence KV caches that can be rolled back.
+
+Protocol: every call names the FULL token history it wants the cache to hold. The runner reuses
+the longest common prefix of that history with what it already cached (cropping the rest: that
+is the rollback) and runs ONE forward over the remainder. So a worker never trusts its own
+speculative tail, and a fresh runner that has never seen a sequence simply prefills it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# Draft and target must split text into the same ids; code-like text exercises merges and spaces.
+_PROBE_TEXT = "def fibonacci(n):\n    return n"
+
+
+class SequenceStateError(RuntimeError):
+    """A sequence id the runner cannot serve (e.g. too long for the model's context)."""
+
+
+class IncompatibleModelsError(ValueError):
+    """Draft and target cannot be paired (different vocabulary or tokenization)."""
+
+
+@dataclass
+class _CachedSequence:
+    cache: DynamicCache
+    token_ids: list[int]  # exactly the tokens whose keys/values the cache holds
+
+
+def _common_prefix_length(cached: list[int], wanted: list[int], limit: int) -> int:
+    """Length of the longest common prefix of cached and wanted, at most limit."""
+    limit = min(limit, len(cached), len(wanted))
+    # Hot path: the cache is a prefix of the request (one C-level list comparison).
+    if cached[:limit] == wanted[:limit]:
+        return limit
+    for i in range(limit):
+        if cached[i] != wanted[i]:
+            return i
+    return limit
+
+
+class ModelRunner:
+    """Owns one model and a KV cache per sequence id."""
+
+    def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu",
+                 num_threads: int | None = None, max_sequences: int = 256) -> None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if num_threads is not None:
+            # Process-wide: a worker process owns one runner, so this is its thread budget.
+            torch.set_num_threads(num_threads)
+        model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True,
+                                                     dtype=_DTYPES[dtype])
+        model.to(torch.device(device))
+        self._init_from_model(model, max_sequences=max_sequences, model_path=model_path)
+
+    # Attributes: vocab_size: int, max_context: int (max_position_embeddings), eos_token_id: int | None,
+    # model_path: str, device: torch.device
+
+    @classmethod
+    def from_model(cls, model, max_sequences: int = 256) -> "ModelRunner":
+        """Wrap an already-built model (tests build tiny random ones from a config)."""
+        runner = cls.__new__(cls)
+        path = getattr(model.config, "_name_or_path", "") or "<in-memory>"
+        runner._init_from_model(model, max_sequences=max_sequences, model_path=path)
+        return runner
+
+    def _init_from_model(self, model, max_sequences: int, model_path: str) -> None:
+        if max_sequences < 1:
+            raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
+        model.eval()
+        self.model = model
+        self.model_path = model_path
+        self.max_sequences = max_sequences
+        self.device = next(model.parameters()).device
+        config = model.config.get_text_config(decoder=True)
+        self.config = config
+        output_embeddings = model.get_output_embeddings()
+        if output_embeddings is not None and getattr(output_embeddings, "weight", None) is not None:
+            self.vocab_size = int(output_embeddings.weight.shape[0])
+        else:
+            self.vocab_size = int(config.vocab_size)
+        self.max_context = int(config.max_position_embeddings)
+        eos = getattr(config, "eos_token_id", None)
+        if isinstance(eos, (list, tuple)):
+            eos = eos[0] if eos else None
+        self.eos_token_id = None if eos is None else int(eos)
+        forward_params = inspect.signature(model.forward).parameters
+        self._takes_logits_to_keep = "logits_to_keep" in forward_params
+        self._sequences: dict[str, _CachedSequence] = {}
+
+    def _new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    def forward(self, seq_id: str, token_ids: Sequence[int], num_rows: int = 1) -> torch.Tensor:
+        """Make seq_id's cache hold exactly token_ids; return float32 logits [num_rows, V] for the
+        last num_rows positions (row i predicts the token after token_ids[len - num_rows + i]).
+        Reuses the cached common prefix, but always recomputes at least num_rows positions."""
+        wanted = list(token_ids)
+        length = len(wanted)
+        if not 1 <= num_rows <= length:
+            raise SequenceStateError(
+                f"sequence {seq_id!r}: num_rows={num_rows} must be between 1 and the history length {length}")
+        if length > self.max_context:
+            raise SequenceStateError(
+                f"sequence {seq_id!r}: {length} tokens exceed the model's context of {self.max_context}")
+        entry = self._sequences.get(seq_id)
+        if entry is None:
+            if len(self._sequences) >= self.max_sequences:
+                raise SequenceStateError(
+                    f"cannot hold sequence {seq_id!r}: already holding max_sequences={self.max_sequences}; "
+                    "release finished sequences first")
+            entry = _CachedSequence(self._new_cache(), [])
+            self._sequences[seq_id] = entry
+
+        reused = _common_prefix_length(entry.token_ids, wanted, length - num_rows)
+        self._crop(entry, reused)
+
+        input_ids = torch.tensor([wanted[reused:]], dtype=torch.long, device=self.device)
+        position_ids = torch.arange(reused, length, dtype=torch.long, device=self.device).unsqueeze(0)
+        kwargs = {"logits_to_keep": num_rows} if self._takes_logits_to_keep else {}
+        try:
+            with torch.inference_mode():
+                out = self.model(input_ids=input_ids, position_ids=position_ids,
+                                 past_key_values=entry.cache, use_cache=True, **kwargs)
+        except BaseException:
+            # The cache may hold a partial update: forget it rather than serve from it.
+            self.release(seq_id)
+            raise
+        entry.token_ids = wanted
+        return out.logits[0, -num_rows:].float()
+
+    def _crop(self, entry: _CachedSequence, length: int) -> None:
+        num_remove = len(entry.token_ids) - length
+        if num_remove <= 0:
+            return
+        croppable = all(type(layer) is DynamicLayer for layer in entry.cache.layers)
+        if length == 0 or not croppable:
+            # Sliding-window / recurrent layers cannot always be cut back: re-prefill instead.
+            entry.cache = self._new_cache()
+            entry.token_ids = []
+            return
+        # transformers 5.x: crop(-n) removes the last n tokens (a positive argument is rejected).
+        entry.cache.crop(-num_remove)
+        del entry.token_ids[length:]
+
+    def num_cached(self, seq_id: str) -> int:
+        """Tokens of seq_id held in the KV cache (0 if unknown)."""
+        entry = self._sequences.get(seq_id)
+        return 0 if entry is None else len(entry.token_ids)
+
+    def rollback(self, seq_id: str, length: int) -> None:
+        """Crop seq_id's cache to its first `length` tokens."""
+        if length < 0:
+            raise ValueError(f"rollback length must be >= 0, got {length}")
+        entry = self._sequences.get(seq_id)
+        if entry is None:
+            raise SequenceStateError(f"unknown sequence {seq_id!r}")
+        self._crop(entry, length)
+
+    def release(self, seq_id: str) -> None:
+        """Forget seq_id (idempotent)."""
+        self._sequences.pop(seq_id, None)
+
+    def active_sequences(self) -> list[str]:
+        """Ids of the sequences whose caches are held."""
+        return list(self._sequences)
+
+
+def check_compatible(draft: ModelRunner, target: ModelRunner, draft_tokenizer, target_tokenizer) -> None:
+    """Raise IncompatibleModelsError unless vocab sizes match and a probe string tokenizes identically."""
+    if draft.vocab_size != target.vocab_size:
+        raise IncompatibleModelsError(
+            f"draft {draft.model_path!r} has vocab size {draft.vocab_size} but target "
+            f"{target.model_path!r} has {target.vocab_size}; a draft must share the target's vocabulary")
+    draft_ids = list(draft_tokenizer.encode(_PROBE_TEXT, add_special_tokens=False))
+    target_ids = list(target_tokenizer.encode(_PROBE_TEXT, add_special_tokens=False))
+    if draft_ids != target_ids:
+        raise IncompatibleModelsError(
+            f"draft and target tokenizers split {_PROBE_TEXT!r} differently ({draft_ids} vs {target_ids}); "
+            "use a draft trained with the target's tokenizer")

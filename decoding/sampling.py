@@ -1,0 +1,120 @@
+"""Sampling parameters and the logits -> probabilities processing shared by draft and target.
+
+Speculative decoding preserves whatever distribution the target rows p describe. Draft and target
+rows therefore go through the same `logits_to_probs` with the same `SamplingParams`; the
+*processed* target distribution (temperature, top-k, top-p applied) is the one a request samples
+from, with or without a draft.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 8
+
+
+class SamplingParams(BaseModel):
+    """Per-request sampling parameters, validated at the edge.
+
+    temperature == 0 means greedy. top_k <= 0 disables top-k; top_p == 1 disables top-p.
+    `stop` accepts a string or a list of strings (stored as a list). `seed` makes sampling
+    reproducible.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0, allow_inf_nan=False,
+                               description="0 = greedy; otherwise logits are divided by it")
+    top_k: int = Field(default=0, description="keep the k most likely tokens; <= 0 disables")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0,
+                         description="nucleus: keep the smallest set with cumulative prob >= top_p")
+    seed: int | None = Field(default=None, ge=0, description="seed for a reproducible request")
+    max_tokens: int = Field(default=16, ge=1, le=1_000_000, description="tokens to generate at most")
+    stop: list[str] = Field(default_factory=list,
+                            description=f"up to {MAX_STOP_STRINGS} non-empty stop strings")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: object) -> object:
+        # OpenAI's API takes a single string, a list of strings, or null.
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [value]
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_bounded(cls, value: list[str]) -> list[str]:
+        if len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(value)}")
+        if any(s == "" for s in value):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Processed probabilities [..., V] (float32) from logits [..., V].
+
+    Temperature, then top-k, then top-p, renormalised. Greedy gives one-hot rows at argmax
+    (ties: the lowest index, as torch.argmax). Top-k ties are broken towards the lowest index too,
+    so exactly k tokens survive. Top-p keeps the smallest set of most likely tokens (of the top-k
+    renormalised distribution) whose cumulative probability reaches top_p; the top token always
+    survives. Applied identically to draft and target rows: the processed target distribution is
+    the one speculative decoding preserves.
+    """
+    logits = logits.float()
+    vocab_size = logits.shape[-1]
+    if params.is_greedy:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), vocab_size).float()
+
+    logits = logits / params.temperature
+    use_top_k = 0 < params.top_k < vocab_size
+    use_top_p = params.top_p < 1.0
+    if not (use_top_k or use_top_p):
+        return torch.softmax(logits, dim=-1)
+
+    # Work in descending order; a stable sort makes ties deterministic (lowest index first).
+    sorted_logits, sorted_ids = torch.sort(logits, dim=-1, descending=True, stable=True)
+    if use_top_k:
+        sorted_logits[..., params.top_k:] = float("-inf")
+    if use_top_p:
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # Token j survives iff the mass strictly before it is still short of top_p. float64 keeps
+        # the cumulative sum from flipping a token across the boundary through rounding.
+        mass_before = sorted_probs.double().cumsum(dim=-1) - sorted_probs.double()
+        outside_nucleus = mass_before >= params.top_p
+        outside_nucleus[..., 0] = False
+        sorted_logits = sorted_logits.masked_fill(outside_nucleus, float("-inf"))
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    return torch.empty_like(sorted_probs).scatter_(-1, sorted_ids, sorted_probs)
+
+
+def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one token id per row of probs [..., V] -> LongTensor [...].
+
+    Rows need not be normalised (non-negative weights with a positive sum). Deterministic under a
+    seeded `generator` (which must live on probs' device).
+    """
+    leading_shape, vocab_size = probs.shape[:-1], probs.shape[-1]
+    flat = probs.reshape(-1, vocab_size)
+    if flat.shape[0] == 0:
+        return torch.empty(leading_shape, dtype=torch.long, device=probs.device)
+    token_ids = torch.multinomial(flat.float(), num_samples=1, generator=generator)
+    return token_ids.view(leading_shape)
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A torch.Generator seeded with `seed`, or with 63 random bits from os.urandom when None."""
+    if seed is None:
+        seed = int.from_bytes(os.urandom(8), "little") >> 1
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator

@@ -1,0 +1,52 @@
+"""One speculative round, split where the wire is: what a target worker returns (`target_rows`)
+and what the request's owner does with it (`accept_round`). The router and the in-process
+generator both call these, so the distributed path and the reference share the math."""
+
+from __future__ import annotations
+
+import torch
+
+from decoding.proposers import Proposal
+from decoding.rejection import PLACEHOLDER_TOKEN_ID, greedy_verify, rejection_sample
+from decoding.sampling import SamplingParams, logits_to_probs
+from decoding.sequence import RequestState
+
+
+def target_rows(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Target logits [n, V] -> argmax ids LongTensor [n] when greedy (small on the wire),
+    else processed probabilities float32 [n, V]."""
+    if params.is_greedy:
+        return torch.argmax(logits, dim=-1)
+    return logits_to_probs(logits, params)
+
+
+def accept_round(state: RequestState, proposal: Proposal, rows: torch.Tensor) -> list[int]:
+    """Verify proposal against the target's K+1 rows, commit the emitted tokens to state and
+    update its stats; return the tokens committed. An empty proposal is a plain target step
+    (one token from row 0), e.g. the first token after prefill."""
+    if state.finished:
+        raise ValueError(f"request {state.request_id!r} already finished ({state.finish_reason})")
+    num_drafted = len(proposal.token_ids)
+    if rows.shape[0] != num_drafted + 1:
+        raise ValueError(f"expected {num_drafted + 1} target rows for {num_drafted} draft tokens, "
+                         f"got {rows.shape[0]}")
+    draft_ids = torch.tensor([proposal.token_ids], dtype=torch.long).reshape(1, num_drafted)
+    # Verification runs where the request's generator lives (the router's CPU), whatever device
+    # produced the rows.
+    device = state.generator.device
+    if state.params.is_greedy:
+        output = greedy_verify(draft_ids, rows.to(device).unsqueeze(0))
+    else:
+        draft_probs = None if proposal.probs is None else proposal.probs.to(device).unsqueeze(0)
+        output = rejection_sample(draft_ids, draft_probs, rows.to(device).unsqueeze(0), state.generator)
+    emitted = [token for token in output[0].tolist() if token != PLACEHOLDER_TOKEN_ID]
+    committed = state.commit(emitted)
+
+    stats = state.stats
+    if num_drafted:
+        stats.rounds += 1
+    stats.num_drafted += num_drafted
+    stats.num_accepted += len(emitted) - 1  # everything but the one recovered or bonus token
+    stats.num_emitted += len(committed)
+    stats.target_passes += 1
+    return committed

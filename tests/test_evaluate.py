@@ -1,0 +1,109 @@
+"""training/evaluate.py on a tiny random pair: held-out prompts, the evaluation JSON, the card."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+
+from tests.tiny_pair import make_tiny_pair
+from training.corpus import is_held_out
+from training.evaluate import (CARD_COMMAND, MAX_PROMPT_CHARS, MIN_PROMPT_CHARS, build_prompts, evaluate_pair,
+                               held_out_corpus, main, render_card)
+
+FAKE_TRAINING = {
+    "config": {"vocab_size": 8192, "seq_len": 64, "max_position_embeddings": 256, "batch_size": 2,
+               "joint_steps": 7, "distill_steps": 3, "target_lr": 1e-3, "draft_lr": 2e-3,
+               "warmup_steps": 1, "seed": 0},
+    "target_params": 1, "draft_params": 1, "train_tokens": 123_456, "held_out_tokens": 7_890,
+    "tokens_seen": 1_280, "held_out_loss": {"target": 5.4321, "draft": 6.5432},
+    "held_out_perplexity": {"target": math.exp(5.4321), "draft": math.exp(6.5432)},
+    "device": "cpu", "torch_threads": 1, "wall_time_s": 4321.0,
+    "log": [{"step": 10, "target_loss": 7.25, "draft_kl": 1.5}],
+}
+SMALL = ["--num-prompts", "2", "--max-tokens", "8", "--latency-steps", "3", "--loss-windows", "1",
+         "--sample-tokens", "6"]
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    make_tiny_pair(root)
+    (root / "training.json").write_text(json.dumps(FAKE_TRAINING))
+    evaluation = main(["--models", str(root), *SMALL, "--card"])
+    return root, evaluation
+
+
+def test_prompts_are_deterministic_held_out_line_chunks():
+    prompts = build_prompts(12)
+    assert prompts == build_prompts(12)
+    assert build_prompts(5) == prompts[:5]  # a longer list extends a shorter one
+    held = {f.relative_path: f.text for f in held_out_corpus()}
+    assert len({(p.source, p.line) for p in prompts}) == len(prompts)
+    for prompt in prompts:
+        assert prompt.source in held and is_held_out(prompt.source)
+        assert MIN_PROMPT_CHARS <= len(prompt.text) <= MAX_PROMPT_CHARS
+        assert prompt.text.endswith("\n") and prompt.text.strip()
+        # Starts at the start of the line it names.
+        lines = held[prompt.source].splitlines(keepends=True)
+        assert "".join(lines[prompt.line - 1:]).startswith(prompt.text)
+
+
+def test_evaluation_json_has_the_measurements(evaluated):
+    root, evaluation = evaluated
+    on_disk = json.loads((root / "evaluation.json").read_text())
+    assert on_disk["greedy"] == evaluation["greedy"]
+    assert set(evaluation["greedy"]) == {"k4", "k8"}
+    for run in [*evaluation["greedy"].values(), evaluation["sampled"]]:
+        assert 0.0 <= run["acceptance_rate"] <= 1.0
+        assert 0.0 <= run["conditional_acceptance"] <= 1.0
+        assert run["mean_tokens_per_pass"] >= 1.0
+        assert run["num_accepted"] <= run["num_drafted"]
+    for run in evaluation["greedy"].values():  # speculative greedy is lossless
+        assert run["outputs_identical_to_target_greedy"] == run["num_prompts"] == 2
+    assert evaluation["sampled"]["temperature"] == 0.8
+    assert 0.0 <= evaluation["greedy_agreement"]["rate"] <= 1.0
+    latency = evaluation["latency"]
+    assert latency["context"] == 128 and latency["threads"] == 1
+    assert latency["target"]["median_ms"] > 0 and latency["draft"]["median_ms"] > 0
+    assert evaluation["held_out"]["from_training"]["target"]["loss"] == 5.4321
+    assert evaluation["held_out"]["recomputed"]["target"]["windows"] == 1
+    assert [s["name"] for s in evaluation["samples"]] == ["fibonacci", "stack", "held-out"]
+    assert evaluation["samples"][0]["prompt"] == "def fibonacci(n):\n"
+    assert evaluation["criterion"]["threshold"] == 0.6
+    assert len(evaluation["prompts"]) == 2
+    assert evaluation["corpus"]["held_out_files"] == len(held_out_corpus())
+
+
+def test_draft_identical_to_target_is_always_accepted(tmp_path):
+    target, draft = make_tiny_pair(tmp_path)
+    shutil.rmtree(draft)
+    shutil.copytree(target, draft)
+    evaluation = evaluate_pair(tmp_path, num_prompts=2, max_tokens=10, ks=(4,), latency_steps=2,
+                               loss_windows=0, sample_tokens=2, log=lambda message: None)
+    assert evaluation["greedy"]["k4"]["acceptance_rate"] == 1.0
+    assert evaluation["greedy"]["k4"]["num_drafted"] > 0
+    assert evaluation["greedy_agreement"]["rate"] == 1.0
+    assert evaluation["sampled"]["acceptance_rate"] > 0.95
+    assert evaluation["held_out"] == {"from_training": None, "recomputed": None}
+    render_card(evaluation, None)  # renders without training.json
+
+
+def test_card_renders_the_numbers(evaluated):
+    root, evaluation = evaluated
+    card = (root / "README.md").read_text()
+    assert card == render_card(evaluation, FAKE_TRAINING)
+    k4 = evaluation["greedy"]["k4"]
+    assert f"**{k4['acceptance_rate']:.3f}**" in card
+    assert f"{evaluation['greedy']['k8']['mean_tokens_per_pass']:.2f}" in card
+    assert f"{evaluation['latency']['target']['median_ms']:.2f} ms" in card
+    assert "5.432 / 228.63" in card  # held-out loss / perplexity from training.json
+    assert "1,280" in card and "123,456" in card and "1 h 12 min" in card
+    assert CARD_COMMAND in card
+    assert "def fibonacci(n):" in card and "class Stack:" in card
+    # --card-only re-renders from evaluation.json without evaluating again.
+    (root / "README.md").unlink()
+    main(["--models", str(root), "--card-only"])
+    assert (root / "README.md").read_text() == card

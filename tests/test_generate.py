@@ -1,0 +1,222 @@
+"""The in-process generator: speculative decoding must be lossless.
+
+Greedy: token-for-token equal to target-only decoding. Sampled: the distribution of the first
+speculated token (the second output token) equals the target's, checked against its exact
+marginal computed by enumerating the first token."""
+
+import copy
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from decoding.generate import generate
+from decoding.model_runner import ModelRunner
+from decoding.proposers import DraftModelProposer, NgramProposer
+from decoding.sampling import SamplingParams, logits_to_probs
+from decoding.sequence import RequestState
+
+VOCAB_SIZE = 64
+NUM_OUTPUT_TOKENS = 128
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_OUTPUT_TOKENS)
+PROMPTS = [[5, 17, 42, 8, 3, 33], [60, 2, 2, 9, 14, 27, 50, 11, 7], [12, 40, 21]]
+
+
+def tiny_llama(seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         initializer_range=0.2, bos_token_id=0, eos_token_id=1, pad_token_id=None)
+    return LlamaForCausalLM(config).eval()
+
+
+def perturbed_copy(model: LlamaForCausalLM, noise_std: float, seed: int) -> LlamaForCausalLM:
+    """A draft that mostly agrees with model: its weights plus Gaussian noise."""
+    torch.manual_seed(seed)
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in draft.parameters():
+            parameter.add_(noise_std * torch.randn_like(parameter))
+    return draft
+
+
+@pytest.fixture(scope="module")
+def target_model() -> LlamaForCausalLM:
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture(scope="module")
+def close_draft_model(target_model) -> LlamaForCausalLM:
+    return perturbed_copy(target_model, noise_std=0.05, seed=1)
+
+
+@pytest.fixture(scope="module")
+def unrelated_draft_model() -> LlamaForCausalLM:
+    return tiny_llama(seed=2)
+
+
+def new_state(prompt: list[int], params: SamplingParams, request_id: str = "r",
+              eos_token_id: int | None = None) -> RequestState:
+    # No EOS by default: random models would otherwise stop at arbitrary points.
+    return RequestState(request_id=request_id, prompt_ids=prompt, params=params,
+                        eos_token_id=eos_token_id, max_context=256)
+
+
+def run(target_model, prompt, params=GREEDY, proposer=None, num_draft_tokens=4, **state_kwargs):
+    target = ModelRunner.from_model(target_model)
+    state = new_state(prompt, params, **state_kwargs)
+    steps = list(generate(target, state, proposer, num_draft_tokens))
+    assert [token for step in steps for token in step] == state.output_ids
+    return state
+
+
+@pytest.fixture(scope="module")
+def target_only_outputs(target_model) -> list[list[int]]:
+    return [run(target_model, prompt).output_ids for prompt in PROMPTS]
+
+
+def test_target_only_greedy_is_the_argmax_chain(target_model, target_only_outputs):
+    ids = list(PROMPTS[0])
+    with torch.no_grad():
+        for _ in range(NUM_OUTPUT_TOKENS):
+            ids.append(int(target_model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert target_only_outputs[0] == ids[len(PROMPTS[0]):]
+
+
+@pytest.mark.parametrize("num_draft_tokens", [1, 4, 8])
+def test_greedy_with_a_draft_model_equals_target_only(target_model, close_draft_model, target_only_outputs,
+                                                      num_draft_tokens):
+    accepted = drafted = 0
+    for prompt, expected in zip(PROMPTS, target_only_outputs):
+        proposer = DraftModelProposer(ModelRunner.from_model(close_draft_model))
+        state = run(target_model, prompt, proposer=proposer, num_draft_tokens=num_draft_tokens)
+        assert state.output_ids == expected
+        assert len(state.output_ids) == NUM_OUTPUT_TOKENS
+        accepted += state.stats.num_accepted
+        drafted += state.stats.num_drafted
+    # Both accept and reject paths were exercised.
+    assert 0 < accepted < drafted
+
+
+def test_greedy_with_an_unrelated_draft_model_equals_target_only(target_model, unrelated_draft_model,
+                                                                 target_only_outputs):
+    for prompt, expected in zip(PROMPTS, target_only_outputs):
+        proposer = DraftModelProposer(ModelRunner.from_model(unrelated_draft_model))
+        assert run(target_model, prompt, proposer=proposer, num_draft_tokens=4).output_ids == expected
+
+
+def test_greedy_with_the_target_as_draft_accepts_every_token(target_model, target_only_outputs):
+    proposer = DraftModelProposer(ModelRunner.from_model(target_model))
+    state = run(target_model, PROMPTS[0], proposer=proposer, num_draft_tokens=4)
+    assert state.output_ids == target_only_outputs[0]
+    assert state.stats.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("num_draft_tokens", [1, 4, 8])
+def test_greedy_with_ngram_lookup_equals_target_only(target_model, target_only_outputs, num_draft_tokens):
+    accepted = 0
+    for prompt, expected in zip(PROMPTS, target_only_outputs):
+        state = run(target_model, prompt, proposer=NgramProposer(), num_draft_tokens=num_draft_tokens)
+        assert state.output_ids == expected
+        accepted += state.stats.num_accepted
+    assert accepted > 0
+
+
+def test_stats_are_consistent(target_model, close_draft_model):
+    proposer = DraftModelProposer(ModelRunner.from_model(close_draft_model))
+    state = run(target_model, PROMPTS[1], proposer=proposer, num_draft_tokens=4)
+    stats = state.stats
+    assert stats.num_emitted == len(state.output_ids) == NUM_OUTPUT_TOKENS
+    # Every target pass emits its accepted drafts plus exactly one token (no EOS here).
+    assert stats.num_emitted == stats.num_accepted + stats.target_passes
+    # The prefill pass drafts nothing; each round drafts 1..K tokens.
+    assert stats.rounds <= stats.target_passes - 1
+    assert stats.rounds <= stats.num_drafted <= 4 * stats.rounds
+    assert stats.num_accepted <= stats.num_drafted
+    assert stats.mean_tokens_per_pass == stats.num_emitted / stats.target_passes > 1.0
+
+
+def test_target_only_runs_one_pass_per_token(target_model):
+    state = run(target_model, PROMPTS[0], proposer=NgramProposer(), num_draft_tokens=0)
+    assert state.stats.target_passes == NUM_OUTPUT_TOKENS
+    assert (state.stats.rounds, state.stats.num_drafted) == (0, 0)
+
+
+def test_generation_stops_at_eos(target_model, close_draft_model, target_only_outputs):
+    expected = target_only_outputs[2]
+    first_index = {token: expected.index(token) for token in expected}
+    eos = max(first_index, key=first_index.get)   # the token that shows up last
+    assert first_index[eos] >= 20
+    proposer = DraftModelProposer(ModelRunner.from_model(close_draft_model))
+    state = run(target_model, PROMPTS[2], proposer=proposer, eos_token_id=eos)
+    assert state.output_ids == expected[:first_index[eos]]
+    assert state.finish_reason == "stop"
+
+
+def test_generation_releases_sequences_from_both_runners(target_model, close_draft_model):
+    target = ModelRunner.from_model(target_model)
+    draft = ModelRunner.from_model(close_draft_model)
+    list(generate(target, new_state(PROMPTS[0], GREEDY, request_id="done"), DraftModelProposer(draft)))
+    steps = generate(target, new_state(PROMPTS[0], GREEDY, request_id="closed"), DraftModelProposer(draft))
+    next(steps)
+    next(steps)
+    steps.close()
+    assert target.active_sequences() == [] and draft.active_sequences() == []
+
+
+def test_seeded_sampled_generation_is_reproducible(target_model, unrelated_draft_model):
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=40)
+    outputs = [run(target_model, PROMPTS[0], params=params,
+                   proposer=DraftModelProposer(ModelRunner.from_model(unrelated_draft_model))).output_ids
+               for _ in range(2)]
+    assert outputs[0] == outputs[1]
+
+
+def second_token_marginal(model: LlamaForCausalLM, prompt: list[int], first_token_probs: torch.Tensor,
+                          params: SamplingParams) -> torch.Tensor:
+    """Exact P(second token) = sum_t1 P_target(t1) * P_model(t2 | prompt, t1), in float64."""
+    batch = torch.tensor([prompt + [t1] for t1 in range(VOCAB_SIZE)])
+    with torch.no_grad():
+        conditional = logits_to_probs(model(batch).logits[:, -1], params).double()
+    return first_token_probs.double() @ conditional
+
+
+def test_sampled_speculation_preserves_the_target_distribution(target_model, unrelated_draft_model):
+    """2,000 seeded runs; the second token is the one the draft speculates (K=1). A chi-square
+    test against its exact marginal must not reject at 1e-3, while it must reject the draft's."""
+    def params_for(seed: int) -> SamplingParams:
+        return SamplingParams(temperature=0.9, top_k=16, seed=seed, max_tokens=3)
+
+    prompt, num_runs = PROMPTS[2], 2000
+    target = ModelRunner.from_model(target_model)
+    draft = ModelRunner.from_model(unrelated_draft_model)
+    proposer = DraftModelProposer(draft)
+    counts = torch.zeros(VOCAB_SIZE, dtype=torch.float64)
+    for seed in range(num_runs):
+        state = new_state(prompt, params_for(seed), request_id=f"r{seed}")
+        steps = generate(target, state, proposer, num_draft_tokens=1)
+        while len(state.output_ids) < 2:
+            next(steps)
+        steps.close()
+        counts[state.output_ids[1]] += 1
+
+    with torch.no_grad():
+        first = logits_to_probs(target_model(torch.tensor([prompt])).logits[0, -1], params_for(0))
+    target_marginal = second_token_marginal(target_model, prompt, first, params_for(0))
+    draft_marginal = second_token_marginal(unrelated_draft_model, prompt, first, params_for(0))
+
+    def p_value(marginal: torch.Tensor) -> float:
+        expected = marginal * num_runs
+        frequent = expected >= 5      # pool the rare tokens into one cell
+        observed_cells = torch.cat([counts[frequent], counts[~frequent].sum().reshape(1)])
+        expected_cells = torch.cat([expected[frequent], expected[~frequent].sum().reshape(1)])
+        if expected_cells[-1] == 0:
+            if observed_cells[-1] > 0:
+                return 0.0    # a token the marginal gives no mass at all was emitted
+            observed_cells, expected_cells = observed_cells[:-1], expected_cells[:-1]
+        expected_cells *= observed_cells.sum() / expected_cells.sum()   # scipy wants equal sums
+        return float(chisquare(observed_cells.numpy(), expected_cells.numpy()).pvalue)
+
+    assert p_value(target_marginal) > 1e-3
+    assert p_value(draft_marginal) < 1e-3     # the test can tell the draft's distribution apart

@@ -1,0 +1,173 @@
+"""ModelRunner: full-history protocol over per-sequence KV caches, on tiny random Llamas (fp32, CPU)."""
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from decoding.model_runner import IncompatibleModelsError, ModelRunner, SequenceStateError, check_compatible
+
+ATOL = 1e-4
+
+
+def tiny_llama(vocab_size: int = 96, seed: int = 0, max_position_embeddings: int = 128) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=max_position_embeddings, initializer_range=0.2,
+                         bos_token_id=0, eos_token_id=1, pad_token_id=None)
+    return LlamaForCausalLM(config).eval()
+
+
+def full_logits(model: LlamaForCausalLM, token_ids: list[int]) -> torch.Tensor:
+    """Reference: logits of every position from one cache-free forward."""
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def count_processed_tokens(runner: ModelRunner) -> list[int]:
+    """Record how many tokens each forward feeds through the model."""
+    counts: list[int] = []
+    runner.model.model.embed_tokens.register_forward_hook(
+        lambda module, args, output: counts.append(args[0].shape[1]))
+    return counts
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    return tiny_llama()
+
+
+def test_verify_block_rows_equal_step_by_step_decode_rows(model):
+    history = [5, 17, 42, 8, 3, 77, 12, 30, 64, 9, 11, 2]
+    block_runner = ModelRunner.from_model(model)
+    step_runner = ModelRunner.from_model(model)
+    prefix_length = 7
+    block_rows = block_runner.forward("s", history, num_rows=len(history) - prefix_length + 1)
+    step_rows = [step_runner.forward("s", history[:end], num_rows=1)[0]
+                 for end in range(prefix_length, len(history) + 1)]
+    assert block_rows.dtype == torch.float32
+    assert block_rows.shape == (len(history) - prefix_length + 1, model.config.vocab_size)
+    torch.testing.assert_close(block_rows, torch.stack(step_rows), atol=ATOL, rtol=0)
+    torch.testing.assert_close(block_rows, full_logits(model, history)[prefix_length - 1:], atol=ATOL, rtol=0)
+
+
+def test_rollback_then_redecode_equals_runner_that_never_speculated(model):
+    committed = [4, 8, 15, 16, 23, 42]
+    speculative = ModelRunner.from_model(model)
+    speculative.forward("s", committed + [70, 71, 72], num_rows=4)   # a rejected speculative tail
+    speculative.rollback("s", len(committed))
+    assert speculative.num_cached("s") == len(committed)
+    after_rollback = speculative.forward("s", committed + [33], num_rows=1)
+
+    plain = ModelRunner.from_model(model)
+    reference = plain.forward("s", committed + [33], num_rows=1)
+    torch.testing.assert_close(after_rollback, reference, atol=ATOL, rtol=0)
+
+
+def test_forward_reuses_the_cached_prefix(model):
+    runner = ModelRunner.from_model(model)
+    processed = count_processed_tokens(runner)
+    prompt = list(range(10, 30))
+    runner.forward("s", prompt, num_rows=1)
+    runner.forward("s", prompt + [7, 8, 9], num_rows=3)
+    assert processed == [20, 3]
+    assert runner.num_cached("s") == 23
+
+
+def test_forward_crops_a_diverged_tail(model):
+    runner = ModelRunner.from_model(model)
+    processed = count_processed_tokens(runner)
+    shared = list(range(10, 30))
+    runner.forward("s", shared + [50, 51, 52, 53], num_rows=5)
+    logits = runner.forward("s", shared + [60, 61], num_rows=1)
+    assert processed == [24, 2]
+    assert runner.num_cached("s") == 22
+    torch.testing.assert_close(logits[0], full_logits(model, shared + [60, 61])[-1], atol=ATOL, rtol=0)
+
+
+def test_forward_recomputes_at_least_num_rows_of_a_cached_history(model):
+    runner = ModelRunner.from_model(model)
+    processed = count_processed_tokens(runner)
+    history = list(range(10, 25))
+    runner.forward("s", history, num_rows=1)
+    rows = runner.forward("s", history, num_rows=3)
+    assert processed == [15, 3]
+    torch.testing.assert_close(rows, full_logits(model, history)[-3:], atol=ATOL, rtol=0)
+
+
+def test_release_is_idempotent_and_frees_the_sequence(model):
+    runner = ModelRunner.from_model(model)
+    runner.forward("a", [3, 4, 5], num_rows=1)
+    runner.forward("b", [3, 4], num_rows=1)
+    assert sorted(runner.active_sequences()) == ["a", "b"]
+    runner.release("a")
+    runner.release("a")
+    runner.release("never-seen")
+    assert runner.active_sequences() == ["b"]
+    assert runner.num_cached("a") == 0
+
+
+def test_forward_rejects_a_history_longer_than_the_context():
+    runner = ModelRunner.from_model(tiny_llama(max_position_embeddings=16))
+    runner.forward("s", list(range(16)), num_rows=1)  # exactly the context is fine
+    with pytest.raises(SequenceStateError, match="context"):
+        runner.forward("s", list(range(17)), num_rows=1)
+
+
+def test_forward_rejects_more_rows_than_tokens(model):
+    runner = ModelRunner.from_model(model)
+    with pytest.raises(SequenceStateError, match="num_rows"):
+        runner.forward("s", [3, 4], num_rows=3)
+
+
+def test_forward_rejects_more_than_max_sequences(model):
+    runner = ModelRunner.from_model(model, max_sequences=2)
+    runner.forward("a", [3], num_rows=1)
+    runner.forward("b", [3], num_rows=1)
+    with pytest.raises(SequenceStateError, match="max_sequences"):
+        runner.forward("c", [3], num_rows=1)
+    runner.release("a")
+    runner.forward("c", [3], num_rows=1)
+    assert sorted(runner.active_sequences()) == ["b", "c"]
+
+
+def word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer whose ids follow the order of `words`."""
+    vocab = {"[UNK]": 0, **{word: i + 1 for i, word in enumerate(words)}}
+    tokenizer = Tokenizer(WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]")
+
+
+PROBE_WORDS = ["def", "fibonacci", "(", "n", "):", "return"]
+
+
+def test_check_compatible_passes_for_a_matching_pair(model):
+    check_compatible(ModelRunner.from_model(tiny_llama(seed=1)), ModelRunner.from_model(model),
+                     word_tokenizer(PROBE_WORDS), word_tokenizer(PROBE_WORDS))
+
+
+def test_check_compatible_rejects_mismatched_vocab_sizes(model):
+    draft = ModelRunner.from_model(tiny_llama(vocab_size=64, seed=1))
+    with pytest.raises(IncompatibleModelsError, match="vocab size 64"):
+        check_compatible(draft, ModelRunner.from_model(model),
+                         word_tokenizer(PROBE_WORDS), word_tokenizer(PROBE_WORDS))
+
+
+def test_check_compatible_rejects_differing_tokenization(model):
+    with pytest.raises(IncompatibleModelsError, match="differently"):
+        check_compatible(ModelRunner.from_model(tiny_llama(seed=1)), ModelRunner.from_model(model),
+                         word_tokenizer(PROBE_WORDS), word_tokenizer(list(reversed(PROBE_WORDS))))
+
+
+def test_runner_loads_a_saved_model_from_a_local_directory(model, tmp_path):
+    model.save_pretrained(tmp_path)
+    runner = ModelRunner(str(tmp_path), dtype="float32", device="cpu")
+    assert (runner.vocab_size, runner.max_context, runner.eos_token_id) == (96, 128, 1)
+    assert runner.model_path == str(tmp_path)
+    history = [5, 6, 7, 8]
+    torch.testing.assert_close(runner.forward("s", history, num_rows=2), full_logits(model, history)[-2:],
+                               atol=ATOL, rtol=0)

@@ -1,0 +1,129 @@
+"""Proposers: n-gram prompt lookup and a draft model drafting over a ModelRunner."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from decoding.model_runner import ModelRunner
+from decoding.proposers import DraftModelProposer, NgramProposer
+from decoding.sampling import SamplingParams, logits_to_probs, make_generator, sample_from_probs
+
+GREEDY = SamplingParams(temperature=0)
+SAMPLED = SamplingParams(temperature=0.8, top_k=40)
+
+
+def tiny_llama(seed: int = 0, max_position_embeddings: int = 128) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=max_position_embeddings, initializer_range=0.2,
+                         bos_token_id=0, eos_token_id=1, pad_token_id=None)
+    return LlamaForCausalLM(config).eval()
+
+
+def last_logits(model: LlamaForCausalLM, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0, -1].float()
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    return tiny_llama()
+
+
+# --- n-gram ---------------------------------------------------------------------------------
+
+def test_ngram_continues_the_longest_matching_suffix():
+    # Suffix [1, 2, 3] occurred at the start (followed by 4, 5); the 1-gram [3] recurs later,
+    # followed by 6, but the longer match wins.
+    history = [1, 2, 3, 4, 5, 9, 3, 6, 1, 2, 3]
+    proposal = NgramProposer(max_ngram=4).propose("s", history, 3, GREEDY)
+    assert proposal.token_ids == [4, 5, 9]
+    assert proposal.probs is None
+
+
+def test_ngram_uses_the_most_recent_earlier_occurrence():
+    history = [7, 1, 5, 7, 1, 6, 7, 1]
+    assert NgramProposer().propose("s", history, 2, GREEDY).token_ids == [6, 7]
+
+
+def test_ngram_returns_nothing_without_a_match():
+    assert NgramProposer().propose("s", [1, 2, 3, 4, 5], 4, GREEDY).token_ids == []
+
+
+def test_ngram_ignores_matches_shorter_than_min_ngram():
+    history = [1, 9, 8, 2, 9]   # only the 1-gram [9] recurs
+    assert NgramProposer(min_ngram=1).propose("s", history, 2, GREEDY).token_ids == [8, 2]
+    assert NgramProposer(min_ngram=2).propose("s", history, 2, GREEDY).token_ids == []
+
+
+def test_ngram_respects_num_tokens():
+    history = [1, 2, 3, 4, 5, 6, 7, 1, 2]
+    proposer = NgramProposer()
+    assert proposer.propose("s", history, 3, GREEDY).token_ids == [3, 4, 5]
+    assert proposer.propose("s", history, 1, GREEDY).token_ids == [3]
+    assert proposer.propose("s", history, 0, GREEDY).token_ids == []
+    # Fewer tokens than asked when the match sits near the end of the history.
+    assert proposer.propose("s", [4, 4, 4], 5, GREEDY).token_ids == [4]
+
+
+# --- draft model ------------------------------------------------------------------------------
+
+def test_greedy_draft_is_the_argmax_chain_of_its_model(model):
+    history = [3, 14, 15, 92, 65, 35]
+    proposal = DraftModelProposer(ModelRunner.from_model(model)).propose("s", history, 5, GREEDY)
+    expected, ids = [], list(history)
+    for _ in range(5):
+        token = int(torch.argmax(last_logits(model, ids)))
+        expected.append(token)
+        ids.append(token)
+    assert proposal.token_ids == expected
+    assert proposal.probs is None
+
+
+def test_sampled_draft_returns_normalised_q_rows_for_its_tokens(model):
+    history = [3, 14, 15, 92, 65, 35]
+    proposal = DraftModelProposer(ModelRunner.from_model(model)).propose(
+        "s", history, 4, SAMPLED, make_generator(123))
+    assert proposal.probs.shape == (4, 96)
+    assert proposal.probs.dtype == torch.float32
+    torch.testing.assert_close(proposal.probs.sum(dim=-1), torch.ones(4), atol=1e-5, rtol=0)
+    assert all(proposal.probs[i, token] > 0 for i, token in enumerate(proposal.token_ids))
+
+
+def test_sampled_draft_follows_the_generator_seed(model):
+    history = [3, 14, 15, 92, 65, 35]
+    proposer = DraftModelProposer(ModelRunner.from_model(model))
+    first = proposer.propose("a", history, 6, SAMPLED, make_generator(7))
+    again = proposer.propose("b", history, 6, SAMPLED, make_generator(7))
+    # The same draws as sampling the chain by hand with the same seed.
+    generator, ids, expected, rows = make_generator(7), list(history), [], []
+    for _ in range(6):
+        q = logits_to_probs(last_logits(model, ids), SAMPLED)
+        token = int(sample_from_probs(q, generator))
+        expected.append(token)
+        rows.append(q)
+        ids.append(token)
+    assert first.token_ids == again.token_ids == expected
+    torch.testing.assert_close(first.probs, torch.stack(rows), atol=1e-5, rtol=0)
+
+
+def test_draft_keeps_its_cache_between_rounds_and_releases_it(model):
+    runner = ModelRunner.from_model(model)
+    proposer = DraftModelProposer(runner)
+    history = [3, 14, 15, 92, 65, 35]
+    proposal = proposer.propose("s", history, 4, GREEDY)
+    # The last drafted token is never fed to the draft.
+    assert runner.num_cached("s") == len(history) + 3
+    accepted_and_bonus = proposal.token_ids[:2] + [11]
+    proposer.propose("s", history + accepted_and_bonus, 4, GREEDY)
+    assert runner.num_cached("s") == len(history) + len(accepted_and_bonus) + 3
+    proposer.release("s")
+    proposer.release("s")
+    assert runner.active_sequences() == []
+
+
+def test_draft_proposes_fewer_tokens_near_the_end_of_its_context():
+    proposer = DraftModelProposer(ModelRunner.from_model(tiny_llama(max_position_embeddings=16)))
+    assert len(proposer.propose("s", list(range(2, 15)), 8, GREEDY).token_ids) == 4
+    assert proposer.propose("s", list(range(2, 20)), 8, GREEDY).token_ids == []

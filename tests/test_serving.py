@@ -1,0 +1,239 @@
+"""End to end on a real local Ray cluster, over real HTTP, with the official `openai` client.
+
+One Serve application (ingress -> router -> draft/target workers) on a tiny random pair is shared
+by the tests in this module; each test checks that no per-request state is left behind.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+from ray import serve
+from transformers import AutoTokenizer
+
+from cluster.builder import APP_NAME
+from cluster.config import SpecServeConfig
+from cluster.local import start_local, stop_local
+from decoding.generate import generate
+from decoding.model_runner import ModelRunner
+from decoding.sampling import SamplingParams
+from decoding.sequence import RequestState
+from tests.tiny_pair import make_tiny_pair
+
+pytestmark = pytest.mark.ray
+MODEL = "tiny-pair"
+PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\nclass Config:\n", "x = [i * i for i in"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    target_path, draft_path = make_tiny_pair(tmp_path_factory.mktemp("pair"))
+    config = SpecServeConfig.model_validate({
+        "model_name": MODEL,
+        "target": {"path": str(target_path)},
+        "draft": {"path": str(draft_path)},
+        "http": {"port": _free_port()},
+        "limits": {"max_tokens": 200},
+    })
+    url = start_local(config)
+    yield url, config
+    stop_local()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    url, _ = server
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    """In-process target-only greedy output: the oracle the HTTP path must equal."""
+    _, config = server
+    runner = ModelRunner(config.target.path)
+    tokenizer = AutoTokenizer.from_pretrained(config.target.path)
+
+    def greedy_text(prompt: str, max_tokens: int) -> str:
+        state = RequestState(request_id="ref", prompt_ids=tokenizer.encode(prompt, add_special_tokens=False),
+                             params=SamplingParams(temperature=0, max_tokens=max_tokens),
+                             eos_token_id=tokenizer.eos_token_id, max_context=runner.max_context,
+                             detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        for _ in generate(runner, state):
+            pass
+        return state.output_text
+
+    return greedy_text
+
+
+def _leftover_state() -> dict[str, list]:
+    """Sequences still held anywhere: router requests and each worker engine's caches."""
+    leftovers = {"router": serve.get_deployment_handle("Router", APP_NAME).num_active_requests.remote().result()}
+    for name in ("TargetWorker", "DraftWorker"):
+        engine = serve.get_deployment_handle(name, APP_NAME).get_engine.remote().result()
+        leftovers[name] = ray.get(engine.active_sequences.remote())
+    return leftovers
+
+
+def _assert_no_leftovers(timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        leftovers = _leftover_state()
+        if leftovers == {"router": 0, "TargetWorker": [], "DraftWorker": []}:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"per-request state leaked: {leftovers}")
+        time.sleep(0.1)
+
+
+def test_health_and_models(server, client):
+    url, _ = server
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_completion_equals_target_only_greedy(client, reference, prompt):
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0)
+    assert response.choices[0].text == reference(prompt, 48)
+    assert response.usage.completion_tokens == 48
+    speculation = response.model_extra["speculation"]
+    assert speculation["num_drafted"] > 0
+    assert 0.0 <= speculation["acceptance_rate"] <= 1.0
+    _assert_no_leftovers()
+
+
+def test_streamed_completion_equals_non_streamed(client):
+    prompt = PROMPTS[0]
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 40
+    assert chunks[-1].model_extra["speculation"]["num_emitted"] == 40
+    _assert_no_leftovers()
+
+
+def test_chat_completion_and_chat_stream(client):
+    messages = [{"role": "user", "content": "write a loop"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    assert whole.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                            stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream)
+    assert text == whole.choices[0].message.content
+    _assert_no_leftovers()
+
+
+def test_seeded_sampling_is_reproducible(client):
+    def sample(seed: int) -> str:
+        return client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=32, temperature=0.8,
+                                         seed=seed).choices[0].text
+
+    first, again, other = sample(7), sample(7), sample(8)
+    assert first == again
+    assert first != other
+    _assert_no_leftovers()
+
+
+def test_stop_string_ends_the_completion(client, reference):
+    full = reference(PROMPTS[0], 48)
+    stop = full[10:13]
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=48, temperature=0,
+                                         stop=[stop])
+    assert response.choices[0].finish_reason == "stop"
+    assert response.choices[0].text == full[: full.index(stop)]
+    _assert_no_leftovers()
+
+
+def test_concurrent_streams_do_not_mix(client, reference):
+    results: dict[str, str] = {}
+
+    def stream(prompt: str) -> None:
+        chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stream=True)
+        results[prompt] = "".join(c.choices[0].text for c in chunks)
+
+    threads = [threading.Thread(target=stream, args=(p,)) for p in PROMPTS[:2]]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert results == {p: reference(p, 40) for p in PROMPTS[:2]}
+    _assert_no_leftovers()
+
+
+BAD_BODIES = [
+    ({"model": "no-such-model", "prompt": "x"}, "model"),
+    ({"model": MODEL, "prompt": 42}, "prompt"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 10_000_000}, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "temperature": -0.5}, "temperature"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, "top_p"),
+    ({"model": MODEL, "prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"model": MODEL, "prompt": "x", "n": 3}, "n"),
+    ({"model": MODEL, "prompt": ""}, "prompt"),
+    ({"model": MODEL, "prompt": "word " * 400}, "prompt"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 200, "stop": ""}, "stop"),
+    ({"prompt": "x"}, "model"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_BODIES, ids=[p for _, p in BAD_BODIES])
+def test_bad_completion_requests_get_openai_style_400(server, body, param):
+    url, _ = server
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert param in (error["param"] or "") or param in error["message"]
+    _assert_no_leftovers()
+
+
+def test_bad_chat_request_gets_400(server):
+    url, _ = server
+    response = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": []}, timeout=30)
+    assert response.status_code == 400
+    assert "messages" in response.json()["error"]["message"]
+
+
+def test_invalid_json_gets_400(server):
+    url, _ = server
+    response = httpx.post(f"{url}/v1/completions", content=b"{not json", timeout=30,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert "error" in response.json()
+
+
+def test_openai_client_raises_bad_request(client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", temperature=-1)
+
+
+def test_client_disconnect_releases_worker_state(server):
+    url, _ = server
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break  # walk away after the first chunk
+    _assert_no_leftovers(timeout_s=20)
+
+
+def test_lost_draft_engine_continues_target_only(client, reference):
+    """Runs last in this module: it kills the draft engine; Serve then replaces the replica."""
+    engine = serve.get_deployment_handle("DraftWorker", APP_NAME).get_engine.remote().result()
+    ray.kill(engine)
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=32, temperature=0)
+    assert response.choices[0].text == reference(PROMPTS[2], 32)
