@@ -66,7 +66,7 @@ def build_app(config: SpecServeConfig) -> Application:
     if config.uses_draft_workers:
         draft_spec = config.draft.model_dump() if config.draft is not None else None
         drafts = DraftWorker.options(**options["DraftWorker"]).bind(
-            config.draft_workers.model_dump(), config.speculation.proposer, draft_spec)
+            config.draft_workers.model_dump(), config.speculation.proposer, draft_spec, config.target.path)
     router = Router.options(**options["Router"]).bind(config_dict, targets, drafts)
     return Ingress.options(**options["Ingress"]).bind(config_dict, router)
 

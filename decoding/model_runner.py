@@ -178,10 +178,27 @@ class ModelRunner:
 
 def check_compatible(draft: ModelRunner, target: ModelRunner, draft_tokenizer, target_tokenizer) -> None:
     """Raise IncompatibleModelsError unless vocab sizes match and a probe string tokenizes identically."""
-    if draft.vocab_size != target.vocab_size:
+    _check_pair(draft.model_path, draft.vocab_size, draft_tokenizer,
+                target.model_path, target.vocab_size, target_tokenizer)
+
+
+def check_compatible_paths(draft_path: str, target_path: str) -> None:
+    """check_compatible from two local model directories, without loading the weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    def vocab_and_tokenizer(path: str):
+        config = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config(decoder=True)
+        return config.vocab_size, AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+    _check_pair(draft_path, *vocab_and_tokenizer(draft_path), target_path, *vocab_and_tokenizer(target_path))
+
+
+def _check_pair(draft_name: str, draft_vocab: int, draft_tokenizer,
+                target_name: str, target_vocab: int, target_tokenizer) -> None:
+    if draft_vocab != target_vocab:
         raise IncompatibleModelsError(
-            f"draft {draft.model_path!r} has vocab size {draft.vocab_size} but target "
-            f"{target.model_path!r} has {target.vocab_size}; a draft must share the target's vocabulary")
+            f"draft {draft_name!r} has vocab size {draft_vocab} but target "
+            f"{target_name!r} has {target_vocab}; a draft must share the target's vocabulary")
     draft_ids = list(draft_tokenizer.encode(_PROBE_TEXT, add_special_tokens=False))
     target_ids = list(target_tokenizer.encode(_PROBE_TEXT, add_special_tokens=False))
     if draft_ids != target_ids:

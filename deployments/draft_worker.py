@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from ray import serve
 
-from decoding.model_runner import ModelRunner
+from decoding.model_runner import ModelRunner, check_compatible_paths
 from decoding.proposers import DraftModelProposer, NgramProposer, Proposal
 from decoding.sampling import SamplingParams, make_generator
 from deployments.engine_host import EngineHost
@@ -17,11 +17,12 @@ from deployments.engine_host import EngineHost
 class DraftEngine:
     """Holds the proposer and, per request id, its KV cache and its seeded draft generator."""
 
-    def __init__(self, proposer_kind: str, model_spec: dict | None) -> None:
+    def __init__(self, proposer_kind: str, model_spec: dict | None, target_path: str) -> None:
         if proposer_kind == "ngram":
             self.proposer = NgramProposer()
         else:
             assert model_spec is not None, "a draft-model proposer needs a model spec"
+            check_compatible_paths(model_spec["path"], target_path)  # fail start-up with a clear message
             runner = ModelRunner(model_spec["path"], dtype=model_spec["dtype"], device=model_spec["device"],
                                  num_threads=model_spec["torch_threads"], max_sequences=model_spec["max_sequences"])
             self.proposer = DraftModelProposer(runner)

@@ -1,5 +1,7 @@
 """ModelRunner: full-history protocol over per-sequence KV caches, on tiny random Llamas (fp32, CPU)."""
 
+import shutil
+
 import pytest
 import torch
 from tokenizers import Tokenizer
@@ -7,7 +9,14 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from decoding.model_runner import IncompatibleModelsError, ModelRunner, SequenceStateError, check_compatible
+from decoding.model_runner import (
+    IncompatibleModelsError,
+    ModelRunner,
+    SequenceStateError,
+    check_compatible,
+    check_compatible_paths,
+)
+from tests.tiny_pair import make_tiny_pair, tiny_config
 
 ATOL = 1e-4
 
@@ -171,3 +180,13 @@ def test_runner_loads_a_saved_model_from_a_local_directory(model, tmp_path):
     history = [5, 6, 7, 8]
     torch.testing.assert_close(runner.forward("s", history, num_rows=2), full_logits(model, history)[-2:],
                                atol=ATOL, rtol=0)
+
+
+def test_check_compatible_paths_rejects_a_draft_with_another_vocabulary(tmp_path):
+    target_path, draft_path = make_tiny_pair(tmp_path)
+    check_compatible_paths(str(draft_path), str(target_path))  # the matching pair passes
+    LlamaForCausalLM(tiny_config(vocab_size=100)).save_pretrained(tmp_path / "other")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(target_path / name, tmp_path / "other" / name)
+    with pytest.raises(IncompatibleModelsError, match="vocab size"):
+        check_compatible_paths(str(tmp_path / "other"), str(target_path))
