@@ -156,7 +156,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    args.func(args)
+    try:
+        args.func(args)
+    except (FileNotFoundError, ValueError) as exc:  # bad config or missing models: say so, no traceback
+        parser.exit(2, f"specserve: {exc}\n")
 
 
 if __name__ == "__main__":

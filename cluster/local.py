@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from pathlib import Path
 
 import httpx
 import ray
@@ -35,8 +36,18 @@ def custom_resources_needed(config: SpecServeConfig) -> dict[str, float]:
     return needed
 
 
+def check_model_paths(config: SpecServeConfig) -> None:
+    """Fail before starting anything if a configured model directory is missing."""
+    specs = [("target", config.target)] + ([("draft", config.draft)] if config.draft is not None else [])
+    for role, spec in specs:
+        if not (Path(spec.path) / "config.json").is_file():
+            raise FileNotFoundError(f"{role} model not found at {spec.path} (no config.json): set {role}.path "
+                                    "in your config, or train the default pair with `specserve train-default`")
+
+
 def start_local(config: SpecServeConfig, dashboard: bool = False, timeout_s: float = 300.0) -> str:
     """Start Ray + Serve + the app; block until /health answers; return the base URL."""
+    check_model_paths(config)
     if not ray.is_initialized():
         ray.init(num_cpus=logical_cpus_needed(config), resources=custom_resources_needed(config),
                  include_dashboard=dashboard,
