@@ -1,0 +1,212 @@
+"""The benchmark's fixed parts: the versioned prompt set, the performance-model math, the row
+summary, the report renderer, and one in-process smoke run on a tiny random pair (no Ray)."""
+
+import json
+import sys
+
+import pytest
+
+from bench.http_rows import http_configs, request_body, sweep_request_count
+from bench.perfmodel import (
+    acceptance_from_tokens_per_round,
+    expected_tokens_per_pass,
+    overlapped_speedup_bound,
+    percentile,
+    ratio,
+    serial_speedup_estimate,
+)
+from bench.prompts import DEFAULT_PROMPTS_PATH, MAX_CODE_CHARS, MIN_CODE_CHARS, load_prompts, select_prompts
+from bench.records import RequestRecord, StepLatency, summarize_row
+from bench.report import render_markdown, write_outputs
+from cluster.config import SpecServeConfig
+from training.corpus import is_held_out
+
+
+# -- prompt set -------------------------------------------------------------------------------------
+
+def test_prompt_set_is_versioned_and_mixes_code_and_prose():
+    version, prompts = load_prompts()
+    assert version == 1 and DEFAULT_PROMPTS_PATH.name == "prompts_v1.json"
+    kinds = [p.kind for p in prompts]
+    assert kinds.count("code") >= 10 and kinds.count("prose") >= 3
+    assert len({p.prompt_id for p in prompts}) == len(prompts)
+    assert all(p.text.strip() for p in prompts)
+
+
+def test_code_prompts_come_from_distinct_held_out_files():
+    _, prompts = load_prompts()
+    files = [p.source.split(":")[0] for p in prompts if p.kind == "code"]
+    assert len(set(files)) == len(files)
+    assert all(is_held_out(path) for path in files)
+    assert all(MIN_CODE_CHARS <= len(p.text) <= MAX_CODE_CHARS for p in prompts if p.kind == "code")
+
+
+def test_prompt_set_regenerates_identically_on_the_interpreter_that_made_it():
+    recorded = json.loads(DEFAULT_PROMPTS_PATH.read_text())
+    if recorded["generated_with_python"] != sys.version.split()[0]:
+        pytest.skip("the stdlib (and so the held-out corpus) differs from the one the set was built from")
+    from bench.prompts import build_prompt_set
+
+    assert build_prompt_set() == recorded
+
+
+def test_a_small_selection_keeps_code_and_prose():
+    _, prompts = load_prompts()
+    chosen = select_prompts(prompts, 4)
+    assert len(chosen) == 4 and {p.kind for p in chosen} == {"code", "prose"}
+    assert select_prompts(prompts, None) == prompts
+
+
+# -- performance model --------------------------------------------------------------------------------
+
+def test_expected_tokens_per_pass_matches_the_geometric_series():
+    assert expected_tokens_per_pass(0.8, 4) == pytest.approx(1 + 0.8 + 0.64 + 0.512 + 0.4096)
+    assert expected_tokens_per_pass(0.0, 4) == 1.0
+    assert expected_tokens_per_pass(1.0, 4) == 5.0
+    with pytest.raises(ValueError):
+        expected_tokens_per_pass(1.5, 4)
+
+
+def test_bound_and_serial_estimate_on_known_numbers():
+    e = 3.3616  # alpha 0.8, K 4
+    assert overlapped_speedup_bound(0.8, 4, 0.010, 0.0125) == pytest.approx(e * 0.010 / 0.0125)
+    # K * t_draft + t(K+1) = 4 * 2 ms + 12.5 ms
+    assert serial_speedup_estimate(0.8, 4, 0.010, 0.0125, 0.002) == pytest.approx(e * 0.010 / 0.0205)
+
+
+def test_acceptance_fit_inverts_expected_tokens_per_pass():
+    for alpha, depth in ((0.3, 4), (0.7, 4), (0.9, 2.5)):
+        assert acceptance_from_tokens_per_round(expected_tokens_per_pass(alpha, depth), depth) == pytest.approx(alpha)
+    assert acceptance_from_tokens_per_round(1.0, 4) == 0.0
+    assert acceptance_from_tokens_per_round(5.0, 4) == 1.0
+
+
+def test_ratio_and_percentile_handle_missing_values():
+    assert ratio(30.0, 12.0) == 2.5
+    assert ratio(None, 12.0) is None and ratio(3.0, 0.0) is None
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([10, 20], 95) == pytest.approx(19.5)
+    assert percentile([], 50) is None
+
+
+# -- row summary --------------------------------------------------------------------------------------
+
+def record(run: int, tokens: int, wall_s: float, ttft_s: float, drafted: int = 0, accepted: int = 0,
+           rounds: int = 0, passes: int | None = None, overhead_s: float | None = 0.001) -> RequestRecord:
+    return RequestRecord(prompt_id=f"p{run}", run=run, num_prompt_tokens=10, num_output_tokens=tokens,
+                         wall_s=wall_s, ttft_s=ttft_s, target_passes=passes if passes is not None else tokens,
+                         rounds=rounds, num_drafted=drafted, num_accepted=accepted, median_overhead_s=overhead_s)
+
+
+STEPS = StepLatency(target_s={1: 0.010, 5: 0.0125}, draft_s=0.002)
+
+
+def test_tokens_per_s_is_the_median_over_runs():
+    records = [record(0, 100, 1.0, 0.1), record(1, 100, 2.0, 0.1), record(2, 100, 4.0, 0.1)]
+    summary = summarize_row(records, STEPS)
+    assert summary["tokens_per_s_runs"] == [100.0, 50.0, 25.0]
+    assert summary["tokens_per_s"] == 50.0
+    assert summary["tpot_ms"] == pytest.approx(1000 * (2.0 - 0.1) / 99)
+
+
+def test_target_only_rows_have_bound_one_and_no_acceptance():
+    summary = summarize_row([record(0, 10, 1.0, 0.1)], STEPS)
+    assert summary["acceptance_rate"] is None and summary["bound"] == 1.0 and summary["tokens_per_pass"] == 1.0
+
+
+def test_speculative_row_fits_alpha_and_bounds_from_measured_rounds():
+    # 10 rounds of K=4 emitting 3 tokens each (2 accepted + 1), plus the prefill pass.
+    summary = summarize_row([record(0, 31, 1.0, 0.1, drafted=40, accepted=20, rounds=10, passes=11)], STEPS)
+    assert summary["acceptance_rate"] == 0.5 and summary["tokens_per_round"] == 3.0
+    assert expected_tokens_per_pass(summary["alpha"], 4) == pytest.approx(3.0)
+    assert summary["bound"] == pytest.approx(3.0 * 0.010 / 0.0125)
+    assert summary["serial_estimate"] == pytest.approx(3.0 * 0.010 / (4 * 0.002 + 0.0125))
+
+
+# -- report -------------------------------------------------------------------------------------------
+
+def synthetic_result() -> dict:
+    def row(key, transport, k, tokens_per_s, vs_target, overhead, bound):
+        return {"key": key, "label": key, "transport": transport, "num_draft_tokens": k, "mean_draft_tokens": k or 0,
+                "tokens_per_s": tokens_per_s, "vs_target_only": vs_target, "vs_hf_dynamic": 1.4,
+                "vs_hf_constant": None, "ttft_ms": 20.0, "tpot_ms": 5.0, "acceptance_rate": None, "alpha": None,
+                "tokens_per_pass": 1.0, "overhead_ms": overhead, "bound": bound, "serial_estimate": None,
+                "baseline": "target-http"}
+
+    rows = [row("target-http", "HTTP", 0, 40.0, 1.0, 1.0, 1.0),
+            row("specserve-http", "HTTP", 4, 110.0, 2.75, 3.1, 3.0)]
+    return {"name": "tiny", "prompt_set": {"version": 1, "num_prompts": 2, "num_code": 1, "num_prose": 1},
+            "settings": {"max_tokens": 16, "runs": 1, "target_path": "t", "draft_path": "d", "dtype": "float32",
+                         "device": "cpu", "num_draft_tokens": 4, "threads": 1},
+            "machine": {"cpu_count": 2, "torch": "x", "transformers": "y"},
+            "step_latency": {"context_tokens": 128, "target_ms": {"1": 10.0, "5": 12.5}, "draft_ms": 2.0,
+                             "draft_cost_ratio": 0.2},
+            "modes": {"greedy": {"rows": rows, "sweep": {"specserve": [
+                {"concurrency": 1, "num_requests": 2, "tokens_per_s": 100.0, "latency_p50_ms": 150.0,
+                 "latency_p95_ms": 180.0, "ttft_p50_ms": 20.0, "ttft_p95_ms": 25.0, "acceptance_rate": 0.6},
+                {"concurrency": 2, "num_requests": 4, "tokens_per_s": 150.0, "latency_p50_ms": 200.0,
+                 "latency_p95_ms": 260.0, "ttft_p50_ms": 30.0, "ttft_p95_ms": 45.0, "acceptance_rate": 0.6}]}}},
+            "notes": ["a note"]}
+
+
+def test_markdown_report_has_the_table_targets_and_sweep():
+    text = render_markdown(synthetic_result())
+    assert "| specserve-http | HTTP | 4 (4.00) | 110.0 | 2.75× | 1.40× | n/a |" in text
+    assert "2.75× (target ≥ 2.5×: met)" in text
+    assert "3.10 ms (target ≤ 2.5 ms: NOT met)" in text
+    assert "| specserve | 2 | 4 | 150.0 |" in text
+    assert "- a note" in text
+
+
+def test_outputs_are_written_with_latest_copies(tmp_path):
+    paths = write_outputs(synthetic_result(), tmp_path)
+    names = {p.name for p in paths}
+    assert {"tiny.json", "tiny.md", "tiny_speedup.png", "tiny_concurrency.png", "latest.json", "latest.md",
+            "latest_speedup.png", "latest_concurrency.png"} <= names
+    assert json.loads((tmp_path / "latest.json").read_text())["name"] == "tiny"
+
+
+# -- HTTP request shaping (no Ray started) -----------------------------------------------------------------
+
+def test_http_configs_pin_depth_and_disable_the_proposer_for_the_baseline():
+    speculative, target_only = http_configs(SpecServeConfig(), num_draft_tokens=6, adaptive=False, port=12345)
+    assert speculative.speculation.proposer == "draft" and not speculative.speculation.adaptive
+    assert speculative.speculation.num_draft_tokens == 6 and speculative.speculation.max_draft_tokens >= 6
+    assert target_only.speculation.proposer == "none"
+    assert speculative.http.port == target_only.http.port == 12345
+
+
+def test_sampled_requests_are_seeded_and_greedy_ones_are_not():
+    assert request_body("m", "p", "greedy", 8, 3)["temperature"] == 0.0
+    sampled = request_body("m", "p", "sampled", 8, 3)
+    assert sampled["temperature"] == 0.8 and sampled["seed"] == 3 and sampled["stream"]
+
+
+def test_sweep_request_counts_are_bounded():
+    assert sweep_request_count(1, 16, 32) == 16
+    assert sweep_request_count(16, 16, 32) == 32
+    assert sweep_request_count(16, 4, 20) == 20
+    assert sweep_request_count(64, 4, 32) == 64  # never fewer requests than streams
+
+
+# -- smoke run --------------------------------------------------------------------------------------------
+
+def test_in_process_rows_run_end_to_end_on_a_tiny_pair(tmp_path):
+    from bench.run import main
+    from tests.tiny_pair import make_tiny_pair
+
+    target, draft = make_tiny_pair(tmp_path / "pair")
+    config = tmp_path / "config.yaml"
+    config.write_text(f"target:\n  path: {target}\ndraft:\n  path: {draft}\n")
+    result = main(["--config", str(config), "--mode", "greedy", "--max-tokens", "8", "--runs", "1",
+                   "--num-prompts", "2", "--rows", "target-inproc,hf-dynamic,hf-constant,specserve-inproc",
+                   "--out", str(tmp_path / "results"), "--name", "smoke"])
+    rows = {row["key"]: row for row in result["modes"]["greedy"]["rows"]}
+    assert set(rows) == {"target-inproc", "hf-dynamic", "hf-constant", "specserve-inproc"}
+    assert rows["target-inproc"]["vs_target_only"] == 1.0
+    # Greedy speculation is lossless: the same number of tokens as target-only, prompt by prompt.
+    assert ([r["num_output_tokens"] for r in rows["specserve-inproc"]["records"]]
+            == [r["num_output_tokens"] for r in rows["target-inproc"]["records"]])
+    assert 0.0 <= rows["hf-constant"]["acceptance_rate"] <= 1.0
+    assert rows["specserve-inproc"]["mean_draft_tokens"] > 0
+    assert (tmp_path / "results" / "smoke.md").exists() and (tmp_path / "results" / "latest.json").exists()
