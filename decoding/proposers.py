@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from decoding.model_runner import ModelRunner
@@ -15,7 +16,7 @@ from decoding.sampling import SamplingParams, logits_to_probs, sample_from_probs
 @dataclass
 class Proposal:
     token_ids: list[int]              # K proposed tokens (may be fewer than asked, even 0)
-    probs: torch.Tensor | None        # [K, V] processed q rows; None for deterministic proposers or greedy
+    probs: torch.Tensor | np.ndarray | None  # [K, V] processed q rows (numpy on the wire); None: greedy or deterministic
 
 
 def empty_proposal() -> Proposal:

@@ -4,6 +4,9 @@ generator both call these, so the distributed path and the reference share the m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 from decoding.proposers import Proposal
@@ -20,10 +23,20 @@ def target_rows(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits_to_probs(logits, params)
 
 
-def accept_round(state: RequestState, proposal: Proposal, rows: torch.Tensor) -> list[int]:
+def as_tensor(rows: torch.Tensor | np.ndarray | Sequence[int]) -> torch.Tensor:
+    """Rows as they come off the wire (ids as a list, probabilities as a numpy array: both far
+    cheaper to serialise than torch tensors) -> a tensor. Arrays Ray hands back are read-only."""
+    if isinstance(rows, np.ndarray) and not rows.flags.writeable:
+        rows = rows.copy()
+    return torch.as_tensor(rows)
+
+
+def accept_round(state: RequestState, proposal: Proposal,
+                 rows: torch.Tensor | np.ndarray | Sequence[int]) -> list[int]:
     """Verify proposal against the target's K+1 rows, commit the emitted tokens to state and
     update its stats; return the tokens committed. An empty proposal is a plain target step
     (one token from row 0), e.g. the first token after prefill."""
+    rows = as_tensor(rows)
     if state.finished:
         raise ValueError(f"request {state.request_id!r} already finished ({state.finish_reason})")
     num_drafted = len(proposal.token_ids)
@@ -37,7 +50,7 @@ def accept_round(state: RequestState, proposal: Proposal, rows: torch.Tensor) ->
     if state.params.is_greedy:
         output = greedy_verify(draft_ids, rows.to(device).unsqueeze(0))
     else:
-        draft_probs = None if proposal.probs is None else proposal.probs.to(device).unsqueeze(0)
+        draft_probs = None if proposal.probs is None else as_tensor(proposal.probs).to(device).unsqueeze(0)
         output = rejection_sample(draft_ids, draft_probs, rows.to(device).unsqueeze(0), state.generator)
     emitted = [token for token in output[0].tolist() if token != PLACEHOLDER_TOKEN_ID]
     committed = state.commit(emitted)

@@ -11,7 +11,7 @@ from ray import serve
 from decoding.model_runner import ModelRunner, check_compatible_paths
 from decoding.proposers import DraftModelProposer, NgramProposer, Proposal
 from decoding.sampling import SamplingParams, make_generator
-from deployments.engine_host import EngineHost
+from deployments.engine_host import EngineHost, to_wire
 
 
 class DraftEngine:
@@ -43,6 +43,8 @@ class DraftEngine:
         if generator is None:
             generator = self.generators[seq_id] = make_generator(seed)
         proposal = self.proposer.propose(seq_id, history, num_tokens, params, generator)
+        if proposal.probs is not None:
+            proposal = Proposal(proposal.token_ids, to_wire(proposal.probs))
         return proposal, time.perf_counter() - started
 
     def release(self, seq_id: str) -> None:

@@ -95,23 +95,48 @@ class Router:
         return len(self.active_requests)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: dict) -> AsyncIterator[dict]:
-        """Stream {"text", "token_ids", "finish_reason"} chunks; the last adds "usage" and "speculation"."""
+        """Stream {"text", "token_ids", "finish_reason"} chunks; the last adds "usage" and "speculation".
+
+        The rounds run in their own task and hand chunks over through a queue, so a round never
+        waits for the previous chunk to be streamed out; chunks that pile up meanwhile are merged.
+        Closing this generator (client gone) cancels the task, which releases worker state.
+        """
         state = RequestState(request_id=request_id, prompt_ids=list(prompt_ids),
                              params=SamplingParams.model_validate(params), eos_token_id=self.eos_token_id,
                              max_context=self.max_context, detokenize=self._detokenize)
+        chunks: asyncio.Queue = asyncio.Queue()
+        rounds = asyncio.create_task(self._decode(state, chunks))
+        try:
+            while True:
+                pending = [await chunks.get()]
+                while not chunks.empty():
+                    pending.append(chunks.get_nowait())
+                if isinstance(pending[-1], Exception):
+                    raise pending[-1]
+                merged = _merge_chunks(pending)
+                yield merged
+                if "usage" in merged:
+                    return
+        finally:
+            rounds.cancel()
+
+    async def _decode(self, state: RequestState, chunks: asyncio.Queue) -> None:
+        """Prefill, then speculative rounds until the request finishes; every step's tokens go to chunks."""
+        request_id = state.request_id
         self.active_requests[request_id] = state
         self.metrics.active.set(len(self.active_requests))
         started = time.perf_counter()
         timings = RoundTimings()
-        target = await self.target_workers.get_engine.remote()
-        draft = await self.draft_workers.get_engine.remote() if self.draft_workers is not None else None
+        target = draft = None
         try:
+            target = await self.target_workers.get_engine.remote()
+            draft = await self._draft_engine()
             if draft is not None:  # draft prefills while the target does
                 draft.prefill.remote(request_id, state.history)
             rows, _, target = await self._verify(state, target, 1)
             committed = accept_round(state, Proposal([], None), rows)
             timings.first_token_s = time.perf_counter() - started
-            yield self._chunk(state, committed)
+            chunks.put_nowait(self._chunk(state, committed))
             while not state.finished:
                 round_started = time.perf_counter()
                 num_draft = self._draft_depth(state) if draft is not None else 0
@@ -131,8 +156,10 @@ class Router:
                 timings.round_overhead_s.append(round_wall_s - draft_s - target_s)
                 timings.draft_depths.append(len(proposal.token_ids))
                 self.metrics.round_latency.observe(round_wall_s)
-                yield self._chunk(state, committed)
-            yield self._final_chunk(state, timings)
+                chunks.put_nowait(self._chunk(state, committed))
+            chunks.put_nowait(self._final_chunk(state, timings))
+        except Exception as exc:  # hand it to the stream, which raises it to the caller
+            chunks.put_nowait(exc)
         finally:
             self.active_requests.pop(request_id, None)
             self.metrics.active.set(len(self.active_requests))
@@ -140,6 +167,17 @@ class Router:
             for engine in (target, draft):
                 if engine is not None:
                     engine.release.remote(request_id)  # fire and forget: the engine may be gone
+
+    async def _draft_engine(self):
+        """This request's draft engine, or None (no proposer, or no draft replica reachable)."""
+        if self.draft_workers is None:
+            return None
+        try:
+            return await self.draft_workers.get_engine.remote()
+        except Exception:  # speculation is an optimisation: serve target-only rather than fail
+            logger.exception("no draft engine available; serving target-only")
+            self.metrics.draft_failures.inc()
+            return None
 
     async def _verify(self, state: RequestState, target, num_rows: int,
                       proposal: Proposal | None = None) -> tuple[Any, float, Any]:
@@ -191,3 +229,13 @@ class Router:
             self.metrics.drafted.inc(state.stats.num_drafted)
         if state.stats.num_accepted:
             self.metrics.accepted.inc(state.stats.num_accepted)
+
+
+def _merge_chunks(chunks: list[dict]) -> dict:
+    """One chunk carrying several steps' text and tokens (the last one's finish reason and stats)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    merged = dict(chunks[-1])
+    merged["text"] = "".join(chunk["text"] for chunk in chunks)
+    merged["token_ids"] = [token for chunk in chunks for token in chunk["token_ids"]]
+    return merged

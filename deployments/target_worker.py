@@ -10,7 +10,7 @@ from ray import serve
 from decoding.model_runner import ModelRunner
 from decoding.sampling import SamplingParams
 from decoding.speculation import target_rows
-from deployments.engine_host import EngineHost
+from deployments.engine_host import EngineHost, to_wire
 
 
 class TargetEngine:
@@ -29,7 +29,7 @@ class TargetEngine:
         and the seconds spent computing them. Prefill is the same call with num_rows=1."""
         started = time.perf_counter()
         logits = self.runner.forward(seq_id, token_ids, num_rows)
-        rows = target_rows(logits, params)
+        rows = to_wire(target_rows(logits, params))
         return rows, time.perf_counter() - started
 
     def release(self, seq_id: str) -> None:
