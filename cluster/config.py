@@ -56,7 +56,7 @@ class SpeculationSpec(_Strict):
     min_draft_tokens: int = Field(1, ge=0, le=32)
     max_draft_tokens: int = Field(8, ge=0, le=32)
     adaptive: bool = True
-    draft_cost_ratio: float = Field(0.12, gt=0, le=1, description="draft step / target step latency, for the depth policy")
+    draft_cost_ratio: float = Field(0.15, gt=0, le=1, description="draft step / target pass latency until measured")
 
     @model_validator(mode="after")
     def _bounds(self) -> "SpeculationSpec":

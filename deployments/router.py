@@ -30,7 +30,7 @@ from decoding.proposers import Proposal
 from decoding.sampling import SamplingParams
 from decoding.sequence import RequestState
 from decoding.speculation import accept_round
-from policies.depth import choose_draft_depth
+from policies.depth import RoundCosts, choose_draft_depth
 
 logger = logging.getLogger("ray.serve")
 MAX_TARGET_RETRIES = 2
@@ -87,6 +87,8 @@ class Router:
         self.eos_token_id = self.tokenizer.eos_token_id
         self.metrics = RouterMetrics()
         self.active_requests: dict[str, RequestState] = {}
+        # Measured costs, shared by this router's requests: they reflect the engines' current load.
+        self.round_costs = RoundCosts(draft_cost_ratio=self.config.speculation.draft_cost_ratio)
 
     def _detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -152,9 +154,11 @@ class Router:
                 rows, target_s, target = await self._verify(state, target, len(proposal.token_ids) + 1, proposal)
                 committed = accept_round(state, proposal, rows)
                 round_wall_s = time.perf_counter() - round_started
+                overhead_s = round_wall_s - draft_s - target_s
                 timings.round_wall_s.append(round_wall_s)
-                timings.round_overhead_s.append(round_wall_s - draft_s - target_s)
+                timings.round_overhead_s.append(overhead_s)
                 timings.draft_depths.append(len(proposal.token_ids))
+                self.round_costs.observe(draft_s, len(proposal.token_ids), target_s, overhead_s)
                 self.metrics.round_latency.observe(round_wall_s)
                 chunks.put_nowait(self._chunk(state, committed))
             chunks.put_nowait(self._final_chunk(state, timings))
@@ -197,12 +201,17 @@ class Router:
         raise AssertionError("unreachable")
 
     def _draft_depth(self, state: RequestState) -> int:
+        """K for this round. A seeded request's K must not depend on timing (its random draws
+        follow K), so it uses the configured cost ratio; others use the measured costs."""
         spec = self.config.speculation
-        if spec.adaptive:
-            depth = choose_draft_depth(state.stats.num_accepted, state.stats.num_drafted, spec.draft_cost_ratio,
-                                       spec.min_draft_tokens, spec.max_draft_tokens)
+        if not spec.adaptive:
+            return state.draft_budget(spec.num_draft_tokens)
+        if state.params.seed is None:
+            cost_ratio, overhead_ratio = self.round_costs.draft_cost_ratio, self.round_costs.overhead_ratio
         else:
-            depth = spec.num_draft_tokens
+            cost_ratio, overhead_ratio = spec.draft_cost_ratio, 0.0
+        depth = choose_draft_depth(state.stats.num_accepted, state.stats.num_drafted, cost_ratio,
+                                   spec.min_draft_tokens, spec.max_draft_tokens, overhead_ratio)
         return state.draft_budget(depth)
 
     @staticmethod

@@ -4,10 +4,16 @@ The performance model (shared/README.md): with per-token acceptance alpha, depth
 draft/target step-cost ratio c, a round emits E = (1 - alpha^(K+1)) / (1 - alpha) tokens and
 costs K*c + 1 target-step equivalents. We pick the K in bounds that maximises E / (K*c + 1).
 Alpha is estimated with a Beta prior so a new request starts at a sensible depth and one
-unlucky round does not collapse it.
+unlucky round does not collapse it. Costs are measured, not assumed: `RoundCosts` keeps moving
+averages of draft step time, target pass time and per-round orchestration overhead (the RPC
+hops), all in units of one target pass. Overhead is paid once per round whatever K is, so a
+costly transport argues for deeper rounds; a loaded target (slow passes) makes drafting cheaper
+relative to it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 PRIOR_ACCEPTED = 3.0  # Beta(3, 1): a new request is assumed to accept ~75% of draft tokens
 PRIOR_REJECTED = 1.0
@@ -20,9 +26,11 @@ def expected_tokens_per_round(accept_rate: float, num_draft_tokens: int) -> floa
     return (1.0 - accept_rate ** (num_draft_tokens + 1)) / (1.0 - accept_rate)
 
 
-def expected_speedup(accept_rate: float, num_draft_tokens: int, draft_cost_ratio: float) -> float:
-    """Tokens per unit of target-step time relative to target-only decoding (serial drafting)."""
-    cost = num_draft_tokens * draft_cost_ratio + 1.0
+def expected_speedup(accept_rate: float, num_draft_tokens: int, draft_cost_ratio: float,
+                     overhead_ratio: float = 0.0) -> float:
+    """Tokens per unit of target-pass time (serial drafting); with overhead_ratio = 0 this is the
+    speedup over target-only decoding, otherwise speedup times (1 + overhead_ratio)."""
+    cost = num_draft_tokens * draft_cost_ratio + 1.0 + overhead_ratio
     return expected_tokens_per_round(accept_rate, num_draft_tokens) / cost
 
 
@@ -31,8 +39,34 @@ def estimate_accept_rate(num_accepted: int, num_drafted: int) -> float:
 
 
 def choose_draft_depth(num_accepted: int, num_drafted: int, draft_cost_ratio: float,
-                       min_draft_tokens: int, max_draft_tokens: int) -> int:
-    """The depth K in [min, max] with the best expected speedup for this request so far."""
+                       min_draft_tokens: int, max_draft_tokens: int, overhead_ratio: float = 0.0) -> int:
+    """The depth K in [min, max] with the best expected throughput for this request so far."""
     accept_rate = estimate_accept_rate(num_accepted, num_drafted)
     return max(range(min_draft_tokens, max_draft_tokens + 1),
-               key=lambda k: expected_speedup(accept_rate, k, draft_cost_ratio))
+               key=lambda k: expected_speedup(accept_rate, k, draft_cost_ratio, overhead_ratio))
+
+
+@dataclass
+class RoundCosts:
+    """Exponential moving averages of what a round costs, seeded with a configured ratio."""
+
+    draft_cost_ratio: float            # one draft step / one target pass
+    overhead_ratio: float = 0.0        # per-round orchestration overhead / one target pass
+    smoothing: float = 0.1
+    _draft_step_s: float | None = None
+    _target_pass_s: float | None = None
+    _overhead_s: float | None = None
+
+    def observe(self, draft_s: float, num_draft_tokens: int, target_s: float, overhead_s: float) -> None:
+        """Fold in one round: draft compute time for num_draft_tokens, target compute, overhead."""
+        def ema(old: float | None, new: float) -> float:
+            return new if old is None else old + self.smoothing * (new - old)
+
+        self._target_pass_s = ema(self._target_pass_s, target_s)
+        self._overhead_s = ema(self._overhead_s, max(0.0, overhead_s))
+        if num_draft_tokens > 0:
+            self._draft_step_s = ema(self._draft_step_s, draft_s / num_draft_tokens)
+        if self._target_pass_s and self._target_pass_s > 0:
+            if self._draft_step_s is not None:
+                self.draft_cost_ratio = self._draft_step_s / self._target_pass_s
+            self.overhead_ratio = self._overhead_s / self._target_pass_s

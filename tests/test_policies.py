@@ -2,7 +2,7 @@
 
 import pytest
 
-from policies.depth import choose_draft_depth, expected_speedup, expected_tokens_per_round
+from policies.depth import RoundCosts, choose_draft_depth, expected_speedup, expected_tokens_per_round
 
 
 def test_expected_tokens_matches_the_geometric_formula():
@@ -34,3 +34,31 @@ def test_depth_stays_within_bounds():
 
 def test_new_request_starts_at_a_moderate_depth():
     assert 2 <= choose_draft_depth(0, 0, 0.12, 1, 8) <= 6
+
+
+def test_per_round_overhead_argues_for_deeper_rounds():
+    cheap_transport = choose_draft_depth(30, 60, 0.15, 1, 8, overhead_ratio=0.0)
+    costly_transport = choose_draft_depth(30, 60, 0.15, 1, 8, overhead_ratio=1.0)
+    assert costly_transport > cheap_transport
+
+
+def test_round_costs_measure_ratios_in_target_pass_units():
+    costs = RoundCosts(draft_cost_ratio=0.5)
+    costs.observe(draft_s=0.004, num_draft_tokens=4, target_s=0.010, overhead_s=0.003)
+    assert costs.draft_cost_ratio == pytest.approx(0.1)
+    assert costs.overhead_ratio == pytest.approx(0.3)
+
+
+def test_round_costs_keep_the_configured_ratio_until_a_draft_is_timed():
+    costs = RoundCosts(draft_cost_ratio=0.2)
+    costs.observe(draft_s=0.0, num_draft_tokens=0, target_s=0.010, overhead_s=0.001)
+    assert costs.draft_cost_ratio == 0.2
+    assert costs.overhead_ratio == pytest.approx(0.1)
+
+
+def test_round_costs_smooth_out_one_slow_round():
+    costs = RoundCosts(draft_cost_ratio=0.1, smoothing=0.1)
+    for _ in range(20):
+        costs.observe(0.004, 4, 0.010, 0.002)
+    costs.observe(0.004, 4, 0.100, 0.002)  # one stalled target pass
+    assert costs.draft_cost_ratio > 0.05
