@@ -32,6 +32,9 @@ def _worker_options(name: str, resources: WorkerResources) -> dict[str, Any]:
         "ray_actor_options": {"num_cpus": REPLICA_CPUS},
         "placement_group_bundles": engine_bundles(resources.num_cpus, resources.num_gpus, resources.resources),
         "placement_group_strategy": "STRICT_PACK",
+        # A dead engine fails its replica's health check; find out fast so Serve replaces it.
+        "health_check_period_s": 2.0,
+        "health_check_timeout_s": 10.0,
     }
 
 

@@ -33,7 +33,7 @@ from decoding.speculation import accept_round
 from policies.depth import RoundCosts, choose_draft_depth
 
 logger = logging.getLogger("ray.serve")
-MAX_TARGET_RETRIES = 2
+TARGET_RECOVERY_S = 60.0  # how long a request waits for a replacement target engine
 ENGINE_ERRORS = (RayActorError, ray.exceptions.ActorUnavailableError)
 
 
@@ -185,20 +185,26 @@ class Router:
 
     async def _verify(self, state: RequestState, target, num_rows: int,
                       proposal: Proposal | None = None) -> tuple[Any, float, Any]:
-        """One target forward -> (rows, compute seconds, the engine that answered). On a lost
-        engine, ask Serve for another and re-run: the full history makes it re-prefill."""
+        """One target forward -> (rows, compute seconds, the engine that answered).
+
+        On a lost engine, ask Serve for one again until TARGET_RECOVERY_S passes: another
+        replica's engine, or the replacement Serve starts once the dead replica fails its health
+        check. The full history makes the new engine re-prefill, so nothing committed is lost."""
         tokens = state.history + (proposal.token_ids if proposal else [])
-        for attempt in range(MAX_TARGET_RETRIES + 1):
+        deadline = time.monotonic() + TARGET_RECOVERY_S
+        while True:
             try:
                 rows, compute_s = await target.verify.remote(state.request_id, tokens, num_rows, state.params)
                 return rows, compute_s, target
             except ENGINE_ERRORS:
-                if attempt == MAX_TARGET_RETRIES:
+                if time.monotonic() > deadline:
                     raise
-                logger.warning("target engine lost for %s; re-prefilling on another replica", state.request_id)
-                await asyncio.sleep(0.05 * (attempt + 1))
-                target = await self.target_workers.get_engine.remote()
-        raise AssertionError("unreachable")
+                logger.warning("target engine lost for %s; re-prefilling on another engine", state.request_id)
+                await asyncio.sleep(0.5)
+                try:
+                    target = await self.target_workers.get_engine.remote()
+                except Exception:  # the replica itself may be going down: try again shortly
+                    logger.warning("no target replica reachable yet for %s", state.request_id)
 
     def _draft_depth(self, state: RequestState) -> int:
         """K for this round. A seeded request's K must not depend on timing (its random draws

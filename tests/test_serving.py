@@ -237,3 +237,12 @@ def test_lost_draft_engine_continues_target_only(client, reference):
     ray.kill(engine)
     response = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=32, temperature=0)
     assert response.choices[0].text == reference(PROMPTS[2], 32)
+
+
+def test_lost_target_engine_is_replaced_and_the_request_completes(client, reference):
+    """A killed target engine fails its replica's health check; Serve replaces the replica and
+    the router re-prefills the new engine from the committed history: same greedy text."""
+    engine = serve.get_deployment_handle("TargetWorker", APP_NAME).get_engine.remote().result()
+    ray.kill(engine)
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=32, temperature=0)
+    assert response.choices[0].text == reference(PROMPTS[1], 32)
