@@ -51,6 +51,12 @@ async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
     return JSONResponse(status_code=exc.status_code, content=error_body(exc.message, exc.error_type, exc.param))
 
 
+@app.exception_handler(Exception)
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    # Generation failed for a reason the client cannot fix (e.g. no target replica came back).
+    return JSONResponse(status_code=500, content=error_body(f"generation failed: {exc}", error_type="server_error"))
+
+
 def _sse(payload: dict[str, Any] | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
