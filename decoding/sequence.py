@@ -31,9 +31,14 @@ class SpecStats:
     def mean_tokens_per_pass(self) -> float:
         return self.num_emitted / self.target_passes if self.target_passes else 0.0
 
+    @property
+    def mean_accepted_per_round(self) -> float:
+        return self.num_accepted / self.rounds if self.rounds else 0.0
+
     def to_dict(self) -> dict:
         return {**asdict(self), "acceptance_rate": self.acceptance_rate,
-                "mean_tokens_per_pass": self.mean_tokens_per_pass}
+                "mean_tokens_per_pass": self.mean_tokens_per_pass,
+                "mean_accepted_per_round": self.mean_accepted_per_round}
 
 
 @dataclass
