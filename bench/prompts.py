@@ -2,7 +2,7 @@
 
 Code prompts come from the training corpus's HELD-OUT files (training.corpus), so acceptance is
 measured on code neither model was trained on; a few hand-written prose prompts show how the code
-pair does off-distribution. The set is generated once and committed as prompts_v1.json: the
+pair does off-distribution. The set is generated once and committed as prompts_v2.json: the
 benchmark reads only the JSON, so results stay comparable even when the interpreter (and with it
 the stdlib the corpus is built from) changes. Regenerate with ``python -m bench.prompts --write``
 only together with a version bump.
@@ -17,7 +17,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-PROMPT_SET_VERSION = 1
+PROMPT_SET_VERSION = 2
 DEFAULT_PROMPTS_PATH = Path(__file__).resolve().parent / f"prompts_v{PROMPT_SET_VERSION}.json"
 NUM_CODE_PROMPTS = 12
 MIN_CODE_CHARS, TARGET_CODE_CHARS, MAX_CODE_CHARS = 100, 160, 400
@@ -51,7 +51,9 @@ def _node_prompt(lines: list[str], node: ast.AST) -> str | None:
         if len(text) >= TARGET_CODE_CHARS or len(text) + len(line) > MAX_CODE_CHARS:
             break
         text += line
-    text = text.rstrip() + "\n"  # end on a line break, never on blank lines
+    # End at the end of a line but without its newline: the BPE merges "\n" with the next line's
+    # indentation, so a prompt ending in a bare "\n" would leave both models mid-token.
+    text = text.rstrip()
     return text if MIN_CODE_CHARS <= len(text) <= MAX_CODE_CHARS else None
 
 

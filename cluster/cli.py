@@ -12,7 +12,9 @@ import httpx
 
 from cluster.config import load_config
 
-DEMO_PROMPT = "def fibonacci(n):\n"
+# No trailing newline: the tokenizer merges a newline with the next line's indentation, so a
+# prompt that ends in "\n" leaves the model mid-token.
+DEMO_PROMPT = "def fibonacci(n):"
 # Subcommands whose module has its own argparse main(argv): name -> (module, help).
 FORWARDED_COMMANDS = {
     "train-default": ("training.default_pair", "train the default draft/target pair"),

@@ -26,7 +26,7 @@ from training.corpus import is_held_out
 
 def test_prompt_set_is_versioned_and_mixes_code_and_prose():
     version, prompts = load_prompts()
-    assert version == 1 and DEFAULT_PROMPTS_PATH.name == "prompts_v1.json"
+    assert version == 2 and DEFAULT_PROMPTS_PATH.name == "prompts_v2.json"
     kinds = [p.kind for p in prompts]
     assert kinds.count("code") >= 10 and kinds.count("prose") >= 3
     assert len({p.prompt_id for p in prompts}) == len(prompts)

@@ -45,7 +45,7 @@ def test_prompts_are_deterministic_held_out_line_chunks():
     for prompt in prompts:
         assert prompt.source in held and is_held_out(prompt.source)
         assert MIN_PROMPT_CHARS <= len(prompt.text) <= MAX_PROMPT_CHARS
-        assert prompt.text.endswith("\n") and prompt.text.strip()
+        assert not prompt.text.endswith("\n") and prompt.text.strip()  # ends at a line end, newline dropped
         # Starts at the start of the line it names.
         lines = held[prompt.source].splitlines(keepends=True)
         assert "".join(lines[prompt.line - 1:]).startswith(prompt.text)
@@ -71,7 +71,7 @@ def test_evaluation_json_has_the_measurements(evaluated):
     assert evaluation["held_out"]["from_training"]["target"]["loss"] == 5.4321
     assert evaluation["held_out"]["recomputed"]["target"]["windows"] == 1
     assert [s["name"] for s in evaluation["samples"]] == ["fibonacci", "stack", "held-out"]
-    assert evaluation["samples"][0]["prompt"] == "def fibonacci(n):\n"
+    assert evaluation["samples"][0]["prompt"] == "def fibonacci(n):"
     assert evaluation["criterion"]["threshold"] == 0.6
     assert len(evaluation["prompts"]) == 2
     assert evaluation["corpus"]["held_out_files"] == len(held_out_corpus())

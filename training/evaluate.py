@@ -20,7 +20,7 @@ Everything is deterministic (fixed prompts, seeded sampling) except the latencie
 
 Held-out prompts: every held-out file (``training.corpus.split_corpus``, by a hash of its path) is
 cut at line starts into chunks of ``MIN_PROMPT_CHARS``..``MAX_PROMPT_CHARS`` characters that start
-on a non-blank line and end at a line boundary; all chunks of all held-out files are ordered by a
+on a non-blank line and end at a line boundary (its newline dropped: the BPE merges it with the next indentation); all chunks of all held-out files are ordered by a
 SHA-256 of ``path:first_line`` (a fixed pseudo-random order, so the first N are a uniform sample of
 held-out code and the first N are a prefix of the first N+1) and the first N are taken.
 """
@@ -53,8 +53,8 @@ DEFAULT_MAX_TOKENS = 96
 ACCEPTANCE_THRESHOLD = 0.6  # the issue's bar: greedy per-token acceptance at K=4 on held-out prompts
 CARD_COMMAND = ".venv/bin/specserve eval-pair --card"
 SAMPLE_PROMPTS = (
-    ("fibonacci", "def fibonacci(n):\n"),
-    ("stack", "class Stack:\n    def __init__(self):\n"),
+    ("fibonacci", "def fibonacci(n):"),
+    ("stack", "class Stack:\n    def __init__(self):"),
 )
 
 
@@ -88,8 +88,9 @@ def file_chunks(file: SourceFile, min_chars: int = MIN_PROMPT_CHARS,
             size += len(lines[j])
             j += 1
         text = "".join(lines[i:j])
-        if min_chars <= len(text) <= max_chars and text.endswith("\n"):
-            chunks.append(Prompt(file.relative_path, i + 1, text))
+        # Drop the final newline: the BPE merges it with the next line's indentation.
+        if text.endswith("\n") and min_chars <= len(text) - 1 <= max_chars:
+            chunks.append(Prompt(file.relative_path, i + 1, text[:-1]))
             i = j
         else:
             i += 1
@@ -523,7 +524,7 @@ Training wall time: {train_wall}. Hardware: {train_hardware}.
 ## Evaluation
 
 On the first {num_prompts} held-out prompts: held-out files cut at line starts into chunks of
-{min_chars}-{max_chars} characters that start on a non-blank line and end at a line boundary, in a
+{min_chars}-{max_chars} characters that start on a non-blank line and end at a line boundary (newline dropped), in a
 fixed pseudo-random order (SHA-256 of `path:line`), i.e. a uniform sample of held-out code. Each
 prompt is continued for up to {max_tokens} tokens, fp32 on CPU, {threads} torch thread(s).
 
