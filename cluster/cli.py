@@ -14,7 +14,7 @@ from cluster.config import load_config
 
 # No trailing newline: the tokenizer merges a newline with the next line's indentation, so a
 # prompt that ends in "\n" leaves the model mid-token.
-DEMO_PROMPT = "def fibonacci(n):"
+DEMO_PROMPT = "class Stack:\n    def __init__(self):"
 # Subcommands whose module has its own argparse main(argv): name -> (module, help).
 FORWARDED_COMMANDS = {
     "train-default": ("training.default_pair", "train the default draft/target pair"),
