@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
-from ray import serve
 from ray.serve import Application
 
 from cluster.config import SpecServeConfig, WorkerResources

@@ -7,7 +7,7 @@ import torch
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from decoding.model_runner import (
     IncompatibleModelsError,
@@ -16,18 +16,9 @@ from decoding.model_runner import (
     check_compatible,
     check_compatible_paths,
 )
-from tests.tiny_pair import make_tiny_pair, tiny_config
+from tests.tiny_pair import make_tiny_pair, tiny_config, tiny_llama
 
 ATOL = 1e-4
-
-
-def tiny_llama(vocab_size: int = 96, seed: int = 0, max_position_embeddings: int = 128) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=max_position_embeddings, initializer_range=0.2,
-                         bos_token_id=0, eos_token_id=1, pad_token_id=None)
-    return LlamaForCausalLM(config).eval()
 
 
 def full_logits(model: LlamaForCausalLM, token_ids: list[int]) -> torch.Tensor:

@@ -2,23 +2,15 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from decoding.model_runner import ModelRunner
 from decoding.proposers import DraftModelProposer, NgramProposer
 from decoding.sampling import SamplingParams, logits_to_probs, make_generator, sample_from_probs
+from tests.tiny_pair import tiny_llama
 
 GREEDY = SamplingParams(temperature=0)
 SAMPLED = SamplingParams(temperature=0.8, top_k=40)
-
-
-def tiny_llama(seed: int = 0, max_position_embeddings: int = 128) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=max_position_embeddings, initializer_range=0.2,
-                         bos_token_id=0, eos_token_id=1, pad_token_id=None)
-    return LlamaForCausalLM(config).eval()
 
 
 def last_logits(model: LlamaForCausalLM, token_ids: list[int]) -> torch.Tensor:

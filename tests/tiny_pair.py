@@ -22,6 +22,16 @@ def tiny_config(vocab_size: int) -> LlamaConfig:
                        tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
 
 
+def tiny_llama(vocab_size: int = 96, seed: int = 0, max_position_embeddings: int = 128) -> LlamaForCausalLM:
+    """A tiny random Llama for unit tests (no tokenizer), with logits large enough to be decisive."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=max_position_embeddings, initializer_range=0.2,
+                         bos_token_id=0, eos_token_id=1, pad_token_id=None)
+    return LlamaForCausalLM(config).eval()
+
+
 def make_tiny_pair(root: Path, seed: int = 0, noise: float = 0.3) -> tuple[Path, Path]:
     """Save target and draft (with the shipped tokenizer) under root; return their paths."""
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
