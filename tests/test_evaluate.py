@@ -20,7 +20,7 @@ FAKE_TRAINING = {
     "target_params": 1, "draft_params": 1, "train_tokens": 123_456, "held_out_tokens": 7_890,
     "tokens_seen": 1_280, "held_out_loss": {"target": 5.4321, "draft": 6.5432},
     "held_out_perplexity": {"target": math.exp(5.4321), "draft": math.exp(6.5432)},
-    "device": "cpu", "torch_threads": 1, "wall_time_s": 4321.0,
+    "device": "cpu", "torch_threads": 1, "train_seconds": 4321.0,
     "log": [{"step": 10, "target_loss": 7.25, "draft_kl": 1.5}],
 }
 SMALL = ["--num-prompts", "2", "--max-tokens", "8", "--latency-steps", "3", "--loss-windows", "1",

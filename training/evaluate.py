@@ -664,7 +664,9 @@ def card_fields(evaluation: dict, training: dict | None) -> dict:
     # The last logged target loss of the joint phase (the distillation phase logs NaN for it).
     target_losses = [r["target_loss"] for r in log if isinstance(r.get("target_loss"), float)
                      and not math.isnan(r["target_loss"])]
-    wall = _duration(training.get("wall_time_s"))
+    wall = _duration(training.get("train_seconds"))  # written by training/default_pair.py
+    if wall and training.get("train_seconds_note"):
+        wall += f" ({training['train_seconds_note']})"
     hardware = training.get("hardware")
     if hardware is None and training:
         hardware = f"device `{training.get('device', '?')}`, {training.get('torch_threads', '?')} torch thread(s)"
