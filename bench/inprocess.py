@@ -89,9 +89,9 @@ def load_pair(target_path: str, draft_path: str, device: str = "cpu", dtype: str
 
 # -- step latencies -----------------------------------------------------------------------------
 
-def step_latency_s(runner: ModelRunner, context_ids: list[int], num_new_tokens: int, reps: int = 15,
-                   warmup: int = 3) -> float:
-    """Median seconds of one forward over num_new_tokens new tokens on a warm cache holding
+def step_latency_samples(runner: ModelRunner, context_ids: list[int], num_new_tokens: int, reps: int = 15,
+                         warmup: int = 3) -> list[float]:
+    """Seconds of each of `reps` forwards over num_new_tokens new tokens on a warm cache holding
     context_ids (the runner crops back to the context before every repetition)."""
     seq_id = f"step-latency-{num_new_tokens}"
     new_tokens = [context_ids[i % len(context_ids)] for i in range(num_new_tokens)]
@@ -106,7 +106,13 @@ def step_latency_s(runner: ModelRunner, context_ids: list[int], num_new_tokens: 
                 samples.append(time.perf_counter() - started)
     finally:
         runner.release(seq_id)
-    return statistics.median(samples)
+    return samples
+
+
+def step_latency_s(runner: ModelRunner, context_ids: list[int], num_new_tokens: int, reps: int = 15,
+                   warmup: int = 3) -> float:
+    """Median of step_latency_samples."""
+    return statistics.median(step_latency_samples(runner, context_ids, num_new_tokens, reps, warmup))
 
 
 def measure_steps(pair: LoadedPair, context_ids: list[int], target_new_tokens: Sequence[int]) -> StepLatency:

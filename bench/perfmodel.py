@@ -11,6 +11,8 @@ import math
 import statistics
 from collections.abc import Sequence
 
+from policies.depth import expected_tokens_per_round
+
 
 def expected_tokens_per_pass(acceptance_rate: float, num_draft_tokens: float) -> float:
     """E = 1 + a + ... + a^K: expected tokens a target pass emits when each draft token is
@@ -19,9 +21,7 @@ def expected_tokens_per_pass(acceptance_rate: float, num_draft_tokens: float) ->
         raise ValueError(f"acceptance rate must lie in [0, 1], got {acceptance_rate}")
     if num_draft_tokens < 0:
         raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
-    if acceptance_rate == 1.0:
-        return num_draft_tokens + 1.0
-    return (1.0 - acceptance_rate ** (num_draft_tokens + 1)) / (1.0 - acceptance_rate)
+    return expected_tokens_per_round(acceptance_rate, num_draft_tokens)
 
 
 def acceptance_from_tokens_per_round(tokens_per_round: float, num_draft_tokens: float) -> float:

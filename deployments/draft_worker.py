@@ -23,9 +23,7 @@ class DraftEngine:
         else:
             assert model_spec is not None, "a draft-model proposer needs a model spec"
             check_compatible_paths(model_spec["path"], target_path)  # fail start-up with a clear message
-            runner = ModelRunner(model_spec["path"], dtype=model_spec["dtype"], device=model_spec["device"],
-                                 num_threads=model_spec["torch_threads"], max_sequences=model_spec["max_sequences"])
-            self.proposer = DraftModelProposer(runner)
+            self.proposer = DraftModelProposer(ModelRunner.from_spec(model_spec))
         self.generators: dict[str, torch.Generator] = {}
 
     def ping(self) -> bool:

@@ -8,7 +8,6 @@ OpenAI's format, ending with ``data: [DONE]``), GET /v1/models, GET /health. Res
 usual ``usage`` plus a ``speculation`` field with the request's acceptance statistics.
 """
 
-
 import json
 from collections.abc import AsyncIterator
 from typing import Any

@@ -17,8 +17,7 @@ class TargetEngine:
     """Holds the target model and one KV cache per request id (the Ray actor on the data path)."""
 
     def __init__(self, model_spec: dict) -> None:
-        self.runner = ModelRunner(model_spec["path"], dtype=model_spec["dtype"], device=model_spec["device"],
-                                  num_threads=model_spec["torch_threads"], max_sequences=model_spec["max_sequences"])
+        self.runner = ModelRunner.from_spec(model_spec)
 
     def ping(self) -> bool:
         return True

@@ -19,8 +19,9 @@ PRIOR_ACCEPTED = 3.0  # Beta(3, 1): a new request is assumed to accept ~75% of d
 PRIOR_REJECTED = 1.0
 
 
-def expected_tokens_per_round(accept_rate: float, num_draft_tokens: int) -> float:
-    """E[tokens emitted by one round] = accepted draft tokens + the recovered/bonus token."""
+def expected_tokens_per_round(accept_rate: float, num_draft_tokens: float) -> float:
+    """E[tokens emitted by one round] = accepted draft tokens + the recovered/bonus token
+    (K may be fractional: a mean depth)."""
     if accept_rate >= 1.0:
         return float(num_draft_tokens + 1)
     return (1.0 - accept_rate ** (num_draft_tokens + 1)) / (1.0 - accept_rate)

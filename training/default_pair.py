@@ -128,15 +128,18 @@ def distill_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> tor
 
 
 @torch.no_grad()
-def held_out_loss(model, stream: torch.Tensor, seq_len: int, max_windows: int = 64) -> float:
+def held_out_loss(model, stream: torch.Tensor, seq_len: int, max_windows: int = 64) -> tuple[float | None, int]:
+    """(mean next-token cross-entropy, windows used) over consecutive seq_len windows from the
+    stream's start; (None, 0) when the stream is shorter than one window."""
+    was_training = model.training
     model.eval()
     losses = []
     for start in range(0, min(len(stream) - seq_len - 1, max_windows * seq_len), seq_len):
         window = stream[start : start + seq_len + 1].long()[None]
         logits = model(window[:, :-1]).logits
-        losses.append(F.cross_entropy(logits[0], window[0, 1:]).item())
-    model.train()
-    return sum(losses) / len(losses)
+        losses.append(F.cross_entropy(logits[0].float(), window[0, 1:]).item())
+    model.train(was_training)
+    return (sum(losses) / len(losses) if losses else None), len(losses)
 
 
 def save_checkpoint(path: Path, state: dict) -> None:
@@ -292,8 +295,8 @@ def main(argv: list[str] | None = None) -> None:
             last_checkpoint = time.time()
     progress.close()
 
-    target_held = held_out_loss(target, held_stream.to(device), cfg.seq_len)
-    draft_held = held_out_loss(draft, held_stream.to(device), cfg.seq_len)
+    target_held, _ = held_out_loss(target, held_stream.to(device), cfg.seq_len)
+    draft_held, _ = held_out_loss(draft, held_stream.to(device), cfg.seq_len)
     save_pair(target, draft, tokenizer, out)
     summary = {
         "config": asdict(cfg),

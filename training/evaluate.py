@@ -43,8 +43,10 @@ from pathlib import Path
 
 import torch
 
+from bench.inprocess import step_latency_samples
 from cluster.config import DEFAULT_MODELS_DIR
 from training.corpus import HELD_OUT_EVERY, SourceFile, iter_stdlib_files, split_corpus, stdlib_root
+from training.default_pair import held_out_loss
 
 MIN_PROMPT_CHARS = 200
 MAX_PROMPT_CHARS = 300
@@ -280,43 +282,19 @@ def greedy_agreement(draft, prompts_ids: list[list[int]], continuations: list[li
 
 
 def step_latency(runner, token_ids: list[int], context: int, steps: int, warmup: int = 3) -> dict:
-    """Milliseconds of one single-token forward on top of a warm cache of `context` tokens.
-
-    The runner is asked for context + 1 tokens each time: it keeps the cached `context` tokens,
-    crops the one it computed last time and recomputes it (a real decode step plus a rollback,
-    as in speculative decoding)."""
+    """Milliseconds of one single-token forward on top of a warm cache of `context` tokens
+    (bench.inprocess.step_latency_samples: a real decode step plus a rollback each time)."""
     if len(token_ids) < context + 1:
         raise ValueError(f"need {context + 1} tokens to time a step at context {context}, got {len(token_ids)}")
-    seq_id = "latency"
-    history = list(token_ids[: context + 1])
-    runner.forward(seq_id, history[:context])
-    times = []
-    for i in range(warmup + steps):
-        started = time.perf_counter()
-        runner.forward(seq_id, history, num_rows=1)
-        elapsed = time.perf_counter() - started
-        if i >= warmup:
-            times.append(elapsed * 1000)
-    runner.release(seq_id)
-    times.sort()
+    times = sorted(1000 * s for s in step_latency_samples(runner, list(token_ids[:context]), 1, steps, warmup))
     return {"median_ms": statistics.median(times), "p10_ms": times[len(times) // 10],
             "p90_ms": times[min(len(times) - 1, (9 * len(times)) // 10)], "mean_ms": statistics.fmean(times)}
 
 
 def window_loss(model, stream: torch.Tensor, seq_len: int, max_windows: int) -> dict:
-    """Mean next-token cross-entropy over consecutive seq_len windows from the stream's start
-    (training.default_pair.held_out_loss's windows)."""
-    losses = []
-    model.eval()
-    with torch.inference_mode():
-        for start in range(0, min(len(stream) - seq_len - 1, max_windows * seq_len), seq_len):
-            window = stream[start: start + seq_len + 1][None]
-            logits = model(window[:, :-1]).logits.float()
-            losses.append(torch.nn.functional.cross_entropy(logits[0], window[0, 1:]).item())
-    if not losses:
-        return {"windows": 0, "loss": None, "perplexity": None}
-    loss = sum(losses) / len(losses)
-    return {"windows": len(losses), "loss": loss, "perplexity": math.exp(loss)}
+    """training.default_pair.held_out_loss, as the evaluation JSON records it."""
+    loss, windows = held_out_loss(model, stream, seq_len, max_windows)
+    return {"windows": windows, "loss": loss, "perplexity": None if loss is None else math.exp(loss)}
 
 
 def _ratio(numerator: float, denominator: float) -> float:
