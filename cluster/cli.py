@@ -1,4 +1,5 @@
-"""`specserve` command line: serve, generate, serve-config, k8s-manifest, train-default, eval-pair, bench."""
+"""`specserve` command line: serve, generate, serve-config, k8s-manifest, train-default, distill-draft,
+eval-pair, bench."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ DEMO_PROMPT = "class Stack:\n    def __init__(self):"
 # Subcommands whose module has its own argparse main(argv): name -> (module, help).
 FORWARDED_COMMANDS = {
     "train-default": ("training.default_pair", "train the default draft/target pair"),
+    "distill-draft": ("training.distill", "distil the draft further on the target's own generations"),
     "eval-pair": ("training.evaluate", "evaluate the default pair (acceptance, latency); --card writes its model card"),
     "bench": ("bench.run", "benchmark vs target-only and HF assisted generation"),
 }

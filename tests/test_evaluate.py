@@ -107,3 +107,17 @@ def test_card_renders_the_numbers(evaluated):
     (root / "README.md").unlink()
     main(["--models", str(root), "--card-only"])
     assert (root / "README.md").read_text() == card
+
+
+def test_card_describes_the_on_policy_distillation(evaluated):
+    _, evaluation = evaluated
+    assert "On-policy distillation" not in render_card(evaluation, FAKE_TRAINING)
+    distilled = dict(FAKE_TRAINING, draft_distillation={
+        "config": {"steps": 4000, "prompt_tokens": 64, "new_tokens": 128, "greedy_sequences": 3072,
+                   "sampled_sequences": 1536, "temperature": 0.8, "corpus_every": 3, "batch_size": 8,
+                   "lr": 1e-3},
+        "tokens_seen": 6_112_000, "held_out_greedy_agreement": {"before": 0.6431, "after": 0.8123},
+        "train_seconds": 3000, "hardware": "x86_64, 2 CPU cores", "torch_threads": 2})
+    card = render_card(evaluation, distilled)
+    assert "3. **On-policy distillation**, 4,000 steps" in card
+    assert "0.643 before, 0.812 after" in card and "6,112,000 tokens" in card

@@ -493,6 +493,7 @@ sharing the tokenizer so draft tokens are target tokens.
    (peak lr {draft_lr}): online distillation that reuses the target forward training already pays for.
 2. **Distillation phase**, {distill_steps} steps: the target is frozen and the draft keeps
    distilling from it, so it matches the *final* target rather than its earlier selves.
+{distillation_step}
 
 Batches of {batch_size} random windows of {seq_len} tokens; warmup {warmup_steps} steps then cosine
 decay to 10 %; weight decay 0.1, gradient clipping 1.0. Tokens seen: {tokens_seen} per model.
@@ -597,6 +598,28 @@ def _samples_markdown(samples: list[dict]) -> str:
     return "\n\n".join(blocks)
 
 
+def _distillation_step(training: dict) -> str:
+    """The card's third recipe step, from training.json's ``draft_distillation`` (written by
+    training/distill.py); empty when the draft was never distilled on target generations."""
+    run = training.get("draft_distillation")
+    if not run:
+        return ""
+    cfg, agreement = run["config"], run["held_out_greedy_agreement"]
+    return (
+        f"3. **On-policy distillation**, {_count(cfg['steps'])} steps (`.venv/bin/specserve distill-draft`, "
+        f"`training/distill.py`, resumable from `.distill-work/`): the target writes its own continuations "
+        f"of {cfg['prompt_tokens']}-token prompts cut from the training files, "
+        f"{_count(cfg['greedy_sequences'])} greedy and {_count(cfg['sampled_sequences'])} sampled at "
+        f"T={cfg['temperature']}, {cfg['new_tokens']} tokens each, and the draft learns the forward KL to the "
+        f"target's distributions along them (one batch in {cfg['corpus_every']} is a plain corpus window"
+        f"; batch {cfg['batch_size']}, peak lr {cfg['lr']}, cosine). Speculative decoding asks the "
+        f"draft to predict the target *while the target generates*, so that is the text it trains on "
+        f"(DistillSpec's teacher-generated data). Greedy agreement on held-out target continuations: "
+        f"{_fmt(agreement['before'])} before, {_fmt(agreement['after'])} after. "
+        f"{_count(run['tokens_seen'])} tokens, {_duration(run['train_seconds'])} on {run['hardware']} "
+        f"({run['torch_threads']} torch threads).")
+
+
 def card_fields(evaluation: dict, training: dict | None) -> dict:
     """The template's fields from evaluation.json and training.json (None: not trained yet)."""
     training = training or {}
@@ -666,6 +689,7 @@ def card_fields(evaluation: dict, training: dict | None) -> dict:
                        + f". Rerun `{CARD_COMMAND}` on the finished pair.\n")
     return {
         "status_note": status_note,
+        "distillation_step": _distillation_step(training),
         "command": CARD_COMMAND,
         "eval_time": _duration(evaluation.get("wall_s")) or "n/a",
         "eval_threads": settings["threads"],
