@@ -89,6 +89,78 @@ def agreement_on(draft, target, sequences: torch.Tensor, start: int) -> float:
     return agreed / max(total, 1)
 
 
+def make_teacher_data(target, tokenizer, cfg: DistillConfig, generator: torch.Generator) -> dict:
+    """Token streams of both corpus splits, the target's greedy and sampled continuations of
+    training prompts, and greedy continuations of held-out prompts (only ever measured)."""
+    train_files, held_files = split_corpus(iter_stdlib_files())
+    train_stream, held_stream = (encode_files(tokenizer, [f.text for f in files]).long()
+                                 for files in (train_files, held_files))
+    return {
+        "train_stream": train_stream,
+        "held_stream": held_stream,
+        "greedy": teacher_continuations(target, train_stream, cfg.greedy_sequences, cfg, 0.0,
+                                        generator, "teacher greedy"),
+        "sampled": teacher_continuations(target, train_stream, cfg.sampled_sequences, cfg,
+                                         cfg.temperature, generator, "teacher sampled"),
+        "held_greedy": teacher_continuations(target, held_stream, 64, cfg, 0.0,
+                                             torch.Generator().manual_seed(cfg.seed + 1), "held-out greedy"),
+    }
+
+
+def distill(draft, target, data: dict, cfg: DistillConfig, generator: torch.Generator,
+            checkpoint_path: Path, checkpoint_every_s: float) -> dict:
+    """Train the draft in place; resume from checkpoint_path when it exists. Returns the run's
+    record (log, wall seconds, agreement before training)."""
+    teacher = torch.cat([data["greedy"], data["sampled"]])
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    run = {"step": 0, "log": [], "train_seconds": 0.0}
+    if checkpoint_path.exists():
+        state = torch.load(checkpoint_path, weights_only=False)
+        draft.load_state_dict(state.pop("draft"))
+        optimizer.load_state_dict(state.pop("optimizer"))
+        generator.set_state(state.pop("generator"))
+        run = state
+        print(f"resumed at step {run['step']}", flush=True)
+    else:
+        run["agreement_before"] = agreement_on(draft.eval(), target, data["held_greedy"], cfg.prompt_tokens)
+    print(f"held-out greedy agreement before: {run['agreement_before']:.3f}", flush=True)
+
+    draft.train()
+    progress = tqdm(total=cfg.steps, initial=run["step"], desc="distill", mininterval=10)
+    last_checkpoint = started = time.time()
+    tokens = 0
+    while run["step"] < cfg.steps:
+        step = run["step"]
+        if step % cfg.corpus_every == cfg.corpus_every - 1:
+            batch = sample_batch(data["train_stream"], cfg.batch_size, cfg.prompt_tokens + cfg.new_tokens, generator)
+        else:
+            batch = teacher[torch.randint(0, len(teacher), (cfg.batch_size,), generator=generator)]
+        inputs = batch[:, :-1]
+        with torch.no_grad():
+            target_logits = target(inputs).logits
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg.steps, cfg.lr, cfg.warmup_steps)
+        loss = distill_loss(draft(inputs).logits, target_logits)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        optimizer.step()
+        run["step"] = step = step + 1
+        tokens += inputs.numel()
+        if step % 10 == 0:
+            run["log"].append({"step": step, "draft_kl": loss.item()})
+            progress.set_postfix(kl=f"{loss.item():.3f}", tok_s=f"{tokens / (time.time() - started):.0f}")
+        progress.update(1)
+        if time.time() - last_checkpoint > checkpoint_every_s or step == cfg.steps:
+            run["train_seconds"] += time.time() - last_checkpoint
+            last_checkpoint = time.time()
+            save_checkpoint(checkpoint_path, {**run, "draft": draft.state_dict(),
+                                              "optimizer": optimizer.state_dict(),
+                                              "generator": generator.get_state()})
+    progress.close()
+    return run
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="models/default", help="folder with target/, draft/, training.json")
@@ -111,76 +183,17 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
-
     target = AutoModelForCausalLM.from_pretrained(models / "target", dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(models / "draft", dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(models / "target")
-    train_files, held_files = split_corpus(iter_stdlib_files())
 
     data_path = work / "teacher.pt"
     if data_path.exists():
         data = torch.load(data_path)
     else:
-        train_stream, held_stream = (encode_files(tokenizer, [f.text for f in files]).long()
-                                     for files in (train_files, held_files))
-        data = {"train_stream": train_stream, "held_stream": held_stream}
-        data["greedy"] = teacher_continuations(target, train_stream, cfg.greedy_sequences, cfg, 0.0,
-                                               generator, "teacher greedy")
-        data["sampled"] = teacher_continuations(target, train_stream, cfg.sampled_sequences, cfg,
-                                                cfg.temperature, generator, "teacher sampled")
-        # held-out greedy continuations: the agreement this run reports, never trained on
-        data["held_greedy"] = teacher_continuations(
-            target, held_stream, 64, cfg, 0.0, torch.Generator().manual_seed(cfg.seed + 1), "held-out greedy")
+        data = make_teacher_data(target, tokenizer, cfg, generator)
         torch.save(data, data_path)
-    teacher = torch.cat([data["greedy"], data["sampled"]])
-
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.1, betas=(0.9, 0.95))
-    step, log, train_seconds = 0, [], 0.0
-    agreement_before = agreement_on(draft.eval(), target, data["held_greedy"], cfg.prompt_tokens)
-    checkpoint_path = work / "checkpoint.pt"
-    if checkpoint_path.exists():
-        state = torch.load(checkpoint_path, weights_only=False)
-        draft.load_state_dict(state["draft"])
-        optimizer.load_state_dict(state["optimizer"])
-        generator.set_state(state["generator"])
-        step, log, train_seconds = state["step"], state["log"], state["train_seconds"]
-        agreement_before = state["agreement_before"]
-        print(f"resumed at step {step}", flush=True)
-    print(f"held-out greedy agreement before: {agreement_before:.3f}", flush=True)
-
-    draft.train()
-    progress = tqdm(total=cfg.steps, initial=step, desc="distill", mininterval=10)
-    last_checkpoint = started = time.time()
-    tokens = 0
-    while step < cfg.steps:
-        if step % cfg.corpus_every == cfg.corpus_every - 1:
-            batch = sample_batch(data["train_stream"], cfg.batch_size, cfg.prompt_tokens + cfg.new_tokens, generator)
-        else:
-            batch = teacher[torch.randint(0, len(teacher), (cfg.batch_size,), generator=generator)]
-        inputs = batch[:, :-1]
-        with torch.no_grad():
-            target_logits = target(inputs).logits
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg.steps, cfg.lr, cfg.warmup_steps)
-        loss = distill_loss(draft(inputs).logits, target_logits)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        optimizer.step()
-        step += 1
-        tokens += inputs.numel()
-        if step % 10 == 0:
-            log.append({"step": step, "draft_kl": loss.item()})
-            progress.set_postfix(kl=f"{loss.item():.3f}", tok_s=f"{tokens / (time.time() - started):.0f}")
-        progress.update(1)
-        if time.time() - last_checkpoint > args.checkpoint_every_s or step == cfg.steps:
-            train_seconds += time.time() - last_checkpoint
-            last_checkpoint = time.time()
-            save_checkpoint(checkpoint_path, {
-                "draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
-                "generator": generator.get_state(), "step": step, "log": log,
-                "train_seconds": train_seconds, "agreement_before": agreement_before})
-    progress.close()
+    run = distill(draft, target, data, cfg, generator, work / "checkpoint.pt", args.checkpoint_every_s)
 
     draft.eval()
     agreement_after = agreement_on(draft, target, data["held_greedy"], cfg.prompt_tokens)
@@ -193,15 +206,15 @@ def main(argv: list[str] | None = None) -> None:
     training = json.loads(training_path.read_text())
     training["draft_distillation"] = {
         "config": asdict(cfg),
-        "teacher_sequences": int(len(teacher)),
-        "tokens_seen": cfg.steps * cfg.batch_size * (cfg.prompt_tokens + cfg.new_tokens - 1),
-        "held_out_greedy_agreement": {"before": agreement_before, "after": agreement_after},
+        "teacher_sequences": len(data["greedy"]) + len(data["sampled"]),
+        "tokens_seen": cfg.steps * cfg.batch_size * (cfg.prompt_tokens + cfg.new_tokens),
+        "held_out_greedy_agreement": {"before": run["agreement_before"], "after": agreement_after},
         "draft_held_out_loss": draft_held,
         "draft_held_out_perplexity": math.exp(draft_held),
-        "train_seconds": round(train_seconds),
+        "train_seconds": round(run["train_seconds"]),
         "hardware": f"{os.uname().machine}, {os.cpu_count()} CPU cores",
         "torch_threads": torch.get_num_threads(),
-        "log": log,
+        "log": run["log"],
     }
     training["held_out_loss"]["draft"] = draft_held
     training["held_out_perplexity"]["draft"] = math.exp(draft_held)
