@@ -57,8 +57,7 @@ def teacher_continuations(target, stream: torch.Tensor, count: int, cfg: Distill
     progress = tqdm(total=count, desc=desc, mininterval=10)
     while sum(len(r) for r in rows) < count:
         n = min(cfg.generate_batch, count - sum(len(r) for r in rows))
-        prompts = sample_batch(stream, n, cfg.prompt_tokens - 1, generator)
-        ids = prompts
+        ids = sample_batch(stream, n, cfg.prompt_tokens - 1, generator).to(target.device)
         cache = None
         next_input = ids
         for _ in range(cfg.new_tokens):
@@ -68,21 +67,23 @@ def teacher_continuations(target, stream: torch.Tensor, count: int, cfg: Distill
                 token = logits.argmax(-1, keepdim=True)
             else:
                 probs = torch.softmax(logits / temperature, dim=-1)
-                token = torch.multinomial(probs, 1, generator=generator)
+                # sampled on the CPU so the seeded CPU generator reproduces on any device
+                token = torch.multinomial(probs.cpu(), 1, generator=generator).to(target.device)
             ids = torch.cat([ids, token], dim=1)
             next_input = token
-        rows.append(ids)
+        rows.append(ids.cpu())
         progress.update(n)
     progress.close()
     return torch.cat(rows)
 
 
 @torch.no_grad()
-def agreement_on(draft, target, sequences: torch.Tensor, start: int) -> float:
+def agreement_on(draft, sequences: torch.Tensor, start: int) -> float:
     """Fraction of positions >= start where the draft's argmax equals the token that follows
     (the target's own choice when the rows are greedy target continuations)."""
     agreed = total = 0
     for batch in sequences.split(32):
+        batch = batch.to(draft.device)
         predicted = draft(batch[:, :-1]).logits[:, start - 1 :].argmax(-1)
         agreed += int((predicted == batch[:, start:]).sum())
         total += predicted.numel()
@@ -122,7 +123,7 @@ def distill(draft, target, data: dict, cfg: DistillConfig, generator: torch.Gene
         run = state
         print(f"resumed at step {run['step']}", flush=True)
     else:
-        run["agreement_before"] = agreement_on(draft.eval(), target, data["held_greedy"], cfg.prompt_tokens)
+        run["agreement_before"] = agreement_on(draft.eval(), data["held_greedy"], cfg.prompt_tokens)
     print(f"held-out greedy agreement before: {run['agreement_before']:.3f}", flush=True)
 
     draft.train()
@@ -135,7 +136,7 @@ def distill(draft, target, data: dict, cfg: DistillConfig, generator: torch.Gene
             batch = sample_batch(data["train_stream"], cfg.batch_size, cfg.prompt_tokens + cfg.new_tokens, generator)
         else:
             batch = teacher[torch.randint(0, len(teacher), (cfg.batch_size,), generator=generator)]
-        inputs = batch[:, :-1]
+        inputs = batch[:, :-1].to(draft.device)
         with torch.no_grad():
             target_logits = target(inputs).logits
         for group in optimizer.param_groups:
@@ -165,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="models/default", help="folder with target/, draft/, training.json")
     parser.add_argument("--work-dir", default=".distill-work")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0 = default)")
     parser.add_argument("--steps", type=int, default=DistillConfig.steps)
     parser.add_argument("--greedy-sequences", type=int, default=DistillConfig.greedy_sequences)
     parser.add_argument("--sampled-sequences", type=int, default=DistillConfig.sampled_sequences)
@@ -183,8 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
-    target = AutoModelForCausalLM.from_pretrained(models / "target", dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_pretrained(models / "draft", dtype=torch.float32)
+    target = AutoModelForCausalLM.from_pretrained(models / "target", dtype=torch.float32).to(args.device).eval()
+    draft = AutoModelForCausalLM.from_pretrained(models / "draft", dtype=torch.float32).to(args.device)
     tokenizer = AutoTokenizer.from_pretrained(models / "target")
 
     data_path = work / "teacher.pt"
@@ -196,8 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     run = distill(draft, target, data, cfg, generator, work / "checkpoint.pt", args.checkpoint_every_s)
 
     draft.eval()
-    agreement_after = agreement_on(draft, target, data["held_greedy"], cfg.prompt_tokens)
-    draft_held, _ = held_out_loss(draft, data["held_stream"], 256)
+    agreement_after = agreement_on(draft, data["held_greedy"], cfg.prompt_tokens)
+    draft_held, _ = held_out_loss(draft, data["held_stream"].to(draft.device), 256)
     print(f"held-out greedy agreement after: {agreement_after:.3f}; held-out loss {draft_held:.3f}", flush=True)
     draft.to(torch.float16).save_pretrained(models / "draft")
     tokenizer.save_pretrained(models / "draft")
@@ -212,7 +214,8 @@ def main(argv: list[str] | None = None) -> None:
         "draft_held_out_loss": draft_held,
         "draft_held_out_perplexity": math.exp(draft_held),
         "train_seconds": round(run["train_seconds"]),
-        "hardware": f"{os.uname().machine}, {os.cpu_count()} CPU cores",
+        "hardware": f"{os.uname().machine}, {os.cpu_count()} CPU cores" + (
+            f", {torch.cuda.get_device_name(draft.device)}" if draft.device.type == "cuda" else ""),
         "torch_threads": torch.get_num_threads(),
         "log": run["log"],
     }
