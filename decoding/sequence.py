@@ -22,6 +22,7 @@ class SpecStats:
     num_accepted: int = 0      # draft tokens the target accepted
     num_emitted: int = 0       # tokens committed to the output
     target_passes: int = 0     # target forwards, the prefill pass included
+    pipelined_rounds: int = 0  # rounds whose block was drafted during the previous verification
 
     @property
     def acceptance_rate(self) -> float:

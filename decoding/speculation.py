@@ -63,3 +63,23 @@ def accept_round(state: RequestState, proposal: Proposal,
     stats.num_emitted += len(committed)
     stats.target_passes += 1
     return committed
+
+
+def drafted_ahead(history: Sequence[int], ahead_of: Sequence[int], ahead: Proposal,
+                  num_tokens: int) -> Proposal | None:
+    """The next round's proposal out of a block drafted *while the target verified* (pipelining).
+
+    `ahead` continued `ahead_of` (the previous history plus its whole proposal): its first token
+    guesses the target's bonus token, the rest draft past it. It is usable only when the target
+    accepted every draft token and its bonus equals that guess, i.e. the history is now exactly
+    ahead_of + [guess]; then the rest, cut to num_tokens, is a draft block sampled from q given
+    the true history, as good as one drafted now, so verification stays lossless. None otherwise.
+    """
+    if (len(ahead.token_ids) < 2 or len(history) != len(ahead_of) + 1
+            or history[-1] != ahead.token_ids[0] or list(history[:-1]) != list(ahead_of)):
+        return None
+    count = min(num_tokens, len(ahead.token_ids) - 1)
+    if count <= 0:
+        return None
+    probs = None if ahead.probs is None else ahead.probs[1 : 1 + count]
+    return Proposal(token_ids=list(ahead.token_ids[1 : 1 + count]), probs=probs)
