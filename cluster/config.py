@@ -57,7 +57,7 @@ class SpeculationSpec(_Strict):
     max_draft_tokens: int = Field(8, ge=0, le=32)
     adaptive: bool = True
     draft_cost_ratio: float = Field(0.15, gt=0, le=1, description="draft step / target pass latency until measured")
-    pipeline: bool = Field(True, description="greedy requests: draft the next block while the target verifies")
+    pipeline: bool = Field(True, description="draft the next block while the target verifies (lone greedy requests)")
 
     @model_validator(mode="after")
     def _bounds(self) -> "SpeculationSpec":

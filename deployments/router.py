@@ -30,7 +30,7 @@ from decoding.proposers import Proposal
 from decoding.sampling import SamplingParams
 from decoding.sequence import RequestState
 from decoding.speculation import accept_round, drafted_ahead
-from policies.depth import RoundCosts, choose_draft_depth
+from policies.depth import RoundCosts, choose_draft_depth, should_draft_ahead
 
 logger = logging.getLogger("ray.serve")
 TARGET_RECOVERY_S = 60.0  # how long a request waits for a replacement target engine
@@ -152,7 +152,8 @@ class Router:
                         self.metrics.draft_failures.inc()
                         draft = None
                 ahead = None
-                if draft is not None and proposal.token_ids and self._pipelines(state):
+                if draft is not None and proposal.token_ids and should_draft_ahead(
+                        self.config.speculation.pipeline, state.params.is_greedy, len(self.active_requests)):
                     # Draft the next block now, guessing the bonus token, on the draft's own worker.
                     ahead_of = state.history + proposal.token_ids
                     ahead = (ahead_of, draft.propose.remote(request_id, ahead_of, num_draft + 1, state.params,
@@ -177,13 +178,6 @@ class Router:
             for engine in (target, draft):
                 if engine is not None:
                     engine.release.remote(request_id)  # fire and forget: the engine may be gone
-
-    def _pipelines(self, state: RequestState) -> bool:
-        """Draft ahead only for greedy requests: a sampled bonus token rarely equals a sampled
-        guess, so ahead blocks were mostly wasted work (and 160 KB of rows) and, on the 2-core
-        benchmark box, made sampled requests slower (bench: 103.8 -> 96.0 tok/s) while greedy
-        ones gained 18 %."""
-        return self.config.speculation.pipeline and state.params.is_greedy
 
     async def _propose(self, state: RequestState, draft, num_draft: int, ahead) -> tuple[Proposal, float]:
         """This round's draft block and the draft compute seconds the round waited on (0 when

@@ -62,3 +62,12 @@ def test_round_costs_smooth_out_one_slow_round():
         costs.observe(0.004, 4, 0.010, 0.002)
     costs.observe(0.004, 4, 0.100, 0.002)  # one stalled target pass
     assert costs.draft_cost_ratio > 0.05
+
+
+def test_draft_ahead_only_for_a_lone_greedy_request():
+    from policies.depth import should_draft_ahead
+
+    assert should_draft_ahead(True, True, 1)
+    assert not should_draft_ahead(True, True, 2)    # the draft engine has other work meanwhile
+    assert not should_draft_ahead(True, False, 1)   # sampled bonus tokens are rarely guessed
+    assert not should_draft_ahead(False, True, 1)
