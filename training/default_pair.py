@@ -127,6 +127,18 @@ def distill_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> tor
     return (target_logp.exp() * (target_logp - draft_logp)).sum(-1).mean()
 
 
+def distill_step(draft, optimizer, inputs: torch.Tensor, target_logits: torch.Tensor, lr: float) -> torch.Tensor:
+    """One AdamW step of the draft towards the target's distributions at lr; returns the KL."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss = distill_loss(draft(inputs).logits, target_logits)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+    optimizer.step()
+    return loss
+
+
 @torch.no_grad()
 def held_out_loss(model, stream: torch.Tensor, seq_len: int, max_windows: int = 64) -> tuple[float | None, int]:
     """(mean next-token cross-entropy, windows used) over consecutive seq_len windows from the
@@ -267,13 +279,8 @@ def main(argv: list[str] | None = None) -> None:
                 target.eval()
                 target_logits = target(inputs).logits
             target_loss = torch.tensor(float("nan"))
-        for group in draft_opt.param_groups:
-            group["lr"] = lr_at(step, total_steps, cfg.draft_lr, cfg.warmup_steps)
-        draft_loss = distill_loss(draft(inputs).logits, target_logits)
-        draft_opt.zero_grad(set_to_none=True)
-        draft_loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        draft_opt.step()
+        draft_loss = distill_step(draft, draft_opt, inputs, target_logits,
+                                  lr_at(step, total_steps, cfg.draft_lr, cfg.warmup_steps))
         step += 1
         if step % 10 == 0:
             elapsed = time.time() - started

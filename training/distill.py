@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from decoding.sampling import SamplingParams, logits_to_probs, sample_from_probs
 from training.corpus import iter_stdlib_files, split_corpus
-from training.default_pair import distill_loss, encode_files, held_out_loss, lr_at, sample_batch, save_checkpoint
+from training.default_pair import distill_step, encode_files, held_out_loss, lr_at, sample_batch, save_checkpoint
 
 
 @dataclass
@@ -53,22 +54,21 @@ def teacher_continuations(target, stream: torch.Tensor, count: int, cfg: Distill
     """[count, prompt_tokens + new_tokens] token ids: random training-split prompts, each
     continued by the target (greedy when temperature is 0). All prompts have the same length,
     so batches need no padding and every row is a real prefix the target saw."""
+    params = SamplingParams(temperature=temperature)
     rows = []
     progress = tqdm(total=count, desc=desc, mininterval=10)
-    while sum(len(r) for r in rows) < count:
-        n = min(cfg.generate_batch, count - sum(len(r) for r in rows))
+    for done in range(0, count, cfg.generate_batch):
+        n = min(cfg.generate_batch, count - done)
         ids = sample_batch(stream, n, cfg.prompt_tokens - 1, generator).to(target.device)
-        cache = None
-        next_input = ids
+        cache, next_input = None, ids
         for _ in range(cfg.new_tokens):
             out = target(next_input, past_key_values=cache, use_cache=True)
             cache, logits = out.past_key_values, out.logits[:, -1].float()
-            if temperature == 0.0:
+            if params.is_greedy:
                 token = logits.argmax(-1, keepdim=True)
             else:
-                probs = torch.softmax(logits / temperature, dim=-1)
                 # sampled on the CPU so the seeded CPU generator reproduces on any device
-                token = torch.multinomial(probs.cpu(), 1, generator=generator).to(target.device)
+                token = sample_from_probs(logits_to_probs(logits, params).cpu(), generator)[:, None].to(target.device)
             ids = torch.cat([ids, token], dim=1)
             next_input = token
         rows.append(ids.cpu())
@@ -88,6 +88,13 @@ def agreement_on(draft, sequences: torch.Tensor, start: int) -> float:
         agreed += int((predicted == batch[:, start:]).sum())
         total += predicted.numel()
     return agreed / max(total, 1)
+
+
+def tokens_seen(cfg: DistillConfig) -> int:
+    """Input tokens the draft trained on: teacher rows feed prompt + new - 1 tokens, the corpus
+    windows of every corpus_every-th step one more."""
+    corpus_steps = cfg.steps // cfg.corpus_every
+    return cfg.batch_size * (cfg.steps * (cfg.prompt_tokens + cfg.new_tokens - 1) + corpus_steps)
 
 
 def make_teacher_data(target, tokenizer, cfg: DistillConfig, generator: torch.Generator) -> dict:
@@ -139,13 +146,7 @@ def distill(draft, target, data: dict, cfg: DistillConfig, generator: torch.Gene
         inputs = batch[:, :-1].to(draft.device)
         with torch.no_grad():
             target_logits = target(inputs).logits
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg.steps, cfg.lr, cfg.warmup_steps)
-        loss = distill_loss(draft(inputs).logits, target_logits)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        optimizer.step()
+        loss = distill_step(draft, optimizer, inputs, target_logits, lr_at(step, cfg.steps, cfg.lr, cfg.warmup_steps))
         run["step"] = step = step + 1
         tokens += inputs.numel()
         if step % 10 == 0:
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     training["draft_distillation"] = {
         "config": asdict(cfg),
         "teacher_sequences": len(data["greedy"]) + len(data["sampled"]),
-        "tokens_seen": cfg.steps * cfg.batch_size * (cfg.prompt_tokens + cfg.new_tokens),
+        "tokens_seen": tokens_seen(cfg),
         "held_out_greedy_agreement": {"before": run["agreement_before"], "after": agreement_after},
         "draft_held_out_loss": draft_held,
         "draft_held_out_perplexity": math.exp(draft_held),
