@@ -62,13 +62,15 @@ def build_app(config: SpecServeConfig) -> Application:
     options = deployment_options(config)
     config_dict = config.model_dump(mode="json")
     target_spec = config.target.model_dump()
+    engine_options = config.engine_options()
     targets = TargetWorker.options(**options["TargetWorker"]).bind(
-        config.target_workers.model_dump(), target_spec)
+        config.target_workers.model_dump(), target_spec, engine_options)
     drafts = None
     if config.uses_draft_workers:
         draft_spec = config.draft.model_dump() if config.draft is not None else None
         drafts = DraftWorker.options(**options["DraftWorker"]).bind(
-            config.draft_workers.model_dump(), config.speculation.proposer, draft_spec, config.target.path)
+            config.draft_workers.model_dump(), config.speculation.proposer, draft_spec, config.target.path,
+            engine_options)
     router = Router.options(**options["Router"]).bind(config_dict, targets, drafts)
     return Ingress.options(**options["Ingress"]).bind(config_dict, router)
 

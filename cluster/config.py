@@ -70,6 +70,27 @@ class LimitsSpec(_Strict):
     max_tokens: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
     default_max_tokens: int = Field(64, ge=1)
     max_prompt_chars: int = Field(100_000, ge=1)
+    request_timeout_s: float = Field(600.0, gt=0, description="a request running longer ends with "
+                                     "finish_reason 'timeout' and the tokens it has")
+    max_active_requests: int = Field(128, ge=1, description="requests a router runs at once")
+    max_queued_requests: int = Field(256, ge=0, description="requests waiting for room; more get 503")
+    queue_timeout_s: float = Field(30.0, gt=0, description="how long a request waits for room before 503")
+    engine_wait_s: float = Field(30.0, gt=0, description="how long a request waits for a target replica "
+                                 "before 503")
+    draft_wait_s: float = Field(2.0, gt=0, description="how long a request waits for a draft replica "
+                                "before it goes target-only")
+
+
+class BatchingSpec(_Strict):
+    """How an engine batches the calls waiting on it (continuous batching of rounds)."""
+
+    max_batch_rows: int = Field(64, ge=1, description="most sequences in one forward")
+    prefill_token_budget: int = Field(256, ge=1, description="prompt tokens prefilled per engine iteration "
+                                      "(chunked prefill: a long prompt never stalls running rounds for long)")
+    admission_timeout_s: float = Field(30.0, gt=0, description="how long a new sequence waits for a free KV "
+                                       "slot before the request gets 503")
+    idle_sequence_ttl_s: float = Field(900.0, gt=0, description="a KV slot untouched this long is freed "
+                                       "(a safety net for routers that died)")
 
 
 class HttpSpec(_Strict):
@@ -86,6 +107,7 @@ class SpecServeConfig(_Strict):
     tokenizer_path: str | None = Field(None, description="defaults to the target's path")
     speculation: SpeculationSpec = SpeculationSpec()
     limits: LimitsSpec = LimitsSpec()
+    batching: BatchingSpec = BatchingSpec()
     http: HttpSpec = HttpSpec()
     ingress: WorkerResources = WorkerResources(num_cpus=0.25)
     router: WorkerResources = WorkerResources(num_cpus=0.25)
@@ -105,6 +127,11 @@ class SpecServeConfig(_Strict):
     @property
     def uses_draft_workers(self) -> bool:
         return self.speculation.proposer != "none"
+
+    def engine_options(self) -> dict[str, Any]:
+        """What an engine's batching loop needs: the batching section plus the largest step a
+        round can bring (a block drafted ahead carries its bonus guess: max depth + 2 tokens)."""
+        return {**self.batching.model_dump(), "max_step_tokens": max(16, self.speculation.max_draft_tokens + 2)}
 
 
 def _set_nested(tree: dict[str, Any], dotted: list[str], value: Any) -> None:

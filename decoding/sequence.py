@@ -23,6 +23,7 @@ class SpecStats:
     num_emitted: int = 0       # tokens committed to the output
     target_passes: int = 0     # target forwards, the prefill pass included
     pipelined_rounds: int = 0  # rounds whose block was drafted during the previous verification
+    num_discarded_ahead: int = 0  # draft tokens drafted ahead (pipelining) and thrown away unverified
 
     @property
     def acceptance_rate(self) -> float:

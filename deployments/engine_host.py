@@ -6,21 +6,40 @@ costs about half that. So each worker replica spawns its engine (the model) insi
 own placement group (bundle 1 carries the engine's CPUs/GPUs, so on a GPU cluster draft and
 target engines land on distinct GPUs), and hands the engine's actor handle to the router once
 per request through Serve. If the replica dies, its engine dies with it (the replica owns it).
+
+`EngineCore` is what the draft and target engines share: the batching loop (engine_loop.py),
+release, the stats the policy actor and `specserve status` read, idle-sequence eviction.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import ray
 import torch
+from ray import serve
 from ray.util import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from decoding.batched_runner import ForwardCall
+from decoding.model_runner import SequenceStateError
+from decoding.scheduler import IterationPlan, WaitingCall, plan_iteration
+from deployments.engine_loop import EngineLoop
+
 ENGINE_BUNDLE_INDEX = 1
 REPLICA_CPUS = 0.01  # the replica only relays the engine handle and health checks
+ENGINE_NAMESPACE = "specserve"
+COST_SAMPLES_KEPT = 64  # recent (batch tokens, seconds) forwards, for the policy's cost curve
+
+
+def engine_actor_name(pool: str, replica_id: str) -> str:
+    """The engine's Ray actor name (namespace ENGINE_NAMESPACE): `specserve status` finds it by it."""
+    return f"engine:{pool}:{replica_id}"
 
 
 def engine_bundles(num_cpus: float, num_gpus: float,
@@ -31,11 +50,13 @@ def engine_bundles(num_cpus: float, num_gpus: float,
 
 
 def spawn_engine(engine_class: type, num_cpus: float, num_gpus: float, resources: dict[str, float],
-                 *args: Any) -> "ray.actor.ActorHandle":
+                 name: str | None, *args: Any) -> "ray.actor.ActorHandle":
     """Start engine_class as a Ray actor in this replica's engine bundle (or free-standing)."""
     placement_group = get_current_placement_group()
     options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "resources": resources,
-                               "max_restarts": 0}
+                               "max_restarts": 0, "max_concurrency": 1000}
+    if name:
+        options.update(name=name, namespace=ENGINE_NAMESPACE)
     if placement_group is not None:
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement_group=placement_group, placement_group_bundle_index=ENGINE_BUNDLE_INDEX)
@@ -50,6 +71,107 @@ def to_wire(rows: torch.Tensor) -> list[int] | np.ndarray:
     return rows.tolist()
 
 
+class EngineCore:
+    """Shared body of the draft and target engine actors. Subclasses set `runner` (or None for a
+    model-free proposer) before calling __init__, and implement `_iterate(calls)`."""
+
+    pool: str
+    runner: Any
+
+    def __init__(self, engine_options: dict, name: str = "") -> None:
+        self.name = name
+        self.max_step_tokens = int(engine_options["max_step_tokens"])
+        self.prefill_token_budget = int(engine_options["prefill_token_budget"])
+        self.max_batch_rows = int(engine_options["max_batch_rows"])
+        self.idle_ttl_s = float(engine_options["idle_sequence_ttl_s"])
+        self.loop = EngineLoop(self._iterate, self._release_now, engine_options["admission_timeout_s"])
+        self.cost_samples: deque[tuple[int, float]] = deque(maxlen=COST_SAMPLES_KEPT)
+        self.last_used_s: dict[str, float] = {}
+        self.gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()] if ray.is_initialized() else []
+
+    def _iterate(self, calls: list[Any]) -> dict[int, Any]:
+        raise NotImplementedError
+
+    async def ping(self) -> bool:
+        return True
+
+    async def release(self, seq_id: str) -> None:
+        self.loop.release(seq_id)
+
+    def _release_now(self, seq_id: str) -> None:
+        self.last_used_s.pop(seq_id, None)
+        if self.runner is not None:
+            self.runner.release(seq_id)
+
+    async def active_sequences(self) -> list[str]:
+        """Ids whose KV caches this engine holds (what a leak check must see)."""
+        return [] if self.runner is None else sorted(self.runner.active_sequences())
+
+    async def stats(self) -> dict[str, Any]:
+        """Load and cost figures for the policy actor, metrics and `specserve status`."""
+        self._evict_idle()
+        loop_stats = self.loop.stats
+        return {"pool": self.pool, "replica": self.name, "sequences": len(await self.active_sequences()),
+                "free_slots": self.free_slots, "queue_depth": self.loop.queue_depth,
+                "forwards": loop_stats.iterations, "batch_rows_total": loop_stats.rows_total,
+                "busy_s": loop_stats.busy_s, "idle_s": loop_stats.idle_s, "gpu_ids": self.gpu_ids,
+                "cost_samples": list(self.cost_samples)}
+
+    @property
+    def free_slots(self) -> int:
+        return 1 << 30 if self.runner is None else self.runner.num_free_slots
+
+    def _evict_idle(self) -> None:
+        """A safety net, not the release path: forget sequences untouched for idle_sequence_ttl_s
+        (their router died before it could release them)."""
+        cutoff = time.monotonic() - self.idle_ttl_s
+        for seq_id, last_used in list(self.last_used_s.items()):
+            if last_used < cutoff:
+                self.loop.release(seq_id)
+
+    def _waiting_call(self, seq_id: str, token_ids: Sequence[int], num_rows: int = 1) -> WaitingCall:
+        cached = self.runner.num_cached(seq_id) if self.runner is not None else 0
+        return WaitingCall(seq_id, max(num_rows, len(token_ids) - cached), holds_slot=cached > 0)
+
+    def check_call(self, token_ids: Sequence[int], num_rows: int = 1) -> SequenceStateError | None:
+        """The error a call would raise in a batched forward, found before it can fail the batch."""
+        if self.runner is not None and len(token_ids) > self.runner.max_context:
+            return SequenceStateError(f"{len(token_ids)} tokens exceed the model's context of "
+                                      f"{self.runner.max_context}")
+        if not 1 <= num_rows <= len(token_ids):
+            return SequenceStateError(f"num_rows={num_rows} must be between 1 and the history length "
+                                      f"{len(token_ids)}")
+        return None
+
+    def plan(self, waiting: list[WaitingCall], shapes: list[tuple[Sequence[int], int]],
+             results: dict[int, Any]) -> IterationPlan:
+        """This iteration's plan over the waiting calls, indices into them. A call that cannot run
+        (too long, bad row count) is answered with its error in results instead of failing the batch."""
+        valid = []
+        for index, (token_ids, num_rows) in enumerate(shapes):
+            error = self.check_call(token_ids, num_rows)
+            if error is None:
+                valid.append(index)
+            else:
+                results[index] = error
+        plan = plan_iteration([waiting[index] for index in valid], self.free_slots, self.max_step_tokens,
+                              self.prefill_token_budget, self.max_batch_rows)
+        return IterationPlan(steps=[valid[i] for i in plan.steps],
+                             prefills=[(valid[i], chunk) for i, chunk in plan.prefills],
+                             waiting=[valid[i] for i in plan.waiting])
+
+    def timed_forward(self, calls: list[ForwardCall]) -> list[torch.Tensor]:
+        """runner.forward_batch, recording its cost for the policy's cost curve."""
+        started = time.perf_counter()
+        logits = self.runner.forward_batch(calls)
+        new_tokens = sum(call.num_rows for call in calls)
+        self.cost_samples.append((new_tokens, time.perf_counter() - started))
+        now = time.monotonic()
+        for call in calls:
+            self.last_used_s[call.seq_id] = now
+        return logits
+
+
 class EngineHost:
     """Base of the worker deployments: spawn the engine, hand out its handle, check its health."""
 
@@ -57,8 +179,13 @@ class EngineHost:
 
     def __init__(self, resources: dict[str, Any], *engine_args: Any) -> None:
         """resources: a WorkerResources dump (num_cpus, num_gpus, resources) for the engine."""
+        try:
+            replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # not inside a Serve replica (tests): an anonymous engine
+            replica_id = None
+        name = engine_actor_name(self.engine_class.pool, replica_id) if replica_id else ""
         self.engine = spawn_engine(self.engine_class, resources["num_cpus"], resources["num_gpus"],
-                                   resources["resources"], *engine_args)
+                                   resources["resources"], name, *engine_args, name)
         started = time.monotonic()
         ray.get(self.engine.ping.remote())  # fail replica start-up if the model cannot load
         self.startup_s = time.monotonic() - started
@@ -67,4 +194,4 @@ class EngineHost:
         return self.engine
 
     async def check_health(self) -> None:
-        await self.engine.ping.remote()
+        await asyncio.wait_for(self.engine.ping.remote(), timeout=30)

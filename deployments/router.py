@@ -30,10 +30,13 @@ from decoding.proposers import Proposal
 from decoding.sampling import SamplingParams
 from decoding.sequence import RequestState
 from decoding.speculation import accept_round, drafted_ahead
+from deployments.admission import Admission, ServerOverloadedError
+from deployments.engine_loop import EngineOverloadedError
 from policies.depth import RoundCosts, choose_draft_depth, should_draft_ahead
 
 logger = logging.getLogger("ray.serve")
 TARGET_RECOVERY_S = 60.0  # how long a request waits for a replacement target engine
+RELEASE_RETRY_S = 300.0  # how long a release keeps trying an engine that is temporarily unreachable
 ENGINE_ERRORS = (RayActorError, ray.exceptions.ActorUnavailableError)
 
 
@@ -87,6 +90,9 @@ class Router:
         self.eos_token_id = self.tokenizer.eos_token_id
         self.metrics = RouterMetrics()
         self.active_requests: dict[str, RequestState] = {}
+        limits = self.config.limits
+        self.admission = Admission(limits.max_active_requests, limits.max_queued_requests, limits.queue_timeout_s)
+        self._background: set[asyncio.Task] = set()  # releases retried on engines that were unreachable
         # Measured costs, shared by this router's requests: they reflect the engines' current load.
         self.round_costs = RoundCosts(draft_cost_ratio=self.config.speculation.draft_cost_ratio)
 
@@ -95,6 +101,16 @@ class Router:
 
     def num_active_requests(self) -> int:
         return len(self.active_requests)
+
+    def status(self) -> dict[str, Any]:
+        """This router's load and the depth it would give a fresh greedy request now."""
+        spec = self.config.speculation
+        typical_depth = (choose_draft_depth(0, 0, self.round_costs.draft_cost_ratio, spec.min_draft_tokens,
+                                            spec.max_draft_tokens, self.round_costs.overhead_ratio)
+                         if spec.adaptive else spec.num_draft_tokens)
+        return {"active_requests": len(self.active_requests), "queued_requests": self.admission.num_waiting,
+                "num_draft_tokens": typical_depth if self.config.uses_draft_workers else 0,
+                "pending_releases": len(self._background)}
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: dict) -> AsyncIterator[dict]:
         """Stream {"text", "token_ids", "finish_reason"} chunks; the last adds "usage" and "speculation".
@@ -123,51 +139,17 @@ class Router:
             rounds.cancel()
 
     async def _decode(self, state: RequestState, chunks: asyncio.Queue) -> None:
-        """Prefill, then speculative rounds until the request finishes; every step's tokens go to chunks."""
+        """Admission, prefill, then speculative rounds until the request finishes; every step's
+        tokens go to chunks. Whatever happens, every engine the request touched releases it."""
         request_id = state.request_id
-        self.active_requests[request_id] = state
-        self.metrics.active.set(len(self.active_requests))
         started = time.perf_counter()
         timings = RoundTimings()
-        target = draft = None
+        engines: list[Any] = []  # every engine this request touched, to release them all
         try:
-            target = await self.target_workers.get_engine.remote()
-            draft = await self._draft_engine()
-            if draft is not None:  # draft prefills while the target does
-                draft.prefill.remote(request_id, state.history)
-            rows, _, target = await self._verify(state, target, 1)
-            committed = accept_round(state, Proposal([], None), rows)
-            timings.first_token_s = time.perf_counter() - started
-            chunks.put_nowait(self._chunk(state, committed))
-            ahead = None  # (history it continued, its in-flight draft) while the target verifies
-            while not state.finished:
-                round_started = time.perf_counter()
-                num_draft = self._draft_depth(state) if draft is not None else 0
-                proposal, draft_s = Proposal([], None), 0.0
-                if num_draft > 0:
-                    try:
-                        proposal, draft_s = await self._propose(state, draft, num_draft, ahead)
-                    except ENGINE_ERRORS:
-                        logger.warning("draft engine lost for %s; continuing target-only", request_id)
-                        self.metrics.draft_failures.inc()
-                        draft = None
-                ahead = None
-                if draft is not None and proposal.token_ids and should_draft_ahead(
-                        self.config.speculation.pipeline, state.params.is_greedy, len(self.active_requests)):
-                    # Draft the next block now, guessing the bonus token, on the draft's own worker.
-                    ahead_of = state.history + proposal.token_ids
-                    ahead = (ahead_of, draft.propose.remote(request_id, ahead_of, num_draft + 1, state.params,
-                                                            self._draft_seed(state)))
-                rows, target_s, target = await self._verify(state, target, len(proposal.token_ids) + 1, proposal)
-                committed = accept_round(state, proposal, rows)
-                round_wall_s = time.perf_counter() - round_started
-                overhead_s = round_wall_s - draft_s - target_s
-                timings.round_wall_s.append(round_wall_s)
-                timings.round_overhead_s.append(overhead_s)
-                timings.draft_depths.append(len(proposal.token_ids))
-                self.round_costs.observe(draft_s, len(proposal.token_ids), target_s, overhead_s)
-                self.metrics.round_latency.observe(round_wall_s)
-                chunks.put_nowait(self._chunk(state, committed))
+            async with self.admission.slot():
+                self.active_requests[request_id] = state
+                self.metrics.active.set(len(self.active_requests))
+                await self._rounds(state, chunks, timings, engines, started)
             chunks.put_nowait(self._final_chunk(state, timings))
         except Exception as exc:  # hand it to the stream, which raises it to the caller
             chunks.put_nowait(exc)
@@ -175,53 +157,122 @@ class Router:
             self.active_requests.pop(request_id, None)
             self.metrics.active.set(len(self.active_requests))
             self._record(state)
-            for engine in (target, draft):
-                if engine is not None:
-                    engine.release.remote(request_id)  # fire and forget: the engine may be gone
+            for engine in engines:
+                self._release_everywhere(engine, request_id)
+
+    async def _rounds(self, state: RequestState, chunks: asyncio.Queue, timings: RoundTimings,
+                      engines: list[Any], started: float) -> None:
+        request_id = state.request_id
+        deadline = started + self.config.limits.request_timeout_s
+        target = await self._target_engine()
+        engines.append(target)
+        draft = await self._draft_engine()
+        if draft is not None:  # the draft prefills while the target does
+            engines.append(draft)
+            draft.prefill.remote(request_id, state.history)
+        rows, _, target = await self._verify(state, target, 1, engines)
+        committed = accept_round(state, Proposal([], None), rows)
+        timings.first_token_s = time.perf_counter() - started
+        chunks.put_nowait(self._chunk(state, committed))
+        ahead = None  # (history it continued, its in-flight draft) while the target verifies
+        while not state.finished:
+            if time.perf_counter() > deadline:
+                state.finish_reason = "timeout"
+                break
+            round_started = time.perf_counter()
+            num_draft = self._draft_depth(state) if draft is not None else 0
+            proposal, draft_s = Proposal([], None), 0.0
+            if num_draft > 0:
+                try:
+                    proposal, draft_s = await self._propose(state, draft, num_draft, ahead)
+                except ENGINE_ERRORS:
+                    logger.warning("draft engine lost for %s; continuing target-only", request_id)
+                    self.metrics.draft_failures.inc()
+                    draft = None
+            ahead = None
+            if draft is not None and proposal.token_ids and should_draft_ahead(
+                    self.config.speculation.pipeline, state.params.is_greedy, len(self.active_requests)):
+                # Draft the next block now, guessing the bonus token, on the draft's own worker.
+                ahead_of = state.history + proposal.token_ids
+                ahead = (ahead_of, draft.propose.remote(request_id, ahead_of, num_draft + 1, state.params,
+                                                        self._draft_seed(state)))
+            rows, target_s, target = await self._verify(state, target, len(proposal.token_ids) + 1, engines,
+                                                        proposal)
+            committed = accept_round(state, proposal, rows)
+            round_wall_s = time.perf_counter() - round_started
+            overhead_s = round_wall_s - draft_s - target_s
+            timings.round_wall_s.append(round_wall_s)
+            timings.round_overhead_s.append(overhead_s)
+            timings.draft_depths.append(len(proposal.token_ids))
+            self.round_costs.observe_round(target_s, overhead_s)
+            self.metrics.round_latency.observe(round_wall_s)
+            chunks.put_nowait(self._chunk(state, committed))
 
     async def _propose(self, state: RequestState, draft, num_draft: int, ahead) -> tuple[Proposal, float]:
-        """This round's draft block and the draft compute seconds the round waited on (0 when
-        the block drafted ahead, during the last verification, is usable: the target took it all
-        and its bonus guess, decoding.speculation.drafted_ahead); else a fresh block. The draft
-        engine runs its calls in order, so a fresh call first waits for a missed block ahead."""
+        """This round's draft block and the draft seconds the round waited on: 0 when the block
+        drafted ahead, during the last verification, is usable (the target took it all and its
+        bonus guess, decoding.speculation.drafted_ahead); else a fresh block. The draft engine's
+        cost estimate c always gets the drafting call's own engine time, so pipelined rounds do
+        not drag the router-wide c towards 0. A fresh call first waits for a missed block ahead."""
         waited_s = 0.0
         if ahead is not None:
             ahead_of, pending = ahead
             started = time.perf_counter()
-            drafted, _ = await pending
+            drafted, ahead_s = await pending
+            self.round_costs.observe_draft(ahead_s, len(drafted.token_ids))
             proposal = drafted_ahead(state.history, ahead_of, drafted, num_draft)
             if proposal is not None:
                 state.stats.pipelined_rounds += 1
+                # The first token was the bonus guess (it came true); what lies past the block is dropped.
+                state.stats.num_discarded_ahead += len(drafted.token_ids) - 1 - len(proposal.token_ids)
                 return proposal, 0.0
+            state.stats.num_discarded_ahead += len(drafted.token_ids)
             waited_s = time.perf_counter() - started
         proposal, draft_s = await draft.propose.remote(state.request_id, state.history, num_draft, state.params,
                                                        self._draft_seed(state))
+        self.round_costs.observe_draft(draft_s, len(proposal.token_ids))
         return proposal, waited_s + draft_s
 
+    async def _target_engine(self):
+        """A target engine for a new request; 503 when no target replica answers in time."""
+        try:
+            return await asyncio.wait_for(self.target_workers.get_engine.remote(),
+                                          self.config.limits.engine_wait_s)
+        except asyncio.TimeoutError:
+            raise ServerOverloadedError(f"no target replica became available within "
+                                        f"{self.config.limits.engine_wait_s:.0f} s", retry_after_s=5.0) from None
+
     async def _draft_engine(self):
-        """This request's draft engine, or None (no proposer, or no draft replica reachable)."""
+        """This request's draft engine, or None (no proposer, or no draft replica reachable within
+        limits.engine_wait_s): speculation is an optimisation, so serve target-only rather than wait."""
         if self.draft_workers is None:
             return None
         try:
-            return await self.draft_workers.get_engine.remote()
-        except Exception:  # speculation is an optimisation: serve target-only rather than fail
-            logger.exception("no draft engine available; serving target-only")
+            return await asyncio.wait_for(self.draft_workers.get_engine.remote(),
+                                          self.config.limits.draft_wait_s)
+        except Exception:
+            logger.warning("no draft engine available; serving target-only", exc_info=True)
             self.metrics.draft_failures.inc()
             return None
 
-    async def _verify(self, state: RequestState, target, num_rows: int,
+    async def _verify(self, state: RequestState, target, num_rows: int, engines: list[Any],
                       proposal: Proposal | None = None) -> tuple[Any, float, Any]:
-        """One target forward -> (rows, compute seconds, the engine that answered).
+        """One target forward -> (rows, engine seconds, the engine that answered).
 
         On a lost engine, ask Serve for one again until TARGET_RECOVERY_S passes: another
         replica's engine, or the replacement Serve starts once the dead replica fails its health
-        check. The full history makes the new engine re-prefill, so nothing committed is lost."""
+        check. The full history makes the new engine re-prefill, so nothing committed is lost.
+        A full engine (no KV slot within its admission deadline) makes the request fail with 503."""
         tokens = state.history + (proposal.token_ids if proposal else [])
+        first_output_index = len(state.output_ids)
         deadline = time.monotonic() + TARGET_RECOVERY_S
         while True:
             try:
-                rows, compute_s = await target.verify.remote(state.request_id, tokens, num_rows, state.params)
+                rows, compute_s = await target.verify.remote(state.request_id, tokens, num_rows, state.params,
+                                                             first_output_index)
                 return rows, compute_s, target
+            except EngineOverloadedError as exc:
+                raise ServerOverloadedError(str(exc), retry_after_s=2.0) from None
             except ENGINE_ERRORS:
                 if time.monotonic() > deadline:
                     raise
@@ -229,8 +280,32 @@ class Router:
                 await asyncio.sleep(0.5)
                 try:
                     target = await self.target_workers.get_engine.remote()
+                    engines.append(target)
                 except Exception:  # the replica itself may be going down: try again shortly
                     logger.warning("no target replica reachable yet for %s", state.request_id)
+
+    def _release_everywhere(self, engine, request_id: str) -> None:
+        """Release request_id on engine; if the engine is unreachable for now, keep trying in the
+        background until it answers or is gone for good (a dead actor's state died with it)."""
+        async def release() -> None:
+            deadline = time.monotonic() + RELEASE_RETRY_S
+            delay_s = 0.5
+            while True:
+                try:
+                    await engine.release.remote(request_id)
+                    return
+                except RayActorError:
+                    return  # dead for good
+                except Exception:
+                    if time.monotonic() > deadline:
+                        logger.error("could not release %s on an unreachable engine", request_id)
+                        return
+                    await asyncio.sleep(delay_s)
+                    delay_s = min(2 * delay_s, 10.0)
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _draft_depth(self, state: RequestState) -> int:
         """K for this round. A seeded request's K must not depend on timing (its random draws

@@ -1,41 +1,79 @@
-"""Target worker: scores a draft block in ONE forward and returns the processed target rows."""
+"""Target worker: scores draft blocks, every request waiting on it in ONE batched forward."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from ray import serve
 
-from decoding.model_runner import ModelRunner
+from decoding.batched_runner import ForwardCall, load_runner
+from decoding.model_runner import SequenceStateError
 from decoding.sampling import SamplingParams
 from decoding.speculation import target_rows
-from deployments.engine_host import EngineHost, to_wire
+from deployments.engine_host import EngineCore, EngineHost, to_wire
 
 
-class TargetEngine:
-    """Holds the target model and one KV cache per request id (the Ray actor on the data path)."""
+@dataclass(frozen=True)
+class VerifyCall:
+    seq_id: str
+    token_ids: Sequence[int]  # the full history: prompt + committed output + draft block
+    num_rows: int             # rows wanted: K + 1 (1 for a prefill)
+    params: SamplingParams
+    first_output_index: int | None = None  # output position of the first row (min_tokens EOS masking)
 
-    def __init__(self, model_spec: dict) -> None:
-        self.runner = ModelRunner.from_spec(model_spec)
 
-    def ping(self) -> bool:
-        return True
+class TargetEngine(EngineCore):
+    """Holds the target model and one KV slot per request id (the Ray actor on the data path)."""
 
-    def verify(self, seq_id: str, token_ids: Sequence[int], num_rows: int,
-               params: SamplingParams) -> tuple[object, float]:
+    pool = "target"
+
+    def __init__(self, model_spec: dict, engine_options: dict, name: str = "") -> None:
+        self.runner = load_runner(model_spec)
+        super().__init__(engine_options, name)
+
+    async def verify(self, seq_id: str, token_ids: Sequence[int], num_rows: int, params: SamplingParams,
+                     first_output_index: int | None = None) -> tuple[object, float]:
         """Rows for the last num_rows positions of token_ids (argmax ids when greedy, else probs),
-        and the seconds spent computing them. Prefill is the same call with num_rows=1."""
+        and the seconds the call spent in this engine (queue + forward). Prefill: num_rows=1."""
         started = time.perf_counter()
-        logits = self.runner.forward(seq_id, token_ids, num_rows)
-        rows = to_wire(target_rows(logits, params))
+        rows = await self.loop.submit(VerifyCall(seq_id, list(token_ids), num_rows, params, first_output_index))
         return rows, time.perf_counter() - started
 
-    def release(self, seq_id: str) -> None:
-        self.runner.release(seq_id)
+    def _iterate(self, calls: list[VerifyCall]) -> dict[int, object]:
+        """One iteration: the step batch (verifies), then one chunk of waiting prefills."""
+        results: dict[int, object] = {}
+        waiting = [self._waiting_call(call.seq_id, call.token_ids, call.num_rows) for call in calls]
+        plan = self.plan(waiting, [(call.token_ids, call.num_rows) for call in calls], results)
+        step_calls = [(index, calls[index]) for index in plan.steps]
+        self._forward_rows(step_calls, results)
+        finishing, chunks = [], []
+        for index, chunk in plan.prefills:
+            call = calls[index]
+            if chunk < waiting[index].num_new_tokens:  # an early chunk: fill the cache, no rows
+                end = self.runner.num_cached(call.seq_id) + chunk
+                chunks.append(ForwardCall(call.seq_id, call.token_ids[:end], 1))
+            else:
+                finishing.append((index, call))
+        self._forward_rows(finishing, results, extra=chunks)
+        return results
 
-    def active_sequences(self) -> list[str]:
-        return self.runner.active_sequences()
+    def _forward_rows(self, indexed_calls: list[tuple[int, VerifyCall]], results: dict[int, object],
+                      extra: list[ForwardCall] = ()) -> None:
+        """One forward for indexed_calls (+ prefill chunks whose rows nobody wants); rows into results."""
+        forward_calls = [ForwardCall(call.seq_id, call.token_ids, call.num_rows) for _, call in indexed_calls]
+        if not forward_calls and not extra:
+            return
+        try:
+            logits = self.timed_forward(forward_calls + list(extra))
+        except SequenceStateError as exc:
+            for index, _ in indexed_calls:
+                results[index] = exc
+            return
+        for (index, call), rows in zip(indexed_calls, logits):
+            results[index] = to_wire(target_rows(rows, call.params, self.runner.eos_token_id,
+                                                 call.first_output_index))
 
 
 @serve.deployment

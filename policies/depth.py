@@ -58,19 +58,27 @@ class RoundCosts:
     _target_pass_s: float | None = None
     _overhead_s: float | None = None
 
-    def observe(self, draft_s: float, num_draft_tokens: int, target_s: float, overhead_s: float) -> None:
-        """Fold in one round: draft compute time for num_draft_tokens, target compute, overhead."""
-        def ema(old: float | None, new: float) -> float:
-            return new if old is None else old + self.smoothing * (new - old)
-
-        self._target_pass_s = ema(self._target_pass_s, target_s)
-        self._overhead_s = ema(self._overhead_s, max(0.0, overhead_s))
+    def observe_draft(self, draft_s: float, num_draft_tokens: int) -> None:
+        """Fold in one drafting call: engine seconds for num_draft_tokens (drafted ahead or not)."""
         if num_draft_tokens > 0:
-            self._draft_step_s = ema(self._draft_step_s, draft_s / num_draft_tokens)
+            self._draft_step_s = self._ema(self._draft_step_s, draft_s / num_draft_tokens)
+            self._update_ratios()
+
+    def observe_round(self, target_s: float, overhead_s: float) -> None:
+        """Fold in one round: target engine seconds and orchestration overhead."""
+        self._target_pass_s = self._ema(self._target_pass_s, target_s)
+        self._overhead_s = self._ema(self._overhead_s, max(0.0, overhead_s))
+        self._update_ratios()
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.smoothing * (new - old)
+
+    def _update_ratios(self) -> None:
         if self._target_pass_s and self._target_pass_s > 0:
             if self._draft_step_s is not None:
                 self.draft_cost_ratio = self._draft_step_s / self._target_pass_s
-            self.overhead_ratio = self._overhead_s / self._target_pass_s
+            if self._overhead_s is not None:
+                self.overhead_ratio = self._overhead_s / self._target_pass_s
 
 
 def should_draft_ahead(enabled: bool, is_greedy: bool, active_requests: int) -> bool:

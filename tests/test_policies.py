@@ -42,16 +42,21 @@ def test_per_round_overhead_argues_for_deeper_rounds():
     assert costly_transport > cheap_transport
 
 
+def observe(costs: RoundCosts, draft_s: float, num_draft_tokens: int, target_s: float, overhead_s: float) -> None:
+    costs.observe_draft(draft_s, num_draft_tokens)
+    costs.observe_round(target_s, overhead_s)
+
+
 def test_round_costs_measure_ratios_in_target_pass_units():
     costs = RoundCosts(draft_cost_ratio=0.5)
-    costs.observe(draft_s=0.004, num_draft_tokens=4, target_s=0.010, overhead_s=0.003)
+    observe(costs, draft_s=0.004, num_draft_tokens=4, target_s=0.010, overhead_s=0.003)
     assert costs.draft_cost_ratio == pytest.approx(0.1)
     assert costs.overhead_ratio == pytest.approx(0.3)
 
 
 def test_round_costs_keep_the_configured_ratio_until_a_draft_is_timed():
     costs = RoundCosts(draft_cost_ratio=0.2)
-    costs.observe(draft_s=0.0, num_draft_tokens=0, target_s=0.010, overhead_s=0.001)
+    observe(costs, draft_s=0.0, num_draft_tokens=0, target_s=0.010, overhead_s=0.001)
     assert costs.draft_cost_ratio == 0.2
     assert costs.overhead_ratio == pytest.approx(0.1)
 
@@ -59,9 +64,20 @@ def test_round_costs_keep_the_configured_ratio_until_a_draft_is_timed():
 def test_round_costs_smooth_out_one_slow_round():
     costs = RoundCosts(draft_cost_ratio=0.1, smoothing=0.1)
     for _ in range(20):
-        costs.observe(0.004, 4, 0.010, 0.002)
-    costs.observe(0.004, 4, 0.100, 0.002)  # one stalled target pass
+        observe(costs, 0.004, 4, 0.010, 0.002)
+    observe(costs, 0.004, 4, 0.100, 0.002)  # one stalled target pass
     assert costs.draft_cost_ratio > 0.05
+
+
+def test_pipelined_rounds_do_not_drag_the_draft_cost_towards_zero():
+    """A round whose block was drafted ahead waits 0 s on the draft, but drafting still cost its
+    engine time: the router feeds c the ahead call's own seconds (observe_draft), never a 0."""
+    costs = RoundCosts(draft_cost_ratio=0.15)
+    observe(costs, draft_s=0.006, num_draft_tokens=4, target_s=0.010, overhead_s=0.001)
+    for _ in range(50):  # pipelined rounds: the ahead call drafted 5 tokens in 7.5 ms
+        costs.observe_draft(0.0075, 5)
+        costs.observe_round(0.010, 0.001)
+    assert costs.draft_cost_ratio == pytest.approx(0.15, rel=0.01)
 
 
 def test_draft_ahead_only_for_a_lone_greedy_request():

@@ -1,0 +1,157 @@
+"""The engine actors' bodies, in-process (no Ray): calls waiting together share one forward, the
+answers equal unbatched ones, releases and full slots behave."""
+
+import asyncio
+
+import pytest
+import torch
+
+from cluster.config import SpecServeConfig
+from decoding.model_runner import ModelRunner
+from decoding.sampling import SamplingParams, make_generator
+from decoding.proposers import DraftModelProposer
+from deployments.draft_worker import DraftEngine
+from deployments.engine_loop import EngineOverloadedError, SequenceReleasedError
+from deployments.target_worker import TargetEngine
+from tests.tiny_pair import make_tiny_pair
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16)
+SAMPLED = SamplingParams(temperature=0.8, max_tokens=16)
+HISTORIES = [[5, 17, 42, 8, 3, 33], [60, 2, 2, 9, 14, 27, 50, 11, 7], [12, 40, 21], list(range(40, 80))]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_tiny_pair(tmp_path_factory.mktemp("pair"))
+
+
+def spec(path, max_sequences: int = 8) -> dict:
+    return {"path": str(path), "dtype": "float32", "device": "cpu", "torch_threads": 1,
+            "max_sequences": max_sequences}
+
+
+def options(**overrides) -> dict:
+    return {**SpecServeConfig().engine_options(), **overrides}
+
+
+def test_concurrent_verifies_share_a_forward_and_match_unbatched_rows(pair):
+    target_path, _ = pair
+    reference = ModelRunner(str(target_path))
+
+    async def scenario():
+        engine = TargetEngine(spec(target_path), options())
+        answers = await asyncio.gather(*[engine.verify(f"s{i}", history, 3, GREEDY)
+                                         for i, history in enumerate(HISTORIES)])
+        return engine, [rows for rows, _ in answers]
+
+    engine, rows = asyncio.run(scenario())
+    for i, history in enumerate(HISTORIES):
+        expected = torch.argmax(reference.forward(f"s{i}", history, 3), dim=-1).tolist()
+        assert rows[i] == expected
+    assert engine.loop.stats.iterations == 1 and engine.loop.stats.rows_total == len(HISTORIES)
+    assert sorted(asyncio.run(engine.active_sequences())) == [f"s{i}" for i in range(len(HISTORIES))]
+
+
+def test_sampled_rows_are_the_processed_target_distribution(pair):
+    target_path, _ = pair
+    reference = ModelRunner(str(target_path))
+
+    async def scenario():
+        engine = TargetEngine(spec(target_path), options())
+        return await asyncio.gather(*[engine.verify(f"s{i}", h, 2, SAMPLED) for i, h in enumerate(HISTORIES)])
+
+    from decoding.sampling import logits_to_probs
+    for i, (rows, _) in enumerate(asyncio.run(scenario())):
+        expected = logits_to_probs(reference.forward(f"s{i}", HISTORIES[i], 2), SAMPLED)
+        torch.testing.assert_close(torch.as_tensor(rows), expected, atol=1e-4, rtol=0)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_beside_running_verifies(pair):
+    target_path, _ = pair
+    reference = ModelRunner(str(target_path))
+    long_prompt = [(7 * i) % 90 + 3 for i in range(100)]
+
+    async def scenario():
+        engine = TargetEngine(spec(target_path), options(prefill_token_budget=32))
+        await engine.verify("running", HISTORIES[0], 1, GREEDY)
+        prefill = asyncio.create_task(engine.verify("prompt", long_prompt, 1, GREEDY))
+        steps = [await engine.verify("running", HISTORIES[0] + [9] * k, 2, GREEDY) for k in range(1, 4)]
+        return engine, await prefill, steps
+
+    engine, (rows, _), steps = asyncio.run(scenario())
+    assert rows == torch.argmax(reference.forward("p", long_prompt, 1), dim=-1).tolist()
+    assert engine.runner.num_cached("prompt") == len(long_prompt)
+    # Every running step finished while the 100-token prompt went through in 32-token chunks.
+    assert len(steps) == 3 and engine.loop.stats.iterations >= 4
+
+
+def test_release_frees_the_slot_and_drops_queued_calls(pair):
+    target_path, _ = pair
+
+    async def scenario():
+        engine = TargetEngine(spec(target_path, max_sequences=1), options(admission_timeout_s=5))
+        await engine.verify("a", HISTORIES[0], 1, GREEDY)
+        waiting = asyncio.create_task(engine.verify("b", HISTORIES[1], 1, GREEDY))  # no slot: waits
+        doomed = asyncio.create_task(engine.verify("c", HISTORIES[2], 1, GREEDY))
+        await asyncio.sleep(0.1)
+        assert not waiting.done() and engine.loop.queue_depth == 2
+        await engine.release("c")            # c's request went away while it waited
+        with pytest.raises(SequenceReleasedError):
+            await doomed
+        await engine.release("a")            # a finished: b gets its slot
+        await waiting
+        return await engine.active_sequences()
+
+    assert asyncio.run(scenario()) == ["b"]
+
+
+def test_a_new_sequence_gets_overloaded_when_no_slot_frees_in_time(pair):
+    target_path, _ = pair
+
+    async def scenario():
+        engine = TargetEngine(spec(target_path, max_sequences=1), options(admission_timeout_s=0.2))
+        await engine.verify("a", HISTORIES[0], 1, GREEDY)
+        with pytest.raises(EngineOverloadedError):
+            await engine.verify("b", HISTORIES[1], 1, GREEDY)
+        rows, _ = await engine.verify("a", HISTORIES[0] + [4], 1, GREEDY)  # the admitted one is unaffected
+        return rows
+
+    assert len(asyncio.run(scenario())) == 1
+
+
+def test_a_call_past_the_context_fails_alone(pair):
+    target_path, _ = pair
+
+    async def scenario():
+        engine = TargetEngine(spec(target_path), options())
+        too_long = [3] * (engine.runner.max_context + 1)
+        return await asyncio.gather(engine.verify("ok", HISTORIES[0], 1, GREEDY),
+                                    engine.verify("bad", too_long, 1, GREEDY), return_exceptions=True)
+
+    ok, bad = asyncio.run(scenario())
+    assert isinstance(bad, Exception) and "context" in str(bad)
+    assert len(ok[0]) == 1
+
+
+def test_batched_drafts_equal_drafts_made_alone(pair):
+    target_path, draft_path = pair
+    alone = DraftModelProposer(ModelRunner(str(draft_path)))
+
+    async def scenario():
+        engine = DraftEngine("draft", spec(draft_path), str(target_path), options())
+        await asyncio.gather(*[engine.prefill(f"s{i}", h) for i, h in enumerate(HISTORIES)])
+        greedy = await asyncio.gather(*[engine.propose(f"s{i}", h, 2 + i, GREEDY, None)
+                                        for i, h in enumerate(HISTORIES)])
+        sampled = await asyncio.gather(*[engine.propose(f"t{i}", h, 3, SAMPLED, 100 + i)
+                                         for i, h in enumerate(HISTORIES)])
+        stats = await engine.stats()
+        return greedy, sampled, stats
+
+    greedy, sampled, stats = asyncio.run(scenario())
+    for i, history in enumerate(HISTORIES):
+        assert greedy[i][0].token_ids == alone.propose(f"g{i}", history, 2 + i, GREEDY).token_ids
+        expected = alone.propose(f"x{i}", history, 3, SAMPLED, make_generator(100 + i))
+        assert sampled[i][0].token_ids == expected.token_ids
+        torch.testing.assert_close(torch.as_tensor(sampled[i][0].probs), expected.probs, atol=1e-4, rtol=0)
+    assert stats["pool"] == "draft" and stats["sequences"] == 2 * len(HISTORIES)
+    assert stats["batch_rows_total"] > stats["forwards"]  # drafting was batched
