@@ -22,6 +22,7 @@ FORWARDED_COMMANDS = {
     "distill-draft": ("training.distill", "distil the draft further on the target's own generations"),
     "eval-pair": ("training.evaluate", "evaluate the default pair (acceptance, latency); --card writes its model card"),
     "bench": ("bench.run", "benchmark vs target-only and HF assisted generation"),
+    "bench-load": ("bench.load_sweep", "throughput/latency under load: concurrency sweep of server variants"),
 }
 
 

@@ -1,0 +1,213 @@
+"""`specserve bench-load`: aggregate throughput and latency under load, several server variants in one run.
+
+Each variant is a full Serve application (ingress -> router -> draft/target engine actors) brought
+up alone on this machine, warmed, then driven at 1, 2, 4, ... concurrent streaming clients over
+loopback HTTP; the variants run one after another with the same prompts and bodies, so their rows
+compare like with like. Besides client-side tok/s, p50/p95 latency and TTFT, each level reads the
+engines' own counters (engine `stats()`): mean batch size per pool = rows / forwards over the
+level, and the target pool's busy share.
+
+Variants (`--variants`):
+- `specserve`: speculative decoding, batched engines (the shipped configuration, K pinned or adaptive)
+- `target-only`: proposer "none", batched target engine
+- `specserve-unbatched` / `target-only-unbatched`: the same with `batching.max_batch_rows: 1`,
+  i.e. one sequence per forward, as the engines were before continuous batching
+- `k0`, `k2`, `k4`, `k8`: speculation pinned at that K (k0 = target-only through the same stack)
+- `adaptive`: the configured adaptive depth policy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from bench.http_rows import free_port, request_body, run_level, sweep_request_count
+from bench.prompts import DEFAULT_PROMPTS_PATH, load_prompts, select_prompts
+from cluster.config import SpecServeConfig, load_config
+
+VARIANTS = ["specserve", "target-only", "specserve-unbatched", "target-only-unbatched",
+            "k0", "k2", "k4", "k8", "adaptive"]
+
+
+def variant_config(base: SpecServeConfig, variant: str, num_draft_tokens: int, port: int) -> SpecServeConfig:
+    """The config of one variant: same models and limits, speculation and batching as named."""
+    data = base.model_dump(mode="json")
+    data["http"] = {"host": "127.0.0.1", "port": port}
+    spec = data["speculation"]
+    pinned = {"proposer": "draft", "adaptive": False}
+    if variant.startswith("target-only"):
+        spec.update(proposer="none")
+    elif variant == "adaptive":
+        spec.update(proposer="draft", adaptive=True)
+    else:
+        k = int(variant[1:]) if variant in ("k0", "k2", "k4", "k8") else num_draft_tokens
+        spec.update(pinned, num_draft_tokens=k, min_draft_tokens=min(spec["min_draft_tokens"], k),
+                    max_draft_tokens=max(spec["max_draft_tokens"], k))
+        if k == 0:
+            spec.update(proposer="none")
+    if variant.endswith("-unbatched"):
+        data["batching"] = {**data.get("batching", {}), "max_batch_rows": 1}
+    return SpecServeConfig.model_validate(data)
+
+
+def engine_counters() -> dict[str, dict[str, float]]:
+    """Summed engine counters per pool, read from the named engine actors."""
+    import ray
+
+    from deployments.engine_host import ENGINE_NAMESPACE
+
+    totals: dict[str, dict[str, float]] = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != ENGINE_NAMESPACE or not entry["name"].startswith("engine:"):
+            continue
+        try:
+            stats = ray.get(ray.get_actor(entry["name"], namespace=ENGINE_NAMESPACE).stats.remote(), timeout=10)
+        except Exception:
+            continue
+        pool = totals.setdefault(stats["pool"], {"forwards": 0, "rows": 0, "busy_s": 0.0, "idle_s": 0.0})
+        pool["forwards"] += stats["forwards"]
+        pool["rows"] += stats["batch_rows_total"]
+        pool["busy_s"] += stats["busy_s"]
+        pool["idle_s"] += stats["idle_s"]
+    return totals
+
+
+def engine_load(before: dict, after: dict) -> dict[str, dict[str, float | None]]:
+    """Per pool over one level: mean batch size (rows per forward) and busy share."""
+    load = {}
+    for pool, end in after.items():
+        start = before.get(pool, {"forwards": 0, "rows": 0, "busy_s": 0.0, "idle_s": 0.0})
+        forwards, rows = end["forwards"] - start["forwards"], end["rows"] - start["rows"]
+        busy, idle = end["busy_s"] - start["busy_s"], end["idle_s"] - start["idle_s"]
+        load[pool] = {"mean_batch_size": rows / forwards if forwards else None,
+                      "busy_share": busy / (busy + idle) if busy + idle > 0 else None}
+    return load
+
+
+def run_variant(config: SpecServeConfig, bodies_for, levels: list[int], log) -> list[dict]:
+    from cluster.local import start_local, stop_local
+
+    url = start_local(config)
+    try:
+        run_level(url, bodies_for(2)[:2], 2)  # warm-up: both engines, the tokenizer, the HTTP path
+        results = []
+        for level in levels:
+            before = engine_counters()
+            result = run_level(url, bodies_for(level), level)
+            result["engines"] = engine_load(before, engine_counters())
+            log(f"  {level:>2} streams: {result['tokens_per_s']:.1f} tok/s, p50 {result['latency_p50_ms']:.0f} ms, "
+                f"batch {json.dumps({p: l['mean_batch_size'] for p, l in result['engines'].items()})}")
+            results.append(result)
+        return results
+    finally:
+        stop_local()
+
+
+def render_markdown(result: dict) -> str:
+    lines = [f"# specserve load sweep: {result['name']}", "",
+             f"- prompts: {result['prompts']}; max_tokens {result['max_tokens']}; mode {result['mode']}",
+             f"- command: `{result['command']}`",
+             f"- machine: {result['machine']}", "",
+             "| variant | streams | requests | tok/s | × 1 stream | p50 latency ms | p95 latency ms | p50 TTFT ms "
+             "| p95 TTFT ms | accept | target batch | draft batch | target busy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def fmt(value, digits=1):
+        return "n/a" if value is None else f"{value:.{digits}f}"
+
+    for variant, levels in result["variants"].items():
+        single = levels[0]["tokens_per_s"] if levels else None
+        for level in levels:
+            engines = level.get("engines", {})
+            lines.append(" | ".join([
+                f"| {variant}", str(level["concurrency"]), str(level["num_requests"]), fmt(level["tokens_per_s"]),
+                fmt(level["tokens_per_s"] / single if single else None, 2) + "×", fmt(level["latency_p50_ms"], 0),
+                fmt(level["latency_p95_ms"], 0), fmt(level["ttft_p50_ms"], 0), fmt(level["ttft_p95_ms"], 0),
+                fmt(level["acceptance_rate"], 3), fmt(engines.get("target", {}).get("mean_batch_size"), 2),
+                fmt(engines.get("draft", {}).get("mean_batch_size"), 2),
+                fmt(engines.get("target", {}).get("busy_share"), 2)]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (throughput, latency) = plt.subplots(1, 2, figsize=(11, 4))
+    for variant, levels in result["variants"].items():
+        streams = [level["concurrency"] for level in levels]
+        throughput.plot(streams, [level["tokens_per_s"] for level in levels], marker="o", label=variant)
+        latency.plot(streams, [level["latency_p50_ms"] for level in levels], marker="o", label=variant)
+    for axis, title in ((throughput, "aggregate tok/s"), (latency, "p50 request latency (ms)")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("concurrent streams")
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+    throughput.legend(fontsize=8)
+    figure.suptitle(f"{result['name']} ({result['prompts']}, {result['mode']}, {result['max_tokens']} tokens)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="specserve bench-load", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="specserve YAML (default: the shipped pair)")
+    parser.add_argument("--variants", default="specserve,target-only,specserve-unbatched")
+    parser.add_argument("--concurrency", default="1,2,4,8,16")
+    parser.add_argument("--requests-per-level", type=int, default=32, help="cap on requests per level")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--mode", default="greedy", choices=["greedy", "sampled"])
+    parser.add_argument("--num-draft-tokens", "-K", type=int, default=4)
+    parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS_PATH), help="prompt-set JSON")
+    parser.add_argument("--num-prompts", type=int, default=None)
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--name", default=None)
+    args = parser.parse_args(argv)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {VARIANTS}")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    version, prompts = load_prompts(args.prompts)
+    prompts = select_prompts(prompts, args.num_prompts)
+    base = load_config(args.config)
+
+    def log(message: str) -> None:
+        print(f"[bench-load {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+    def bodies_for(level: int) -> list[tuple[str, dict]]:
+        count = sweep_request_count(level, len(prompts), args.requests_per_level)
+        return [(prompts[i % len(prompts)].prompt_id,
+                 request_body(base.model_name, prompts[i % len(prompts)].text, args.mode, args.max_tokens, seed=i))
+                for i in range(count)]
+
+    import os
+    import platform
+
+    name = args.name or datetime.now(timezone.utc).strftime("load-%Y%m%dT%H%M%SZ")
+    result = {"name": name, "prompts": f"{Path(args.prompts).name} (set {version}, {len(prompts)} prompts)",
+              "max_tokens": args.max_tokens, "mode": args.mode,
+              "command": "specserve bench-load " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "machine": f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}",
+              "variants": {}}
+    for variant in variants:
+        log(f"variant {variant}")
+        config = variant_config(base, variant, args.num_draft_tokens, free_port())
+        result["variants"][variant] = run_variant(config, bodies_for, levels, log)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{name}.md").write_text(render_markdown(result))
+    plot(result, out / f"{name}.png")
+    print(render_markdown(result))
+
+
+if __name__ == "__main__":
+    main()
