@@ -188,6 +188,7 @@ class Router:
                 except ENGINE_ERRORS:
                     logger.warning("draft engine lost for %s; continuing target-only", request_id)
                     self.metrics.draft_failures.inc()
+                    state.stats.draft_failures += 1
                     draft = None
             ahead = None
             if draft is not None and proposal.token_ids and should_draft_ahead(
@@ -277,6 +278,7 @@ class Router:
                 if time.monotonic() > deadline:
                     raise
                 logger.warning("target engine lost for %s; re-prefilling on another engine", state.request_id)
+                state.stats.target_failovers += 1
                 await asyncio.sleep(0.5)
                 try:
                     target = await self.target_workers.get_engine.remote()

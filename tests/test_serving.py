@@ -6,6 +6,7 @@ by the tests in this module; each test checks that no per-request state is left 
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -234,18 +235,43 @@ def test_client_disconnect_releases_worker_state(server):
     _assert_no_leftovers(timeout_s=20)
 
 
-def test_lost_draft_engine_continues_target_only(client, reference):
-    """Runs last in this module: it kills the draft engine; Serve then replaces the replica."""
-    engine = serve.get_deployment_handle("DraftWorker", APP_NAME).get_engine.remote().result()
-    ray.kill(engine)
-    response = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=32, temperature=0)
-    assert response.choices[0].text == reference(PROMPTS[2], 32)
+def _stream_killing_engine_midway(url: str, prompt: str, max_tokens: int, pool: str) -> dict:
+    """Stream a greedy completion and kill pool's engine once the first chunk is out; return the
+    text and the final chunk."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    engine = serve.get_deployment_handle(pool, APP_NAME).get_engine.remote().result()
+    text, final = "", {}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=180) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            assert "error" not in chunk, chunk
+            if not text and engine is not None:
+                ray.kill(engine)
+                engine = None
+            text += chunk["choices"][0]["text"]
+            final = chunk
+    return {"text": text, "final": final}
 
 
-def test_lost_target_engine_is_replaced_and_the_request_completes(client, reference):
+def test_draft_engine_lost_mid_stream_the_request_continues_target_only(server, reference):
+    """Runs late in this module: it kills the draft engine mid-request; Serve then replaces it."""
+    url, _ = server
+    result = _stream_killing_engine_midway(url, PROMPTS[2], 120, "DraftWorker")
+    assert result["text"] == reference(PROMPTS[2], 120)
+    speculation = result["final"]["speculation"]
+    assert speculation["draft_failures"] == 1
+    assert speculation["num_emitted"] == 120
+    _assert_no_leftovers(timeout_s=60)  # the replacement draft replica holds nothing either
+
+
+def test_target_engine_lost_mid_stream_is_replaced_and_the_request_completes(server, reference):
     """A killed target engine fails its replica's health check; Serve replaces the replica and
-    the router re-prefills the new engine from the committed history: same greedy text."""
-    engine = serve.get_deployment_handle("TargetWorker", APP_NAME).get_engine.remote().result()
-    ray.kill(engine)
-    response = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=32, temperature=0)
-    assert response.choices[0].text == reference(PROMPTS[1], 32)
+    the router re-prefills the new engine from the committed history: same greedy text, and no
+    state left on any engine."""
+    url, _ = server
+    result = _stream_killing_engine_midway(url, PROMPTS[1], 120, "TargetWorker")
+    assert result["text"] == reference(PROMPTS[1], 120)
+    assert result["final"]["speculation"]["target_failovers"] >= 1
+    _assert_no_leftovers(timeout_s=60)
