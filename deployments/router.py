@@ -36,6 +36,7 @@ from policies.depth import RoundCosts, choose_draft_depth, should_draft_ahead
 
 logger = logging.getLogger("ray.serve")
 TARGET_RECOVERY_S = 60.0  # how long a request waits for a replacement target engine
+HEALTH_PROBE_S = 2.0  # how long /health waits for a pool's engine to answer
 RELEASE_RETRY_S = 300.0  # how long a release keeps trying an engine that is temporarily unreachable
 ENGINE_ERRORS = (RayActorError, ray.exceptions.ActorUnavailableError)
 
@@ -111,6 +112,27 @@ class Router:
         return {"active_requests": len(self.active_requests), "queued_requests": self.admission.num_waiting,
                 "num_draft_tokens": typical_depth if self.config.uses_draft_workers else 0,
                 "pending_releases": len(self._background)}
+
+    async def pool_health(self) -> dict[str, Any]:
+        """{"status": "ok" | "degraded" | "unavailable", "pools": {pool: "ok" | "unavailable"}}.
+
+        Degraded: no draft engine answers, so requests run target-only. Unavailable: no target
+        engine answers, so requests would get 503."""
+        pools = {}
+        for pool, workers in (("target", self.target_workers), ("draft", self.draft_workers)):
+            if workers is None:
+                continue
+            try:
+                engine = await asyncio.wait_for(workers.get_engine.remote(), HEALTH_PROBE_S)
+                await asyncio.wait_for(engine.ping.remote(), HEALTH_PROBE_S)
+                pools[pool] = "ok"
+            except Exception:
+                pools[pool] = "unavailable"
+        if pools["target"] != "ok":
+            status = "unavailable"
+        else:
+            status = "ok" if all(state == "ok" for state in pools.values()) else "degraded"
+        return {"status": status, "pools": pools}
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: dict) -> AsyncIterator[dict]:
         """Stream {"text", "token_ids", "finish_reason"} chunks; the last adds "usage" and "speculation".
