@@ -108,3 +108,9 @@ def test_kuberay_draft_group_may_be_cpu_nodes():
     limits = groups["draft-cpu"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert "nvidia.com/gpu" not in limits and groups["draft-cpu"]["maxReplicas"] == 8
     assert groups["target-gpu"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
+def test_build_app_binds_autoscaled_pools():
+    from cluster.builder import build_app
+
+    assert type(build_app(SpecServeConfig.model_validate(RANGED))).__name__ == "Application"
