@@ -16,34 +16,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from policies.depth import estimate_accept_rate, expected_tokens_per_round
+from bench.perfmodel import acceptance_from_tokens_per_round
+from policies.depth import estimate_accept_rate
 from policies.goodput import ClassLoad
 from policies.replicas import PoolLoad
 
 REQUEST_CLASSES = ("greedy", "sampled")
 COST_SAMPLES_KEPT = 512      # per pool: enough for a fit, recent enough to follow the load
 ACCEPT_WINDOW_S = 30.0       # acceptance is measured over this trailing window
+MAX_ACCEPT_RATE = 0.99
 
 
 def accept_rate_from_rounds(rounds: float, drafted: float, accepted: float) -> float:
-    """Per-token acceptance alpha from round counters.
-
-    accepted / drafted under-estimates alpha (a round stops at its first rejection: at K = 4 and
-    alpha = 0.8 it reads 0.59), so we solve 1 + accepted/rounds = E(alpha, mean K) instead,
-    E being monotone in alpha. No rounds: the depth policy's prior."""
+    """Per-token acceptance alpha from round counters, fitted so E(alpha, mean K) = 1 + accepted
+    per round (accepted / drafted under-estimates it: at K = 4 and alpha = 0.8 it reads 0.59).
+    No rounds: the depth policy's prior. Capped at 0.99: a perfect streak is not a certainty."""
     if rounds <= 0 or drafted <= 0:
         return estimate_accept_rate(0, 0)
-    mean_depth, mean_tokens = drafted / rounds, 1.0 + accepted / rounds
-    low, high = 0.0, 0.99
-    if expected_tokens_per_round(high, mean_depth) <= mean_tokens:
-        return high
-    for _ in range(40):
-        middle = (low + high) / 2
-        if expected_tokens_per_round(middle, mean_depth) < mean_tokens:
-            low = middle
-        else:
-            high = middle
-    return (low + high) / 2
+    return min(MAX_ACCEPT_RATE, acceptance_from_tokens_per_round(1.0 + accepted / rounds, drafted / rounds))
 
 
 @dataclass(frozen=True)
