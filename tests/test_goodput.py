@@ -34,6 +34,16 @@ def test_cost_curve_finds_the_knee_of_flat_then_linear_cost():
         assert curve.seconds(tokens) == pytest.approx(truth(tokens), rel=1e-6)
 
 
+def test_cost_curve_stays_close_at_small_batches_despite_noisy_large_ones():
+    # Relative errors count: two large forwards measured at 2x their cost (a busy box) must not
+    # drag t(1) far off. (Plain least squares reads t(1) = 9.9 ms here, 65% over.)
+    def truth(tokens: float) -> float:
+        return 0.005 + 0.001 * tokens
+    curve = fit_cost_curve([(tokens, truth(tokens)) for tokens in range(1, 17)] + [(200, 2 * truth(200)), (256, 2 * truth(256))])
+    for tokens in (1, 2, 4, 8, 16):
+        assert curve.seconds(tokens) == pytest.approx(truth(tokens), rel=0.15)
+
+
 def test_cost_curve_needs_two_distinct_batch_sizes():
     assert fit_cost_curve([]) is None
     assert fit_cost_curve([(8, 0.01), (8, 0.012)]) is None
