@@ -6,6 +6,7 @@ The YAML points Serve at ``cluster.builder:app_builder`` with the whole config a
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import yaml
@@ -17,16 +18,40 @@ from deployments.engine_host import REPLICA_CPUS, engine_bundles
 from deployments.ingress import Ingress
 from deployments.router import Router
 from deployments.target_worker import TargetWorker
+from policies.decision import PolicySettings
 
 APP_NAME = "specserve"
 IMPORT_PATH = "cluster.builder:app_builder"
 
 
-def _worker_options(name: str, resources: WorkerResources) -> dict[str, Any]:
+POOL_POLICY = "policies.autoscaling:PoolPolicy"
+
+
+def _replica_options(resources: WorkerResources, policy: dict[str, Any] | None = None) -> dict[str, Any]:
+    """num_replicas for a fixed pool; Serve's autoscaling_config (with our policy) for a ranged one."""
+    if not resources.autoscaling:
+        return {"num_replicas": resources.initial_replicas}
+    low, high = resources.replica_bounds
+    autoscaling: dict[str, Any] = {"min_replicas": low, "max_replicas": high,
+                                   "initial_replicas": resources.initial_replicas,
+                                   "upscale_delay_s": resources.upscale_delay_s,
+                                   "downscale_delay_s": resources.downscale_delay_s}
+    if policy is not None:
+        autoscaling["policy"] = policy
+    return {"autoscaling_config": autoscaling}
+
+
+def _pool_policy(pool: str, config: SpecServeConfig) -> dict[str, Any]:
+    """The policy actor's decision drives the pool; its settings let the controller create it."""
+    settings = json.loads(json.dumps(PolicySettings.from_config(config).to_dict()))  # tuples -> lists
+    return {"policy_function": POOL_POLICY, "policy_kwargs": {"pool": pool, "settings": settings}}
+
+
+def _worker_options(name: str, resources: WorkerResources, policy: dict[str, Any] | None = None) -> dict[str, Any]:
     """Worker replicas are light; their engine actor carries the CPUs/GPUs in bundle 1."""
     return {
         "name": name,
-        "num_replicas": resources.num_replicas,
+        **_replica_options(resources, policy),
         "max_ongoing_requests": resources.max_ongoing_requests,
         "ray_actor_options": {"num_cpus": REPLICA_CPUS},
         "placement_group_bundles": engine_bundles(resources.num_cpus, resources.num_gpus, resources.resources),
@@ -41,7 +66,8 @@ def _plain_options(name: str, resources: WorkerResources) -> dict[str, Any]:
     actor_options: dict[str, Any] = {"num_cpus": resources.num_cpus}
     if resources.num_gpus:
         actor_options["num_gpus"] = resources.num_gpus
-    return {"name": name, "num_replicas": resources.num_replicas,
+    # A ranged ingress/router pool uses Serve's default, request-based policy.
+    return {"name": name, **_replica_options(resources),
             "max_ongoing_requests": resources.max_ongoing_requests, "ray_actor_options": actor_options}
 
 
@@ -50,10 +76,10 @@ def deployment_options(config: SpecServeConfig) -> dict[str, dict[str, Any]]:
     options = {
         "Ingress": _plain_options("Ingress", config.ingress),
         "Router": _plain_options("Router", config.router),
-        "TargetWorker": _worker_options("TargetWorker", config.target_workers),
+        "TargetWorker": _worker_options("TargetWorker", config.target_workers, _pool_policy("target", config)),
     }
     if config.uses_draft_workers:
-        options["DraftWorker"] = _worker_options("DraftWorker", config.draft_workers)
+        options["DraftWorker"] = _worker_options("DraftWorker", config.draft_workers, _pool_policy("draft", config))
     return options
 
 

@@ -42,6 +42,36 @@ class WorkerResources(_Strict):
     resources: dict[str, float] = Field(default_factory=dict,
                                         description="custom Ray resources, e.g. to pin engines to a node group")
     max_ongoing_requests: int = Field(256, ge=1)
+    min_replicas: int | None = Field(None, ge=1, description="with max_replicas: Serve autoscales the pool")
+    max_replicas: int | None = Field(None, ge=1)
+    upscale_delay_s: float = Field(10.0, ge=0, description="Serve waits this long before adding a replica")
+    downscale_delay_s: float = Field(60.0, ge=0, description="Serve waits this long before removing one")
+
+    @model_validator(mode="after")
+    def _replica_bounds(self) -> "WorkerResources":
+        low, high = self.replica_bounds
+        if low > high:
+            raise ValueError(f"need min_replicas <= max_replicas, got {low} > {high}")
+        return self
+
+    @property
+    def replica_bounds(self) -> tuple[int, int]:
+        """(min, max) replicas; unset bounds default to num_replicas."""
+        low = self.min_replicas if self.min_replicas is not None else min(self.num_replicas, self.max_replicas or self.num_replicas)
+        high = self.max_replicas if self.max_replicas is not None else max(self.num_replicas, low)
+        return low, high
+
+    @property
+    def initial_replicas(self) -> int:
+        """Replicas at start: num_replicas, clamped into the bounds."""
+        low, high = self.replica_bounds
+        return min(high, max(low, self.num_replicas))
+
+    @property
+    def autoscaling(self) -> bool:
+        """Autoscaled when bounds are set and differ; otherwise a fixed pool."""
+        low, high = self.replica_bounds
+        return low < high
 
 
 class SpeculationSpec(_Strict):

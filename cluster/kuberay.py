@@ -1,8 +1,10 @@
-"""Config -> KubeRay ``RayService`` manifest: a CPU head, a draft GPU group, a target GPU group.
+"""Config -> KubeRay ``RayService`` manifest: a CPU head, a draft group, a target GPU group.
 
 Draft and target engines are pinned to their own worker groups with custom Ray resources
-(``specserve_draft`` / ``specserve_target``), so each lands on its own GPU node; the Serve
-config inside is the same one `specserve serve-config` prints.
+(``specserve_draft`` / ``specserve_target``), so each lands on its own node (a GPU node, or a
+CPU node for a draft with num_gpus 0); the Serve config inside is the same one
+`specserve serve-config` prints. The Ray autoscaler is on, each group between its pool's
+min_replicas and max_replicas, so replicas Serve adds get nodes.
 """
 
 from __future__ import annotations
@@ -26,13 +28,23 @@ def _container(image: str, cpus: float, gpus: float, memory: str) -> dict[str, A
     return {"name": "ray", "image": image, "resources": {"limits": limits, "requests": dict(limits)}}
 
 
-def _worker_group(name: str, workers: WorkerResources, image: str) -> dict[str, Any]:
+# The Ray autoscaler adds a node when a pending replica's engine does not fit, and removes one
+# idle this long; Serve's policy decides how many replicas there are (policies.autoscaling).
+AUTOSCALER_OPTIONS = {"upscalingMode": "Default", "idleTimeoutSeconds": 120,
+                      "resources": {"limits": {"cpu": "500m", "memory": "512Mi"},
+                                    "requests": {"cpu": "500m", "memory": "512Mi"}}}
+
+
+def _worker_group(pool: str, workers: WorkerResources, image: str) -> dict[str, Any]:
+    """One node per engine: node counts follow the pool's replica bounds. A draft pool with
+    num_gpus 0 becomes a CPU group (heterogeneous placement: small drafts need no GPU)."""
     gpus_per_node = max(1, int(workers.num_gpus)) if workers.num_gpus else 0
+    low, high = workers.replica_bounds
     return {
-        "groupName": name,
-        "replicas": workers.num_replicas,
-        "minReplicas": 1,
-        "maxReplicas": max(workers.num_replicas, 4),
+        "groupName": f"{pool}-{'gpu' if gpus_per_node else 'cpu'}",
+        "replicas": workers.initial_replicas,
+        "minReplicas": low,
+        "maxReplicas": high,
         "rayStartParams": {"resources": json.dumps(workers.resources)} if workers.resources else {},
         "template": {"spec": {"containers": [_container(image, max(2.0, workers.num_cpus + 1), gpus_per_node, "16Gi")]}},
     }
@@ -53,10 +65,11 @@ def rayservice_manifest(config: SpecServeConfig, image: str = DEFAULT_IMAGE, nam
             "rayClusterConfig": {
                 "rayVersion": RAY_VERSION,
                 "enableInTreeAutoscaling": True,
+                "autoscalerOptions": AUTOSCALER_OPTIONS,
                 "headGroupSpec": {"rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0"},
                                   "template": {"spec": {"containers": [head]}}},
-                "workerGroupSpecs": [_worker_group("draft-gpu", config.draft_workers, image),
-                                     _worker_group("target-gpu", config.target_workers, image)],
+                "workerGroupSpecs": [_worker_group("draft", config.draft_workers, image),
+                                     _worker_group("target", config.target_workers, image)],
             },
         },
     }

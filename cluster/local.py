@@ -20,19 +20,20 @@ RAY_SYSTEM_CONFIG = {"max_direct_call_object_size": 4 * 1024 * 1024}
 
 
 def logical_cpus_needed(config: SpecServeConfig) -> int:
-    """Ray's CPU accounting is logical: reserve what the deployments ask for, at least the cores."""
-    needed = config.ingress.num_replicas * config.ingress.num_cpus + config.router.num_replicas * config.router.num_cpus
+    """Ray's CPU accounting is logical: reserve what the deployments ask for at their max replicas
+    (an autoscaled pool must find room to grow on a single machine), at least the cores."""
+    needed = sum(d.replica_bounds[1] * d.num_cpus for d in (config.ingress, config.router))
     for workers in (config.target_workers, config.draft_workers):
-        needed += workers.num_replicas * (workers.num_cpus + 0.02)
+        needed += workers.replica_bounds[1] * (workers.num_cpus + 0.02)
     return max(os.cpu_count() or 1, math.ceil(needed) + 1)
 
 
 def custom_resources_needed(config: SpecServeConfig) -> dict[str, float]:
-    """Custom Ray resources the worker engines ask for (a single node must offer all of them)."""
+    """Custom Ray resources the worker engines ask for at max replicas (one node offers them all)."""
     needed: dict[str, float] = {}
     for workers in (config.target_workers, config.draft_workers):
         for name, amount in workers.resources.items():
-            needed[name] = needed.get(name, 0.0) + amount * workers.num_replicas
+            needed[name] = needed.get(name, 0.0) + amount * workers.replica_bounds[1]
     return needed
 
 

@@ -1,0 +1,100 @@
+"""The policy actor: one per cluster, gathers load reports and publishes `PolicyDecision`s.
+
+A thin Ray shell over `LoadTracker` (reports -> load) and `Decider` (load -> decision), both
+pure. It decides about once a second in a background task. It keeps no state worth
+persisting: after a crash Ray restarts it (max_restarts=-1), it answers "no opinion" on replicas
+until reports arrive again, and routers keep their last decision meanwhile. It is detached
+(owned by no process) because whoever creates it first — a router replica, the Serve
+controller's autoscaling policy, a test — may go away before the application does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import ray
+
+from policies.decision import Decider, PolicySettings
+from policies.load import LoadTracker
+
+POLICY_ACTOR_NAME = "specserve-policy"
+POLICY_NAMESPACE = "specserve"
+
+logger = logging.getLogger(__name__)
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=64)
+class PolicyActor:
+    """report_engine/report_router in, decision() out; `_decide` runs every decide_interval_s."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self._settings = PolicySettings.from_dict(settings)
+        self._tracker = LoadTracker(ttl_s=self._settings.report_ttl_s)
+        self._decider = Decider(self._settings)
+        self._loop_task: asyncio.Task | None = None
+        self._started_at = time.time()
+
+    def _ensure_loop(self) -> None:
+        # Started from the first call: __init__ does not run inside the actor's event loop.
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                self._decide()
+            except Exception:  # a bad report must not stop the policy; it is logged and retried
+                logger.exception("policy decision failed")
+            await asyncio.sleep(self._settings.decide_interval_s)
+
+    def _decide(self) -> dict[str, Any]:
+        return self._decider.decide(self._tracker.snapshot(time.monotonic()), time.monotonic()).to_dict()
+
+    async def report_engine(self, stats: dict[str, Any]) -> None:
+        self._ensure_loop()
+        self._tracker.add_engine(stats, time.monotonic())
+
+    async def report_router(self, report: dict[str, Any]) -> None:
+        self._ensure_loop()
+        self._tracker.add_router(report, time.monotonic())
+
+    async def decision(self) -> dict[str, Any]:
+        """The latest decision (PolicyDecision.to_dict())."""
+        self._ensure_loop()
+        return self._decider.decision.to_dict()
+
+    async def load(self) -> dict[str, Any]:
+        """The load the last decision saw, for `specserve status` and debugging."""
+        self._ensure_loop()
+        load = self._tracker.snapshot(time.monotonic())
+        return {"active_requests": load.active_requests,
+                "pools": {pool: {"replicas": p.replicas, "busy_share": p.busy_share, "queue_depth": p.queue_depth,
+                                 "sequences": load.sequences.get(pool, 0)} for pool, p in load.pools.items()},
+                "classes": {c: {"active_requests": cl.active_requests, "accept_rate": cl.accept_rate}
+                            for c, cl in load.classes.items()},
+                "started_at": self._started_at}
+
+
+def get_or_create_policy_actor(settings: PolicySettings | Any) -> ray.actor.ActorHandle:
+    """The cluster's policy actor, created if missing (idempotent, safe against a creation race).
+
+    settings: a PolicySettings or a specserve config (see PolicySettings.from_config). The first
+    creator's settings win; later callers get the running actor."""
+    if not isinstance(settings, PolicySettings):
+        settings = PolicySettings.from_config(settings)
+    # get_if_exists looks the name up, creates on a miss, and on ActorAlreadyExistsError (another
+    # creator won the race) looks it up again: Ray 2.60's own get-or-create.
+    return PolicyActor.options(name=POLICY_ACTOR_NAME, namespace=POLICY_NAMESPACE, lifetime="detached",
+                               get_if_exists=True).remote(settings.to_dict())
+
+
+def kill_policy_actor() -> bool:
+    """Remove the detached policy actor for good (e.g. after `serve shutdown`); False if none."""
+    try:
+        ray.kill(ray.get_actor(POLICY_ACTOR_NAME, namespace=POLICY_NAMESPACE), no_restart=True)
+    except ValueError:
+        return False
+    return True

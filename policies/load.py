@@ -1,0 +1,134 @@
+"""Cluster-wide load from the reports engines and routers send the policy actor (no Ray here).
+
+Engines send `stats()` about once a second: {"pool", "replica", "sequences", "free_slots",
+"queue_depth", "forwards", "batch_rows_total", "busy_s", "idle_s", "cost_samples"}, busy_s and
+idle_s cumulative, cost_samples the (batch_tokens, seconds) of forwards since the last report.
+Routers send {"router", "active_requests", "by_class": {class: {"rounds", "drafted",
+"accepted"}}} with cumulative counters. A source that stops reporting (dead replica, scaled
+down) expires after `ttl_s`, so the view only counts what is alive. Busy shares and acceptance
+come from differences between reports, i.e. the recent past, not the lifetime.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.perfmodel import acceptance_from_tokens_per_round
+from policies.depth import estimate_accept_rate
+from policies.goodput import ClassLoad
+from policies.replicas import PoolLoad
+
+REQUEST_CLASSES = ("greedy", "sampled")
+COST_SAMPLES_KEPT = 512      # per pool: enough for a fit, recent enough to follow the load
+ACCEPT_WINDOW_S = 30.0       # acceptance is measured over this trailing window
+MAX_ACCEPT_RATE = 0.99
+
+
+def accept_rate_from_rounds(rounds: float, drafted: float, accepted: float) -> float:
+    """Per-token acceptance alpha from round counters, fitted so E(alpha, mean K) = 1 + accepted
+    per round (accepted / drafted under-estimates it: at K = 4 and alpha = 0.8 it reads 0.59).
+    No rounds: the depth policy's prior. Capped at 0.99: a perfect streak is not a certainty."""
+    if rounds <= 0 or drafted <= 0:
+        return estimate_accept_rate(0, 0)
+    return min(MAX_ACCEPT_RATE, acceptance_from_tokens_per_round(1.0 + accepted / rounds, drafted / rounds))
+
+
+@dataclass(frozen=True)
+class ClusterLoad:
+    """What the decision functions see."""
+
+    pools: dict[str, PoolLoad]
+    sequences: dict[str, int]
+    classes: dict[str, ClassLoad]
+    active_requests: int
+    cost_samples: dict[str, list[tuple[float, float]]]
+
+
+@dataclass
+class _EngineSeen:
+    at: float
+    stats: Mapping[str, Any]
+    busy_share: float
+
+
+@dataclass
+class _RouterSeen:
+    at: float
+    report: Mapping[str, Any]
+    history: deque = field(default_factory=deque)  # (time, {class: counters}) within the window
+
+
+def _busy_share(previous: Mapping[str, Any] | None, current: Mapping[str, Any]) -> float:
+    busy, idle = float(current.get("busy_s", 0.0)), float(current.get("idle_s", 0.0))
+    if previous is not None:
+        d_busy, d_idle = busy - float(previous.get("busy_s", 0.0)), idle - float(previous.get("idle_s", 0.0))
+        if d_busy >= 0 and d_idle >= 0 and d_busy + d_idle > 0:  # same engine, counters moved
+            return d_busy / (d_busy + d_idle)
+    return busy / (busy + idle) if busy + idle > 0 else 0.0
+
+
+class LoadTracker:
+    """Latest report per source, expiry, and the aggregate `ClusterLoad`. Time is passed in."""
+
+    def __init__(self, ttl_s: float = 5.0) -> None:
+        self.ttl_s = ttl_s
+        self._engines: dict[tuple[str, str], _EngineSeen] = {}
+        self._routers: dict[str, _RouterSeen] = {}
+        self._samples: dict[str, deque] = {}
+
+    def add_engine(self, stats: Mapping[str, Any], now: float) -> None:
+        key = (str(stats["pool"]), str(stats["replica"]))
+        seen = self._engines.get(key)
+        share = _busy_share(seen.stats if seen else None, stats)
+        self._engines[key] = _EngineSeen(now, dict(stats), share)
+        samples = self._samples.setdefault(key[0], deque(maxlen=COST_SAMPLES_KEPT))
+        samples.extend((float(tokens), float(seconds)) for tokens, seconds in stats.get("cost_samples", ()))
+
+    def add_router(self, report: Mapping[str, Any], now: float) -> None:
+        seen = self._routers.setdefault(str(report["router"]), _RouterSeen(now, report))
+        seen.at, seen.report = now, dict(report)
+        seen.history.append((now, report.get("by_class", {})))
+        while len(seen.history) > 2 and seen.history[1][0] <= now - ACCEPT_WINDOW_S:
+            seen.history.popleft()  # keep one point at or before the window start
+
+    def expire(self, now: float) -> None:
+        for key in [k for k, seen in self._engines.items() if now - seen.at > self.ttl_s]:
+            del self._engines[key]
+        for name in [n for n, seen in self._routers.items() if now - seen.at > self.ttl_s]:
+            del self._routers[name]
+
+    def _class_load(self, request_class: str, active: int) -> ClassLoad:
+        window = {"rounds": 0.0, "drafted": 0.0, "accepted": 0.0}
+        lifetime = dict(window)
+        for seen in self._routers.values():
+            first, last = seen.history[0][1].get(request_class, {}), seen.history[-1][1].get(request_class, {})
+            for name in window:
+                lifetime[name] += float(last.get(name, 0))
+                window[name] += float(last.get(name, 0)) - (float(first.get(name, 0)) if len(seen.history) > 1 else 0.0)
+        # No drafting in the window (K = 0 for this class, or no traffic): fall back to the lifetime.
+        counters = window if window["drafted"] > 0 else lifetime
+        return ClassLoad(active, accept_rate_from_rounds(counters["rounds"], counters["drafted"], counters["accepted"]))
+
+    def snapshot(self, now: float) -> ClusterLoad:
+        self.expire(now)
+        pools: dict[str, PoolLoad] = {}
+        sequences: dict[str, int] = {}
+        for pool in {key[0] for key in self._engines}:
+            seen = [s for (p, _), s in self._engines.items() if p == pool]
+            pools[pool] = PoolLoad(replicas=len(seen),
+                                   busy_share=sum(s.busy_share for s in seen) / len(seen),
+                                   queue_depth=sum(float(s.stats.get("queue_depth", 0)) for s in seen) / len(seen))
+            sequences[pool] = sum(int(s.stats.get("sequences", 0)) for s in seen)
+        by_class_active: dict[str, int] = {c: 0 for c in REQUEST_CLASSES}
+        for seen in self._routers.values():
+            for c, active in seen.report.get("active_by_class", {}).items():
+                by_class_active[c] = by_class_active.get(c, 0) + int(active)
+        active = sum(int(seen.report.get("active_requests", 0)) for seen in self._routers.values())
+        if sum(by_class_active.values()) == 0 and active:
+            by_class_active["greedy"] = active  # routers that do not split active requests by class
+        classes = {c: self._class_load(c, by_class_active.get(c, 0)) for c in by_class_active}
+        return ClusterLoad(pools, sequences, classes, active,
+                           {pool: list(samples) for pool, samples in self._samples.items()})

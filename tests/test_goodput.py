@@ -1,0 +1,127 @@
+"""Goodput model and cost curve: K goes deep when verify is flat in tokens, to 0 when it is linear."""
+
+import pytest
+
+from policies.cost_curve import CostCurve, fit_cost_curve
+from policies.goodput import ClassLoad, choose_depths, goodput_tokens_per_s, round_seconds
+
+# An accelerator below its knee: a verify pass costs ~10 ms whatever the tokens; draft steps 1 ms.
+FLAT_TARGET = CostCurve(fixed_s=0.010, per_token_s=0.00001)
+CHEAP_DRAFT = CostCurve(fixed_s=0.001, per_token_s=0.00001)
+# A saturated CPU: every token costs 1 ms, a forward 0.5 ms fixed; the draft is 20x cheaper per token.
+LINEAR_TARGET = CostCurve(fixed_s=0.0005, per_token_s=0.001)
+LINEAR_DRAFT = CostCurve(fixed_s=0.0001, per_token_s=0.00005)
+
+
+def loads(greedy: int, sampled: int, alpha: float = 0.8) -> dict[str, ClassLoad]:
+    return {"greedy": ClassLoad(greedy, alpha), "sampled": ClassLoad(sampled, alpha)}
+
+
+# --- cost curve -------------------------------------------------------------------------------
+
+def test_cost_curve_recovers_a_line_through_noise_free_samples():
+    curve = fit_cost_curve([(tokens, 0.002 + 0.0005 * tokens) for tokens in (1, 4, 9, 16, 40)])
+    assert curve.seconds(10) == pytest.approx(0.007, rel=1e-6)
+    assert curve.seconds(100) == pytest.approx(0.052, rel=1e-6)
+
+
+def test_cost_curve_finds_the_knee_of_flat_then_linear_cost():
+    def truth(tokens: float) -> float:
+        return 0.010 + 0.0002 * max(0.0, tokens - 64)
+    curve = fit_cost_curve([(tokens, truth(tokens)) for tokens in (1, 8, 16, 32, 64, 128, 256, 512)])
+    assert curve.knee_tokens == 64
+    for tokens in (5, 50, 100, 400):
+        assert curve.seconds(tokens) == pytest.approx(truth(tokens), rel=1e-6)
+
+
+def test_cost_curve_stays_close_at_small_batches_despite_noisy_large_ones():
+    # Relative errors count: two large forwards measured at 2x their cost (a busy box) must not
+    # drag t(1) far off. (Plain least squares reads t(1) = 9.9 ms here, 65% over.)
+    def truth(tokens: float) -> float:
+        return 0.005 + 0.001 * tokens
+    curve = fit_cost_curve([(tokens, truth(tokens)) for tokens in range(1, 17)] + [(200, 2 * truth(200)), (256, 2 * truth(256))])
+    for tokens in (1, 2, 4, 8, 16):
+        assert curve.seconds(tokens) == pytest.approx(truth(tokens), rel=0.15)
+
+
+def test_cost_curve_needs_two_distinct_batch_sizes():
+    assert fit_cost_curve([]) is None
+    assert fit_cost_curve([(8, 0.01), (8, 0.012)]) is None
+    assert fit_cost_curve([(8, 0.01), (16, 0.012)]) is not None
+
+
+def test_cost_curve_never_decreases_with_tokens_even_on_noisy_samples():
+    curve = fit_cost_curve([(1, 0.012), (2, 0.010), (4, 0.011), (8, 0.009)])
+    assert curve.per_token_s >= 0 and curve.fixed_s >= 0
+    assert curve.seconds(100) >= curve.seconds(1)
+
+
+# --- goodput model ----------------------------------------------------------------------------
+
+def test_target_only_round_is_one_verify_pass_without_drafting():
+    load = loads(4, 0)
+    depths = {"greedy": 0, "sampled": 0}
+    assert round_seconds(load, depths, FLAT_TARGET, CHEAP_DRAFT, 1, 1) == pytest.approx(FLAT_TARGET.seconds(4))
+    assert goodput_tokens_per_s(load, depths, FLAT_TARGET, CHEAP_DRAFT, 1, 1) == pytest.approx(4 / FLAT_TARGET.seconds(4))
+
+
+def test_serial_round_adds_one_batched_draft_step_per_draft_token():
+    load = loads(2, 0)
+    seconds = round_seconds(load, {"greedy": 3, "sampled": 0}, FLAT_TARGET, CHEAP_DRAFT, 1, 1)
+    assert seconds == pytest.approx(3 * CHEAP_DRAFT.seconds(2) + FLAT_TARGET.seconds(8))
+
+
+def test_replicas_split_the_batch():
+    load = loads(8, 0)
+    one = round_seconds(load, {"greedy": 2, "sampled": 0}, LINEAR_TARGET, LINEAR_DRAFT, 1, 1)
+    two = round_seconds(load, {"greedy": 2, "sampled": 0}, LINEAR_TARGET, LINEAR_DRAFT, 2, 2)
+    assert two < one
+
+
+def test_flat_verify_cost_at_low_load_drafts_deep():
+    depths, _ = choose_depths(loads(1, 0, alpha=0.9), FLAT_TARGET, CHEAP_DRAFT, 1, 1, min_k=1, max_k=8)
+    assert depths["greedy"] >= 6
+
+
+def test_linear_verify_cost_at_high_batch_stops_speculating():
+    depths, goodput = choose_depths(loads(32, 32), LINEAR_TARGET, LINEAR_DRAFT, 1, 1, min_k=1, max_k=8)
+    assert depths == {"greedy": 0, "sampled": 0}
+    assert goodput == pytest.approx(64 / LINEAR_TARGET.seconds(64))
+
+
+def test_depth_falls_as_load_grows_on_a_cost_curve_with_a_knee():
+    knee = CostCurve(fixed_s=0.010, per_token_s=0.0004, knee_tokens=64)
+    chosen = [choose_depths(loads(n, 0), knee, CHEAP_DRAFT, 1, 1, 1, 8)[0]["greedy"] for n in (1, 8, 32, 128)]
+    assert chosen == sorted(chosen, reverse=True)
+    assert chosen[0] >= 4 and chosen[-1] == 0
+
+
+def test_poor_acceptance_drafts_less_than_good_acceptance():
+    good, _ = choose_depths(loads(4, 0, alpha=0.9), FLAT_TARGET, CHEAP_DRAFT, 1, 1, 1, 8)
+    poor, _ = choose_depths(loads(4, 0, alpha=0.3), FLAT_TARGET, CHEAP_DRAFT, 1, 1, 1, 8)
+    assert poor["greedy"] < good["greedy"]
+
+
+def test_target_only_is_not_chosen_when_disallowed():
+    depths, _ = choose_depths(loads(32, 32), LINEAR_TARGET, LINEAR_DRAFT, 1, 1, 1, 8, allow_target_only=False)
+    assert depths == {"greedy": 1, "sampled": 1}
+
+
+def test_a_class_without_requests_gets_the_depth_for_a_newcomer():
+    depths, _ = choose_depths(loads(0, 0, alpha=0.9), FLAT_TARGET, CHEAP_DRAFT, 1, 1, 1, 8)
+    assert depths["greedy"] >= 6 and depths["sampled"] >= 6
+
+
+def test_the_incumbent_depth_is_kept_when_nearly_as_good():
+    # alpha 0.7, one request per class: K = 4 is best, K = 3 and 5 are within 1.5% of it.
+    load = loads(1, 1, alpha=0.7)
+    best, _ = choose_depths(load, FLAT_TARGET, CHEAP_DRAFT, 1, 1, 1, 8)
+    assert best == {"greedy": 4, "sampled": 4}
+    near = {"greedy": 3, "sampled": 3}
+    assert choose_depths(load, FLAT_TARGET, CHEAP_DRAFT, 1, 1, 1, 8, incumbent=near)[0] == near
+
+
+def test_a_clearly_worse_incumbent_is_replaced():
+    load = loads(1, 1, alpha=0.7)
+    far = {"greedy": 1, "sampled": 8}
+    assert choose_depths(load, FLAT_TARGET, CHEAP_DRAFT, 1, 1, 1, 8, incumbent=far)[0] == {"greedy": 4, "sampled": 4}

@@ -1,0 +1,157 @@
+"""The policy actor on a small local Ray cluster: reports become decisions, it survives being
+killed, and Serve scales a deployment through `policies.autoscaling.PoolPolicy`."""
+
+import threading
+import time
+
+import pytest
+import ray
+from ray import serve
+
+from policies.actor import POLICY_ACTOR_NAME, POLICY_NAMESPACE, get_or_create_policy_actor, kill_policy_actor
+from policies.decision import PolicySettings
+from policies.replicas import ScalingThresholds
+
+pytestmark = pytest.mark.ray
+SETTINGS = PolicySettings(target_bounds=(1, 3), draft_bounds=(1, 3), thresholds=ScalingThresholds(cooldown_s=0.0),
+                          report_ttl_s=3.0, decide_interval_s=0.2)
+COST_SAMPLES = [(tokens, 0.010 + 0.00001 * tokens) for tokens in (1, 2, 4, 8, 16)]
+
+
+def wait_for(predicate, timeout_s: float = 60.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+class Reporter:
+    """Plays target engines, a draft engine and a router, reporting every 0.3 s."""
+
+    def __init__(self, target_busy: float, draft_busy: float, active: int, target_replicas: int = 1) -> None:
+        self.shares = {"target": target_busy, "draft": draft_busy}
+        self.replicas = {"target": target_replicas, "draft": 1}
+        self.active = active
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        clock = 0.0
+        while not self._stop.is_set():
+            clock += 0.3
+            try:
+                actor = ray.get_actor(POLICY_ACTOR_NAME, namespace=POLICY_NAMESPACE)
+                for pool, share in self.shares.items():
+                    for replica in range(self.replicas[pool]):
+                        actor.report_engine.remote({
+                            "pool": pool, "replica": f"{pool}-{replica}", "sequences": self.active,
+                            "free_slots": 8, "queue_depth": 0, "forwards": 1, "batch_rows_total": 1,
+                            "busy_s": share * clock, "idle_s": (1 - share) * clock, "cost_samples": COST_SAMPLES})
+                actor.report_router.remote({"router": "r1", "active_requests": self.active,
+                                            "active_by_class": {"greedy": self.active, "sampled": 0},
+                                            "by_class": {"greedy": {"rounds": 10, "drafted": 40, "accepted": 30}}})
+            except (ValueError, ray.exceptions.RayError):
+                pass  # actor restarting: report again next tick
+            self._stop.wait(0.3)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=4, configure_logging=False, log_to_driver=False)
+    actor = get_or_create_policy_actor(SETTINGS)
+    yield actor
+    kill_policy_actor()
+    serve.shutdown()
+    ray.shutdown()
+
+
+def decision(actor) -> dict:
+    return ray.get(actor.decision.remote(), timeout=10)
+
+
+def test_get_or_create_returns_the_same_actor(cluster):
+    again = get_or_create_policy_actor(SETTINGS)
+    assert again._actor_id == cluster._actor_id
+
+
+def test_reports_become_a_decision_that_scales_the_bottleneck(cluster):
+    reporter = Reporter(target_busy=0.3, draft_busy=0.95, active=4)
+    try:
+        final = wait_for(lambda: (d := decision(cluster))["draft_replicas"] == 2 and d, what="draft pool scale-up")
+    finally:
+        reporter.stop()
+    assert final["target_replicas"] == 1
+    assert set(final["num_draft_tokens"]) == {"greedy", "sampled"}
+    assert any("draft: busy" in reason for reason in final["reasons"])
+
+
+def test_a_killed_actor_comes_back_and_decides_again(cluster):
+    started = ray.get(cluster.load.remote())["started_at"]
+    ray.kill(cluster, no_restart=False)
+    reporter = Reporter(target_busy=0.95, draft_busy=0.5, active=4)
+    try:
+        wait_for(lambda: ray.get(cluster.load.remote(), timeout=10)["started_at"] != started, what="actor restart")
+        final = wait_for(lambda: (d := decision(cluster))["target_replicas"] == 2 and d, what="decision after restart")
+    finally:
+        reporter.stop()
+    assert final["version"] >= 1
+
+
+def test_serve_scales_a_deployment_through_the_pool_policy(cluster):
+    @serve.deployment(autoscaling_config={
+        "min_replicas": 1, "max_replicas": 3, "initial_replicas": 1, "upscale_delay_s": 0, "downscale_delay_s": 0,
+        "policy": {"policy_function": "policies.autoscaling:PoolPolicy", "policy_kwargs": {"pool": "target"}}},
+        ray_actor_options={"num_cpus": 0.1})
+    class Pool:
+        def __call__(self) -> str:
+            return "ok"
+
+    def running() -> int:
+        status = serve.status().applications["pool"].deployments["Pool"]
+        return status.replica_states.get("RUNNING", 0)
+
+    serve.run(Pool.bind(), name="pool", route_prefix=None)
+    assert running() == 1
+    reporter = Reporter(target_busy=0.95, draft_busy=0.5, active=4)
+    try:
+        wait_for(lambda: running() == 2, timeout_s=90, what="Serve to add the replica the policy asked for")
+    finally:
+        reporter.stop()
+    reporter = Reporter(target_busy=0.05, draft_busy=0.05, active=0, target_replicas=2)
+    try:
+        wait_for(lambda: running() == 1, timeout_s=90, what="Serve to remove the idle replica")
+    finally:
+        reporter.stop()
+    serve.delete("pool")
+
+
+def test_pool_policy_never_blocks_and_falls_back_to_the_current_target(cluster):
+    from types import SimpleNamespace
+
+    from policies.autoscaling import PoolPolicy
+
+    policy = PoolPolicy(pool="target", poll_interval_s=0.1, max_decision_age_s=2.0)
+    context = SimpleNamespace(target_num_replicas=3, policy_state={"kept": True})
+    started = time.monotonic()
+    replicas, state = policy(context)
+    assert time.monotonic() - started < 0.5  # a name lookup and a .remote(): no waiting on the actor
+    assert (replicas, state) == (3, {"kept": True})  # no decision read yet: keep what Serve has
+    reporter = Reporter(target_busy=0.95, draft_busy=0.5, active=4)
+    try:
+        wait_for(lambda: policy(context)[0] == 2, what="the actor's decision through the policy")
+    finally:
+        reporter.stop()
+    kill_policy_actor()
+    wait_for(lambda: policy(context)[0] == 3, what="fallback once the decision is stale")
