@@ -79,7 +79,10 @@ class DraftEngine(EngineCore):
             elif index not in results:
                 to_draft.append(index)
         if to_draft:
+            started = time.perf_counter()
             proposals = self.proposer.propose_batch([self._propose_call(calls[index]) for index in to_draft])
+            num_steps = max(calls[index].num_tokens for index in to_draft)
+            self.record_cost(len(to_draft), (time.perf_counter() - started) / num_steps)  # per decode step
             for index, proposal in zip(to_draft, proposals):
                 results[index] = self._to_wire(proposal)
             if self.runner is not None:

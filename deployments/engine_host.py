@@ -35,6 +35,7 @@ ENGINE_BUNDLE_INDEX = 1
 REPLICA_CPUS = 0.01  # the replica only relays the engine handle and health checks
 ENGINE_NAMESPACE = "specserve"
 COST_SAMPLES_KEPT = 64  # recent (batch tokens, seconds) forwards, for the policy's cost curve
+REPORT_INTERVAL_S = 1.0  # how often an engine reports its load to the policy actor
 
 
 def engine_actor_name(pool: str, replica_id: str) -> str:
@@ -86,6 +87,8 @@ class EngineCore:
         self.idle_ttl_s = float(engine_options["idle_sequence_ttl_s"])
         self.loop = EngineLoop(self._iterate, self._release_now, engine_options["admission_timeout_s"])
         self.cost_samples: deque[tuple[int, float]] = deque(maxlen=COST_SAMPLES_KEPT)
+        self._unreported_costs: deque[tuple[int, float]] = deque(maxlen=COST_SAMPLES_KEPT)
+        self._report_task: asyncio.Task | None = None
         self.last_used_s: dict[str, float] = {}
         self.gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()] if ray.is_initialized() else []
 
@@ -93,7 +96,26 @@ class EngineCore:
         raise NotImplementedError
 
     async def ping(self) -> bool:
+        """Health check (the replica calls it every few seconds); also keeps load reports going."""
+        if self._report_task is None or self._report_task.done():
+            self._report_task = asyncio.get_running_loop().create_task(self._report_load())
         return True
+
+    async def _report_load(self) -> None:
+        """Tell the policy actor this engine's load about once a second (if it runs; the router
+        starts it). Cost samples go out once each: the actor accumulates them."""
+        from policies.actor import POLICY_ACTOR_NAME, POLICY_NAMESPACE
+
+        while True:
+            await asyncio.sleep(REPORT_INTERVAL_S)
+            try:
+                policy = ray.get_actor(POLICY_ACTOR_NAME, namespace=POLICY_NAMESPACE)
+                report = await self.stats()
+                report["cost_samples"] = list(self._unreported_costs)
+                self._unreported_costs.clear()
+                policy.report_engine.remote(report)
+            except Exception:  # no policy actor (yet, or restarting): the engine works on regardless
+                pass
 
     async def release(self, seq_id: str) -> None:
         self.loop.release(seq_id)
@@ -160,12 +182,17 @@ class EngineCore:
                              prefills=[(valid[i], chunk) for i, chunk in plan.prefills],
                              waiting=[valid[i] for i in plan.waiting])
 
+    def record_cost(self, batch_tokens: int, seconds: float) -> None:
+        self.cost_samples.append((batch_tokens, seconds))
+        self._unreported_costs.append((batch_tokens, seconds))
+
     def timed_forward(self, calls: list[ForwardCall]) -> list[torch.Tensor]:
-        """runner.forward_batch, recording its cost for the policy's cost curve."""
+        """runner.forward_batch, recording (new tokens, seconds) for the policy's cost curve."""
+        new_tokens = sum(max(call.num_rows, len(call.token_ids) - self.runner.num_cached(call.seq_id))
+                         for call in calls)
         started = time.perf_counter()
         logits = self.runner.forward_batch(calls)
-        new_tokens = sum(call.num_rows for call in calls)
-        self.cost_samples.append((new_tokens, time.perf_counter() - started))
+        self.record_cost(new_tokens, time.perf_counter() - started)
         now = time.monotonic()
         for call in calls:
             self.last_used_s[call.seq_id] = now

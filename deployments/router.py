@@ -36,6 +36,8 @@ from policies.depth import RoundCosts, choose_draft_depth, should_draft_ahead
 
 logger = logging.getLogger("ray.serve")
 TARGET_RECOVERY_S = 60.0  # how long a request waits for a replacement target engine
+POLICY_INTERVAL_S = 1.0  # how often a router reports load to the policy actor and reads its decision
+POLICY_STALE_S = 30.0  # a decision older than this (actor gone) is dropped: per-request depth only
 HEALTH_PROBE_S = 2.0  # how long /health waits for a pool's engine to answer
 RELEASE_RETRY_S = 300.0  # how long a release keeps trying an engine that is temporarily unreachable
 ENGINE_ERRORS = (RayActorError, ray.exceptions.ActorUnavailableError)
@@ -96,6 +98,12 @@ class Router:
         self._background: set[asyncio.Task] = set()  # releases retried on engines that were unreachable
         # Measured costs, shared by this router's requests: they reflect the engines' current load.
         self.round_costs = RoundCosts(draft_cost_ratio=self.config.speculation.draft_cost_ratio)
+        # Cluster-wide depth from the policy actor (policies/actor.py), refreshed every second.
+        self.router_id = _replica_id()
+        self.class_counters = {c: {"rounds": 0, "drafted": 0, "accepted": 0} for c in REQUEST_CLASSES}
+        self.policy_decision: dict[str, Any] | None = None
+        self.policy_decision_at = 0.0
+        self._policy_task: asyncio.Task | None = None
 
     def _detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -109,9 +117,12 @@ class Router:
         typical_depth = (choose_draft_depth(0, 0, self.round_costs.draft_cost_ratio, spec.min_draft_tokens,
                                             spec.max_draft_tokens, self.round_costs.overhead_ratio)
                          if spec.adaptive else spec.num_draft_tokens)
+        cap = None if self.policy_decision is None else self.policy_decision.get("num_draft_tokens", {}).get("greedy")
+        if spec.adaptive and cap is not None:
+            typical_depth = min(typical_depth, cap)
         return {"active_requests": len(self.active_requests), "queued_requests": self.admission.num_waiting,
                 "num_draft_tokens": typical_depth if self.config.uses_draft_workers else 0,
-                "pending_releases": len(self._background)}
+                "pending_releases": len(self._background), "policy": self.policy_decision}
 
     async def pool_health(self) -> dict[str, Any]:
         """{"status": "ok" | "degraded" | "unavailable", "pools": {pool: "ok" | "unavailable"}}.
@@ -134,6 +145,40 @@ class Router:
             status = "ok" if all(state == "ok" for state in pools.values()) else "degraded"
         return {"status": status, "pools": pools}
 
+    def _ensure_policy_loop(self) -> None:
+        if self._policy_task is None or self._policy_task.done():
+            self._policy_task = asyncio.get_running_loop().create_task(self._policy_loop())
+
+    async def _policy_loop(self) -> None:
+        """Report this router's load to the policy actor and keep its latest decision. If the actor
+        is gone, the last decision stands until POLICY_STALE_S, then requests use their own depth."""
+        from policies.actor import get_or_create_policy_actor
+
+        policy = None
+        while True:
+            try:
+                if policy is None:
+                    policy = get_or_create_policy_actor(self.config)
+                policy.report_router.remote(self._load_report())
+                self.policy_decision = await asyncio.wait_for(policy.decision.remote(), POLICY_INTERVAL_S)
+                self.policy_decision_at = time.monotonic()
+            except Exception:  # restarting or unreachable: Ray restarts it; look it up again
+                policy = None
+            await asyncio.sleep(POLICY_INTERVAL_S)
+
+    def _load_report(self) -> dict[str, Any]:
+        active_by_class = dict.fromkeys(REQUEST_CLASSES, 0)
+        for state in self.active_requests.values():
+            active_by_class[_request_class(state)] += 1
+        return {"router": self.router_id, "active_requests": len(self.active_requests),
+                "active_by_class": active_by_class, "by_class": self.class_counters}
+
+    def _policy_depth_cap(self, state: RequestState) -> int | None:
+        """The depth the policy actor allows this request's class now, or None (no fresh decision)."""
+        if self.policy_decision is None or time.monotonic() - self.policy_decision_at > POLICY_STALE_S:
+            return None
+        return self.policy_decision.get("num_draft_tokens", {}).get(_request_class(state))
+
     async def generate(self, request_id: str, prompt_ids: list[int], params: dict) -> AsyncIterator[dict]:
         """Stream {"text", "token_ids", "finish_reason"} chunks; the last adds "usage" and "speculation".
 
@@ -145,6 +190,7 @@ class Router:
                              params=SamplingParams.model_validate(params), eos_token_id=self.eos_token_id,
                              max_context=self.max_context, detokenize=self._detokenize)
         chunks: asyncio.Queue = asyncio.Queue()
+        self._ensure_policy_loop()
         rounds = asyncio.create_task(self._decode(state, chunks))
         try:
             while True:
@@ -221,7 +267,13 @@ class Router:
                                                         self._draft_seed(state)))
             rows, target_s, target = await self._verify(state, target, len(proposal.token_ids) + 1, engines,
                                                         proposal)
+            accepted_before = state.stats.num_accepted
             committed = accept_round(state, proposal, rows)
+            if proposal.token_ids:
+                counters = self.class_counters[_request_class(state)]
+                counters["rounds"] += 1
+                counters["drafted"] += len(proposal.token_ids)
+                counters["accepted"] += state.stats.num_accepted - accepted_before
             round_wall_s = time.perf_counter() - round_started
             overhead_s = round_wall_s - draft_s - target_s
             timings.round_wall_s.append(round_wall_s)
@@ -332,17 +384,26 @@ class Router:
         task.add_done_callback(self._background.discard)
 
     def _draft_depth(self, state: RequestState) -> int:
-        """K for this round. A seeded request's K must not depend on timing (its random draws
-        follow K), so it uses the configured cost ratio; others use the measured costs."""
+        """K for this round. The policy actor caps it per request class from cluster-wide load (0:
+        speculation does not pay now); within the cap the request's own acceptance and the measured
+        costs choose. A seeded request's K must not depend on timing or load (its random draws
+        follow K), so it uses the configured cost ratio and no cap."""
         spec = self.config.speculation
         if not spec.adaptive:
             return state.draft_budget(spec.num_draft_tokens)
+        low, high = spec.min_draft_tokens, spec.max_draft_tokens
         if state.params.seed is None:
             cost_ratio, overhead_ratio = self.round_costs.draft_cost_ratio, self.round_costs.overhead_ratio
+            cap = self._policy_depth_cap(state)
+            if cap is not None:
+                high = min(high, cap)
+                low = min(low, high)
         else:
             cost_ratio, overhead_ratio = spec.draft_cost_ratio, 0.0
+        if high <= 0:
+            return 0
         depth = choose_draft_depth(state.stats.num_accepted, state.stats.num_drafted, cost_ratio,
-                                   spec.min_draft_tokens, spec.max_draft_tokens, overhead_ratio)
+                                   low, high, overhead_ratio)
         return state.draft_budget(depth)
 
     @staticmethod
@@ -369,6 +430,20 @@ class Router:
             self.metrics.drafted.inc(state.stats.num_drafted)
         if state.stats.num_accepted:
             self.metrics.accepted.inc(state.stats.num_accepted)
+
+
+REQUEST_CLASSES = ("greedy", "sampled")
+
+
+def _request_class(state: RequestState) -> str:
+    return "greedy" if state.params.is_greedy else "sampled"
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a Serve replica
+        return "router"
 
 
 def _merge_chunks(chunks: list[dict]) -> dict:
