@@ -45,6 +45,8 @@ def ragged_rounds() -> list[list[ForwardCall]]:
         # c takes one token, d verifies K=4.
         [ForwardCall("a", a[:32] + [7, 8, 9], 4), ForwardCall("b", b, 5), ForwardCall("c", c[:51], 1),
          ForwardCall("d", d, 5)],
+        # Rows whose slots are not neighbours (b and d sit this one out): keys are gathered.
+        [ForwardCall("c", c[:56], 3), ForwardCall("a", a[:32] + [7, 8, 9, 10], 2)],
     ]
 
 
@@ -65,10 +67,17 @@ def full_logits(model, token_ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
-def test_ragged_batches_give_the_unbatched_rows(architecture, attention):
+def test_ragged_batches_give_the_unbatched_rows(monkeypatch, architecture, attention):
     # eager adds the mask to the scores, so it also catches a boolean mask (sdpa reads bools right).
     model = tiny_model(architecture, attn_implementation=attention)
     batched, reference = BatchedModelRunner.from_model(model), ModelRunner.from_model(model)
+    read_as_view: list[bool] = []
+
+    def spy(*args, **kwargs):
+        layout = batch_layout(*args, **kwargs)
+        read_as_view.append(layout.first_slot is not None)
+        return layout
+    monkeypatch.setattr(batched_runner_module, "batch_layout", spy)
     for calls in ragged_rounds():
         assert_rows_match(batched, reference, calls)
     # A released slot is reused by a new sequence, which must not see the old keys.
@@ -76,6 +85,8 @@ def test_ragged_batches_give_the_unbatched_rows(architecture, attention):
     reference.release("b")
     assert_rows_match(batched, reference, [ForwardCall("e", random_ids(5, 9), 3),
                                            ForwardCall("a", random_ids(1, 40)[:36], 2)])
+    assert batched._sequences["e"].slot == 1
+    assert set(read_as_view) == {True, False}   # both cache reads were exercised
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
