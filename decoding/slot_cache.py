@@ -27,6 +27,7 @@ class BatchLayout:
 
     slot_ids: torch.Tensor         # LongTensor [B]
     first_slot: int | None         # slot_ids == first_slot + arange(B): read a view, no gather
+    single_write: tuple[int, int] | None  # (slot, start) when B == 1: write a slice, no scatter
     write_slots: torch.Tensor      # LongTensor [N]: the slot of each real new token (N = sum of n_b)
     write_positions: torch.Tensor  # LongTensor [N]: its position in that slot
     source_rows: torch.Tensor      # LongTensor [N]: its row b in the batch ...
@@ -46,27 +47,26 @@ def batch_layout(slot_ids: Sequence[int], starts: Sequence[int], num_new: Sequen
     real token, so no query row is ever fully masked (which would give NaN rows) and positions
     stay within the context (GPT-2 looks them up in a position table).
     """
+    # Built from Python lists in a handful of tensor ops: this runs once per forward, on the
+    # critical path of every decode step.
     batch_size, num_columns = len(slot_ids), max(num_new)
-    starts_t = torch.tensor(starts, dtype=torch.long)
-    num_new_t = torch.tensor(num_new, dtype=torch.long)
-    columns = torch.arange(num_columns)
-    last_real = torch.minimum(columns.unsqueeze(0), (num_new_t - 1).unsqueeze(1))   # [B, T]
-    position_ids = starts_t.unsqueeze(1) + last_real
-    kv_length = int((starts_t + num_new_t).max())
-    visible = torch.arange(kv_length).view(1, 1, kv_length) <= position_ids.unsqueeze(2)  # [B, T, L]
-    attention_mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-
-    real = columns.unsqueeze(0) < num_new_t.unsqueeze(1)                           # [B, T]
-    source_rows, source_columns = real.nonzero(as_tuple=True)
-    slot_ids_t = torch.tensor(slot_ids, dtype=torch.long)
-    contiguous = bool(torch.equal(slot_ids_t, slot_ids_t[0] + torch.arange(batch_size)))
+    positions = [[start + min(t, n - 1) for t in range(num_columns)] for start, n in zip(starts, num_new)]
+    writes = [(slot, start + t, b, t) for b, (slot, start, n) in enumerate(zip(slot_ids, starts, num_new))
+              for t in range(n)]
+    write_slots, write_positions, source_rows, source_columns = (
+        torch.tensor(writes, dtype=torch.long).T.contiguous().to(device))
+    kv_length = max(start + n for start, n in zip(starts, num_new))
+    position_ids = torch.tensor(positions, dtype=torch.long)
+    hidden = torch.arange(kv_length).view(1, 1, kv_length) > position_ids.unsqueeze(2)   # [B, T, L]
+    attention_mask = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, torch.finfo(dtype).min)
+    first = slot_ids[0]
+    contiguous = list(slot_ids) == list(range(first, first + batch_size))
     return BatchLayout(
-        slot_ids=slot_ids_t.to(device),
-        first_slot=int(slot_ids[0]) if contiguous else None,
-        write_slots=slot_ids_t[source_rows].to(device),
-        write_positions=(starts_t[source_rows] + source_columns).to(device),
-        source_rows=source_rows.to(device),
-        source_columns=source_columns.to(device),
+        slot_ids=torch.tensor(slot_ids, dtype=torch.long).to(device),
+        first_slot=first if contiguous else None,
+        single_write=(first, starts[0]) if batch_size == 1 else None,
+        write_slots=write_slots, write_positions=write_positions,
+        source_rows=source_rows, source_columns=source_columns,
         kv_length=kv_length,
         position_ids=position_ids.to(device),
         attention_mask=attention_mask.unsqueeze(1).to(device),
@@ -160,10 +160,15 @@ class SlotBatchView:
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         layout = self.layout
         keys, values = self.cache._layer(layer_idx, key_states, value_states)
-        # [B, H, T, D] -> [N, H, D] for the real tokens, scattered to (slot, position).
-        rows, columns = layout.source_rows, layout.source_columns
-        keys[layout.write_slots, :, layout.write_positions] = key_states.transpose(1, 2)[rows, columns]
-        values[layout.write_slots, :, layout.write_positions] = value_states.transpose(1, 2)[rows, columns]
+        if layout.single_write is not None:
+            slot, start = layout.single_write   # one row, no padding: a slice copy
+            keys[slot, :, start:start + key_states.shape[2]] = key_states[0]
+            values[slot, :, start:start + value_states.shape[2]] = value_states[0]
+        else:
+            # [B, H, T, D] -> [N, H, D] for the real tokens, scattered to (slot, position).
+            rows, columns = layout.source_rows, layout.source_columns
+            keys[layout.write_slots, :, layout.write_positions] = key_states.transpose(1, 2)[rows, columns]
+            values[layout.write_slots, :, layout.write_positions] = value_states.transpose(1, 2)[rows, columns]
         if layout.first_slot is not None:
             batch = slice(layout.first_slot, layout.first_slot + key_states.shape[0])
             return keys[batch, :, :layout.kv_length], values[batch, :, :layout.kv_length]
