@@ -26,8 +26,23 @@ class SequenceStateError(RuntimeError):
     """A sequence id the runner cannot serve (e.g. too long for the model's context)."""
 
 
+class NoFreeSlotError(SequenceStateError):
+    """A new sequence arrived while the runner already holds max_sequences of them: release
+    finished sequences, or let the request wait for a slot."""
+
+
 class IncompatibleModelsError(ValueError):
     """Draft and target cannot be paired (different vocabulary or tokenization)."""
+
+
+@dataclass
+class ForwardCall:
+    """One sequence's share of a batched forward: make seq_id's cache hold exactly token_ids and
+    return logits for the last num_rows positions (the protocol of `ModelRunner.forward`)."""
+
+    seq_id: str
+    token_ids: Sequence[int]
+    num_rows: int = 1
 
 
 @dataclass
@@ -48,37 +63,42 @@ def _common_prefix_length(cached: list[int], wanted: list[int], limit: int) -> i
     return limit
 
 
-class ModelRunner:
-    """Owns one model and a KV cache per sequence id."""
+def load_causal_lm(model_path: str, dtype: str = "float32", device: str = "cpu",
+                   num_threads: int | None = None):
+    """A local Hugging Face causal LM in eval mode on `device` (no download)."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if num_threads is not None:
+        # Process-wide: a worker process owns one runner, so this is its thread budget.
+        torch.set_num_threads(num_threads)
+    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=_DTYPES[dtype])
+    return model.to(torch.device(device)).eval()
+
+
+class RunnerBase:
+    """What every runner shares: loading, the model's facts, and the checks of the full-history
+    protocol. Subclasses hold the per-sequence KV state."""
 
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu",
                  num_threads: int | None = None, max_sequences: int = 256) -> None:
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        if num_threads is not None:
-            # Process-wide: a worker process owns one runner, so this is its thread budget.
-            torch.set_num_threads(num_threads)
-        model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True,
-                                                     dtype=_DTYPES[dtype])
-        model.to(torch.device(device))
+        model = load_causal_lm(model_path, dtype=dtype, device=device, num_threads=num_threads)
         self._init_from_model(model, max_sequences=max_sequences, model_path=model_path)
 
     # Attributes: vocab_size: int, max_context: int (max_position_embeddings), eos_token_id: int | None,
-    # model_path: str, device: torch.device
+    # model_path: str, device: torch.device, max_sequences: int
 
     @classmethod
-    def from_spec(cls, spec: dict) -> "ModelRunner":
+    def from_spec(cls, spec: dict):
         """From a model spec mapping (cluster.config.ModelSpec dumped: path, dtype, device,
         torch_threads, max_sequences), as worker engines receive it."""
         return cls(spec["path"], dtype=spec["dtype"], device=spec["device"],
                    num_threads=spec["torch_threads"], max_sequences=spec["max_sequences"])
 
     @classmethod
-    def from_model(cls, model, max_sequences: int = 256) -> "ModelRunner":
+    def from_model(cls, model, max_sequences: int = 256):
         """Wrap an already-built model (tests build tiny random ones from a config)."""
         runner = cls.__new__(cls)
-        path = getattr(model.config, "_name_or_path", "") or "<in-memory>"
-        runner._init_from_model(model, max_sequences=max_sequences, model_path=path)
+        runner._init_from_model(model, max_sequences=max_sequences, model_path=model_path_of(model))
         return runner
 
     def _init_from_model(self, model, max_sequences: int, model_path: str) -> None:
@@ -103,6 +123,56 @@ class ModelRunner:
         self.eos_token_id = None if eos is None else int(eos)
         forward_params = inspect.signature(model.forward).parameters
         self._takes_logits_to_keep = "logits_to_keep" in forward_params
+
+    def active_sequences(self) -> list[str]:
+        """Ids of the sequences whose KV caches are held."""
+        raise NotImplementedError
+
+    @property
+    def num_free_slots(self) -> int:
+        """How many NEW sequences can still be admitted before NoFreeSlotError."""
+        return self.max_sequences - len(self.active_sequences())
+
+    def _checked_history(self, call: ForwardCall) -> list[int]:
+        """call.token_ids as a list, or SequenceStateError if the protocol cannot serve it."""
+        wanted = list(call.token_ids)
+        length = len(wanted)
+        if not 1 <= call.num_rows <= length:
+            raise SequenceStateError(f"sequence {call.seq_id!r}: num_rows={call.num_rows} must be between 1 "
+                                     f"and the history length {length}")
+        if length > self.max_context:
+            raise SequenceStateError(
+                f"sequence {call.seq_id!r}: {length} tokens exceed the model's context of {self.max_context}")
+        return wanted
+
+    def _checked_batch(self, calls: Sequence[ForwardCall]) -> list[list[int]]:
+        """Every call's history, after checking the whole batch up front (distinct ids, valid
+        calls, slots for the new sequences), so a bad batch changes no state."""
+        seq_ids = [call.seq_id for call in calls]
+        if len(set(seq_ids)) != len(seq_ids):
+            duplicated = sorted({seq_id for seq_id in seq_ids if seq_ids.count(seq_id) > 1})
+            raise ValueError(f"a batch must name each sequence once; repeated: {duplicated}")
+        histories = [self._checked_history(call) for call in calls]
+        held = set(self.active_sequences())
+        num_new = sum(seq_id not in held for seq_id in seq_ids)
+        if num_new > self.num_free_slots:
+            raise self._no_free_slot(f"{num_new} new sequence(s)")
+        return histories
+
+    def _no_free_slot(self, what: str) -> NoFreeSlotError:
+        return NoFreeSlotError(f"cannot hold {what}: already holding {len(self.active_sequences())} of "
+                               f"max_sequences={self.max_sequences}; release finished sequences first")
+
+
+def model_path_of(model) -> str:
+    return getattr(model.config, "_name_or_path", "") or "<in-memory>"
+
+
+class ModelRunner(RunnerBase):
+    """Owns one model and a KV cache per sequence id; one forward per sequence."""
+
+    def _init_from_model(self, model, max_sequences: int, model_path: str) -> None:
+        super()._init_from_model(model, max_sequences, model_path)
         self._sequences: dict[str, _CachedSequence] = {}
 
     def _new_cache(self) -> DynamicCache:
@@ -112,20 +182,12 @@ class ModelRunner:
         """Make seq_id's cache hold exactly token_ids; return float32 logits [num_rows, V] for the
         last num_rows positions (row i predicts the token after token_ids[len - num_rows + i]).
         Reuses the cached common prefix, but always recomputes at least num_rows positions."""
-        wanted = list(token_ids)
+        wanted = self._checked_history(ForwardCall(seq_id, token_ids, num_rows))
         length = len(wanted)
-        if not 1 <= num_rows <= length:
-            raise SequenceStateError(
-                f"sequence {seq_id!r}: num_rows={num_rows} must be between 1 and the history length {length}")
-        if length > self.max_context:
-            raise SequenceStateError(
-                f"sequence {seq_id!r}: {length} tokens exceed the model's context of {self.max_context}")
         entry = self._sequences.get(seq_id)
         if entry is None:
             if len(self._sequences) >= self.max_sequences:
-                raise SequenceStateError(
-                    f"cannot hold sequence {seq_id!r}: already holding max_sequences={self.max_sequences}; "
-                    "release finished sequences first")
+                raise self._no_free_slot(f"sequence {seq_id!r}")
             entry = _CachedSequence(self._new_cache(), [])
             self._sequences[seq_id] = entry
 
@@ -145,6 +207,12 @@ class ModelRunner:
             raise
         entry.token_ids = wanted
         return out.logits[0, -num_rows:].float()
+
+    def forward_batch(self, calls: Sequence[ForwardCall]) -> list[torch.Tensor]:
+        """`forward` for each call in turn (this runner has no batched path); the same checks as
+        BatchedModelRunner.forward_batch, made before any call runs."""
+        histories = self._checked_batch(calls)
+        return [self.forward(call.seq_id, history, call.num_rows) for call, history in zip(calls, histories)]
 
     def _crop(self, entry: _CachedSequence, length: int) -> None:
         num_remove = len(entry.token_ids) - length

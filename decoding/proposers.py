@@ -9,7 +9,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from decoding.model_runner import ModelRunner
+from decoding.model_runner import ForwardCall, RunnerBase
 from decoding.sampling import SamplingParams, logits_to_probs, sample_from_probs
 
 
@@ -17,6 +17,17 @@ from decoding.sampling import SamplingParams, logits_to_probs, sample_from_probs
 class Proposal:
     token_ids: list[int]              # K proposed tokens (may be fewer than asked, even 0)
     probs: torch.Tensor | np.ndarray | None  # [K, V] processed q rows (numpy on the wire); None: greedy or deterministic
+
+
+@dataclass
+class ProposeCall:
+    """One request's share of a batched propose (the arguments of `Proposer.propose`)."""
+
+    seq_id: str
+    history: Sequence[int]
+    num_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None = None
 
 
 def empty_proposal() -> Proposal:
@@ -29,6 +40,9 @@ class Proposer(Protocol):
                 generator: torch.Generator | None = None) -> Proposal:
         """Propose up to num_tokens continuing history (prompt + committed output)."""
 
+    def propose_batch(self, calls: Sequence[ProposeCall]) -> list[Proposal]:
+        """`propose` for every call (distinct seq_ids), batched where the proposer can."""
+
     def prefill(self, seq_id: str, history: Sequence[int]) -> None:
         """Bring per-sequence state up to date with history ahead of the first round (optional work)."""
 
@@ -37,15 +51,25 @@ class Proposer(Protocol):
 
 
 class DraftModelProposer:
-    """A small causal LM drafting autoregressively over a ModelRunner (KV cache reused across rounds)."""
+    """A small causal LM drafting autoregressively over a runner (KV cache reused across rounds).
 
-    def __init__(self, runner: ModelRunner) -> None:
+    Over a BatchedModelRunner, every step of `propose_batch` is one draft forward for all the
+    requests still drafting; over a ModelRunner the same code runs one forward per request."""
+
+    def __init__(self, runner: RunnerBase) -> None:
         self.runner = runner
 
     def prefill(self, seq_id: str, history: Sequence[int]) -> None:
         """Fill the draft's KV cache with history (e.g. the prompt, while the target prefills)."""
-        if 0 < len(history) <= self.runner.max_context:
-            self.runner.forward(seq_id, history, num_rows=1)
+        self.prefill_batch([(seq_id, history)])
+
+    def prefill_batch(self, items: Sequence[tuple[str, Sequence[int]]]) -> None:
+        """`prefill` for several (seq_id, history) pairs in one forward; histories that are empty
+        or longer than the draft's context are skipped (drafting will propose nothing for them)."""
+        calls = [ForwardCall(seq_id, history, 1) for seq_id, history in items
+                 if 0 < len(history) <= self.runner.max_context]
+        if calls:
+            self.runner.forward_batch(calls)
 
     def propose(self, seq_id: str, history: Sequence[int], num_tokens: int, params: SamplingParams,
                 generator: torch.Generator | None = None) -> Proposal:
@@ -54,28 +78,42 @@ class DraftModelProposer:
         processed q rows [K, V] are returned for rejection sampling.
 
         Fewer tokens are drafted when the draft model's context would overflow."""
-        token_ids = list(history)
+        return self.propose_batch([ProposeCall(seq_id, history, num_tokens, params, generator)])[0]
+
+    def propose_batch(self, calls: Sequence[ProposeCall]) -> list[Proposal]:
+        """`propose` for every call (distinct seq_ids) in max(num_tokens) batched draft steps.
+
+        The first step brings each row's history up to date (several new tokens for a row whose
+        last round accepted some); each later step feeds one token per row. A row leaves the batch
+        once it has its num_tokens. Each row is drawn with its own generator, so a seeded
+        request's draft does not depend on what else shares the batch."""
         # The last drafted token is never fed, so the draft sees at most len(history) + K - 1 tokens.
-        num_tokens = min(num_tokens, self.runner.max_context - len(token_ids) + 1)
-        if num_tokens <= 0:
-            return empty_proposal()
-        greedy = params.is_greedy
-        drafted: list[int] = []
-        q_rows: list[torch.Tensor] = []
-        logits = self.runner.forward(seq_id, token_ids, num_rows=1)[0]
-        for i in range(num_tokens):
-            if greedy:
-                token = int(torch.argmax(logits))
-            else:
-                # Sample where the generator lives; q rows then travel in the same (host) place.
-                q = logits_to_probs(logits if generator is None else logits.to(generator.device), params)
-                token = int(sample_from_probs(q, generator))
-                q_rows.append(q)
-            drafted.append(token)
-            if i + 1 < num_tokens:
-                token_ids.append(token)
-                logits = self.runner.forward(seq_id, token_ids, num_rows=1)[0]
-        return Proposal(token_ids=drafted, probs=None if greedy else torch.stack(q_rows))
+        budgets = [max(0, min(call.num_tokens, self.runner.max_context - len(call.history) + 1))
+                   for call in calls]
+        histories = [list(call.history) for call in calls]
+        drafted: list[list[int]] = [[] for _ in calls]
+        q_rows: list[list[torch.Tensor]] = [[] for _ in calls]
+        drafting = [i for i, budget in enumerate(budgets) if budget > 0]
+        while drafting:
+            logits = self.runner.forward_batch([ForwardCall(calls[i].seq_id, histories[i], 1) for i in drafting])
+            for i, row_logits in zip(drafting, logits):
+                token = self._draw(row_logits[0], calls[i], q_rows[i])
+                drafted[i].append(token)
+                histories[i].append(token)
+            drafting = [i for i in drafting if len(drafted[i]) < budgets[i]]
+        return [Proposal(token_ids=tokens, probs=None if call.params.is_greedy else torch.stack(rows))
+                if tokens else empty_proposal() for call, tokens, rows in zip(calls, drafted, q_rows)]
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, call: ProposeCall, q_rows: list[torch.Tensor]) -> int:
+        """The next draft token from one row of logits [V]; a sampled row's q is kept in q_rows."""
+        if call.params.is_greedy:
+            return int(torch.argmax(logits))
+        generator = call.generator
+        # Sample where the generator lives; q rows then travel in the same (host) place.
+        q = logits_to_probs(logits if generator is None else logits.to(generator.device), call.params)
+        q_rows.append(q)
+        return int(sample_from_probs(q, generator))
 
     def release(self, seq_id: str) -> None:
         self.runner.release(seq_id)
@@ -110,6 +148,11 @@ class NgramProposer:
                 start = int(matches[-1]) + n
                 return Proposal(token_ids=ids[start:start + num_tokens].tolist(), probs=None)
         return empty_proposal()
+
+    def propose_batch(self, calls: Sequence[ProposeCall]) -> list[Proposal]:
+        """`propose` for each call (a lookup has no forward to share)."""
+        return [self.propose(call.seq_id, call.history, call.num_tokens, call.params, call.generator)
+                for call in calls]
 
     def release(self, seq_id: str) -> None:
         """Stateless: nothing to drop."""

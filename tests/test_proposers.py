@@ -4,8 +4,9 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from decoding.batched_runner import BatchedModelRunner
 from decoding.model_runner import ModelRunner
-from decoding.proposers import DraftModelProposer, NgramProposer
+from decoding.proposers import DraftModelProposer, NgramProposer, ProposeCall
 from decoding.sampling import SamplingParams, logits_to_probs, make_generator, sample_from_probs
 from tests.tiny_pair import tiny_llama
 
@@ -119,3 +120,82 @@ def test_draft_proposes_fewer_tokens_near_the_end_of_its_context():
     proposer = DraftModelProposer(ModelRunner.from_model(tiny_llama(max_position_embeddings=16)))
     assert len(proposer.propose("s", list(range(2, 15)), 8, GREEDY).token_ids) == 4
     assert proposer.propose("s", list(range(2, 20)), 8, GREEDY).token_ids == []
+
+
+# --- batched drafting -------------------------------------------------------------------------
+
+def ragged_propose_calls(params: SamplingParams, seed: int = 0) -> list[ProposeCall]:
+    """Different history lengths and K, one K=0 and one history at the draft's context limit."""
+    histories = [[3, 14, 15, 92, 65, 35], list(range(2, 40)), [7], [5 + i % 80 for i in range(120)], [9, 9, 8]]
+    budgets = [4, 2, 5, 8, 0]   # the fourth may draft only 128 - 120 + 1 = 9 > 8 tokens; the last none
+    return [ProposeCall(f"s{i}", history, budget, params, make_generator(seed + i))
+            for i, (history, budget) in enumerate(zip(histories, budgets))]
+
+
+@pytest.mark.parametrize("runner_class", [BatchedModelRunner, ModelRunner])
+def test_greedy_propose_batch_equals_propose_call_by_call(model, runner_class):
+    calls = ragged_propose_calls(GREEDY)
+    batched = DraftModelProposer(runner_class.from_model(model)).propose_batch(calls)
+    alone = DraftModelProposer(ModelRunner.from_model(model))
+    for call, proposal in zip(calls, batched):
+        expected = alone.propose(call.seq_id, call.history, call.num_tokens, GREEDY)
+        assert proposal.token_ids == expected.token_ids
+        assert len(proposal.token_ids) == call.num_tokens and proposal.probs is None
+
+
+def test_propose_batch_continues_each_cache_and_rows_drop_out_when_done(model):
+    runner = BatchedModelRunner.from_model(model)
+    proposer = DraftModelProposer(runner)
+    calls = ragged_propose_calls(GREEDY)
+    forwarded: list[int] = []
+    hook = runner.model.get_input_embeddings().register_forward_hook(
+        lambda module, args, output: forwarded.append(args[0].shape[0]))
+    proposals = proposer.propose_batch(calls)
+    hook.remove()
+    # max K = 8 steps; a row leaves once it has its K tokens (K = 4, 2, 5, 8; K=0 never enters).
+    assert forwarded == [4, 4, 3, 3, 2, 1, 1, 1]
+    for call, proposal in zip(calls, proposals):
+        # The last drafted token is never fed.
+        expected_cached = len(call.history) + len(proposal.token_ids) - 1 if proposal.token_ids else 0
+        assert runner.num_cached(call.seq_id) == expected_cached
+    # Next round: histories that accepted a prefix plus a bonus token reuse the cache.
+    follow = [ProposeCall(call.seq_id, list(call.history) + proposal.token_ids[:1] + [11], 3, GREEDY)
+              for call, proposal in zip(calls[:2], proposals[:2])]
+    alone = DraftModelProposer(ModelRunner.from_model(model))
+    for call, proposal in zip(follow, proposer.propose_batch(follow)):
+        assert proposal.token_ids == alone.propose(call.seq_id, call.history, 3, GREEDY).token_ids
+
+
+def test_a_seeded_sampled_draft_does_not_depend_on_what_shares_its_batch(model):
+    mine = ProposeCall("mine", [3, 14, 15, 92, 65, 35], 6, SAMPLED, make_generator(7))
+    alone = DraftModelProposer(BatchedModelRunner.from_model(model)).propose_batch([mine])[0]
+    others = [ProposeCall("greedy", list(range(2, 50)), 3, GREEDY),
+              ProposeCall("sampled", [8, 8, 8, 8], 6, SAMPLED, make_generator(7)),
+              ProposeCall("short", [40, 41], 1, SAMPLED, make_generator(99))]
+    mine_again = ProposeCall("mine", mine.history, 6, SAMPLED, make_generator(7))
+    shared = DraftModelProposer(BatchedModelRunner.from_model(model)).propose_batch(others[:2] + [mine_again]
+                                                                                    + others[2:])[2]
+    assert shared.token_ids == alone.token_ids
+    torch.testing.assert_close(shared.probs, alone.probs, atol=1e-5, rtol=0)
+    # And both equal the single-call path over the per-sequence runner.
+    single = DraftModelProposer(ModelRunner.from_model(model)).propose(
+        "mine", mine.history, 6, SAMPLED, make_generator(7))
+    assert single.token_ids == alone.token_ids
+
+
+def test_prefill_batch_fills_every_cache_in_one_forward_and_skips_what_cannot_fit(model):
+    runner = BatchedModelRunner.from_model(model)
+    forwarded: list[tuple[int, int]] = []
+    hook = runner.model.get_input_embeddings().register_forward_hook(
+        lambda module, args, output: forwarded.append(tuple(args[0].shape)))
+    DraftModelProposer(runner).prefill_batch([("a", [3, 4, 5]), ("b", list(range(2, 12))), ("empty", []),
+                                              ("too-long", [3] * 200)])
+    hook.remove()
+    assert forwarded == [(2, 10)]
+    assert sorted(runner.active_sequences()) == ["a", "b"]
+
+
+def test_ngram_propose_batch_is_propose_per_call():
+    calls = [ProposeCall("a", [1, 2, 3, 4, 5, 9, 3, 6, 1, 2, 3], 3, GREEDY), ProposeCall("b", [1, 2, 3], 2, GREEDY)]
+    proposer = NgramProposer()
+    assert [p.token_ids for p in proposer.propose_batch(calls)] == [[4, 5, 9], []]

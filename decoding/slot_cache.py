@@ -1,0 +1,175 @@
+"""A slot KV cache: one preallocated key/value row per sequence, so ragged sequences share a forward.
+
+Per layer, keys and values live in [slots, kv_heads, max_len, head_dim] tensors, with a length per
+slot. A forward over rows (slots s_1..s_B) with right-padded new tokens writes each row's real new
+tokens at lengths[s_b] + arange(n_b) and attends over [0, kv_length) through an additive mask that
+is causal within the new tokens and hides everything past a row's own tokens. Rollback is setting
+a length: stale keys beyond it are never visible (gpt-fast's position-addressed cache, per slot).
+
+Only real tokens are written (padding is never stored), so max_len = the model's context suffices.
+Slots are allocated in chunks up to max_slots, so memory tracks the sequences actually held.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from decoding.model_runner import NoFreeSlotError
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Index tensors of one batched forward, built once and shared by every layer."""
+
+    slot_ids: torch.Tensor         # LongTensor [B]
+    first_slot: int | None         # slot_ids == first_slot + arange(B): read a view, no gather
+    single_write: tuple[int, int] | None  # (slot, start) when B == 1: write a slice, no scatter
+    write_slots: torch.Tensor      # LongTensor [N]: the slot of each real new token (N = sum of n_b)
+    write_positions: torch.Tensor  # LongTensor [N]: its position in that slot
+    source_rows: torch.Tensor      # LongTensor [N]: its row b in the batch ...
+    source_columns: torch.Tensor   # LongTensor [N]: ... and its column t among the new tokens
+    kv_length: int                 # attend over cache positions [0, kv_length)
+    position_ids: torch.Tensor     # LongTensor [B, T]; padding repeats the row's last position
+    attention_mask: torch.Tensor   # float [B, 1, T, kv_length]: 0 visible, finfo.min hidden
+
+
+def batch_layout(slot_ids: Sequence[int], starts: Sequence[int], num_new: Sequence[int],
+                 dtype: torch.dtype, device: torch.device) -> BatchLayout:
+    """Where each row's new tokens go and what each of them may see.
+
+    Row b holds starts[b] cached tokens and brings num_new[b] >= 1 new ones, right-padded to
+    T = max(num_new). Token t of row b sits at position starts[b] + t and sees cache positions
+    [0, starts[b] + t]; a padding token (t >= num_new[b]) is treated as a copy of the row's last
+    real token, so no query row is ever fully masked (which would give NaN rows) and positions
+    stay within the context (GPT-2 looks them up in a position table).
+    """
+    # Built from Python lists in a handful of tensor ops: this runs once per forward, on the
+    # critical path of every decode step.
+    batch_size, num_columns = len(slot_ids), max(num_new)
+    positions = [[start + min(t, n - 1) for t in range(num_columns)] for start, n in zip(starts, num_new)]
+    writes = [(slot, start + t, b, t) for b, (slot, start, n) in enumerate(zip(slot_ids, starts, num_new))
+              for t in range(n)]
+    write_slots, write_positions, source_rows, source_columns = (
+        torch.tensor(writes, dtype=torch.long).T.contiguous().to(device))
+    kv_length = max(start + n for start, n in zip(starts, num_new))
+    position_ids = torch.tensor(positions, dtype=torch.long)
+    hidden = torch.arange(kv_length).view(1, 1, kv_length) > position_ids.unsqueeze(2)   # [B, T, L]
+    attention_mask = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, torch.finfo(dtype).min)
+    first = slot_ids[0]
+    contiguous = list(slot_ids) == list(range(first, first + batch_size))
+    return BatchLayout(
+        slot_ids=torch.tensor(slot_ids, dtype=torch.long).to(device),
+        first_slot=first if contiguous else None,
+        single_write=(first, starts[0]) if batch_size == 1 else None,
+        write_slots=write_slots, write_positions=write_positions,
+        source_rows=source_rows, source_columns=source_columns,
+        kv_length=kv_length,
+        position_ids=position_ids.to(device),
+        attention_mask=attention_mask.unsqueeze(1).to(device),
+    )
+
+
+class SlotKVCache:
+    """Key/value storage for up to max_slots sequences, grown chunk_slots slots at a time.
+
+    Layer tensors are shaped lazily from the first keys a layer writes (kv heads and head size
+    differ between architectures), so the cache needs no model-specific configuration.
+    """
+
+    def __init__(self, num_layers: int, max_len: int, max_slots: int, chunk_slots: int = 8,
+                 device: torch.device | str = "cpu") -> None:
+        if max_slots < 1 or chunk_slots < 1:
+            raise ValueError(f"need max_slots >= 1 and chunk_slots >= 1, got {max_slots}, {chunk_slots}")
+        self.max_len = max_len
+        self.max_slots = max_slots
+        self.chunk_slots = chunk_slots
+        self.device = torch.device(device)
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.lengths: list[int] = []           # tokens held, per slot (capacity entries)
+        self._free: list[int] = []             # min-heap: the lowest free slot is reused first
+        self._num_held = 0
+
+    @property
+    def capacity(self) -> int:
+        """Slots allocated so far (memory is held for these)."""
+        return len(self.lengths)
+
+    @property
+    def num_free(self) -> int:
+        """Slots that can still be handed out, counting those not yet allocated."""
+        return self.max_slots - self._num_held
+
+    def allocate(self) -> int:
+        """A free slot with length 0. Lowest ids first, so a batch of every held sequence tends
+        to be a contiguous range (read as a view, without a gather)."""
+        if not self._free:
+            if self.capacity >= self.max_slots:
+                raise NoFreeSlotError(f"all {self.max_slots} KV slots are held; release a sequence first")
+            self._grow(min(self.chunk_slots, self.max_slots - self.capacity))
+        slot = heapq.heappop(self._free)
+        self.lengths[slot] = 0
+        self._num_held += 1
+        return slot
+
+    def free(self, slot: int) -> None:
+        """Return slot to the pool (its stale keys stay, hidden behind length 0)."""
+        self.lengths[slot] = 0
+        heapq.heappush(self._free, slot)
+        self._num_held -= 1
+
+    def _grow(self, num_slots: int) -> None:
+        old = self.capacity
+        for layer, (keys, values) in enumerate(zip(self.keys, self.values)):
+            if keys is not None:
+                self.keys[layer] = torch.cat([keys, keys.new_zeros((num_slots, *keys.shape[1:]))])
+                self.values[layer] = torch.cat([values, values.new_zeros((num_slots, *values.shape[1:]))])
+        self.lengths.extend([0] * num_slots)
+        for slot in range(old, old + num_slots):
+            heapq.heappush(self._free, slot)
+
+    def _layer(self, layer_idx: int, like_keys: torch.Tensor, like_values: torch.Tensor):
+        if self.keys[layer_idx] is None:
+            _, kv_heads, _, head_dim = like_keys.shape
+            shape = (self.capacity, kv_heads, self.max_len, head_dim)
+            self.keys[layer_idx] = like_keys.new_zeros(shape)
+            self.values[layer_idx] = like_values.new_zeros((*shape[:3], like_values.shape[-1]))
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def view(self, layout: BatchLayout) -> SlotBatchView:
+        """The object to pass as `past_key_values` for one forward laid out by `layout`."""
+        return SlotBatchView(self, layout)
+
+
+class SlotBatchView:
+    """What a transformers attention layer sees as `past_key_values` during one batched forward.
+
+    With a 4D mask and explicit position_ids, Llama, Qwen2, Mistral and GPT-2 attention in
+    transformers 5.x only call `update(key_states, value_states, layer_idx)`: it stores the real
+    new tokens and returns each row's keys/values over [0, kv_length)."""
+
+    def __init__(self, cache: SlotKVCache, layout: BatchLayout) -> None:
+        self.cache = cache
+        self.layout = layout
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        layout = self.layout
+        keys, values = self.cache._layer(layer_idx, key_states, value_states)
+        if layout.single_write is not None:
+            slot, start = layout.single_write   # one row, no padding: a slice copy
+            keys[slot, :, start:start + key_states.shape[2]] = key_states[0]
+            values[slot, :, start:start + value_states.shape[2]] = value_states[0]
+        else:
+            # [B, H, T, D] -> [N, H, D] for the real tokens, scattered to (slot, position).
+            rows, columns = layout.source_rows, layout.source_columns
+            keys[layout.write_slots, :, layout.write_positions] = key_states.transpose(1, 2)[rows, columns]
+            values[layout.write_slots, :, layout.write_positions] = value_states.transpose(1, 2)[rows, columns]
+        if layout.first_slot is not None:
+            batch = slice(layout.first_slot, layout.first_slot + key_states.shape[0])
+            return keys[batch, :, :layout.kv_length], values[batch, :, :layout.kv_length]
+        return keys[layout.slot_ids, :, :layout.kv_length], values[layout.slot_ids, :, :layout.kv_length]

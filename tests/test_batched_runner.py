@@ -1,0 +1,317 @@
+"""BatchedModelRunner: ragged full-history calls in one forward over a slot KV cache must give the
+rows the per-sequence ModelRunner gives, on tiny random Llama, Qwen2, Mistral and GPT-2 (fp32, CPU)."""
+
+import logging
+
+import pytest
+import torch
+
+import decoding.batched_runner as batched_runner_module
+from decoding.batched_runner import (
+    BatchedModelRunner,
+    ForwardCall,
+    NoFreeSlotError,
+    load_runner,
+    runner_for_model,
+)
+from decoding.generate import generate
+from decoding.model_runner import ModelRunner, SequenceStateError
+from decoding.sampling import SamplingParams
+from decoding.sequence import RequestState
+from decoding.slot_cache import batch_layout
+from tests.tiny_pair import ARCHITECTURES, tiny_model
+
+# Batched and unbatched matmuls round differently (~1e-6 here); logits are O(1), so a wrong
+# position or mask moves them by far more than this (test_the_tolerance_catches_... proves it).
+ATOL = 1e-4
+
+
+def random_ids(seed: int, length: int, vocab_size: int = 96) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab_size, (length,), generator=generator).tolist()
+
+
+def ragged_rounds() -> list[list[ForwardCall]]:
+    """Three batched steps a verifying engine would see, with every irregularity at once."""
+    a, b, c, d = random_ids(1, 40), random_ids(2, 13), random_ids(3, 70), random_ids(4, 25)
+    return [
+        # Prefills of different lengths.
+        [ForwardCall("a", a[:30], 1), ForwardCall("b", b[:5], 1), ForwardCall("c", c[:50], 1)],
+        # Verifies with different K (K+1 rows), a prefill among them, and a row that recomputes
+        # rows it already holds (c's history equals its cache: at least num_rows are recomputed).
+        [ForwardCall("a", a[:35], 6), ForwardCall("b", b[:8], 2), ForwardCall("c", c[:50], 3),
+         ForwardCall("d", d[:20], 1)],
+        # a diverges from its cache (a rejected tail is replaced: rollback mid-batch), b goes on,
+        # c takes one token, d verifies K=4.
+        [ForwardCall("a", a[:32] + [7, 8, 9], 4), ForwardCall("b", b, 5), ForwardCall("c", c[:51], 1),
+         ForwardCall("d", d, 5)],
+        # Rows whose slots are not neighbours (b and d sit this one out): keys are gathered.
+        [ForwardCall("c", c[:56], 3), ForwardCall("a", a[:32] + [7, 8, 9, 10], 2)],
+    ]
+
+
+def assert_rows_match(batched: BatchedModelRunner, reference: ModelRunner, calls: list[ForwardCall]) -> None:
+    rows = batched.forward_batch(calls)
+    for call, got in zip(calls, rows):
+        expected = reference.forward(call.seq_id, call.token_ids, call.num_rows)
+        assert got.dtype == torch.float32
+        assert got.shape == (call.num_rows, batched.vocab_size)
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0, msg=lambda m: f"{call.seq_id}: {m}")
+
+
+def full_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """Oracle: every position's logits from one cache-free forward."""
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_ragged_batches_give_the_unbatched_rows(monkeypatch, architecture, attention):
+    # eager adds the mask to the scores, so it also catches a boolean mask (sdpa reads bools right).
+    model = tiny_model(architecture, attn_implementation=attention)
+    batched, reference = BatchedModelRunner.from_model(model), ModelRunner.from_model(model)
+    read_as_view: list[bool] = []
+
+    def spy(*args, **kwargs):
+        layout = batch_layout(*args, **kwargs)
+        read_as_view.append(layout.first_slot is not None)
+        return layout
+    monkeypatch.setattr(batched_runner_module, "batch_layout", spy)
+    for calls in ragged_rounds():
+        assert_rows_match(batched, reference, calls)
+    # A released slot is reused by a new sequence, which must not see the old keys.
+    batched.release("b")
+    reference.release("b")
+    assert_rows_match(batched, reference, [ForwardCall("e", random_ids(5, 9), 3),
+                                           ForwardCall("a", random_ids(1, 40)[:36], 2)])
+    assert batched._sequences["e"].slot == 1
+    assert set(read_as_view) == {True, False}   # both cache reads were exercised
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_batched_rows_equal_a_cache_free_forward(architecture):
+    model = tiny_model(architecture)
+    runner = BatchedModelRunner.from_model(model)
+    histories = {"x": random_ids(6, 17), "y": random_ids(7, 60), "z": random_ids(8, 3)}
+    runner.forward_batch([ForwardCall(seq_id, history[:-2], 1) for seq_id, history in histories.items()])
+    rows = runner.forward_batch([ForwardCall(seq_id, history, 3) for seq_id, history in histories.items()])
+    for (seq_id, history), got in zip(histories.items(), rows):
+        torch.testing.assert_close(got, full_logits(model, history)[-3:], atol=ATOL, rtol=0)
+
+
+def positions_without_the_cached_length(layout_fn):
+    """The classic bug: new tokens numbered from 0 instead of from the row's cached length. (A
+    uniform shift of every position would be invisible to RoPE, rightly.)"""
+    def layout(*args, **kwargs):
+        good = layout_fn(*args, **kwargs)
+        return type(good)(**{**good.__dict__, "position_ids": good.position_ids - good.position_ids[:, :1]})
+    return layout
+
+
+def boolean_mask(layout_fn):
+    def layout(*args, **kwargs):
+        good = layout_fn(*args, **kwargs)
+        return type(good)(**{**good.__dict__, "attention_mask": good.attention_mask == 0})
+    return layout
+
+
+@pytest.mark.parametrize("break_layout", [positions_without_the_cached_length, boolean_mask])
+@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
+def test_the_tolerance_catches_a_wrong_position_or_a_boolean_mask(monkeypatch, architecture, break_layout):
+    """The equality tests above can fail: wrong position ids or a bool mask (under eager
+    attention) move rows by orders of magnitude more than ATOL."""
+    model = tiny_model(architecture, attn_implementation="eager")
+    reference = ModelRunner.from_model(model)
+    monkeypatch.setattr(batched_runner_module, "batch_layout", break_layout(batch_layout))
+    broken = BatchedModelRunner.from_model(model)
+    worst = 0.0
+    for calls in ragged_rounds():
+        for call, got in zip(calls, broken.forward_batch(calls)):
+            expected = reference.forward(call.seq_id, call.token_ids, call.num_rows)
+            worst = max(worst, float((got - expected).abs().max()))
+    assert worst > 100 * ATOL
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_greedy_generation_through_the_batched_runner_equals_model_runner(architecture):
+    model = tiny_model(architecture)
+    params = SamplingParams(temperature=0, max_tokens=40)
+
+    def decode(runner, prompt: list[int]) -> list[int]:
+        state = RequestState(request_id="r", prompt_ids=prompt, params=params, eos_token_id=None,
+                             max_context=runner.max_context)
+        for _ in generate(runner, state):
+            pass
+        return state.output_ids
+
+    for seed, length in [(10, 5), (11, 23), (12, 1)]:
+        prompt = random_ids(seed, length)
+        assert decode(BatchedModelRunner.from_model(model), prompt) == decode(ModelRunner.from_model(model), prompt)
+
+
+def test_lockstep_greedy_decoding_of_many_requests_equals_each_alone():
+    """What a batching engine does: every live request advances one token per forward."""
+    model = tiny_model("llama")
+    prompts = {f"r{i}": random_ids(20 + i, length) for i, length in enumerate([3, 17, 8, 30, 1])}
+    num_new = {seq_id: 10 + 5 * i for i, seq_id in enumerate(prompts)}   # requests finish at different steps
+    runner = BatchedModelRunner.from_model(model, max_sequences=len(prompts))
+    histories = {seq_id: list(prompt) for seq_id, prompt in prompts.items()}
+    while live := [seq_id for seq_id in histories if len(histories[seq_id]) < len(prompts[seq_id]) + num_new[seq_id]]:
+        rows = runner.forward_batch([ForwardCall(seq_id, histories[seq_id]) for seq_id in live])
+        for seq_id, row in zip(live, rows):
+            histories[seq_id].append(int(row[0].argmax()))
+    for seq_id, prompt in prompts.items():
+        alone, ids = ModelRunner.from_model(model), list(prompt)
+        for _ in range(num_new[seq_id]):
+            ids.append(int(alone.forward("s", ids)[0].argmax()))
+        assert histories[seq_id] == ids
+
+
+def count_processed_tokens(runner: BatchedModelRunner) -> list[tuple[int, int]]:
+    """Record the [rows, new tokens] shape each forward feeds through the model."""
+    shapes: list[tuple[int, int]] = []
+    runner.model.get_input_embeddings().register_forward_hook(
+        lambda module, args, output: shapes.append(tuple(args[0].shape)))
+    return shapes
+
+
+def test_forward_batch_reuses_cached_prefixes_and_pads_to_the_longest_remainder():
+    runner = BatchedModelRunner.from_model(tiny_model("llama"))
+    shapes = count_processed_tokens(runner)
+    a, b = random_ids(30, 20), random_ids(31, 10)
+    runner.forward_batch([ForwardCall("a", a), ForwardCall("b", b)])
+    runner.forward_batch([ForwardCall("a", a + [5, 6, 7], 4), ForwardCall("b", b[:6] + [9], 1)])
+    assert shapes == [(2, 20), (2, 4)]
+    assert (runner.num_cached("a"), runner.num_cached("b")) == (23, 7)
+
+
+def test_rollback_crops_to_a_length_and_the_next_call_recomputes_from_there():
+    model = tiny_model("llama")
+    runner = BatchedModelRunner.from_model(model)
+    shapes = count_processed_tokens(runner)
+    committed = random_ids(32, 12)
+    runner.forward("s", committed + [70, 71, 72], num_rows=4)
+    runner.rollback("s", len(committed))
+    assert runner.num_cached("s") == len(committed)
+    rows = runner.forward("s", committed + [33], num_rows=1)
+    assert shapes[-1] == (1, 1)
+    torch.testing.assert_close(rows, full_logits(model, committed + [33])[-1:], atol=ATOL, rtol=0)
+    with pytest.raises(SequenceStateError, match="unknown"):
+        runner.rollback("never-seen", 0)
+
+
+def test_slots_run_out_at_max_sequences_and_release_frees_one():
+    runner = BatchedModelRunner.from_model(tiny_model("llama"), max_sequences=3)
+    assert runner.num_free_slots == 3
+    runner.forward_batch([ForwardCall("a", [3, 4]), ForwardCall("b", [5])])
+    assert runner.num_free_slots == 1
+    # A batch admitting two new sequences where one fits: refused whole, nothing admitted.
+    with pytest.raises(NoFreeSlotError, match="max_sequences=3"):
+        runner.forward_batch([ForwardCall("c", [6]), ForwardCall("d", [7]), ForwardCall("a", [3, 4, 8])])
+    assert sorted(runner.active_sequences()) == ["a", "b"] and runner.num_cached("a") == 2
+    runner.forward("c", [6])
+    with pytest.raises(NoFreeSlotError):
+        runner.forward("d", [7])
+    assert issubclass(NoFreeSlotError, SequenceStateError)
+    runner.release("a")
+    runner.release("a")
+    runner.release("never-seen")
+    assert runner.num_free_slots == 1
+    runner.forward("d", [7])
+    assert sorted(runner.active_sequences()) == ["b", "c", "d"]
+
+
+def test_capacity_grows_in_chunks_and_never_beyond_max_sequences():
+    runner = BatchedModelRunner.from_model(tiny_model("llama"), max_sequences=10)
+    chunk = runner.cache.chunk_slots
+    assert runner.cache.capacity == 0
+    runner.forward("s0", [3])
+    assert runner.cache.capacity == chunk
+    assert runner.cache.keys[0].shape[0] == chunk
+    for i in range(1, 10):
+        runner.forward(f"s{i}", [3])
+    assert runner.cache.capacity == 10 == runner.cache.keys[0].shape[0]
+    # A freed slot is reused; capacity does not move.
+    runner.release("s4")
+    runner.forward("new", [3])
+    assert runner.cache.capacity == 10 and runner._sequences["new"].slot == 4
+
+
+def test_a_failed_forward_leaves_held_sequences_valid_and_admits_nothing(monkeypatch):
+    model = tiny_model("llama")
+    runner, reference = BatchedModelRunner.from_model(model), ModelRunner.from_model(model)
+    history = random_ids(33, 15)
+    runner.forward("a", history)
+
+    def failing_forward(*args, **kwargs):
+        raise RuntimeError("out of memory")
+    monkeypatch.setattr(runner, "model", failing_forward)
+    with pytest.raises(RuntimeError):
+        runner.forward_batch([ForwardCall("a", history[:10] + [4, 5], 2), ForwardCall("new", [3, 4])])
+    monkeypatch.setattr(runner, "model", model)
+    assert runner.active_sequences() == ["a"] and runner.num_cached("a") == 10
+    torch.testing.assert_close(runner.forward("a", history, 3), reference.forward("a", history, 3),
+                               atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("runner_class", [BatchedModelRunner, ModelRunner])
+def test_forward_batch_rejects_bad_batches_before_changing_anything(runner_class):
+    runner = runner_class.from_model(tiny_model("llama", max_position_embeddings=16))
+    runner.forward("a", [3, 4, 5])
+    with pytest.raises(ValueError, match="once"):
+        runner.forward_batch([ForwardCall("a", [3, 4]), ForwardCall("a", [3, 4, 5])])
+    with pytest.raises(SequenceStateError, match="num_rows"):
+        runner.forward_batch([ForwardCall("b", [3]), ForwardCall("a", [3, 4], 3)])
+    with pytest.raises(SequenceStateError, match="context"):
+        runner.forward_batch([ForwardCall("b", [3]), ForwardCall("c", list(range(17)))])
+    assert runner.active_sequences() == ["a"] and runner.num_cached("a") == 3
+    assert runner.forward_batch([]) == []
+
+
+def test_model_runner_forward_batch_is_a_loop_over_forward():
+    model = tiny_model("qwen2")
+    calls = [ForwardCall("x", random_ids(34, 9), 2), ForwardCall("y", random_ids(35, 4), 1)]
+    batched = ModelRunner.from_model(model).forward_batch(calls)
+    reference = ModelRunner.from_model(model)
+    for call, rows in zip(calls, batched):
+        torch.testing.assert_close(rows, reference.forward(call.seq_id, call.token_ids, call.num_rows),
+                                   atol=0, rtol=0)
+
+
+def test_runner_for_model_falls_back_for_a_short_sliding_window(caplog):
+    windowed = tiny_model("mistral", sliding_window=16)
+    with caplog.at_level(logging.INFO, logger="decoding.batched_runner"):
+        runner = runner_for_model(windowed)
+    assert type(runner) is ModelRunner
+    assert len(caplog.records) == 1 and "sliding window 16" in caplog.records[0].getMessage()
+    with pytest.raises(ValueError, match="sliding window"):
+        BatchedModelRunner.from_model(windowed)
+
+
+def test_runner_for_model_batches_a_window_as_long_as_the_context(caplog):
+    with caplog.at_level(logging.INFO, logger="decoding.batched_runner"):
+        runner = runner_for_model(tiny_model("mistral", sliding_window=128), max_sequences=5)
+    assert type(runner) is BatchedModelRunner and runner.max_sequences == 5
+    assert len(caplog.records) == 1 and "batched" in caplog.records[0].getMessage()
+
+
+def test_runner_for_model_falls_back_for_an_attention_kernel_without_4d_masks(caplog):
+    model = tiny_model("llama")
+    model.config._attn_implementation = "flash_attention_2"
+    with caplog.at_level(logging.INFO, logger="decoding.batched_runner"):
+        assert type(runner_for_model(model)) is ModelRunner
+    assert "flash_attention_2" in caplog.records[0].getMessage()
+
+
+def test_load_runner_loads_a_saved_model_on_the_slot_path(tmp_path):
+    model = tiny_model("gpt2")
+    model.save_pretrained(tmp_path)
+    runner = load_runner({"path": str(tmp_path), "dtype": "float32", "device": "cpu", "torch_threads": 1,
+                          "max_sequences": 4})
+    assert type(runner) is BatchedModelRunner
+    assert (runner.vocab_size, runner.max_context, runner.eos_token_id, runner.max_sequences) == (96, 128, 1, 4)
+    assert runner.model_path == str(tmp_path)
+    history = random_ids(36, 7)
+    torch.testing.assert_close(runner.forward("s", history, num_rows=2), full_logits(model, history)[-2:],
+                               atol=ATOL, rtol=0)
