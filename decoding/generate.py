@@ -32,7 +32,8 @@ def generate(target: ModelRunner, state: RequestState, proposer: Proposer | None
                         if num_tokens > 0 else empty_proposal())
             num_drafted = len(proposal.token_ids)
             logits = target.forward(state.request_id, history + proposal.token_ids, num_rows=num_drafted + 1)
-            committed = accept_round(state, proposal, target_rows(logits, params))
+            rows = target_rows(logits, params, state.eos_token_id, state.next_output_index)
+            committed = accept_round(state, proposal, rows)
             prefilled = True
             if committed:
                 yield committed

@@ -11,9 +11,15 @@ from __future__ import annotations
 import os
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-MAX_STOP_STRINGS = 8
+# The limits OpenAI's API documents; the HTTP models (deployments/openai_protocol.py) use these
+# very constants, so what the ingress admits and what a request may carry cannot disagree.
+MIN_TEMPERATURE = 0.0
+MAX_TEMPERATURE = 2.0
+MAX_STOP_STRINGS = 4
+# torch.Generator.manual_seed takes a 64-bit seed; the draft stream uses seed + 1.
+MAX_SEED = 2**63 - 2
 
 
 class SamplingParams(BaseModel):
@@ -21,20 +27,25 @@ class SamplingParams(BaseModel):
 
     temperature == 0 means greedy. top_k <= 0 disables top-k; top_p == 1 disables top-p.
     `stop` accepts a string or a list of strings (stored as a list). `seed` makes sampling
-    reproducible.
+    reproducible. `ignore_eos` and `min_tokens` are vLLM's extensions (fixed-length benchmarks
+    send them): with `ignore_eos` EOS is committed as an ordinary token instead of ending the
+    request; for output positions below `min_tokens` the target's EOS logit is masked
+    (`decoding.speculation.target_rows`) and stop strings are not yet looked for.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0, allow_inf_nan=False,
+    temperature: float = Field(default=1.0, ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE, allow_inf_nan=False,
                                description="0 = greedy; otherwise logits are divided by it")
     top_k: int = Field(default=0, description="keep the k most likely tokens; <= 0 disables")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0,
                          description="nucleus: keep the smallest set with cumulative prob >= top_p")
-    seed: int | None = Field(default=None, ge=0, description="seed for a reproducible request")
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED, description="seed for a reproducible request")
     max_tokens: int = Field(default=16, ge=1, le=1_000_000, description="tokens to generate at most")
     stop: list[str] = Field(default_factory=list,
                             description=f"up to {MAX_STOP_STRINGS} non-empty stop strings")
+    ignore_eos: bool = Field(default=False, description="EOS is an ordinary token: it does not end the request")
+    min_tokens: int = Field(default=0, ge=0, description="EOS is masked for output positions below this")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -54,6 +65,12 @@ class SamplingParams(BaseModel):
         if any(s == "" for s in value):
             raise ValueError("stop strings must be non-empty")
         return value
+
+    @model_validator(mode="after")
+    def _min_tokens_within_max(self) -> "SamplingParams":
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
 
     @property
     def is_greedy(self) -> bool:

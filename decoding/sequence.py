@@ -8,9 +8,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from decoding.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from decoding.sampling import SamplingParams, make_generator
-
-_REPLACEMENT_CHAR = "\ufffd"  # what a detokenizer prints for an incomplete UTF-8 sequence
 
 
 @dataclass
@@ -50,8 +49,13 @@ class RequestState:
     """One request: its prompt, committed output and why it finished.
 
     The output never exceeds params.max_tokens tokens nor lets prompt + output exceed max_context.
-    EOS ends the request without being appended; a stop string ends it after the token that
-    completed it (the text is cut before the stop string)."""
+    EOS ends the request without being appended (with params.ignore_eos it is an ordinary token);
+    a stop string ends it after the token that completed it (the text is cut before the stop
+    string). Stop strings are looked for once the output is longer than params.min_tokens, as vLLM.
+
+    Text is detokenized incrementally (decoding.detokenizer), and a stop string is looked for only
+    in the new text plus the last max(len(stop)) - 1 characters before it, so each token costs the
+    same however long the output already is."""
 
     request_id: str
     prompt_ids: list[int]
@@ -80,7 +84,17 @@ class RequestState:
         self.generator = make_generator(seed)
         # The draft gets its own stream so the target's accept/reject draws do not depend on K.
         self.draft_generator = make_generator(None if seed is None else seed + 1)
-        self._text_sent = 0  # characters of output_text already handed out by take_text_delta
+        self._detokenizer = None if self.detokenize is None else IncrementalDetokenizer(self.detokenize)
+        self._tail_chars = max((len(stop) for stop in self.params.stop), default=1) - 1
+        self._text_pieces: list[str] = []    # emitted text: complete characters only, while running
+        self._unsent_pieces: list[str] = []  # emitted text from character _unsent_from on
+        self._unsent_from = 0
+        self._tail = ""                      # its last _tail_chars characters: where a stop string may begin
+        self._held = ""                      # decoded text held back as maybe an incomplete character
+        self._stop_at: int | None = None     # where the stop string begins in the full text
+        self._text_len = 0                   # characters emitted
+        self._text_sent = 0                  # characters handed out by take_text_delta
+        self._text_final = False             # text flushed (and cut) after the request finished
 
     @property
     def history(self) -> list[int]:
@@ -90,6 +104,12 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def next_output_index(self) -> int:
+        """Output position of the first row of the next verify call (its rows score positions
+        next_output_index, next_output_index + 1, ...): what `target_rows` needs for min_tokens."""
+        return len(self.output_ids)
 
     def draft_budget(self, max_k: int) -> int:
         """Most draft tokens this round such that accepted + bonus stays within max_tokens and max_context."""
@@ -103,50 +123,93 @@ class RequestState:
         for token in token_ids:
             if self.finished:
                 break
-            if self.eos_token_id is not None and token == self.eos_token_id:
+            if self.eos_token_id is not None and token == self.eos_token_id and not self.params.ignore_eos:
                 self.finish_reason = "stop"
                 break
             self.output_ids.append(token)
             appended.append(token)
-            if self.params.stop and self._find_stop(self.detokenize(self.output_ids)) >= 0:
+            if self.params.stop and self._stop_string_completed():
                 self.finish_reason = "stop"
             elif (len(self.output_ids) >= self.params.max_tokens
                   or len(self.prompt_ids) + len(self.output_ids) >= self.max_context):
                 self.finish_reason = "length"
         return appended
 
-    def _find_stop(self, text: str) -> int:
-        """Index of the earliest stop-string occurrence in text, -1 if none."""
-        hits = [i for i in (text.find(stop) for stop in self.params.stop if stop) if i >= 0]
-        return min(hits) if hits else -1
+    def _stop_string_completed(self) -> bool:
+        """Detokenize the new token; True (and remember where to cut) if it completed a stop string."""
+        tail, text_len = self._tail, self._text_len
+        piece = self._detokenizer.step(self.output_ids)
+        self._emit(piece)
+        self._held = self._detokenizer.held_text
+        if len(self.output_ids) <= self.params.min_tokens:
+            return False
+        # The held text counts: a token may complete a stop string and begin a character at once.
+        window = tail + piece + self._held
+        hits = [i for i in (window.find(stop) for stop in self.params.stop) if i >= 0]
+        if not hits:
+            return False
+        self._stop_at = text_len - len(tail) + min(hits)
+        return True
+
+    def _emit(self, piece: str) -> None:
+        if piece:
+            self._text_pieces.append(piece)
+            self._unsent_pieces.append(piece)
+            self._text_len += len(piece)
+            self._tail = (self._tail + piece)[-self._tail_chars:] if self._tail_chars else ""
+
+    def _catch_up(self) -> None:
+        """Bring the text up to the committed tokens (flushed and cut once finished)."""
+        if self._detokenizer is None:
+            raise ValueError(f"request {self.request_id!r} has no detokenize function")
+        if self._text_final:
+            return
+        if not self.finished:
+            self._emit(self._detokenizer.step(self.output_ids))
+            return
+        if self._stop_at is None:
+            self._emit(self._detokenizer.flush(self.output_ids))
+            text = "".join(self._text_pieces)
+        else:  # the stop string may begin in held text (the token also began a character)
+            text = ("".join(self._text_pieces) + self._held)[:self._stop_at]
+        self._text_pieces, self._text_len = [text], len(text)
+        self._unsent_from = min(self._text_sent, len(text))
+        self._unsent_pieces = [text[self._unsent_from:]]
+        self._text_final = True
 
     @property
     def output_text(self) -> str:
-        """Detokenized output, cut before the first stop string."""
-        if self.detokenize is None:
-            raise ValueError(f"request {self.request_id!r} has no detokenize function")
-        text = self.detokenize(self.output_ids)
-        cut = self._find_stop(text) if self.params.stop else -1
-        return text if cut < 0 else text[:cut]
+        """Detokenized output, cut before the first stop string (while running: the complete
+        characters so far)."""
+        self._catch_up()
+        return "".join(self._text_pieces)
 
     def take_text_delta(self) -> str:
         """Text added since the last call. While running, holds back a trailing incomplete
         character and any tail that could still grow into a stop string."""
-        text = self.output_text
+        self._catch_up()
+        emitted_unsent = "".join(self._unsent_pieces)   # emitted text from _unsent_from on
+        text, tail = emitted_unsent, self._tail
+        if not self.finished:  # held text up to its incomplete character may go out already
+            provisional = self._detokenizer.held_text.rstrip(REPLACEMENT_CHAR)
+            text, tail = text + provisional, tail + provisional
         end = len(text)
         if not self.finished:
-            end = len(text.rstrip(_REPLACEMENT_CHAR))
-            end -= max((self._stop_prefix_size(text, end, stop) for stop in self.params.stop), default=0)
-        if end <= self._text_sent:
+            end -= max((self._stop_prefix_size(tail, stop) for stop in self.params.stop), default=0)
+        start = self._text_sent - self._unsent_from
+        if end <= start:
             return ""
-        delta = text[self._text_sent:end]
-        self._text_sent = end
+        delta = text[start:end]
+        self._text_sent += len(delta)
+        sent_emitted = min(self._text_sent, self._text_len) - self._unsent_from
+        self._unsent_pieces = [emitted_unsent[sent_emitted:]] if sent_emitted < len(emitted_unsent) else []
+        self._unsent_from += max(0, sent_emitted)
         return delta
 
     @staticmethod
-    def _stop_prefix_size(text: str, end: int, stop: str) -> int:
-        """Length of the longest proper prefix of stop that text[:end] ends with."""
-        for size in range(min(len(stop) - 1, end), 0, -1):
-            if text.endswith(stop[:size], 0, end):
+    def _stop_prefix_size(text: str, stop: str) -> int:
+        """Length of the longest proper prefix of stop that text ends with (text: a tail is enough)."""
+        for size in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:size]):
                 return size
         return 0

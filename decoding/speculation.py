@@ -15,9 +15,20 @@ from decoding.sampling import SamplingParams, logits_to_probs
 from decoding.sequence import RequestState
 
 
-def target_rows(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def target_rows(logits: torch.Tensor, params: SamplingParams, eos_token_id: int | None = None,
+                first_output_index: int | None = None) -> torch.Tensor:
     """Target logits [n, V] -> argmax ids LongTensor [n] when greedy (small on the wire),
-    else processed probabilities float32 [n, V]."""
+    else processed probabilities float32 [n, V].
+
+    Row i scores output position first_output_index + i (`RequestState.next_output_index` at the
+    time of the call). Where that position is below params.min_tokens, EOS gets logit -inf, so it
+    can be neither the argmax nor sampled, as in vLLM. Only target rows need it: rejection sampling
+    turns any draft into samples of the (masked) target distribution."""
+    if params.min_tokens > 0 and eos_token_id is not None and first_output_index is not None:
+        num_masked = min(max(params.min_tokens - first_output_index, 0), logits.shape[0])
+        if num_masked:
+            logits = logits.clone()
+            logits[:num_masked, eos_token_id] = float("-inf")
     if params.is_greedy:
         return torch.argmax(logits, dim=-1)
     return logits_to_probs(logits, params)

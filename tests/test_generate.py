@@ -220,3 +220,27 @@ def test_sampled_speculation_preserves_the_target_distribution(target_model, unr
 
     assert p_value(target_marginal) > 1e-3
     assert p_value(draft_marginal) < 1e-3     # the test can tell the draft's distribution apart
+
+
+def test_ignore_eos_commits_eos_as_an_ordinary_token(target_model, close_draft_model, target_only_outputs):
+    expected = target_only_outputs[2]
+    eos = expected[5]
+    proposer = DraftModelProposer(ModelRunner.from_model(close_draft_model))
+    state = run(target_model, PROMPTS[2], params=GREEDY.model_copy(update={"ignore_eos": True}),
+                proposer=proposer, eos_token_id=eos)
+    assert state.output_ids == expected           # the whole chain: EOS did not end it
+    assert state.finish_reason == "length"
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_min_tokens_masks_eos_until_enough_tokens(target_model, close_draft_model, target_only_outputs, speculate):
+    eos = target_only_outputs[0][0]               # greedy would stop at once
+    assert run(target_model, PROMPTS[0], eos_token_id=eos).output_ids == []
+    params = SamplingParams(temperature=0, max_tokens=40, min_tokens=12)
+    target_only = run(target_model, PROMPTS[0], params=params, eos_token_id=eos)
+    assert len(target_only.output_ids) >= 12 and eos not in target_only.output_ids[:12]
+    if speculate:  # speculative greedy equals target-only greedy under the same mask
+        proposer = DraftModelProposer(ModelRunner.from_model(close_draft_model))
+        state = run(target_model, PROMPTS[0], params=params, proposer=proposer, eos_token_id=eos)
+        assert state.output_ids == target_only.output_ids
+        assert state.stats.num_drafted > 0

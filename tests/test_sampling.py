@@ -4,7 +4,15 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from decoding.sampling import SamplingParams, logits_to_probs, make_generator, sample_from_probs
+from decoding.sampling import (
+    MAX_SEED,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+    SamplingParams,
+    logits_to_probs,
+    make_generator,
+    sample_from_probs,
+)
 
 
 # --- SamplingParams validation -------------------------------------------------------------------
@@ -20,7 +28,7 @@ def test_temperature_zero_is_greedy():
     assert SamplingParams(temperature=0).is_greedy
 
 
-@pytest.mark.parametrize("temperature", [-0.1, 100.5, float("nan"), float("inf")])
+@pytest.mark.parametrize("temperature", [-0.1, MAX_TEMPERATURE + 0.01, float("nan"), float("inf")])
 def test_temperature_out_of_range_is_rejected(temperature):
     with pytest.raises(ValidationError, match="temperature"):
         SamplingParams(temperature=temperature)
@@ -53,9 +61,27 @@ def test_empty_stop_string_is_rejected():
         SamplingParams(stop=["ok", ""])
 
 
-def test_more_than_eight_stop_strings_are_rejected():
-    with pytest.raises(ValidationError, match="at most 8"):
-        SamplingParams(stop=[str(i) for i in range(9)])
+def test_more_stop_strings_than_openai_allows_are_rejected():
+    assert len(SamplingParams(stop=[str(i) for i in range(MAX_STOP_STRINGS)]).stop) == MAX_STOP_STRINGS == 4
+    with pytest.raises(ValidationError, match=f"at most {MAX_STOP_STRINGS}"):
+        SamplingParams(stop=[str(i) for i in range(MAX_STOP_STRINGS + 1)])
+
+
+def test_seed_beyond_64_bits_is_rejected():
+    # torch.Generator.manual_seed would raise deep in the router; the draft stream uses seed + 1.
+    assert SamplingParams(seed=MAX_SEED).seed == MAX_SEED
+    with pytest.raises(ValidationError, match="seed"):
+        SamplingParams(seed=MAX_SEED + 1)
+
+
+def test_min_tokens_and_ignore_eos_default_off_and_min_tokens_is_bounded_by_max_tokens():
+    params = SamplingParams()
+    assert params.min_tokens == 0 and not params.ignore_eos
+    assert SamplingParams(min_tokens=8, max_tokens=8, ignore_eos=True).min_tokens == 8
+    with pytest.raises(ValidationError, match="min_tokens"):
+        SamplingParams(min_tokens=9, max_tokens=8)
+    with pytest.raises(ValidationError, match="min_tokens"):
+        SamplingParams(min_tokens=-1)
 
 
 def test_unknown_field_is_forbidden():
@@ -78,7 +104,7 @@ def test_greedy_gives_one_hot_at_argmax_with_lowest_index_on_ties():
     assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]))
 
 
-@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.0])
 def test_temperature_scaling_matches_softmax_of_scaled_logits(temperature):
     logits = torch.randn(3, 5, 11, generator=make_generator(0))
     probs = logits_to_probs(logits, SamplingParams(temperature=temperature))

@@ -165,3 +165,26 @@ def test_spec_stats_rates():
                                "target_passes": 3, "acceptance_rate": 0.75, "mean_tokens_per_pass": 3.0,
                                "mean_accepted_per_round": 3.0, "pipelined_rounds": 0,
                                "num_discarded_ahead": 0, "draft_failures": 0, "target_failovers": 0}
+
+
+def test_ignore_eos_appends_eos_and_keeps_going():
+    state = RequestState(request_id="r", prompt_ids=tokens("hi"), params=SamplingParams(max_tokens=4, ignore_eos=True),
+                         eos_token_id=EOS, max_context=1024)
+    assert state.commit(tokens("a") + [EOS] + tokens("bcd")) == tokens("a") + [EOS] + tokens("bc")
+    assert state.finish_reason == "length"
+
+
+def test_stop_strings_are_looked_for_only_past_min_tokens():
+    # As vLLM: a stop string inside the first min_tokens tokens does not end the request.
+    state = RequestState(request_id="r", prompt_ids=tokens("hi"),
+                         params=SamplingParams(max_tokens=20, min_tokens=3, stop=["x"]),
+                         eos_token_id=EOS, max_context=1024, detokenize=detokenize)
+    assert state.commit(tokens("axbcxd")) == tokens("axbcx")
+    assert state.finish_reason == "stop" and state.output_text == "axbc"
+
+
+def test_next_output_index_is_the_position_the_next_verify_rows_start_at():
+    state = make_state()
+    assert state.next_output_index == 0
+    state.commit(tokens("abc"))
+    assert state.next_output_index == 3

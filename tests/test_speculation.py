@@ -1,11 +1,14 @@
-"""decoding.speculation.drafted_ahead: when a block drafted during verification may be used."""
+"""decoding.speculation: when a block drafted during verification may be used (drafted_ahead), and
+the target rows a verify call returns (target_rows: EOS masked below min_tokens)."""
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from decoding.proposers import Proposal
-from decoding.speculation import drafted_ahead
+from decoding.sampling import SamplingParams
+from decoding.speculation import drafted_ahead, target_rows
 
 AHEAD_OF = [5, 6, 7, 10, 11]          # history 5 6 7 + proposal 10 11
 AHEAD = Proposal([12, 13, 14, 15], None)  # 12 guesses the bonus token
@@ -29,3 +32,20 @@ def test_unusable_after_a_rejection_a_wrong_guess_or_another_history():
     assert drafted_ahead([1, 6, 7, 10, 11, 12], AHEAD_OF, AHEAD, 4) is None
     assert drafted_ahead(AHEAD_OF + [12], AHEAD_OF, Proposal([12], None), 4) is None  # guess only
     assert drafted_ahead(AHEAD_OF + [12], AHEAD_OF, AHEAD, 0) is None
+
+
+def test_target_rows_mask_eos_for_output_positions_below_min_tokens():
+    eos = 2
+    logits = torch.zeros(4, 5)
+    logits[:, eos] = 10.0                         # EOS is every row's argmax
+    before = logits.clone()
+    params = SamplingParams(temperature=0, min_tokens=5, max_tokens=10)
+    # Rows score output positions 3, 4, 5, 6: only 3 and 4 are below min_tokens.
+    ids = target_rows(logits, params, eos_token_id=eos, first_output_index=3)
+    assert ids[:2].tolist() != [eos, eos] and ids[2:].tolist() == [eos, eos]
+    probs = target_rows(logits, params.model_copy(update={"temperature": 1.0}), eos, 3)
+    assert probs[:2, eos].tolist() == [0.0, 0.0] and (probs[2:, eos] > 0.9).all()
+    assert torch.equal(logits, before)             # the caller's logits are untouched
+    # The old two-argument call and min_tokens 0 leave EOS alone.
+    assert target_rows(logits, params).tolist() == [eos] * 4
+    assert target_rows(logits, SamplingParams(temperature=0), eos, 0).tolist() == [eos] * 4
