@@ -339,7 +339,7 @@ class Router:
         check. The full history makes the new engine re-prefill, so nothing committed is lost.
         A full engine (no KV slot within its admission deadline) makes the request fail with 503."""
         tokens = state.history + (proposal.token_ids if proposal else [])
-        first_output_index = len(state.output_ids)
+        first_output_index = state.next_output_index
         deadline = time.monotonic() + TARGET_RECOVERY_S
         while True:
             try:
