@@ -1,0 +1,138 @@
+"""Under abuse: past capacity the excess gets 503 with Retry-After, a request past its deadline
+ends with what it has, and a storm of dropped connections leaves no state anywhere.
+
+One small server whose limits are tight on purpose: 3 requests run at once, 3 may wait (up to
+2 s), and a request may run for 1.5 s."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from cluster.builder import APP_NAME
+from cluster.config import SpecServeConfig
+from cluster.local import start_local, stop_local
+from tests.test_serving import MODEL, PROMPTS, _free_port
+from tests.tiny_pair import make_tiny_pair
+
+pytestmark = pytest.mark.ray
+MAX_ACTIVE, MAX_QUEUED = 3, 3
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    target_path, draft_path = make_tiny_pair(tmp_path_factory.mktemp("pair"))
+    config = SpecServeConfig.model_validate({
+        "model_name": MODEL, "target": {"path": str(target_path)}, "draft": {"path": str(draft_path)},
+        "http": {"port": _free_port()},
+        "limits": {"max_tokens": 200, "max_active_requests": MAX_ACTIVE, "max_queued_requests": MAX_QUEUED,
+                   "queue_timeout_s": 2.0, "request_timeout_s": 1.5},
+    })
+    url = start_local(config)
+    yield url
+    stop_local()
+
+
+def held_state() -> dict:
+    """Requests the router runs or queues, and sequences every engine holds."""
+    router = serve.get_deployment_handle("Router", APP_NAME).status.remote().result()
+    held = {"router_active": router["active_requests"], "router_queued": router["queued_requests"]}
+    for name in ("TargetWorker", "DraftWorker"):
+        engine = serve.get_deployment_handle(name, APP_NAME).get_engine.remote().result()
+        held[name] = len(ray.get(engine.active_sequences.remote()))
+    return held
+
+
+def assert_nothing_held(timeout_s: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while (held := held_state()) != {"router_active": 0, "router_queued": 0, "TargetWorker": 0, "DraftWorker": 0}:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"state left behind: {held}")
+        time.sleep(0.2)
+
+
+def body(prompt: str, max_tokens: int, stream: bool = False, **extra) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream, **extra}
+
+
+def test_a_request_past_its_deadline_ends_with_its_tokens_so_far(server):
+    # The tiny pair needs well over 1.5 s for 200 tokens only if something stalls it, so make the
+    # deadline bite for sure: several long requests share the engines.
+    results = []
+
+    def one():
+        results.append(httpx.post(f"{server}/v1/completions", json=body(PROMPTS[0], 200), timeout=60))
+
+    threads = [threading.Thread(target=one) for _ in range(MAX_ACTIVE)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(r.status_code == 200 for r in results), [r.text for r in results]
+    finishes = {r.json()["choices"][0]["finish_reason"] for r in results}
+    assert finishes <= {"length", "timeout"}
+    for r in results:
+        if r.json()["choices"][0]["finish_reason"] == "timeout":
+            assert 0 < r.json()["usage"]["completion_tokens"] < 200
+    assert_nothing_held()
+
+
+def test_past_capacity_the_excess_gets_503_with_retry_after_and_the_admitted_finish(server):
+    async def scenario():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*[client.post(f"{server}/v1/completions", json=body(PROMPTS[1], 150))
+                                          for _ in range(3 * (MAX_ACTIVE + MAX_QUEUED))])
+
+    responses = asyncio.run(scenario())
+    refused = [r for r in responses if r.status_code == 503]
+    served = [r for r in responses if r.status_code == 200]
+    assert len(refused) + len(served) == len(responses), {r.status_code for r in responses}
+    assert refused and len(served) >= MAX_ACTIVE + MAX_QUEUED
+    for response in refused:
+        assert float(response.headers["retry-after"]) > 0
+        error = response.json()["error"]
+        assert error["type"] and error["message"]
+    for response in served:
+        assert response.json()["usage"]["completion_tokens"] > 0
+    assert_nothing_held()
+
+
+def test_a_storm_of_dropped_connections_leaves_no_state(server):
+    """200 streaming requests, 8 at a time, dropped at random: before the first byte (during
+    prefill), after the first chunk, or mid-stream; some read to the end."""
+    rng = random.Random(7)
+    plans = [rng.choice(["before_first_byte", "first_chunk", "mid_stream", "complete"]) for _ in range(200)]
+
+    async def one(client: httpx.AsyncClient, plan: str, prompt: str) -> None:
+        try:
+            async with client.stream("POST", f"{server}/v1/completions",
+                                     json=body(prompt, 120, stream=True)) as response:
+                if plan == "before_first_byte" or response.status_code != 200:
+                    return
+                lines = 0
+                async for line in response.aiter_lines():
+                    lines += line.startswith("data: ")
+                    if plan == "first_chunk" and lines >= 1 or plan == "mid_stream" and lines >= 4:
+                        return  # leaving the block drops the connection
+        except httpx.HTTPError:
+            pass
+
+    async def storm():
+        semaphore = asyncio.Semaphore(8)
+        async with httpx.AsyncClient(timeout=60) as client:
+            async def bounded(i: int, plan: str):
+                async with semaphore:
+                    await one(client, plan, PROMPTS[i % len(PROMPTS)])
+
+            await asyncio.gather(*[bounded(i, plan) for i, plan in enumerate(plans)])
+
+    asyncio.run(storm())
+    assert_nothing_held(timeout_s=60)
