@@ -133,29 +133,11 @@ class BatchedModelRunner(RunnerBase):
             del entry.token_ids[length:]
             self.cache.lengths[entry.slot] = length
 
-    def num_cached(self, seq_id: str) -> int:
-        """Tokens of seq_id held in the KV cache (0 if unknown)."""
-        entry = self._sequences.get(seq_id)
-        return 0 if entry is None else len(entry.token_ids)
-
-    def rollback(self, seq_id: str, length: int) -> None:
-        """Crop seq_id's cache to its first `length` tokens (sets the slot's length)."""
-        if length < 0:
-            raise ValueError(f"rollback length must be >= 0, got {length}")
-        entry = self._sequences.get(seq_id)
-        if entry is None:
-            raise SequenceStateError(f"unknown sequence {seq_id!r}")
-        self._crop(entry, length)
-
     def release(self, seq_id: str) -> None:
         """Forget seq_id and free its slot (idempotent)."""
         entry = self._sequences.pop(seq_id, None)
         if entry is not None:
             self.cache.free(entry.slot)
-
-    def active_sequences(self) -> list[str]:
-        """Ids of the sequences whose KV is held."""
-        return list(self._sequences)
 
 
 def slot_path_support(model) -> tuple[bool, str]:
