@@ -12,6 +12,7 @@ the per-sequence ModelRunner otherwise, saying which in one log line.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -152,6 +153,8 @@ def slot_path_support(model) -> tuple[bool, str]:
                        f"({', '.join(sorted(SLOT_MODEL_TYPES))})")
     if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
         return False, "cross-attention needs an encoder-decoder cache"
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        return False, "its forward takes no logits_to_keep"
     if attention not in SLOT_ATTENTION:
         return False, f"attention kernel {attention!r} takes no 4D additive mask (need sdpa or eager)"
     window = getattr(config, "sliding_window", None)

@@ -16,6 +16,7 @@ from decoding.batched_runner import (
 )
 from decoding.generate import generate
 from decoding.model_runner import ModelRunner, SequenceStateError
+from decoding.proposers import DraftModelProposer
 from decoding.sampling import SamplingParams
 from decoding.sequence import RequestState
 from decoding.slot_cache import batch_layout
@@ -148,6 +149,19 @@ def test_greedy_generation_through_the_batched_runner_equals_model_runner(archit
     for seed, length in [(10, 5), (11, 23), (12, 1)]:
         prompt = random_ids(seed, length)
         assert decode(BatchedModelRunner.from_model(model), prompt) == decode(ModelRunner.from_model(model), prompt)
+
+
+def test_speculative_greedy_over_batched_target_and_draft_equals_target_only():
+    target, draft = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    params = SamplingParams(temperature=0, max_tokens=30)
+    outputs = []
+    for proposer in (None, DraftModelProposer(BatchedModelRunner.from_model(draft))):
+        state = RequestState(request_id="r", prompt_ids=random_ids(13, 6), params=params, eos_token_id=None,
+                             max_context=128)
+        for _ in generate(BatchedModelRunner.from_model(target), state, proposer, num_draft_tokens=4):
+            pass
+        outputs.append(state.output_ids)
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 30
 
 
 def test_lockstep_greedy_decoding_of_many_requests_equals_each_alone():
