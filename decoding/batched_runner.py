@@ -94,11 +94,11 @@ class BatchedModelRunner(RunnerBase):
         layout = batch_layout([entries[i].slot for i in order], [starts[i] for i in order],
                               [num_new[i] for i in order], dtype=self._dtype, device=self.device)
         num_columns = max(num_new)
-        input_ids = torch.zeros((len(calls), num_columns), dtype=torch.long)
-        keep = torch.zeros((len(calls), num_columns), dtype=torch.bool)
-        for row, i in enumerate(order):
-            input_ids[row, :num_new[i]] = torch.tensor(histories[i][starts[i]:], dtype=torch.long)
-            keep[row, num_new[i] - calls[i].num_rows:num_new[i]] = True
+        # Padding id 0 is never stored nor seen by a real token; its rows are not kept.
+        input_ids = torch.tensor([histories[i][starts[i]:] + [0] * (num_columns - num_new[i]) for i in order],
+                                 dtype=torch.long)
+        keep = torch.tensor([[num_new[i] - calls[i].num_rows <= t < num_new[i] for t in range(num_columns)]
+                             for i in order], dtype=torch.bool)
         try:
             with torch.inference_mode():
                 out = self.model(input_ids=input_ids.to(self.device), position_ids=layout.position_ids,
