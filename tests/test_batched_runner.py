@@ -66,6 +66,20 @@ def full_logits(model, token_ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([token_ids])).logits[0].float()
 
 
+def test_batch_layout_numbers_new_tokens_after_each_rows_cache_and_masks_causally():
+    # Row 0: slot 5 holds 3 tokens and brings 2; row 1: slot 2 holds none and brings 1 (padded to 2).
+    layout = batch_layout([5, 2], starts=[3, 0], num_new=[2, 1], dtype=torch.float32, device=torch.device("cpu"))
+    assert layout.position_ids.tolist() == [[3, 4], [0, 0]]
+    assert layout.kv_length == 5
+    visible = (layout.attention_mask[:, 0] == 0).int().tolist()
+    assert visible == [[[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]],
+                       [[1, 0, 0, 0, 0], [1, 0, 0, 0, 0]]]   # the padding token copies the last real one
+    assert set(layout.attention_mask.unique().tolist()) == {0.0, torch.finfo(torch.float32).min}
+    # Only real tokens are written: (slot, position) pairs.
+    assert list(zip(layout.write_slots.tolist(), layout.write_positions.tolist())) == [(5, 3), (5, 4), (2, 0)]
+    assert layout.first_slot is None and layout.single_write is None
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_ragged_batches_give_the_unbatched_rows(monkeypatch, architecture, attention):
