@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -21,10 +22,14 @@ import torch
 
 from decoding.batched_runner import BatchedModelRunner
 from decoding.model_runner import ForwardCall, ModelRunner, load_causal_lm
+from decoding.proposers import DraftModelProposer, ProposeCall
+from decoding.sampling import SamplingParams
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "default" / "target"
+DEFAULT_DRAFT = DEFAULT_MODEL.parent / "draft"
 ROWS = (1, 2, 4, 8, 16)
 NEW_TOKENS = (1, 5)
+DRAFT_ROWS = (1, 4, 8, 16)
 
 
 def forward_ms(runners: dict, histories: dict[str, list[int]], num_new_tokens: int, reps: int,
@@ -49,9 +54,29 @@ def forward_ms(runners: dict, histories: dict[str, list[int]], num_new_tokens: i
     return samples
 
 
+def propose_ms(proposers: dict, histories: dict[str, list[int]], num_tokens: int, reps: int,
+               warmup: int) -> dict[str, list[float]]:
+    """ms of each proposer's greedy propose_batch of num_tokens tokens for every row (taking turns)."""
+    greedy = SamplingParams(temperature=0)
+    calls = [ProposeCall(seq_id, history, num_tokens, greedy) for seq_id, history in histories.items()]
+    samples: dict[str, list[float]] = {name: [] for name in proposers}
+    for i in range(warmup + reps):
+        for name, proposer in proposers.items():
+            started = time.perf_counter()
+            proposer.propose_batch(calls)
+            if i >= warmup:
+                samples[name].append(1000 * (time.perf_counter() - started))
+    for proposer in proposers.values():
+        for seq_id in histories:
+            proposer.release(seq_id)
+    return samples
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
+    parser.add_argument("--draft", default=str(DEFAULT_DRAFT), help="'' skips the drafting table")
+    parser.add_argument("--draft-tokens", type=int, default=4, help="K of the drafting table")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=1)
@@ -60,6 +85,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    load_at_start = list(os.getloadavg())
 
     model = load_causal_lm(args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
     batched = BatchedModelRunner.from_model(model, max_sequences=max(ROWS))
@@ -92,13 +118,32 @@ def main() -> None:
         print(f"| {r['rows']}x{r['new_tokens']} | {r['slot_ms']:.1f} ({r['slot_min_ms']:.1f}) "
               f"| {r['slot_ms'] / base[r['new_tokens']]:.2f} "
               f"| {r['per_sequence_loop_ms']:.1f} ({r['per_sequence_loop_min_ms']:.1f}) |")
+    drafting = []
+    if args.draft:
+        draft = load_causal_lm(args.draft, dtype=args.dtype, device=args.device)
+        proposers = {"slot": DraftModelProposer(BatchedModelRunner.from_model(draft, max_sequences=max(ROWS))),
+                     "per_sequence_loop": DraftModelProposer(ModelRunner.from_model(draft, max_sequences=max(ROWS)))}
+        print(f"\n| draft rows (K={args.draft_tokens}, greedy) | slot propose_batch ms (min) "
+              "| per-sequence loop ms (min) |\n|---|---|---|")
+        for num_rows in DRAFT_ROWS:
+            samples = propose_ms(proposers, histories(num_rows), args.draft_tokens, args.reps, args.warmup)
+            result = {"rows": num_rows, "draft_tokens": args.draft_tokens}
+            for name, values in samples.items():
+                result[f"{name}_ms"] = round(statistics.median(values), 2)
+                result[f"{name}_min_ms"] = round(min(values), 2)
+            drafting.append(result)
+            print(f"| {num_rows} | {result['slot_ms']:.1f} ({result['slot_min_ms']:.1f}) "
+                  f"| {result['per_sequence_loop_ms']:.1f} ({result['per_sequence_loop_min_ms']:.1f}) |", flush=True)
+
     record = {
         "model": args.model, "device": args.device, "dtype": args.dtype, "torch_threads": args.threads,
         "cached_tokens_per_row": args.cached, "reps": args.reps,
         "statistic": "median (and min) ms per forward; runners alternate every repetition",
         "machine": platform.machine(), "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+        "load_average_at_start": load_at_start, "load_average_at_end": list(os.getloadavg()),
         "results": results,
+        "draft": args.draft or None, "drafting": drafting,
     }
     out = Path(args.out or Path(__file__).parent / "results" / f"engine-batching-{args.device.split(':')[0]}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ the per-sequence ModelRunner otherwise, saying which in one log line.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -93,11 +94,11 @@ class BatchedModelRunner(RunnerBase):
         layout = batch_layout([entries[i].slot for i in order], [starts[i] for i in order],
                               [num_new[i] for i in order], dtype=self._dtype, device=self.device)
         num_columns = max(num_new)
-        input_ids = torch.zeros((len(calls), num_columns), dtype=torch.long)
-        keep = torch.zeros((len(calls), num_columns), dtype=torch.bool)
-        for row, i in enumerate(order):
-            input_ids[row, :num_new[i]] = torch.tensor(histories[i][starts[i]:], dtype=torch.long)
-            keep[row, num_new[i] - calls[i].num_rows:num_new[i]] = True
+        # Padding id 0 is never stored nor seen by a real token; its rows are not kept.
+        input_ids = torch.tensor([histories[i][starts[i]:] + [0] * (num_columns - num_new[i]) for i in order],
+                                 dtype=torch.long)
+        keep = torch.tensor([[num_new[i] - calls[i].num_rows <= t < num_new[i] for t in range(num_columns)]
+                             for i in order], dtype=torch.bool)
         try:
             with torch.inference_mode():
                 out = self.model(input_ids=input_ids.to(self.device), position_ids=layout.position_ids,
@@ -133,29 +134,11 @@ class BatchedModelRunner(RunnerBase):
             del entry.token_ids[length:]
             self.cache.lengths[entry.slot] = length
 
-    def num_cached(self, seq_id: str) -> int:
-        """Tokens of seq_id held in the KV cache (0 if unknown)."""
-        entry = self._sequences.get(seq_id)
-        return 0 if entry is None else len(entry.token_ids)
-
-    def rollback(self, seq_id: str, length: int) -> None:
-        """Crop seq_id's cache to its first `length` tokens (sets the slot's length)."""
-        if length < 0:
-            raise ValueError(f"rollback length must be >= 0, got {length}")
-        entry = self._sequences.get(seq_id)
-        if entry is None:
-            raise SequenceStateError(f"unknown sequence {seq_id!r}")
-        self._crop(entry, length)
-
     def release(self, seq_id: str) -> None:
         """Forget seq_id and free its slot (idempotent)."""
         entry = self._sequences.pop(seq_id, None)
         if entry is not None:
             self.cache.free(entry.slot)
-
-    def active_sequences(self) -> list[str]:
-        """Ids of the sequences whose KV is held."""
-        return list(self._sequences)
 
 
 def slot_path_support(model) -> tuple[bool, str]:
@@ -170,6 +153,8 @@ def slot_path_support(model) -> tuple[bool, str]:
                        f"({', '.join(sorted(SLOT_MODEL_TYPES))})")
     if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
         return False, "cross-attention needs an encoder-decoder cache"
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        return False, "its forward takes no logits_to_keep"
     if attention not in SLOT_ATTENTION:
         return False, f"attention kernel {attention!r} takes no 4D additive mask (need sdpa or eager)"
     window = getattr(config, "sliding_window", None)

@@ -124,14 +124,31 @@ class RunnerBase:
         forward_params = inspect.signature(model.forward).parameters
         self._takes_logits_to_keep = "logits_to_keep" in forward_params
 
+    # Per-sequence state, kept by subclasses: self._sequences maps seq_id -> an entry whose
+    # token_ids are exactly the tokens its KV holds; self._crop(entry, length) cuts it back.
+
+    def num_cached(self, seq_id: str) -> int:
+        """Tokens of seq_id held in the KV cache (0 if unknown)."""
+        entry = self._sequences.get(seq_id)
+        return 0 if entry is None else len(entry.token_ids)
+
+    def rollback(self, seq_id: str, length: int) -> None:
+        """Crop seq_id's cache to its first `length` tokens."""
+        if length < 0:
+            raise ValueError(f"rollback length must be >= 0, got {length}")
+        entry = self._sequences.get(seq_id)
+        if entry is None:
+            raise SequenceStateError(f"unknown sequence {seq_id!r}")
+        self._crop(entry, length)
+
     def active_sequences(self) -> list[str]:
         """Ids of the sequences whose KV caches are held."""
-        raise NotImplementedError
+        return list(self._sequences)
 
     @property
     def num_free_slots(self) -> int:
         """How many NEW sequences can still be admitted before NoFreeSlotError."""
-        return self.max_sequences - len(self.active_sequences())
+        return self.max_sequences - len(self._sequences)
 
     def _checked_history(self, call: ForwardCall) -> list[int]:
         """call.token_ids as a list, or SequenceStateError if the protocol cannot serve it."""
@@ -153,14 +170,13 @@ class RunnerBase:
             duplicated = sorted({seq_id for seq_id in seq_ids if seq_ids.count(seq_id) > 1})
             raise ValueError(f"a batch must name each sequence once; repeated: {duplicated}")
         histories = [self._checked_history(call) for call in calls]
-        held = set(self.active_sequences())
-        num_new = sum(seq_id not in held for seq_id in seq_ids)
+        num_new = sum(seq_id not in self._sequences for seq_id in seq_ids)
         if num_new > self.num_free_slots:
             raise self._no_free_slot(f"{num_new} new sequence(s)")
         return histories
 
     def _no_free_slot(self, what: str) -> NoFreeSlotError:
-        return NoFreeSlotError(f"cannot hold {what}: already holding {len(self.active_sequences())} of "
+        return NoFreeSlotError(f"cannot hold {what}: already holding {len(self._sequences)} of "
                                f"max_sequences={self.max_sequences}; release finished sequences first")
 
 
@@ -228,27 +244,9 @@ class ModelRunner(RunnerBase):
         entry.cache.crop(-num_remove)
         del entry.token_ids[length:]
 
-    def num_cached(self, seq_id: str) -> int:
-        """Tokens of seq_id held in the KV cache (0 if unknown)."""
-        entry = self._sequences.get(seq_id)
-        return 0 if entry is None else len(entry.token_ids)
-
-    def rollback(self, seq_id: str, length: int) -> None:
-        """Crop seq_id's cache to its first `length` tokens."""
-        if length < 0:
-            raise ValueError(f"rollback length must be >= 0, got {length}")
-        entry = self._sequences.get(seq_id)
-        if entry is None:
-            raise SequenceStateError(f"unknown sequence {seq_id!r}")
-        self._crop(entry, length)
-
     def release(self, seq_id: str) -> None:
         """Forget seq_id (idempotent)."""
         self._sequences.pop(seq_id, None)
-
-    def active_sequences(self) -> list[str]:
-        """Ids of the sequences whose caches are held."""
-        return list(self._sequences)
 
 
 def check_compatible(draft: ModelRunner, target: ModelRunner, draft_tokenizer, target_tokenizer) -> None:

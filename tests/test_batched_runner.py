@@ -16,6 +16,7 @@ from decoding.batched_runner import (
 )
 from decoding.generate import generate
 from decoding.model_runner import ModelRunner, SequenceStateError
+from decoding.proposers import DraftModelProposer
 from decoding.sampling import SamplingParams
 from decoding.sequence import RequestState
 from decoding.slot_cache import batch_layout
@@ -63,6 +64,20 @@ def full_logits(model, token_ids: list[int]) -> torch.Tensor:
     """Oracle: every position's logits from one cache-free forward."""
     with torch.no_grad():
         return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def test_batch_layout_numbers_new_tokens_after_each_rows_cache_and_masks_causally():
+    # Row 0: slot 5 holds 3 tokens and brings 2; row 1: slot 2 holds none and brings 1 (padded to 2).
+    layout = batch_layout([5, 2], starts=[3, 0], num_new=[2, 1], dtype=torch.float32, device=torch.device("cpu"))
+    assert layout.position_ids.tolist() == [[3, 4], [0, 0]]
+    assert layout.kv_length == 5
+    visible = (layout.attention_mask[:, 0] == 0).int().tolist()
+    assert visible == [[[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]],
+                       [[1, 0, 0, 0, 0], [1, 0, 0, 0, 0]]]   # the padding token copies the last real one
+    assert set(layout.attention_mask.unique().tolist()) == {0.0, torch.finfo(torch.float32).min}
+    # Only real tokens are written: (slot, position) pairs.
+    assert list(zip(layout.write_slots.tolist(), layout.write_positions.tolist())) == [(5, 3), (5, 4), (2, 0)]
+    assert layout.first_slot is None and layout.single_write is None
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -148,6 +163,19 @@ def test_greedy_generation_through_the_batched_runner_equals_model_runner(archit
     for seed, length in [(10, 5), (11, 23), (12, 1)]:
         prompt = random_ids(seed, length)
         assert decode(BatchedModelRunner.from_model(model), prompt) == decode(ModelRunner.from_model(model), prompt)
+
+
+def test_speculative_greedy_over_batched_target_and_draft_equals_target_only():
+    target, draft = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    params = SamplingParams(temperature=0, max_tokens=30)
+    outputs = []
+    for proposer in (None, DraftModelProposer(BatchedModelRunner.from_model(draft))):
+        state = RequestState(request_id="r", prompt_ids=random_ids(13, 6), params=params, eos_token_id=None,
+                             max_context=128)
+        for _ in generate(BatchedModelRunner.from_model(target), state, proposer, num_draft_tokens=4):
+            pass
+        outputs.append(state.output_ids)
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 30
 
 
 def test_lockstep_greedy_decoding_of_many_requests_equals_each_alone():
