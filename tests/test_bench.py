@@ -8,7 +8,6 @@ import pytest
 
 from bench.http_rows import http_configs, request_body, sweep_request_count
 from bench.perfmodel import (
-    acceptance_from_tokens_per_round,
     expected_tokens_per_pass,
     overlapped_speedup_bound,
     percentile,
@@ -19,6 +18,7 @@ from bench.prompts import DEFAULT_PROMPTS_PATH, MAX_CODE_CHARS, MIN_CODE_CHARS, 
 from bench.records import RequestRecord, StepLatency, summarize_row
 from bench.report import render_markdown, write_outputs
 from cluster.config import SpecServeConfig
+from policies.acceptance import acceptance_from_tokens_per_round
 from training.corpus import is_held_out
 
 
