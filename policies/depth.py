@@ -87,7 +87,10 @@ def should_draft_ahead(enabled: bool, is_greedy: bool, active_requests: int) -> 
 
     Only a greedy request alone on its router: a sampled bonus token rarely equals the sampled
     guess, and with company the draft engine is already busy drafting for another request while
-    the target verifies, so blocks drafted ahead only add load. Measured on the 2-core box
-    (bench/results): a lone greedy stream 120.0 -> 135.5 tok/s; two greedy streams 178.2 ->
-    155.6 tok/s aggregate; sampled 96.0 tok/s drafting ahead vs 97.3-103.8 without."""
+    the target verifies, so blocks drafted ahead only add load. Measured on the 2-core box over
+    HTTP: a lone greedy stream 120.0 tok/s without drafting ahead (cpu-2core-distilled-draft.md),
+    141.3 drafting ahead for all (pipeline-ahead-for-all-http.md), 144.2 gated like this
+    (cpu-2core-distilled-draft-pipelined.md); two greedy streams 178.2 tok/s aggregate without,
+    155.6 drafting ahead for both (pipeline-ahead-ungated.log); sampled 96.0 tok/s drafting ahead
+    vs 103.8 and 105.0 without (files in bench/results/)."""
     return enabled and is_greedy and active_requests <= 1
