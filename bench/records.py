@@ -34,6 +34,10 @@ class RequestRecord:
     median_overhead_s: float | None        # median over this request's rounds of wall - model compute
     server_ttft_s: float | None = None     # the router's own TTFT (HTTP rows)
     finish_reason: str | None = None
+    # What was generated, so rows can be checked against each other (greedy speculation is
+    # lossless: same ids as target-only), not only timed: ids in-process, streamed text over HTTP.
+    output_token_ids: list[int] | None = None
+    output_text: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
