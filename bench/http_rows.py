@@ -101,6 +101,7 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict, prompt
     """One streamed completion -> (record, start, end) in time.perf_counter seconds."""
     final: dict = {}
     first_text_at = None
+    pieces: list[str] = []
     started = time.perf_counter()
     async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S) as response:
         if response.status_code != 200:
@@ -112,8 +113,10 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict, prompt
             chunk = json.loads(line[len("data: "):])
             if "error" in chunk:
                 raise RuntimeError(f"server error from {url}: {chunk['error']['message']}")
-            if first_text_at is None and chunk["choices"][0].get("text"):
-                first_text_at = time.perf_counter()
+            text = chunk["choices"][0].get("text") if chunk.get("choices") else None
+            if text:
+                first_text_at = first_text_at or time.perf_counter()
+                pieces.append(text)
             if "speculation" in chunk:
                 final = chunk
     ended = time.perf_counter()
@@ -128,7 +131,7 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict, prompt
         target_passes=spec["target_passes"], rounds=spec["rounds"], num_drafted=spec["num_drafted"],
         num_accepted=spec["num_accepted"], median_overhead_s=None if overhead_ms is None else overhead_ms / 1000,
         server_ttft_s=None if server_ttft_ms is None else server_ttft_ms / 1000,
-        finish_reason=final["choices"][0].get("finish_reason"))
+        finish_reason=(final.get("choices") or [{}])[0].get("finish_reason"), output_text="".join(pieces))
     return record, started, ended
 
 

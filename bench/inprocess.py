@@ -26,6 +26,7 @@ from decoding.model_runner import ModelRunner
 from decoding.proposers import DraftModelProposer
 from decoding.sampling import SamplingParams
 from decoding.sequence import RequestState
+from training.step_latency import step_latency_s
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 STEP_CONTEXT_TOKENS = 128
@@ -89,32 +90,6 @@ def load_pair(target_path: str, draft_path: str, device: str = "cpu", dtype: str
 
 # -- step latencies -----------------------------------------------------------------------------
 
-def step_latency_samples(runner: ModelRunner, context_ids: list[int], num_new_tokens: int, reps: int = 15,
-                         warmup: int = 3) -> list[float]:
-    """Seconds of each of `reps` forwards over num_new_tokens new tokens on a warm cache holding
-    context_ids (the runner crops back to the context before every repetition)."""
-    seq_id = f"step-latency-{num_new_tokens}"
-    new_tokens = [context_ids[i % len(context_ids)] for i in range(num_new_tokens)]
-    runner.forward(seq_id, context_ids)
-    samples = []
-    try:
-        for i in range(warmup + reps):
-            started = time.perf_counter()
-            logits = runner.forward(seq_id, context_ids + new_tokens, num_rows=num_new_tokens)
-            logits.sum().item()  # wait for the device
-            if i >= warmup:
-                samples.append(time.perf_counter() - started)
-    finally:
-        runner.release(seq_id)
-    return samples
-
-
-def step_latency_s(runner: ModelRunner, context_ids: list[int], num_new_tokens: int, reps: int = 15,
-                   warmup: int = 3) -> float:
-    """Median of step_latency_samples."""
-    return statistics.median(step_latency_samples(runner, context_ids, num_new_tokens, reps, warmup))
-
-
 def measure_steps(pair: LoadedPair, context_ids: list[int], target_new_tokens: Sequence[int]) -> StepLatency:
     """t_target(n) for each n (1 always included) and t_draft(1), at the given context."""
     sizes = sorted({1, *target_new_tokens})
@@ -167,7 +142,7 @@ def run_specserve(pair: LoadedPair, prompt_id: str, run: int, prompt_ids: list[i
                          num_output_tokens=len(state.output_ids), wall_s=wall_s, ttft_s=ttft_s,
                          target_passes=stats.target_passes, rounds=stats.rounds, num_drafted=stats.num_drafted,
                          num_accepted=stats.num_accepted, median_overhead_s=_median(overheads),
-                         finish_reason=state.finish_reason)
+                         finish_reason=state.finish_reason, output_token_ids=list(state.output_ids))
 
 
 # -- Hugging Face assisted generation -------------------------------------------------------------
@@ -245,7 +220,8 @@ def run_hf_assisted(pair: LoadedPair, prompt_id: str, run: int, prompt_ids: list
                          wall_s=wall_s, ttft_s=puts[1] - started if len(puts) > 1 else None,
                          target_passes=counts["passes"], rounds=counts["passes"], num_drafted=counts["drafted"],
                          num_accepted=counts["accepted"], median_overhead_s=_median(overheads),
-                         finish_reason="length" if num_output >= max_tokens else "stop")
+                         finish_reason="length" if num_output >= max_tokens else "stop",
+                         output_token_ids=output[0, len(prompt_ids):].tolist())
 
 
 # -- rows -------------------------------------------------------------------------------------------

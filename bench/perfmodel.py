@@ -1,8 +1,10 @@
-"""The performance model (shared/README.md) and the statistics the report is built from.
+"""The performance model (docs/performance-model.md) and the statistics the report is built from.
 
 Pure functions on plain numbers, so the numbers printed next to a measurement can be checked by
 hand and by tests: E = (1 - a^(K+1)) / (1 - a) tokens per target pass; the overlapped
 (pipelined) bound E * t(1) / t(K+1); the serial estimate E * t(1) / (K * t_draft + t(K+1)).
+Alpha is estimated by policies.acceptance, the estimator the depth policy uses too (here without
+its prior: a benchmark row has thousands of rounds and reports the plain fit).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from policies.depth import expected_tokens_per_round
+from policies.acceptance import estimate_acceptance_rate, expected_tokens_per_round
 
 
 def expected_tokens_per_pass(acceptance_rate: float, num_draft_tokens: float) -> float:
@@ -24,26 +26,9 @@ def expected_tokens_per_pass(acceptance_rate: float, num_draft_tokens: float) ->
     return expected_tokens_per_round(acceptance_rate, num_draft_tokens)
 
 
-def acceptance_from_tokens_per_round(tokens_per_round: float, num_draft_tokens: float) -> float:
-    """The per-token acceptance a that makes E(a, K) equal a measured tokens-per-verifying-round.
-
-    Why not accepted / drafted: after a rejection the rest of the block counts as drafted but
-    can never be accepted, so that ratio is (E - 1) / K, not the a of the geometric model. The
-    router reports only totals, so a is fitted from E (bisection; E is increasing in a)."""
-    if num_draft_tokens <= 0:
-        raise ValueError(f"num_draft_tokens must be > 0 to fit an acceptance rate, got {num_draft_tokens}")
-    if tokens_per_round <= 1.0:
-        return 0.0
-    if tokens_per_round >= num_draft_tokens + 1.0:
-        return 1.0
-    low, high = 0.0, 1.0
-    for _ in range(60):
-        mid = (low + high) / 2
-        if expected_tokens_per_pass(mid, num_draft_tokens) < tokens_per_round:
-            low = mid
-        else:
-            high = mid
-    return (low + high) / 2
+def measured_acceptance_rate(num_accepted: int, num_drafted: int, num_rounds: int) -> float:
+    """A benchmark row's alpha: the truncated-geometric fit to its totals, no prior."""
+    return estimate_acceptance_rate(num_accepted, num_drafted, num_rounds, prior_accepted=0.0, prior_rejected=0.0)
 
 
 def overlapped_speedup_bound(acceptance_rate: float, num_draft_tokens: float,

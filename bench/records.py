@@ -11,8 +11,8 @@ import statistics
 from dataclasses import asdict, dataclass
 
 from bench.perfmodel import (
-    acceptance_from_tokens_per_round,
     expected_tokens_per_pass,
+    measured_acceptance_rate,
     median_or_none,
     overlapped_speedup_bound,
     serial_speedup_estimate,
@@ -34,6 +34,10 @@ class RequestRecord:
     median_overhead_s: float | None        # median over this request's rounds of wall - model compute
     server_ttft_s: float | None = None     # the router's own TTFT (HTTP rows)
     finish_reason: str | None = None
+    # What was generated, so rows can be checked against each other (greedy speculation is
+    # lossless: same ids as target-only), not only timed: ids in-process, streamed text over HTTP.
+    output_token_ids: list[int] | None = None
+    output_text: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -75,7 +79,7 @@ def summarize_row(records: list[RequestRecord], steps: StepLatency | None) -> di
 
     acceptance_rate is accepted / drafted (what the router reports); alpha is the per-token
     acceptance of the geometric model fitted to the measured tokens per verifying round at the
-    row's mean depth K, and the bound E * t(1) / t(K+1) and the serial estimate use it (with the
+    row's mean depth K (policies.acceptance, as the depth policy estimates it), and the bound E * t(1) / t(K+1) and the serial estimate use it (with the
     t(K+1) measured at K rounded to an integer)."""
     if not records:
         raise ValueError("a row needs at least one request record")
@@ -103,7 +107,7 @@ def summarize_row(records: list[RequestRecord], steps: StepLatency | None) -> di
     if not drafted:  # no drafting: one token per pass, nothing to gain or lose
         summary.update(expected_tokens_per_pass=1.0, bound=1.0, serial_estimate=1.0)
         return summary
-    alpha = acceptance_from_tokens_per_round(summary["tokens_per_round"], mean_draft_tokens)
+    alpha = measured_acceptance_rate(accepted, drafted, rounds)
     summary["alpha"] = alpha
     summary["expected_tokens_per_pass"] = expected_tokens_per_pass(alpha, mean_draft_tokens)
     t_k1 = steps.target(step_size_for(mean_draft_tokens)) if steps is not None else None

@@ -74,13 +74,26 @@ def _sweep_section(sweeps: dict[str, list[dict]]) -> list[str]:
             markdown_table(header, cells)]
 
 
+def _prompt_set_line(prompt_set: dict) -> str:
+    """Which prompts a table measured. Results written before named prompt sets carry no name."""
+    if "name" not in prompt_set:
+        return (f"set v{prompt_set['version']}, {prompt_set['num_prompts']} prompts ({prompt_set['num_code']} "
+                f"code from held-out stdlib files, {prompt_set['num_prose']} prose)")
+    return (f"set `{prompt_set['name']}` v{prompt_set['version']} (`{prompt_set['path']}`), "
+            f"{prompt_set['num_prompts']} prompts ({prompt_set['num_code']} code, {prompt_set['num_prose']} prose): "
+            f"{prompt_set['description']}")
+
+
+def _prompt_set_tag(prompt_set: dict) -> str:
+    return f", prompts `{prompt_set['name']}` v{prompt_set['version']}" if "name" in prompt_set else ""
+
+
 def render_markdown(result: dict) -> str:
     """The human-readable report of one benchmark run."""
     settings, machine, steps = result["settings"], result["machine"], result.get("step_latency") or {}
     prompt_set = result["prompt_set"]
     out = [f"# specserve benchmark: {result['name']}", ""]
-    out.append(f"- prompts: set v{prompt_set['version']}, {prompt_set['num_prompts']} prompts "
-               f"({prompt_set['num_code']} code from held-out stdlib files, {prompt_set['num_prose']} prose); "
+    out.append(f"- prompts: {_prompt_set_line(prompt_set)}; "
                f"max_tokens {settings['max_tokens']}; {settings['runs']} run(s), tok/s = median over runs")
     out.append(f"- models: target `{settings['target_path']}`, draft `{settings['draft_path']}` "
                f"({settings['dtype']} on {settings['device']}); K = {settings['num_draft_tokens']}"
@@ -95,7 +108,7 @@ def render_markdown(result: dict) -> str:
         out.append(f"- step latency at context {steps['context_tokens']} (warm cache, median): target {target_ms}; "
                    f"draft t(1)={steps['draft_ms']:.2f} ms; c = {steps['draft_cost_ratio']:.3f}")
     for mode, mode_result in result["modes"].items():
-        title = "greedy" if mode == "greedy" else "sampled (T=0.8)"
+        title = ("greedy" if mode == "greedy" else "sampled (T=0.8)") + _prompt_set_tag(prompt_set)
         out += ["", f"## {title}", "", markdown_table(TABLE_COLUMNS, [_row_cells(r) for r in mode_result["rows"]]),
                 "", "Targets (measured, not asserted):", *_target_lines(mode_result)]
         if mode_result.get("sweep"):

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from bench.perfmodel import ratio
-from bench.prompts import DEFAULT_PROMPTS_PATH, load_prompts, select_prompts
 from bench.records import RequestRecord, StepLatency, step_size_for, summarize_row
+from training.prompts import DEFAULT_PROMPT_SET, PROMPT_SETS, load_prompt_set, select_prompts
 
 IN_PROCESS_ROWS = ["target-inproc", "hf-dynamic", "hf-constant", "specserve-inproc"]
 HTTP_ROWS = ["target-http", "specserve-http"]
@@ -47,7 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sweep-max-requests", type=int, default=32, help="cap on requests per sweep level")
     parser.add_argument("--sweep-target-only", action="store_true", help="sweep the target-only app too")
     parser.add_argument("--num-prompts", type=int, default=None, help="use a subset (code and prose mixed)")
-    parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS_PATH), help="prompt-set JSON")
+    parser.add_argument("--prompts", default=DEFAULT_PROMPT_SET,
+                        help=f"prompt set ({', '.join(PROMPT_SETS)}) or a prompt-set JSON path; "
+                             "thirdparty is code unlike the training corpus")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the in-process rows")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--name", help="result file stem (default: UTC time and device)")
@@ -266,8 +268,8 @@ def main(argv: list[str] | None = None) -> dict:
         if not Path(spec.path).is_dir():
             raise SystemExit(f"model directory {spec.path} does not exist; train the default pair "
                              "(`specserve train-default`) or pass --config pointing at a pair")
-    version, all_prompts = load_prompts(args.prompts)
-    prompts = select_prompts(all_prompts, args.num_prompts)
+    prompt_set = load_prompt_set(args.prompts)
+    prompts = select_prompts(prompt_set.prompts, args.num_prompts)
     tokenizer = AutoTokenizer.from_pretrained(config.resolved_tokenizer_path, local_files_only=True)
     # The ingress encodes prompts exactly like this, so in-process and HTTP rows see the same ids.
     prompt_ids = {p.prompt_id: tokenizer.encode(p.text, add_special_tokens=False) for p in prompts}
@@ -305,7 +307,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "name": name,
         "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "prompt_set": {"version": version, "path": str(args.prompts), "num_prompts": len(prompts),
+        "prompt_set": {**prompt_set.describe(), "num_prompts": len(prompts),
                        "num_code": sum(p.kind == "code" for p in prompts),
                        "num_prose": sum(p.kind != "code" for p in prompts),
                        "prompt_ids": [p.prompt_id for p in prompts],

@@ -1,4 +1,4 @@
-"""Re-measure the transport facts the per-round path is designed on (shared/README.md).
+"""Re-measure the transport facts the per-round path is designed on (docs/transport.md).
 
 From inside a Serve replica (where the router lives), one round trip of:
 - a DeploymentHandle method call to another deployment,

@@ -1,10 +1,11 @@
-"""Per-request speculation depth from the request's own acceptance rate.
+"""Per-request speculation depth from the request's own acceptance history.
 
-The performance model (shared/README.md): with per-token acceptance alpha, depth K and
+The performance model (docs/performance-model.md): with per-token acceptance alpha, depth K and
 draft/target step-cost ratio c, a round emits E = (1 - alpha^(K+1)) / (1 - alpha) tokens and
 costs K*c + 1 target-step equivalents. We pick the K in bounds that maximises E / (K*c + 1).
-Alpha is estimated with a Beta prior so a new request starts at a sensible depth and one
-unlucky round does not collapse it. Costs are measured, not assumed: `RoundCosts` keeps moving
+Alpha comes from policies.acceptance (the truncated-geometric fit with a Beta prior, the same
+estimator the benchmark reports), so a new request starts at a sensible depth and one unlucky
+round does not collapse it. Costs are measured, not assumed: `RoundCosts` keeps moving
 averages of draft step time, target pass time and per-round orchestration overhead (the RPC
 hops), all in units of one target pass. Overhead is paid once per round whatever K is, so a
 costly transport argues for deeper rounds; a loaded target (slow passes) makes drafting cheaper
@@ -13,18 +14,13 @@ relative to it.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
-PRIOR_ACCEPTED = 3.0  # Beta(3, 1): a new request is assumed to accept ~75% of draft tokens
-PRIOR_REJECTED = 1.0
+from policies.acceptance import PRIOR_ACCEPTED, PRIOR_REJECTED, estimate_acceptance_rate, expected_tokens_per_round
 
-
-def expected_tokens_per_round(accept_rate: float, num_draft_tokens: float) -> float:
-    """E[tokens emitted by one round] = accepted draft tokens + the recovered/bonus token
-    (K may be fractional: a mean depth)."""
-    if accept_rate >= 1.0:
-        return float(num_draft_tokens + 1)
-    return (1.0 - accept_rate ** (num_draft_tokens + 1)) / (1.0 - accept_rate)
+__all__ = ["RoundCosts", "choose_draft_depth", "expected_speedup", "expected_tokens_per_round",
+           "should_draft_ahead"]
 
 
 def expected_speedup(accept_rate: float, num_draft_tokens: int, draft_cost_ratio: float,
@@ -35,16 +31,29 @@ def expected_speedup(accept_rate: float, num_draft_tokens: int, draft_cost_ratio
     return expected_tokens_per_round(accept_rate, num_draft_tokens) / cost
 
 
-def estimate_accept_rate(num_accepted: int, num_drafted: int) -> float:
-    return (num_accepted + PRIOR_ACCEPTED) / (num_drafted + PRIOR_ACCEPTED + PRIOR_REJECTED)
+def best_depth(accept_rate: float, draft_cost_ratio: float, min_draft_tokens: int, max_draft_tokens: int,
+               overhead_ratio: float = 0.0) -> int:
+    """The depth K in [min, max] with the best expected throughput at this per-token acceptance."""
+    return max(range(min_draft_tokens, max_draft_tokens + 1),
+               key=lambda k: expected_speedup(accept_rate, k, draft_cost_ratio, overhead_ratio))
 
 
 def choose_draft_depth(num_accepted: int, num_drafted: int, draft_cost_ratio: float,
-                       min_draft_tokens: int, max_draft_tokens: int, overhead_ratio: float = 0.0) -> int:
-    """The depth K in [min, max] with the best expected throughput for this request so far."""
-    accept_rate = estimate_accept_rate(num_accepted, num_drafted)
-    return max(range(min_draft_tokens, max_draft_tokens + 1),
-               key=lambda k: expected_speedup(accept_rate, k, draft_cost_ratio, overhead_ratio))
+                       min_draft_tokens: int, max_draft_tokens: int, overhead_ratio: float = 0.0,
+                       *, num_rounds: int | None = None) -> int:
+    """The depth K in [min, max] with the best expected throughput for this request so far.
+
+    Pass num_rounds (rounds that drafted at least one token, `SpeculationStats.rounds`): alpha
+    cannot be recovered from accepted and drafted alone. Without it the old estimate
+    (accepted + 3) / (drafted + 4) is used, which reads (E - 1) / K as alpha and so drafts too
+    shallow; that fallback is deprecated and warns."""
+    if num_rounds is None:
+        warnings.warn("choose_draft_depth without num_rounds reads accepted/drafted as alpha and "
+                      "under-estimates it; pass num_rounds=stats.rounds", DeprecationWarning, stacklevel=2)
+        accept_rate = (num_accepted + PRIOR_ACCEPTED) / (num_drafted + PRIOR_ACCEPTED + PRIOR_REJECTED)
+    else:
+        accept_rate = estimate_acceptance_rate(num_accepted, num_drafted, num_rounds)
+    return best_depth(accept_rate, draft_cost_ratio, min_draft_tokens, max_draft_tokens, overhead_ratio)
 
 
 @dataclass
@@ -86,7 +95,10 @@ def should_draft_ahead(enabled: bool, is_greedy: bool, active_requests: int) -> 
 
     Only a greedy request alone on its router: a sampled bonus token rarely equals the sampled
     guess, and with company the draft engine is already busy drafting for another request while
-    the target verifies, so blocks drafted ahead only add load. Measured on the 2-core box
-    (bench/results): a lone greedy stream 120.0 -> 135.5 tok/s; two greedy streams 178.2 ->
-    155.6 tok/s aggregate; sampled 96.0 tok/s drafting ahead vs 97.3-103.8 without."""
+    the target verifies, so blocks drafted ahead only add load. Measured on the 2-core box over
+    HTTP: a lone greedy stream 120.0 tok/s without drafting ahead (cpu-2core-distilled-draft.md),
+    141.3 drafting ahead for all (pipeline-ahead-for-all-http.md), 144.2 gated like this
+    (cpu-2core-distilled-draft-pipelined.md); two greedy streams 178.2 tok/s aggregate without,
+    155.6 drafting ahead for both (pipeline-ahead-ungated.log); sampled 96.0 tok/s drafting ahead
+    vs 103.8 and 105.0 without (files in bench/results/)."""
     return enabled and is_greedy and active_requests <= 1

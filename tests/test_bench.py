@@ -8,25 +8,33 @@ import pytest
 
 from bench.http_rows import http_configs, request_body, sweep_request_count
 from bench.perfmodel import (
-    acceptance_from_tokens_per_round,
     expected_tokens_per_pass,
     overlapped_speedup_bound,
     percentile,
     ratio,
     serial_speedup_estimate,
 )
-from bench.prompts import DEFAULT_PROMPTS_PATH, MAX_CODE_CHARS, MIN_CODE_CHARS, load_prompts, select_prompts
 from bench.records import RequestRecord, StepLatency, summarize_row
 from bench.report import render_markdown, write_outputs
 from cluster.config import SpecServeConfig
+from policies.acceptance import acceptance_from_tokens_per_round
 from training.corpus import is_held_out
+from training.prompts import (
+    DEFAULT_PROMPTS_PATH,
+    MAX_CODE_CHARS,
+    MIN_CODE_CHARS,
+    PROMPT_SETS,
+    load_prompt_set,
+    select_prompts,
+)
 
 
 # -- prompt set -------------------------------------------------------------------------------------
 
 def test_prompt_set_is_versioned_and_mixes_code_and_prose():
-    version, prompts = load_prompts()
-    assert version == 2 and DEFAULT_PROMPTS_PATH.name == "prompts_v2.json"
+    prompt_set = load_prompt_set()
+    version, prompts = prompt_set.version, prompt_set.prompts
+    assert prompt_set.name == "v2" and version == 2 and DEFAULT_PROMPTS_PATH.name == "prompts_v2.json"
     kinds = [p.kind for p in prompts]
     assert kinds.count("code") >= 10 and kinds.count("prose") >= 3
     assert len({p.prompt_id for p in prompts}) == len(prompts)
@@ -34,7 +42,7 @@ def test_prompt_set_is_versioned_and_mixes_code_and_prose():
 
 
 def test_code_prompts_come_from_distinct_held_out_files():
-    _, prompts = load_prompts()
+    prompts = load_prompt_set("v2").prompts
     files = [p.source.split(":")[0] for p in prompts if p.kind == "code"]
     assert len(set(files)) == len(files)
     assert all(is_held_out(path) for path in files)
@@ -45,16 +53,40 @@ def test_prompt_set_regenerates_identically_on_the_interpreter_that_made_it():
     recorded = json.loads(DEFAULT_PROMPTS_PATH.read_text())
     if recorded["generated_with_python"] != sys.version.split()[0]:
         pytest.skip("the stdlib (and so the held-out corpus) differs from the one the set was built from")
-    from bench.prompts import build_prompt_set
+    from training.prompts import build_prompt_set
 
     assert build_prompt_set() == recorded
 
 
 def test_a_small_selection_keeps_code_and_prose():
-    _, prompts = load_prompts()
+    prompts = load_prompt_set().prompts
     chosen = select_prompts(prompts, 4)
     assert len(chosen) == 4 and {p.kind for p in chosen} == {"code", "prose"}
     assert select_prompts(prompts, None) == prompts
+
+
+THIRD_PARTY_MARKERS = ("fastapi", "pandas", "optimizer.zero_grad", "click", "@dataclass", "def where", "aiohttp",
+                       "pytest", "django", "numpy", "schema", "pygame")
+
+
+def test_third_party_set_is_versioned_code_unlike_the_training_corpus():
+    prompt_set = load_prompt_set("thirdparty")
+    assert prompt_set.path == PROMPT_SETS["thirdparty"] and prompt_set.path.name == "prompts_thirdparty_v1.json"
+    assert prompt_set.version == 1 and len(prompt_set.prompts) == 12
+    assert all(p.kind == "code" and 150 <= len(p.text) <= 400 for p in prompt_set.prompts)
+    assert len({p.prompt_id for p in prompt_set.prompts}) == 12
+    texts = [p.text.lower() for p in prompt_set.prompts]
+    # One prompt per third-party style, none of them stdlib code from the corpus.
+    assert all(any(marker in text for text in texts) for marker in THIRD_PARTY_MARKERS)
+    assert all(not p.source.endswith(".py") for p in prompt_set.prompts)
+
+
+def test_a_prompt_set_is_chosen_by_name_or_path_and_unknown_names_are_refused():
+    by_path = load_prompt_set(str(PROMPT_SETS["thirdparty"]))
+    assert by_path.name == "thirdparty" and by_path.prompts == load_prompt_set("thirdparty").prompts
+    assert load_prompt_set("v2").describe()["path"] == "bench/prompts_v2.json"
+    with pytest.raises(ValueError, match="thirdparty"):
+        load_prompt_set("nope")
 
 
 # -- performance model --------------------------------------------------------------------------------
@@ -203,10 +235,13 @@ def test_in_process_rows_run_end_to_end_on_a_tiny_pair(tmp_path):
                    "--out", str(tmp_path / "results"), "--name", "smoke"])
     rows = {row["key"]: row for row in result["modes"]["greedy"]["rows"]}
     assert set(rows) == {"target-inproc", "hf-dynamic", "hf-constant", "specserve-inproc"}
-    assert rows["target-inproc"]["vs_target_only"] == 1.0
-    # Greedy speculation is lossless: the same number of tokens as target-only, prompt by prompt.
-    assert ([r["num_output_tokens"] for r in rows["specserve-inproc"]["records"]]
-            == [r["num_output_tokens"] for r in rows["target-inproc"]["records"]])
+    speculative, baseline = rows["specserve-inproc"], rows["target-inproc"]
+    assert speculative["vs_target_only"] == pytest.approx(speculative["tokens_per_s"] / baseline["tokens_per_s"])
+    # Greedy speculation is lossless: the very same tokens as target-only, prompt by prompt.
+    spec_ids = [(r["prompt_id"], r["output_token_ids"]) for r in speculative["records"]]
+    assert spec_ids == [(r["prompt_id"], r["output_token_ids"]) for r in baseline["records"]]
+    assert all(len(ids) == 8 for _, ids in spec_ids)
     assert 0.0 <= rows["hf-constant"]["acceptance_rate"] <= 1.0
     assert rows["specserve-inproc"]["mean_draft_tokens"] > 0
     assert (tmp_path / "results" / "smoke.md").exists() and (tmp_path / "results" / "latest.json").exists()
+    assert "## greedy, prompts `v2` v2" in (tmp_path / "results" / "smoke.md").read_text()

@@ -28,15 +28,51 @@ def test_draft_and_target_engines_get_their_own_resources():
     assert options["DraftWorker"]["placement_group_bundles"][1] == {"CPU": 2, "GPU": 0.5}
 
 
+def bound_deployments(app) -> dict:
+    """Deployment name -> the bound Deployment, walking the graph through bound init args.
+    (Ray 2.60 keeps the bound deployment of an Application in `_bound_deployment`.)"""
+    found, pending = {}, [app]
+    while pending:
+        deployment = pending.pop()._bound_deployment
+        found[deployment.name] = deployment
+        pending.extend(arg for arg in (*deployment.init_args, *deployment.init_kwargs.values())
+                       if type(arg).__name__ == "Application")
+    return found
+
+
+def test_build_app_binds_ingress_router_and_both_worker_pools():
+    config = SpecServeConfig.model_validate({"target_workers": {"num_gpus": 1, "num_replicas": 2},
+                                             "draft_workers": {"num_gpus": 0.5, "num_cpus": 2}})
+    app = build_app(config)
+    graph = bound_deployments(app)
+    assert app._bound_deployment.name == "Ingress"
+    assert set(graph) == {"Ingress", "Router", "TargetWorker", "DraftWorker"}
+    router_args = graph["Router"].init_args
+    assert [a._bound_deployment.name for a in router_args[1:]] == ["TargetWorker", "DraftWorker"]
+    target, draft = graph["TargetWorker"], graph["DraftWorker"]
+    assert target.num_replicas == 2
+    assert target._replica_config.placement_group_bundles[1] == {"CPU": 1.0, "GPU": 1.0}
+    assert draft._replica_config.placement_group_bundles[1] == {"CPU": 2.0, "GPU": 0.5}
+    assert target._replica_config.placement_group_strategy == "STRICT_PACK"
+    assert target.init_args[1]["path"] == config.target.path
+    assert draft.init_args[1] == config.speculation.proposer
+    assert graph["Ingress"].ray_actor_options == {"num_cpus": config.ingress.num_cpus}
+
+
+def test_the_bound_options_are_the_ones_the_serve_yaml_declares():
+    config = SpecServeConfig()
+    graph = bound_deployments(build_app(config))
+    for name, options in deployment_options(config).items():
+        assert graph[name].num_replicas == options["num_replicas"]
+        assert graph[name].max_ongoing_requests == options["max_ongoing_requests"]
+
+
 def test_no_draft_deployment_without_speculation():
     config = SpecServeConfig.model_validate({"speculation": {"proposer": "none"}})
     assert "DraftWorker" not in deployment_options(config)
-    assert build_app(config) is not None
-
-
-def test_build_app_binds_the_whole_graph():
-    app = build_app(SpecServeConfig())
-    assert type(app).__name__ == "Application"
+    graph = bound_deployments(build_app(config))
+    assert set(graph) == {"Ingress", "Router", "TargetWorker"}
+    assert graph["Router"].init_args[2] is None  # the router is told there is no draft pool
 
 
 def test_committed_kuberay_manifest_is_generated_from_the_gpu_config():

@@ -1,4 +1,5 @@
-"""training/evaluate.py on a tiny random pair: held-out prompts, the evaluation JSON, the card."""
+"""The pair evaluation (training/evaluate.py) on a tiny random pair: its prompts, the evaluation
+JSON, and the model card (training/model_card.py), including the shipped card re-rendered."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import shutil
 
 import pytest
 
+from cluster.config import DEFAULT_MODELS_DIR
 from tests.tiny_pair import make_tiny_pair
-from training.corpus import is_held_out
-from training.evaluate import (CARD_COMMAND, MAX_PROMPT_CHARS, MIN_PROMPT_CHARS, build_prompts, evaluate_pair,
-                               held_out_corpus, main, render_card)
+from training.evaluate import CARD_COMMAND, evaluate_pair, load_training, main, render_card
+from training.held_out import held_out_corpus
+from training.prompts import load_prompt_set, select_prompts
 
 FAKE_TRAINING = {
     "config": {"vocab_size": 8192, "seq_len": 64, "max_position_embeddings": 256, "batch_size": 2,
@@ -36,19 +38,13 @@ def evaluated(tmp_path_factory):
     return root, evaluation
 
 
-def test_prompts_are_deterministic_held_out_line_chunks():
-    prompts = build_prompts(12)
-    assert prompts == build_prompts(12)
-    assert build_prompts(5) == prompts[:5]  # a longer list extends a shorter one
-    held = {f.relative_path: f.text for f in held_out_corpus()}
-    assert len({(p.source, p.line) for p in prompts}) == len(prompts)
-    for prompt in prompts:
-        assert prompt.source in held and is_held_out(prompt.source)
-        assert MIN_PROMPT_CHARS <= len(prompt.text) <= MAX_PROMPT_CHARS
-        assert not prompt.text.endswith("\n") and prompt.text.strip()  # ends at a line end, newline dropped
-        # Starts at the start of the line it names.
-        lines = held[prompt.source].splitlines(keepends=True)
-        assert "".join(lines[prompt.line - 1:]).startswith(prompt.text)
+def test_evaluation_uses_the_benchmarks_prompt_set(evaluated):
+    _, evaluation = evaluated
+    expected = select_prompts(load_prompt_set("v2").prompts, 2)
+    assert [p["prompt_id"] for p in evaluation["prompts"]] == [p.prompt_id for p in expected]
+    assert [p["text"] for p in evaluation["prompts"]] == [p.text for p in expected]
+    assert evaluation["settings"]["prompt_set"]["name"] == "v2"
+    assert evaluation["settings"]["prompt_set"]["path"] == "bench/prompts_v2.json"
 
 
 def test_evaluation_json_has_the_measurements(evaluated):
@@ -88,13 +84,35 @@ def test_draft_identical_to_target_is_always_accepted(tmp_path):
     assert evaluation["greedy_agreement"]["rate"] == 1.0
     assert evaluation["sampled"]["acceptance_rate"] > 0.95
     assert evaluation["held_out"] == {"from_training": None, "recomputed": None}
-    render_card(evaluation, None)  # renders without training.json
+
+
+def test_card_without_training_json_says_the_numbers_are_preliminary(evaluated):
+    _, evaluation = evaluated
+    card = render_card(evaluation, None)
+    assert "**Preliminary numbers**: there was no `training.json`" in card
+    assert f"**{evaluation['greedy']['k4']['acceptance_rate']:.3f}**" in card
+
+
+def test_third_party_prompts_are_selectable_and_named_in_the_card(tmp_path):
+    make_tiny_pair(tmp_path)
+    evaluation = evaluate_pair(tmp_path, num_prompts=1, prompts="thirdparty", max_tokens=4, ks=(4,),
+                               latency_steps=2, loss_windows=0, sample_tokens=2, log=lambda message: None)
+    assert evaluation["prompts"][0]["prompt_id"] == "thirdparty-00"
+    assert evaluation["settings"]["prompt_set"]["name"] == "thirdparty"
+    assert "prompt set `thirdparty` v1" in render_card(evaluation, None)
+
+
+def test_the_shipped_card_re_renders_byte_identical_from_its_evaluation_json():
+    """The card of models/default predates prompt sets (line-chunk prompts): still rendered as shipped."""
+    evaluation = json.loads((DEFAULT_MODELS_DIR / "evaluation.json").read_text())
+    card = render_card(evaluation, load_training(DEFAULT_MODELS_DIR))
+    assert card == (DEFAULT_MODELS_DIR / "README.md").read_text()
 
 
 def test_card_renders_the_numbers(evaluated):
     root, evaluation = evaluated
     card = (root / "README.md").read_text()
-    assert card == render_card(evaluation, FAKE_TRAINING)
+    assert "prompt set `v2` v2" in card and "(`bench/prompts_v2.json`, shared with `specserve bench`)" in card
     k4 = evaluation["greedy"]["k4"]
     assert f"**{k4['acceptance_rate']:.3f}**" in card
     assert f"{evaluation['greedy']['k8']['mean_tokens_per_pass']:.2f}" in card

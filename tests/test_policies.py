@@ -1,8 +1,85 @@
-"""Depth policy: pure functions of a request's acceptance history."""
+"""Depth policy and the acceptance estimator: pure functions of a request's acceptance history."""
+
+import random
 
 import pytest
 
+from policies.acceptance import (
+    PRIOR_ACCEPTED,
+    PRIOR_REJECTED,
+    acceptance_from_tokens_per_round,
+    acceptance_posterior_mean,
+    estimate_acceptance_rate,
+)
 from policies.depth import RoundCosts, choose_draft_depth, expected_speedup, expected_tokens_per_round
+
+
+def simulate_rounds(alpha: float, depth: int, num_rounds: int, seed: int = 0) -> tuple[int, int, int, int]:
+    """(accepted, drafted, rounds, rounds that ended in a rejection) for rounds of the geometric model."""
+    rng = random.Random(seed)
+    accepted = rejecting = 0
+    for _ in range(num_rounds):
+        n = 0
+        while n < depth and rng.random() < alpha:
+            n += 1
+        accepted += n
+        rejecting += n < depth
+    return accepted, depth * num_rounds, num_rounds, rejecting
+
+
+# -- acceptance estimator ----------------------------------------------------------------------------
+
+def test_estimate_recovers_per_token_alpha_from_totals():
+    accepted, drafted, rounds, _ = simulate_rounds(0.93, 4, 5000)
+    assert estimate_acceptance_rate(accepted, drafted, rounds) == pytest.approx(0.93, abs=0.006)
+
+
+def test_accepted_over_drafted_is_not_alpha():
+    """The ratio the policy used to read as alpha is (E - 1) / K: about 0.84 at alpha 0.93, K 4."""
+    accepted, drafted, rounds, _ = simulate_rounds(0.93, 4, 5000)
+    assert accepted / drafted == pytest.approx((expected_tokens_per_round(0.93, 4) - 1) / 4, abs=0.01)
+    assert accepted / drafted < 0.86 < estimate_acceptance_rate(accepted, drafted, rounds)
+
+
+def test_estimate_from_totals_agrees_with_the_exact_truncated_geometric_posterior():
+    accepted, drafted, rounds, rejecting = simulate_rounds(0.7, 5, 3000, seed=1)
+    exact = acceptance_posterior_mean(accepted, rejecting)
+    assert estimate_acceptance_rate(accepted, drafted, rounds) == pytest.approx(exact, abs=0.01)
+
+
+def test_a_fresh_request_starts_at_the_prior_mean():
+    assert estimate_acceptance_rate(0, 0, 0) == pytest.approx(PRIOR_ACCEPTED / (PRIOR_ACCEPTED + PRIOR_REJECTED))
+
+
+def test_one_unlucky_round_does_not_collapse_the_estimate():
+    assert estimate_acceptance_rate(0, 4, 1) == pytest.approx(PRIOR_ACCEPTED / (PRIOR_ACCEPTED + PRIOR_REJECTED + 1))
+
+
+def test_without_a_prior_the_estimate_is_the_tokens_per_round_fit():
+    for accepted, drafted, rounds in [(50, 100, 25), (0, 40, 10), (40, 40, 10), (333, 700, 140)]:
+        fit = acceptance_from_tokens_per_round(1 + accepted / rounds, drafted / rounds)
+        assert estimate_acceptance_rate(accepted, drafted, rounds, 0.0, 0.0) == pytest.approx(fit, abs=1e-9)
+
+
+def test_the_benchmark_reports_the_policy_estimator_without_its_prior():
+    from bench.perfmodel import measured_acceptance_rate
+
+    assert measured_acceptance_rate(333, 700, 140) == estimate_acceptance_rate(333, 700, 140, 0.0, 0.0)
+
+
+def test_estimate_refuses_more_accepted_than_drafted():
+    with pytest.raises(ValueError):
+        estimate_acceptance_rate(5, 4, 1)
+
+
+# -- depth ---------------------------------------------------------------------------------------------
+
+def test_high_alpha_drafts_deeper_than_the_ratio_would_have():
+    """At alpha 0.93 and c 0.15 the best K is 8; reading accepted/drafted (0.84) as alpha gave 5."""
+    accepted, drafted, rounds, _ = simulate_rounds(0.93, 4, 2000)
+    assert choose_draft_depth(accepted, drafted, 0.15, 1, 8, num_rounds=rounds) == 8
+    with pytest.warns(DeprecationWarning):
+        assert choose_draft_depth(accepted, drafted, 0.15, 1, 8) == 5
 
 
 def test_expected_tokens_matches_the_geometric_formula():
@@ -16,29 +93,29 @@ def test_speedup_penalises_expensive_drafts():
 
 
 def test_high_acceptance_drafts_deep():
-    assert choose_draft_depth(990, 1000, 0.05, 1, 8) == 8
+    assert choose_draft_depth(990, 1000, 0.05, 1, 8, num_rounds=250) == 8
 
 
 def test_low_acceptance_drafts_shallow():
-    assert choose_draft_depth(100, 1000, 0.2, 1, 8) == 1
+    assert choose_draft_depth(100, 1000, 0.2, 1, 8, num_rounds=250) == 1
 
 
 def test_low_acceptance_may_stop_speculating_when_allowed():
-    assert choose_draft_depth(0, 1000, 0.5, 0, 8) == 0
+    assert choose_draft_depth(0, 1000, 0.5, 0, 8, num_rounds=250) == 0
 
 
 def test_depth_stays_within_bounds():
     for accepted in range(0, 101, 10):
-        assert 2 <= choose_draft_depth(accepted, 100, 0.1, 2, 5) <= 5
+        assert 2 <= choose_draft_depth(accepted, 100, 0.1, 2, 5, num_rounds=25) <= 5
 
 
 def test_new_request_starts_at_a_moderate_depth():
-    assert 2 <= choose_draft_depth(0, 0, 0.12, 1, 8) <= 6
+    assert 2 <= choose_draft_depth(0, 0, 0.12, 1, 8, num_rounds=0) <= 6
 
 
 def test_per_round_overhead_argues_for_deeper_rounds():
-    cheap_transport = choose_draft_depth(30, 60, 0.15, 1, 8, overhead_ratio=0.0)
-    costly_transport = choose_draft_depth(30, 60, 0.15, 1, 8, overhead_ratio=1.0)
+    cheap_transport = choose_draft_depth(30, 60, 0.15, 1, 8, overhead_ratio=0.0, num_rounds=15)
+    costly_transport = choose_draft_depth(30, 60, 0.15, 1, 8, overhead_ratio=1.0, num_rounds=15)
     assert costly_transport > cheap_transport
 
 

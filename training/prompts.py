@@ -1,11 +1,15 @@
-"""The benchmark's fixed, versioned prompt set.
+"""The fixed, versioned prompt sets every measurement of the pair uses: the pair evaluation (and
+so the model card) and the benchmark read prompts only through this module.
 
-Code prompts come from the training corpus's HELD-OUT files (training.corpus), so acceptance is
-measured on code neither model was trained on; a few hand-written prose prompts show how the code
-pair does off-distribution. The set is generated once and committed as prompts_v2.json: the
-benchmark reads only the JSON, so results stay comparable even when the interpreter (and with it
-the stdlib the corpus is built from) changes. Regenerate with ``python -m bench.prompts --write``
-only together with a version bump.
+- `v2` (bench/prompts_v2.json): code prompts from the training corpus's HELD-OUT files
+  (training.corpus), so acceptance is measured on code neither model was trained on, plus a few
+  hand-written prose prompts that show how the code pair does off-distribution. Generated once
+  and committed: readers use only the JSON, so results stay comparable when the interpreter (and
+  with it the stdlib the corpus is built from) changes. Regenerate with
+  ``python -m training.prompts --write`` only together with a version bump.
+- `thirdparty` (bench/prompts_thirdparty_v1.json): hand-written third-party-style Python (web
+  handlers, data pipelines, training loops, tests, ...), code UNLIKE the stdlib corpus the
+  default pair was trained on: a pair's speed-up depends on what it is asked.
 """
 
 from __future__ import annotations
@@ -18,7 +22,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 PROMPT_SET_VERSION = 2
-DEFAULT_PROMPTS_PATH = Path(__file__).resolve().parent / f"prompts_v{PROMPT_SET_VERSION}.json"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PROMPTS_DIR = REPO_ROOT / "bench"  # the JSON files sit beside the benchmark whose results cite them
+DEFAULT_PROMPTS_PATH = PROMPTS_DIR / f"prompts_v{PROMPT_SET_VERSION}.json"
+PROMPT_SETS = {"v2": DEFAULT_PROMPTS_PATH, "thirdparty": PROMPTS_DIR / "prompts_thirdparty_v1.json"}
+DEFAULT_PROMPT_SET = "v2"
 NUM_CODE_PROMPTS = 12
 MIN_CODE_CHARS, TARGET_CODE_CHARS, MAX_CODE_CHARS = 100, 160, 400
 
@@ -40,6 +48,25 @@ class Prompt:
     kind: str      # "code" | "prose"
     source: str    # where it came from: "path.py:Name" or "hand-written"
     text: str
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "chars": len(self.text)}
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    name: str                 # "v2", "thirdparty", or the file's stem for a path
+    version: int
+    path: Path
+    description: str
+    prompts: list[Prompt]
+
+    def describe(self) -> dict:
+        """What a report records about the set (the path relative to the repo when inside it)."""
+        path = self.path.resolve()
+        shown = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+        return {"name": self.name, "version": self.version, "path": str(shown), "description": self.description,
+                "num_prompts": len(self.prompts)}
 
 
 def _node_prompt(lines: list[str], node: ast.AST) -> str | None:
@@ -114,12 +141,20 @@ def build_prompt_set(num_code: int = NUM_CODE_PROMPTS) -> dict:
     }
 
 
-def load_prompts(path: str | Path = DEFAULT_PROMPTS_PATH) -> tuple[int, list[Prompt]]:
-    """(version, prompts) from a prompt-set JSON file."""
-    data = json.loads(Path(path).read_text())
+def load_prompt_set(name_or_path: str | Path = DEFAULT_PROMPT_SET) -> PromptSet:
+    """A prompt set by name (PROMPT_SETS) or from a prompt-set JSON file."""
+    if str(name_or_path) in PROMPT_SETS:
+        name, path = str(name_or_path), PROMPT_SETS[str(name_or_path)]
+    else:
+        path = Path(name_or_path)
+        if not path.exists():
+            raise ValueError(f"unknown prompt set {name_or_path!r}: use one of {sorted(PROMPT_SETS)} or a JSON path")
+        name = next((n for n, p in PROMPT_SETS.items() if p.resolve() == path.resolve()), path.stem)
+    data = json.loads(path.read_text())
     if "version" not in data or not data.get("prompts"):
         raise ValueError(f"{path}: not a prompt set (needs 'version' and a non-empty 'prompts' list)")
-    return int(data["version"]), [Prompt(**p) for p in data["prompts"]]
+    return PromptSet(name=name, version=int(data["version"]), path=path, description=data.get("description", ""),
+                     prompts=[Prompt(**p) for p in data["prompts"]])
 
 
 def select_prompts(prompts: list[Prompt], num_prompts: int | None) -> list[Prompt]:

@@ -1,0 +1,76 @@
+"""Per-token acceptance alpha: the geometric acceptance model and the one estimator of alpha.
+
+Model (docs/performance-model.md): each draft token is accepted independently with probability
+alpha until the first rejection, so a round of depth K accepts n = min(G, K) tokens, G geometric.
+Its likelihood over rounds is alpha^(accepted tokens) * (1 - alpha)^(rounds cut by a rejection),
+so with a Beta(a, b) prior the posterior mean is
+
+    alpha = (accepted + a) / (accepted + rejecting rounds + a + b).
+
+Why not accepted / drafted: after a rejection the rest of the block counts as drafted but can
+never be accepted, so that ratio is (E - 1) / K, not alpha (at alpha = 0.93, K = 4 it reads 0.84).
+The router and the benchmark keep only totals (accepted, drafted, rounds), not how many rounds
+ended in a rejection, so that count is replaced by its expectation under the model fitted to the
+totals (tokens per round at the mean depth); with no prior this is exactly that fit.
+"""
+
+from __future__ import annotations
+
+PRIOR_ACCEPTED = 3.0  # Beta(3, 1): a new request is assumed to accept ~75% of its draft tokens,
+PRIOR_REJECTED = 1.0  # and one unlucky round does not collapse its depth
+
+
+def expected_tokens_per_round(accept_rate: float, num_draft_tokens: float) -> float:
+    """E = 1 + a + ... + a^K: tokens one round emits (accepted draft tokens + the recovered or bonus
+    token) when each draft token is accepted with probability a. K may be fractional (a mean depth)."""
+    if accept_rate >= 1.0:
+        return float(num_draft_tokens + 1)
+    return (1.0 - accept_rate ** (num_draft_tokens + 1)) / (1.0 - accept_rate)
+
+
+def acceptance_from_tokens_per_round(tokens_per_round: float, num_draft_tokens: float) -> float:
+    """The a that makes E(a, K) equal a measured tokens-per-verifying-round (bisection: E increases in a)."""
+    if num_draft_tokens <= 0:
+        raise ValueError(f"num_draft_tokens must be > 0 to fit an acceptance rate, got {num_draft_tokens}")
+    if tokens_per_round <= 1.0:
+        return 0.0
+    if tokens_per_round >= num_draft_tokens + 1.0:
+        return 1.0
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        if expected_tokens_per_round(mid, num_draft_tokens) < tokens_per_round:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
+def acceptance_posterior_mean(num_accepted: float, num_rejecting_rounds: float,
+                              prior_accepted: float = PRIOR_ACCEPTED,
+                              prior_rejected: float = PRIOR_REJECTED) -> float:
+    """Posterior mean of alpha under the truncated-geometric likelihood and a Beta prior, given the
+    exact count of rounds that ended in a rejection (rounds that took the whole block add none)."""
+    denominator = num_accepted + num_rejecting_rounds + prior_accepted + prior_rejected
+    if denominator <= 0:
+        raise ValueError("no rounds and no prior: alpha is undefined")
+    return (num_accepted + prior_accepted) / denominator
+
+
+def estimate_acceptance_rate(num_accepted: int, num_drafted: int, num_rounds: int,
+                             prior_accepted: float = PRIOR_ACCEPTED,
+                             prior_rejected: float = PRIOR_REJECTED) -> float:
+    """Per-token acceptance alpha from a request's (or a benchmark row's) totals.
+
+    num_rounds counts rounds that drafted at least one token. The rounds that ended in a rejection
+    are estimated as rounds * (1 - a_fit^K) with a_fit the prior-free fit at the mean depth K, then
+    the Beta-prior posterior mean is taken. With prior (0, 0) the result equals a_fit exactly; with
+    no rounds it is the prior mean."""
+    if num_rounds <= 0 or num_drafted <= 0:
+        return acceptance_posterior_mean(0.0, 0.0, prior_accepted, prior_rejected)
+    if not 0 <= num_accepted <= num_drafted:
+        raise ValueError(f"need 0 <= accepted <= drafted, got {num_accepted} of {num_drafted}")
+    mean_draft_tokens = num_drafted / num_rounds
+    fitted = acceptance_from_tokens_per_round(1.0 + num_accepted / num_rounds, mean_draft_tokens)
+    rejecting_rounds = num_rounds * (1.0 - fitted ** mean_draft_tokens)
+    return acceptance_posterior_mean(num_accepted, rejecting_rounds, prior_accepted, prior_rejected)

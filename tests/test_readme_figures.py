@@ -1,0 +1,164 @@
+"""Every figure the README publishes comes from a results file in the repo, named beside it.
+
+Checked: every block (paragraph, list item, table) of the README's Performance section, and any
+block elsewhere that quotes tok/s or a × ratio or cites `bench/results/`. A checked block that
+holds a number must cite at least one results file as `bench/results/NAME` (NAME may end in .md,
+.json or .log, or carry a glob such as `pipeline-ahead-*`); a table also counts the files cited by
+the paragraph just above it, and a list item those cited by its list's lead-in text. Each number
+must appear in one of those files, written with at least as many decimals and rounding (half up)
+to the README's digits: 0.18 matches 0.175, 144.2 matches 144.21875, 1.67x matches 1.67.
+Not checked: inline code, link targets, ISO dates. A computed figure (a ratio of two table
+entries, say) that no file prints fails: print it in the report, or quote its parts.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import ROUND_HALF_UP, Decimal
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+RESULTS_EXTENSIONS = (".md", ".json", ".log")
+
+CITATION = re.compile(r"bench/results/[\w.*-]+")
+NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?=x\b|(?![\w.])|\.(?!\w))")
+FILE_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+DATE = re.compile(r"\b\d{4}-\d{2}-\d{2}\b")
+INLINE_CODE = re.compile(r"`[^`]*`")
+LINK_TARGET = re.compile(r"\]\([^)]*\)")
+QUOTES_FIGURES = re.compile(r"tok/s|×|\d(?:\.\d+)?x\b|bench/results/")
+
+
+def sections(text: str) -> dict[str, list[str]]:
+    """'## Title' -> the section's lines."""
+    found: dict[str, list[str]] = {}
+    current = ""
+    for line in text.splitlines():
+        if line.startswith("## "):
+            current = line[3:].strip()
+        found.setdefault(current, []).append(line)
+    return found
+
+
+def blocks(lines: list[str]) -> list[tuple[str, str]]:
+    """(text, inherited citation text) per paragraph, list item and table."""
+    paragraphs: list[list[str]] = [[]]
+    for line in lines:
+        if line.strip():
+            paragraphs[-1].append(line)
+        elif paragraphs[-1]:
+            paragraphs.append([])
+    found: list[tuple[str, str]] = []
+    previous = ""
+    for paragraph in filter(None, paragraphs):
+        if paragraph[0].startswith("#"):
+            paragraph = paragraph[1:]
+            if not paragraph:
+                continue
+        text = "\n".join(paragraph)
+        if paragraph[0].startswith("|"):
+            found.append((text, previous))
+        else:
+            first_item = next((i for i, line in enumerate(paragraph) if line.lstrip().startswith("- ")), None)
+            lead = "\n".join(paragraph[:first_item]) if first_item is not None else text
+            found.append((lead, ""))
+            if first_item is not None:
+                items: list[list[str]] = []
+                for line in paragraph[first_item:]:
+                    if line.lstrip().startswith("- "):
+                        items.append([line])
+                    else:
+                        items[-1].append(line)
+                found.extend(("\n".join(item), lead) for item in items)
+        previous = text
+    return found
+
+
+def cited_files(text: str) -> list[Path]:
+    files: list[Path] = []
+    for citation in CITATION.findall(text):
+        citation = citation.rstrip(".")
+        if "*" in citation:
+            files.extend(p for p in sorted(REPO.glob(citation)) if p.suffix in RESULTS_EXTENSIONS)
+        elif (REPO / citation).suffix in RESULTS_EXTENSIONS:
+            files.append(REPO / citation)
+        else:
+            files.extend(REPO / (citation + ext) for ext in RESULTS_EXTENSIONS if (REPO / (citation + ext)).exists())
+    return files
+
+
+def numbers_in_prose(text: str) -> list[str]:
+    text = LINK_TARGET.sub("]", INLINE_CODE.sub(" ", DATE.sub(" ", text)))
+    return NUMBER.findall(text)
+
+
+def appears_in(number: str, file_numbers: set[str]) -> bool:
+    """Shown with d decimals: some file number with >= d decimals rounds (half up) to it."""
+    shown = Decimal(number)
+    decimals = -shown.as_tuple().exponent
+    for candidate in file_numbers:
+        value = Decimal(candidate)
+        if -value.as_tuple().exponent >= decimals and value.quantize(shown, rounding=ROUND_HALF_UP) == shown:
+            return True
+    return False
+
+
+def checked_blocks() -> list[tuple[str, str]]:
+    checked = []
+    for title, lines in sections(README.read_text()).items():
+        for text, inherited in blocks(lines):
+            if title == "Performance" or QUOTES_FIGURES.search(text):
+                checked.append((text, inherited))
+    return checked
+
+
+def figure_problems(text: str, inherited: str) -> list[str]:
+    numbers = numbers_in_prose(text)
+    if not numbers:
+        return []
+    files = cited_files(text) + cited_files(inherited)
+    missing_files = [str(f.relative_to(REPO)) for f in files if not f.exists()]
+    if missing_files:
+        return [f"cites missing file(s) {missing_files}"]
+    if not files:
+        return [f"quotes {numbers} but cites no bench/results/ file"]
+    file_numbers: set[str] = set()
+    for path in files:
+        file_numbers.update(FILE_NUMBER.findall(path.read_text()))
+    return [f"{n} not in {[f.name for f in files]}" for n in numbers if not appears_in(n, file_numbers)]
+
+
+def test_the_performance_section_is_checked_at_all():
+    assert len(checked_blocks()) >= 5
+
+
+@pytest.mark.parametrize("text,inherited", checked_blocks(), ids=lambda s: s[:40] if s else "-")
+def test_every_readme_figure_appears_in_the_results_file_it_cites(text, inherited):
+    assert figure_problems(text, inherited) == []
+
+
+# -- the checker itself --------------------------------------------------------------------------------
+
+def test_rounding_to_the_shown_decimals_matches():
+    assert appears_in("0.18", {"0.175"})
+    assert appears_in("144.2", {"144.21875"})
+    assert appears_in("193", {"192.9"})
+    assert not appears_in("0.17", {"0.175"})
+    assert not appears_in("135.5", {"135.4", "141.3"})
+    assert not appears_in("1.933", {"1.93"})  # more digits than the file has
+
+
+def test_numbers_in_code_dates_and_link_targets_are_not_figures():
+    assert numbers_in_prose("`--runs 3` on 2026-11-22 ![x](bench/results/v2.png) 1.67× and 1.5x") == ["1.67", "1.5"]
+
+
+def test_a_figure_missing_from_the_cited_file_is_reported():
+    problems = figure_problems("went from 120.0 to 135.5 tok/s (`bench/results/cpu-2core-distilled-draft.md`)", "")
+    assert problems == ["135.5 not in ['cpu-2core-distilled-draft.md']"]
+
+
+def test_a_figure_without_a_citation_is_reported():
+    assert figure_problems("a lone stream ran at 97.3 tok/s", "") == ["quotes ['97.3'] but cites no bench/results/ file"]
