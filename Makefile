@@ -6,7 +6,7 @@ CONSTRAINTS ?= constraints-cpu.txt
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve generate test bench serve-config
+.PHONY: install serve generate test fuzz bench serve-config
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ generate: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The long fuzz run: 5,000 hypothesis bodies per fuzz test plus schemathesis on /openapi.json.
+fuzz: $(STAMP)
+	SPECSERVE_FUZZ_EXAMPLES=$${SPECSERVE_FUZZ_EXAMPLES:-5000} $(PY) -m pytest -q tests/test_fuzz_api.py --hypothesis-show-statistics
 
 serve-config: $(STAMP)
 	$(VENV)/bin/specserve serve-config

@@ -6,17 +6,19 @@ Loaded from YAML (``specserve serve --config FILE``) and/or environment variable
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, field_validator, model_validator
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODELS_DIR = PROJECT_ROOT / "models" / "default"
 ENV_PREFIX = "SPECSERVE__"
+RAW_ENV_FIELDS = {("auth", "api_keys")}
 
 
 class _Strict(BaseModel):
@@ -128,6 +130,44 @@ class HttpSpec(_Strict):
     port: int = Field(8000, ge=1, le=65535)
 
 
+KEY_DIGEST_PREFIX = "sha256:"
+
+
+class AuthSpec(_Strict):
+    """API keys for the HTTP API (none: the API is open).
+
+    Keys are SecretStr, so they never print, and they are serialised only as SHA-256 digests
+    ("sha256:<hex>"): the config handed to the deployments and the YAML of `serve-config` never
+    hold a key in clear. An entry already written as "sha256:<hex>" is taken as a digest, so a
+    config file need not hold keys either. ``SPECSERVE__AUTH__API_KEYS=a,b`` gives two keys.
+    """
+
+    api_keys: list[SecretStr] = Field(default_factory=list, description="accepted bearer keys, or their sha256: digests")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        if isinstance(value, str | SecretStr):
+            raw = value.get_secret_value() if isinstance(value, SecretStr) else value
+            return [key.strip() for key in raw.split(",") if key.strip()]
+        return value
+
+    @field_serializer("api_keys")
+    def _as_digests(self, keys: list[SecretStr]) -> list[str]:
+        return self.key_digests()
+
+    def key_digests(self) -> list[str]:
+        """ "sha256:<hex>" of every key (digests given as such are kept)."""
+        return [key_digest(key.get_secret_value()) for key in self.api_keys]
+
+
+def key_digest(key: str) -> str:
+    """The form a key is stored and compared in: "sha256:<hex>" (a digest is its own digest)."""
+    if key.startswith(KEY_DIGEST_PREFIX):
+        return key
+    return KEY_DIGEST_PREFIX + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 class SpecServeConfig(_Strict):
     """Everything a deployment needs; the single source of truth."""
 
@@ -139,6 +179,7 @@ class SpecServeConfig(_Strict):
     limits: LimitsSpec = LimitsSpec()
     batching: BatchingSpec = BatchingSpec()
     http: HttpSpec = HttpSpec()
+    auth: AuthSpec = AuthSpec()
     ingress: WorkerResources = WorkerResources(num_cpus=0.25)
     router: WorkerResources = WorkerResources(num_cpus=0.25)
     target_workers: WorkerResources = WorkerResources()
@@ -176,13 +217,14 @@ def _set_nested(tree: dict[str, Any], dotted: list[str], value: Any) -> None:
 def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     """``SPECSERVE__SPECULATION__NUM_DRAFT_TOKENS=6`` -> {"speculation": {"num_draft_tokens": 6}}.
 
-    Values are parsed as YAML scalars so numbers and booleans keep their types.
+    Values are parsed as YAML scalars so numbers and booleans keep their types, except secrets
+    (RAW_ENV_FIELDS), which YAML would mangle (digits become numbers, " #" starts a comment).
     """
     overrides: dict[str, Any] = {}
     for name, raw in environ.items():
         if name.startswith(ENV_PREFIX):
             path = name[len(ENV_PREFIX):].lower().split("__")
-            _set_nested(overrides, path, yaml.safe_load(raw))
+            _set_nested(overrides, path, raw if tuple(path) in RAW_ENV_FIELDS else yaml.safe_load(raw))
     return overrides
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -46,9 +47,28 @@ def check_model_paths(config: SpecServeConfig) -> None:
                                     "in your config, or train the default pair with `specserve train-default`")
 
 
+class PortInUseError(ValueError):
+    """The configured HTTP port is taken: a config this machine cannot honour (the CLI prints it)."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail before starting Ray if host:port is taken. Serve would otherwise come up without its
+    HTTP proxy while requests to that port reach whoever holds it (e.g. another specserve)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        # Like uvicorn: TIME_WAIT leftovers of a stopped server do not count, a listener does.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise PortInUseError(f"cannot serve on http://{host}:{port}: port {port} is already in use "
+                                 f"({exc.strerror}); stop what holds it or set http.port "
+                                 "(e.g. SPECSERVE__HTTP__PORT=8001)") from None
+
+
 def start_local(config: SpecServeConfig, dashboard: bool = False, timeout_s: float = 300.0) -> str:
     """Start Ray + Serve + the app; block until /health answers; return the base URL."""
     check_model_paths(config)
+    check_port_free(config.http.host, config.http.port)
     if not ray.is_initialized():
         ray.init(num_cpus=logical_cpus_needed(config), resources=custom_resources_needed(config),
                  include_dashboard=dashboard,

@@ -6,6 +6,11 @@ to treat request models as JSON bodies.
 Routes: POST /v1/completions, POST /v1/chat/completions (``stream: true`` = SSE chunks in
 OpenAI's format, ending with ``data: [DONE]``), GET /v1/models, GET /health. Responses carry the
 usual ``usage`` plus a ``speculation`` field with the request's acceptance statistics.
+
+Every client error is a 4xx with OpenAI's {"error": {...}} body, never a 5xx: which fields are
+served, ignored or refused is decided in deployments/openai_protocol.py. With ``auth.api_keys``
+set, every /v1/* path needs ``Authorization: Bearer <key>`` (checked before the body is read);
+/health stays open for load balancers and Serve's health checks.
 """
 
 import json
@@ -15,8 +20,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoConfig, AutoTokenizer
 
 from cluster.config import SpecServeConfig
@@ -25,6 +32,7 @@ from deployments.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
+    authorization_error,
     error_body,
     new_id,
     now,
@@ -37,17 +45,48 @@ DEFAULT_CHAT_SUFFIX = "assistant:"
 app = FastAPI(title="specserve", description="OpenAI-compatible speculative decoding on Ray Serve")
 
 
+def validation_error_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first pydantic error as OpenAI's 400 body, `param` the dotted path of the field."""
+    first = errors[0] if errors else {}
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(location) or None
+    if first.get("type") == "json_invalid":
+        message, param = f"The request body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}", None
+    elif first.get("type") == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {param}"
+    else:
+        message = f"{param or 'body'}: {str(first.get('msg', 'invalid request')).removeprefix('Value error, ')}"
+    return error_body(message, param=param)
+
+
+@app.middleware("http")
+async def _require_api_key(request: Request, call_next):
+    # A middleware, not a route dependency: it runs before the body is parsed (a stranger learns
+    # nothing about the schema) and covers every /v1/* path, unknown ones included.
+    if request.url.path.startswith("/v1/"):
+        ingress = serve.get_replica_context().servable_object
+        refusal = authorization_error(request.headers.get("authorization"), ingress.api_key_digests)
+        if refusal is not None:
+            return JSONResponse(status_code=401, content=refusal, headers={"WWW-Authenticate": "Bearer"})
+    return await call_next(request)
+
+
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0] if exc.errors() else {}
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    message = f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')}"
-    return JSONResponse(status_code=400, content=error_body(message, param=".".join(location) or None))
+    return JSONResponse(status_code=400, content=validation_error_body(list(exc.errors())))
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    message = (f"Invalid URL ({request.method} {request.url.path})" if exc.status_code in (404, 405)
+               else str(exc.detail))
+    return JSONResponse(status_code=exc.status_code, content=error_body(message), headers=exc.headers)
 
 
 @app.exception_handler(OpenAIError)
 async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-    return JSONResponse(status_code=exc.status_code, content=error_body(exc.message, exc.error_type, exc.param))
+    return JSONResponse(status_code=exc.status_code,
+                        content=error_body(exc.message, exc.error_type, exc.param, exc.code))
 
 
 @app.exception_handler(Exception)
@@ -65,6 +104,7 @@ def _sse(payload: dict[str, Any] | str) -> str:
 class Ingress:
     def __init__(self, config: dict, router: DeploymentHandle) -> None:
         self.config = SpecServeConfig.model_validate(config)
+        self.api_key_digests = self.config.auth.key_digests()
         self.router = router
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.resolved_tokenizer_path, local_files_only=True)
         self.max_context = AutoConfig.from_pretrained(self.config.target.path,
@@ -87,9 +127,7 @@ class Ingress:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
-        if body.max_completion_tokens is not None and body.max_tokens is None:
-            body.max_tokens = body.max_completion_tokens
-        prompt = self._chat_prompt([m.model_dump() for m in body.messages])
+        prompt = self._chat_prompt([{"role": m.template_role, "content": m.content} for m in body.messages])
         return await self._respond(body, self._encode(prompt), kind="chat.completion")
 
     # -- helpers ---------------------------------------------------------------------------
@@ -115,23 +153,30 @@ class Ingress:
             raise OpenAIError(f"This model's maximum context length is {self.max_context} tokens; the prompt "
                               f"has {num_prompt_tokens}", param="prompt")
         limit = self.config.limits.max_tokens
-        if body.max_tokens is not None and body.max_tokens > limit:
-            raise OpenAIError(f"max_tokens must be at most {limit}", param="max_tokens")
-        max_tokens = body.max_tokens or min(self.config.limits.default_max_tokens, room)
+        requested = body.requested_max_tokens
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        if requested is not None and requested > limit:
+            raise OpenAIError(f"{param} must be at most {limit}", param=param)
+        max_tokens = requested or min(self.config.limits.default_max_tokens, room)
         if num_prompt_tokens + max_tokens > self.max_context:
             raise OpenAIError(f"This model's maximum context length is {self.max_context} tokens; you requested "
                               f"{num_prompt_tokens + max_tokens} ({num_prompt_tokens} in the prompt, "
-                              f"{max_tokens} in the completion)", param="max_tokens")
-        return SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                              seed=body.seed, max_tokens=max_tokens, stop=body.stop)
+                              f"{max_tokens} in the completion)", param=param)
+        try:
+            return SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                                  seed=body.seed, max_tokens=max_tokens, stop=body.stop,
+                                  ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)
+        except ValidationError as exc:  # a combination only the whole can judge (min_tokens > max_tokens)
+            raise OpenAIError(validation_error_body(exc.errors())["error"]["message"],
+                              param="min_tokens" if "min_tokens" in str(exc) else None) from None
 
     async def _respond(self, body, prompt_ids: list[int], kind: str, echo_prefix: str = ""):
         params = self._sampling_params(body, len(prompt_ids))
         request_id = new_id("cmpl" if kind == "text_completion" else "chatcmpl")
         chunks = self.router.options(stream=True).generate.remote(request_id, prompt_ids, params.model_dump())
         if body.stream:
-            return StreamingResponse(self._stream(chunks, request_id, kind, body.model, echo_prefix),
-                                     media_type="text/event-stream")
+            return StreamingResponse(self._stream(chunks, request_id, kind, body.model, echo_prefix,
+                                                  body.include_usage), media_type="text/event-stream")
         text, final = echo_prefix, {}
         async for chunk in chunks:
             text += chunk["text"]
@@ -144,32 +189,43 @@ class Ingress:
         return {"id": request_id, "object": kind, "created": now(), "model": body.model, "choices": [choice],
                 "usage": final.get("usage"), "speculation": final.get("speculation")}
 
-    async def _stream(self, chunks, request_id: str, kind: str, model: str, echo_prefix: str) -> AsyncIterator[str]:
+    async def _stream(self, chunks, request_id: str, kind: str, model: str, echo_prefix: str,
+                      include_usage: bool = False) -> AsyncIterator[str]:
+        """SSE chunks. With stream_options.include_usage, as OpenAI: every chunk carries
+        "usage": null and an extra last chunk with empty choices carries the usage; without it,
+        the finishing chunk carries the usage (as before)."""
         object_name = "text_completion" if kind == "text_completion" else "chat.completion.chunk"
         created = now()
+        usage_null = {"usage": None} if include_usage else {}
 
-        def event(text: str | None, finish_reason: str | None, **extra: Any) -> str:
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
-            if kind == "text_completion":
-                choice["text"] = text or ""
-            else:
-                choice["delta"] = {} if text is None else {"content": text}
+        def event(choices: list[dict[str, Any]], **extra: Any) -> str:
             return _sse({"id": request_id, "object": object_name, "created": created, "model": model,
-                         "choices": [choice], **extra})
+                         "choices": choices, **usage_null, **extra})
+
+        def choice(text: str | None, finish_reason: str | None) -> dict[str, Any]:
+            body: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+            if kind == "text_completion":
+                body["text"] = text or ""
+            else:
+                body["delta"] = {} if text is None else {"content": text}
+            return body
 
         try:
             if kind != "text_completion":
-                yield _sse({"id": request_id, "object": object_name, "created": created, "model": model,
-                            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "finish_reason": None, "logprobs": None}]})
+                yield event([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                              "finish_reason": None, "logprobs": None}])
             if echo_prefix:
-                yield event(echo_prefix, None)
+                yield event([choice(echo_prefix, None)])
             async for chunk in chunks:
                 if "usage" in chunk:
-                    yield event(chunk["text"] or None, chunk["finish_reason"], usage=chunk["usage"],
-                                speculation=chunk["speculation"])
+                    finish = choice(chunk["text"] or None, chunk["finish_reason"])
+                    if include_usage:
+                        yield event([finish], speculation=chunk["speculation"])
+                        yield event([], usage=chunk["usage"])
+                    else:
+                        yield event([finish], usage=chunk["usage"], speculation=chunk["speculation"])
                 elif chunk["text"]:
-                    yield event(chunk["text"], None)
+                    yield event([choice(chunk["text"], None)])
             yield _sse("[DONE]")
         except Exception as exc:  # the stream has started: report in-band, as OpenAI does
             yield _sse(error_body(f"generation failed: {exc}", error_type="server_error"))

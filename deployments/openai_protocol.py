@@ -1,88 +1,301 @@
 """OpenAI-compatible request bodies and response shapes (the subset specserve serves).
 
 Bodies are validated by pydantic at the edge; anything malformed becomes an HTTP 400 with an
-OpenAI-style error JSON (see ``error_body``). Unsupported OpenAI options are rejected, not
-silently ignored, so a client never believes it got what it did not.
+OpenAI-style error JSON (``error_body``) whose ``param`` names the offending field. The rule for
+fields, so a client never believes it got what it did not:
+
+- *served*: model, prompt / messages, max_tokens, max_completion_tokens (wins over max_tokens,
+  as in vLLM), temperature, top_p, top_k, seed, stop, stream, stream_options, echo (completions),
+  and vLLM's ignore_eos and min_tokens. Limits come from decoding.sampling, the one source of
+  truth the router's SamplingParams also uses.
+- *accepted and ignored* (they change neither the tokens nor the response shape): ``IGNORED_FIELDS``.
+- *served only at their neutral value* (anything else changes semantics we do not serve, so 400
+  naming the field): ``NEUTRAL_VALUES``, e.g. n=1, presence_penalty=0, logit_bias={}, tools=[],
+  response_format={"type": "text"}; logprobs stay unserved for now.
+- *unknown*: 400 "Unrecognized request argument supplied: X", as OpenAI's own API answers. An
+  unknown field cannot be known to be harmless, and silently dropping one is how a benchmark ends
+  up measuring something else.
+
+``null`` for any field means its default (clients send nulls for unset options). Every string must
+be valid Unicode: a lone surrogate (JSON "\\ud800") would otherwise reach the tokenizer.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from decoding.sampling import MAX_STOP_STRINGS, Seed, Temperature, TopP
 
 
 class OpenAIError(Exception):
     """An error answered as {"error": {...}} with an HTTP status."""
 
     def __init__(self, message: str, status_code: int = 400, param: str | None = None,
-                 error_type: str = "invalid_request_error") -> None:
+                 error_type: str = "invalid_request_error", code: str | None = None) -> None:
         super().__init__(message)
-        self.message, self.status_code, self.param, self.error_type = message, status_code, param, error_type
+        self.message, self.status_code, self.param, self.error_type, self.code = (
+            message, status_code, param, error_type, code)
+
+
+def _printable(text: str | None) -> str | None:
+    """text with anything UTF-8 cannot encode (lone surrogates from the request) escaped."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_body(message: str, error_type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    """OpenAI's error shape. Message and param may quote the request, so they are made encodable."""
+    return {"error": {"message": _printable(message), "type": error_type, "param": _printable(param), "code": code}}
 
 
-class _SamplingFields(BaseModel):
+def authorization_error(header: str | None, key_digests: list[str]) -> dict[str, Any] | None:
+    """None if the request may pass (no keys configured, or `Authorization: Bearer <key>` with a
+    configured key), else OpenAI's 401 body. The presented key is hashed and compared with every
+    digest in constant time (hmac.compare_digest), so neither timing nor a short-circuit tells
+    how close a guess was, and the key itself is never echoed or logged."""
+    if not key_digests:
+        return None
+    scheme, _, presented = (header or "").strip().partition(" ")
+    if scheme.lower() == "bearer" and presented.strip():
+        digest = "sha256:" + hashlib.sha256(presented.strip().encode("utf-8", "surrogatepass")).hexdigest()
+        matches = [hmac.compare_digest(digest.encode(), known.encode()) for known in key_digests]
+        if any(matches):
+            return None
+        message = "Incorrect API key provided."
+    else:
+        message = ("You didn't provide an API key. Provide it in an Authorization header using Bearer auth "
+                   "(i.e. Authorization: Bearer YOUR_KEY).")
+    return error_body(message, param=None, code="invalid_api_key")
+
+
+def _valid_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"string is not valid Unicode (lone surrogate at index {exc.start})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+# Accepted and ignored: metadata, routing and hints that change neither tokens nor response shape.
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prediction",
+                  "spaces_between_special_tokens", "prompt_cache_key", "safety_identifier")
+
+# Served only at these values (compared with ==, so 0 == 0.0 and [] == []).
+NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "best_of": (1,),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "min_p": (0,),
+    "logit_bias": ({},),
+    "logprobs": (False,),          # logprobs are not served yet (completions: int, chat: bool)
+    "top_logprobs": (0,),
+    "suffix": ("",),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none",),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+    "audio": (),
+    "reasoning_effort": (),
+    "web_search_options": (),
+    "prompt_logprobs": (),
+    "stop_token_ids": ([],),
+    "include_stop_str_in_output": (False,),
+    "use_beam_search": (False,),
+    "skip_special_tokens": (True,),
+}
+_CHAT_ONLY_NEUTRAL = {"echo": (False,), "add_generation_prompt": (True,), "continue_final_message": (False,)}
+
+
+def _same(value: Any, allowed: Any) -> bool:
+    # Booleans are not numbers here: logprobs=0 asks for logprobs, only false does not.
+    if isinstance(value, bool) or isinstance(allowed, bool):
+        return value is allowed
+    return value == allowed
+
+
+def _check_neutral(name: str, value: Any, neutral: tuple[Any, ...]) -> Any:
+    if value is not None and not any(_same(value, allowed) for allowed in neutral):
+        served = " or ".join(repr(allowed) for allowed in neutral) or "null"
+        raise ValueError(f"'{name}' is not supported by specserve; only {served} is served")
+    return value
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool | None = None
+    include_obfuscation: Any = None                 # accepted, ignored: specserve sends no obfuscation
+    continuous_usage_stats: Literal[False] | None = None
+
+
+class _RequestFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: Text
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
     top_k: int = Field(0, ge=-1, description="extension (as in vLLM); 0 or -1 disables")
-    seed: int | None = Field(None, ge=0)
-    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    stop: list[Text] = Field(default_factory=list, description=f"a string or up to {MAX_STOP_STRINGS} strings")
     stream: bool = False
-    n: int = Field(1, ge=1, le=1, description="only n=1 is served")
-    logprobs: Any = None
-    user: str | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = Field(False, description="vLLM extension: EOS does not end the request")
+    min_tokens: int = Field(0, ge=0, description="vLLM extension: EOS is masked before this many tokens")
 
-    @field_validator("logprobs")
+    # Accepted and ignored (IGNORED_FIELDS).
+    user: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    parallel_tool_calls: Any = None
+    prediction: Any = None
+    spaces_between_special_tokens: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+
+    # Served only at their neutral value (NEUTRAL_VALUES).
+    n: Any = None
+    best_of: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    min_p: Any = None
+    logit_bias: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    suffix: Any = None
+    tools: Any = None
+    functions: Any = None
+    tool_choice: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    modalities: Any = None
+    audio: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    prompt_logprobs: Any = None
+    stop_token_ids: Any = None
+    include_stop_str_in_output: Any = None
+    use_beam_search: Any = None
+    skip_special_tokens: Any = None
+
+    @model_validator(mode="before")
     @classmethod
-    def _no_logprobs(cls, value: Any) -> Any:
-        if value not in (None, False):
-            raise ValueError("logprobs are not supported by specserve")
-        return value
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
+    @field_validator(*NEUTRAL_VALUES)
+    @classmethod
+    def _neutral_only(cls, value: Any, info) -> Any:
+        return _check_neutral(info.field_name, value, NEUTRAL_VALUES[info.field_name])
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
 
     @field_validator("stop")
     @classmethod
-    def _stop_list(cls, value: str | list[str] | None) -> list[str]:
-        stops = [] if value is None else [value] if isinstance(value, str) else value
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop must be at most 4 non-empty strings")
-        return stops
+    def _stop_bounded(cls, value: list[str]) -> list[str]:
+        if len(value) > MAX_STOP_STRINGS or any(not stop for stop in value):
+            raise ValueError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value: StreamOptions | None, info) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens (OpenAI's current name) wins over max_tokens, as in vLLM."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[str]
+class CompletionRequest(_RequestFields):
+    prompt: Text
     echo: bool = False
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _single_prompt(cls, value: str | list[str]) -> str:
+    def _single_prompt(cls, value: Any) -> Any:
         if isinstance(value, list):
-            if len(value) != 1:
-                raise ValueError("exactly one prompt per request is served")
-            value = value[0]
+            if len(value) != 1 or not isinstance(value[0], str):
+                raise ValueError("exactly one prompt, a string, is served per request")
+            return value[0]
         return value
 
 
+def _text_of_parts(value: Any) -> Any:
+    """Content as a list of parts -> the text parts joined by newlines (as vLLM); others refused."""
+    if not isinstance(value, list):
+        return value
+    texts = []
+    for part in value:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"only text content parts ({{'type': 'text', 'text': ...}}) are served, got {kind!r}"
+                             if isinstance(kind, str) else "content parts must be {'type': 'text', 'text': ...}")
+        if set(part) - {"type", "text"}:
+            raise ValueError(f"unsupported keys in a text content part: {sorted(set(part) - {'type', 'text'})}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    """One message. `developer` is OpenAI's newer name for `system` and is rendered as such;
+    `tool` / `function` messages answer tool calls, which are not served, so they are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text
+    name: Text | None = None                        # accepted, not rendered
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts_to_text(cls, value: Any) -> Any:
+        return _text_of_parts(value)
+
+    @property
+    def template_role(self) -> str:
+        return "system" if self.role == "developer" else self.role
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_RequestFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    echo: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+
+    @field_validator(*_CHAT_ONLY_NEUTRAL)
+    @classmethod
+    def _chat_neutral_only(cls, value: Any, info) -> Any:
+        return _check_neutral(info.field_name, value, _CHAT_ONLY_NEUTRAL[info.field_name])
 
 
 def new_id(prefix: str) -> str:

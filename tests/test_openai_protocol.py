@@ -1,0 +1,171 @@
+"""The OpenAI request models (deployments/openai_protocol.py) and the 400 bodies the ingress
+builds from their errors: which fields are served, ignored or refused, and that every refusal
+names its field in an OpenAI-style body that can be sent (even when the request was not Unicode)."""
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from decoding.sampling import MAX_SEED, MAX_STOP_STRINGS, MAX_TEMPERATURE, SamplingParams
+from deployments.ingress import validation_error_body
+from deployments.openai_protocol import IGNORED_FIELDS, NEUTRAL_VALUES, ChatCompletionRequest, CompletionRequest
+
+COMPLETION = {"model": "m", "prompt": "def f():"}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def refusal(model, body) -> dict:
+    """The 400 body the ingress answers for body (asserting that it is refused)."""
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    error = validation_error_body(info.value.errors())
+    json.dumps(error, ensure_ascii=False).encode("utf-8")  # what the JSON response does: must not raise
+    assert set(error["error"]) == {"message", "type", "param", "code"}
+    assert error["error"]["type"] == "invalid_request_error"
+    return error["error"]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("logit_bias", {"50": 10}), ("presence_penalty", 0.5), ("frequency_penalty", -1), ("best_of", 2),
+    ("suffix", "return x"), ("logprobs", 1), ("logprobs", 0), ("logprobs", True), ("top_logprobs", 3),
+    ("n", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]), ("functions", [{"name": "f"}]),
+    ("tool_choice", "auto"), ("response_format", {"type": "json_object"}), ("repetition_penalty", 1.2),
+    ("min_p", 0.1), ("use_beam_search", True), ("include_stop_str_in_output", True), ("audio", {"voice": "x"}),
+    ("skip_special_tokens", False), ("stop_token_ids", [5]),
+])
+@pytest.mark.parametrize("model, base", [(CompletionRequest, COMPLETION), (ChatCompletionRequest, CHAT)])
+def test_fields_that_change_semantics_are_refused_naming_the_field(model, base, field, value):
+    error = refusal(model, {**base, field: value})
+    assert error["param"] == field and field in error["message"]
+
+
+@pytest.mark.parametrize("field", sorted(NEUTRAL_VALUES))
+def test_unserved_fields_are_accepted_at_their_neutral_value_or_null(field):
+    for value in NEUTRAL_VALUES[field] + (None,):
+        CompletionRequest.model_validate({**COMPLETION, field: value})
+        ChatCompletionRequest.model_validate({**CHAT, field: value})
+
+
+def test_echo_is_served_on_completions_and_refused_on_chat():
+    assert CompletionRequest.model_validate({**COMPLETION, "echo": True}).echo
+    assert refusal(ChatCompletionRequest, {**CHAT, "echo": True})["param"] == "echo"
+
+
+@pytest.mark.parametrize("field, value", [("user", "u-1"), ("metadata", {"k": "v"}), ("store", False),
+                                          ("service_tier", "auto"), ("parallel_tool_calls", True)])
+def test_harmless_fields_are_accepted_and_ignored(field, value):
+    assert field in IGNORED_FIELDS
+    CompletionRequest.model_validate({**COMPLETION, field: value})
+    ChatCompletionRequest.model_validate({**CHAT, field: value})
+
+
+def test_unknown_fields_are_refused_as_openai_does():
+    error = refusal(CompletionRequest, {**COMPLETION, "temprature": 0.5})
+    assert error["message"] == "Unrecognized request argument supplied: temprature"
+    assert error["param"] == "temprature"
+
+
+def test_null_means_the_default():
+    request = CompletionRequest.model_validate({**COMPLETION, "temperature": None, "stop": None, "max_tokens": None,
+                                                "seed": None, "n": None, "stream_options": None})
+    assert request.temperature == 1.0 and request.stop == [] and request.requested_max_tokens is None
+
+
+def test_max_completion_tokens_is_honoured_on_completions_and_wins_over_max_tokens():
+    assert CompletionRequest.model_validate({**COMPLETION, "max_completion_tokens": 7}).requested_max_tokens == 7
+    both = {**CHAT, "max_tokens": 3, "max_completion_tokens": 9}
+    assert ChatCompletionRequest.model_validate(both).requested_max_tokens == 9
+    assert CompletionRequest.model_validate({**COMPLETION, "max_tokens": 3}).requested_max_tokens == 3
+
+
+def _accepts(make) -> bool:
+    try:
+        make()
+        return True
+    except ValidationError:
+        return False
+
+
+@pytest.mark.parametrize("field, values", [
+    ("temperature", [-0.01, 0.0, 1.0, MAX_TEMPERATURE, MAX_TEMPERATURE + 0.01, 100.0, float("nan"), float("inf")]),
+    ("top_p", [0.0, 1e-9, 0.5, 1.0, 1.01]),
+    ("seed", [-1, 0, MAX_SEED, MAX_SEED + 1]),
+    ("stop", [["x"] * MAX_STOP_STRINGS, ["x"] * (MAX_STOP_STRINGS + 1), [""], "x"]),
+])
+def test_the_ingress_admits_exactly_what_sampling_params_accept(field, values):
+    """One source of truth: a request the ingress admits never fails later in the router, and the
+    ingress refuses nothing the router could serve."""
+    for value in values:
+        ingress = _accepts(lambda: CompletionRequest.model_validate({**COMPLETION, field: value}))
+        router = _accepts(lambda: SamplingParams.model_validate({field: value}))
+        assert ingress == router, (field, value)
+    assert MAX_TEMPERATURE == 2.0 and MAX_STOP_STRINGS == 4   # OpenAI's documented limits
+
+
+def test_content_as_a_list_of_text_parts_is_joined():
+    body = {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                {"type": "text", "text": "b"}]}]}
+    assert ChatCompletionRequest.model_validate(body).messages[0].content == "a\nb"
+
+
+@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "http://x"}}, {"type": "text"},
+                                  "text", {"type": "text", "text": "a", "cache_control": {}}])
+def test_non_text_content_parts_are_refused(part):
+    body = {**CHAT, "messages": [{"role": "user", "content": [part]}]}
+    assert refusal(ChatCompletionRequest, body)["param"] == "messages.0.content"
+
+
+def test_developer_is_rendered_as_system_and_tool_messages_are_refused():
+    body = {**CHAT, "messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]}
+    assert ChatCompletionRequest.model_validate(body).messages[0].template_role == "system"
+    tool = {**CHAT, "messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}
+    assert refusal(ChatCompletionRequest, tool)["param"] == "messages.0.role"
+    calls = {**CHAT, "messages": [{"role": "assistant", "content": "", "tool_calls": []}]}
+    assert refusal(ChatCompletionRequest, calls)["param"] == "messages.0.tool_calls"
+
+
+@pytest.mark.parametrize("model, body, param", [
+    (CompletionRequest, {**COMPLETION, "prompt": "a\ud800b"}, "prompt"),
+    (CompletionRequest, {**COMPLETION, "prompt": ["\udfff"]}, "prompt"),
+    (CompletionRequest, {**COMPLETION, "model": "\ud800"}, "model"),
+    (CompletionRequest, {**COMPLETION, "stop": ["ok", "\ud83d"]}, "stop.1"),
+    (CompletionRequest, {**COMPLETION, "stop": "\ud83d"}, "stop.0"),
+    (ChatCompletionRequest, {**CHAT, "messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
+    (ChatCompletionRequest, {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+     "messages.0.content"),
+    (ChatCompletionRequest, {**CHAT, "messages": [{"role": "user", "content": "x", "name": "\ud800"}]},
+     "messages.0.name"),
+    (CompletionRequest, {**COMPLETION, "\ud800": 1}, None),  # pydantic cannot even name the key
+])
+def test_strings_that_are_not_unicode_are_refused_with_a_sendable_body(model, body, param):
+    assert refusal(model, body)["param"] == param
+
+
+def test_stream_options_need_stream_and_include_usage_is_read_from_them():
+    assert refusal(CompletionRequest, {**COMPLETION, "stream_options": {"include_usage": True}})["param"] == \
+        "stream_options"
+    request = CompletionRequest.model_validate({**COMPLETION, "stream": True, "stream_options": {"include_usage": True}})
+    assert request.include_usage
+    assert not CompletionRequest.model_validate({**COMPLETION, "stream": True}).include_usage
+
+
+def test_vllm_extensions_are_read():
+    request = CompletionRequest.model_validate({**COMPLETION, "ignore_eos": True, "min_tokens": 5})
+    assert request.ignore_eos and request.min_tokens == 5
+    assert refusal(CompletionRequest, {**COMPLETION, "min_tokens": -1})["param"] == "min_tokens"
+
+
+@pytest.mark.parametrize("body", [[], "x", 5, {"model": 5, "prompt": "x"}, {"model": "m", "prompt": 5},
+                                  {"model": "m", "prompt": ["a", "b"]}, {"model": "m", "prompt": [1, 2]},
+                                  {"model": "m", "prompt": "x", "max_tokens": 0},
+                                  {"model": "m", "prompt": "x", "temperature": "hot"}])
+def test_wrong_types_are_refused(body):
+    refusal(CompletionRequest, body)
+
+
+def test_invalid_json_gets_a_message_without_a_param():
+    errors = [{"type": "json_invalid", "loc": ("body", 7), "msg": "JSON decode error",
+               "ctx": {"error": "Expecting value"}}]
+    error = validation_error_body(errors)["error"]
+    assert error["param"] is None and "not valid JSON" in error["message"]
