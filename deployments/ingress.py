@@ -14,6 +14,7 @@ set, every /v1/* path needs ``Authorization: Bearer <key>`` (checked before the 
 """
 
 import json
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,6 +29,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from cluster.config import SpecServeConfig
 from decoding.sampling import SamplingParams
+from deployments.admission import ServerOverloadedError
 from deployments.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -85,7 +87,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 @app.exception_handler(OpenAIError)
 async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-    return JSONResponse(status_code=exc.status_code,
+    return JSONResponse(status_code=exc.status_code, headers=exc.headers,
                         content=error_body(exc.message, exc.error_type, exc.param, exc.code))
 
 
@@ -93,6 +95,27 @@ async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     # Generation failed for a reason the client cannot fix (e.g. no target replica came back).
     return JSONResponse(status_code=500, content=error_body(f"generation failed: {exc}", error_type="server_error"))
+
+
+async def _first_chunk(chunks) -> dict:
+    """The router's first chunk; a refusal for lack of capacity becomes HTTP 503 with Retry-After."""
+    try:
+        return await chunks.__anext__()
+    except ServerOverloadedError as exc:
+        chunks.cancel()
+        cause = getattr(exc, "cause", None) or exc  # Ray wraps the router's exception
+        raise OpenAIError(str(cause), status_code=503, error_type="server_error", code="server_overloaded",
+                          headers={"Retry-After": str(max(1, math.ceil(cause.retry_after_s)))}) from None
+    except BaseException:
+        chunks.cancel()
+        raise
+
+
+async def _prepend(first: dict, chunks) -> AsyncIterator[dict]:
+    yield first
+    if "usage" not in first:
+        async for chunk in chunks:
+            yield chunk
 
 
 def _sse(payload: dict[str, Any] | str) -> str:
@@ -111,8 +134,14 @@ class Ingress:
                                                       local_files_only=True).max_position_embeddings
 
     @app.get("/health")
-    async def health(self) -> dict[str, str]:
-        return {"status": "ok"}
+    async def health(self) -> JSONResponse:
+        """200 "ok", 200 "degraded" (no draft engine answers: requests run target-only) or 503
+        "unavailable" (no target engine answers), with each pool's state."""
+        try:
+            health = await self.router.pool_health.remote()
+        except Exception as exc:  # the router itself is down
+            health = {"status": "unavailable", "pools": {}, "error": str(exc)}
+        return JSONResponse(status_code=503 if health["status"] == "unavailable" else 200, content=health)
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
@@ -174,11 +203,12 @@ class Ingress:
         params = self._sampling_params(body, len(prompt_ids))
         request_id = new_id("cmpl" if kind == "text_completion" else "chatcmpl")
         chunks = self.router.options(stream=True).generate.remote(request_id, prompt_ids, params.model_dump())
+        first = await _first_chunk(chunks)  # before any byte goes out, so overload can still be a 503
         if body.stream:
-            return StreamingResponse(self._stream(chunks, request_id, kind, body.model, echo_prefix,
+            return StreamingResponse(self._stream(first, chunks, request_id, kind, body.model, echo_prefix,
                                                   body.include_usage), media_type="text/event-stream")
         text, final = echo_prefix, {}
-        async for chunk in chunks:
+        async for chunk in _prepend(first, chunks):
             text += chunk["text"]
             final = chunk
         choice: dict[str, Any] = {"index": 0, "finish_reason": final.get("finish_reason"), "logprobs": None}
@@ -189,7 +219,7 @@ class Ingress:
         return {"id": request_id, "object": kind, "created": now(), "model": body.model, "choices": [choice],
                 "usage": final.get("usage"), "speculation": final.get("speculation")}
 
-    async def _stream(self, chunks, request_id: str, kind: str, model: str, echo_prefix: str,
+    async def _stream(self, first: dict, chunks, request_id: str, kind: str, model: str, echo_prefix: str,
                       include_usage: bool = False) -> AsyncIterator[str]:
         """SSE chunks. With stream_options.include_usage, as OpenAI: every chunk carries
         "usage": null and an extra last chunk with empty choices carries the usage; without it,
@@ -216,7 +246,7 @@ class Ingress:
                               "finish_reason": None, "logprobs": None}])
             if echo_prefix:
                 yield event([choice(echo_prefix, None)])
-            async for chunk in chunks:
+            async for chunk in _prepend(first, chunks):
                 if "usage" in chunk:
                     finish = choice(chunk["text"] or None, chunk["finish_reason"])
                     if include_usage:

@@ -37,10 +37,12 @@ class OpenAIError(Exception):
     """An error answered as {"error": {...}} with an HTTP status."""
 
     def __init__(self, message: str, status_code: int = 400, param: str | None = None,
-                 error_type: str = "invalid_request_error", code: str | None = None) -> None:
+                 error_type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.status_code, self.param, self.error_type, self.code = (
             message, status_code, param, error_type, code)
+        self.headers = headers
 
 
 def _printable(text: str | None) -> str | None:

@@ -115,7 +115,7 @@ class Router:
         """This router's load and the depth it would give a fresh greedy request now."""
         spec = self.config.speculation
         typical_depth = (choose_draft_depth(0, 0, self.round_costs.draft_cost_ratio, spec.min_draft_tokens,
-                                            spec.max_draft_tokens, self.round_costs.overhead_ratio)
+                                            spec.max_draft_tokens, self.round_costs.overhead_ratio, num_rounds=0)
                          if spec.adaptive else spec.num_draft_tokens)
         cap = None if self.policy_decision is None else self.policy_decision.get("num_draft_tokens", {}).get("greedy")
         if spec.adaptive and cap is not None:
@@ -403,7 +403,7 @@ class Router:
         if high <= 0:
             return 0
         depth = choose_draft_depth(state.stats.num_accepted, state.stats.num_drafted, cost_ratio,
-                                   low, high, overhead_ratio)
+                                   low, high, overhead_ratio, num_rounds=state.stats.rounds)
         return state.draft_budget(depth)
 
     @staticmethod

@@ -100,7 +100,7 @@ def _assert_no_leftovers(timeout_s: float = 10.0) -> None:
 
 def test_health_and_models(server, client):
     url, _ = server
-    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{url}/health").json() == {"status": "ok", "pools": {"target": "ok", "draft": "ok"}}
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
