@@ -25,13 +25,14 @@ from decoding.model_runner import NoFreeSlotError
 class BatchLayout:
     """Index tensors of one batched forward, built once and shared by every layer."""
 
-    slot_ids: torch.Tensor         # LongTensor [B]
-    first_slot: int | None         # slot_ids == first_slot + arange(B): read a view, no gather
+    slot_ids: torch.Tensor | None  # LongTensor [B] to gather by; None when first_slot is set
+    first_slot: int | None         # slots are first_slot + arange(B): read a view, no gather
     single_write: tuple[int, int] | None  # (slot, start) when B == 1: write a slice, no scatter
-    write_slots: torch.Tensor      # LongTensor [N]: the slot of each real new token (N = sum of n_b)
-    write_positions: torch.Tensor  # LongTensor [N]: its position in that slot
-    source_rows: torch.Tensor      # LongTensor [N]: its row b in the batch ...
-    source_columns: torch.Tensor   # LongTensor [N]: ... and its column t among the new tokens
+    # For B > 1 (else None), one entry per real new token (N = sum of n_b):
+    write_slots: torch.Tensor | None      # LongTensor [N]: its slot
+    write_positions: torch.Tensor | None  # LongTensor [N]: its position in that slot
+    source_rows: torch.Tensor | None      # LongTensor [N]: its row b in the batch ...
+    source_columns: torch.Tensor | None   # LongTensor [N]: ... and its column t among the new tokens
     kv_length: int                 # attend over cache positions [0, kv_length)
     position_ids: torch.Tensor     # LongTensor [B, T]; padding repeats the row's last position
     attention_mask: torch.Tensor   # float [B, 1, T, kv_length]: 0 visible, finfo.min hidden
@@ -48,21 +49,27 @@ def batch_layout(slot_ids: Sequence[int], starts: Sequence[int], num_new: Sequen
     stay within the context (GPT-2 looks them up in a position table).
     """
     # Built from Python lists in a handful of tensor ops: this runs once per forward, on the
-    # critical path of every decode step.
+    # critical path of every decode step (a lone row skips the scatter and gather indices).
     batch_size, num_columns = len(slot_ids), max(num_new)
-    positions = [[start + min(t, n - 1) for t in range(num_columns)] for start, n in zip(starts, num_new)]
-    writes = [(slot, start + t, b, t) for b, (slot, start, n) in enumerate(zip(slot_ids, starts, num_new))
-              for t in range(n)]
-    write_slots, write_positions, source_rows, source_columns = (
-        torch.tensor(writes, dtype=torch.long).T.contiguous().to(device))
     kv_length = max(start + n for start, n in zip(starts, num_new))
+    positions = [[start + min(t, n - 1) for t in range(num_columns)] for start, n in zip(starts, num_new)]
     position_ids = torch.tensor(positions, dtype=torch.long)
-    hidden = torch.arange(kv_length).view(1, 1, kv_length) > position_ids.unsqueeze(2)   # [B, T, L]
-    attention_mask = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, torch.finfo(dtype).min)
+    if batch_size == 1 and num_columns == 1:
+        attention_mask = torch.zeros((1, 1, kv_length), dtype=dtype)   # one token sees the whole row
+    else:
+        hidden = torch.arange(kv_length).view(1, 1, kv_length) > position_ids.unsqueeze(2)   # [B, T, L]
+        attention_mask = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, torch.finfo(dtype).min)
     first = slot_ids[0]
     contiguous = list(slot_ids) == list(range(first, first + batch_size))
+    if batch_size == 1:
+        write_slots = write_positions = source_rows = source_columns = None
+    else:
+        writes = [(slot, start + t, b, t) for b, (slot, start, n) in enumerate(zip(slot_ids, starts, num_new))
+                  for t in range(n)]
+        write_slots, write_positions, source_rows, source_columns = (
+            torch.tensor(writes, dtype=torch.long).T.contiguous().to(device))
     return BatchLayout(
-        slot_ids=torch.tensor(slot_ids, dtype=torch.long).to(device),
+        slot_ids=None if contiguous else torch.tensor(slot_ids, dtype=torch.long).to(device),
         first_slot=first if contiguous else None,
         single_write=(first, starts[0]) if batch_size == 1 else None,
         write_slots=write_slots, write_positions=write_positions,

@@ -77,7 +77,7 @@ def test_batch_layout_numbers_new_tokens_after_each_rows_cache_and_masks_causall
     assert set(layout.attention_mask.unique().tolist()) == {0.0, torch.finfo(torch.float32).min}
     # Only real tokens are written: (slot, position) pairs.
     assert list(zip(layout.write_slots.tolist(), layout.write_positions.tolist())) == [(5, 3), (5, 4), (2, 0)]
-    assert layout.first_slot is None and layout.single_write is None
+    assert layout.first_slot is None and layout.single_write is None and layout.slot_ids.tolist() == [5, 2]
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -322,6 +322,13 @@ def test_runner_for_model_batches_a_window_as_long_as_the_context(caplog):
         runner = runner_for_model(tiny_model("mistral", sliding_window=128), max_sequences=5)
     assert type(runner) is BatchedModelRunner and runner.max_sequences == 5
     assert len(caplog.records) == 1 and "batched" in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize("max_window_layers, expected", [(1, ModelRunner), (2, BatchedModelRunner)])
+def test_qwen2_batches_unless_a_layer_uses_its_sliding_window(max_window_layers, expected):
+    # Qwen2 windows only the layers from max_window_layers on (of 2 here).
+    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=max_window_layers)
+    assert type(runner_for_model(model)) is expected
 
 
 def test_runner_for_model_falls_back_for_an_attention_kernel_without_4d_masks(caplog):
