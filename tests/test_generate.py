@@ -173,53 +173,138 @@ def test_seeded_sampled_generation_is_reproducible(target_model, unrelated_draft
     assert outputs[0] == outputs[1]
 
 
-def second_token_marginal(model: LlamaForCausalLM, prompt: list[int], first_token_probs: torch.Tensor,
-                          params: SamplingParams) -> torch.Tensor:
-    """Exact P(second token) = sum_t1 P_target(t1) * P_model(t2 | prompt, t1), in float64."""
-    batch = torch.tensor([prompt + [t1] for t1 in range(VOCAB_SIZE)])
+class TableRunner:
+    """Stands in for ModelRunner with a real model's logits looked up by prefix, so thousands of
+    sampled requests run through the real generate() loop, DraftModelProposer and accept_round in
+    seconds. `logits[prefix]` is the model's next-token logits after that token prefix."""
+
+    def __init__(self, logits: dict[tuple[int, ...], torch.Tensor], max_context: int = 256) -> None:
+        self.logits, self.max_context = logits, max_context
+
+    def forward(self, seq_id: str, token_ids: list[int], num_rows: int = 1) -> torch.Tensor:
+        end = len(token_ids)
+        return torch.stack([self.logits[tuple(token_ids[:end - num_rows + 1 + i])] for i in range(num_rows)])
+
+    def forward_batch(self, calls) -> list[torch.Tensor]:
+        return [self.forward(call.seq_id, call.token_ids, call.num_rows) for call in calls]
+
+    def release(self, seq_id: str) -> None:
+        pass
+
+
+def next_token_logits(model: LlamaForCausalLM, prefixes: list[list[int]]) -> dict[tuple[int, ...], torch.Tensor]:
+    """One batched forward (all prefixes have the same length): prefix -> float32 logits [V]."""
     with torch.no_grad():
-        conditional = logits_to_probs(model(batch).logits[:, -1], params).double()
-    return first_token_probs.double() @ conditional
+        rows = model(torch.tensor(prefixes)).logits[:, -1].float()
+    return {tuple(prefix): row for prefix, row in zip(prefixes, rows)}
 
 
-def test_sampled_speculation_preserves_the_target_distribution(target_model, unrelated_draft_model):
-    """2,000 seeded runs; the second token is the one the draft speculates (K=1). A chi-square
-    test against its exact marginal must not reject at 1e-3, while it must reject the draft's."""
-    def params_for(seed: int) -> SamplingParams:
-        return SamplingParams(temperature=0.9, top_k=16, seed=seed, max_tokens=3)
+def logit_table(model: LlamaForCausalLM, prompt: list[int], depth: int) -> dict[tuple[int, ...], torch.Tensor]:
+    """Logits after the prompt followed by every token sequence of length 0..depth."""
+    table: dict[tuple[int, ...], torch.Tensor] = {}
+    suffixes: list[list[int]] = [[]]
+    for _ in range(depth + 1):
+        table.update(next_token_logits(model, [prompt + suffix for suffix in suffixes]))
+        suffixes = [suffix + [token] for suffix in suffixes for token in range(VOCAB_SIZE)]
+    return table
 
-    prompt, num_runs = PROMPTS[2], 2000
-    target = ModelRunner.from_model(target_model)
-    draft = ModelRunner.from_model(unrelated_draft_model)
+
+SAMPLED = SamplingParams(temperature=0.9, top_k=16, top_p=0.95, max_tokens=3)
+NUM_SAMPLED_RUNS = 20_000
+
+
+@pytest.fixture(scope="module")
+def sampled_outputs(target_model, unrelated_draft_model):
+    """NUM_SAMPLED_RUNS seeded requests, 3 tokens each, K=1 from an unrelated draft: token 0 comes
+    from the prefill, token 1 is the first speculative position (accepted draft or recovered
+    token), token 2 the bonus token after an acceptance, else a plain target step."""
+    prompt = PROMPTS[2]
+    target = TableRunner(logit_table(target_model, prompt, depth=2))
+    draft = TableRunner(logit_table(unrelated_draft_model, prompt, depth=2))
     proposer = DraftModelProposer(draft)
-    counts = torch.zeros(VOCAB_SIZE, dtype=torch.float64)
-    for seed in range(num_runs):
-        state = new_state(prompt, params_for(seed), request_id=f"r{seed}")
-        steps = generate(target, state, proposer, num_draft_tokens=1)
-        while len(state.output_ids) < 2:
-            next(steps)
-        steps.close()
-        counts[state.output_ids[1]] += 1
+    outputs = torch.empty(NUM_SAMPLED_RUNS, 3, dtype=torch.long)
+    accepted = torch.empty(NUM_SAMPLED_RUNS)
+    for seed in range(NUM_SAMPLED_RUNS):
+        state = new_state(prompt, SamplingParams(**{**SAMPLED.__dict__, "seed": seed}), request_id=f"r{seed}")
+        for _ in generate(target, state, proposer, num_draft_tokens=1):
+            pass
+        outputs[seed] = torch.tensor(state.output_ids)
+        accepted[seed] = state.stats.num_accepted
+    return prompt, target, draft, outputs, accepted
 
-    with torch.no_grad():
-        first = logits_to_probs(target_model(torch.tensor([prompt])).logits[0, -1], params_for(0))
-    target_marginal = second_token_marginal(target_model, prompt, first, params_for(0))
-    draft_marginal = second_token_marginal(unrelated_draft_model, prompt, first, params_for(0))
 
-    def p_value(marginal: torch.Tensor) -> float:
-        expected = marginal * num_runs
-        frequent = expected >= 5      # pool the rare tokens into one cell
-        observed_cells = torch.cat([counts[frequent], counts[~frequent].sum().reshape(1)])
-        expected_cells = torch.cat([expected[frequent], expected[~frequent].sum().reshape(1)])
-        if expected_cells[-1] == 0:
-            if observed_cells[-1] > 0:
-                return 0.0    # a token the marginal gives no mass at all was emitted
-            observed_cells, expected_cells = observed_cells[:-1], expected_cells[:-1]
-        expected_cells *= observed_cells.sum() / expected_cells.sum()   # scipy wants equal sums
-        return float(chisquare(observed_cells.numpy(), expected_cells.numpy()).pvalue)
+def processed(table: TableRunner, prefixes: list[list[int]]) -> torch.Tensor:
+    return logits_to_probs(torch.stack([table.logits[tuple(p)] for p in prefixes]), SAMPLED).double()
 
-    assert p_value(target_marginal) > 1e-3
-    assert p_value(draft_marginal) < 1e-3     # the test can tell the draft's distribution apart
+
+def position_marginals(table: TableRunner, first_model: TableRunner, prompt: list[int]) -> tuple[torch.Tensor, ...]:
+    """Exact P(token 1) and P(token 2) in float64 when token 0 is the target's and later tokens
+    follow `table` (the target: what speculation must reproduce; the draft: what it must not)."""
+    tokens = range(VOCAB_SIZE)
+    p0 = processed(first_model, [prompt])[0]
+    p1 = processed(table, [prompt + [a] for a in tokens])                                # [V(a), V]
+    p2 = processed(table, [prompt + [a, b] for a in tokens for b in tokens]).reshape(VOCAB_SIZE, VOCAB_SIZE, -1)
+    joint01 = p0[:, None] * p1                                                          # P(a, b)
+    return joint01.sum(0), torch.einsum("ab,abc->c", joint01, p2)
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Chi-square goodness of fit, cells with expected count < 5 pooled into one."""
+    expected = probs * counts.sum()
+    frequent = expected >= 5
+    observed_cells = torch.cat([counts[frequent], counts[~frequent].sum().reshape(1)])
+    expected_cells = torch.cat([expected[frequent], expected[~frequent].sum().reshape(1)])
+    if expected_cells[-1] == 0:
+        if observed_cells[-1] > 0:
+            return 0.0    # a token the distribution gives no mass at all was emitted
+        observed_cells, expected_cells = observed_cells[:-1], expected_cells[:-1]
+    expected_cells *= observed_cells.sum() / expected_cells.sum()   # scipy wants equal sums
+    return float(chisquare(observed_cells.numpy(), expected_cells.numpy()).pvalue)
+
+
+def total_variation(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    return 0.5 * float((counts / counts.sum() - probs).abs().sum())
+
+
+TV_BOUND = 0.02  # E[TV] of 20k samples over <= 16 live tokens is about 0.01
+
+
+def test_the_logit_table_is_the_model(target_model):
+    table = TableRunner(logit_table(target_model, PROMPTS[2], depth=1))
+    runner = ModelRunner.from_model(target_model)
+    history = PROMPTS[2] + [7]
+    expected = runner.forward("check", history, num_rows=2)
+    assert torch.allclose(table.forward("check", history, num_rows=2), expected.float(), atol=1e-4)
+
+
+@pytest.mark.parametrize("position", [1, 2])
+def test_sampled_speculation_preserves_the_target_distribution(sampled_outputs, position):
+    """20,000 seeded requests (temperature 0.9, top-k 16, top-p 0.95, K=1, an unrelated draft).
+    At the first speculative position and at the next one (each sample given its own history,
+    pooled: the exact marginal), a chi-square test against the target's distribution must not
+    reject at 1e-3 and the total-variation distance must stay under 0.02, while the same test
+    rejects the draft's distribution (and its TV is far above the bound)."""
+    prompt, target, draft, outputs, _ = sampled_outputs
+    counts = torch.bincount(outputs[:, position], minlength=VOCAB_SIZE).double()
+    target_marginal = position_marginals(target, target, prompt)[position - 1]
+    draft_marginal = position_marginals(draft, target, prompt)[position - 1]
+    assert chi_square_p_value(counts, target_marginal) > 1e-3
+    assert total_variation(counts, target_marginal) < TV_BOUND
+    assert chi_square_p_value(counts, draft_marginal) < 1e-3
+    assert total_variation(counts, draft_marginal) > 5 * TV_BOUND
+
+
+def test_the_first_token_is_the_targets_prefill_sample(sampled_outputs):
+    prompt, target, _, outputs, _ = sampled_outputs
+    counts = torch.bincount(outputs[:, 0], minlength=VOCAB_SIZE).double()
+    p0 = processed(target, [prompt])[0]
+    assert chi_square_p_value(counts, p0) > 1e-3 and total_variation(counts, p0) < TV_BOUND
+
+
+def test_sampled_runs_exercised_both_acceptance_and_rejection(sampled_outputs):
+    """Otherwise the statistics above would say nothing about the recovered-token path."""
+    accept_rate = float(sampled_outputs[-1].mean())
+    assert 0.1 < accept_rate < 0.9
 
 
 def test_ignore_eos_commits_eos_as_an_ordinary_token(target_model, close_draft_model, target_only_outputs):
