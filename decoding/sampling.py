@@ -9,6 +9,7 @@ from, with or without a draft.
 from __future__ import annotations
 
 import os
+from typing import Annotated
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -18,14 +19,23 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MIN_TEMPERATURE = 0.0
 MAX_TEMPERATURE = 2.0
 MAX_STOP_STRINGS = 4
+# Below this a temperature is greedy (vLLM's _SAMPLING_EPS): logits / 1e-162 overflow to inf and
+# softmax turns them into NaN, which a fuzzer found as an HTTP 500.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 # torch.Generator.manual_seed takes a 64-bit seed; the draft stream uses seed + 1.
 MAX_SEED = 2**63 - 2
+
+# Field types shared with the HTTP request models.
+Temperature = Annotated[float, Field(ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 
 
 class SamplingParams(BaseModel):
     """Per-request sampling parameters, validated at the edge.
 
-    temperature == 0 means greedy. top_k <= 0 disables top-k; top_p == 1 disables top-p.
+    temperature == 0 (or below GREEDY_BELOW_TEMPERATURE) means greedy. top_k <= 0 disables top-k;
+    top_p == 1 disables top-p.
     `stop` accepts a string or a list of strings (stored as a list). `seed` makes sampling
     reproducible. `ignore_eos` and `min_tokens` are vLLM's extensions (fixed-length benchmarks
     send them): with `ignore_eos` EOS is committed as an ordinary token instead of ending the
@@ -35,12 +45,10 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    temperature: float = Field(default=1.0, ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE, allow_inf_nan=False,
-                               description="0 = greedy; otherwise logits are divided by it")
+    temperature: Temperature = Field(default=1.0, description="0 = greedy; otherwise logits are divided by it")
     top_k: int = Field(default=0, description="keep the k most likely tokens; <= 0 disables")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0,
-                         description="nucleus: keep the smallest set with cumulative prob >= top_p")
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED, description="seed for a reproducible request")
+    top_p: TopP = Field(default=1.0, description="nucleus: keep the smallest set with cumulative prob >= top_p")
+    seed: Seed | None = Field(default=None, description="seed for a reproducible request")
     max_tokens: int = Field(default=16, ge=1, le=1_000_000, description="tokens to generate at most")
     stop: list[str] = Field(default_factory=list,
                             description=f"up to {MAX_STOP_STRINGS} non-empty stop strings")
@@ -74,7 +82,7 @@ class SamplingParams(BaseModel):
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

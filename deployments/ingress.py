@@ -38,6 +38,7 @@ from deployments.openai_protocol import (
     error_body,
     new_id,
     now,
+    validation_error_body,
 )
 
 # Used when the tokenizer ships no chat template (the default pair is a code model and has none).
@@ -45,20 +46,6 @@ DEFAULT_CHAT_TEMPLATE = "{role}: {content}\n"
 DEFAULT_CHAT_SUFFIX = "assistant:"
 
 app = FastAPI(title="specserve", description="OpenAI-compatible speculative decoding on Ray Serve")
-
-
-def validation_error_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
-    """The first pydantic error as OpenAI's 400 body, `param` the dotted path of the field."""
-    first = errors[0] if errors else {}
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(location) or None
-    if first.get("type") == "json_invalid":
-        message, param = f"The request body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}", None
-    elif first.get("type") == "extra_forbidden":
-        message = f"Unrecognized request argument supplied: {param}"
-    else:
-        message = f"{param or 'body'}: {str(first.get('msg', 'invalid request')).removeprefix('Value error, ')}"
-    return error_body(message, param=param)
 
 
 @app.middleware("http")
@@ -170,7 +157,11 @@ class Ingress:
 
     def _chat_prompt(self, messages: list[dict[str, str]]) -> str:
         if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            try:
+                return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception as exc:  # templates raise on what they cannot render (e.g. role order)
+                raise OpenAIError(f"messages cannot be rendered with this model's chat template: {exc}",
+                                  param="messages") from None
         return "".join(DEFAULT_CHAT_TEMPLATE.format(**m) for m in messages) + DEFAULT_CHAT_SUFFIX
 
     def _sampling_params(self, body: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int) -> SamplingParams:
@@ -191,13 +182,15 @@ class Ingress:
             raise OpenAIError(f"This model's maximum context length is {self.max_context} tokens; you requested "
                               f"{num_prompt_tokens + max_tokens} ({num_prompt_tokens} in the prompt, "
                               f"{max_tokens} in the completion)", param=param)
+        if body.min_tokens > max_tokens:
+            raise OpenAIError(f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                              param="min_tokens")
         try:
             return SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
                                   seed=body.seed, max_tokens=max_tokens, stop=body.stop,
                                   ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)
-        except ValidationError as exc:  # a combination only the whole can judge (min_tokens > max_tokens)
-            raise OpenAIError(validation_error_body(exc.errors())["error"]["message"],
-                              param="min_tokens" if "min_tokens" in str(exc) else None) from None
+        except ValidationError as exc:  # the request models share these limits: a bug if it happens
+            raise OpenAIError(validation_error_body(exc.errors())["error"]["message"]) from None
 
     async def _respond(self, body, prompt_ids: list[int], kind: str, echo_prefix: str = ""):
         params = self._sampling_params(body, len(prompt_ids))

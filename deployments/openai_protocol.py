@@ -56,6 +56,20 @@ def error_body(message: str, error_type: str = "invalid_request_error", param: s
     return {"error": {"message": _printable(message), "type": error_type, "param": _printable(param), "code": code}}
 
 
+def validation_error_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first pydantic error as OpenAI's 400 body, `param` the dotted path of the field."""
+    first = errors[0] if errors else {}
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(location) or None
+    if first.get("type") == "json_invalid":
+        message, param = f"The request body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}", None
+    elif first.get("type") == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {param}"
+    else:
+        message = f"{param or 'body'}: {str(first.get('msg', 'invalid request')).removeprefix('Value error, ')}"
+    return error_body(message, param=param)
+
+
 def authorization_error(header: str | None, key_digests: list[str]) -> dict[str, Any] | None:
     """None if the request may pass (no keys configured, or `Authorization: Bearer <key>` with a
     configured key), else OpenAI's 401 body. The presented key is hashed and compared with every

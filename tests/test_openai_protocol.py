@@ -8,8 +8,13 @@ import pytest
 from pydantic import ValidationError
 
 from decoding.sampling import MAX_SEED, MAX_STOP_STRINGS, MAX_TEMPERATURE, SamplingParams
-from deployments.ingress import validation_error_body
-from deployments.openai_protocol import IGNORED_FIELDS, NEUTRAL_VALUES, ChatCompletionRequest, CompletionRequest
+from deployments.openai_protocol import (
+    IGNORED_FIELDS,
+    NEUTRAL_VALUES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    validation_error_body,
+)
 
 COMPLETION = {"model": "m", "prompt": "def f():"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

@@ -28,6 +28,14 @@ def test_temperature_zero_is_greedy():
     assert SamplingParams(temperature=0).is_greedy
 
 
+def test_a_vanishing_temperature_is_greedy_not_nan():
+    # Found by the HTTP fuzzer: temperature 1.7e-162 made logits / T overflow and softmax NaN.
+    params = SamplingParams(temperature=1.7338245023557562e-162)
+    assert params.is_greedy and not SamplingParams(temperature=1e-4).is_greedy
+    probs = logits_to_probs(torch.tensor([[3.0, 1.0, -2.0]]), params)
+    assert probs.tolist() == [[1.0, 0.0, 0.0]]
+
+
 @pytest.mark.parametrize("temperature", [-0.1, MAX_TEMPERATURE + 0.01, float("nan"), float("inf")])
 def test_temperature_out_of_range_is_rejected(temperature):
     with pytest.raises(ValidationError, match="temperature"):
