@@ -16,8 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.perfmodel import acceptance_from_tokens_per_round
-from policies.depth import estimate_accept_rate
+from policies.acceptance import acceptance_from_tokens_per_round, estimate_acceptance_rate
 from policies.goodput import ClassLoad
 from policies.replicas import PoolLoad
 
@@ -32,7 +31,7 @@ def accept_rate_from_rounds(rounds: float, drafted: float, accepted: float) -> f
     per round (accepted / drafted under-estimates it: at K = 4 and alpha = 0.8 it reads 0.59).
     No rounds: the depth policy's prior. Capped at 0.99: a perfect streak is not a certainty."""
     if rounds <= 0 or drafted <= 0:
-        return estimate_accept_rate(0, 0)
+        return estimate_acceptance_rate(0, 0, 0)
     return min(MAX_ACCEPT_RATE, acceptance_from_tokens_per_round(1.0 + accepted / rounds, drafted / rounds))
 
 
