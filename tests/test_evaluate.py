@@ -57,6 +57,7 @@ def test_evaluation_json_has_the_measurements(evaluated):
         assert 0.0 <= run["conditional_acceptance"] <= 1.0
         assert run["mean_tokens_per_pass"] >= 1.0
         assert run["num_accepted"] <= run["num_drafted"]
+        assert run["acceptance_rate"] <= run["alpha"] <= 1.0  # accepted/drafted understates alpha
     for run in evaluation["greedy"].values():  # speculative greedy is lossless
         assert run["outputs_identical_to_target_greedy"] == run["num_prompts"] == 2
     assert evaluation["sampled"]["temperature"] == 0.8

@@ -17,7 +17,6 @@ distribution at half the temperature (same filters), so it has the power to see 
 
 from __future__ import annotations
 
-import socket
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,10 +26,8 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from cluster.config import SpecServeConfig
-from cluster.local import start_local, stop_local
 from decoding.sampling import SamplingParams, logits_to_probs
-from tests.tiny_pair import make_tiny_pair
+from tests.local_server import serve_tiny_pair
 
 pytestmark = pytest.mark.ray
 MODEL = "tiny-pair"
@@ -45,24 +42,9 @@ CASES = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    target_path, draft_path = make_tiny_pair(tmp_path_factory.mktemp("pair"))
-    config = SpecServeConfig.model_validate({
-        "model_name": MODEL,
-        "target": {"path": str(target_path)},
-        "draft": {"path": str(draft_path)},
-        "http": {"port": _free_port()},
-    })
-    url = start_local(config)
-    yield url, config
-    stop_local()
+    yield from serve_tiny_pair(tmp_path_factory.mktemp("pair"), MODEL)
 
 
 @pytest.fixture(scope="module")

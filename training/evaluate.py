@@ -8,7 +8,8 @@ Everything is deterministic (fixed prompts, seeded sampling) except the latencie
 1. greedy speculative decoding with the draft at each K (default 4 and 8) over all prompts:
    per-token acceptance = accepted / drafted draft tokens (``SpecStats.acceptance_rate``) and mean
    tokens committed per target pass (the prefill pass included, ``SpecStats.mean_tokens_per_pass``),
-   plus whether the output equals plain target greedy decoding (it must: decoding is lossless);
+   the per-token alpha fitted to those totals (policies.acceptance, as bench reports it), plus
+   whether the output equals plain target greedy decoding (it must: decoding is lossless);
 2. greedy agreement: the fraction of positions of the target's own greedy continuation where the
    draft's argmax equals the target's token (one draft forward per prompt, no speculation);
 3. sampled speculative decoding (T=0.8, seeded per prompt) at K=4: acceptance and tokens per pass;

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from policies.acceptance import estimate_acceptance_rate
 from training.default_pair import held_out_loss
 
 
@@ -109,6 +110,10 @@ def speculative_run(target, draft, tokenizer, prompts_ids: list[list[int]], k: i
         "temperature": temperature,
         **totals,
         "acceptance_rate": ratio(totals["num_accepted"], totals["num_drafted"]),
+        # Per-token alpha of the geometric model, fitted to the totals as the benchmark and the
+        # depth policy do (policies.acceptance; accepted / drafted understates it).
+        "alpha": (estimate_acceptance_rate(totals["num_accepted"], totals["num_drafted"], totals["rounds"], 0.0, 0.0)
+                  if totals["rounds"] else None),
         "mean_tokens_per_pass": ratio(totals["num_emitted"], totals["target_passes"]),
         # P(draft token accepted | every earlier draft token of its round was): the per-position rate.
         "conditional_acceptance": ratio(totals["num_accepted"], totals["num_accepted"] + rejections),
