@@ -26,8 +26,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bench.http_rows import free_port, request_body, run_level, sweep_request_count
-from bench.prompts import DEFAULT_PROMPTS_PATH, load_prompts, select_prompts
 from cluster.config import SpecServeConfig, load_config
+from training.prompts import DEFAULT_PROMPT_SET, PROMPT_SETS, load_prompt_set, select_prompts
 
 VARIANTS = ["specserve", "target-only", "specserve-unbatched", "target-only-unbatched",
             "k0", "k2", "k4", "k8", "adaptive"]
@@ -165,7 +165,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--mode", default="greedy", choices=["greedy", "sampled"])
     parser.add_argument("--num-draft-tokens", "-K", type=int, default=4)
-    parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS_PATH), help="prompt-set JSON")
+    parser.add_argument("--prompts", default="thirdparty",
+                        help=f"prompt set: {' | '.join(PROMPT_SETS)} or a JSON path (default: thirdparty, code "
+                             f"unlike the pair's training corpus; {DEFAULT_PROMPT_SET} is in-distribution)")
     parser.add_argument("--num-prompts", type=int, default=None)
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--name", default=None)
@@ -175,8 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {VARIANTS}")
     levels = [int(c) for c in args.concurrency.split(",")]
-    version, prompts = load_prompts(args.prompts)
-    prompts = select_prompts(prompts, args.num_prompts)
+    prompt_set = load_prompt_set(args.prompts)
+    prompts = select_prompts(prompt_set.prompts, args.num_prompts)
     base = load_config(args.config)
 
     def log(message: str) -> None:
@@ -192,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     import platform
 
     name = args.name or datetime.now(timezone.utc).strftime("load-%Y%m%dT%H%M%SZ")
-    result = {"name": name, "prompts": f"{Path(args.prompts).name} (set {version}, {len(prompts)} prompts)",
+    result = {"name": name, "prompts": f"`{prompt_set.name}` ({prompt_set.path.name}, {len(prompts)} prompts)",
               "max_tokens": args.max_tokens, "mode": args.mode,
               "command": "specserve bench-load " + " ".join(argv if argv is not None else sys.argv[1:]),
               "machine": f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}",
