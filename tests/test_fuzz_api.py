@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import httpx
 import openai
@@ -22,9 +21,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from cluster.config import SpecServeConfig
 from cluster.local import start_local, stop_local
-from tests.tiny_pair import make_tiny_pair
+from tests.test_serving import _free_port
+from tests.tiny_pair import tiny_pair_config
 
 pytestmark = pytest.mark.ray
 MODEL = "tiny-pair"
@@ -36,23 +35,10 @@ CLIENT_TIMEOUT_S = 60.0   # a request that takes longer than this counts as a ha
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    target_path, draft_path = make_tiny_pair(tmp_path_factory.mktemp("pair"))
-    config = SpecServeConfig.model_validate({
-        "model_name": MODEL,
-        "target": {"path": str(target_path)},
-        "draft": {"path": str(draft_path)},
-        "http": {"port": _free_port()},
-        "limits": {"max_tokens": 200, "default_max_tokens": 4},
-        "auth": {"api_keys": API_KEYS},
-    })
+    config = tiny_pair_config(tmp_path_factory.mktemp("pair"), MODEL, _free_port(),
+                              limits={"max_tokens": 200, "default_max_tokens": 4}, auth={"api_keys": API_KEYS})
     url = start_local(config)
     yield url
     stop_local()

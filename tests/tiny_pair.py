@@ -22,7 +22,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from cluster.config import DEFAULT_MODELS_DIR
+from cluster.config import DEFAULT_MODELS_DIR, SpecServeConfig
 
 TOKENIZER_DIR = DEFAULT_MODELS_DIR / "tokenizer"
 
@@ -88,3 +88,11 @@ def make_tiny_pair(root: Path, seed: int = 0, noise: float = 0.3) -> tuple[Path,
         model.save_pretrained(path)
         tokenizer.save_pretrained(path)
     return paths
+
+
+def tiny_pair_config(root: Path, model_name: str, port: int, **sections: dict) -> SpecServeConfig:
+    """A config serving a fresh tiny pair under root on port, with extra config sections."""
+    target_path, draft_path = make_tiny_pair(root)
+    return SpecServeConfig.model_validate({"model_name": model_name, "target": {"path": str(target_path)},
+                                           "draft": {"path": str(draft_path)}, "http": {"port": port},
+                                           **sections})
