@@ -79,11 +79,15 @@ def reference(server):
 
 
 def _leftover_state() -> dict[str, list]:
-    """Sequences still held anywhere: router requests and each worker engine's caches."""
+    """Sequences still held anywhere: router requests and each worker engine's caches. An engine
+    that was killed and not yet replaced reads "dead" (its state died with it); callers poll."""
     leftovers = {"router": serve.get_deployment_handle("Router", APP_NAME).num_active_requests.remote().result()}
     for name in ("TargetWorker", "DraftWorker"):
         engine = serve.get_deployment_handle(name, APP_NAME).get_engine.remote().result()
-        leftovers[name] = ray.get(engine.active_sequences.remote())
+        try:
+            leftovers[name] = ray.get(engine.active_sequences.remote())
+        except ray.exceptions.RayActorError:
+            leftovers[name] = "dead"
     return leftovers
 
 
