@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 WAIT_FOR_SLOT_POLL_S = 0.02  # how often calls that wait for a KV slot look again
+LET_ARRIVALS_IN = 3  # event-loop turns between iterations: a delivered call needs a few to reach the queue
 
 
 class EngineOverloadedError(RuntimeError):
@@ -112,7 +113,12 @@ class EngineLoop:
             self._running = True
             busy_from = time.perf_counter()
             try:
-                results = await loop.run_in_executor(self._executor, self._iterate, [q.call for q in batch])
+                if len(batch) == 1:
+                    # A lone call runs right here: handing it to the worker thread and back costs a
+                    # lone stream two thread switches per call, paid every round.
+                    results = self._iterate([batch[0].call])
+                else:
+                    results = await loop.run_in_executor(self._executor, self._iterate, [q.call for q in batch])
             except Exception as exc:  # the iteration as a whole failed: answer every call in it
                 results = {index: exc for index in range(len(batch))}
             finally:
@@ -133,6 +139,8 @@ class EngineLoop:
             self._queue = [q for q in self._queue if id(q) not in finished and not q.future.done()]
             self._apply_releases()
             self._expire_waiting()
+            for _ in range(LET_ARRIVALS_IN):  # calls Ray delivered meanwhile join the next batch
+                await asyncio.sleep(0)
             if not results and self._queue:  # everything waits for a slot: look again shortly
                 self._wake.clear()
                 try:
