@@ -67,11 +67,12 @@ def _demo(url: str, model: str, prompt: str, max_tokens: int, temperature: float
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from cluster.local import start_local, stop_local
+    from cluster.local import metrics_url, start_local, stop_local
 
     config = load_config(args.config)
     url = start_local(config, dashboard=args.dashboard)
     print(f"specserve is serving '{config.model_name}' at {url}  (OpenAI API under {url}/v1)", flush=True)
+    print(f"metrics: {metrics_url()}", flush=True)
     try:
         if args.demo:
             _demo(url, config.model_name, args.demo, args.max_tokens, args.temperature)

@@ -168,6 +168,14 @@ def key_digest(key: str) -> str:
     return KEY_DIGEST_PREFIX + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+class ObservabilitySpec(_Strict):
+    """Where the local cluster serves its Prometheus metrics (the KubeRay head uses 8080 too)."""
+
+    metrics_export_port: int = Field(8080, ge=0, le=65535,
+                                     description="Ray's Prometheus endpoint on this node; 0 = any free port")
+    metrics_report_interval_ms: int = Field(10_000, ge=100, description="how often workers push metrics to it")
+
+
 class SpecServeConfig(_Strict):
     """Everything a deployment needs; the single source of truth."""
 
@@ -184,6 +192,7 @@ class SpecServeConfig(_Strict):
     router: WorkerResources = WorkerResources(num_cpus=0.25)
     target_workers: WorkerResources = WorkerResources()
     draft_workers: WorkerResources = WorkerResources()
+    observability: ObservabilitySpec = ObservabilitySpec()
 
     @model_validator(mode="after")
     def _draft_needed(self) -> "SpecServeConfig":

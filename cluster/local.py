@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import socket
@@ -14,6 +15,8 @@ from ray import serve
 
 from cluster.builder import APP_NAME, build_app
 from cluster.config import SpecServeConfig
+
+logger = logging.getLogger(__name__)
 
 # Full-vocabulary probability rows (sampled requests) are ~160 KB; keep them inline in the
 # RPC reply rather than in the object store, which costs an extra round trip per round.
@@ -36,6 +39,41 @@ def custom_resources_needed(config: SpecServeConfig) -> dict[str, float]:
         for name, amount in workers.resources.items():
             needed[name] = needed.get(name, 0.0) + amount * workers.replica_bounds[1]
     return needed
+
+
+def metrics_system_config(config: SpecServeConfig) -> dict[str, int]:
+    return {"metrics_report_interval_ms": config.observability.metrics_report_interval_ms}
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def metrics_export_port(config: SpecServeConfig, is_free=_port_is_free) -> int | None:
+    """The configured metrics port, or None (Ray picks a free one) when it is 0 or already taken.
+
+    Why not fail on a taken port: Ray does not say so, its node just times out at start-up, and
+    on a shared machine a second local cluster (another user, a test run) is the usual cause.
+    The `metrics:` line `specserve serve` prints always shows the port actually bound."""
+    port = config.observability.metrics_export_port
+    if port == 0:
+        return None
+    if not is_free(port):
+        logger.warning("metrics port %d is in use; Ray picks a free one (set observability.metrics_export_port "
+                       "or SPECSERVE__OBSERVABILITY__METRICS_EXPORT_PORT to choose)", port)
+        return None
+    return port
+
+
+def metrics_url() -> str:
+    """This node's Prometheus endpoint, as Ray actually bound it (the connected cluster's view)."""
+    node = next(n for n in ray.nodes() if n["Alive"] and n["NodeID"] == ray.get_runtime_context().get_node_id())
+    return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
 
 
 def check_model_paths(config: SpecServeConfig) -> None:
@@ -71,8 +109,9 @@ def start_local(config: SpecServeConfig, dashboard: bool = False, timeout_s: flo
     check_port_free(config.http.host, config.http.port)
     if not ray.is_initialized():
         ray.init(num_cpus=logical_cpus_needed(config), resources=custom_resources_needed(config),
-                 include_dashboard=dashboard,
-                 _system_config=RAY_SYSTEM_CONFIG, configure_logging=False, log_to_driver=False)
+                 include_dashboard=dashboard, _metrics_export_port=metrics_export_port(config),
+                 _system_config={**RAY_SYSTEM_CONFIG, **metrics_system_config(config)},
+                 configure_logging=False, log_to_driver=False)
     serve.start(http_options={"host": config.http.host, "port": config.http.port})
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")
     url = f"http://{config.http.host}:{config.http.port}"

@@ -1,0 +1,42 @@
+"""Names by which tools outside the data path find the engine actors (``specserve status``).
+
+Engines are named Ray actors in their own namespace, so a process that joins the cluster can list
+and query them without going through Serve; the name format lives here only, for the engines
+that take a name and the tools that parse it.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENGINE_NAMESPACE = "specserve"
+ENGINE_NAME_PREFIX = "engine"
+POOLS = ("draft", "target")
+
+
+def engine_actor_name(pool: str, replica_id: str) -> str:
+    """``engine:<pool>:<replica_id>``, e.g. ``engine:target:abc123``; unique while the replica lives."""
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+    if not replica_id or ":" in replica_id:
+        raise ValueError(f"replica_id must be non-empty and free of ':', got {replica_id!r}")
+    return f"{ENGINE_NAME_PREFIX}:{pool}:{replica_id}"
+
+
+def parse_engine_actor_name(name: str) -> tuple[str, str] | None:
+    """(pool, replica_id) of an engine actor's name; None for any other actor's name."""
+    parts = name.split(":")
+    if len(parts) != 3 or parts[0] != ENGINE_NAME_PREFIX or parts[1] not in POOLS or not parts[2]:
+        return None
+    return parts[1], parts[2]
+
+
+def current_replica_id() -> str:
+    """This Serve replica's unique id; outside a replica (tests, scripts) the process id, so
+    labels and names still tell processes apart."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # not inside a Serve replica: RayServeException, or Serve not started
+        return f"pid{os.getpid()}"
