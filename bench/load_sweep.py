@@ -58,7 +58,7 @@ def engine_counters() -> dict[str, dict[str, float]]:
     """Summed engine counters per pool, read from the named engine actors."""
     import ray
 
-    from deployments.engine_host import ENGINE_NAMESPACE
+    from deployments.naming import ENGINE_NAMESPACE
 
     totals: dict[str, dict[str, float]] = {}
     for entry in ray.util.list_named_actors(all_namespaces=True):

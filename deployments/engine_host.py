@@ -30,17 +30,13 @@ from decoding.batched_runner import ForwardCall
 from decoding.model_runner import SequenceStateError
 from decoding.scheduler import IterationPlan, WaitingCall, plan_iteration
 from deployments.engine_loop import EngineLoop
+from deployments.metrics import EngineMetrics
+from deployments.naming import ENGINE_NAMESPACE, engine_actor_name
 
 ENGINE_BUNDLE_INDEX = 1
 REPLICA_CPUS = 0.01  # the replica only relays the engine handle and health checks
-ENGINE_NAMESPACE = "specserve"
 COST_SAMPLES_KEPT = 64  # recent (batch tokens, seconds) forwards, for the policy's cost curve
 REPORT_INTERVAL_S = 1.0  # how often an engine reports its load to the policy actor
-
-
-def engine_actor_name(pool: str, replica_id: str) -> str:
-    """The engine's Ray actor name (namespace ENGINE_NAMESPACE): `specserve status` finds it by it."""
-    return f"engine:{pool}:{replica_id}"
 
 
 def engine_bundles(num_cpus: float, num_gpus: float,
@@ -85,7 +81,9 @@ class EngineCore:
         self.prefill_token_budget = int(engine_options["prefill_token_budget"])
         self.max_batch_rows = int(engine_options["max_batch_rows"])
         self.idle_ttl_s = float(engine_options["idle_sequence_ttl_s"])
-        self.loop = EngineLoop(self._iterate, self._release_now, engine_options["admission_timeout_s"])
+        self.metrics = EngineMetrics(self.pool, name.rsplit(":", 1)[-1] if name else "local")
+        self.loop = EngineLoop(self._iterate, self._release_now, engine_options["admission_timeout_s"],
+                               on_iteration=self._record_iteration)
         self.cost_samples: deque[tuple[int, float]] = deque(maxlen=COST_SAMPLES_KEPT)
         self._unreported_costs: deque[tuple[int, float]] = deque(maxlen=COST_SAMPLES_KEPT)
         self._report_task: asyncio.Task | None = None
@@ -94,6 +92,11 @@ class EngineCore:
 
     def _iterate(self, calls: list[Any]) -> dict[int, Any]:
         raise NotImplementedError
+
+    def _record_iteration(self, rows: int, busy_s: float, idle_s: float) -> None:
+        self.metrics.record_forward(rows, busy_s, idle_s)
+        held = 0 if self.runner is None else len(self.runner.active_sequences())
+        self.metrics.set_load(self.loop.queue_depth, held)
 
     async def ping(self) -> bool:
         """Health check (the replica calls it every few seconds); also keeps load reports going."""

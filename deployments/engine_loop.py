@@ -54,8 +54,12 @@ class EngineLoop:
     thread; indices it leaves out stay queued for the next iteration."""
 
     def __init__(self, iterate: Callable[[list[Any]], dict[int, Any]], release: Callable[[str], None],
-                 admission_timeout_s: float = 30.0) -> None:
+                 admission_timeout_s: float = 30.0,
+                 on_iteration: Callable[[int, float, float], None] | None = None) -> None:
+        """on_iteration(rows answered, busy seconds, idle seconds before it), after each iteration."""
         self._iterate = iterate
+        self._on_iteration = on_iteration
+        self._idle_before_s = 0.0
         self._release = release
         self._admission_timeout_s = admission_timeout_s
         self._queue: list[_Queued] = []
@@ -108,7 +112,9 @@ class EngineLoop:
                 idle_from = time.perf_counter()
                 self._wake.clear()
                 await self._wake.wait()
-                self.stats.idle_s += time.perf_counter() - idle_from
+                idle_s = time.perf_counter() - idle_from
+                self.stats.idle_s += idle_s
+                self._idle_before_s += idle_s
             batch = list(self._queue)
             self._running = True
             busy_from = time.perf_counter()
@@ -123,10 +129,14 @@ class EngineLoop:
                 results = {index: exc for index in range(len(batch))}
             finally:
                 self._running = False
-            self.stats.busy_s += time.perf_counter() - busy_from
+            busy_s = time.perf_counter() - busy_from
+            self.stats.busy_s += busy_s
             if results:
                 self.stats.iterations += 1
                 self.stats.rows_total += len(results)
+                if self._on_iteration is not None:
+                    self._on_iteration(len(results), busy_s, self._idle_before_s)
+                self._idle_before_s = 0.0
             for index, result in results.items():
                 future = batch[index].future
                 if future.done():  # the caller went away (cancelled)

@@ -111,7 +111,7 @@ REQUEST_COUNTER_FIELDS: dict[str, str] = {
     "target_passes": "specserve_target_passes_total",
     "pipelined_rounds": "specserve_pipelined_rounds_total",
 }
-DISCARDED_AHEAD_FIELD = "wasted_discarded_ahead"  # -> wasted_draft_tokens_total{reason="discarded_ahead"}
+DISCARDED_AHEAD_FIELD = "num_discarded_ahead"  # -> wasted_draft_tokens_total{reason="discarded_ahead"}
 WASTE_REASONS = ("rejected", "discarded_ahead")
 
 

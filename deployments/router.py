@@ -22,7 +22,6 @@ import ray
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
-from ray.util import metrics
 from transformers import AutoConfig, AutoTokenizer
 
 from cluster.config import SpecServeConfig
@@ -32,6 +31,7 @@ from decoding.sequence import RequestState
 from decoding.speculation import accept_round, drafted_ahead
 from deployments.admission import Admission, ServerOverloadedError
 from deployments.engine_loop import EngineOverloadedError
+from deployments.metrics import RouterMetrics
 from policies.depth import RoundCosts, choose_draft_depth, should_draft_ahead
 
 logger = logging.getLogger("ray.serve")
@@ -64,22 +64,6 @@ class RoundTimings:
         }
 
 
-class RouterMetrics:
-    """Ray metrics (visible in the Ray dashboard / Prometheus)."""
-
-    def __init__(self) -> None:
-        self.requests = metrics.Counter("specserve_requests_total", "Requests finished, by finish reason",
-                                        tag_keys=("finish_reason",))
-        self.tokens = metrics.Counter("specserve_output_tokens_total", "Tokens committed to outputs")
-        self.drafted = metrics.Counter("specserve_draft_tokens_total", "Draft tokens proposed")
-        self.accepted = metrics.Counter("specserve_accepted_tokens_total", "Draft tokens accepted")
-        self.round_latency = metrics.Histogram(
-            "specserve_round_latency_s", "Wall time of one speculative round",
-            boundaries=[0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5])
-        self.draft_failures = metrics.Counter("specserve_draft_failures_total", "Draft engine failures")
-        self.active = metrics.Gauge("specserve_active_requests", "Requests in flight on this router")
-
-
 @serve.deployment
 class Router:
     def __init__(self, config: dict, target_workers: DeploymentHandle,
@@ -91,7 +75,7 @@ class Router:
         model_config = AutoConfig.from_pretrained(self.config.target.path, local_files_only=True)
         self.max_context = model_config.max_position_embeddings
         self.eos_token_id = self.tokenizer.eos_token_id
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(_replica_id())
         self.active_requests: dict[str, RequestState] = {}
         limits = self.config.limits
         self.admission = Admission(limits.max_active_requests, limits.max_queued_requests, limits.queue_timeout_s)
@@ -216,14 +200,14 @@ class Router:
         try:
             async with self.admission.slot():
                 self.active_requests[request_id] = state
-                self.metrics.active.set(len(self.active_requests))
+                self.metrics.set_active_requests(len(self.active_requests))
                 await self._rounds(state, chunks, timings, engines, started)
             chunks.put_nowait(self._final_chunk(state, timings))
         except Exception as exc:  # hand it to the stream, which raises it to the caller
             chunks.put_nowait(exc)
         finally:
             self.active_requests.pop(request_id, None)
-            self.metrics.active.set(len(self.active_requests))
+            self.metrics.set_active_requests(len(self.active_requests))
             self._record(state)
             for engine in engines:
                 self._release_everywhere(engine, request_id)
@@ -241,6 +225,7 @@ class Router:
         rows, _, target = await self._verify(state, target, 1, engines)
         committed = accept_round(state, Proposal([], None), rows)
         timings.first_token_s = time.perf_counter() - started
+        self.metrics.record_first_token(timings.first_token_s)
         chunks.put_nowait(self._chunk(state, committed))
         ahead = None  # (history it continued, its in-flight draft) while the target verifies
         while not state.finished:
@@ -255,7 +240,7 @@ class Router:
                     proposal, draft_s = await self._propose(state, draft, num_draft, ahead)
                 except ENGINE_ERRORS:
                     logger.warning("draft engine lost for %s; continuing target-only", request_id)
-                    self.metrics.draft_failures.inc()
+                    self.metrics.record_draft_failure()
                     state.stats.draft_failures += 1
                     draft = None
             ahead = None
@@ -280,7 +265,7 @@ class Router:
             timings.round_overhead_s.append(overhead_s)
             timings.draft_depths.append(len(proposal.token_ids))
             self.round_costs.observe_round(target_s, overhead_s)
-            self.metrics.round_latency.observe(round_wall_s)
+            self.metrics.record_round(round_wall_s, len(proposal.token_ids))
             chunks.put_nowait(self._chunk(state, committed))
 
     async def _propose(self, state: RequestState, draft, num_draft: int, ahead) -> tuple[Proposal, float]:
@@ -327,7 +312,7 @@ class Router:
                                           self.config.limits.draft_wait_s)
         except Exception:
             logger.warning("no draft engine available; serving target-only", exc_info=True)
-            self.metrics.draft_failures.inc()
+            self.metrics.record_draft_failure()
             return None
 
     async def _verify(self, state: RequestState, target, num_rows: int, engines: list[Any],
@@ -423,13 +408,8 @@ class Router:
                 "usage": usage, "speculation": speculation}
 
     def _record(self, state: RequestState) -> None:
-        self.metrics.requests.inc(tags={"finish_reason": state.finish_reason or "aborted"})
-        if state.output_ids:
-            self.metrics.tokens.inc(len(state.output_ids))
-        if state.stats.num_drafted:
-            self.metrics.drafted.inc(state.stats.num_drafted)
-        if state.stats.num_accepted:
-            self.metrics.accepted.inc(state.stats.num_accepted)
+        """Counters from the same stats the response's `speculation` field carries, so they agree."""
+        self.metrics.record_request(state.finish_reason, state.stats.to_dict())
 
 
 REQUEST_CLASSES = ("greedy", "sampled")

@@ -56,7 +56,7 @@ class TinyEngine:
         self.router = router = RouterMetrics(replica=f"router-{pool}")
         router.set_active_requests(1)
         router.record_request("length", {"num_emitted": 11, "num_drafted": 12, "num_accepted": 9,
-                                         "target_passes": 3, "pipelined_rounds": 1, "wasted_discarded_ahead": 4})
+                                         "target_passes": 3, "pipelined_rounds": 1, "num_discarded_ahead": 4})
         started = time.perf_counter()
         for _ in range(1000):
             router.record_round(0.01, 4)

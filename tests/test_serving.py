@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 import ray
+import torch
 from ray import serve
 from transformers import AutoTokenizer
 
@@ -47,6 +48,7 @@ def server(tmp_path_factory):
         "draft": {"path": str(draft_path)},
         "http": {"port": _free_port()},
         "limits": {"max_tokens": 200},
+        "observability": {"metrics_export_port": 0, "metrics_report_interval_ms": 500},
     })
     url = start_local(config)
     yield url, config
@@ -100,6 +102,54 @@ def _assert_no_leftovers(timeout_s: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"per-request state leaked: {leftovers}")
         time.sleep(0.1)
+
+
+def _scrape() -> dict[tuple[str, tuple], float]:
+    """The node's Prometheus endpoint, parsed by prometheus_client's own parser: {(name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cluster.local import metrics_url
+
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(metrics_url(), timeout=10).text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def _total(samples: dict, name: str, **labels: str) -> float:
+    return sum(value for (sample_name, sample_labels), value in samples.items()
+               if sample_name == name and all((k, v) in sample_labels for k, v in labels.items()))
+
+
+def test_metrics_counters_agree_with_the_responses_and_engines_export_both_pools(client):
+    """Counter deltas over a few requests equal the sums of those responses' speculation fields
+    exactly; every engine metric is there for the draft and the target pool."""
+    fields = {"ray_specserve_draft_tokens_total": "num_drafted", "ray_specserve_accepted_tokens_total": "num_accepted",
+              "ray_specserve_output_tokens_total": "num_emitted", "ray_specserve_target_passes_total": "target_passes"}
+    _assert_no_leftovers()
+    before = _scrape()
+    responses = [client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=t, seed=3)
+                 for p in PROMPTS for t in (0, 0.8)]
+    expected = {name: sum(r.model_extra["speculation"][field] for r in responses) for name, field in fields.items()}
+    expected_rejected = expected["ray_specserve_draft_tokens_total"] - expected["ray_specserve_accepted_tokens_total"]
+    deadline = time.monotonic() + 30
+    while True:
+        after = _scrape()
+        deltas = {name: _total(after, name) - _total(before, name) for name in fields}
+        rejected = (_total(after, "ray_specserve_wasted_draft_tokens_total", reason="rejected")
+                    - _total(before, "ray_specserve_wasted_draft_tokens_total", reason="rejected"))
+        if (deltas == expected and rejected == expected_rejected) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert deltas == expected
+    assert rejected == expected_rejected
+    assert expected["ray_specserve_draft_tokens_total"] > 0
+    for metric in ("ray_specserve_engine_batch_size_count", "ray_specserve_engine_queue_depth",
+                   "ray_specserve_engine_busy_seconds_total", "ray_specserve_engine_idle_seconds_total",
+                   "ray_specserve_kv_sequences"):
+        pools = {dict(labels).get("pool") for name, labels in after if name == metric}
+        assert {"draft", "target"} <= pools, (metric, pools)
 
 
 def test_health_and_models(server, client):
@@ -179,6 +229,105 @@ def test_concurrent_streams_do_not_mix(client, reference):
     for thread in threads:
         thread.join(timeout=120)
     assert results == {p: reference(p, 40) for p in PROMPTS[:2]}
+    _assert_no_leftovers()
+
+
+NEAR_TIE_LOGIT_GAP = 0.05  # batched and unbatched matmuls may order top-2 logits closer than this differently
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(server):
+    """Hugging Face `generate` (greedy) on the target: the oracle for concurrent batched streams.
+    Returns (text, token ids, the model) for a prompt."""
+    from transformers import AutoModelForCausalLM
+
+    _, config = server
+    model = AutoModelForCausalLM.from_pretrained(config.target.path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(config.target.path)
+
+    def run(prompt: str, max_tokens: int) -> tuple[str, list[int]]:
+        input_ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
+        with torch.no_grad():
+            output = model.generate(input_ids, max_new_tokens=max_tokens, do_sample=False,
+                                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+        ids = output[0, input_ids.shape[1]:].tolist()
+        if tokenizer.eos_token_id in ids:
+            ids = ids[:ids.index(tokenizer.eos_token_id)]
+        return tokenizer.decode(ids, skip_special_tokens=True), ids
+
+    return run, model, tokenizer
+
+
+def _first_divergence_is_a_near_tie(prompt: str, served: str, oracle_ids: list[int], model, tokenizer) -> bool:
+    """The served text left the oracle's at some token; True iff the oracle's top-2 logits there
+    are within NEAR_TIE_LOGIT_GAP (a legitimate flip under batched arithmetic), False otherwise."""
+    for position in range(len(oracle_ids)):
+        text = tokenizer.decode(oracle_ids[:position + 1], skip_special_tokens=True)
+        if not served.startswith(text):
+            break
+    else:
+        return False
+    prefix = tokenizer.encode(prompt, add_special_tokens=False) + oracle_ids[:position]
+    with torch.no_grad():
+        logits = model(torch.tensor([prefix])).logits[0, -1]
+    top2 = torch.topk(logits, 2).values
+    return float(top2[0] - top2[1]) < NEAR_TIE_LOGIT_GAP
+
+
+def test_eight_concurrent_greedy_streams_equal_hf_generate(client, hf_greedy):
+    """Eight streams share the engines' batched forwards; each text equals Hugging Face greedy
+    `generate`, except where the first differing token was a near-tie for the oracle itself."""
+    run, model, tokenizer = hf_greedy
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(8)]
+    results: dict[int, str] = {}
+
+    def stream(i: int) -> None:
+        chunks = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=48, temperature=0, stream=True)
+        results[i] = "".join(c.choices[0].text for c in chunks)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=180)
+    mismatches = []
+    for i, prompt in enumerate(prompts):
+        expected, ids = run(prompt, 48)
+        if results[i] != expected and not _first_divergence_is_a_near_tie(prompt, results[i], ids, model, tokenizer):
+            mismatches.append((prompt, results[i], expected))
+    assert not mismatches
+    _assert_no_leftovers()
+
+
+def test_near_tie_check_flags_a_real_mismatch(hf_greedy):
+    """The escape hatch above cannot hide a real error: a corrupted continuation is not a near-tie."""
+    run, model, tokenizer = hf_greedy
+    expected, ids = run(PROMPTS[0], 24)
+    corrupted = tokenizer.decode(ids[:3] + [(ids[3] + 1) % len(tokenizer)] + ids[4:], skip_special_tokens=True)
+    assert corrupted != expected
+    assert not _first_divergence_is_a_near_tie(PROMPTS[0], corrupted, ids, model, tokenizer)
+
+
+def test_a_seeded_sampled_request_gives_the_same_text_whatever_shares_its_batch(client):
+    def seeded() -> str:
+        return client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=32, temperature=0.9,
+                                         top_p=0.95, seed=1234).choices[0].text
+
+    alone = seeded()
+    results: dict[str, str] = {}
+
+    def other(i: int) -> None:
+        client.completions.create(model=MODEL, prompt=PROMPTS[i % 3], max_tokens=40, temperature=0.7 * (i % 2))
+
+    def target() -> None:
+        results["seeded"] = seeded()
+
+    threads = [threading.Thread(target=other, args=(i,)) for i in range(6)] + [threading.Thread(target=target)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=180)
+    assert results["seeded"] == alone
     _assert_no_leftovers()
 
 
