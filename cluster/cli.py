@@ -120,6 +120,12 @@ def cmd_k8s_manifest(args: argparse.Namespace) -> None:
         print(text, end="")
 
 
+def cmd_status(args: argparse.Namespace) -> None:
+    from cluster.status import main as status_main
+
+    raise SystemExit(status_main(args.address, args.json))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -146,6 +152,11 @@ def main(argv: list[str] | None = None) -> None:
     config_parser.add_argument("--config")
     config_parser.add_argument("-o", "--output")
     config_parser.set_defaults(func=cmd_serve_config)
+
+    status_parser = sub.add_parser("status", help="pools, KV sequences, queue depth, policy depth of the running cluster")
+    status_parser.add_argument("--json", action="store_true", help="machine-readable")
+    status_parser.add_argument("--address", help="Ray address (default: the local cluster)")
+    status_parser.set_defaults(func=cmd_status)
 
     k8s_parser = sub.add_parser("k8s-manifest", help="print a KubeRay RayService manifest")
     k8s_parser.add_argument("--config", default="k8s/specserve-gpu.yaml")

@@ -7,8 +7,12 @@ One small server whose limits are tight on purpose: 3 requests run at once, 3 ma
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -136,3 +140,12 @@ def test_a_storm_of_dropped_connections_leaves_no_state(server):
 
     asyncio.run(storm())
     assert_nothing_held(timeout_s=60)
+    # The operator's view says the same: `specserve status --json` from another process.
+    shown = subprocess.run([str(Path(sys.executable).with_name("specserve")), "status", "--json", "--address",
+                            ray.get_runtime_context().gcs_address], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    status = json.loads(shown.stdout)
+    assert status["load"]["active_requests"] == 0
+    for pool in ("draft", "target"):
+        assert status["pools"][pool]["replicas"] == 1
+        assert status["pools"][pool]["sequences"] == 0

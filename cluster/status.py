@@ -1,0 +1,110 @@
+"""`specserve status [--json]`: what the running local cluster holds and decides, at a glance.
+
+Reads the engines directly (named actors in the `specserve` namespace, `stats()`), the router
+(`Router.status()`: active and queued requests, the policy's depth) and Serve's own replica
+view. `summarize` (pure) turns those into the JSON; `render_table` into the text form.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from deployments.naming import ENGINE_NAMESPACE, POOLS, parse_engine_actor_name
+
+POOL_DEPLOYMENTS = {"draft": "DraftWorker", "target": "TargetWorker"}
+STATS_TIMEOUT_S = 10.0
+
+
+def summarize(engine_stats: Sequence[Mapping[str, Any]], router_status: Mapping[str, Any] | None,
+              running_replicas: Mapping[str, int]) -> dict[str, Any]:
+    """The status document: per pool replicas, KV sequences, queue depth and engines; the policy's
+    depth; the load. An engine whose stats could not be read appears with "error"."""
+    pools: dict[str, dict[str, Any]] = {}
+    for pool in POOLS:
+        engines = [dict(stats) for stats in engine_stats if stats.get("pool") == pool]
+        alive = [e for e in engines if "error" not in e]
+        busy = sum(e.get("busy_s", 0.0) for e in alive)
+        idle = sum(e.get("idle_s", 0.0) for e in alive)
+        forwards = sum(e.get("forwards", 0) for e in alive)
+        pools[pool] = {
+            "replicas": int(running_replicas.get(pool, 0)),
+            "sequences": sum(int(e.get("sequences", 0)) for e in alive),
+            "queue_depth": sum(int(e.get("queue_depth", 0)) for e in alive),
+            "mean_batch_size": sum(e.get("batch_rows_total", 0) for e in alive) / forwards if forwards else None,
+            "utilisation": busy / (busy + idle) if busy + idle > 0 else None,
+            "engines": [{k: v for k, v in e.items() if k != "cost_samples"} for e in engines],
+        }
+    router = dict(router_status or {})
+    decision = router.get("policy") or {}
+    return {
+        "pools": pools,
+        "policy": {"num_draft_tokens": router.get("num_draft_tokens"), "decision": decision or None},
+        "load": {"active_requests": int(router.get("active_requests", 0)),
+                 "queued_requests": int(router.get("queued_requests", 0))},
+    }
+
+
+def render_table(summary: Mapping[str, Any]) -> str:
+    """A few aligned lines a person reads at a glance."""
+    def fmt(value: Any, digits: int = 2) -> str:
+        return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+    rows = [("pool", "replicas", "sequences", "queue", "batch", "busy")]
+    for pool, info in summary["pools"].items():
+        rows.append((pool, fmt(info["replicas"]), fmt(info["sequences"]), fmt(info["queue_depth"]),
+                     fmt(info["mean_batch_size"]), fmt(info["utilisation"])))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    load, policy = summary["load"], summary["policy"]
+    lines.append(f"requests: {load['active_requests']} active, {load['queued_requests']} queued; "
+                 f"draft depth for a greedy request now: {fmt(policy['num_draft_tokens'])}")
+    for pool, info in summary["pools"].items():
+        for engine in info["engines"]:
+            if "error" in engine:
+                lines.append(f"  {pool} engine {engine.get('replica', '?')}: unreachable ({engine['error']})")
+    return "\n".join(lines)
+
+
+def collect(address: str | None) -> dict[str, Any]:
+    """Connect to the running cluster and gather the status document."""
+    import ray
+    from ray import serve
+
+    from cluster.builder import APP_NAME
+
+    ray.init(address=address or "auto", log_to_driver=False, configure_logging=False)
+    engine_stats = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        parsed = parse_engine_actor_name(entry["name"]) if entry["namespace"] == ENGINE_NAMESPACE else None
+        if parsed is None:
+            continue
+        pool, replica = parsed
+        try:
+            actor = ray.get_actor(entry["name"], namespace=ENGINE_NAMESPACE)
+            engine_stats.append(ray.get(actor.stats.remote(), timeout=STATS_TIMEOUT_S))
+        except Exception as exc:  # a dying engine is reported, not fatal
+            engine_stats.append({"pool": pool, "replica": replica, "error": type(exc).__name__})
+    try:
+        router_status = serve.get_deployment_handle("Router", APP_NAME).status.remote().result(
+            timeout_s=STATS_TIMEOUT_S)
+    except Exception:
+        router_status = None
+    running = {}
+    application = serve.status().applications.get(APP_NAME)
+    for pool, deployment in POOL_DEPLOYMENTS.items():
+        info = application.deployments.get(deployment) if application else None
+        running[pool] = sum(count for state, count in (info.replica_states.items() if info else [])
+                            if str(getattr(state, "value", state)) == "RUNNING")
+    return summarize(engine_stats, router_status, running)
+
+
+def main(address: str | None, as_json: bool) -> int:
+    try:
+        summary = collect(address)
+    except ConnectionError as exc:
+        print(f"specserve status: no running cluster found ({exc}); start one with `specserve serve`")
+        return 2
+    print(json.dumps(summary, indent=1) if as_json else render_table(summary))
+    return 0
