@@ -155,7 +155,8 @@ class Router:
         for state in self.active_requests.values():
             active_by_class[_request_class(state)] += 1
         return {"router": self.router_id, "active_requests": len(self.active_requests),
-                "active_by_class": active_by_class, "by_class": self.class_counters}
+                "active_by_class": active_by_class, "by_class": self.class_counters,
+                "round_overhead_s": self.round_costs.overhead_s}
 
     def _policy_depth_cap(self, state: RequestState) -> int | None:
         """The depth the policy actor allows this request's class now, or None (no fresh decision)."""

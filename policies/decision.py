@@ -91,7 +91,8 @@ class Decider:
         target_replicas = load.pools["target"].replicas if "target" in load.pools else 1
         draft_replicas = load.pools["draft"].replicas if "draft" in load.pools else 1
         depths, goodput = choose_depths(load.classes, target_curve, draft_curve, target_replicas, draft_replicas,
-                                        s.min_k, s.max_k, s.allow_target_only, self.decision.num_draft_tokens)
+                                        s.min_k, s.max_k, s.allow_target_only, self.decision.num_draft_tokens,
+                                        overhead_s=load.round_overhead_s)
         reasons.append("depth: " + ", ".join(
             f"{c} K={depths[c]} (n={load.classes[c].active_requests}, alpha={load.classes[c].accept_rate:.2f})"
             for c in depths) + f", model goodput {goodput:.0f} tok/s")

@@ -79,6 +79,11 @@ class RoundCosts:
         self._overhead_s = self._ema(self._overhead_s, max(0.0, overhead_s))
         self._update_ratios()
 
+    @property
+    def overhead_s(self) -> float | None:
+        """Measured per-round orchestration overhead (seconds), None before the first round."""
+        return self._overhead_s
+
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)
 

@@ -44,6 +44,7 @@ class ClusterLoad:
     classes: dict[str, ClassLoad]
     active_requests: int
     cost_samples: dict[str, list[tuple[float, float]]]
+    round_overhead_s: float = 0.0  # per-round orchestration (RPC hops, router work) routers measure
 
 
 @dataclass
@@ -129,5 +130,8 @@ class LoadTracker:
         if sum(by_class_active.values()) == 0 and active:
             by_class_active["greedy"] = active  # routers that do not split active requests by class
         classes = {c: self._class_load(c, by_class_active.get(c, 0)) for c in by_class_active}
+        overheads = [float(seen.report["round_overhead_s"]) for seen in self._routers.values()
+                     if seen.report.get("round_overhead_s") is not None]
         return ClusterLoad(pools, sequences, classes, active,
-                           {pool: list(samples) for pool, samples in self._samples.items()})
+                           {pool: list(samples) for pool, samples in self._samples.items()},
+                           sum(overheads) / len(overheads) if overheads else 0.0)

@@ -125,3 +125,21 @@ def test_a_clearly_worse_incumbent_is_replaced():
     load = loads(1, 1, alpha=0.7)
     far = {"greedy": 1, "sampled": 8}
     assert choose_depths(load, FLAT_TARGET, CHEAP_DRAFT, 1, 1, 1, 8, incumbent=far)[0] == {"greedy": 4, "sampled": 4}
+
+
+def test_a_costly_round_trip_argues_for_deeper_rounds():
+    """Per-round overhead is paid once per round whatever K is, so measured RPC cost (which routers
+    report) must push K up: with none the model drafts shallower than the served path should."""
+    cpu_like = CostCurve(fixed_s=0.009, per_token_s=0.0018)
+    cheap_hops, _ = choose_depths(loads(1, 0, alpha=0.88), cpu_like, CHEAP_DRAFT, 1, 1, 1, 8, overhead_s=0.0)
+    costly_hops, _ = choose_depths(loads(1, 0, alpha=0.88), cpu_like, CHEAP_DRAFT, 1, 1, 1, 8, overhead_s=0.007)
+    assert costly_hops["greedy"] > cheap_hops["greedy"]
+
+
+def test_the_load_view_carries_the_routers_measured_overhead():
+    from policies.load import LoadTracker
+
+    tracker = LoadTracker()
+    for name, overhead_s in (("r1", 0.006), ("r2", 0.008), ("r3", None)):
+        tracker.add_router({"router": name, "active_requests": 1, "round_overhead_s": overhead_s}, now=0.0)
+    assert tracker.snapshot(0.0).round_overhead_s == pytest.approx(0.007)
