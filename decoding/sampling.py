@@ -24,6 +24,7 @@ MAX_STOP_STRINGS = 4
 GREEDY_BELOW_TEMPERATURE = 1e-5
 # torch.Generator.manual_seed takes a 64-bit seed; the draft stream uses seed + 1.
 MAX_SEED = 2**63 - 2
+MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (vLLM's default cap)
 
 # Field types shared with the HTTP request models.
 Temperature = Annotated[float, Field(ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE, allow_inf_nan=False)]
@@ -54,6 +55,9 @@ class SamplingParams(BaseModel):
                             description=f"up to {MAX_STOP_STRINGS} non-empty stop strings")
     ignore_eos: bool = Field(default=False, description="EOS is an ordinary token: it does not end the request")
     min_tokens: int = Field(default=0, ge=0, description="EOS is masked for output positions below this")
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS,
+                                 description="return the target's raw log-probability of every emitted token "
+                                             "and this many most likely alternatives; None: none")
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -94,3 +94,18 @@ def drafted_ahead(history: Sequence[int], ahead_of: Sequence[int], ahead: Propos
         return None
     probs = None if ahead.probs is None else ahead.probs[1 : 1 + count]
     return Proposal(token_ids=list(ahead.token_ids[1 : 1 + count]), probs=probs)
+
+
+def token_logprobs(token_ids: Sequence[int], logprob_rows: torch.Tensor | np.ndarray,
+                   num_alternatives: int) -> list[dict]:
+    """Per committed token: its log-probability under the target's raw distribution and the
+    num_alternatives most likely (id, log-probability) pairs. Token i was emitted from row i of
+    the verify that committed it (accepted draft tokens, then the recovered or bonus token), so
+    the rows the target computed for verification serve as they are: no extra forward."""
+    rows = as_tensor(logprob_rows)
+    entries = []
+    for i, token in enumerate(token_ids):
+        top = torch.topk(rows[i], num_alternatives) if num_alternatives else None
+        entries.append({"token_id": int(token), "logprob": float(rows[i, token]),
+                        "top": [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))})
+    return entries

@@ -188,7 +188,8 @@ class Ingress:
         try:
             return SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
                                   seed=body.seed, max_tokens=max_tokens, stop=body.stop,
-                                  ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)
+                                  ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+                                  logprobs=body.num_logprobs)
         except ValidationError as exc:  # the request models share these limits: a bug if it happens
             raise OpenAIError(validation_error_body(exc.errors())["error"]["message"]) from None
 
@@ -199,12 +200,15 @@ class Ingress:
         first = await _first_chunk(chunks)  # before any byte goes out, so overload can still be a 503
         if body.stream:
             return StreamingResponse(self._stream(first, chunks, request_id, kind, body.model, echo_prefix,
-                                                  body.include_usage), media_type="text/event-stream")
-        text, final = echo_prefix, {}
+                                                  body.include_usage, params.logprobs is not None),
+                                     media_type="text/event-stream")
+        text, final, entries = echo_prefix, {}, []
         async for chunk in _prepend(first, chunks):
             text += chunk["text"]
+            entries += chunk.get("logprobs", [])
             final = chunk
-        choice: dict[str, Any] = {"index": 0, "finish_reason": final.get("finish_reason"), "logprobs": None}
+        logprobs = None if params.logprobs is None else self._logprobs(kind, entries, len(echo_prefix))
+        choice: dict[str, Any] = {"index": 0, "finish_reason": final.get("finish_reason"), "logprobs": logprobs}
         if kind == "text_completion":
             choice["text"] = text
         else:
@@ -212,8 +216,30 @@ class Ingress:
         return {"id": request_id, "object": kind, "created": now(), "model": body.model, "choices": [choice],
                 "usage": final.get("usage"), "speculation": final.get("speculation")}
 
+    def _logprobs(self, kind: str, entries: list[dict], text_offset: int = 0) -> dict[str, Any]:
+        """Router entries ({token_id, logprob, top: [(id, logprob)]}) in OpenAI's shape: completions'
+        tokens / token_logprobs / top_logprobs / text_offset, or chat's content list."""
+        def text_of(token_id: int) -> str:
+            return self.tokenizer.decode([token_id])
+
+        if kind == "text_completion":
+            tokens = [text_of(e["token_id"]) for e in entries]
+            offsets = []
+            for token in tokens:
+                offsets.append(text_offset)
+                text_offset += len(token)
+            return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+                    "top_logprobs": [{text_of(i): lp for i, lp in e["top"]} for e in entries], "text_offset": offsets}
+
+        def item(token_id: int, logprob: float) -> dict[str, Any]:
+            token = text_of(token_id)
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", "replace"))}
+
+        return {"content": [{**item(e["token_id"], e["logprob"]), "top_logprobs": [item(i, lp) for i, lp in e["top"]]}
+                            for e in entries], "refusal": None}
+
     async def _stream(self, first: dict, chunks, request_id: str, kind: str, model: str, echo_prefix: str,
-                      include_usage: bool = False) -> AsyncIterator[str]:
+                      include_usage: bool = False, with_logprobs: bool = False) -> AsyncIterator[str]:
         """SSE chunks. With stream_options.include_usage, as OpenAI: every chunk carries
         "usage": null and an extra last chunk with empty choices carries the usage; without it,
         the finishing chunk carries the usage (as before)."""
@@ -225,8 +251,9 @@ class Ingress:
             return _sse({"id": request_id, "object": object_name, "created": created, "model": model,
                          "choices": choices, **usage_null, **extra})
 
-        def choice(text: str | None, finish_reason: str | None) -> dict[str, Any]:
-            body: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        def choice(text: str | None, finish_reason: str | None, entries: list[dict] | None = None) -> dict[str, Any]:
+            logprobs = self._logprobs(kind, entries or []) if with_logprobs and entries is not None else None
+            body: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs}
             if kind == "text_completion":
                 body["text"] = text or ""
             else:
@@ -241,14 +268,14 @@ class Ingress:
                 yield event([choice(echo_prefix, None)])
             async for chunk in _prepend(first, chunks):
                 if "usage" in chunk:
-                    finish = choice(chunk["text"] or None, chunk["finish_reason"])
+                    finish = choice(chunk["text"] or None, chunk["finish_reason"], chunk.get("logprobs"))
                     if include_usage:
                         yield event([finish], speculation=chunk["speculation"])
                         yield event([], usage=chunk["usage"])
                     else:
                         yield event([finish], usage=chunk["usage"], speculation=chunk["speculation"])
-                elif chunk["text"]:
-                    yield event([choice(chunk["text"], None)])
+                elif chunk["text"] or chunk.get("logprobs"):
+                    yield event([choice(chunk["text"], None, chunk.get("logprobs"))])
             yield _sse("[DONE]")
         except Exception as exc:  # the stream has started: report in-band, as OpenAI does
             yield _sse(error_body(f"generation failed: {exc}", error_type="server_error"))

@@ -11,7 +11,8 @@ fields, so a client never believes it got what it did not:
 - *accepted and ignored* (they change neither the tokens nor the response shape): ``IGNORED_FIELDS``.
 - *served only at their neutral value* (anything else changes semantics we do not serve, so 400
   naming the field): ``NEUTRAL_VALUES``, e.g. n=1, presence_penalty=0, logit_bias={}, tools=[],
-  response_format={"type": "text"}; logprobs stay unserved for now.
+  response_format={"type": "text"}. Log-probabilities are served: `logprobs` (completions: how
+  many alternatives, 0-20) and `logprobs` + `top_logprobs` (chat), the target's raw distribution.
 - *unknown*: 400 "Unrecognized request argument supplied: X", as OpenAI's own API answers. An
   unknown field cannot be known to be harmless, and silently dropping one is how a benchmark ends
   up measuring something else.
@@ -28,9 +29,10 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator,
+                      model_validator)
 
-from decoding.sampling import MAX_STOP_STRINGS, Seed, Temperature, TopP
+from decoding.sampling import MAX_LOGPROBS, MAX_STOP_STRINGS, Seed, Temperature, TopP
 
 
 class OpenAIError(Exception):
@@ -113,8 +115,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "repetition_penalty": (1,),
     "min_p": (0,),
     "logit_bias": ({},),
-    "logprobs": (False,),          # logprobs are not served yet (completions: int, chat: bool)
-    "top_logprobs": (0,),
     "suffix": ("",),
     "tools": ([],),
     "functions": ([],),
@@ -193,8 +193,6 @@ class _RequestFields(BaseModel):
     repetition_penalty: Any = None
     min_p: Any = None
     logit_bias: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
     suffix: Any = None
     tools: Any = None
     functions: Any = None
@@ -255,6 +253,12 @@ class _RequestFields(BaseModel):
 class CompletionRequest(_RequestFields):
     prompt: Text
     echo: bool = False
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                       description="log-probability of each token and this many alternatives")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -304,6 +308,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_RequestFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Any = None
     add_generation_prompt: Any = None
     continue_final_message: Any = None
@@ -312,6 +318,17 @@ class ChatCompletionRequest(_RequestFields):
     @classmethod
     def _chat_neutral_only(cls, value: Any, info) -> Any:
         return _check_neutral(info.field_name, value, _CHAT_ONLY_NEUTRAL[info.field_name])
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value: int | None, info) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def new_id(prefix: str) -> str:

@@ -28,7 +28,7 @@ from cluster.config import SpecServeConfig
 from decoding.proposers import Proposal
 from decoding.sampling import SamplingParams
 from decoding.sequence import RequestState
-from decoding.speculation import accept_round, drafted_ahead
+from decoding.speculation import accept_round, drafted_ahead, token_logprobs
 from deployments.admission import Admission, ServerOverloadedError
 from deployments.engine_loop import EngineOverloadedError
 from deployments.metrics import RouterMetrics
@@ -224,10 +224,11 @@ class Router:
             engines.append(draft)
             draft.prefill.remote(request_id, state.history)
         rows, _, target = await self._verify(state, target, 1, engines)
+        rows, logprob_rows = _split_logprobs(state, rows)
         committed = accept_round(state, Proposal([], None), rows)
         timings.first_token_s = time.perf_counter() - started
         self.metrics.record_first_token(timings.first_token_s)
-        chunks.put_nowait(self._chunk(state, committed))
+        chunks.put_nowait(self._chunk(state, committed, logprob_rows))
         ahead = None  # (history it continued, its in-flight draft) while the target verifies
         while not state.finished:
             if time.perf_counter() > deadline:
@@ -254,6 +255,7 @@ class Router:
             rows, target_s, target = await self._verify(state, target, len(proposal.token_ids) + 1, engines,
                                                         proposal)
             accepted_before = state.stats.num_accepted
+            rows, logprob_rows = _split_logprobs(state, rows)
             committed = accept_round(state, proposal, rows)
             if proposal.token_ids:
                 counters = self.class_counters[_request_class(state)]
@@ -267,7 +269,7 @@ class Router:
             timings.draft_depths.append(len(proposal.token_ids))
             self.round_costs.observe_round(target_s, overhead_s)
             self.metrics.record_round(round_wall_s, len(proposal.token_ids))
-            chunks.put_nowait(self._chunk(state, committed))
+            chunks.put_nowait(self._chunk(state, committed, logprob_rows))
 
     async def _propose(self, state: RequestState, draft, num_draft: int, ahead) -> tuple[Proposal, float]:
         """This round's draft block and the draft seconds the round waited on: 0 when the block
@@ -397,8 +399,11 @@ class Router:
         return None if state.params.seed is None else state.params.seed + 1
 
     @staticmethod
-    def _chunk(state: RequestState, committed: list[int]) -> dict:
-        return {"text": state.take_text_delta(), "token_ids": committed, "finish_reason": state.finish_reason}
+    def _chunk(state: RequestState, committed: list[int], logprob_rows=None) -> dict:
+        chunk = {"text": state.take_text_delta(), "token_ids": committed, "finish_reason": state.finish_reason}
+        if logprob_rows is not None:
+            chunk["logprobs"] = token_logprobs(committed, logprob_rows, state.params.logprobs)
+        return chunk
 
     def _final_chunk(self, state: RequestState, timings: RoundTimings) -> dict:
         usage = {"prompt_tokens": len(state.prompt_ids), "completion_tokens": len(state.output_ids),
@@ -434,4 +439,11 @@ def _merge_chunks(chunks: list[dict]) -> dict:
     merged = dict(chunks[-1])
     merged["text"] = "".join(chunk["text"] for chunk in chunks)
     merged["token_ids"] = [token for chunk in chunks for token in chunk["token_ids"]]
+    if any("logprobs" in chunk for chunk in chunks):
+        merged["logprobs"] = [entry for chunk in chunks for entry in chunk.get("logprobs", [])]
     return merged
+
+
+def _split_logprobs(state: RequestState, rows):
+    """(rows, raw log-probability rows or None): a logprobs request's verify answers with both."""
+    return rows if state.params.logprobs is not None else (rows, None)

@@ -6,6 +6,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from ray import serve
 
 from decoding.batched_runner import ForwardCall, load_runner
@@ -36,7 +37,8 @@ class TargetEngine(EngineCore):
     async def verify(self, seq_id: str, token_ids: Sequence[int], num_rows: int, params: SamplingParams,
                      first_output_index: int | None = None) -> tuple[object, float]:
         """Rows for the last num_rows positions of token_ids (argmax ids when greedy, else probs),
-        and the seconds the call spent in this engine (queue + forward). Prefill: num_rows=1."""
+        and the seconds the call spent in this engine (queue + forward). Prefill: num_rows=1.
+        When params.logprobs is set the rows come as (rows, raw log-probability rows [num_rows, V])."""
         started = time.perf_counter()
         rows = await self.loop.submit(VerifyCall(seq_id, list(token_ids), num_rows, params, first_output_index))
         return rows, time.perf_counter() - started
@@ -72,8 +74,11 @@ class TargetEngine(EngineCore):
                 results[index] = exc
             return
         for (index, call), rows in zip(indexed_calls, logits):
-            results[index] = to_wire(target_rows(rows, call.params, self.runner.eos_token_id,
-                                                 call.first_output_index))
+            processed = to_wire(target_rows(rows, call.params, self.runner.eos_token_id, call.first_output_index))
+            if call.params.logprobs is None:
+                results[index] = processed
+            else:  # the raw distribution's log-probabilities, for the tokens the router will emit
+                results[index] = (processed, to_wire(torch.log_softmax(rows.float(), dim=-1)))
 
 
 @serve.deployment

@@ -33,7 +33,7 @@ def refusal(model, body) -> dict:
 
 @pytest.mark.parametrize("field, value", [
     ("logit_bias", {"50": 10}), ("presence_penalty", 0.5), ("frequency_penalty", -1), ("best_of", 2),
-    ("suffix", "return x"), ("logprobs", 1), ("logprobs", 0), ("logprobs", True), ("top_logprobs", 3),
+    ("suffix", "return x"),
     ("n", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]), ("functions", [{"name": "f"}]),
     ("tool_choice", "auto"), ("response_format", {"type": "json_object"}), ("repetition_penalty", 1.2),
     ("min_p", 0.1), ("use_beam_search", True), ("include_stop_str_in_output", True), ("audio", {"voice": "x"}),
@@ -174,3 +174,21 @@ def test_invalid_json_gets_a_message_without_a_param():
                "ctx": {"error": "Expecting value"}}]
     error = validation_error_body(errors)["error"]
     assert error["param"] is None and "not valid JSON" in error["message"]
+
+
+def test_completion_logprobs_take_a_count_of_alternatives():
+    assert CompletionRequest.model_validate({**COMPLETION, "logprobs": 0}).num_logprobs == 0
+    assert CompletionRequest.model_validate({**COMPLETION, "logprobs": 5}).num_logprobs == 5
+    assert CompletionRequest.model_validate(COMPLETION).num_logprobs is None
+    assert refusal(CompletionRequest, {**COMPLETION, "logprobs": 21})["param"] == "logprobs"
+    assert refusal(CompletionRequest, {**COMPLETION, "logprobs": True})["param"] == "logprobs"
+    assert refusal(CompletionRequest, {**COMPLETION, "top_logprobs": 2})["param"] == "top_logprobs"
+
+
+def test_chat_logprobs_are_a_switch_with_top_logprobs_beside_it():
+    assert ChatCompletionRequest.model_validate({**CHAT, "logprobs": True, "top_logprobs": 3}).num_logprobs == 3
+    assert ChatCompletionRequest.model_validate({**CHAT, "logprobs": True}).num_logprobs == 0
+    assert ChatCompletionRequest.model_validate({**CHAT, "logprobs": False}).num_logprobs is None
+    assert refusal(ChatCompletionRequest, {**CHAT, "top_logprobs": 3})["param"] == "top_logprobs"
+    assert refusal(ChatCompletionRequest, {**CHAT, "logprobs": True, "top_logprobs": 21})["param"] == "top_logprobs"
+    assert refusal(ChatCompletionRequest, {**CHAT, "logprobs": 1})["param"] == "logprobs"

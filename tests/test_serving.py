@@ -331,6 +331,47 @@ def test_a_seeded_sampled_request_gives_the_same_text_whatever_shares_its_batch(
     _assert_no_leftovers()
 
 
+def test_logprobs_are_the_targets_raw_log_probabilities(server, client):
+    """Completions `logprobs=3`: each token's log-probability under the target's raw distribution
+    (what verification already computed), and its 3 most likely alternatives; chat and streaming
+    carry the same numbers in their own shapes."""
+    _, config = server
+    runner = ModelRunner(config.target.path)
+    tokenizer = AutoTokenizer.from_pretrained(config.target.path)
+    prompt_ids = tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    state = RequestState(request_id="lp", prompt_ids=prompt_ids, params=SamplingParams(temperature=0, max_tokens=16),
+                         eos_token_id=tokenizer.eos_token_id, max_context=runner.max_context)
+    for _ in generate(runner, state):
+        pass
+    output_ids = state.output_ids
+    reference = torch.log_softmax(runner.forward("lp-ref", prompt_ids + output_ids, len(output_ids)), dim=-1)
+
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0, logprobs=3)
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.token_logprobs) == len(output_ids) == 16
+    for i, token in enumerate(output_ids):
+        # Same model, other kernels (the slot path batches): float32 agreement, not bit equality.
+        assert logprobs.token_logprobs[i] == pytest.approx(float(reference[i, token]), abs=1e-3)
+        alternatives = logprobs.top_logprobs[i]
+        assert len(alternatives) == 3
+        assert max(alternatives.values()) == pytest.approx(logprobs.token_logprobs[i], abs=1e-6)  # greedy: the top
+    assert "".join(logprobs.tokens) == response.choices[0].text
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(16)]
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 8 and all(len(item.top_logprobs) == 2 for item in content)
+    assert all(item.logprob <= 0 for item in content)
+
+    streamed = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0, logprobs=3,
+                                         stream=True)
+    values = [lp for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+              for lp in chunk.choices[0].logprobs.token_logprobs]
+    assert values == pytest.approx(logprobs.token_logprobs, abs=1e-6)
+    _assert_no_leftovers()
+
+
 BAD_BODIES = [
     ({"model": "no-such-model", "prompt": "x"}, "model"),
     ({"model": MODEL, "prompt": 42}, "prompt"),

@@ -4,6 +4,7 @@ the target rows a verify call returns (target_rows: EOS masked below min_tokens)
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from decoding.proposers import Proposal
@@ -49,3 +50,15 @@ def test_target_rows_mask_eos_for_output_positions_below_min_tokens():
     # The old two-argument call and min_tokens 0 leave EOS alone.
     assert target_rows(logits, params).tolist() == [eos] * 4
     assert target_rows(logits, SamplingParams(temperature=0), eos, 0).tolist() == [eos] * 4
+
+
+def test_token_logprobs_read_each_committed_token_from_its_own_row():
+    from decoding.speculation import token_logprobs
+
+    rows = torch.log_softmax(torch.tensor([[3.0, 1.0, 0.0, -1.0], [0.0, 2.0, 1.0, 0.5], [1.0, 1.0, 4.0, 0.0]]), dim=-1)
+    entries = token_logprobs([0, 2], rows.numpy(), num_alternatives=2)
+    assert [e["token_id"] for e in entries] == [0, 2]
+    assert entries[0]["logprob"] == pytest.approx(float(rows[0, 0]))
+    assert entries[1]["logprob"] == pytest.approx(float(rows[1, 2]))   # row 1, not the token's best row
+    assert [i for i, _ in entries[1]["top"]] == [1, 2]
+    assert token_logprobs([3], rows, 0)[0]["top"] == []
