@@ -88,7 +88,7 @@ def engine_load(before: dict, after: dict) -> dict[str, dict[str, float | None]]
     return load
 
 
-def run_variant(config: SpecServeConfig, bodies_for, levels: list[int], log) -> list[dict]:
+def run_variant(config: SpecServeConfig, bodies_for, levels: list[int], log, progress) -> list[dict]:
     from cluster.local import start_local, stop_local
 
     url = start_local(config)
@@ -102,6 +102,7 @@ def run_variant(config: SpecServeConfig, bodies_for, levels: list[int], log) -> 
             log(f"  {level:>2} streams: {result['tokens_per_s']:.1f} tok/s, p50 {result['latency_p50_ms']:.0f} ms, "
                 f"batch {json.dumps({p: l['mean_batch_size'] for p, l in result['engines'].items()})}")
             results.append(result)
+            progress.update()
         return results
     finally:
         stop_local()
@@ -199,10 +200,14 @@ def main(argv: list[str] | None = None) -> None:
               "command": "specserve bench-load " + " ".join(argv if argv is not None else sys.argv[1:]),
               "machine": f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}",
               "variants": {}}
+    from tqdm import tqdm
+
+    progress = tqdm(total=len(variants) * len(levels), desc="bench-load", unit="level", file=sys.stderr)
     for variant in variants:
         log(f"variant {variant}")
         config = variant_config(base, variant, args.num_draft_tokens, free_port())
-        result["variants"][variant] = run_variant(config, bodies_for, levels, log)
+        result["variants"][variant] = run_variant(config, bodies_for, levels, log, progress)
+    progress.close()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(result, indent=1))

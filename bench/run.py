@@ -19,6 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from bench.perfmodel import ratio
 from bench.records import RequestRecord, StepLatency, step_size_for, summarize_row
@@ -122,13 +123,17 @@ def run_in_process(args, pair, prompts, prompt_ids, records: dict) -> None:
         first = prompts[0].prompt_id
         for row in rows:  # warm-up: allocator, kernels, HF's first-call setup
             row.measure(pair, "warmup", 0, prompt_ids[first], mode, WARMUP_TOKENS, 0)
+        progress = tqdm(total=args.runs * len(prompts) * len(rows), desc=f"in-process {mode}", unit="req",
+                        file=sys.stderr, mininterval=5)
         for run in range(args.runs):
             for index, prompt in enumerate(prompts):
                 for row in rows:
                     record = row.measure(pair, prompt.prompt_id, run, prompt_ids[prompt.prompt_id], mode,
                                          args.max_tokens, seed_for(run, index))
                     records.setdefault((mode, row.key), []).append(record)
+                    progress.update()
             log(f"in-process {mode} run {run + 1}/{args.runs} done")
+        progress.close()
 
 
 def run_http(args, config, prompts, records: dict, sweeps: dict) -> None:
