@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 import ray
 import torch
-from ray import serve
 from ray.util import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -31,7 +30,7 @@ from decoding.model_runner import SequenceStateError
 from decoding.scheduler import IterationPlan, WaitingCall, plan_iteration
 from deployments.engine_loop import EngineLoop
 from deployments.metrics import EngineMetrics
-from deployments.naming import ENGINE_NAMESPACE, engine_actor_name
+from deployments.naming import ENGINE_NAMESPACE, current_replica_id, engine_actor_name
 
 ENGINE_BUNDLE_INDEX = 1
 REPLICA_CPUS = 0.01  # the replica only relays the engine handle and health checks
@@ -209,11 +208,7 @@ class EngineHost:
 
     def __init__(self, resources: dict[str, Any], *engine_args: Any) -> None:
         """resources: a WorkerResources dump (num_cpus, num_gpus, resources) for the engine."""
-        try:
-            replica_id = serve.get_replica_context().replica_id.unique_id
-        except Exception:  # not inside a Serve replica (tests): an anonymous engine
-            replica_id = None
-        name = engine_actor_name(self.engine_class.pool, replica_id) if replica_id else ""
+        name = engine_actor_name(self.engine_class.pool, current_replica_id())
         self.engine = spawn_engine(self.engine_class, resources["num_cpus"], resources["num_gpus"],
                                    resources["resources"], name, *engine_args, name)
         started = time.monotonic()

@@ -32,6 +32,7 @@ from decoding.speculation import accept_round, drafted_ahead, token_logprobs
 from deployments.admission import Admission, ServerOverloadedError
 from deployments.engine_loop import EngineOverloadedError
 from deployments.metrics import RouterMetrics
+from deployments.naming import current_replica_id
 from policies.depth import RoundCosts, choose_draft_depth, should_draft_ahead
 
 logger = logging.getLogger("ray.serve")
@@ -75,7 +76,7 @@ class Router:
         model_config = AutoConfig.from_pretrained(self.config.target.path, local_files_only=True)
         self.max_context = model_config.max_position_embeddings
         self.eos_token_id = self.tokenizer.eos_token_id
-        self.metrics = RouterMetrics(_replica_id())
+        self.metrics = RouterMetrics(current_replica_id())
         self.active_requests: dict[str, RequestState] = {}
         limits = self.config.limits
         self.admission = Admission(limits.max_active_requests, limits.max_queued_requests, limits.queue_timeout_s)
@@ -83,7 +84,7 @@ class Router:
         # Measured costs, shared by this router's requests: they reflect the engines' current load.
         self.round_costs = RoundCosts(draft_cost_ratio=self.config.speculation.draft_cost_ratio)
         # Cluster-wide depth from the policy actor (policies/actor.py), refreshed every second.
-        self.router_id = _replica_id()
+        self.router_id = current_replica_id()
         self.class_counters = {c: {"rounds": 0, "drafted": 0, "accepted": 0} for c in REQUEST_CLASSES}
         self.policy_decision: dict[str, Any] | None = None
         self.policy_decision_at = 0.0
@@ -423,13 +424,6 @@ REQUEST_CLASSES = ("greedy", "sampled")
 
 def _request_class(state: RequestState) -> str:
     return "greedy" if state.params.is_greedy else "sampled"
-
-
-def _replica_id() -> str:
-    try:
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # outside a Serve replica
-        return "router"
 
 
 def _merge_chunks(chunks: list[dict]) -> dict:

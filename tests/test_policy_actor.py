@@ -122,6 +122,10 @@ def test_serve_scales_a_deployment_through_the_pool_policy(cluster):
         status = serve.status().applications["pool"].deployments["Pool"]
         return status.replica_states.get("RUNNING", 0)
 
+    # Start from an actor with no decision yet (earlier tests left it asking for 2 targets): a fresh
+    # one has no opinion, so Serve keeps initial_replicas until reports say otherwise.
+    kill_policy_actor()
+    get_or_create_policy_actor(SETTINGS)
     serve.run(Pool.bind(), name="pool", route_prefix=None)
     assert running() == 1
     reporter = Reporter(target_busy=0.95, draft_busy=0.5, active=4)

@@ -1,0 +1,87 @@
+"""On a cluster with (fake) GPUs the draft and target engines get distinct GPUs, and the policy
+actor can die under load without failing a request."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+from ray import serve
+
+from cluster.builder import APP_NAME
+from cluster.local import RAY_SYSTEM_CONFIG, logical_cpus_needed, start_local, stop_local
+from policies.actor import POLICY_ACTOR_NAME, POLICY_NAMESPACE
+from tests.local_server import free_port
+from tests.test_serving import MODEL, PROMPTS
+from tests.tiny_pair import make_tiny_pair
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def gpu_server(tmp_path_factory):
+    from cluster.config import SpecServeConfig
+
+    target_path, draft_path = make_tiny_pair(tmp_path_factory.mktemp("pair"))
+    config = SpecServeConfig.model_validate({
+        "model_name": MODEL, "target": {"path": str(target_path)}, "draft": {"path": str(draft_path)},
+        "http": {"port": free_port()},
+        "target_workers": {"num_gpus": 1, "num_cpus": 0.5}, "draft_workers": {"num_gpus": 1, "num_cpus": 0.5}})
+    # Ray places by logical resources: four "GPUs" on this CPU box are enough to prove placement.
+    ray.init(num_cpus=logical_cpus_needed(config), num_gpus=4, include_dashboard=False,
+             _system_config=RAY_SYSTEM_CONFIG, configure_logging=False, log_to_driver=False)
+    url = start_local(config)
+    yield url
+    stop_local()
+
+
+def engine_stats(deployment: str) -> dict:
+    engine = serve.get_deployment_handle(deployment, APP_NAME).get_engine.remote().result()
+    return ray.get(engine.stats.remote())
+
+
+def test_draft_and_target_engines_hold_distinct_gpus(gpu_server):
+    target, draft = engine_stats("TargetWorker"), engine_stats("DraftWorker")
+    assert len(target["gpu_ids"]) == 1 and len(draft["gpu_ids"]) == 1
+    assert target["gpu_ids"] != draft["gpu_ids"]
+
+
+def test_killing_the_policy_actor_under_load_fails_no_request_and_it_comes_back(gpu_server):
+    import httpx
+
+    failures: list[str] = []
+
+    def stream(i: int) -> None:
+        body = {"model": MODEL, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 60, "temperature": 0}
+        for _ in range(3):
+            response = httpx.post(f"{gpu_server}/v1/completions", json=body, timeout=120)
+            if response.status_code != 200 or response.json()["usage"]["completion_tokens"] != 60:
+                failures.append(response.text)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the routers create the actor with their first request
+        try:
+            policy = ray.get_actor(POLICY_ACTOR_NAME, namespace=POLICY_NAMESPACE)
+            break
+        except ValueError:
+            time.sleep(0.2)
+    first_start = ray.get(policy.load.remote())["started_at"]
+    ray.kill(policy, no_restart=False)
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not failures
+    deadline = time.monotonic() + 60
+    while True:  # Ray restarts it (max_restarts=-1) and it answers again
+        try:
+            restarted = ray.get(ray.get_actor(POLICY_ACTOR_NAME, namespace=POLICY_NAMESPACE).load.remote(), timeout=5)
+            if restarted["started_at"] != first_start:
+                break
+        except Exception:
+            pass
+        assert time.monotonic() < deadline, "the policy actor did not come back"
+        time.sleep(0.5)
