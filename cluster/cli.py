@@ -23,6 +23,7 @@ FORWARDED_COMMANDS = {
     "eval-pair": ("training.evaluate", "evaluate the default pair (acceptance, latency); --card writes its model card"),
     "bench": ("bench.run", "benchmark vs target-only and HF assisted generation"),
     "bench-load": ("bench.load_sweep", "throughput/latency under load: concurrency sweep of server variants"),
+    "bench-load-step": ("bench.load_step", "a 1 -> N -> 1 stream load step against autoscaled pools, traced"),
 }
 
 

@@ -1,0 +1,177 @@
+"""`specserve bench-load-step`: a load step (1 -> N -> 1 streams) against autoscaled pools, traced.
+
+Brings up the app with both pools autoscaled between 1 and `--max-replicas` (Serve's own
+autoscaling, driven by the policy actor through `policies.autoscaling:PoolPolicy`, short Serve
+delays), then runs closed-loop streaming clients: 1 stream for `--phase-s`, N streams for
+`--phase-s`, 1 stream again for `--phase-s`, then idle. Every second it samples running replicas
+per pool (Serve's view), the depth the policy allows a greedy request, active requests, and the
+tokens clients received, and writes the trace (JSON + a plot) to bench/results/. Counts failed
+requests: there must be none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.http_rows import free_port, request_body
+from cluster.config import SpecServeConfig, load_config
+from training.prompts import load_prompt_set
+
+POOL_DEPLOYMENTS = {"draft": "DraftWorker", "target": "TargetWorker"}
+
+
+def autoscaled_config(base: SpecServeConfig, max_replicas: int, port: int) -> SpecServeConfig:
+    data = base.model_dump(mode="json")
+    data["http"] = {"host": "127.0.0.1", "port": port}
+    for pool in ("target_workers", "draft_workers"):
+        data[pool] = {**data[pool], "min_replicas": 1, "max_replicas": max_replicas,
+                      "upscale_delay_s": 1.0, "downscale_delay_s": 5.0}
+    return SpecServeConfig.model_validate(data)
+
+
+def sample() -> dict:
+    """Running replicas per pool, the router's view of load and depth."""
+    from ray import serve
+
+    from cluster.builder import APP_NAME
+
+    application = serve.status().applications.get(APP_NAME)
+    replicas = {}
+    for pool, deployment in POOL_DEPLOYMENTS.items():
+        info = application.deployments.get(deployment) if application else None
+        replicas[pool] = sum(count for state, count in (info.replica_states.items() if info else [])
+                             if str(getattr(state, "value", state)) == "RUNNING")
+    try:
+        router = serve.get_deployment_handle("Router", APP_NAME).status.remote().result(timeout_s=5)
+    except Exception:
+        router = {}
+    return {"replicas": replicas, "num_draft_tokens": router.get("num_draft_tokens"),
+            "active_requests": router.get("active_requests")}
+
+
+class Clients:
+    """Closed-loop streaming clients whose count can change; counts tokens and failures."""
+
+    def __init__(self, url: str, bodies: list[dict]) -> None:
+        self.url, self.bodies = url, bodies
+        self.wanted = 0
+        self.tokens = 0
+        self.requests = 0
+        self.failures: list[str] = []
+        self._stop = False
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+        self._thread.start()
+
+    async def _client(self, index: int, client: httpx.AsyncClient) -> None:
+        turn = 0
+        while not self._stop:
+            if index >= self.wanted:
+                await asyncio.sleep(0.1)
+                continue
+            body = self.bodies[(index + turn) % len(self.bodies)]
+            turn += 1
+            try:
+                response = await client.post(f"{self.url}/v1/completions", json=body, timeout=300)
+                if response.status_code != 200:
+                    self.failures.append(f"HTTP {response.status_code}: {response.text[:200]}")
+                    continue
+                self.tokens += response.json()["usage"]["completion_tokens"]
+                self.requests += 1
+            except (httpx.HTTPError, ValueError, KeyError) as exc:  # a failure is counted, never silent
+                self.failures.append(repr(exc))
+
+    async def _main(self) -> None:
+        async with httpx.AsyncClient() as client:
+            await asyncio.gather(*(self._client(i, client) for i in range(64)))
+
+    def stop(self) -> None:
+        self._stop = True
+        self._thread.join(timeout=330)
+
+
+def plot(trace: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [point["t_s"] for point in trace]
+    figure, (load, replicas, depth) = plt.subplots(3, 1, figsize=(9, 7), sharex=True)
+    load.plot(t, [p["tokens_per_s"] for p in trace], label="tok/s (clients)")
+    load.plot(t, [p["streams"] * 10 for p in trace], "--", label="streams x10")
+    load.legend(fontsize=8)
+    for pool in POOL_DEPLOYMENTS:
+        replicas.step(t, [p["replicas"][pool] for p in trace], where="post", label=f"{pool} replicas")
+    replicas.legend(fontsize=8)
+    depth.step(t, [p["num_draft_tokens"] if p["num_draft_tokens"] is not None else float("nan") for p in trace],
+               where="post", label="K for a greedy request")
+    depth.legend(fontsize=8)
+    depth.set_xlabel("seconds")
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="specserve bench-load-step", description=__doc__.splitlines()[0])
+    parser.add_argument("--config")
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--phase-s", type=float, default=40.0)
+    parser.add_argument("--idle-s", type=float, default=30.0)
+    parser.add_argument("--max-replicas", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompts", default="thirdparty")
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--name", default="load-step")
+    args = parser.parse_args(argv)
+
+    from cluster.local import start_local, stop_local
+
+    config = autoscaled_config(load_config(args.config), args.max_replicas, free_port())
+    prompts = load_prompt_set(args.prompts).prompts
+    bodies = [{**request_body(config.model_name, p.text, "greedy", args.max_tokens, seed=i), "stream": False}
+              for i, p in enumerate(prompts)]
+    url = start_local(config)
+    trace: list[dict] = []
+    try:
+        clients = Clients(url, bodies)
+        schedule = [(args.phase_s, 1), (args.phase_s, args.streams), (args.phase_s, 1), (args.idle_s, 0)]
+        started = time.monotonic()
+        last_tokens, last_t = 0, started
+        for duration, streams in schedule:
+            clients.wanted = streams
+            phase_end = time.monotonic() + duration
+            while time.monotonic() < phase_end:
+                time.sleep(1.0)
+                now = time.monotonic()
+                point = {"t_s": round(now - started, 1), "streams": streams, **sample(),
+                         "tokens_per_s": (clients.tokens - last_tokens) / (now - last_t)}
+                last_tokens, last_t = clients.tokens, now
+                trace.append(point)
+                print(json.dumps(point), file=sys.stderr, flush=True)
+        clients.stop()
+    finally:
+        stop_local()
+    result = {"name": args.name, "command": "specserve bench-load-step " + " ".join(argv or sys.argv[1:]),
+              "streams": args.streams, "phase_s": args.phase_s, "max_replicas": args.max_replicas,
+              "requests": clients.requests, "failures": clients.failures, "trace": trace,
+              "max_replicas_seen": {pool: max(p["replicas"][pool] for p in trace) for pool in POOL_DEPLOYMENTS},
+              "depths_seen": sorted({p["num_draft_tokens"] for p in trace if p["num_draft_tokens"] is not None})}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
+    plot(trace, out / f"{args.name}.png", f"load step 1 -> {args.streams} -> 1 streams, pools autoscaled 1..{args.max_replicas}")
+    print(json.dumps({k: v for k, v in result.items() if k != "trace"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
