@@ -36,6 +36,9 @@ class PolicyActor:
         self._decider = Decider(self._settings)
         self._loop_task: asyncio.Task | None = None
         self._started_at = time.time()
+        from deployments.metrics import PolicyMetrics  # the one place metric names live
+
+        self._metrics = PolicyMetrics()
 
     def _ensure_loop(self) -> None:
         # Started from the first call: __init__ does not run inside the actor's event loop.
@@ -51,7 +54,11 @@ class PolicyActor:
             await asyncio.sleep(self._settings.decide_interval_s)
 
     def _decide(self) -> dict[str, Any]:
-        return self._decider.decide(self._tracker.snapshot(time.monotonic()), time.monotonic()).to_dict()
+        decision = self._decider.decide(self._tracker.snapshot(time.monotonic()), time.monotonic()).to_dict()
+        replicas = {pool: decision[f"{pool}_replicas"] for pool in ("target", "draft")
+                    if decision.get(f"{pool}_replicas") is not None}
+        self._metrics.record_decision(decision["num_draft_tokens"], replicas)
+        return decision
 
     async def report_engine(self, stats: dict[str, Any]) -> None:
         self._ensure_loop()
