@@ -23,9 +23,9 @@ import httpx
 
 from bench.http_rows import free_port, request_body
 from cluster.config import SpecServeConfig, load_config
+from cluster.status import POOL_DEPLOYMENTS
 from training.prompts import load_prompt_set
 
-POOL_DEPLOYMENTS = {"draft": "DraftWorker", "target": "TargetWorker"}
 
 
 def autoscaled_config(base: SpecServeConfig, max_replicas: int, port: int) -> SpecServeConfig:
@@ -39,21 +39,10 @@ def autoscaled_config(base: SpecServeConfig, max_replicas: int, port: int) -> Sp
 
 def sample() -> dict:
     """Running replicas per pool, the router's view of load and depth."""
-    from ray import serve
+    from cluster.status import router_status, running_replicas
 
-    from cluster.builder import APP_NAME
-
-    application = serve.status().applications.get(APP_NAME)
-    replicas = {}
-    for pool, deployment in POOL_DEPLOYMENTS.items():
-        info = application.deployments.get(deployment) if application else None
-        replicas[pool] = sum(count for state, count in (info.replica_states.items() if info else [])
-                             if str(getattr(state, "value", state)) == "RUNNING")
-    try:
-        router = serve.get_deployment_handle("Router", APP_NAME).status.remote().result(timeout_s=5)
-    except Exception:
-        router = {}
-    return {"replicas": replicas, "num_draft_tokens": router.get("num_draft_tokens"),
+    router = router_status(timeout_s=5) or {}
+    return {"replicas": running_replicas(), "num_draft_tokens": router.get("num_draft_tokens"),
             "active_requests": router.get("active_requests")}
 
 

@@ -56,17 +56,11 @@ def variant_config(base: SpecServeConfig, variant: str, num_draft_tokens: int, p
 
 def engine_counters() -> dict[str, dict[str, float]]:
     """Summed engine counters per pool, read from the named engine actors."""
-    import ray
-
-    from deployments.naming import ENGINE_NAMESPACE
+    from cluster.status import read_engine_stats
 
     totals: dict[str, dict[str, float]] = {}
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry["namespace"] != ENGINE_NAMESPACE or not entry["name"].startswith("engine:"):
-            continue
-        try:
-            stats = ray.get(ray.get_actor(entry["name"], namespace=ENGINE_NAMESPACE).stats.remote(), timeout=10)
-        except Exception:
+    for stats in read_engine_stats():
+        if "error" in stats:
             continue
         pool = totals.setdefault(stats["pool"], {"forwards": 0, "rows": 0, "busy_s": 0.0, "idle_s": 0.0})
         pool["forwards"] += stats["forwards"]

@@ -67,14 +67,10 @@ def render_table(summary: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def collect(address: str | None) -> dict[str, Any]:
-    """Connect to the running cluster and gather the status document."""
+def read_engine_stats(timeout_s: float = STATS_TIMEOUT_S) -> list[dict[str, Any]]:
+    """stats() of every named engine actor in the connected cluster; a dying one reads as an error row."""
     import ray
-    from ray import serve
 
-    from cluster.builder import APP_NAME
-
-    ray.init(address=address or "auto", log_to_driver=False, configure_logging=False)
     engine_stats = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
         parsed = parse_engine_actor_name(entry["name"]) if entry["namespace"] == ENGINE_NAMESPACE else None
@@ -83,21 +79,45 @@ def collect(address: str | None) -> dict[str, Any]:
         pool, replica = parsed
         try:
             actor = ray.get_actor(entry["name"], namespace=ENGINE_NAMESPACE)
-            engine_stats.append(ray.get(actor.stats.remote(), timeout=STATS_TIMEOUT_S))
+            engine_stats.append(ray.get(actor.stats.remote(), timeout=timeout_s))
         except Exception as exc:  # a dying engine is reported, not fatal
             engine_stats.append({"pool": pool, "replica": replica, "error": type(exc).__name__})
-    try:
-        router_status = serve.get_deployment_handle("Router", APP_NAME).status.remote().result(
-            timeout_s=STATS_TIMEOUT_S)
-    except Exception:
-        router_status = None
+    return engine_stats
+
+
+def running_replicas() -> dict[str, int]:
+    """RUNNING replicas per pool, as Serve sees them."""
+    from ray import serve
+
+    from cluster.builder import APP_NAME
+
     running = {}
     application = serve.status().applications.get(APP_NAME)
     for pool, deployment in POOL_DEPLOYMENTS.items():
         info = application.deployments.get(deployment) if application else None
         running[pool] = sum(count for state, count in (info.replica_states.items() if info else [])
                             if str(getattr(state, "value", state)) == "RUNNING")
-    return summarize(engine_stats, router_status, running)
+    return running
+
+
+def router_status(timeout_s: float = STATS_TIMEOUT_S) -> dict[str, Any] | None:
+    """Router.status() of one router replica, or None when no router answers."""
+    from ray import serve
+
+    from cluster.builder import APP_NAME
+
+    try:
+        return serve.get_deployment_handle("Router", APP_NAME).status.remote().result(timeout_s=timeout_s)
+    except Exception:
+        return None
+
+
+def collect(address: str | None) -> dict[str, Any]:
+    """Connect to the running cluster and gather the status document."""
+    import ray
+
+    ray.init(address=address or "auto", log_to_driver=False, configure_logging=False)
+    return summarize(read_engine_stats(), router_status(), running_replicas())
 
 
 def main(address: str | None, as_json: bool) -> int:

@@ -33,6 +33,7 @@ from deployments.admission import Admission, ServerOverloadedError
 from deployments.engine_loop import EngineOverloadedError
 from deployments.metrics import RouterMetrics
 from deployments.naming import current_replica_id
+from policies.load import REQUEST_CLASSES
 from policies.depth import RoundCosts, choose_draft_depth, should_draft_ahead
 
 logger = logging.getLogger("ray.serve")
@@ -417,9 +418,6 @@ class Router:
     def _record(self, state: RequestState) -> None:
         """Counters from the same stats the response's `speculation` field carries, so they agree."""
         self.metrics.record_request(state.finish_reason, state.stats.to_dict())
-
-
-REQUEST_CLASSES = ("greedy", "sampled")
 
 
 def _request_class(state: RequestState) -> str:

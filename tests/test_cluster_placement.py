@@ -11,30 +11,23 @@ import ray
 from ray import serve
 
 from cluster.builder import APP_NAME
-from cluster.local import RAY_SYSTEM_CONFIG, logical_cpus_needed, start_local, stop_local
+from cluster.local import RAY_SYSTEM_CONFIG
 from policies.actor import POLICY_ACTOR_NAME, POLICY_NAMESPACE
-from tests.local_server import free_port
+from tests.local_server import serve_tiny_pair
 from tests.test_serving import MODEL, PROMPTS
-from tests.tiny_pair import make_tiny_pair
 
 pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")
 def gpu_server(tmp_path_factory):
-    from cluster.config import SpecServeConfig
-
-    target_path, draft_path = make_tiny_pair(tmp_path_factory.mktemp("pair"))
-    config = SpecServeConfig.model_validate({
-        "model_name": MODEL, "target": {"path": str(target_path)}, "draft": {"path": str(draft_path)},
-        "http": {"port": free_port()},
-        "target_workers": {"num_gpus": 1, "num_cpus": 0.5}, "draft_workers": {"num_gpus": 1, "num_cpus": 0.5}})
     # Ray places by logical resources: four "GPUs" on this CPU box are enough to prove placement.
-    ray.init(num_cpus=logical_cpus_needed(config), num_gpus=4, include_dashboard=False,
-             _system_config=RAY_SYSTEM_CONFIG, configure_logging=False, log_to_driver=False)
-    url = start_local(config)
-    yield url
-    stop_local()
+    engine = {"num_gpus": 1, "num_cpus": 0.5}
+    ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, _system_config=RAY_SYSTEM_CONFIG,
+             configure_logging=False, log_to_driver=False)
+    for url, _ in serve_tiny_pair(tmp_path_factory.mktemp("pair"), MODEL, target_workers=engine,
+                                  draft_workers=engine):
+        yield url
 
 
 def engine_stats(deployment: str) -> dict:

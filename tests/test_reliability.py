@@ -20,10 +20,8 @@ import ray
 from ray import serve
 
 from cluster.builder import APP_NAME
-from cluster.config import SpecServeConfig
-from cluster.local import start_local, stop_local
-from tests.test_serving import MODEL, PROMPTS, _free_port
-from tests.tiny_pair import make_tiny_pair
+from tests.local_server import serve_tiny_pair
+from tests.test_serving import MODEL, PROMPTS
 
 pytestmark = pytest.mark.ray
 MAX_ACTIVE, MAX_QUEUED = 3, 3
@@ -31,16 +29,10 @@ MAX_ACTIVE, MAX_QUEUED = 3, 3
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    target_path, draft_path = make_tiny_pair(tmp_path_factory.mktemp("pair"))
-    config = SpecServeConfig.model_validate({
-        "model_name": MODEL, "target": {"path": str(target_path)}, "draft": {"path": str(draft_path)},
-        "http": {"port": _free_port()},
-        "limits": {"max_tokens": 200, "max_active_requests": MAX_ACTIVE, "max_queued_requests": MAX_QUEUED,
-                   "queue_timeout_s": 2.0, "request_timeout_s": 1.5},
-    })
-    url = start_local(config)
-    yield url
-    stop_local()
+    limits = {"max_tokens": 200, "max_active_requests": MAX_ACTIVE, "max_queued_requests": MAX_QUEUED,
+              "queue_timeout_s": 2.0, "request_timeout_s": 1.5}
+    for url, _ in serve_tiny_pair(tmp_path_factory.mktemp("pair"), MODEL, limits=limits):
+        yield url
 
 
 def held_state() -> dict:
