@@ -17,7 +17,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 WAIT_FOR_SLOT_POLL_S = 0.02  # how often calls that wait for a KV slot look again
@@ -68,7 +68,21 @@ class EngineLoop:
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-forward")
         self._task: asyncio.Task | None = None
-        self.stats = LoopStats()
+        self._stats = LoopStats()
+        self._idle_since: float | None = None  # set while the loop waits for calls
+        self._busy_since: float | None = None  # set while an iteration runs
+
+    @property
+    def stats(self) -> LoopStats:
+        """Counters up to now, the idle or busy stretch in progress included: an engine that has
+        been idle for a minute must read as idle now, not as busy as it was at its last forward."""
+        now = time.perf_counter()
+        stats = replace(self._stats)
+        if self._idle_since is not None:
+            stats.idle_s += now - self._idle_since
+        if self._busy_since is not None:
+            stats.busy_s += now - self._busy_since
+        return stats
 
     @property
     def queue_depth(self) -> int:
@@ -109,15 +123,18 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         while True:
             if not self._queue:
-                idle_from = time.perf_counter()
+                self._idle_since = time.perf_counter()
                 self._wake.clear()
-                await self._wake.wait()
-                idle_s = time.perf_counter() - idle_from
-                self.stats.idle_s += idle_s
+                try:
+                    await self._wake.wait()
+                finally:
+                    idle_s = time.perf_counter() - self._idle_since
+                    self._idle_since = None
+                self._stats.idle_s += idle_s
                 self._idle_before_s += idle_s
             batch = list(self._queue)
             self._running = True
-            busy_from = time.perf_counter()
+            busy_from = self._busy_since = time.perf_counter()
             try:
                 if len(batch) == 1:
                     # A lone call runs right here: handing it to the worker thread and back costs a
@@ -129,11 +146,12 @@ class EngineLoop:
                 results = {index: exc for index in range(len(batch))}
             finally:
                 self._running = False
+                self._busy_since = None
             busy_s = time.perf_counter() - busy_from
-            self.stats.busy_s += busy_s
+            self._stats.busy_s += busy_s
             if results:
-                self.stats.iterations += 1
-                self.stats.rows_total += len(results)
+                self._stats.iterations += 1
+                self._stats.rows_total += len(results)
                 if self._on_iteration is not None:
                     self._on_iteration(len(results), busy_s, self._idle_before_s)
                 self._idle_before_s = 0.0

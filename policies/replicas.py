@@ -6,7 +6,12 @@ A speculative round alternates between the pools, so each one's load shows in th
 - the DRAFT pool is the bottleneck when target engines sit idle while requests are active
   (they wait for blocks) and the draft engines are busy nearly all the time;
 - a pool is over-provisioned when it is mostly idle, and would still be comfortably below the
-  scale-up threshold with one replica fewer (the projected share busy * R / (R - 1)).
+  scale-up threshold with one replica fewer (the projected share busy * R / (R - 1)), or when
+  it has more replicas than there are active requests (one of them serves nobody).
+A pool only grows while there are more active requests than replicas: a request stays on the
+engines it started on, so a replica added for a lone stream gets no work. On a small CPU box
+one stream keeps its target engine busy nearly all the time; that is latency, not a bottleneck
+another replica could relieve (measured: a load step flapped to 2 target replicas at 1 stream).
 Hysteresis: different thresholds up and down, one replica per step, and a cool-down after each
 change so the next decision sees load measured on the new replica count. Serve's own
 upscale/downscale delays then apply on top. A pool nobody reports on gets no opinion (None):
@@ -40,11 +45,13 @@ class ScalingThresholds:
     cooldown_s: float = 10.0         # no second change to a pool within this time
 
 
-def _scale_down_ok(load: PoolLoad, thresholds: ScalingThresholds) -> bool:
-    if load.replicas <= 1 or load.busy_share >= thresholds.busy_low or load.queue_depth >= 0.5:
+def _scale_down_ok(load: PoolLoad, active_requests: int, thresholds: ScalingThresholds) -> bool:
+    if load.replicas <= 1 or load.queue_depth >= 0.5:
         return False
+    if active_requests < load.replicas:
+        return True
     projected = load.busy_share * load.replicas / (load.replicas - 1)
-    return projected < thresholds.projected_busy_max
+    return load.busy_share < thresholds.busy_low and projected < thresholds.projected_busy_max
 
 
 def _wanted(pool: str, loads: Mapping[str, PoolLoad | None], active_requests: int,
@@ -52,16 +59,19 @@ def _wanted(pool: str, loads: Mapping[str, PoolLoad | None], active_requests: in
     """+1, -1 or 0 for one pool, and why."""
     load, target = loads.get(pool), loads.get("target")
     assert load is not None
-    if pool == "target":
+    has_work_for_another = active_requests > load.replicas
+    if pool == "target" and has_work_for_another:
         if load.queue_depth > thresholds.queue_high:
             return 1, f"target: {load.queue_depth:.1f} verify calls queued per engine > {thresholds.queue_high}"
         if load.busy_share >= thresholds.busy_high:
             return 1, f"target: busy {load.busy_share:.0%} >= {thresholds.busy_high:.0%}"
-    elif (active_requests > 0 and target is not None and load.busy_share >= thresholds.busy_high
-          and 1.0 - target.busy_share >= thresholds.target_idle_high):
+    elif (pool == "draft" and has_work_for_another and target is not None
+          and load.busy_share >= thresholds.busy_high and 1.0 - target.busy_share >= thresholds.target_idle_high):
         return 1, (f"draft: busy {load.busy_share:.0%} while target idles {1 - target.busy_share:.0%} "
                    f"with {active_requests} requests active")
-    if _scale_down_ok(load, thresholds):
+    if _scale_down_ok(load, active_requests, thresholds):
+        if active_requests < load.replicas:
+            return -1, f"{pool}: {active_requests} active requests for {load.replicas} replicas"
         return -1, f"{pool}: busy {load.busy_share:.0%}, one replica fewer would stay below " \
                    f"{thresholds.projected_busy_max:.0%}"
     return 0, None

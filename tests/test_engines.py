@@ -155,3 +155,27 @@ def test_batched_drafts_equal_drafts_made_alone(pair):
         torch.testing.assert_close(torch.as_tensor(sampled[i][0].probs), expected.probs, atol=1e-4, rtol=0)
     assert stats["pool"] == "draft" and stats["sequences"] == 2 * len(HISTORIES)
     assert stats["batch_rows_total"] > stats["forwards"]  # drafting was batched
+
+
+def test_an_idle_loop_reads_idle_now_not_as_busy_as_at_its_last_forward():
+    """The policy scales a pool down from busy shares between reports: an engine with no calls
+    must show its idle time as it passes, not only once the next call ends the wait."""
+    from types import SimpleNamespace
+
+    from deployments.engine_loop import EngineLoop
+
+    def slow_iteration(calls):
+        import time
+        time.sleep(0.05)
+        return {index: "done" for index in range(len(calls))}
+
+    async def scenario():
+        loop = EngineLoop(slow_iteration, lambda seq_id: None)
+        assert await loop.submit(SimpleNamespace(seq_id="a")) == "done"
+        before = loop.stats
+        await asyncio.sleep(0.3)
+        after = loop.stats
+        assert before.busy_s >= 0.05 and after.busy_s == pytest.approx(before.busy_s)
+        assert after.idle_s - before.idle_s >= 0.25
+
+    asyncio.run(scenario())

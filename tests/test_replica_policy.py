@@ -66,6 +66,22 @@ def test_counts_stay_within_min_and_max():
     assert up["target"] == 4 and down == {"target": 1, "draft": 1}
 
 
+def test_one_stream_keeping_its_target_busy_does_not_grow_the_pool():
+    # A lone request stays on its engines: a second replica would get no work (measured flapping).
+    wanted, _ = decide(PoolLoad(1, 0.95, 0.0), PoolLoad(1, 0.95, 0.0), active=1)
+    assert wanted == {"target": 1, "draft": 1}
+    wanted, _ = decide(PoolLoad(1, 0.95, 0.0), PoolLoad(1, 0.4, 0.0), active=2)
+    assert wanted["target"] == 2
+
+
+def test_more_replicas_than_requests_scale_down_even_if_the_one_in_use_is_busy():
+    # 1 stream on 2 target replicas: mean busy 45% is above busy_low, but one replica serves nobody.
+    wanted, reasons = decide(PoolLoad(2, 0.45, 0.0), PoolLoad(1, 0.9, 0.0), active=1)
+    assert wanted["target"] == 1 and any("1 active requests for 2 replicas" in r for r in reasons)
+    held, _ = decide(PoolLoad(2, 0.45, 0.0), PoolLoad(1, 0.9, 0.0), active=2)
+    assert held["target"] == 2
+
+
 def test_a_recent_change_is_held_through_the_cooldown():
     wanted, reasons = decide(PoolLoad(1, 0.1, 0.0), PoolLoad(1, 0.1, 0.0), active=0,
                              since={"target": 3.0, "draft": 1e9}, previous={"target": 2, "draft": 1})
@@ -105,6 +121,8 @@ def test_busy_share_is_measured_between_reports_not_over_the_lifetime():
     tracker.add_engine(engine("target", "a", busy_s=100.0, idle_s=900.0), now=0.0)   # lifetime 10% busy
     tracker.add_engine(engine("target", "a", busy_s=100.9, idle_s=900.1), now=1.0)   # last second 90%
     assert tracker.snapshot(1.0).pools["target"].busy_share == pytest.approx(0.9)
+    tracker.add_engine(engine("target", "a", busy_s=100.9, idle_s=901.1), now=2.0)   # idle since
+    assert tracker.snapshot(2.0).pools["target"].busy_share == pytest.approx(0.0)
 
 
 def test_pool_load_averages_engines_and_sums_sequences():
