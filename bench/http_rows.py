@@ -146,10 +146,11 @@ def run_sequential(jobs: list[tuple[str, str, dict, str, int]]) -> list[tuple[st
     return asyncio.run(go())
 
 
-def sweep_request_count(concurrency: int, num_prompts: int, cap: int) -> int:
-    """Requests at one concurrency level: at least two per stream and one per prompt, at most cap
-    (but never fewer than the streams, or the level would not reach its concurrency)."""
-    return max(concurrency, min(cap, max(2 * concurrency, num_prompts)))
+def sweep_request_count(concurrency: int, num_prompts: int, cap: int, per_stream: int = 2) -> int:
+    """Requests at one concurrency level: at least per_stream per stream and one per prompt, at
+    most cap (but never fewer than the streams, or the level would not reach its concurrency).
+    More per stream shortens the ramp-down tail's share of the level, where fewer streams run."""
+    return max(concurrency, min(cap, max(per_stream * concurrency, num_prompts)))
 
 
 def run_level(url: str, bodies: list[tuple[str, dict]], concurrency: int) -> dict:
@@ -170,6 +171,7 @@ def run_level(url: str, bodies: list[tuple[str, dict]], concurrency: int) -> dic
     latencies_ms = [1000 * r.wall_s for r in records]
     ttfts_ms = [1000 * r.ttft_s for r in records if r.ttft_s is not None]
     drafted = sum(r.num_drafted for r in records)
+    rounds = sum(r.rounds for r in records)
     tokens = sum(r.num_output_tokens for r in records)
     return {
         "concurrency": concurrency, "num_requests": len(records), "num_output_tokens": tokens,
@@ -177,5 +179,6 @@ def run_level(url: str, bodies: list[tuple[str, dict]], concurrency: int) -> dic
         "latency_p50_ms": percentile(latencies_ms, 50), "latency_p95_ms": percentile(latencies_ms, 95),
         "ttft_p50_ms": percentile(ttfts_ms, 50), "ttft_p95_ms": percentile(ttfts_ms, 95),
         "acceptance_rate": sum(r.num_accepted for r in records) / drafted if drafted else None,
+        "mean_draft_tokens": drafted / rounds if rounds else 0.0,
         "records": [r.to_dict() for r in records],
     }

@@ -17,6 +17,7 @@ import json
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -25,7 +26,6 @@ from bench.http_rows import free_port, request_body
 from cluster.config import SpecServeConfig, load_config
 from cluster.status import POOL_DEPLOYMENTS
 from training.prompts import load_prompt_set
-
 
 
 def autoscaled_config(base: SpecServeConfig, max_replicas: int, port: int) -> SpecServeConfig:
@@ -42,8 +42,16 @@ def sample() -> dict:
     from cluster.status import router_status, running_replicas
 
     router = router_status(timeout_s=5) or {}
+    policy = router.get("policy") or {}
     return {"replicas": running_replicas(), "num_draft_tokens": router.get("num_draft_tokens"),
-            "active_requests": router.get("active_requests")}
+            "policy_num_draft_tokens": (policy.get("num_draft_tokens") or {}).get("greedy"),
+            "active_requests": router.get("active_requests"), "policy_reasons": policy.get("reasons", [])}
+
+
+def step_bodies(model_name: str, prompt_set: str, max_tokens: int) -> list[dict]:
+    """One greedy, non-streaming completion body per prompt of the set."""
+    return [{**request_body(model_name, p.text, "greedy", max_tokens, seed=i), "stream": False}
+            for i, p in enumerate(load_prompt_set(prompt_set).prompts)]
 
 
 class Clients:
@@ -110,6 +118,45 @@ def plot(trace: list[dict], path: Path, title: str) -> None:
     plt.close(figure)
 
 
+@dataclass
+class LoadStep:
+    """What a load step produced: one trace point a second, and the clients' own counts."""
+
+    trace: list[dict]
+    requests: int
+    failures: list[str]
+
+    def phase(self, streams: int) -> list[dict]:
+        return [point for point in self.trace if point["streams"] == streams]
+
+
+def run_load_step(url: str, bodies: list[dict], schedule: list[tuple[float, int]],
+                  echo: bool = False) -> LoadStep:
+    """Drive the app at url through schedule [(seconds, streams), ...], sampling every second:
+    running replicas per pool, the policy's depth for a greedy request (and why), active
+    requests, and the tokens clients received meanwhile."""
+    clients = Clients(url, bodies)
+    trace: list[dict] = []
+    started = time.monotonic()
+    last_tokens, last_t = 0, started
+    try:
+        for duration, streams in schedule:
+            clients.wanted = streams
+            phase_end = time.monotonic() + duration
+            while time.monotonic() < phase_end:
+                time.sleep(1.0)
+                now = time.monotonic()
+                point = {"t_s": round(now - started, 1), "streams": streams, **sample(),
+                         "tokens_per_s": (clients.tokens - last_tokens) / (now - last_t)}
+                last_tokens, last_t = clients.tokens, now
+                trace.append(point)
+                if echo:
+                    print(json.dumps(point), file=sys.stderr, flush=True)
+    finally:
+        clients.stop()
+    return LoadStep(trace, clients.requests, clients.failures)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="specserve bench-load-step", description=__doc__.splitlines()[0])
     parser.add_argument("--config")
@@ -126,33 +173,17 @@ def main(argv: list[str] | None = None) -> None:
     from cluster.local import start_local, stop_local
 
     config = autoscaled_config(load_config(args.config), args.max_replicas, free_port())
-    prompts = load_prompt_set(args.prompts).prompts
-    bodies = [{**request_body(config.model_name, p.text, "greedy", args.max_tokens, seed=i), "stream": False}
-              for i, p in enumerate(prompts)]
+    bodies = step_bodies(config.model_name, args.prompts, args.max_tokens)
     url = start_local(config)
-    trace: list[dict] = []
     try:
-        clients = Clients(url, bodies)
         schedule = [(args.phase_s, 1), (args.phase_s, args.streams), (args.phase_s, 1), (args.idle_s, 0)]
-        started = time.monotonic()
-        last_tokens, last_t = 0, started
-        for duration, streams in schedule:
-            clients.wanted = streams
-            phase_end = time.monotonic() + duration
-            while time.monotonic() < phase_end:
-                time.sleep(1.0)
-                now = time.monotonic()
-                point = {"t_s": round(now - started, 1), "streams": streams, **sample(),
-                         "tokens_per_s": (clients.tokens - last_tokens) / (now - last_t)}
-                last_tokens, last_t = clients.tokens, now
-                trace.append(point)
-                print(json.dumps(point), file=sys.stderr, flush=True)
-        clients.stop()
+        step = run_load_step(url, bodies, schedule, echo=True)
     finally:
         stop_local()
+    trace = step.trace
     result = {"name": args.name, "command": "specserve bench-load-step " + " ".join(argv or sys.argv[1:]),
               "streams": args.streams, "phase_s": args.phase_s, "max_replicas": args.max_replicas,
-              "requests": clients.requests, "failures": clients.failures, "trace": trace,
+              "requests": step.requests, "failures": step.failures, "trace": trace,
               "max_replicas_seen": {pool: max(p["replicas"][pool] for p in trace) for pool in POOL_DEPLOYMENTS},
               "depths_seen": sorted({p["num_draft_tokens"] for p in trace if p["num_draft_tokens"] is not None})}
     out = Path(args.out)

@@ -108,8 +108,8 @@ def render_markdown(result: dict) -> str:
              f"- command: `{result['command']}`",
              f"- machine: {result['machine']}", "",
              "| variant | streams | requests | tok/s | × 1 stream | p50 latency ms | p95 latency ms | p50 TTFT ms "
-             "| p95 TTFT ms | accept | target batch | draft batch | target busy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| p95 TTFT ms | accept | mean K | target batch | draft batch | target busy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def fmt(value, digits=1):
         return "n/a" if value is None else f"{value:.{digits}f}"
@@ -122,7 +122,7 @@ def render_markdown(result: dict) -> str:
                 f"| {variant}", str(level["concurrency"]), str(level["num_requests"]), fmt(level["tokens_per_s"]),
                 fmt(level["tokens_per_s"] / single if single else None, 2) + "×", fmt(level["latency_p50_ms"], 0),
                 fmt(level["latency_p95_ms"], 0), fmt(level["ttft_p50_ms"], 0), fmt(level["ttft_p95_ms"], 0),
-                fmt(level["acceptance_rate"], 3), fmt(engines.get("target", {}).get("mean_batch_size"), 2),
+                fmt(level["acceptance_rate"], 3), fmt(level.get("mean_draft_tokens"), 2), fmt(engines.get("target", {}).get("mean_batch_size"), 2),
                 fmt(engines.get("draft", {}).get("mean_batch_size"), 2),
                 fmt(engines.get("target", {}).get("busy_share"), 2)]) + " |")
     return "\n".join(lines) + "\n"
@@ -157,6 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", default="specserve,target-only,specserve-unbatched")
     parser.add_argument("--concurrency", default="1,2,4,8,16")
     parser.add_argument("--requests-per-level", type=int, default=32, help="cap on requests per level")
+    parser.add_argument("--requests-per-stream", type=int, default=2,
+                        help="at least this many requests per stream at each level (under the cap)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--mode", default="greedy", choices=["greedy", "sampled"])
     parser.add_argument("--num-draft-tokens", "-K", type=int, default=4)
@@ -180,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[bench-load {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
     def bodies_for(level: int) -> list[tuple[str, dict]]:
-        count = sweep_request_count(level, len(prompts), args.requests_per_level)
+        count = sweep_request_count(level, len(prompts), args.requests_per_level, args.requests_per_stream)
         return [(prompts[i % len(prompts)].prompt_id,
                  request_body(base.model_name, prompts[i % len(prompts)].text, args.mode, args.max_tokens, seed=i))
                 for i in range(count)]
