@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from datetime import datetime, timezone
@@ -102,6 +103,36 @@ def run_variant(config: SpecServeConfig, bodies_for, levels: list[int], log, pro
         stop_local()
 
 
+def adaptive_against_fixed(result: dict) -> list[dict] | None:
+    """Per level: adaptive tok/s, the best pinned K and its tok/s, their ratio; None without both.
+    The last row holds the geometric means over the levels every variant ran."""
+    variants = result["variants"]
+    fixed = {name: levels for name, levels in variants.items() if name in ("k0", "k2", "k4", "k8")}
+    if "adaptive" not in variants or not fixed:
+        return None
+
+    def by_level(levels: list[dict]) -> dict[int, float]:
+        return {level["concurrency"]: level["tokens_per_s"] for level in levels}
+
+    adaptive, pinned = by_level(variants["adaptive"]), {name: by_level(levels) for name, levels in fixed.items()}
+    common = sorted(set(adaptive).intersection(*(set(levels) for levels in pinned.values())))
+    rows = []
+    for streams in common:
+        best = max(pinned, key=lambda name: pinned[name][streams])
+        rows.append({"streams": streams, "adaptive": adaptive[streams], "best_fixed": best,
+                     "best_fixed_tokens_per_s": pinned[best][streams],
+                     "ratio": adaptive[streams] / pinned[best][streams]})
+
+    def geomean(values: list[float]) -> float:
+        return math.exp(sum(math.log(v) for v in values) / len(values))
+
+    means = {name: geomean([levels[s] for s in common]) for name, levels in {"adaptive": adaptive, **pinned}.items()}
+    best_mean = max(pinned, key=means.get)
+    rows.append({"streams": "geometric mean", "adaptive": means["adaptive"], "best_fixed": best_mean,
+                 "best_fixed_tokens_per_s": means[best_mean], "ratio": means["adaptive"] / means[best_mean]})
+    return rows
+
+
 def render_markdown(result: dict) -> str:
     lines = [f"# specserve load sweep: {result['name']}", "",
              f"- prompts: {result['prompts']}; max_tokens {result['max_tokens']}; mode {result['mode']}",
@@ -125,6 +156,12 @@ def render_markdown(result: dict) -> str:
                 fmt(level["acceptance_rate"], 3), fmt(level.get("mean_draft_tokens"), 2), fmt(engines.get("target", {}).get("mean_batch_size"), 2),
                 fmt(engines.get("draft", {}).get("mean_batch_size"), 2),
                 fmt(engines.get("target", {}).get("busy_share"), 2)]) + " |")
+    comparison = adaptive_against_fixed(result)
+    if comparison:
+        lines += ["", "Adaptive against the best pinned K at each level (tok/s):", "",
+                  "| streams | adaptive | best pinned K | its tok/s | adaptive / best |", "|---|---|---|---|---|"]
+        lines += [f"| {row['streams']} | {row['adaptive']:.1f} | {row['best_fixed']} | "
+                  f"{row['best_fixed_tokens_per_s']:.1f} | {row['ratio']:.2f}× |" for row in comparison]
     return "\n".join(lines) + "\n"
 
 

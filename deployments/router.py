@@ -34,8 +34,7 @@ from deployments.engine_loop import EngineOverloadedError
 from deployments.metrics import RouterMetrics
 from deployments.naming import current_replica_id
 from policies.load import REQUEST_CLASSES
-from policies.acceptance import estimate_acceptance_rate
-from policies.depth import RoundCosts, choose_draft_depth, depth_for_round_seconds, should_draft_ahead
+from policies.depth import RoundCosts, choose_draft_depth, should_draft_ahead
 
 logger = logging.getLogger("ray.serve")
 TARGET_RECOVERY_S = 60.0  # how long a request waits for a replacement target engine
@@ -43,7 +42,6 @@ POLICY_INTERVAL_S = 1.0  # how often a router reports load to the policy actor a
 POLICY_STALE_S = 30.0  # a decision older than this (actor gone) is dropped: per-request depth only
 HEALTH_PROBE_S = 2.0  # how long /health waits for a pool's engine to answer
 RELEASE_RETRY_S = 300.0  # how long a release keeps trying an engine that is temporarily unreachable
-PRIOR_STRENGTH = 4.0  # pseudo-tokens of the class's acceptance a request's own estimate starts from
 ENGINE_ERRORS = (RayActorError, ray.exceptions.ActorUnavailableError)
 
 
@@ -102,10 +100,12 @@ class Router:
     def status(self) -> dict[str, Any]:
         """This router's load and the depth it would give a fresh greedy request now."""
         spec = self.config.speculation
-        fresh = RequestState(request_id="status", prompt_ids=[0], eos_token_id=self.eos_token_id,
-                             params=SamplingParams(temperature=0.0, max_tokens=self.max_context - 1),
-                             max_context=self.max_context)
-        typical_depth = self._draft_depth(fresh) if spec.adaptive else spec.num_draft_tokens
+        typical_depth = (choose_draft_depth(0, 0, self.round_costs.draft_cost_ratio, spec.min_draft_tokens,
+                                            spec.max_draft_tokens, self.round_costs.overhead_ratio, num_rounds=0)
+                         if spec.adaptive else spec.num_draft_tokens)
+        cap = None if self.policy_decision is None else self.policy_decision.get("num_draft_tokens", {}).get("greedy")
+        if spec.adaptive and cap is not None:
+            typical_depth = min(typical_depth, cap)
         return {"active_requests": len(self.active_requests), "queued_requests": self.admission.num_waiting,
                 "num_draft_tokens": typical_depth if self.config.uses_draft_workers else 0,
                 "pending_releases": len(self._background), "policy": self.policy_decision}
@@ -160,32 +160,11 @@ class Router:
                 "active_by_class": active_by_class, "by_class": self.class_counters,
                 "round_overhead_s": self.round_costs.overhead_s}
 
-    def _fresh_policy_decision(self) -> dict[str, Any] | None:
-        """The policy actor's latest decision, or None (none yet, or older than POLICY_STALE_S)."""
+    def _policy_depth_cap(self, state: RequestState) -> int | None:
+        """The depth the policy actor allows this request's class now, or None (no fresh decision)."""
         if self.policy_decision is None or time.monotonic() - self.policy_decision_at > POLICY_STALE_S:
             return None
-        return self.policy_decision
-
-    def _policy_depth(self, state: RequestState, low: int, high: int) -> int | None:
-        """K from the policy actor's decision, refined by this request's own acceptance; None
-        while there is no fresh decision with costs (actor gone, or its cost curves not fitted
-        yet). 0 when the policy says speculation does not pay for the class now; else the K in
-        [low, high] with the most tokens per second of round time under the cluster's current
-        costs (the decision's `round_seconds`), the request's alpha estimated from its own rounds
-        with the class's alpha as the prior."""
-        decision = self._fresh_policy_decision()
-        request_class = _request_class(state)
-        round_seconds = ((decision or {}).get("round_seconds") or {}).get(request_class)
-        if not round_seconds:
-            return None
-        if decision.get("num_draft_tokens", {}).get(request_class) == 0:
-            return 0
-        class_alpha = (decision.get("accept_rates") or {}).get(request_class)
-        prior = {} if class_alpha is None else {"prior_accepted": PRIOR_STRENGTH * class_alpha,
-                                                "prior_rejected": PRIOR_STRENGTH * (1.0 - class_alpha)}
-        stats = state.stats
-        alpha = estimate_acceptance_rate(stats.num_accepted, stats.num_drafted, stats.rounds, **prior)
-        return depth_for_round_seconds(alpha, round_seconds, low, high)
+        return self.policy_decision.get("num_draft_tokens", {}).get(_request_class(state))
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: dict) -> AsyncIterator[dict]:
         """Stream {"text", "token_ids", "finish_reason"} chunks; the last adds "usage" and "speculation".
@@ -395,22 +374,24 @@ class Router:
         task.add_done_callback(self._background.discard)
 
     def _draft_depth(self, state: RequestState) -> int:
-        """K for this round. Under a fresh policy decision: the cluster's costs at the current load
-        and the request's own acceptance choose (`_policy_depth`). Without one (policy actor gone
-        or still measuring): the request's acceptance and this router's own measured costs. A
-        seeded request's K must not depend on timing or load (its random draws follow K), so it
-        uses the configured cost ratio and nothing else."""
+        """K for this round. The policy actor caps it per request class from cluster-wide load (0:
+        speculation does not pay now); within the cap the request's own acceptance and the measured
+        costs choose. A seeded request's K must not depend on timing or load (its random draws
+        follow K), so it uses the configured cost ratio and no cap."""
         spec = self.config.speculation
         if not spec.adaptive:
             return state.draft_budget(spec.num_draft_tokens)
         low, high = spec.min_draft_tokens, spec.max_draft_tokens
         if state.params.seed is None:
-            depth = self._policy_depth(state, low, high)
-            if depth is not None:
-                return state.draft_budget(depth)
             cost_ratio, overhead_ratio = self.round_costs.draft_cost_ratio, self.round_costs.overhead_ratio
+            cap = self._policy_depth_cap(state)
+            if cap is not None:
+                high = min(high, cap)
+                low = min(low, high)
         else:
             cost_ratio, overhead_ratio = spec.draft_cost_ratio, 0.0
+        if high <= 0:
+            return 0
         depth = choose_draft_depth(state.stats.num_accepted, state.stats.num_drafted, cost_ratio,
                                    low, high, overhead_ratio, num_rounds=state.stats.rounds)
         return state.draft_budget(depth)

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from policies.cost_curve import fit_cost_curve
-from policies.goodput import choose_depths, round_seconds_by_depth
+from policies.goodput import choose_depths
 from policies.load import REQUEST_CLASSES, ClusterLoad
 from policies.replicas import POOLS, ScalingThresholds, decide_replicas
 
@@ -63,10 +63,6 @@ class PolicyDecision:
     version: int
     reasons: list[str]
     goodput_tokens_per_s: float | None = None   # the model's estimate for the chosen depths
-    # Per class, a round's seconds at K = 0..max_k under the current load (None until the cost
-    # curves are fitted): routers refine the class's K per request with it.
-    round_seconds: dict[str, list[float]] | None = None
-    accept_rates: dict[str, float] | None = None   # per class, the prior for a request's own alpha
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,14 +81,13 @@ class Decider:
                                        ["no reports yet"])
         self._changed_at: dict[str, float] = {}
 
-    def _depths(self, load: ClusterLoad, reasons: list[str]
-                ) -> tuple[dict[str, int], float | None, dict[str, list[float]] | None]:
+    def _depths(self, load: ClusterLoad, reasons: list[str]) -> tuple[dict[str, int], float | None]:
         s = self.settings
         target_curve = fit_cost_curve(load.cost_samples.get("target", ()))
         draft_curve = fit_cost_curve(load.cost_samples.get("draft", ())) if s.draft_bounds else None
         if target_curve is None or (s.draft_bounds is not None and draft_curve is None):
             reasons.append(f"depth: cost curves not measurable yet, K = {s.default_k}")
-            return {c: s.default_k for c in REQUEST_CLASSES}, None, None
+            return {c: s.default_k for c in REQUEST_CLASSES}, None
         target_replicas = load.pools["target"].replicas if "target" in load.pools else 1
         draft_replicas = load.pools["draft"].replicas if "draft" in load.pools else 1
         depths, goodput = choose_depths(load.classes, target_curve, draft_curve, target_replicas, draft_replicas,
@@ -101,13 +96,11 @@ class Decider:
         reasons.append("depth: " + ", ".join(
             f"{c} K={depths[c]} (n={load.classes[c].active_requests}, alpha={load.classes[c].accept_rate:.2f})"
             for c in depths) + f", model goodput {goodput:.0f} tok/s")
-        costs = round_seconds_by_depth(load.classes, depths, target_curve, draft_curve, target_replicas,
-                                       draft_replicas, s.max_k, overhead_s=load.round_overhead_s)
-        return depths, goodput, {c: [round(seconds, 6) for seconds in by_k] for c, by_k in costs.items()}
+        return depths, goodput
 
     def decide(self, load: ClusterLoad, now: float) -> PolicyDecision:
         reasons: list[str] = []
-        depths, goodput, round_costs = self._depths(load, reasons)
+        depths, goodput = self._depths(load, reasons)
         bounds = {"target": self.settings.target_bounds}
         if self.settings.draft_bounds is not None:
             bounds["draft"] = self.settings.draft_bounds
@@ -120,8 +113,7 @@ class Decider:
             if wanted.get(pool) is not None and wanted[pool] != getattr(previous, f"{pool}_replicas"):
                 self._changed_at[pool] = now
         candidate = PolicyDecision(depths, wanted.get("target"), wanted.get("draft"), previous.version,
-                                   reasons + replica_reasons, goodput, round_costs,
-                                   {c: round(cl.accept_rate, 4) for c, cl in load.classes.items()})
+                                   reasons + replica_reasons, goodput)
         if not candidate.same_choice(previous):
             candidate = replace(candidate, version=previous.version + 1)
         self.decision = candidate

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from policies.acceptance import PRIOR_ACCEPTED, PRIOR_REJECTED, estimate_acceptance_rate, expected_tokens_per_round
 
-__all__ = ["RoundCosts", "choose_draft_depth", "depth_for_round_seconds", "expected_speedup",
-           "expected_tokens_per_round", "should_draft_ahead"]
+__all__ = ["RoundCosts", "choose_draft_depth", "expected_speedup", "expected_tokens_per_round",
+           "should_draft_ahead"]
 
 
 def expected_speedup(accept_rate: float, num_draft_tokens: int, draft_cost_ratio: float,
@@ -54,17 +54,6 @@ def choose_draft_depth(num_accepted: int, num_drafted: int, draft_cost_ratio: fl
     else:
         accept_rate = estimate_acceptance_rate(num_accepted, num_drafted, num_rounds)
     return best_depth(accept_rate, draft_cost_ratio, min_draft_tokens, max_draft_tokens, overhead_ratio)
-
-
-def depth_for_round_seconds(accept_rate: float, round_seconds: list[float], min_draft_tokens: int,
-                            max_draft_tokens: int) -> int:
-    """The K in [min, max] (within the list) with the most tokens per second, E(a, K) / T(K), where
-    round_seconds[K] is what the policy actor's goodput model says a round costs at the current
-    load (policies.goodput.round_seconds_by_depth): the cluster's costs, this request's acceptance."""
-    high = min(max_draft_tokens, len(round_seconds) - 1)
-    low = min(min_draft_tokens, high)
-    return max(range(low, high + 1),
-               key=lambda k: expected_tokens_per_round(accept_rate, k) / round_seconds[k] if round_seconds[k] > 0 else 0.0)
 
 
 @dataclass

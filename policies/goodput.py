@@ -73,26 +73,6 @@ def goodput_tokens_per_s(loads: Mapping[str, ClassLoad], depths: Mapping[str, in
     return tokens / seconds if seconds > 0 else 0.0
 
 
-def _planned(loads: Mapping[str, ClassLoad]) -> dict[str, ClassLoad]:
-    """A class with nobody active is planned as one newcomer beside the current load."""
-    return {c: load if load.active_requests > 0 else ClassLoad(1, load.accept_rate) for c, load in loads.items()}
-
-
-def round_seconds_by_depth(loads: Mapping[str, ClassLoad], depths: Mapping[str, int], target_cost: CostCurve,
-                           draft_cost: CostCurve | None, target_replicas: int, draft_replicas: int,
-                           max_k: int, overhead_s: float = 0.0) -> dict[str, list[float]]:
-    """T_c(K) for K = 0..max_k: a round's seconds when class c drafts K, the others at depths.
-
-    Routers refine the class's depth per request with this: a request with acceptance a takes
-    argmax_K E(a, K) / T_c(K) (policies.depth.depth_for_round_seconds), which is the class's own
-    choice when a equals the class's acceptance and one class is active, deeper for a request
-    whose drafts are accepted more often, shallower for one accepted less."""
-    planned = _planned(loads)
-    return {c: [round_seconds(planned, {**depths, c: k}, target_cost, draft_cost, target_replicas,
-                              draft_replicas, overhead_s) for k in range(max_k + 1)]
-            for c in planned}
-
-
 def choose_depths(loads: Mapping[str, ClassLoad], target_cost: CostCurve, draft_cost: CostCurve | None,
                   target_replicas: int, draft_replicas: int, min_k: int, max_k: int,
                   allow_target_only: bool = True, incumbent: Mapping[str, int] | None = None,
@@ -102,7 +82,8 @@ def choose_depths(loads: Mapping[str, ClassLoad], target_cost: CostCurve, draft_
     Candidates per class: {0 if allowed} ∪ [min_k, max_k]; an exhaustive search (at most 33^2
     evaluations). Among near-equal depths the incumbent wins (KEEP_MARGIN), then the smaller K.
     """
-    planned = _planned(loads)
+    # A class with nobody active is planned as one newcomer beside the current load.
+    planned = {c: load if load.active_requests > 0 else ClassLoad(1, load.accept_rate) for c, load in loads.items()}
     candidates = sorted(set(range(min_k, max_k + 1)) | ({0} if allow_target_only else set()))
     classes = list(planned)
 

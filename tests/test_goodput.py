@@ -3,8 +3,7 @@
 import pytest
 
 from policies.cost_curve import CostCurve, fit_cost_curve
-from policies.depth import depth_for_round_seconds
-from policies.goodput import ClassLoad, choose_depths, goodput_tokens_per_s, round_seconds, round_seconds_by_depth
+from policies.goodput import ClassLoad, choose_depths, goodput_tokens_per_s, round_seconds
 
 # An accelerator below its knee: a verify pass costs ~10 ms whatever the tokens; draft steps 1 ms.
 FLAT_TARGET = CostCurve(fixed_s=0.010, per_token_s=0.00001)
@@ -144,32 +143,3 @@ def test_the_load_view_carries_the_routers_measured_overhead():
     for name, overhead_s in (("r1", 0.006), ("r2", 0.008), ("r3", None)):
         tracker.add_router({"router": name, "active_requests": 1, "round_overhead_s": overhead_s}, now=0.0)
     assert tracker.snapshot(0.0).round_overhead_s == pytest.approx(0.007)
-
-
-# --- per-request refinement: the class's costs, the request's own acceptance -----------------
-
-def test_a_request_with_the_class_acceptance_gets_the_class_depth():
-    for target, draft, active in ((FLAT_TARGET, CHEAP_DRAFT, 4), (LINEAR_TARGET, LINEAR_DRAFT, 2)):
-        classes = {"greedy": ClassLoad(active, 0.8)}
-        depths, _ = choose_depths(classes, target, draft, 1, 1, min_k=1, max_k=8, allow_target_only=False)
-        costs = round_seconds_by_depth(classes, depths, target, draft, 1, 1, max_k=8)
-        assert depth_for_round_seconds(0.8, costs["greedy"], 1, 8) == depths["greedy"]
-
-
-def test_a_request_accepted_more_often_than_its_class_drafts_deeper_under_the_same_costs():
-    # A verify pass of 8 ms plus 0.5 ms a token (the shipped pair on a CPU): depth pays only as
-    # far as acceptance carries it.
-    target, draft = CostCurve(fixed_s=0.008, per_token_s=0.0005), CostCurve(fixed_s=0.001, per_token_s=0.0001)
-    costs = round_seconds_by_depth({"greedy": ClassLoad(2, 0.7)}, {"greedy": 2}, target, draft, 1, 1, max_k=8)
-    poor, typical, good = (depth_for_round_seconds(alpha, costs["greedy"], 1, 8) for alpha in (0.5, 0.7, 0.95))
-    assert poor < typical < good
-
-
-def test_round_seconds_by_depth_grow_with_depth_and_respect_bounds():
-    costs = round_seconds_by_depth(loads(3, 1), {"greedy": 4, "sampled": 2}, LINEAR_TARGET, LINEAR_DRAFT,
-                                   1, 1, max_k=6)
-    assert set(costs) == {"greedy", "sampled"} and all(len(by_k) == 7 for by_k in costs.values())
-    assert all(a < b for by_k in costs.values() for a, b in zip(by_k, by_k[1:]))
-    assert depth_for_round_seconds(0.99, costs["greedy"], 2, 4) == 4      # high bound holds
-    assert depth_for_round_seconds(0.01, costs["greedy"], 2, 4) == 2      # low bound holds
-    assert depth_for_round_seconds(0.99, costs["greedy"], 1, 12) <= 6      # never past the list

@@ -196,15 +196,6 @@ def test_decider_scales_the_bottleneck_and_versions_only_changes():
     assert decider.decide(loaded_tracker(0.3, 0.95, active=4).snapshot(1.0), now=101.0).draft_replicas == 2
 
 
-def test_decision_carries_round_costs_per_depth_and_class_acceptance_once_costs_are_measured():
-    settings = PolicySettings(max_k=6, target_bounds=(1, 4), draft_bounds=(1, 4))
-    assert Decider(settings).decide(LoadTracker().snapshot(0.0), now=0.0).round_seconds is None
-    decision = Decider(settings).decide(loaded_tracker(0.5, 0.5, active=2).snapshot(1.0), now=1.0)
-    assert set(decision.round_seconds) == {"greedy", "sampled"}
-    assert all(len(by_k) == 7 and by_k[0] < by_k[6] for by_k in decision.round_seconds.values())
-    assert decision.accept_rates["greedy"] == pytest.approx(accept_rate_from_rounds(100, 400, 300), abs=1e-4)
-
-
 def test_decision_serialises_to_the_documented_shape():
     decision = Decider(PolicySettings()).decision.to_dict()
     assert set(decision) >= {"num_draft_tokens", "target_replicas", "draft_replicas", "version", "reasons"}
