@@ -6,7 +6,7 @@ CONSTRAINTS ?= constraints-cpu.txt
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve generate test fuzz bench serve-config
+.PHONY: install serve generate test fuzz soak reliability bench serve-config
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,15 @@ test: $(STAMP)
 # The long fuzz run: 5,000 hypothesis bodies per fuzz test plus schemathesis on /openapi.json.
 fuzz: $(STAMP)
 	SPECSERVE_FUZZ_EXAMPLES=$${SPECSERVE_FUZZ_EXAMPLES:-5000} $(PY) -m pytest -q tests/test_fuzz_api.py --hypothesis-show-statistics
+
+# Ten minutes of mixed greedy, sampled, streamed, chat and dropped requests at 4 streams against
+# the default pair: zero errors, per-process RSS growth <= 10% after warm-up (bench/results/soak-cpu-2core.json).
+soak: $(STAMP)
+	$(PY) -m bench.soak --duration-s $${SOAK_S:-600} --streams 4
+
+# The slow reliability tests CI leaves out: the 500-stream cancellation storm and the multi-node faults.
+reliability: $(STAMP)
+	$(PY) -m pytest -q -m slow
 
 serve-config: $(STAMP)
 	$(VENV)/bin/specserve serve-config

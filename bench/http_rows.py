@@ -131,8 +131,13 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict, prompt
         target_passes=spec["target_passes"], rounds=spec["rounds"], num_drafted=spec["num_drafted"],
         num_accepted=spec["num_accepted"], median_overhead_s=None if overhead_ms is None else overhead_ms / 1000,
         server_ttft_s=None if server_ttft_ms is None else server_ttft_ms / 1000,
+        median_hops_s=_seconds(spec.get("median_hops_ms")), median_router_s=_seconds(spec.get("median_router_ms")),
         finish_reason=(final.get("choices") or [{}])[0].get("finish_reason"), output_text="".join(pieces))
     return record, started, ended
+
+
+def _seconds(milliseconds: float | None) -> float | None:
+    return None if milliseconds is None else milliseconds / 1000
 
 
 def run_sequential(jobs: list[tuple[str, str, dict, str, int]]) -> list[tuple[str, RequestRecord]]:

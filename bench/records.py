@@ -33,6 +33,8 @@ class RequestRecord:
     num_accepted: int
     median_overhead_s: float | None        # median over this request's rounds of wall - model compute
     server_ttft_s: float | None = None     # the router's own TTFT (HTTP rows)
+    median_hops_s: float | None = None     # of the overhead: the RPC hops to and from the engines (HTTP rows)
+    median_router_s: float | None = None   # of the overhead: the rest, the router's own work (HTTP rows)
     finish_reason: str | None = None
     # What was generated, so rows can be checked against each other (greedy speculation is
     # lossless: same ids as target-only), not only timed: ids in-process, streamed text over HTTP.

@@ -35,6 +35,7 @@ from deployments.naming import ENGINE_NAMESPACE, current_replica_id, engine_acto
 ENGINE_BUNDLE_INDEX = 1
 REPLICA_CPUS = 0.01  # the replica only relays the engine handle and health checks
 COST_SAMPLES_KEPT = 64  # recent (batch tokens, seconds) forwards, for the policy's cost curve
+CALL_LOG_KEPT = 4096  # recent (kind, sequence, entered, left) calls, for bench.round_profile
 REPORT_INTERVAL_S = 1.0  # how often an engine reports its load to the policy actor
 
 
@@ -87,7 +88,9 @@ class EngineCore:
         self._unreported_costs: deque[tuple[int, float]] = deque(maxlen=COST_SAMPLES_KEPT)
         self._report_task: asyncio.Task | None = None
         self.last_used_s: dict[str, float] = {}
+        self.call_log: deque[tuple[str, str, float, float]] = deque(maxlen=CALL_LOG_KEPT)
         self.gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()] if ray.is_initialized() else []
+        self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
     def _iterate(self, calls: list[Any]) -> dict[int, Any]:
         raise NotImplementedError
@@ -119,6 +122,19 @@ class EngineCore:
             except Exception:  # no policy actor (yet, or restarting): the engine works on regardless
                 pass
 
+    def answer(self, kind: str, seq_id: str, entered_s: float) -> tuple[float, float]:
+        """The span (entered, left) a call spent in this engine, logged. time.perf_counter is
+        CLOCK_MONOTONIC, one clock for every process on a machine: the router subtracts its own
+        send and receive times to see the hops, and bench.round_profile reads the log to time
+        rounds from the engines' side, an outside check on the router's accounting."""
+        left_s = time.perf_counter()
+        self.call_log.append((kind, seq_id, entered_s, left_s))
+        return entered_s, left_s
+
+    async def call_times(self) -> list[tuple[str, str, float, float]]:
+        """Recent calls: (kind, sequence id, entered, left), perf_counter seconds."""
+        return list(self.call_log)
+
     async def release(self, seq_id: str) -> None:
         self.loop.release(seq_id)
 
@@ -139,6 +155,7 @@ class EngineCore:
                 "free_slots": self.free_slots, "queue_depth": self.loop.queue_depth,
                 "forwards": loop_stats.iterations, "batch_rows_total": loop_stats.rows_total,
                 "busy_s": loop_stats.busy_s, "idle_s": loop_stats.idle_s, "gpu_ids": self.gpu_ids,
+                "node_id": self.node_id,
                 "cost_samples": list(self.cost_samples)}
 
     @property

@@ -45,12 +45,34 @@ RELEASE_RETRY_S = 300.0  # how long a release keeps trying an engine that is tem
 ENGINE_ERRORS = (RayActorError, ray.exceptions.ActorUnavailableError)
 
 
+@dataclass(frozen=True)
+class EngineCall:
+    """One engine call's four moments, perf_counter seconds (one clock for every process on a
+    machine): the router sent it, the engine took it, the engine answered, the router had it."""
+
+    sent_s: float
+    entered_s: float
+    left_s: float
+    answered_s: float
+
+    @property
+    def engine_s(self) -> float:
+        return self.left_s - self.entered_s
+
+    @property
+    def hops_s(self) -> float:
+        """Both RPC hops: pickling, Ray's transport and the engine's event loop picking it up."""
+        return (self.entered_s - self.sent_s) + (self.answered_s - self.left_s)
+
+
 @dataclass
 class RoundTimings:
-    """Where a request's wall time went; overhead = round wall time minus engine compute."""
+    """Where a request's wall time went; overhead = round wall time minus engine compute, of
+    which hops = the RPC hops of the calls the round waited on, and the rest the router's own work."""
 
     round_wall_s: list[float] = field(default_factory=list)
     round_overhead_s: list[float] = field(default_factory=list)
+    round_hops_s: list[float] = field(default_factory=list)
     draft_depths: list[int] = field(default_factory=list)
     first_token_s: float | None = None
 
@@ -61,6 +83,8 @@ class RoundTimings:
         return {
             "median_round_ms": median_ms(self.round_wall_s),
             "median_overhead_ms": median_ms(self.round_overhead_s),
+            "median_hops_ms": median_ms(self.round_hops_s),
+            "median_router_ms": median_ms([o - h for o, h in zip(self.round_overhead_s, self.round_hops_s)]),
             "mean_draft_tokens": round(statistics.fmean(self.draft_depths), 3) if self.draft_depths else 0.0,
             "time_to_first_token_ms": None if self.first_token_s is None else round(1000 * self.first_token_s, 3),
         }
@@ -238,10 +262,10 @@ class Router:
                 break
             round_started = time.perf_counter()
             num_draft = self._draft_depth(state) if draft is not None else 0
-            proposal, draft_s = Proposal([], None), 0.0
+            proposal, draft_s, draft_hops_s = Proposal([], None), 0.0, 0.0
             if num_draft > 0:
                 try:
-                    proposal, draft_s = await self._propose(state, draft, num_draft, ahead)
+                    proposal, draft_s, draft_hops_s = await self._propose(state, draft, num_draft, ahead)
                 except ENGINE_ERRORS:
                     logger.warning("draft engine lost for %s; continuing target-only", request_id)
                     self.metrics.record_draft_failure()
@@ -254,8 +278,9 @@ class Router:
                 ahead_of = state.history + proposal.token_ids
                 ahead = (ahead_of, draft.propose.remote(request_id, ahead_of, num_draft + 1, state.params,
                                                         self._draft_seed(state)))
-            rows, target_s, target = await self._verify(state, target, len(proposal.token_ids) + 1, engines,
-                                                        proposal)
+            rows, verify, target = await self._verify(state, target, len(proposal.token_ids) + 1, engines,
+                                                      proposal)
+            target_s = verify.engine_s
             accepted_before = state.stats.num_accepted
             rows, logprob_rows = _split_logprobs(state, rows)
             committed = accept_round(state, proposal, rows)
@@ -268,35 +293,39 @@ class Router:
             overhead_s = round_wall_s - draft_s - target_s
             timings.round_wall_s.append(round_wall_s)
             timings.round_overhead_s.append(overhead_s)
+            timings.round_hops_s.append(draft_hops_s + verify.hops_s)
             timings.draft_depths.append(len(proposal.token_ids))
             self.round_costs.observe_round(target_s, overhead_s)
             self.metrics.record_round(round_wall_s, len(proposal.token_ids))
             chunks.put_nowait(self._chunk(state, committed, logprob_rows))
 
-    async def _propose(self, state: RequestState, draft, num_draft: int, ahead) -> tuple[Proposal, float]:
-        """This round's draft block and the draft seconds the round waited on: 0 when the block
-        drafted ahead, during the last verification, is usable (the target took it all and its
-        bonus guess, decoding.speculation.drafted_ahead); else a fresh block. The draft engine's
+    async def _propose(self, state: RequestState, draft, num_draft: int, ahead) -> tuple[Proposal, float, float]:
+        """This round's draft block, and the draft engine seconds and RPC hop seconds the round
+        waited on: none when the block drafted ahead, during the last verification, is usable
+        (the target took it all and its bonus guess, decoding.speculation.drafted_ahead); else a
+        fresh block. The draft engine's
         cost estimate c always gets the drafting call's own engine time, so pipelined rounds do
         not drag the router-wide c towards 0. A fresh call first waits for a missed block ahead."""
         waited_s = 0.0
         if ahead is not None:
             ahead_of, pending = ahead
             started = time.perf_counter()
-            drafted, ahead_s = await pending
-            self.round_costs.observe_draft(ahead_s, len(drafted.token_ids))
+            drafted, (entered_s, left_s) = await pending
+            self.round_costs.observe_draft(left_s - entered_s, len(drafted.token_ids))
             proposal = drafted_ahead(state.history, ahead_of, drafted, num_draft)
             if proposal is not None:
                 state.stats.pipelined_rounds += 1
                 # The first token was the bonus guess (it came true); what lies past the block is dropped.
                 state.stats.num_discarded_ahead += len(drafted.token_ids) - 1 - len(proposal.token_ids)
-                return proposal, 0.0
+                return proposal, 0.0, 0.0
             state.stats.num_discarded_ahead += len(drafted.token_ids)
             waited_s = time.perf_counter() - started
-        proposal, draft_s = await draft.propose.remote(state.request_id, state.history, num_draft, state.params,
-                                                       self._draft_seed(state))
-        self.round_costs.observe_draft(draft_s, len(proposal.token_ids))
-        return proposal, waited_s + draft_s
+        sent_s = time.perf_counter()
+        proposal, (entered_s, left_s) = await draft.propose.remote(state.request_id, state.history, num_draft,
+                                                                   state.params, self._draft_seed(state))
+        call = EngineCall(sent_s, entered_s, left_s, time.perf_counter())
+        self.round_costs.observe_draft(call.engine_s, len(proposal.token_ids))
+        return proposal, waited_s + call.engine_s, call.hops_s
 
     async def _target_engine(self):
         """A target engine for a new request; 503 when no target replica answers in time."""
@@ -321,8 +350,8 @@ class Router:
             return None
 
     async def _verify(self, state: RequestState, target, num_rows: int, engines: list[Any],
-                      proposal: Proposal | None = None) -> tuple[Any, float, Any]:
-        """One target forward -> (rows, engine seconds, the engine that answered).
+                      proposal: Proposal | None = None) -> tuple[Any, EngineCall, Any]:
+        """One target forward -> (rows, the call's timing, the engine that answered).
 
         On a lost engine, ask Serve for one again until TARGET_RECOVERY_S passes: another
         replica's engine, or the replacement Serve starts once the dead replica fails its health
@@ -333,9 +362,10 @@ class Router:
         deadline = time.monotonic() + TARGET_RECOVERY_S
         while True:
             try:
-                rows, compute_s = await target.verify.remote(state.request_id, tokens, num_rows, state.params,
-                                                             first_output_index)
-                return rows, compute_s, target
+                sent_s = time.perf_counter()
+                rows, (entered_s, left_s) = await target.verify.remote(state.request_id, tokens, num_rows,
+                                                                       state.params, first_output_index)
+                return rows, EngineCall(sent_s, entered_s, left_s, time.perf_counter()), target
             except EngineOverloadedError as exc:
                 raise ServerOverloadedError(str(exc), retry_after_s=2.0) from None
             except ENGINE_ERRORS:

@@ -13,6 +13,31 @@ from cluster.local import start_local, stop_local
 from tests.tiny_pair import make_tiny_pair
 
 
+def greedy_reference(target_path: str):
+    """greedy_text(prompt, max_tokens): the target's own greedy text, in-process and target-only:
+    the oracle a served request must equal, whatever was lost on the way."""
+    from transformers import AutoTokenizer
+
+    from decoding.generate import generate
+    from decoding.model_runner import ModelRunner
+    from decoding.sampling import SamplingParams
+    from decoding.sequence import RequestState
+
+    runner = ModelRunner(target_path)
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+
+    def greedy_text(prompt: str, max_tokens: int) -> str:
+        state = RequestState(request_id="ref", prompt_ids=tokenizer.encode(prompt, add_special_tokens=False),
+                             params=SamplingParams(temperature=0, max_tokens=max_tokens),
+                             eos_token_id=tokenizer.eos_token_id, max_context=runner.max_context,
+                             detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        for _ in generate(runner, state):
+            pass
+        return state.output_text
+
+    return greedy_text
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

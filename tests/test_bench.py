@@ -245,3 +245,17 @@ def test_in_process_rows_run_end_to_end_on_a_tiny_pair(tmp_path):
     assert rows["specserve-inproc"]["mean_draft_tokens"] > 0
     assert (tmp_path / "results" / "smoke.md").exists() and (tmp_path / "results" / "latest.json").exists()
     assert "## greedy, prompts `v2` v2" in (tmp_path / "results" / "smoke.md").read_text()
+
+
+def test_outside_overhead_is_the_round_minus_the_engine_time_it_waited_on():
+    from bench.round_profile import outside_overheads
+
+    logs = {"target": [("verify", "a", 0.000, 0.010),            # prefill
+                       ("verify", "a", 0.016, 0.030),            # round 1: fresh draft 0.011-0.014
+                       ("verify", "a", 0.033, 0.045),            # round 2: block drafted ahead
+                       ("verify", "other", 0.100, 0.200)],
+            "draft": [("propose", "a", 0.011, 0.014),
+                      ("propose", "a", 0.017, 0.028)]}          # ahead: overlaps round 1's verify
+    overheads = outside_overheads(logs, {"a"})
+    # round 1: 0.020 wall - 0.014 verify - 0.003 draft; round 2: 0.015 - 0.012, the ahead draft not waited on
+    assert overheads == pytest.approx([0.003, 0.003])

@@ -101,34 +101,42 @@ def test_past_capacity_the_excess_gets_503_with_retry_after_and_the_admitted_fin
     assert_nothing_held()
 
 
+STORM_PLANS = ["during_prefill", "before_first_byte", "first_chunk", "mid_stream", "complete"]
+
+
 def test_a_storm_of_dropped_connections_leaves_no_state(server):
-    """200 streaming requests, 8 at a time, dropped at random: before the first byte (during
-    prefill), after the first chunk, or mid-stream; some read to the end."""
+    """500 streaming requests, 8 at a time, dropped at random: during prefill (the client gives up
+    before any response, after a few milliseconds, on a long prompt), right after the response
+    starts, after the first chunk, or mid-stream; some read to the end (~20 s here)."""
     rng = random.Random(7)
-    plans = [rng.choice(["before_first_byte", "first_chunk", "mid_stream", "complete"]) for _ in range(200)]
+    plans = [(rng.choice(STORM_PLANS), rng.uniform(0.002, 0.05)) for _ in range(500)]
+    long_prompt = " ".join(PROMPTS)  # the longest prompt the tiny pair's context leaves room for
 
     async def one(client: httpx.AsyncClient, plan: str, prompt: str) -> None:
-        try:
-            async with client.stream("POST", f"{server}/v1/completions",
-                                     json=body(prompt, 120, stream=True)) as response:
-                if plan == "before_first_byte" or response.status_code != 200:
-                    return
-                lines = 0
-                async for line in response.aiter_lines():
-                    lines += line.startswith("data: ")
-                    if plan == "first_chunk" and lines >= 1 or plan == "mid_stream" and lines >= 4:
-                        return  # leaving the block drops the connection
-        except httpx.HTTPError:
-            pass
+        async with client.stream("POST", f"{server}/v1/completions",
+                                 json=body(prompt, 120, stream=True)) as response:
+            if plan == "before_first_byte" or response.status_code != 200:
+                return
+            lines = 0
+            async for line in response.aiter_lines():
+                lines += line.startswith("data: ")
+                if plan == "first_chunk" and lines >= 1 or plan == "mid_stream" and lines >= 4:
+                    return  # leaving the block drops the connection
 
     async def storm():
         semaphore = asyncio.Semaphore(8)
         async with httpx.AsyncClient(timeout=60) as client:
-            async def bounded(i: int, plan: str):
+            async def bounded(i: int, plan: str, give_up_s: float):
                 async with semaphore:
-                    await one(client, plan, PROMPTS[i % len(PROMPTS)])
+                    try:
+                        if plan == "during_prefill":
+                            await asyncio.wait_for(one(client, plan, long_prompt), give_up_s)
+                        else:
+                            await one(client, plan, PROMPTS[i % len(PROMPTS)])
+                    except (httpx.HTTPError, asyncio.TimeoutError):
+                        pass
 
-            await asyncio.gather(*[bounded(i, plan) for i, plan in enumerate(plans)])
+            await asyncio.gather(*[bounded(i, plan, give_up_s) for i, (plan, give_up_s) in enumerate(plans)])
 
     asyncio.run(storm())
     assert_nothing_held(timeout_s=60)

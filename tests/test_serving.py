@@ -26,6 +26,7 @@ from decoding.generate import generate
 from decoding.model_runner import ModelRunner
 from decoding.sampling import SamplingParams
 from decoding.sequence import RequestState
+from tests.local_server import greedy_reference
 from tests.tiny_pair import make_tiny_pair
 
 pytestmark = pytest.mark.ray
@@ -64,20 +65,7 @@ def client(server):
 @pytest.fixture(scope="module")
 def reference(server):
     """In-process target-only greedy output: the oracle the HTTP path must equal."""
-    _, config = server
-    runner = ModelRunner(config.target.path)
-    tokenizer = AutoTokenizer.from_pretrained(config.target.path)
-
-    def greedy_text(prompt: str, max_tokens: int) -> str:
-        state = RequestState(request_id="ref", prompt_ids=tokenizer.encode(prompt, add_special_tokens=False),
-                             params=SamplingParams(temperature=0, max_tokens=max_tokens),
-                             eos_token_id=tokenizer.eos_token_id, max_context=runner.max_context,
-                             detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-        for _ in generate(runner, state):
-            pass
-        return state.output_text
-
-    return greedy_text
+    return greedy_reference(server[1].target.path)
 
 
 def _leftover_state() -> dict[str, list]:
