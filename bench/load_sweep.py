@@ -133,6 +133,30 @@ def adaptive_against_fixed(result: dict) -> list[dict] | None:
     return rows
 
 
+def combine_runs(runs: list[dict], name: str) -> dict:
+    """One result whose tok/s per variant and level is the mean over runs of the same sweep. Why:
+    on this shared box a level's tok/s drifts over a run, so variants that ran late read slower;
+    the same sweep run again in reverse variant order and averaged cancels that order effect."""
+    first = runs[0]
+    combined = {key: first[key] for key in ("prompts", "max_tokens", "mode", "machine")}
+    combined.update(name=name, command="mean of: " + "; ".join(f"`{run['command']}`" for run in runs),
+                    runs=[run["name"] for run in runs], variants={})
+    for variant, levels in first["variants"].items():
+        rows = []
+        for level in levels:
+            same = [other_level for run in runs for other_level in run["variants"].get(variant, [])
+                    if other_level["concurrency"] == level["concurrency"]]
+            row = {key: value for key, value in level.items() if key != "records"}
+            for key in ("tokens_per_s", "latency_p50_ms", "latency_p95_ms", "ttft_p50_ms", "ttft_p95_ms",
+                        "acceptance_rate", "mean_draft_tokens"):
+                values = [other[key] for other in same if other.get(key) is not None]
+                row[key] = sum(values) / len(values) if values else None
+            row["num_requests"] = sum(other["num_requests"] for other in same)
+            rows.append(row)
+        combined["variants"][variant] = rows
+    return combined
+
+
 def render_markdown(result: dict) -> str:
     lines = [f"# specserve load sweep: {result['name']}", "",
              f"- prompts: {result['prompts']}; max_tokens {result['max_tokens']}; mode {result['mode']}",
@@ -205,7 +229,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-prompts", type=int, default=None)
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--name", default=None)
+    parser.add_argument("--combine", nargs="+", metavar="NAME",
+                        help="no run: average these results in --out (names or JSON paths) of the same sweep, "
+                             "e.g. one run and one in reverse variant order, into --name")
     args = parser.parse_args(argv)
+    if args.combine:
+        out = Path(args.out)
+        paths = [Path(name) if Path(name).is_file() else out / f"{name}.json" for name in args.combine]
+        combined = combine_runs([json.loads(path.read_text()) for path in paths], args.name or "combined")
+        (out / f"{combined['name']}.json").write_text(json.dumps(combined, indent=1))
+        (out / f"{combined['name']}.md").write_text(render_markdown(combined))
+        plot(combined, out / f"{combined['name']}.png")
+        print(render_markdown(combined))
+        return
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:

@@ -259,3 +259,23 @@ def test_outside_overhead_is_the_round_minus_the_engine_time_it_waited_on():
     overheads = outside_overheads(logs, {"a"})
     # round 1: 0.020 wall - 0.014 verify - 0.003 draft; round 2: 0.015 - 0.012, the ahead draft not waited on
     assert overheads == pytest.approx([0.003, 0.003])
+
+
+def test_combined_sweep_runs_average_each_variant_and_level():
+    from bench.load_sweep import adaptive_against_fixed, combine_runs
+
+    def run(name, adaptive, k4):
+        def level(streams, tok_s):
+            return {"concurrency": streams, "num_requests": 4, "tokens_per_s": tok_s, "latency_p50_ms": 1.0,
+                    "latency_p95_ms": 2.0, "ttft_p50_ms": None, "ttft_p95_ms": None, "acceptance_rate": 0.5,
+                    "mean_draft_tokens": 4.0, "records": [{}]}
+        return {"name": name, "command": f"specserve bench-load --name {name}", "prompts": "p", "max_tokens": 8,
+                "mode": "greedy", "machine": "m",
+                "variants": {"adaptive": [level(1, adaptive[0]), level(2, adaptive[1])],
+                             "k4": [level(1, k4[0]), level(2, k4[1])]}}
+
+    combined = combine_runs([run("a", (90.0, 100.0), (100.0, 100.0)), run("b", (110.0, 120.0), (100.0, 80.0))], "m")
+    assert [level["tokens_per_s"] for level in combined["variants"]["adaptive"]] == [100.0, 110.0]
+    assert combined["variants"]["k4"][1]["num_requests"] == 8 and "records" not in combined["variants"]["k4"][0]
+    table = adaptive_against_fixed(combined)
+    assert [round(row["ratio"], 3) for row in table[:2]] == [1.0, 1.222]
