@@ -33,7 +33,7 @@ fuzz: $(STAMP)
 soak: $(STAMP)
 	$(PY) -m bench.soak --duration-s $${SOAK_S:-600} --streams 4
 
-# The slow reliability tests CI leaves out: the 500-stream cancellation storm and the multi-node faults.
+# The slow reliability tests CI leaves out: node loss on a multi-node `ray start` cluster.
 reliability: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
