@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -118,6 +119,27 @@ def plot(trace: list[dict], path: Path, title: str) -> None:
     plt.close(figure)
 
 
+@dataclass(frozen=True)
+class Phase:
+    """`streams` closed-loop clients for at least `min_s` seconds; the phase ends at `min_s`, or, if
+    `until` is given, at the first sample after `min_s` for which until(sample) holds, or at
+    `max_s`. Why conditions: how long Serve takes to start a replica depends on the machine, so a
+    test waits for what it checks (a pool that grew, pools back at their minimum) with a bound,
+    rather than guessing a duration that a slower machine misses."""
+
+    streams: int
+    min_s: float
+    max_s: float | None = None
+    until: Callable[[dict], bool] | None = None
+
+    def over(self, elapsed_s: float, point: dict) -> bool:
+        if elapsed_s < self.min_s:
+            return False
+        if self.until is None or elapsed_s >= (self.max_s or self.min_s):
+            return True
+        return self.until(point)
+
+
 @dataclass
 class LoadStep:
     """What a load step produced: one trace point a second, and the clients' own counts."""
@@ -130,28 +152,29 @@ class LoadStep:
         return [point for point in self.trace if point["streams"] == streams]
 
 
-def run_load_step(url: str, bodies: list[dict], schedule: list[tuple[float, int]],
-                  echo: bool = False) -> LoadStep:
-    """Drive the app at url through schedule [(seconds, streams), ...], sampling every second:
-    running replicas per pool, the policy's depth for a greedy request (and why), active
-    requests, and the tokens clients received meanwhile."""
+def run_load_step(url: str, bodies: list[dict], phases: list[Phase], echo: bool = False) -> LoadStep:
+    """Drive the app at url through the phases, sampling every second: running replicas per pool,
+    the policy's depth for a greedy request (and why), active requests, and the tokens clients
+    received meanwhile."""
     clients = Clients(url, bodies)
     trace: list[dict] = []
     started = time.monotonic()
     last_tokens, last_t = 0, started
     try:
-        for duration, streams in schedule:
-            clients.wanted = streams
-            phase_end = time.monotonic() + duration
-            while time.monotonic() < phase_end:
+        for phase in phases:
+            clients.wanted = phase.streams
+            phase_start = time.monotonic()
+            while True:
                 time.sleep(1.0)
                 now = time.monotonic()
-                point = {"t_s": round(now - started, 1), "streams": streams, **sample(),
+                point = {"t_s": round(now - started, 1), "streams": phase.streams, **sample(),
                          "tokens_per_s": (clients.tokens - last_tokens) / (now - last_t)}
                 last_tokens, last_t = clients.tokens, now
                 trace.append(point)
                 if echo:
                     print(json.dumps(point), file=sys.stderr, flush=True)
+                if phase.over(now - phase_start, point):
+                    break
     finally:
         clients.stop()
     return LoadStep(trace, clients.requests, clients.failures)
@@ -176,8 +199,9 @@ def main(argv: list[str] | None = None) -> None:
     bodies = step_bodies(config.model_name, args.prompts, args.max_tokens)
     url = start_local(config)
     try:
-        schedule = [(args.phase_s, 1), (args.phase_s, args.streams), (args.phase_s, 1), (args.idle_s, 0)]
-        step = run_load_step(url, bodies, schedule, echo=True)
+        phases = [Phase(1, args.phase_s), Phase(args.streams, args.phase_s), Phase(1, args.phase_s),
+                  Phase(0, args.idle_s)]
+        step = run_load_step(url, bodies, phases, echo=True)
     finally:
         stop_local()
     trace = step.trace

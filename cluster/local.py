@@ -104,18 +104,28 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def start_local(config: SpecServeConfig, dashboard: bool = False, timeout_s: float = 300.0) -> str:
-    """Start Ray + Serve + the app; block until /health answers; return the base URL."""
+    """Start Ray + Serve + the app; block until /health answers; return the base URL.
+
+    If anything after Ray starts fails (a deployment that cannot start, no health in time), what
+    this call started is stopped before the error propagates: a failed start-up leaves no cluster
+    behind for the next `specserve serve` (or test) to trip over."""
     check_model_paths(config)
     check_port_free(config.http.host, config.http.port)
-    if not ray.is_initialized():
+    started_ray = not ray.is_initialized()
+    if started_ray:
         ray.init(num_cpus=logical_cpus_needed(config), resources=custom_resources_needed(config),
                  include_dashboard=dashboard, _metrics_export_port=metrics_export_port(config),
                  _system_config={**RAY_SYSTEM_CONFIG, **metrics_system_config(config)},
                  configure_logging=False, log_to_driver=False)
-    serve.start(http_options={"host": config.http.host, "port": config.http.port})
-    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
-    url = f"http://{config.http.host}:{config.http.port}"
-    wait_healthy(url, timeout_s)
+    try:
+        serve.start(http_options={"host": config.http.host, "port": config.http.port})
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        url = f"http://{config.http.host}:{config.http.port}"
+        wait_healthy(url, timeout_s)
+    except BaseException:
+        if started_ray:
+            stop_local()
+        raise
     return url
 
 
@@ -133,5 +143,8 @@ def wait_healthy(url: str, timeout_s: float) -> None:
 
 
 def stop_local() -> None:
-    serve.shutdown()
-    ray.shutdown()
+    """Stop the app and Ray; Ray is shut down even when Serve's shutdown fails half-way."""
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
