@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompts", default="thirdparty")
     parser.add_argument("--num-draft-tokens", "-K", type=int, default=None, help="pin K (default: adaptive)")
+    parser.add_argument("--stream-interval-ms", type=float, default=None,
+                        help="http.stream_interval_ms for the served app (default: the config's)")
     parser.add_argument("--name", default="round-profile-thirdparty")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
@@ -86,7 +88,9 @@ def main(argv: list[str] | None = None) -> None:
 
     base = load_config(args.config)
     data = base.model_dump(mode="json")
-    data["http"] = {"host": "127.0.0.1", "port": free_port()}
+    data["http"] = {**data["http"], "host": "127.0.0.1", "port": free_port()}
+    if args.stream_interval_ms is not None:
+        data["http"]["stream_interval_ms"] = args.stream_interval_ms
     if args.num_draft_tokens is not None:
         data["speculation"] = {**data["speculation"], "adaptive": False, "num_draft_tokens": args.num_draft_tokens}
     config = type(base).model_validate(data)
@@ -113,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "name": args.name, "command": "python -m bench.round_profile " + " ".join(argv if argv is not None else sys.argv[1:]),
         "prompts": args.prompts, "max_tokens": args.max_tokens, "requests": len(records),
+        "stream_interval_ms": config.http.stream_interval_ms,
         "tokens_per_s": [round(level["tokens_per_s"], 1) for level in levels],
         "median_tokens_per_s": round(statistics.median(level["tokens_per_s"] for level in levels), 1),
         "mean_draft_tokens": round(drafted / rounds, 2) if rounds else 0.0,

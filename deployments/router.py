@@ -204,16 +204,8 @@ class Router:
         self._ensure_policy_loop()
         rounds = asyncio.create_task(self._decode(state, chunks))
         try:
-            while True:
-                pending = [await chunks.get()]
-                while not chunks.empty():
-                    pending.append(chunks.get_nowait())
-                if isinstance(pending[-1], Exception):
-                    raise pending[-1]
-                merged = _merge_chunks(pending)
+            async for merged in coalesced_chunks(chunks, self.config.http.stream_interval_ms / 1000):
                 yield merged
-                if "usage" in merged:
-                    return
         finally:
             rounds.cancel()
 
@@ -458,6 +450,36 @@ class Router:
 
 def _request_class(state: RequestState) -> str:
     return "greedy" if state.params.is_greedy else "sampled"
+
+
+async def coalesced_chunks(chunks: asyncio.Queue, interval_s: float = 0.0) -> AsyncIterator[dict]:
+    """The chunks put on the queue, merged: whatever piled up since the last one went out, and with
+    interval_s > 0 at most one per interval after the first (the first token and the final chunk
+    never wait). Ends after the chunk with "usage"; raises an exception put on the queue."""
+    last_sent = None
+    while True:
+        pending = [await chunks.get()]
+        if interval_s and last_sent is not None:  # let rounds pile up, but never hold the last one
+            deadline = last_sent + interval_s
+            while not _is_last(pending[-1]) and (wait_s := deadline - time.perf_counter()) > 0:
+                try:
+                    pending.append(await asyncio.wait_for(chunks.get(), wait_s))
+                except asyncio.TimeoutError:
+                    break
+        while not chunks.empty():
+            pending.append(chunks.get_nowait())
+        if isinstance(pending[-1], Exception):
+            raise pending[-1]
+        merged = _merge_chunks(pending)
+        yield merged
+        last_sent = time.perf_counter()
+        if "usage" in merged:
+            return
+
+
+def _is_last(chunk: dict | Exception) -> bool:
+    """The final chunk (usage) or an error: never held back by the stream interval."""
+    return isinstance(chunk, Exception) or "usage" in chunk
 
 
 def _merge_chunks(chunks: list[dict]) -> dict:

@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import asdict
 from typing import Any
 
 import ray
 
+from policies.cost_curve import fit_cost_curve
 from policies.decision import Decider, PolicySettings
 from policies.load import LoadTracker
 
@@ -82,6 +84,9 @@ class PolicyActor:
                                  "sequences": load.sequences.get(pool, 0)} for pool, p in load.pools.items()},
                 "classes": {c: {"active_requests": cl.active_requests, "accept_rate": cl.accept_rate}
                             for c, cl in load.classes.items()},
+                "cost_curves": {pool: asdict(curve) for pool, samples in load.cost_samples.items()
+                                if (curve := fit_cost_curve(samples)) is not None},
+                "round_overhead_s": load.round_overhead_s,
                 "started_at": self._started_at}
 
 

@@ -3,6 +3,7 @@
 import pytest
 
 from policies.cost_curve import CostCurve, fit_cost_curve
+from policies.acceptance import expected_tokens_per_round
 from policies.goodput import ClassLoad, choose_depths, goodput_tokens_per_s, round_seconds
 
 # An accelerator below its knee: a verify pass costs ~10 ms whatever the tokens; draft steps 1 ms.
@@ -69,6 +70,39 @@ def test_serial_round_adds_one_batched_draft_step_per_draft_token():
     load = loads(2, 0)
     seconds = round_seconds(load, {"greedy": 3, "sampled": 0}, FLAT_TARGET, CHEAP_DRAFT, 1, 1)
     assert seconds == pytest.approx(3 * CHEAP_DRAFT.seconds(2) + FLAT_TARGET.seconds(8))
+
+
+def test_one_request_drafts_then_verifies_in_series():
+    load = loads(1, 0)
+    seconds = round_seconds(load, {"greedy": 4, "sampled": 0}, LINEAR_TARGET, LINEAR_DRAFT, 1, 1, overhead_s=0.002)
+    assert seconds == pytest.approx(4 * LINEAR_DRAFT.seconds(1) + LINEAR_TARGET.seconds(5) + 0.002)
+
+
+def test_with_company_one_half_drafts_while_the_other_verifies():
+    """Two requests on pools whose cost grows with the batch, drafting as costly as verifying:
+    alternating, both advance a round in the time one request's round takes, where lock step
+    pays both batches back to back."""
+    draft = CostCurve(fixed_s=0.0, per_token_s=0.0025)    # per request and step
+    verify = CostCurve(fixed_s=0.0, per_token_s=0.002)    # per verified token
+    load, depths = loads(2, 0), {"greedy": 4, "sampled": 0}
+    lock_step = 4 * draft.seconds(2) + verify.seconds(10)
+    assert lock_step == pytest.approx(0.040)
+    assert round_seconds(load, depths, verify, draft, 1, 1) == pytest.approx(0.020)
+    # With hops, each half's own round (draft + verify + overhead) bounds the cycle.
+    assert round_seconds(load, depths, verify, draft, 1, 1, overhead_s=0.005) == pytest.approx(0.025)
+
+
+def test_overlap_makes_deeper_drafting_pay_under_load():
+    """A CPU-like pair where drafting costs a third of a verify: charged in series, K stays shallow
+    at 4 requests; with the pools overlapping, drafting deeper pays (measured on the 2-core box:
+    K = 8 beat K = 4 by 7-11% from 2 streams on)."""
+    target = CostCurve(fixed_s=0.009, per_token_s=0.0002)
+    draft = CostCurve(fixed_s=0.0012, per_token_s=0.0001)
+    load = loads(4, 0, alpha=0.88)
+    overlapped, _ = choose_depths(load, target, draft, 1, 1, 1, 8)
+    serial = max(range(1, 9), key=lambda k: 4 * expected_tokens_per_round(0.88, k) / (
+        k * draft.seconds(4) + target.seconds(4 * (k + 1))))
+    assert overlapped["greedy"] > serial
 
 
 def test_replicas_split_the_batch():
