@@ -122,14 +122,16 @@ class EngineCore:
             except Exception:  # no policy actor (yet, or restarting): the engine works on regardless
                 pass
 
-    def answer(self, kind: str, seq_id: str, entered_s: float) -> tuple[float, float]:
-        """The span (entered, left) a call spent in this engine, logged. time.perf_counter is
-        CLOCK_MONOTONIC, one clock for every process on a machine: the router subtracts its own
-        send and receive times to see the hops, and bench.round_profile reads the log to time
-        rounds from the engines' side, an outside check on the router's accounting."""
+    def answer(self, kind: str, seq_id: str, entered_s: float, started_s: float | None = None
+               ) -> tuple[float, float, float]:
+        """The span (entered, forward started, left) a call spent in this engine, logged.
+        time.perf_counter is CLOCK_MONOTONIC, one clock for every process on a machine: the router
+        subtracts its own send and receive times to see the hops, and bench.round_profile reads the
+        log to time rounds from the engines' side, an outside check on the router's accounting.
+        Entered to started is the wait in the batching loop, started to left the compute."""
         left_s = time.perf_counter()
         self.call_log.append((kind, seq_id, entered_s, left_s))
-        return entered_s, left_s
+        return entered_s, entered_s if started_s is None else started_s, left_s
 
     async def call_times(self) -> list[tuple[str, str, float, float]]:
         """Recent calls: (kind, sequence id, entered, left), perf_counter seconds."""

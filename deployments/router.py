@@ -33,6 +33,7 @@ from deployments.admission import Admission, ServerOverloadedError
 from deployments.engine_loop import EngineOverloadedError
 from deployments.metrics import RouterMetrics
 from deployments.naming import current_replica_id
+from deployments.round_stages import EngineCall, RoundStages, profiling_enabled
 from policies.load import REQUEST_CLASSES
 from policies.depth import RoundCosts, choose_draft_depth, should_draft_ahead
 
@@ -45,26 +46,6 @@ RELEASE_RETRY_S = 300.0  # how long a release keeps trying an engine that is tem
 ENGINE_ERRORS = (RayActorError, ray.exceptions.ActorUnavailableError)
 
 
-@dataclass(frozen=True)
-class EngineCall:
-    """One engine call's four moments, perf_counter seconds (one clock for every process on a
-    machine): the router sent it, the engine took it, the engine answered, the router had it."""
-
-    sent_s: float
-    entered_s: float
-    left_s: float
-    answered_s: float
-
-    @property
-    def engine_s(self) -> float:
-        return self.left_s - self.entered_s
-
-    @property
-    def hops_s(self) -> float:
-        """Both RPC hops: pickling, Ray's transport and the engine's event loop picking it up."""
-        return (self.entered_s - self.sent_s) + (self.answered_s - self.left_s)
-
-
 @dataclass
 class RoundTimings:
     """Where a request's wall time went; overhead = round wall time minus engine compute, of
@@ -75,6 +56,7 @@ class RoundTimings:
     round_hops_s: list[float] = field(default_factory=list)
     draft_depths: list[int] = field(default_factory=list)
     first_token_s: float | None = None
+    round_stages: list[dict[str, float]] | None = None  # per round, when profiling (round_stages.py)
 
     def to_dict(self) -> dict[str, Any]:
         def median_ms(values: list[float]) -> float | None:
@@ -87,6 +69,8 @@ class RoundTimings:
             "median_router_ms": median_ms([o - h for o, h in zip(self.round_overhead_s, self.round_hops_s)]),
             "mean_draft_tokens": round(statistics.fmean(self.draft_depths), 3) if self.draft_depths else 0.0,
             "time_to_first_token_ms": None if self.first_token_s is None else round(1000 * self.first_token_s, 3),
+            **({} if self.round_stages is None else {"round_stages_ms": [
+                {name: round(1000 * seconds, 4) for name, seconds in stages.items()} for stages in self.round_stages]}),
         }
 
 
@@ -114,6 +98,7 @@ class Router:
         self.policy_decision: dict[str, Any] | None = None
         self.policy_decision_at = 0.0
         self._policy_task: asyncio.Task | None = None
+        self.profile_rounds = profiling_enabled()
 
     def _detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -222,7 +207,7 @@ class Router:
         tokens go to chunks. Whatever happens, every engine the request touched releases it."""
         request_id = state.request_id
         started = time.perf_counter()
-        timings = RoundTimings()
+        timings = RoundTimings(round_stages=[] if self.profile_rounds else None)
         engines: list[Any] = []  # every engine this request touched, to release them all
         try:
             async with self.admission.slot():
@@ -261,16 +246,20 @@ class Router:
                 state.finish_reason = "timeout"
                 break
             round_started = time.perf_counter()
+            stages = RoundStages(self.profile_rounds)
+            stages.mark("start")
             num_draft = self._draft_depth(state) if draft is not None else 0
+            stages.mark("depth")
             proposal, draft_s, draft_hops_s = Proposal([], None), 0.0, 0.0
             if num_draft > 0:
                 try:
-                    proposal, draft_s, draft_hops_s = await self._propose(state, draft, num_draft, ahead)
+                    proposal, draft_s, draft_hops_s = await self._propose(state, draft, num_draft, ahead, stages)
                 except ENGINE_ERRORS:
                     logger.warning("draft engine lost for %s; continuing target-only", request_id)
                     self.metrics.record_draft_failure()
                     state.stats.draft_failures += 1
                     draft = None
+            stages.mark("proposed")
             ahead = None
             if draft is not None and proposal.token_ids and should_draft_ahead(
                     self.config.speculation.pipeline, state.params.is_greedy, len(self.active_requests)):
@@ -280,6 +269,7 @@ class Router:
                                                         self._draft_seed(state)))
             rows, verify, target = await self._verify(state, target, len(proposal.token_ids) + 1, engines,
                                                       proposal)
+            stages.target = verify
             target_s = verify.engine_s
             accepted_before = state.stats.num_accepted
             rows, logprob_rows = _split_logprobs(state, rows)
@@ -289,6 +279,7 @@ class Router:
                 counters["rounds"] += 1
                 counters["drafted"] += len(proposal.token_ids)
                 counters["accepted"] += state.stats.num_accepted - accepted_before
+            stages.mark("accepted")
             round_wall_s = time.perf_counter() - round_started
             overhead_s = round_wall_s - draft_s - target_s
             timings.round_wall_s.append(round_wall_s)
@@ -297,9 +288,14 @@ class Router:
             timings.draft_depths.append(len(proposal.token_ids))
             self.round_costs.observe_round(target_s, overhead_s)
             self.metrics.record_round(round_wall_s, len(proposal.token_ids))
+            stages.mark("recorded")
             chunks.put_nowait(self._chunk(state, committed, logprob_rows))
+            stages.mark("chunked")
+            if stages.enabled:
+                timings.round_stages.append(stages.stages())
 
-    async def _propose(self, state: RequestState, draft, num_draft: int, ahead) -> tuple[Proposal, float, float]:
+    async def _propose(self, state: RequestState, draft, num_draft: int, ahead,
+                       stages: RoundStages) -> tuple[Proposal, float, float]:
         """This round's draft block, and the draft engine seconds and RPC hop seconds the round
         waited on: none when the block drafted ahead, during the last verification, is usable
         (the target took it all and its bonus guess, decoding.speculation.drafted_ahead); else a
@@ -310,7 +306,8 @@ class Router:
         if ahead is not None:
             ahead_of, pending = ahead
             started = time.perf_counter()
-            drafted, (entered_s, left_s) = await pending
+            drafted, (entered_s, _, left_s) = await pending
+            stages.ahead_wait_s = time.perf_counter() - started
             self.round_costs.observe_draft(left_s - entered_s, len(drafted.token_ids))
             proposal = drafted_ahead(state.history, ahead_of, drafted, num_draft)
             if proposal is not None:
@@ -321,9 +318,9 @@ class Router:
             state.stats.num_discarded_ahead += len(drafted.token_ids)
             waited_s = time.perf_counter() - started
         sent_s = time.perf_counter()
-        proposal, (entered_s, left_s) = await draft.propose.remote(state.request_id, state.history, num_draft,
-                                                                   state.params, self._draft_seed(state))
-        call = EngineCall(sent_s, entered_s, left_s, time.perf_counter())
+        proposal, span = await draft.propose.remote(state.request_id, state.history, num_draft, state.params,
+                                                    self._draft_seed(state))
+        call = stages.draft = EngineCall.from_span(sent_s, span, time.perf_counter())
         self.round_costs.observe_draft(call.engine_s, len(proposal.token_ids))
         return proposal, waited_s + call.engine_s, call.hops_s
 
@@ -363,9 +360,9 @@ class Router:
         while True:
             try:
                 sent_s = time.perf_counter()
-                rows, (entered_s, left_s) = await target.verify.remote(state.request_id, tokens, num_rows,
-                                                                       state.params, first_output_index)
-                return rows, EngineCall(sent_s, entered_s, left_s, time.perf_counter()), target
+                rows, span = await target.verify.remote(state.request_id, tokens, num_rows, state.params,
+                                                        first_output_index)
+                return rows, EngineCall.from_span(sent_s, span, time.perf_counter()), target
             except EngineOverloadedError as exc:
                 raise ServerOverloadedError(str(exc), retry_after_s=2.0) from None
             except ENGINE_ERRORS:

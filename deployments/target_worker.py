@@ -35,13 +35,13 @@ class TargetEngine(EngineCore):
         super().__init__(engine_options, name)
 
     async def verify(self, seq_id: str, token_ids: Sequence[int], num_rows: int, params: SamplingParams,
-                     first_output_index: int | None = None) -> tuple[object, tuple[float, float]]:
+                     first_output_index: int | None = None) -> tuple[object, tuple[float, float, float]]:
         """Rows for the last num_rows positions of token_ids (argmax ids when greedy, else probs),
-        and the span (entered, left) the call spent in this engine (queue + forward). Prefill: num_rows=1.
+        and the span (entered, forward started, left) the call spent in this engine (queue + forward). Prefill: num_rows=1.
         When params.logprobs is set the rows come as (rows, raw log-probability rows [num_rows, V])."""
         entered_s = time.perf_counter()
-        rows = await self.loop.submit(VerifyCall(seq_id, list(token_ids), num_rows, params, first_output_index))
-        return rows, self.answer("verify", seq_id, entered_s)
+        rows, started_s = await self.loop.submit_timed(VerifyCall(seq_id, list(token_ids), num_rows, params, first_output_index))
+        return rows, self.answer("verify", seq_id, entered_s, started_s)
 
     def _iterate(self, calls: list[VerifyCall]) -> dict[int, object]:
         """One iteration: the step batch (verifies), then one chunk of waiting prefills."""
