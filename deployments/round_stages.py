@@ -56,13 +56,17 @@ class RoundStages:
     """Named moments of one round in the router; `stages()` turns them into durations (seconds).
 
     Marks, in order: start, depth (K chosen), proposed (block in hand), accepted (accept_round and
-    counters done), recorded (timings and metrics), chunked (the chunk queued for the stream)."""
+    counters done), recorded (timings and metrics), chunked (the chunk queued for the stream).
+    `chained`: the verify carried the draft's answer as an ObjectRef, so the block went draft ->
+    target directly (`target_hop_out` is then that relay) while the router's receipt of the block
+    and its launch of the next block ahead ran beside the target's work, off the round's path."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.marks: dict[str, float] = {}
         self.draft: EngineCall | None = None
         self.target: EngineCall | None = None
+        self.chained = False
         self.ahead_wait_s = 0.0
 
     def mark(self, name: str) -> None:
@@ -70,19 +74,23 @@ class RoundStages:
             self.marks[name] = time.perf_counter()
 
     def stages(self) -> dict[str, float]:
-        """Durations that add up to the round's wall time: the router's Python (policy, propose,
-        launch, accept, record, chunk), the hops and engine time of the calls it waited on."""
+        """Durations that add up to the round's wall time (give or take a few event-loop turns):
+        the router's Python (policy, propose, launch, accept, record, chunk), the hops and the
+        engine time of the calls it waited on."""
         m = self.marks
         out = {"wall": m["chunked"] - m["start"], "policy": m["depth"] - m["start"],
                "ahead_wait": self.ahead_wait_s}
-        draft_total = 0.0
         if self.draft is not None:
             out.update(self.draft.stages("draft"))
-            draft_total = self.draft.answered_s - self.draft.sent_s
-        out["router_propose"] = m["proposed"] - m["depth"] - draft_total - self.ahead_wait_s
+        if self.chained:
+            out.pop("draft_hop_back")  # the router's copy of the block: beside the target's work
+        else:
+            draft_total = 0.0 if self.draft is None else self.draft.answered_s - self.draft.sent_s
+            out["router_propose"] = m["proposed"] - m["depth"] - draft_total - self.ahead_wait_s
         if self.target is not None:
             out.update(self.target.stages("target"))
-            out["launch"] = self.target.sent_s - m["proposed"]
+            if not self.chained:
+                out["launch"] = self.target.sent_s - m["proposed"]
             out["accept"] = m["accepted"] - self.target.answered_s
         out["record"] = m["recorded"] - m["accepted"]
         out["chunk"] = m["chunked"] - m["recorded"]

@@ -15,7 +15,7 @@ import logging
 import statistics
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -234,7 +234,7 @@ class Router:
         if draft is not None:  # the draft prefills while the target does
             engines.append(draft)
             draft.prefill.remote(request_id, state.history)
-        rows, _, target = await self._verify(state, target, 1, engines)
+        rows, _, target = await self._verify(state, target, engines)
         rows, logprob_rows = _split_logprobs(state, rows)
         committed = accept_round(state, Proposal([], None), rows)
         timings.first_token_s = time.perf_counter() - started
@@ -250,16 +250,19 @@ class Router:
             stages.mark("start")
             num_draft = self._draft_depth(state) if draft is not None else 0
             stages.mark("depth")
-            proposal, draft_s, draft_hops_s = Proposal([], None), 0.0, 0.0
+            proposal, draft_s, draft_hops_s, sent = Proposal([], None), 0.0, 0.0, None
             if num_draft > 0:
                 try:
-                    proposal, draft_s, draft_hops_s = await self._propose(state, draft, num_draft, ahead, stages)
+                    proposal, draft_s, draft_hops_s, sent = await self._propose(state, draft, target, num_draft,
+                                                                                ahead, stages)
                 except ENGINE_ERRORS:
                     logger.warning("draft engine lost for %s; continuing target-only", request_id)
                     self.metrics.record_draft_failure()
                     state.stats.draft_failures += 1
                     draft = None
             stages.mark("proposed")
+            if sent is None:  # the verify leaves before the block ahead is launched: it is on the round's path
+                sent = self._send_verify(state, target, proposal)
             ahead = None
             if draft is not None and proposal.token_ids and should_draft_ahead(
                     self.config.speculation.pipeline, state.params.is_greedy, len(self.active_requests)):
@@ -267,8 +270,10 @@ class Router:
                 ahead_of = state.history + proposal.token_ids
                 ahead = (ahead_of, draft.propose.remote(request_id, ahead_of, num_draft + 1, state.params,
                                                         self._draft_seed(state)))
-            rows, verify, target = await self._verify(state, target, len(proposal.token_ids) + 1, engines,
-                                                      proposal)
+            rows, verify, target = await self._verify(state, target, engines, proposal, sent)
+            if stages.draft is not None and sent[2] is not None:  # the block went draft -> target
+                verify = replace(verify, sent_s=stages.draft.left_s)
+                stages.chained = True
             stages.target = verify
             target_s = verify.engine_s
             accepted_before = state.stats.num_accepted
@@ -294,14 +299,18 @@ class Router:
             if stages.enabled:
                 timings.round_stages.append(stages.stages())
 
-    async def _propose(self, state: RequestState, draft, num_draft: int, ahead,
-                       stages: RoundStages) -> tuple[Proposal, float, float]:
-        """This round's draft block, and the draft engine seconds and RPC hop seconds the round
-        waited on: none when the block drafted ahead, during the last verification, is usable
-        (the target took it all and its bonus guess, decoding.speculation.drafted_ahead); else a
-        fresh block. The draft engine's
-        cost estimate c always gets the drafting call's own engine time, so pipelined rounds do
-        not drag the router-wide c towards 0. A fresh call first waits for a missed block ahead."""
+    async def _propose(self, state: RequestState, draft, target, num_draft: int, ahead,
+                       stages: RoundStages) -> tuple[Proposal, float, float, Any]:
+        """This round's draft block, the draft engine seconds and the RPC hop seconds the round
+        waited on, and the verify already sent for it (or None).
+
+        A block drafted ahead, during the last verification, is used when the target took it all
+        and its bonus guess (decoding.speculation.drafted_ahead): no draft time, no hops, and the
+        caller sends the verify. Otherwise a fresh block is drafted and its verify is sent at once,
+        carrying the draft's answer as an ObjectRef (TargetEngine.verify's draft_block): the block
+        goes draft -> target while this router awaits the same answer. The draft engine's cost
+        estimate c always gets the drafting call's own engine time, so pipelined rounds do not drag
+        the router-wide c towards 0. A fresh call first waits for a missed block ahead."""
         waited_s = 0.0
         if ahead is not None:
             ahead_of, pending = ahead
@@ -314,15 +323,21 @@ class Router:
                 state.stats.pipelined_rounds += 1
                 # The first token was the bonus guess (it came true); what lies past the block is dropped.
                 state.stats.num_discarded_ahead += len(drafted.token_ids) - 1 - len(proposal.token_ids)
-                return proposal, 0.0, 0.0
+                return proposal, 0.0, 0.0, None
             state.stats.num_discarded_ahead += len(drafted.token_ids)
             waited_s = time.perf_counter() - started
         sent_s = time.perf_counter()
-        proposal, span = await draft.propose.remote(state.request_id, state.history, num_draft, state.params,
-                                                    self._draft_seed(state))
+        answer = draft.propose.remote(state.request_id, state.history, num_draft, state.params,
+                                      self._draft_seed(state))
+        sent = self._send_verify(state, target, None, answer)
+        try:
+            proposal, span = await answer
+        except BaseException:  # a lost draft: the caller goes on target-only with a verify of its own
+            _discard(sent[0])
+            raise
         call = stages.draft = EngineCall.from_span(sent_s, span, time.perf_counter())
         self.round_costs.observe_draft(call.engine_s, len(proposal.token_ids))
-        return proposal, waited_s + call.engine_s, call.hops_s
+        return proposal, waited_s + call.engine_s, call.entered_s - call.sent_s, sent
 
     async def _target_engine(self):
         """A target engine for a new request; 503 when no target replica answers in time."""
@@ -346,22 +361,32 @@ class Router:
             self.metrics.record_draft_failure()
             return None
 
-    async def _verify(self, state: RequestState, target, num_rows: int, engines: list[Any],
-                      proposal: Proposal | None = None) -> tuple[Any, EngineCall, Any]:
-        """One target forward -> (rows, the call's timing, the engine that answered).
+    def _send_verify(self, state: RequestState, target, proposal: Proposal | None = None,
+                     draft_answer: Any = None) -> tuple[Any, float, Any]:
+        """Send one verify: of proposal's block, or of the block a draft engine is drafting
+        (draft_answer: its propose ObjectRef, handed to the target unresolved). -> (ObjectRef of the
+        answer, when it was sent, draft_answer)."""
+        block = proposal.token_ids if proposal else []
+        sent_s = time.perf_counter()
+        answer = target.verify.remote(state.request_id, state.history + block, len(block) + 1, state.params,
+                                      state.next_output_index, None if draft_answer is None else [draft_answer])
+        return answer, sent_s, draft_answer
+
+    async def _verify(self, state: RequestState, target, engines: list[Any], proposal: Proposal | None = None,
+                      sent: tuple[Any, float, Any] | None = None) -> tuple[Any, EngineCall, Any]:
+        """One target forward -> (rows, the call's timing, the engine that answered). sent: the
+        verify already sent (`_send_verify`), else it is sent now.
 
         On a lost engine, ask Serve for one again until TARGET_RECOVERY_S passes: another
         replica's engine, or the replacement Serve starts once the dead replica fails its health
         check. The full history makes the new engine re-prefill, so nothing committed is lost.
         A full engine (no KV slot within its admission deadline) makes the request fail with 503."""
-        tokens = state.history + (proposal.token_ids if proposal else [])
-        first_output_index = state.next_output_index
         deadline = time.monotonic() + TARGET_RECOVERY_S
         while True:
             try:
-                sent_s = time.perf_counter()
-                rows, span = await target.verify.remote(state.request_id, tokens, num_rows, state.params,
-                                                        first_output_index)
+                answer, sent_s, draft_answer = sent if sent is not None else self._send_verify(state, target, proposal)
+                sent = None
+                rows, span = await answer
                 return rows, EngineCall.from_span(sent_s, span, time.perf_counter()), target
             except EngineOverloadedError as exc:
                 raise ServerOverloadedError(str(exc), retry_after_s=2.0) from None
@@ -451,6 +476,14 @@ class Router:
     def _record(self, state: RequestState) -> None:
         """Counters from the same stats the response's `speculation` field carries, so they agree."""
         self.metrics.record_request(state.finish_reason, state.stats.to_dict())
+
+
+def _discard(answer) -> None:
+    """Let an ObjectRef's call finish unobserved: its failure must not be logged as unhandled."""
+    try:
+        ray.cancel(answer)
+    except Exception:
+        pass
 
 
 def _request_class(state: RequestState) -> str:
