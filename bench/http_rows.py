@@ -132,7 +132,8 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict, prompt
         num_accepted=spec["num_accepted"], median_overhead_s=None if overhead_ms is None else overhead_ms / 1000,
         server_ttft_s=None if server_ttft_ms is None else server_ttft_ms / 1000,
         median_hops_s=_seconds(spec.get("median_hops_ms")), median_router_s=_seconds(spec.get("median_router_ms")),
-        finish_reason=(final.get("choices") or [{}])[0].get("finish_reason"), output_text="".join(pieces))
+        finish_reason=(final.get("choices") or [{}])[0].get("finish_reason"), output_text="".join(pieces),
+        round_stages_ms=spec.get("round_stages_ms"))
     return record, started, ended
 
 

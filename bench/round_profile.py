@@ -13,6 +13,14 @@ Serves the default pair, sends the third-party prompts one at a time over HTTP (
   calls the round waited on (those that left before the verify entered). It does not rely on the
   router's clock at all.
 
+With `--stages` (default on) the router records every round's stages (SPECSERVE_PROFILE_ROUNDS=1,
+deployments/round_stages.py): its own Python (policy, propose bookkeeping, launch, accept_round,
+record, chunk), each hop out and back, each engine's batching-loop wait and compute; the report
+gives median and mean per stage, pipelined rounds (block drafted ahead) apart from fresh ones.
+It also reads the CPU seconds every process of the cluster (and this client) burned while the
+requests ran, per round: what the HTTP/SSE side (proxy, ingress) and Ray's own daemons take from
+the two cores the engines need.
+
 Also reports tok/s, mean K, acceptance and the share of pipelined rounds. Writes
 bench/results/<name>.json and .md.
 """
@@ -22,10 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+import psutil
 
 from bench.http_rows import free_port, request_body, run_level
 from cluster.config import load_config
@@ -67,6 +78,52 @@ def outside_overheads(logs: dict[str, list], sequences: set[str]) -> list[float]
     return overheads
 
 
+STAGE_ORDER = ["wall", "policy", "draft_hop_out", "draft_loop_wait", "draft_compute", "draft_hop_back",
+               "ahead_wait", "router_propose", "launch", "target_hop_out", "target_loop_wait", "target_compute",
+               "target_hop_back", "accept", "record", "chunk"]
+
+
+def stage_summary(rounds: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """stage -> {median, mean} ms over the rounds that have it, and the share of all rounds."""
+    summary = {}
+    for stage in STAGE_ORDER:
+        values = [r[stage] for r in rounds if stage in r]
+        if values:
+            summary[stage] = {"median_ms": round(statistics.median(values), 3),
+                              "mean_ms": round(statistics.fmean(values), 3),
+                              "mean_over_all_rounds_ms": round(sum(values) / len(rounds), 3)}
+    return summary
+
+
+def process_role(process: psutil.Process) -> str:
+    """A cluster process's role from its title: ray::Router, ray::TargetEngine, raylet, ..."""
+    try:
+        cmdline = process.cmdline()
+    except psutil.Error:
+        return "gone"
+    head = cmdline[0] if cmdline else process.name()
+    if head.startswith("ray::"):
+        return re.split(r"[.:]", head[5:].replace("ServeReplica:", "").split(" ")[0])[-1] or head
+    for name in ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py", "runtime_env"):
+        if name in " ".join(cmdline[:3]):
+            return name
+    return os.path.basename(head) or "other"
+
+
+def cpu_seconds_by_role() -> dict[str, float]:
+    """CPU seconds (user + system) so far of this process and every process it started, by role."""
+    me = psutil.Process()
+    totals: dict[str, float] = defaultdict(float)
+    for process in [me, *me.children(recursive=True)]:
+        try:
+            times = process.cpu_times()
+        except psutil.Error:
+            continue
+        role = "client (this benchmark)" if process.pid == me.pid else process_role(process)
+        totals[role] += times.user + times.system
+    return totals
+
+
 def median_ms(values: list[float]) -> float | None:
     return round(1000 * statistics.median(values), 3) if values else None
 
@@ -80,6 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-draft-tokens", "-K", type=int, default=None, help="pin K (default: adaptive)")
     parser.add_argument("--stream-interval-ms", type=float, default=None,
                         help="http.stream_interval_ms for the served app (default: the config's)")
+    parser.add_argument("--no-stages", dest="stages", action="store_false",
+                        help="leave the router's per-stage profile off (SPECSERVE_PROFILE_ROUNDS)")
     parser.add_argument("--name", default="round-profile-thirdparty")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
@@ -97,10 +156,16 @@ def main(argv: list[str] | None = None) -> None:
     prompts = load_prompt_set(args.prompts).prompts
     bodies = [(p.prompt_id, request_body(config.model_name, p.text, "greedy", args.max_tokens, seed=i))
               for i, p in enumerate(prompts)]
+    if args.stages:
+        from deployments.round_stages import PROFILE_ENV
+
+        os.environ[PROFILE_ENV] = "1"  # the cluster's processes inherit it
     url = start_local(config)
     try:
         run_level(url, bodies[:2], 1)  # warm-up
+        cpu_before = cpu_seconds_by_role()
         levels = [run_level(url, bodies, 1) for _ in range(args.passes)]
+        cpu_after = cpu_seconds_by_role()
         logs = engine_call_logs()
     finally:
         stop_local()
@@ -114,6 +179,12 @@ def main(argv: list[str] | None = None) -> None:
         values = [r[key] for r in records if r.get(key) is not None]
         return round(1000 * statistics.median(values), 3) if values else None
 
+    stages = [r for record in records for r in (record.get("round_stages_ms") or [])]
+    pipelined = [r for r in stages if "draft_compute" not in r]
+    fresh = [r for r in stages if "draft_compute" in r]
+    target_passes = sum(r["target_passes"] for r in records)
+    cpu_per_round_ms = {role: round(1000 * (cpu_after.get(role, 0.0) - cpu_before.get(role, 0.0)) / max(1, target_passes), 3)
+                        for role in sorted(cpu_after, key=lambda k: cpu_before.get(k, 0.0) - cpu_after[k])}
     result = {
         "name": args.name, "command": "python -m bench.round_profile " + " ".join(argv if argv is not None else sys.argv[1:]),
         "prompts": args.prompts, "max_tokens": args.max_tokens, "requests": len(records),
@@ -127,6 +198,10 @@ def main(argv: list[str] | None = None) -> None:
         "router_own_ms": per_request("median_router_s"),
         "outside_overhead_ms": median_ms(outside), "outside_rounds": len(outside),
         "machine": f"{os.cpu_count()} CPUs",
+        "stages_all_rounds": stage_summary(stages), "stages_pipelined_rounds": stage_summary(pipelined),
+        "stages_fresh_rounds": stage_summary(fresh), "rounds_profiled": len(stages),
+        "pipelined_share": round(len(pipelined) / len(stages), 3) if stages else None,
+        "cpu_ms_per_target_pass": {role: ms for role, ms in cpu_per_round_ms.items() if ms > 0.0},
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -134,7 +209,18 @@ def main(argv: list[str] | None = None) -> None:
     lines = [f"# round profile: {args.name}", "", f"- command: `{result['command']}`",
              f"- {result['requests']} single-stream requests, {args.prompts} prompts, greedy, {args.max_tokens} tokens, "
              f"{result['machine']}", "", "| measure | value |", "|---|---|"]
-    lines += [f"| {key} | {value} |" for key, value in result.items() if key not in ("name", "command", "machine")]
+    tables = ("stages_all_rounds", "stages_pipelined_rounds", "stages_fresh_rounds", "cpu_ms_per_target_pass")
+    lines += [f"| {key} | {value} |" for key, value in result.items()
+              if key not in ("name", "command", "machine", *tables)]
+    for key in tables[:3]:
+        if result[key]:
+            lines += ["", f"{key} (ms; mean over all rounds = mean x share of rounds that have the stage)", "",
+                      "| stage | median | mean | mean over all rounds |", "|---|---|---|---|"]
+            lines += [f"| {stage} | {v['median_ms']} | {v['mean_ms']} | {v['mean_over_all_rounds_ms']} |"
+                      for stage, v in result[key].items()]
+    lines += ["", "CPU ms per target pass, by process (while the measured requests ran)", "",
+              "| process | CPU ms |", "|---|---|"]
+    lines += [f"| {role} | {ms} |" for role, ms in result["cpu_ms_per_target_pass"].items()]
     (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print(json.dumps(result, indent=1))
 

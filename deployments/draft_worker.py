@@ -49,12 +49,12 @@ class DraftEngine(EngineCore):
         await self.loop.submit(DraftCall(seq_id, list(history), 0))
 
     async def propose(self, seq_id: str, history: Sequence[int], num_tokens: int, params: SamplingParams,
-                      seed: int | None) -> tuple[Proposal, tuple[float, float]]:
-        """Up to num_tokens draft tokens continuing history, and the span (entered, left) spent in
-        this engine."""
+                      seed: int | None) -> tuple[Proposal, tuple[float, float, float]]:
+        """Up to num_tokens draft tokens continuing history, and the span (entered, forward started,
+        left) spent in this engine."""
         entered_s = time.perf_counter()
-        proposal = await self.loop.submit(DraftCall(seq_id, list(history), num_tokens, params, seed))
-        return proposal, self.answer("propose", seq_id, entered_s)
+        proposal, started_s = await self.loop.submit_timed(DraftCall(seq_id, list(history), num_tokens, params, seed))
+        return proposal, self.answer("propose", seq_id, entered_s, started_s)
 
     def _release_now(self, seq_id: str) -> None:
         super()._release_now(seq_id)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,7 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from decoding.batched_runner import ForwardCall
 from decoding.model_runner import SequenceStateError
 from decoding.scheduler import IterationPlan, WaitingCall, plan_iteration
-from deployments.engine_loop import EngineLoop
+from deployments.engine_loop import EngineLoop, SequenceReleasedError
 from deployments.metrics import EngineMetrics
 from deployments.naming import ENGINE_NAMESPACE, current_replica_id, engine_actor_name
 
@@ -36,6 +36,7 @@ ENGINE_BUNDLE_INDEX = 1
 REPLICA_CPUS = 0.01  # the replica only relays the engine handle and health checks
 COST_SAMPLES_KEPT = 64  # recent (batch tokens, seconds) forwards, for the policy's cost curve
 CALL_LOG_KEPT = 4096  # recent (kind, sequence, entered, left) calls, for bench.round_profile
+RELEASED_IDS_KEPT = 4096  # recently released request ids: calls that arrive late for them are refused
 REPORT_INTERVAL_S = 1.0  # how often an engine reports its load to the policy actor
 
 
@@ -89,6 +90,7 @@ class EngineCore:
         self._report_task: asyncio.Task | None = None
         self.last_used_s: dict[str, float] = {}
         self.call_log: deque[tuple[str, str, float, float]] = deque(maxlen=CALL_LOG_KEPT)
+        self.released_ids: OrderedDict[str, None] = OrderedDict()  # request ids are never reused
         self.gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()] if ray.is_initialized() else []
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
@@ -122,21 +124,33 @@ class EngineCore:
             except Exception:  # no policy actor (yet, or restarting): the engine works on regardless
                 pass
 
-    def answer(self, kind: str, seq_id: str, entered_s: float) -> tuple[float, float]:
-        """The span (entered, left) a call spent in this engine, logged. time.perf_counter is
-        CLOCK_MONOTONIC, one clock for every process on a machine: the router subtracts its own
-        send and receive times to see the hops, and bench.round_profile reads the log to time
-        rounds from the engines' side, an outside check on the router's accounting."""
+    def answer(self, kind: str, seq_id: str, entered_s: float, started_s: float | None = None
+               ) -> tuple[float, float, float]:
+        """The span (entered, forward started, left) a call spent in this engine, logged.
+        time.perf_counter is CLOCK_MONOTONIC, one clock for every process on a machine: the router
+        subtracts its own send and receive times to see the hops, and bench.round_profile reads the
+        log to time rounds from the engines' side, an outside check on the router's accounting.
+        Entered to started is the wait in the batching loop, started to left the compute."""
         left_s = time.perf_counter()
         self.call_log.append((kind, seq_id, entered_s, left_s))
-        return entered_s, left_s
+        return entered_s, entered_s if started_s is None else started_s, left_s
 
     async def call_times(self) -> list[tuple[str, str, float, float]]:
         """Recent calls: (kind, sequence id, entered, left), perf_counter seconds."""
         return list(self.call_log)
 
     async def release(self, seq_id: str) -> None:
+        self.released_ids[seq_id] = None
+        while len(self.released_ids) > RELEASED_IDS_KEPT:
+            self.released_ids.popitem(last=False)
         self.loop.release(seq_id)
+
+    def check_not_released(self, seq_id: str) -> None:
+        """Refuse a call for a sequence whose request already ended. A call that waited inside this
+        engine (a verify waiting for its draft block) can resume after its router released the
+        sequence on a cancel; running it would create KV state nobody ever releases."""
+        if seq_id in self.released_ids:
+            raise SequenceReleasedError(f"sequence {seq_id!r} released")
 
     def _release_now(self, seq_id: str) -> None:
         self.last_used_s.pop(seq_id, None)

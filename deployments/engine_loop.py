@@ -47,6 +47,7 @@ class _Queued:
     call: Any
     future: asyncio.Future
     arrived_s: float = field(default_factory=time.monotonic)
+    started_s: float | None = None  # perf_counter when the iteration that answered it began
 
 
 class EngineLoop:
@@ -90,12 +91,18 @@ class EngineLoop:
 
     async def submit(self, call: Any) -> Any:
         """Queue call (it must have a seq_id) and wait for its result."""
+        return (await self.submit_timed(call))[0]
+
+    async def submit_timed(self, call: Any) -> tuple[Any, float]:
+        """submit, plus when the iteration that answered the call began (perf_counter seconds):
+        what the call spent before it is the wait in this loop, what it spent after, compute."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
         queued = _Queued(call, asyncio.get_running_loop().create_future())
         self._queue.append(queued)
         self._wake.set()
-        return await queued.future
+        result = await queued.future
+        return result, queued.started_s
 
     def release(self, seq_id: str) -> None:
         """Forget seq_id once no forward is running: drop its queued calls, free its state."""
@@ -135,6 +142,8 @@ class EngineLoop:
             batch = list(self._queue)
             self._running = True
             busy_from = self._busy_since = time.perf_counter()
+            for queued in batch:  # a call left waiting is stamped again by the next iteration
+                queued.started_s = busy_from
             try:
                 if len(batch) == 1:
                     # A lone call runs right here: handing it to the worker thread and back costs a

@@ -15,7 +15,7 @@ import logging
 import statistics
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -33,6 +33,7 @@ from deployments.admission import Admission, ServerOverloadedError
 from deployments.engine_loop import EngineOverloadedError
 from deployments.metrics import RouterMetrics
 from deployments.naming import current_replica_id
+from deployments.round_stages import EngineCall, RoundStages, profiling_enabled
 from policies.load import REQUEST_CLASSES
 from policies.depth import RoundCosts, choose_draft_depth, should_draft_ahead
 
@@ -45,26 +46,6 @@ RELEASE_RETRY_S = 300.0  # how long a release keeps trying an engine that is tem
 ENGINE_ERRORS = (RayActorError, ray.exceptions.ActorUnavailableError)
 
 
-@dataclass(frozen=True)
-class EngineCall:
-    """One engine call's four moments, perf_counter seconds (one clock for every process on a
-    machine): the router sent it, the engine took it, the engine answered, the router had it."""
-
-    sent_s: float
-    entered_s: float
-    left_s: float
-    answered_s: float
-
-    @property
-    def engine_s(self) -> float:
-        return self.left_s - self.entered_s
-
-    @property
-    def hops_s(self) -> float:
-        """Both RPC hops: pickling, Ray's transport and the engine's event loop picking it up."""
-        return (self.entered_s - self.sent_s) + (self.answered_s - self.left_s)
-
-
 @dataclass
 class RoundTimings:
     """Where a request's wall time went; overhead = round wall time minus engine compute, of
@@ -75,6 +56,7 @@ class RoundTimings:
     round_hops_s: list[float] = field(default_factory=list)
     draft_depths: list[int] = field(default_factory=list)
     first_token_s: float | None = None
+    round_stages: list[dict[str, float]] | None = None  # per round, when profiling (round_stages.py)
 
     def to_dict(self) -> dict[str, Any]:
         def median_ms(values: list[float]) -> float | None:
@@ -87,6 +69,8 @@ class RoundTimings:
             "median_router_ms": median_ms([o - h for o, h in zip(self.round_overhead_s, self.round_hops_s)]),
             "mean_draft_tokens": round(statistics.fmean(self.draft_depths), 3) if self.draft_depths else 0.0,
             "time_to_first_token_ms": None if self.first_token_s is None else round(1000 * self.first_token_s, 3),
+            **({} if self.round_stages is None else {"round_stages_ms": [
+                {name: round(1000 * seconds, 4) for name, seconds in stages.items()} for stages in self.round_stages]}),
         }
 
 
@@ -114,6 +98,7 @@ class Router:
         self.policy_decision: dict[str, Any] | None = None
         self.policy_decision_at = 0.0
         self._policy_task: asyncio.Task | None = None
+        self.profile_rounds = profiling_enabled()
 
     def _detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -214,7 +199,7 @@ class Router:
         tokens go to chunks. Whatever happens, every engine the request touched releases it."""
         request_id = state.request_id
         started = time.perf_counter()
-        timings = RoundTimings()
+        timings = RoundTimings(round_stages=[] if self.profile_rounds else None)
         engines: list[Any] = []  # every engine this request touched, to release them all
         try:
             async with self.admission.slot():
@@ -241,7 +226,7 @@ class Router:
         if draft is not None:  # the draft prefills while the target does
             engines.append(draft)
             draft.prefill.remote(request_id, state.history)
-        rows, _, target = await self._verify(state, target, 1, engines)
+        rows, _, target = await self._verify(state, target, engines)
         rows, logprob_rows = _split_logprobs(state, rows)
         committed = accept_round(state, Proposal([], None), rows)
         timings.first_token_s = time.perf_counter() - started
@@ -253,16 +238,23 @@ class Router:
                 state.finish_reason = "timeout"
                 break
             round_started = time.perf_counter()
+            stages = RoundStages(self.profile_rounds)
+            stages.mark("start")
             num_draft = self._draft_depth(state) if draft is not None else 0
-            proposal, draft_s, draft_hops_s = Proposal([], None), 0.0, 0.0
+            stages.mark("depth")
+            proposal, draft_s, draft_hops_s, sent = Proposal([], None), 0.0, 0.0, None
             if num_draft > 0:
                 try:
-                    proposal, draft_s, draft_hops_s = await self._propose(state, draft, num_draft, ahead)
+                    proposal, draft_s, draft_hops_s, sent = await self._propose(state, draft, target, num_draft,
+                                                                                ahead, stages)
                 except ENGINE_ERRORS:
                     logger.warning("draft engine lost for %s; continuing target-only", request_id)
                     self.metrics.record_draft_failure()
                     state.stats.draft_failures += 1
                     draft = None
+            stages.mark("proposed")
+            if sent is None:  # the verify leaves before the block ahead is launched: it is on the round's path
+                sent = self._send_verify(state, target, proposal)
             ahead = None
             if draft is not None and proposal.token_ids and should_draft_ahead(
                     self.config.speculation.pipeline, state.params.is_greedy, len(self.active_requests)):
@@ -270,8 +262,11 @@ class Router:
                 ahead_of = state.history + proposal.token_ids
                 ahead = (ahead_of, draft.propose.remote(request_id, ahead_of, num_draft + 1, state.params,
                                                         self._draft_seed(state)))
-            rows, verify, target = await self._verify(state, target, len(proposal.token_ids) + 1, engines,
-                                                      proposal)
+            rows, verify, target = await self._verify(state, target, engines, proposal, sent)
+            if stages.draft is not None and sent[2] is not None:  # the block went draft -> target
+                verify = replace(verify, sent_s=stages.draft.left_s)
+                stages.chained = True
+            stages.target = verify
             target_s = verify.engine_s
             accepted_before = state.stats.num_accepted
             rows, logprob_rows = _split_logprobs(state, rows)
@@ -281,6 +276,7 @@ class Router:
                 counters["rounds"] += 1
                 counters["drafted"] += len(proposal.token_ids)
                 counters["accepted"] += state.stats.num_accepted - accepted_before
+            stages.mark("accepted")
             round_wall_s = time.perf_counter() - round_started
             overhead_s = round_wall_s - draft_s - target_s
             timings.round_wall_s.append(round_wall_s)
@@ -289,35 +285,51 @@ class Router:
             timings.draft_depths.append(len(proposal.token_ids))
             self.round_costs.observe_round(target_s, overhead_s)
             self.metrics.record_round(round_wall_s, len(proposal.token_ids))
+            stages.mark("recorded")
             chunks.put_nowait(self._chunk(state, committed, logprob_rows))
+            stages.mark("chunked")
+            if stages.enabled:
+                timings.round_stages.append(stages.stages())
 
-    async def _propose(self, state: RequestState, draft, num_draft: int, ahead) -> tuple[Proposal, float, float]:
-        """This round's draft block, and the draft engine seconds and RPC hop seconds the round
-        waited on: none when the block drafted ahead, during the last verification, is usable
-        (the target took it all and its bonus guess, decoding.speculation.drafted_ahead); else a
-        fresh block. The draft engine's
-        cost estimate c always gets the drafting call's own engine time, so pipelined rounds do
-        not drag the router-wide c towards 0. A fresh call first waits for a missed block ahead."""
+    async def _propose(self, state: RequestState, draft, target, num_draft: int, ahead,
+                       stages: RoundStages) -> tuple[Proposal, float, float, Any]:
+        """This round's draft block, the draft engine seconds and the RPC hop seconds the round
+        waited on, and the verify already sent for it (or None).
+
+        A block drafted ahead, during the last verification, is used when the target took it all
+        and its bonus guess (decoding.speculation.drafted_ahead): no draft time, no hops, and the
+        caller sends the verify. Otherwise a fresh block is drafted and its verify is sent at once,
+        carrying the draft's answer as an ObjectRef (TargetEngine.verify's draft_block): the block
+        goes draft -> target while this router awaits the same answer. The draft engine's cost
+        estimate c always gets the drafting call's own engine time, so pipelined rounds do not drag
+        the router-wide c towards 0. A fresh call first waits for a missed block ahead."""
         waited_s = 0.0
         if ahead is not None:
             ahead_of, pending = ahead
             started = time.perf_counter()
-            drafted, (entered_s, left_s) = await pending
+            drafted, (entered_s, _, left_s) = await pending
+            stages.ahead_wait_s = time.perf_counter() - started
             self.round_costs.observe_draft(left_s - entered_s, len(drafted.token_ids))
             proposal = drafted_ahead(state.history, ahead_of, drafted, num_draft)
             if proposal is not None:
                 state.stats.pipelined_rounds += 1
                 # The first token was the bonus guess (it came true); what lies past the block is dropped.
                 state.stats.num_discarded_ahead += len(drafted.token_ids) - 1 - len(proposal.token_ids)
-                return proposal, 0.0, 0.0
+                return proposal, 0.0, 0.0, None
             state.stats.num_discarded_ahead += len(drafted.token_ids)
             waited_s = time.perf_counter() - started
         sent_s = time.perf_counter()
-        proposal, (entered_s, left_s) = await draft.propose.remote(state.request_id, state.history, num_draft,
-                                                                   state.params, self._draft_seed(state))
-        call = EngineCall(sent_s, entered_s, left_s, time.perf_counter())
+        answer = draft.propose.remote(state.request_id, state.history, num_draft, state.params,
+                                      self._draft_seed(state))
+        sent = self._send_verify(state, target, None, answer)
+        try:
+            proposal, span = await answer
+        except BaseException:  # a lost draft: the caller goes on target-only with a verify of its own
+            _discard(sent[0])
+            raise
+        call = stages.draft = EngineCall.from_span(sent_s, span, time.perf_counter())
         self.round_costs.observe_draft(call.engine_s, len(proposal.token_ids))
-        return proposal, waited_s + call.engine_s, call.hops_s
+        return proposal, waited_s + call.engine_s, call.entered_s - call.sent_s, sent
 
     async def _target_engine(self):
         """A target engine for a new request; 503 when no target replica answers in time."""
@@ -341,23 +353,33 @@ class Router:
             self.metrics.record_draft_failure()
             return None
 
-    async def _verify(self, state: RequestState, target, num_rows: int, engines: list[Any],
-                      proposal: Proposal | None = None) -> tuple[Any, EngineCall, Any]:
-        """One target forward -> (rows, the call's timing, the engine that answered).
+    def _send_verify(self, state: RequestState, target, proposal: Proposal | None = None,
+                     draft_answer: Any = None) -> tuple[Any, float, Any]:
+        """Send one verify: of proposal's block, or of the block a draft engine is drafting
+        (draft_answer: its propose ObjectRef, handed to the target unresolved). -> (ObjectRef of the
+        answer, when it was sent, draft_answer)."""
+        block = proposal.token_ids if proposal else []
+        sent_s = time.perf_counter()
+        answer = target.verify.remote(state.request_id, state.history + block, len(block) + 1, state.params,
+                                      state.next_output_index, None if draft_answer is None else [draft_answer])
+        return answer, sent_s, draft_answer
+
+    async def _verify(self, state: RequestState, target, engines: list[Any], proposal: Proposal | None = None,
+                      sent: tuple[Any, float, Any] | None = None) -> tuple[Any, EngineCall, Any]:
+        """One target forward -> (rows, the call's timing, the engine that answered). sent: the
+        verify already sent (`_send_verify`), else it is sent now.
 
         On a lost engine, ask Serve for one again until TARGET_RECOVERY_S passes: another
         replica's engine, or the replacement Serve starts once the dead replica fails its health
         check. The full history makes the new engine re-prefill, so nothing committed is lost.
         A full engine (no KV slot within its admission deadline) makes the request fail with 503."""
-        tokens = state.history + (proposal.token_ids if proposal else [])
-        first_output_index = state.next_output_index
         deadline = time.monotonic() + TARGET_RECOVERY_S
         while True:
             try:
-                sent_s = time.perf_counter()
-                rows, (entered_s, left_s) = await target.verify.remote(state.request_id, tokens, num_rows,
-                                                                       state.params, first_output_index)
-                return rows, EngineCall(sent_s, entered_s, left_s, time.perf_counter()), target
+                answer, sent_s, draft_answer = sent if sent is not None else self._send_verify(state, target, proposal)
+                sent = None
+                rows, span = await answer
+                return rows, EngineCall.from_span(sent_s, span, time.perf_counter()), target
             except EngineOverloadedError as exc:
                 raise ServerOverloadedError(str(exc), retry_after_s=2.0) from None
             except ENGINE_ERRORS:
@@ -446,6 +468,14 @@ class Router:
     def _record(self, state: RequestState) -> None:
         """Counters from the same stats the response's `speculation` field carries, so they agree."""
         self.metrics.record_request(state.finish_reason, state.stats.to_dict())
+
+
+def _discard(answer) -> None:
+    """Let an ObjectRef's call finish unobserved: its failure must not be logged as unhandled."""
+    try:
+        ray.cancel(answer)
+    except Exception:
+        pass
 
 
 def _request_class(state: RequestState) -> str:

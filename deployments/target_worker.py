@@ -35,13 +35,33 @@ class TargetEngine(EngineCore):
         super().__init__(engine_options, name)
 
     async def verify(self, seq_id: str, token_ids: Sequence[int], num_rows: int, params: SamplingParams,
-                     first_output_index: int | None = None) -> tuple[object, tuple[float, float]]:
+                     first_output_index: int | None = None,
+                     draft_block: list | None = None) -> tuple[object, tuple[float, float, float]]:
         """Rows for the last num_rows positions of token_ids (argmax ids when greedy, else probs),
-        and the span (entered, left) the call spent in this engine (queue + forward). Prefill: num_rows=1.
-        When params.logprobs is set the rows come as (rows, raw log-probability rows [num_rows, V])."""
+        and the span (entered, forward started, left) the call spent in this engine (loop wait +
+        forward). Prefill: num_rows=1. When params.logprobs is set the rows come as (rows, raw
+        log-probability rows [num_rows, V]).
+
+        draft_block: [ObjectRef of a draft engine's `propose` answer]; then token_ids is the
+        history without the block, which is appended here, and num_rows is len(block) + 1. The
+        block goes draft -> target without the router's Python in between, while the router awaits
+        the same answer for rejection sampling. It is nested in a list so that Ray does not resolve
+        it before sending the call: a caller's actor calls leave in order, so every later call
+        from that router to this engine would wait behind the draft. If the draft engine failed,
+        the call verifies no block (one row); the router, which sees the same failure, cancels it
+        and goes on target-only. The call enters this engine when its block is here."""
+        if draft_block is not None:
+            try:
+                proposal, _ = await draft_block[0]
+                block = list(proposal.token_ids)
+            except Exception:  # the router sees the same failure: it continues target-only
+                block = []
+            token_ids, num_rows = list(token_ids) + block, len(block) + 1
+            self.check_not_released(seq_id)  # its request may have ended while the block was drafted
         entered_s = time.perf_counter()
-        rows = await self.loop.submit(VerifyCall(seq_id, list(token_ids), num_rows, params, first_output_index))
-        return rows, self.answer("verify", seq_id, entered_s)
+        rows, started_s = await self.loop.submit_timed(VerifyCall(seq_id, list(token_ids), num_rows, params,
+                                                                  first_output_index))
+        return rows, self.answer("verify", seq_id, entered_s, started_s)
 
     def _iterate(self, calls: list[VerifyCall]) -> dict[int, object]:
         """One iteration: the step batch (verifies), then one chunk of waiting prefills."""

@@ -9,7 +9,7 @@ import torch
 from cluster.config import SpecServeConfig
 from decoding.model_runner import ModelRunner
 from decoding.sampling import SamplingParams, make_generator
-from decoding.proposers import DraftModelProposer
+from decoding.proposers import DraftModelProposer, Proposal
 from deployments.draft_worker import DraftEngine
 from deployments.engine_loop import EngineOverloadedError, SequenceReleasedError
 from deployments.target_worker import TargetEngine
@@ -50,6 +50,53 @@ def test_concurrent_verifies_share_a_forward_and_match_unbatched_rows(pair):
         assert rows[i] == expected
     assert engine.loop.stats.iterations == 1 and engine.loop.stats.rows_total == len(HISTORIES)
     assert sorted(asyncio.run(engine.active_sequences())) == [f"s{i}" for i in range(len(HISTORIES))]
+
+
+def test_a_verify_handed_the_drafts_answer_verifies_its_block_or_none_if_the_draft_failed(pair):
+    """The router passes the draft engine's pending answer (an ObjectRef under Ray; any awaitable
+    here) so the block goes draft -> target directly: same rows as a verify of history + block;
+    a failed draft leaves a one-row target step."""
+    target_path, _ = pair
+
+    async def answer(block=None, error=None):
+        await asyncio.sleep(0.01)  # the draft is still drafting when the verify arrives
+        if error is not None:
+            raise error
+        return Proposal(block, None), (0.0, 0.0, 0.0)
+
+    async def scenario():
+        engine = TargetEngine(spec(target_path), options())
+        history = HISTORIES[0]
+        chained, _ = await engine.verify("a", history, 1, GREEDY, 0, [asyncio.ensure_future(answer([9, 4]))])
+        direct, _ = await engine.verify("b", history + [9, 4], 3, GREEDY, 0)
+        lost, _ = await engine.verify("c", history, 1, GREEDY, 0,
+                                      [asyncio.ensure_future(answer(error=ConnectionError("draft engine died")))])
+        direct_lost, _ = await engine.verify("d", history, 1, GREEDY, 0)
+        return chained, direct, lost, direct_lost
+
+    chained, direct, lost, direct_lost = asyncio.run(scenario())
+    assert len(chained) == 3 and chained == direct
+    assert lost == direct_lost and len(lost) == 1
+
+
+def test_a_verify_whose_request_ended_while_its_block_was_drafted_holds_nothing(pair):
+    """A client drops mid-round: the router releases the sequence while the verify it handed the
+    draft's answer still waits inside the target engine. When the block arrives the verify is
+    refused (SequenceReleasedError), so no KV state is created that nobody would release."""
+    target_path, _ = pair
+
+    async def scenario():
+        engine = TargetEngine(spec(target_path), options())
+        block = asyncio.get_running_loop().create_future()
+        verify = asyncio.ensure_future(engine.verify("gone", HISTORIES[0], 1, GREEDY, 0, [block]))
+        await asyncio.sleep(0.01)
+        await engine.release("gone")
+        block.set_result((Proposal([9, 4], None), (0.0, 0.0, 0.0)))
+        with pytest.raises(SequenceReleasedError):
+            await verify
+        return await engine.active_sequences()
+
+    assert asyncio.run(scenario()) == []
 
 
 def test_sampled_rows_are_the_processed_target_distribution(pair):

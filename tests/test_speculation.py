@@ -9,7 +9,8 @@ import torch
 
 from decoding.proposers import Proposal
 from decoding.sampling import SamplingParams
-from decoding.speculation import drafted_ahead, target_rows
+from decoding.rejection import PLACEHOLDER_TOKEN_ID, greedy_verify
+from decoding.speculation import drafted_ahead, greedy_emitted, target_rows
 
 AHEAD_OF = [5, 6, 7, 10, 11]          # history 5 6 7 + proposal 10 11
 AHEAD = Proposal([12, 13, 14, 15], None)  # 12 guesses the bonus token
@@ -62,3 +63,13 @@ def test_token_logprobs_read_each_committed_token_from_its_own_row():
     assert entries[1]["logprob"] == pytest.approx(float(rows[1, 2]))   # row 1, not the token's best row
     assert [i for i, _ in entries[1]["top"]] == [1, 2]
     assert token_logprobs([3], rows, 0)[0]["top"] == []
+
+
+def test_greedy_on_plain_lists_emits_what_greedy_verify_emits():
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(500):
+        num_draft = int(torch.randint(0, 6, (1,), generator=generator))
+        draft = torch.randint(0, 3, (1, num_draft), generator=generator)  # 3 ids: matches are common
+        target = torch.randint(0, 3, (1, num_draft + 1), generator=generator)
+        expected = [t for t in greedy_verify(draft, target)[0].tolist() if t != PLACEHOLDER_TOKEN_ID]
+        assert greedy_emitted(draft[0].tolist(), target[0].tolist()) == expected
