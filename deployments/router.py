@@ -34,6 +34,7 @@ from deployments.engine_loop import EngineOverloadedError
 from deployments.metrics import RouterMetrics
 from deployments.naming import current_replica_id
 from deployments.round_stages import EngineCall, RoundStages, profiling_enabled
+from policies.acceptance import count_round_positions
 from policies.load import REQUEST_CLASSES
 from policies.depth import RoundCosts, choose_draft_depth, should_draft_ahead
 
@@ -94,7 +95,8 @@ class Router:
         self.round_costs = RoundCosts(draft_cost_ratio=self.config.speculation.draft_cost_ratio)
         # Cluster-wide depth from the policy actor (policies/actor.py), refreshed every second.
         self.router_id = current_replica_id()
-        self.class_counters = {c: {"rounds": 0, "drafted": 0, "accepted": 0} for c in REQUEST_CLASSES}
+        self.class_counters = {c: {"rounds": 0, "drafted": 0, "accepted": 0, "reached": [], "accepted_at": []}
+                               for c in REQUEST_CLASSES}
         self.policy_decision: dict[str, Any] | None = None
         self.policy_decision_at = 0.0
         self._policy_task: asyncio.Task | None = None
@@ -276,6 +278,8 @@ class Router:
                 counters["rounds"] += 1
                 counters["drafted"] += len(proposal.token_ids)
                 counters["accepted"] += state.stats.num_accepted - accepted_before
+                count_round_positions(counters["reached"], counters["accepted_at"], len(proposal.token_ids),
+                                      state.stats.num_accepted - accepted_before)
             stages.mark("accepted")
             round_wall_s = time.perf_counter() - round_started
             overhead_s = round_wall_s - draft_s - target_s

@@ -8,11 +8,13 @@ forward is cheap in extra tokens. At the current load we choose, for each reques
     T(K)       = D(K) + V(K) + o                                      [serial rounds]
     V(K)       = t_target( sum_c n_c * (K_c + 1) / R_target )         one verify pass
     D(K)       = sum_{j=1..max K} t_draft( m_j / R_draft ),  m_j = sum_{c: K_c >= j} n_c
-    E(a, K)    = (1 - a^(K+1)) / (1 - a)                              policies.depth
+    E_c(K)     = 1 + sum_{k<=K} a_c,1 * ... * a_c,k                    policies.acceptance
 
 n_c is the number of active requests of class c, R_* the replicas of each pool (requests spread
 evenly over them), t_* the pools' fitted cost curves (policies.cost_curve), o a per-round
-orchestration overhead (RPC hops). K_c = 0 means target-only: E = 1, one token per request in
+orchestration overhead (RPC hops), a_c,j the class's measured chance that draft position j is
+accepted given the earlier ones were (geometric, a_c,j = alpha_c, when no positions were
+counted; policies.acceptance says why by position). K_c = 0 means target-only: E = 1, one token per request in
 the verify batch and no draft step.
 
 Overlap. One request alone drafts, then verifies (serial; its pipelining, drafting ahead, is
@@ -39,10 +41,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from policies.cost_curve import CostCurve
-from policies.depth import expected_tokens_per_round
+from policies.acceptance import expected_tokens_by_position, expected_tokens_per_round
 
 KEEP_MARGIN = 0.02  # a new K must beat the incumbent by 2% of goodput: no flapping on noise
 
@@ -53,6 +55,13 @@ class ClassLoad:
 
     active_requests: float  # a count; fractional when the model splits a load in halves
     accept_rate: float
+    accept_by_position: tuple[float, ...] = ()  # alpha_j, j = 1..max K; empty: geometric in accept_rate
+
+    def expected_tokens(self, num_draft_tokens: int) -> float:
+        """Tokens one round of this class emits at depth K."""
+        if num_draft_tokens <= len(self.accept_by_position):
+            return expected_tokens_by_position(self.accept_by_position, num_draft_tokens)
+        return expected_tokens_per_round(self.accept_rate, num_draft_tokens)
 
 
 def round_seconds(loads: Mapping[str, ClassLoad], depths: Mapping[str, int], target_cost: CostCurve,
@@ -66,7 +75,7 @@ def round_seconds(loads: Mapping[str, ClassLoad], depths: Mapping[str, int], tar
     lock_step = draft_s + verify_s + overhead_s
     if draft_s == 0.0 or sum(load.active_requests for load in loads.values()) < 2:
         return lock_step
-    halves = {c: ClassLoad(load.active_requests / 2, load.accept_rate) for c, load in loads.items()}
+    halves = {c: replace(load, active_requests=load.active_requests / 2) for c, load in loads.items()}
     draft_half, verify_half = _pool_seconds(halves, depths, target_cost, draft_cost, target_replicas, draft_replicas)
     alternating = max(draft_half + verify_half + overhead_s, 2 * max(draft_half, verify_half))
     return min(lock_step, alternating)
@@ -90,8 +99,7 @@ def goodput_tokens_per_s(loads: Mapping[str, ClassLoad], depths: Mapping[str, in
                          draft_cost: CostCurve | None, target_replicas: int, draft_replicas: int,
                          overhead_s: float = 0.0) -> float:
     """Committed tokens per second of the system at depths K (see the module docstring)."""
-    tokens = sum(load.active_requests * expected_tokens_per_round(load.accept_rate, depths[c])
-                 for c, load in loads.items())
+    tokens = sum(load.active_requests * load.expected_tokens(depths[c]) for c, load in loads.items())
     seconds = round_seconds(loads, depths, target_cost, draft_cost, target_replicas, draft_replicas, overhead_s)
     return tokens / seconds if seconds > 0 else 0.0
 
@@ -106,7 +114,7 @@ def choose_depths(loads: Mapping[str, ClassLoad], target_cost: CostCurve, draft_
     evaluations). Among near-equal depths the incumbent wins (KEEP_MARGIN), then the smaller K.
     """
     # A class with nobody active is planned as one newcomer beside the current load.
-    planned = {c: load if load.active_requests > 0 else ClassLoad(1, load.accept_rate) for c, load in loads.items()}
+    planned = {c: load if load.active_requests > 0 else replace(load, active_requests=1) for c, load in loads.items()}
     candidates = sorted(set(range(min_k, max_k + 1)) | ({0} if allow_target_only else set()))
     classes = list(planned)
 

@@ -4,19 +4,21 @@ Engines send `stats()` about once a second: {"pool", "replica", "sequences", "fr
 "queue_depth", "forwards", "batch_rows_total", "busy_s", "idle_s", "cost_samples"}, busy_s and
 idle_s cumulative, cost_samples the (batch_tokens, seconds) of forwards since the last report.
 Routers send {"router", "active_requests", "by_class": {class: {"rounds", "drafted",
-"accepted"}}} with cumulative counters. A source that stops reporting (dead replica, scaled
+"accepted", "reached", "accepted_at"}}} with cumulative counters, the last two lists by draft
+position (policies.acceptance.count_round_positions; older routers send neither). A source that stops reporting (dead replica, scaled
 down) expires after `ttl_s`, so the view only counts what is alive. Busy shares and acceptance
 come from differences between reports, i.e. the recent past, not the lifetime.
 """
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from policies.acceptance import acceptance_from_tokens_per_round, estimate_acceptance_rate
+from policies.acceptance import acceptance_from_tokens_per_round, estimate_acceptance_rate, position_accept_rates
 from policies.goodput import ClassLoad
 from policies.replicas import PoolLoad
 
@@ -24,6 +26,7 @@ REQUEST_CLASSES = ("greedy", "sampled")
 COST_SAMPLES_KEPT = 512      # per pool: enough for a fit, recent enough to follow the load
 ACCEPT_WINDOW_S = 30.0       # acceptance is measured over this trailing window
 MAX_ACCEPT_RATE = 0.99
+MAX_POSITIONS = 32           # the deepest K a config allows (cluster.config: max_draft_tokens <= 32)
 
 
 def accept_rate_from_rounds(rounds: float, drafted: float, accepted: float) -> float:
@@ -70,6 +73,24 @@ def _busy_share(previous: Mapping[str, Any] | None, current: Mapping[str, Any]) 
     return busy / (busy + idle) if busy + idle > 0 else 0.0
 
 
+def _minus(last: Any, first: Any) -> Any:
+    """Counter growth: numbers, or lists element by element (a list may have grown longer)."""
+    if isinstance(last, list):
+        first = first if isinstance(first, list) else []
+        return [float(v) - (float(first[i]) if i < len(first) else 0.0) for i, v in enumerate(last)]
+    return float(last) - float(first)
+
+
+def _add(totals: dict[str, Any], name: str, value: Any) -> None:
+    if isinstance(totals[name], list):
+        total = totals[name]
+        total.extend([0.0] * (len(value) - len(total)))
+        for i, v in enumerate(value):
+            total[i] += float(v)
+    else:
+        totals[name] += float(value)
+
+
 class LoadTracker:
     """Latest report per source, expiry, and the aggregate `ClusterLoad`. Time is passed in."""
 
@@ -90,7 +111,7 @@ class LoadTracker:
     def add_router(self, report: Mapping[str, Any], now: float) -> None:
         seen = self._routers.setdefault(str(report["router"]), _RouterSeen(now, report))
         seen.at, seen.report = now, dict(report)
-        seen.history.append((now, report.get("by_class", {})))
+        seen.history.append((now, copy.deepcopy(report.get("by_class", {}))))  # an in-process router mutates its own
         while len(seen.history) > 2 and seen.history[1][0] <= now - ACCEPT_WINDOW_S:
             seen.history.popleft()  # keep one point at or before the window start
 
@@ -101,16 +122,21 @@ class LoadTracker:
             del self._routers[name]
 
     def _class_load(self, request_class: str, active: int) -> ClassLoad:
-        window = {"rounds": 0.0, "drafted": 0.0, "accepted": 0.0}
-        lifetime = dict(window)
+        window = {"rounds": 0.0, "drafted": 0.0, "accepted": 0.0, "reached": [], "accepted_at": []}
+        lifetime = {name: [] if isinstance(value, list) else 0.0 for name, value in window.items()}
         for seen in self._routers.values():
             first, last = seen.history[0][1].get(request_class, {}), seen.history[-1][1].get(request_class, {})
-            for name in window:
-                lifetime[name] += float(last.get(name, 0))
-                window[name] += float(last.get(name, 0)) - (float(first.get(name, 0)) if len(seen.history) > 1 else 0.0)
+            since = first if len(seen.history) > 1 else {}
+            for name, zero in window.items():
+                zero = [] if isinstance(zero, list) else 0.0
+                _add(lifetime, name, last.get(name, zero))
+                _add(window, name, _minus(last.get(name, zero), since.get(name, zero)))
         # No drafting in the window (K = 0 for this class, or no traffic): fall back to the lifetime.
         counters = window if window["drafted"] > 0 else lifetime
-        return ClassLoad(active, accept_rate_from_rounds(counters["rounds"], counters["drafted"], counters["accepted"]))
+        alpha = accept_rate_from_rounds(counters["rounds"], counters["drafted"], counters["accepted"])
+        by_position = position_accept_rates(counters["reached"], counters["accepted_at"], MAX_POSITIONS, alpha) \
+            if counters["reached"] else ()
+        return ClassLoad(active, alpha, by_position)
 
     def snapshot(self, now: float) -> ClusterLoad:
         self.expire(now)
