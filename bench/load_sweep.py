@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import sys
+import statistics
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,14 +32,17 @@ from cluster.config import SpecServeConfig, load_config
 from training.prompts import DEFAULT_PROMPT_SET, PROMPT_SETS, load_prompt_set, select_prompts
 
 VARIANTS = ["specserve", "target-only", "specserve-unbatched", "target-only-unbatched",
-            "k0", "k2", "k4", "k8", "adaptive"]
+            "k0", "k2", "k4", "k8", "adaptive", "adaptive-lane", "k4-lane", "k8-lane"]
 
 
 def variant_config(base: SpecServeConfig, variant: str, num_draft_tokens: int, port: int) -> SpecServeConfig:
-    """The config of one variant: same models and limits, speculation and batching as named."""
+    """The config of one variant: same models and limits, speculation and batching as named. A
+    "-lane" variant is the same with speculation.compiled_graph on (deployments/fast_lane.py)."""
     data = base.model_dump(mode="json")
     data["http"] = {"host": "127.0.0.1", "port": port}
     spec = data["speculation"]
+    spec["compiled_graph"] = variant.endswith("-lane")
+    variant = variant.removesuffix("-lane")
     pinned = {"proposer": "draft", "adaptive": False}
     if variant.startswith("target-only"):
         spec.update(proposer="none")
@@ -94,6 +98,8 @@ def run_variant(config: SpecServeConfig, bodies_for, levels: list[int], log, pro
             before = engine_counters()
             result = run_level(url, bodies_for(level), level)
             result["engines"] = engine_load(before, engine_counters())
+            overheads = [r["median_overhead_s"] for r in result["records"] if r.get("median_overhead_s") is not None]
+            result["overhead_ms"] = 1e3 * statistics.median(overheads) if overheads else None
             log(f"  {level:>2} streams: {result['tokens_per_s']:.1f} tok/s, p50 {result['latency_p50_ms']:.0f} ms, "
                 f"batch {json.dumps({p: l['mean_batch_size'] for p, l in result['engines'].items()})}")
             results.append(result)
@@ -148,7 +154,7 @@ def combine_runs(runs: list[dict], name: str) -> dict:
                     if other_level["concurrency"] == level["concurrency"]]
             row = {key: value for key, value in level.items() if key != "records"}
             for key in ("tokens_per_s", "latency_p50_ms", "latency_p95_ms", "ttft_p50_ms", "ttft_p95_ms",
-                        "acceptance_rate", "mean_draft_tokens"):
+                        "acceptance_rate", "mean_draft_tokens", "overhead_ms"):
                 values = [other[key] for other in same if other.get(key) is not None]
                 row[key] = sum(values) / len(values) if values else None
             row["num_requests"] = sum(other["num_requests"] for other in same)
@@ -163,8 +169,8 @@ def render_markdown(result: dict) -> str:
              f"- command: `{result['command']}`",
              f"- machine: {result['machine']}", "",
              "| variant | streams | requests | tok/s | × 1 stream | p50 latency ms | p95 latency ms | p50 TTFT ms "
-             "| p95 TTFT ms | accept | mean K | target batch | draft batch | target busy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| p95 TTFT ms | accept | mean K | overhead ms/round | target batch | draft batch | target busy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def fmt(value, digits=1):
         return "n/a" if value is None else f"{value:.{digits}f}"
@@ -177,7 +183,8 @@ def render_markdown(result: dict) -> str:
                 f"| {variant}", str(level["concurrency"]), str(level["num_requests"]), fmt(level["tokens_per_s"]),
                 fmt(level["tokens_per_s"] / single if single else None, 2) + "×", fmt(level["latency_p50_ms"], 0),
                 fmt(level["latency_p95_ms"], 0), fmt(level["ttft_p50_ms"], 0), fmt(level["ttft_p95_ms"], 0),
-                fmt(level["acceptance_rate"], 3), fmt(level.get("mean_draft_tokens"), 2), fmt(engines.get("target", {}).get("mean_batch_size"), 2),
+                fmt(level["acceptance_rate"], 3), fmt(level.get("mean_draft_tokens"), 2),
+                fmt(level.get("overhead_ms"), 2), fmt(engines.get("target", {}).get("mean_batch_size"), 2),
                 fmt(engines.get("draft", {}).get("mean_batch_size"), 2),
                 fmt(engines.get("target", {}).get("busy_share"), 2)]) + " |")
     comparison = adaptive_against_fixed(result)

@@ -90,6 +90,9 @@ class SpeculationSpec(_Strict):
     adaptive: bool = True
     draft_cost_ratio: float = Field(0.15, gt=0, le=1, description="draft step / target pass latency until measured")
     pipeline: bool = Field(True, description="draft the next block while the target verifies (lone greedy requests)")
+    compiled_graph: bool = Field(False, description="run a router's lone request's rounds as one Ray compiled "
+                                 "graph, router -> draft -> target -> router (deployments/fast_lane.py); "
+                                 "replaces drafting ahead for it")
 
     @model_validator(mode="after")
     def _bounds(self) -> "SpeculationSpec":

@@ -22,6 +22,7 @@ class SpecStats:
     num_emitted: int = 0       # tokens committed to the output
     target_passes: int = 0     # target forwards, the prefill pass included
     pipelined_rounds: int = 0  # rounds whose block was drafted during the previous verification
+    lane_rounds: int = 0       # rounds run as one compiled graph (speculation.compiled_graph)
     num_discarded_ahead: int = 0  # draft tokens drafted ahead (pipelining) and thrown away unverified
     draft_failures: int = 0    # draft engines lost mid-request (it then went on target-only)
     target_failovers: int = 0  # target engines lost mid-request (it re-prefilled on another)
@@ -66,6 +67,9 @@ class RequestState:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None   # "stop" (EOS or stop string) | "length" | None while running
     stats: SpecStats = field(default_factory=SpecStats)
+    # Rounds by draft position (policies.acceptance.count_round_positions), for this request's depth.
+    draft_reached: list[int] = field(default_factory=list)
+    draft_accepted_at: list[int] = field(default_factory=list)
     generator: torch.Generator | None = field(init=False, repr=False)
     draft_generator: torch.Generator | None = field(init=False, repr=False)
 

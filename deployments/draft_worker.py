@@ -56,6 +56,11 @@ class DraftEngine(EngineCore):
         proposal, started_s = await self.loop.submit_timed(DraftCall(seq_id, list(history), num_tokens, params, seed))
         return proposal, self.answer("propose", seq_id, entered_s, started_s)
 
+    def propose_in_graph(self, call: dict) -> tuple[Proposal, tuple[float, float, float]]:
+        """`propose` as the first step of a compiled-graph round (deployments/fast_lane.py)."""
+        return self.on_event_loop(call["seq_id"], lambda: self.propose(
+            call["seq_id"], call["history"], call["num_tokens"], call["params"], call["seed"]))
+
     def _release_now(self, seq_id: str) -> None:
         super()._release_now(seq_id)
         self.generators.pop(seq_id, None)

@@ -91,6 +91,8 @@ class EngineCore:
         self.last_used_s: dict[str, float] = {}
         self.call_log: deque[tuple[str, str, float, float]] = deque(maxlen=CALL_LOG_KEPT)
         self.released_ids: OrderedDict[str, None] = OrderedDict()  # request ids are never reused
+        self.lane_holder: str | None = None  # the router whose compiled graph runs through this engine
+        self._event_loop: asyncio.AbstractEventLoop | None = None
         self.gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()] if ray.is_initialized() else []
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
@@ -104,6 +106,7 @@ class EngineCore:
 
     async def ping(self) -> bool:
         """Health check (the replica calls it every few seconds); also keeps load reports going."""
+        self._event_loop = asyncio.get_running_loop()
         if self._report_task is None or self._report_task.done():
             self._report_task = asyncio.get_running_loop().create_task(self._report_load())
         return True
@@ -123,6 +126,32 @@ class EngineCore:
                 policy.report_engine.remote(report)
             except Exception:  # no policy actor (yet, or restarting): the engine works on regardless
                 pass
+
+    async def claim_lane(self, holder: str) -> bool:
+        """Let one router run its compiled graph through this engine (deployments/fast_lane.py).
+        Ray runs an actor's graph on the one thread of its `_ray_system` group, so an engine takes
+        part in one graph at a time: the first router to claim it holds it until it frees it."""
+        self._event_loop = asyncio.get_running_loop()
+        if self.lane_holder in (None, holder):
+            self.lane_holder = holder
+            return True
+        return False
+
+    async def free_lane(self, holder: str) -> None:
+        if self.lane_holder == holder:
+            self.lane_holder = None
+
+    def on_event_loop(self, seq_id: str, start: Any) -> Any:
+        """Run `start()`, an engine call, from a compiled graph's thread on the actor's event loop
+        and wait for it: the call joins the batching loop like any other (same batches), and like a
+        late call it is refused once its request was released (a cancelled request's graph round
+        still runs to its end; it must not leave KV state behind)."""
+        assert self._event_loop is not None, "claim_lane runs before any graph call"
+
+        async def run() -> Any:
+            self.check_not_released(seq_id)
+            return await start()
+        return asyncio.run_coroutine_threadsafe(run(), self._event_loop).result()
 
     def answer(self, kind: str, seq_id: str, entered_s: float, started_s: float | None = None
                ) -> tuple[float, float, float]:

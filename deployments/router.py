@@ -31,12 +31,13 @@ from decoding.sequence import RequestState
 from decoding.speculation import accept_round, drafted_ahead, token_logprobs
 from deployments.admission import Admission, ServerOverloadedError
 from deployments.engine_loop import EngineOverloadedError
+from deployments.fast_lane import FastLane, actor_key
 from deployments.metrics import RouterMetrics
 from deployments.naming import current_replica_id
 from deployments.round_stages import EngineCall, RoundStages, profiling_enabled
-from policies.acceptance import count_round_positions
-from policies.load import REQUEST_CLASSES
-from policies.depth import RoundCosts, choose_draft_depth, should_draft_ahead
+from policies.acceptance import count_round_positions, position_accept_rates, request_position_rates
+from policies.load import REQUEST_CLASSES, accept_rate_from_rounds
+from policies.depth import RoundCosts, best_depth_by_position, choose_draft_depth, should_draft_ahead
 
 logger = logging.getLogger("ray.serve")
 TARGET_RECOVERY_S = 60.0  # how long a request waits for a replacement target engine
@@ -44,6 +45,7 @@ POLICY_INTERVAL_S = 1.0  # how often a router reports load to the policy actor a
 POLICY_STALE_S = 30.0  # a decision older than this (actor gone) is dropped: per-request depth only
 HEALTH_PROBE_S = 2.0  # how long /health waits for a pool's engine to answer
 RELEASE_RETRY_S = 300.0  # how long a release keeps trying an engine that is temporarily unreachable
+LANE_RETRY_S = 30.0  # a compiled-graph lane that could not be had is tried again after this
 ENGINE_ERRORS = (RayActorError, ray.exceptions.ActorUnavailableError)
 
 
@@ -101,6 +103,9 @@ class Router:
         self.policy_decision_at = 0.0
         self._policy_task: asyncio.Task | None = None
         self.profile_rounds = profiling_enabled()
+        self._lane: FastLane | None = None   # speculation.compiled_graph: this router's graph, if it holds one
+        self._lane_refused_at: dict[tuple[str, str], float] = {}
+        self._lane_opening = asyncio.Lock()
 
     def _detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -245,7 +250,12 @@ class Router:
             num_draft = self._draft_depth(state) if draft is not None else 0
             stages.mark("depth")
             proposal, draft_s, draft_hops_s, sent = Proposal([], None), 0.0, 0.0, None
-            if num_draft > 0:
+            lane = await self._lane_for(draft, target) if num_draft > 0 and ahead is None else None
+            if lane is not None:
+                in_lane = await self._propose_in_lane(state, lane, num_draft, stages)
+                if in_lane is not None:
+                    proposal, draft_s, draft_hops_s, sent = in_lane
+            if num_draft > 0 and sent is None:
                 try:
                     proposal, draft_s, draft_hops_s, sent = await self._propose(state, draft, target, num_draft,
                                                                                 ahead, stages)
@@ -258,7 +268,7 @@ class Router:
             if sent is None:  # the verify leaves before the block ahead is launched: it is on the round's path
                 sent = self._send_verify(state, target, proposal)
             ahead = None
-            if draft is not None and proposal.token_ids and should_draft_ahead(
+            if draft is not None and proposal.token_ids and lane is None and should_draft_ahead(
                     self.config.speculation.pipeline, state.params.is_greedy, len(self.active_requests)):
                 # Draft the next block now, guessing the bonus token, on the draft's own worker.
                 ahead_of = state.history + proposal.token_ids
@@ -278,8 +288,9 @@ class Router:
                 counters["rounds"] += 1
                 counters["drafted"] += len(proposal.token_ids)
                 counters["accepted"] += state.stats.num_accepted - accepted_before
-                count_round_positions(counters["reached"], counters["accepted_at"], len(proposal.token_ids),
-                                      state.stats.num_accepted - accepted_before)
+                taken = state.stats.num_accepted - accepted_before
+                count_round_positions(counters["reached"], counters["accepted_at"], len(proposal.token_ids), taken)
+                count_round_positions(state.draft_reached, state.draft_accepted_at, len(proposal.token_ids), taken)
             stages.mark("accepted")
             round_wall_s = time.perf_counter() - round_started
             overhead_s = round_wall_s - draft_s - target_s
@@ -334,6 +345,62 @@ class Router:
         call = stages.draft = EngineCall.from_span(sent_s, span, time.perf_counter())
         self.round_costs.observe_draft(call.engine_s, len(proposal.token_ids))
         return proposal, waited_s + call.engine_s, call.entered_s - call.sent_s, sent
+
+    async def _lane_for(self, draft, target) -> FastLane | None:
+        """This router's compiled-graph lane through these engines (deployments/fast_lane.py), for a
+        lone request when speculation.compiled_graph is on; None: take the ordinary path. A lane
+        that could not be had (another router holds an engine, or it failed) is retried after
+        LANE_RETRY_S."""
+        if not self.config.speculation.compiled_graph or draft is None or len(self.active_requests) != 1:
+            return None
+        key = (actor_key(draft), actor_key(target))
+        if self._lane is not None and not self._lane.closed and self._lane.key == key:
+            return self._lane
+        if time.monotonic() - self._lane_refused_at.get(key, -LANE_RETRY_S) < LANE_RETRY_S:
+            return None
+        async with self._lane_opening:
+            if self._lane is not None:
+                await self._lane.close()
+                self._lane = None
+            try:
+                self._lane = await FastLane.open(self.router_id, draft, target)
+            except Exception:
+                self._lane = None
+            if self._lane is None:
+                self._lane_refused_at[key] = time.monotonic()
+            else:
+                logger.info("compiled-graph lane open through %s (compiled in %.0f ms)", key, self._lane.compile_s * 1e3)
+        return self._lane
+
+    async def _propose_in_lane(self, state: RequestState, lane: FastLane, num_draft: int,
+                               stages: RoundStages) -> tuple[Proposal, float, float, Any] | None:
+        """One round through the lane, shaped like `_propose`'s answer with the verify already
+        answered; None when the lane failed (it is closed; the round goes the ordinary way)."""
+        call = {"seq_id": state.request_id, "history": state.history, "num_tokens": num_draft,
+                "params": state.params, "seed": self._draft_seed(state), "first_output_index": state.next_output_index}
+        sent_s = time.perf_counter()
+        try:
+            (proposal, draft_span), verified = await lane.round(call)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.warning("compiled-graph lane failed for %s; closing it, the round goes the ordinary way",
+                           state.request_id, exc_info=True)
+            self._lane_refused_at[lane.key] = time.monotonic()
+            self._spawn(lane.close())
+            return None
+        call_timing = stages.draft = EngineCall.from_span(sent_s, draft_span, draft_span[2])
+        self.round_costs.observe_draft(call_timing.engine_s, len(proposal.token_ids))
+        state.stats.lane_rounds += 1
+        answered = asyncio.get_running_loop().create_future()
+        answered.set_result(verified)
+        return proposal, call_timing.engine_s, call_timing.entered_s - sent_s, (answered, sent_s, "lane")
+
+    def _spawn(self, coroutine) -> None:
+        """Run coroutine in the background, kept referenced until it ends."""
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _target_engine(self):
         """A target engine for a new request; 503 when no target replica answers in time."""
@@ -417,17 +484,16 @@ class Router:
                     await asyncio.sleep(delay_s)
                     delay_s = min(2 * delay_s, 10.0)
 
-        task = asyncio.get_running_loop().create_task(release())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._spawn(release())
 
     def _draft_depth(self, state: RequestState) -> int:
         """K for this round. With company (more than one active request) the policy actor's depth
         for the request's class is used as it is: its goodput model sees the batched cost curves
         and the load, which a request's own view does not (measured: the per-request choice drafted
         K ~5.5 under load where K = 8 ran ~15% faster). Alone, the policy's depth caps it, and
-        within the cap the request's own acceptance and the measured costs choose (an easy prompt
-        drafts deeper than a hard one). 0 from the policy: speculation does not pay now. A seeded
+        within the cap the request's own acceptance by draft position (leaning on its class's,
+        policies.acceptance) and the measured costs choose (an easy prompt drafts deeper than a
+        hard one). 0 from the policy: speculation does not pay now. A seeded
         request's K must not depend on timing or load (its random draws follow K), so it uses the
         configured cost ratio and no policy."""
         spec = self.config.speculation
@@ -446,9 +512,20 @@ class Router:
             cost_ratio, overhead_ratio = spec.draft_cost_ratio, 0.0
         if high <= 0:
             return 0
-        depth = choose_draft_depth(state.stats.num_accepted, state.stats.num_drafted, cost_ratio,
-                                   low, high, overhead_ratio, num_rounds=state.stats.rounds)
+        if state.params.seed is None:
+            depth = best_depth_by_position(self._position_rates(state, high), cost_ratio, low, high, overhead_ratio)
+        else:
+            depth = choose_draft_depth(state.stats.num_accepted, state.stats.num_drafted, cost_ratio,
+                                       low, high, overhead_ratio, num_rounds=state.stats.rounds)
         return state.draft_budget(depth)
+
+    def _position_rates(self, state: RequestState, depth: int) -> tuple[float, ...]:
+        """This request's acceptance by position for K up to depth: its own rounds, leaning on this
+        router's rounds of its class (all time), which lean on the class's geometric alpha."""
+        counters = self.class_counters[_request_class(state)]
+        alpha = accept_rate_from_rounds(counters["rounds"], counters["drafted"], counters["accepted"])
+        class_rates = position_accept_rates(counters["reached"], counters["accepted_at"], depth, alpha)
+        return request_position_rates(state.draft_reached, state.draft_accepted_at, class_rates)
 
     @staticmethod
     def _draft_seed(state: RequestState) -> int | None:

@@ -120,6 +120,19 @@ def position_accept_rates(reached: list[float], accepted: list[float], depth: in
     return tuple(rates)
 
 
+def request_position_rates(reached: list[int], accepted: list[int], class_rates: tuple[float, ...],
+                           weight: float = POSITION_PRIOR_WEIGHT) -> tuple[float, ...]:
+    """One request's alpha_j: its own counts, each position leaning on its class's rate there
+    (class_rates, from `position_accept_rates` over the class's rounds) with `weight` rounds: an
+    easy prompt soon drafts deeper than its class, a hard one shallower."""
+    rates = []
+    for position, prior in enumerate(class_rates):
+        seen = float(reached[position]) if position < len(reached) else 0.0
+        taken = float(accepted[position]) if position < len(accepted) else 0.0
+        rates.append(min((taken + weight * prior) / (seen + weight), 0.99))
+    return tuple(rates)
+
+
 def expected_tokens_by_position(rates: tuple[float, ...], num_draft_tokens: int) -> float:
     """Tokens one round of depth K emits when position j is accepted with chance rates[j-1] given
     the earlier ones were: 1 + sum over k <= K of the chance the first k are all accepted."""

@@ -17,7 +17,8 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from policies.acceptance import PRIOR_ACCEPTED, PRIOR_REJECTED, estimate_acceptance_rate, expected_tokens_per_round
+from policies.acceptance import (PRIOR_ACCEPTED, PRIOR_REJECTED, estimate_acceptance_rate,
+                                 expected_tokens_by_position, expected_tokens_per_round)
 
 __all__ = ["RoundCosts", "choose_draft_depth", "expected_speedup", "expected_tokens_per_round",
            "should_draft_ahead"]
@@ -36,6 +37,15 @@ def best_depth(accept_rate: float, draft_cost_ratio: float, min_draft_tokens: in
     """The depth K in [min, max] with the best expected throughput at this per-token acceptance."""
     return max(range(min_draft_tokens, max_draft_tokens + 1),
                key=lambda k: expected_speedup(accept_rate, k, draft_cost_ratio, overhead_ratio))
+
+
+def best_depth_by_position(accept_by_position: tuple[float, ...], draft_cost_ratio: float, min_draft_tokens: int,
+                           max_draft_tokens: int, overhead_ratio: float = 0.0) -> int:
+    """`best_depth` with acceptance by position (policies.acceptance: on code, drafts are taken in
+    streaks, so one alpha under-rates deep blocks); rates must cover max_draft_tokens positions."""
+    def speedup(k: int) -> float:
+        return expected_tokens_by_position(accept_by_position, k) / (k * draft_cost_ratio + 1.0 + overhead_ratio)
+    return max(range(min_draft_tokens, max_draft_tokens + 1), key=speedup)
 
 
 def choose_draft_depth(num_accepted: int, num_drafted: int, draft_cost_ratio: float,

@@ -110,3 +110,26 @@ def test_a_router_without_position_counters_leaves_the_geometric_model():
     greedy = tracker.snapshot(0.0).classes["greedy"]
     assert greedy.accept_by_position == ()
     assert greedy.expected_tokens(4) == pytest.approx(expected_tokens_per_round(greedy.accept_rate, 4))
+
+
+def test_a_request_leans_on_its_class_until_its_own_rounds_say_otherwise():
+    from policies.acceptance import request_position_rates
+
+    class_rates = (0.8, 0.9, 0.9)
+    assert request_position_rates([], [], class_rates) == pytest.approx(class_rates)
+    hard = request_position_rates([40, 8, 2], [8, 2, 0], class_rates)      # rejected early, round after round
+    assert all(own < rate for own, rate in zip(hard, class_rates))
+    assert hard[0] == pytest.approx((8 + 4 * 0.8) / (40 + 4))
+
+
+def test_alone_a_streaky_request_drafts_deeper_than_its_geometric_fit_says():
+    from policies.depth import best_depth, best_depth_by_position
+
+    reached, accepted, emitted = simulate(STREAKY, 4, 5_000, seed=4)
+    rounds, took = len(emitted), sum(emitted) - len(emitted)
+    alpha = accept_rate_from_rounds(rounds, 4 * rounds, took)
+    cost_ratio, overhead_ratio = 0.12, 0.5
+    geometric = best_depth(alpha, cost_ratio, 1, 8, overhead_ratio)
+    by_position = best_depth_by_position(position_accept_rates(reached, accepted, 8, alpha), cost_ratio, 1, 8,
+                                         overhead_ratio)
+    assert geometric < by_position == 8

@@ -1,0 +1,87 @@
+"""speculation.compiled_graph: a lone request's rounds run as one Ray compiled graph (the fast lane).
+
+End to end on a real local cluster: the lane is used (rounds counted in the response's
+`speculation`), greedy output equals the target's own greedy output, company falls back to the
+ordinary path without a wrong token, and a stream dropped mid-round leaves no state behind and
+the lane still works for the next request."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from tests.local_server import greedy_reference, serve_tiny_pair
+from tests.test_reliability import assert_nothing_held
+from tests.test_serving import PROMPTS
+
+pytestmark = pytest.mark.ray
+MODEL = "tiny-pair"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    # K pinned: the policy may find that the tiny random pair's drafts do not pay and choose K = 0,
+    # and a round that drafts nothing has nothing to send through the lane.
+    yield from serve_tiny_pair(tmp_path_factory.mktemp("pair"), MODEL,
+                               speculation={"compiled_graph": True, "adaptive": False, "num_draft_tokens": 4})
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def greedy_text(server):
+    return greedy_reference(server[1].target.path)
+
+
+def test_a_lone_greedy_request_runs_in_the_lane_and_equals_target_greedy(client, greedy_text):
+    for prompt in PROMPTS:
+        response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0)
+        speculation = response.model_extra["speculation"]
+        assert response.choices[0].text == greedy_text(prompt, 40)
+        assert speculation["lane_rounds"] > 0 and speculation["lane_rounds"] == speculation["rounds"], speculation
+
+
+def test_a_lone_sampled_request_runs_in_the_lane(client):
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=30, temperature=1.0, seed=3)
+    assert response.usage.completion_tokens == 30
+    assert response.model_extra["speculation"]["lane_rounds"] > 0
+
+
+def test_with_company_requests_take_the_ordinary_path_and_stay_exact(client, greedy_text):
+    def one(prompt: str) -> tuple[str, dict]:
+        response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0)
+        return response.choices[0].text, response.model_extra["speculation"]
+
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(one, PROMPTS * 2))
+    for prompt, (text, _) in zip(PROMPTS * 2, answers):
+        assert text == greedy_text(prompt, 40)
+    assert any(speculation["lane_rounds"] < speculation["rounds"] for _, speculation in answers)
+
+
+def test_streams_dropped_mid_round_leave_no_state_and_the_lane_still_serves(server, client, greedy_text):
+    url = server[0]
+
+    async def drop_after(lines_wanted: int) -> None:
+        body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 120, "temperature": 0, "stream": True}
+        async with httpx.AsyncClient(timeout=60) as http:
+            async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+                lines = 0
+                async for line in response.aiter_lines():
+                    lines += line.startswith("data: ")
+                    if lines >= lines_wanted:
+                        return  # leaving the block drops the connection mid-stream
+
+    for lines_wanted in (1, 2, 3, 5, 8):
+        asyncio.run(drop_after(lines_wanted))
+    assert_nothing_held()
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=40, temperature=0)
+    assert response.choices[0].text == greedy_text(PROMPTS[2], 40)
+    assert response.model_extra["speculation"]["lane_rounds"] > 0
