@@ -92,7 +92,7 @@ class SpeculationSpec(_Strict):
     pipeline: bool = Field(True, description="draft the next block while the target verifies (lone greedy requests)")
     compiled_graph: bool = Field(False, description="run a router's lone request's rounds as one Ray compiled "
                                  "graph, router -> draft -> target -> router (deployments/fast_lane.py); "
-                                 "replaces drafting ahead for it")
+                                 "its drafting ahead then runs inside the draft engine")
 
     @model_validator(mode="after")
     def _bounds(self) -> "SpeculationSpec":

@@ -14,6 +14,7 @@ release, the stats the policy actor and `specserve status` read, idle-sequence e
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -143,15 +144,19 @@ class EngineCore:
 
     def on_event_loop(self, seq_id: str, start: Any) -> Any:
         """Run `start()`, an engine call, from a compiled graph's thread on the actor's event loop
-        and wait for it: the call joins the batching loop like any other (same batches), and like a
-        late call it is refused once its request was released (a cancelled request's graph round
-        still runs to its end; it must not leave KV state behind)."""
+        and wait for it: the call joins the batching loop like any other (same batches)."""
+        return self.submit_to_event_loop(seq_id, start).result()
+
+    def submit_to_event_loop(self, seq_id: str, start: Any) -> concurrent.futures.Future:
+        """Schedule `start()` on the actor's event loop from another thread; like a late call, it
+        is refused once its request was released (a cancelled request's graph round still runs to
+        its end; it must not leave KV state behind)."""
         assert self._event_loop is not None, "claim_lane runs before any graph call"
 
         async def run() -> Any:
             self.check_not_released(seq_id)
             return await start()
-        return asyncio.run_coroutine_threadsafe(run(), self._event_loop).result()
+        return asyncio.run_coroutine_threadsafe(run(), self._event_loop)
 
     def answer(self, kind: str, seq_id: str, entered_s: float, started_s: float | None = None
                ) -> tuple[float, float, float]:

@@ -11,7 +11,9 @@ Shape (docs/transport.md): Ray 2.60 runs an actor's part of a graph on the singl
 (`propose_in_graph`, `verify_in_graph`) hand their call to the engine's event loop, so lane calls
 batch with everyone else's. A router claims both engines before it compiles (`claim_lane`); when
 another router holds one, its requests take the ordinary path. The lane serves a router's lone
-request (with company the ordinary path batches better); any failure in it closes the lane and the
+request (with company the ordinary path batches better). Drafting ahead moves into the draft
+engine (`DraftEngine.propose_in_graph`): a graph round returns only after its verify, so the
+router could not overlap the next block with it. Any failure in the lane closes it and the
 round is redone on the ordinary path, which owns the fault handling (target failover, target-only
 after a lost draft). A result is awaited under `asyncio.shield`: a graph's results must be read
 in order, so a cancelled request's round is still read to its end, then dropped.
@@ -63,7 +65,8 @@ class FastLane:
         return cls(holder, draft, target, compiled, time.perf_counter() - started)
 
     async def round(self, call: dict) -> tuple[tuple, tuple]:
-        """((proposal, draft span), (rows, verify span)) of one round; raises what either engine raised."""
+        """((proposal, draft span, drafting-ahead info), (rows, verify span)) of one round; raises
+        what either engine raised."""
         task = asyncio.ensure_future(self._execute(call))
         return await asyncio.shield(task)
 

@@ -377,10 +377,12 @@ class Router:
         """One round through the lane, shaped like `_propose`'s answer with the verify already
         answered; None when the lane failed (it is closed; the round goes the ordinary way)."""
         call = {"seq_id": state.request_id, "history": state.history, "num_tokens": num_draft,
-                "params": state.params, "seed": self._draft_seed(state), "first_output_index": state.next_output_index}
+                "params": state.params, "seed": self._draft_seed(state), "first_output_index": state.next_output_index,
+                "ahead": should_draft_ahead(self.config.speculation.pipeline, state.params.is_greedy,
+                                            len(self.active_requests))}
         sent_s = time.perf_counter()
         try:
-            (proposal, draft_span), verified = await lane.round(call)
+            (proposal, draft_span, ahead), verified = await lane.round(call)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -389,12 +391,17 @@ class Router:
             self._lane_refused_at[lane.key] = time.monotonic()
             self._spawn(lane.close())
             return None
-        call_timing = stages.draft = EngineCall.from_span(sent_s, draft_span, draft_span[2])
-        self.round_costs.observe_draft(call_timing.engine_s, len(proposal.token_ids))
         state.stats.lane_rounds += 1
+        state.stats.num_discarded_ahead += ahead["discarded_ahead"]
+        drafting = EngineCall.from_span(sent_s, draft_span, draft_span[2])
+        self.round_costs.observe_draft(drafting.engine_s, len(proposal.token_ids))
         answered = asyncio.get_running_loop().create_future()
         answered.set_result(verified)
-        return proposal, call_timing.engine_s, call_timing.entered_s - sent_s, (answered, sent_s, "lane")
+        if ahead["pipelined"]:  # drafted during the last verify: no drafting on this round's path
+            state.stats.pipelined_rounds += 1
+            return proposal, 0.0, 0.0, (answered, sent_s, None)
+        stages.draft = drafting
+        return proposal, drafting.engine_s, drafting.entered_s - sent_s, (answered, sent_s, "lane")
 
     def _spawn(self, coroutine) -> None:
         """Run coroutine in the background, kept referenced until it ends."""

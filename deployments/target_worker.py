@@ -67,8 +67,7 @@ class TargetEngine(EngineCore):
         """`verify` of the draft's block as the second step of a compiled-graph round
         (deployments/fast_lane.py): the block comes from the draft engine through the graph's
         channel; the draft's answer goes back with the verdict, so the router reads one result."""
-        proposal, _ = drafted
-        block = list(proposal.token_ids)
+        block = list(drafted[0].token_ids)
         verified = self.on_event_loop(call["seq_id"], lambda: self.verify(
             call["seq_id"], list(call["history"]) + block, len(block) + 1, call["params"], call["first_output_index"]))
         return drafted, verified
