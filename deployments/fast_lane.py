@@ -43,6 +43,7 @@ class FastLane:
         self.compile_s = compile_s
         self._lock = asyncio.Lock()  # one execution in flight: a lane serves one request at a time
         self.closed = False
+        self.used_at = time.monotonic()
 
     @classmethod
     async def open(cls, holder: str, draft: Any, target: Any) -> "FastLane | None":
@@ -74,8 +75,18 @@ class FastLane:
         async with self._lock:
             if self.closed:
                 raise RuntimeError("fast lane closed")
+            self.used_at = time.monotonic()
             result = await self.compiled.execute_async(call)
             return await result
+
+    async def close_when_idle(self, idle_s: float) -> None:
+        """Close the lane once it has carried no round for idle_s. Why: on Ray 2.60 an open graph's
+        channel readers poll, so an idle graph burns about half a core in each engine actor and a
+        core in the router (`python -m bench.graph_idle`); reopening costs one compile (~0.5 s)."""
+        while not self.closed:
+            await asyncio.sleep(max(0.0, self.used_at + idle_s - time.monotonic()) + 0.01)
+            if not self.closed and not self._lock.locked() and time.monotonic() - self.used_at >= idle_s:
+                await self.close()
 
     async def close(self) -> None:
         """Tear the graph down (off the event loop: teardown waits for the actors' graph loops)

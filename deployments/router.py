@@ -370,6 +370,7 @@ class Router:
                 self._lane_refused_at[key] = time.monotonic()
             else:
                 logger.info("compiled-graph lane open through %s (compiled in %.0f ms)", key, self._lane.compile_s * 1e3)
+                self._spawn(self._lane.close_when_idle(self.config.speculation.compiled_graph_idle_s))
         return self._lane
 
     async def _propose_in_lane(self, state: RequestState, lane: FastLane, num_draft: int,

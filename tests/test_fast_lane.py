@@ -8,11 +8,16 @@ the lane still works for the next request."""
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
+import ray
+from ray import serve
+
+from cluster.builder import APP_NAME
 
 from tests.local_server import greedy_reference, serve_tiny_pair
 from tests.test_reliability import assert_nothing_held
@@ -20,6 +25,7 @@ from tests.test_serving import PROMPTS
 
 pytestmark = pytest.mark.ray
 MODEL = "tiny-pair"
+IDLE_S = 1.5
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +33,8 @@ def server(tmp_path_factory):
     # K pinned: the policy may find that the tiny random pair's drafts do not pay and choose K = 0,
     # and a round that drafts nothing has nothing to send through the lane.
     yield from serve_tiny_pair(tmp_path_factory.mktemp("pair"), MODEL,
-                               speculation={"compiled_graph": True, "adaptive": False, "num_draft_tokens": 4})
+                               speculation={"compiled_graph": True, "adaptive": False, "num_draft_tokens": 4,
+                                            "compiled_graph_idle_s": IDLE_S})
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +92,17 @@ def test_streams_dropped_mid_round_leave_no_state_and_the_lane_still_serves(serv
     response = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=40, temperature=0)
     assert response.choices[0].text == greedy_text(PROMPTS[2], 40)
     assert response.model_extra["speculation"]["lane_rounds"] > 0
+
+
+def test_an_idle_lane_is_torn_down_and_reopened_for_the_next_lone_request(client):
+    """An open graph's channels poll (bench.graph_idle), so a lane that carries no round for
+    compiled_graph_idle_s is torn down and both engines are free to be claimed again."""
+    assert client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=20,
+                                     temperature=0).model_extra["speculation"]["lane_rounds"] > 0
+    time.sleep(IDLE_S + 2.0)
+    for name in ("DraftWorker", "TargetWorker"):
+        engine = serve.get_deployment_handle(name, APP_NAME).get_engine.remote().result()
+        assert ray.get(engine.claim_lane.remote("probe")), f"{name}'s engine is still held by a lane"
+        ray.get(engine.free_lane.remote("probe"))
+    assert client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=20,
+                                     temperature=0).model_extra["speculation"]["lane_rounds"] > 0
