@@ -87,10 +87,25 @@ def engine_load(before: dict, after: dict) -> dict[str, dict[str, float | None]]
     return load
 
 
-def run_variant(config: SpecServeConfig, bodies_for, levels: list[int], log, progress) -> list[dict]:
-    from cluster.local import start_local, stop_local
+def start_on_a_free_port(config: SpecServeConfig, attempts: int = 3) -> tuple[str, SpecServeConfig]:
+    """start_local, on another free port if the chosen one was taken between choosing and binding
+    (a lost race that once cost a whole sweep run)."""
+    from cluster.local import start_local
 
-    url = start_local(config)
+    for attempt in range(attempts):
+        try:
+            return start_local(config), config
+        except Exception as exc:
+            if "Failed to bind" not in str(exc) or attempt == attempts - 1:
+                raise
+            config = config.model_copy(update={"http": config.http.model_copy(update={"port": free_port()})})
+    raise AssertionError("unreachable")
+
+
+def run_variant(config: SpecServeConfig, bodies_for, levels: list[int], log, progress) -> list[dict]:
+    from cluster.local import stop_local
+
+    url, config = start_on_a_free_port(config)
     try:
         run_level(url, bodies_for(2)[:2], 2)  # warm-up: both engines, the tokenizer, the HTTP path
         results = []
