@@ -76,15 +76,16 @@ def estimate_acceptance_rate(num_accepted: int, num_drafted: int, num_rounds: in
     return acceptance_posterior_mean(num_accepted, rejecting_rounds, prior_accepted, prior_rejected)
 
 
-# Acceptance by position. On code the geometric model is far off: greedy drafts are accepted in
-# streaks (a repeated line is taken whole, a new identifier is missed at once), so the chance that
-# draft position j is accepted, given that all before it were, rises with j. Measured on the
-# third-party prompts (bench/results/cpu-2core-depth-load-thirdparty-v6-run*.json): K = 4 emits 3.85
-# tokens per round, K = 8 emits 5.52, where a geometric fit at K = 4 (alpha 0.735) predicts 3.54 for
-# K = 8 and one at K ~ 6 (alpha ~0.65) predicts 2.83. Under-rating deep blocks that much made the
-# policy draft ~6 deep at 2 streams where K = 8 ran 7% faster. So rounds are also counted by
-# position: `reached[j]` rounds drafted position j+1 with every earlier draft accepted, and
-# `accepted[j]` of them accepted it too.
+# Acceptance by position. The geometric model assumes the chance that draft position j is
+# accepted, given that all before it were, is the same alpha for every j. A pair whose drafts are
+# taken in streaks (a repeated line whole, a new identifier missed at once) breaks that, and the
+# model then under-rates deep blocks. So rounds are also counted by position: `reached[j]` rounds
+# drafted position j+1 with every earlier draft accepted, and `accepted[j]` of them accepted it
+# too; with geometric acceptance the rates come out equal and nothing changes. On the shipped pair
+# and the third-party prompts acceptance is close to geometric (`python -m bench.streaks` ->
+# bench/results/streaks.md: alpha fitted at K = 2, 4 and 8 is 0.891, 0.878 and 0.877; K = 4's fit
+# predicts 5.54 tokens per round at K = 8, 5.53 measured). Beware the benchmark's "accept" column:
+# it is accepted / drafted (0.735 at K = 4), not alpha.
 POSITION_PRIOR_WEIGHT = 4.0  # pseudo-rounds: a position's rate leans on the one before until seen this often
 
 

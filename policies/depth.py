@@ -41,8 +41,8 @@ def best_depth(accept_rate: float, draft_cost_ratio: float, min_draft_tokens: in
 
 def best_depth_by_position(accept_by_position: tuple[float, ...], draft_cost_ratio: float, min_draft_tokens: int,
                            max_draft_tokens: int, overhead_ratio: float = 0.0) -> int:
-    """`best_depth` with acceptance by position (policies.acceptance: on code, drafts are taken in
-    streaks, so one alpha under-rates deep blocks); rates must cover max_draft_tokens positions."""
+    """`best_depth` with acceptance by position (policies.acceptance: where drafts are taken in
+    streaks, one alpha under-rates deep blocks); rates must cover max_draft_tokens positions."""
     def speedup(k: int) -> float:
         return expected_tokens_by_position(accept_by_position, k) / (k * draft_cost_ratio + 1.0 + overhead_ratio)
     return max(range(min_draft_tokens, max_draft_tokens + 1), key=speedup)

@@ -1,6 +1,6 @@
 """Acceptance by draft position: counting, estimating, and what it changes in the depth choice.
 
-Greedy drafts on code are accepted in streaks, so the geometric model (one alpha for every
+Where drafts are accepted in streaks, the geometric model (one alpha for every
 position) under-rates deep blocks; these tests pin the counters, the estimator and the effect."""
 
 import random
