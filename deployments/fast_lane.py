@@ -29,6 +29,14 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
+LANE_MIN_TIMEOUT_S = 2.0   # a lane round with no answer this long (or LANE_TIMEOUT_ROUNDS times the
+LANE_TIMEOUT_ROUNDS = 50   # last round's time, if longer) has stalled: an engine of the graph died
+
+
+class LaneStalledError(RuntimeError):
+    """The graph gave no answer in time: one of its engines is gone."""
+
+
 def actor_key(handle: Any) -> str:
     return handle._actor_id.hex()
 
@@ -44,6 +52,7 @@ class FastLane:
         self._lock = asyncio.Lock()  # one execution in flight: a lane serves one request at a time
         self.closed = False
         self.used_at = time.monotonic()
+        self.round_s = 0.0  # the last round's wall time, for the stall deadline
 
     @classmethod
     async def open(cls, holder: str, draft: Any, target: Any) -> "FastLane | None":
@@ -67,9 +76,17 @@ class FastLane:
 
     async def round(self, call: dict) -> tuple[tuple, tuple]:
         """((proposal, draft span, drafting-ahead info), (rows, verify span)) of one round; raises
-        what either engine raised."""
+        what either engine raised, or LaneStalledError past a deadline. Why a deadline: when an
+        engine of the graph dies mid-round, Ray 2.60 does not fail the execution, it never ends
+        (measured: a killed draft engine left the request waiting until the client gave up)."""
         task = asyncio.ensure_future(self._execute(call))
-        return await asyncio.shield(task)
+        timeout_s = max(LANE_MIN_TIMEOUT_S, LANE_TIMEOUT_ROUNDS * self.round_s)
+        try:
+            result = await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        except asyncio.TimeoutError:
+            raise LaneStalledError(f"no answer from the compiled graph within {timeout_s:.1f} s") from None
+        self.round_s = time.monotonic() - self.used_at
+        return result
 
     async def _execute(self, call: dict) -> tuple[tuple, tuple]:
         async with self._lock:
@@ -88,17 +105,22 @@ class FastLane:
             if not self.closed and not self._lock.locked() and time.monotonic() - self.used_at >= idle_s:
                 await self.close()
 
-    async def close(self) -> None:
+    async def close(self, stalled: bool = False) -> None:
         """Tear the graph down (off the event loop: teardown waits for the actors' graph loops)
-        and free both engines for whichever router claims them next."""
+        and free both engines for whichever router claims them next. A round in flight is let
+        finish first, unless the lane stalled: then it never will, and teardown is what ends it."""
         if self.closed:
             return
         self.closed = True
-        async with self._lock:
-            try:
-                await asyncio.get_running_loop().run_in_executor(None, self.compiled.teardown)
-            except Exception:
-                logger.warning("compiled graph teardown failed", exc_info=True)
+        if not stalled:
+            await self._lock.acquire()
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.compiled.teardown)
+        except Exception:
+            logger.warning("compiled graph teardown failed", exc_info=True)
+        finally:
+            if not stalled:
+                self._lock.release()
         await _free(self.holder, self.draft, self.target)
 
 

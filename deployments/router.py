@@ -390,7 +390,7 @@ class Router:
             logger.warning("compiled-graph lane failed for %s; closing it, the round goes the ordinary way",
                            state.request_id, exc_info=True)
             self._lane_refused_at[lane.key] = time.monotonic()
-            self._spawn(lane.close())
+            self._spawn(lane.close(stalled=True))  # nothing more will come out of it
             return None
         state.stats.lane_rounds += 1
         state.stats.num_discarded_ahead += ahead["discarded_ahead"]

@@ -106,3 +106,18 @@ def test_an_idle_lane_is_torn_down_and_reopened_for_the_next_lone_request(client
         ray.get(engine.free_lane.remote("probe"))
     assert client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=20,
                                      temperature=0).model_extra["speculation"]["lane_rounds"] > 0
+
+
+def test_a_draft_engine_lost_mid_lane_leaves_the_request_to_go_on_target_only(server, greedy_text):
+    """Last in this module: it kills the draft engine while a lone request runs in the lane (after
+    a few lane rounds). The lane fails, closes, and the round goes the ordinary way, which finds the
+    draft gone and continues target-only: same greedy text, one draft failure, no state left."""
+    from tests.test_serving import _assert_no_leftovers, _stream_killing_engine_midway
+
+    result = _stream_killing_engine_midway(server[0], PROMPTS[2], 120, "DraftWorker", after_chunks=4)
+    text, final = result["text"], result["final"]
+    assert text == greedy_text(PROMPTS[2], 120)
+    speculation = final["speculation"]
+    assert speculation["draft_failures"] == 1 and speculation["num_emitted"] == 120
+    assert 0 < speculation["lane_rounds"] < speculation["target_passes"]  # in the lane until the kill
+    _assert_no_leftovers(timeout_s=60)  # polls past the dead engine until Serve replaces it

@@ -417,21 +417,21 @@ def test_client_disconnect_releases_worker_state(server):
     _assert_no_leftovers(timeout_s=20)
 
 
-def _stream_killing_engine_midway(url: str, prompt: str, max_tokens: int, pool: str) -> dict:
-    """Stream a greedy completion and kill pool's engine once the first chunk is out; return the
-    text and the final chunk."""
+def _stream_killing_engine_midway(url: str, prompt: str, max_tokens: int, pool: str, after_chunks: int = 1) -> dict:
+    """Stream a greedy completion and kill pool's engine once after_chunks chunks are out; return
+    the text and the final chunk."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     engine = serve.get_deployment_handle(pool, APP_NAME).get_engine.remote().result()
-    text, final = "", {}
+    text, final, chunks = "", {}, 0
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=180) as response:
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[len("data: "):])
             assert "error" not in chunk, chunk
-            if not text and engine is not None:
+            chunks += 1
+            if chunks == after_chunks:
                 ray.kill(engine)
-                engine = None
             text += chunk["choices"][0]["text"]
             final = chunk
     return {"text": text, "final": final}
