@@ -112,6 +112,12 @@ def drafted_ahead(history: Sequence[int], ahead_of: Sequence[int], ahead: Propos
     return Proposal(token_ids=list(ahead.token_ids[1 : 1 + count]), probs=probs)
 
 
+def discarded_ahead(ahead: Proposal, used: Proposal | None) -> int:
+    """Draft tokens of a block drafted ahead that are thrown away unverified: past the part used
+    (its first token, the bonus guess, came true and is not drafted work), or all of it if unused."""
+    return len(ahead.token_ids) if used is None else len(ahead.token_ids) - 1 - len(used.token_ids)
+
+
 def token_logprobs(token_ids: Sequence[int], logprob_rows: torch.Tensor | np.ndarray,
                    num_alternatives: int) -> list[dict]:
     """Per committed token: its log-probability under the target's raw distribution and the

@@ -15,7 +15,7 @@ from decoding.batched_runner import ForwardCall, load_runner
 from decoding.model_runner import check_compatible_paths
 from decoding.proposers import DraftModelProposer, NgramProposer, Proposal, ProposeCall, empty_proposal
 from decoding.sampling import SamplingParams, make_generator
-from decoding.speculation import drafted_ahead
+from decoding.speculation import discarded_ahead, drafted_ahead
 from deployments.engine_host import EngineCore, EngineHost, to_wire
 
 
@@ -78,13 +78,11 @@ class DraftEngine(EngineCore):
                 drafted, span = pending.result()
             except Exception:  # released, or the draft failed: draft afresh
                 drafted = None
-            proposal = None if drafted is None else drafted_ahead(call["history"], ahead_of, drafted,
-                                                                  call["num_tokens"])
-            if proposal is not None:
-                answer = (proposal, span)
-                info.update(pipelined=True, discarded_ahead=len(drafted.token_ids) - 1 - len(proposal.token_ids))
-            elif drafted is not None:
-                info["discarded_ahead"] = len(drafted.token_ids)
+            if drafted is not None:
+                proposal = drafted_ahead(call["history"], ahead_of, drafted, call["num_tokens"])
+                info.update(pipelined=proposal is not None, discarded_ahead=discarded_ahead(drafted, proposal))
+                if proposal is not None:
+                    answer = (proposal, span)
         if answer is None:
             answer = self.on_event_loop(seq_id, lambda: self.propose(
                 seq_id, call["history"], call["num_tokens"], call["params"], call["seed"]))

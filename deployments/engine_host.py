@@ -107,7 +107,6 @@ class EngineCore:
 
     async def ping(self) -> bool:
         """Health check (the replica calls it every few seconds); also keeps load reports going."""
-        self._event_loop = asyncio.get_running_loop()
         if self._report_task is None or self._report_task.done():
             self._report_task = asyncio.get_running_loop().create_task(self._report_load())
         return True

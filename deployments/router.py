@@ -28,7 +28,7 @@ from cluster.config import SpecServeConfig
 from decoding.proposers import Proposal
 from decoding.sampling import SamplingParams
 from decoding.sequence import RequestState
-from decoding.speculation import accept_round, drafted_ahead, token_logprobs
+from decoding.speculation import accept_round, discarded_ahead, drafted_ahead, token_logprobs
 from deployments.admission import Admission, ServerOverloadedError
 from deployments.engine_loop import EngineOverloadedError
 from deployments.fast_lane import FastLane, actor_key
@@ -326,12 +326,10 @@ class Router:
             stages.ahead_wait_s = time.perf_counter() - started
             self.round_costs.observe_draft(left_s - entered_s, len(drafted.token_ids))
             proposal = drafted_ahead(state.history, ahead_of, drafted, num_draft)
+            state.stats.num_discarded_ahead += discarded_ahead(drafted, proposal)
             if proposal is not None:
                 state.stats.pipelined_rounds += 1
-                # The first token was the bonus guess (it came true); what lies past the block is dropped.
-                state.stats.num_discarded_ahead += len(drafted.token_ids) - 1 - len(proposal.token_ids)
                 return proposal, 0.0, 0.0, None
-            state.stats.num_discarded_ahead += len(drafted.token_ids)
             waited_s = time.perf_counter() - started
         sent_s = time.perf_counter()
         answer = draft.propose.remote(state.request_id, state.history, num_draft, state.params,

@@ -114,9 +114,7 @@ def position_accept_rates(reached: list[float], accepted: list[float], depth: in
     rates: list[float] = []
     prior = first_prior
     for position in range(depth):
-        seen = float(reached[position]) if position < len(reached) else 0.0
-        taken = float(accepted[position]) if position < len(accepted) else 0.0
-        prior = (taken + weight * prior) / (seen + weight)
+        prior = _position_posterior(reached, accepted, position, prior, weight)
         rates.append(min(prior, 0.99))
     return tuple(rates)
 
@@ -126,12 +124,16 @@ def request_position_rates(reached: list[int], accepted: list[int], class_rates:
     """One request's alpha_j: its own counts, each position leaning on its class's rate there
     (class_rates, from `position_accept_rates` over the class's rounds) with `weight` rounds: an
     easy prompt soon drafts deeper than its class, a hard one shallower."""
-    rates = []
-    for position, prior in enumerate(class_rates):
-        seen = float(reached[position]) if position < len(reached) else 0.0
-        taken = float(accepted[position]) if position < len(accepted) else 0.0
-        rates.append(min((taken + weight * prior) / (seen + weight), 0.99))
-    return tuple(rates)
+    return tuple(min(_position_posterior(reached, accepted, position, prior, weight), 0.99)
+                 for position, prior in enumerate(class_rates))
+
+
+def _position_posterior(reached: list, accepted: list, position: int, prior: float, weight: float) -> float:
+    """Posterior mean of one position's rate: its counts (none past the lists' ends) plus `weight`
+    pseudo-rounds at `prior`."""
+    seen = float(reached[position]) if position < len(reached) else 0.0
+    taken = float(accepted[position]) if position < len(accepted) else 0.0
+    return (taken + weight * prior) / (seen + weight)
 
 
 def expected_tokens_by_position(rates: tuple[float, ...], num_draft_tokens: int) -> float:
