@@ -49,14 +49,14 @@ class DraftEngine(EngineCore):
 
     async def prefill(self, seq_id: str, history: Sequence[int]) -> None:
         """Warm the draft's cache with the prompt while the target prefills it."""
-        await self.loop.submit(DraftCall(seq_id, list(history), 0))
+        await self.submit(DraftCall(seq_id, list(history), 0))
 
     async def propose(self, seq_id: str, history: Sequence[int], num_tokens: int, params: SamplingParams,
                       seed: int | None) -> tuple[Proposal, tuple[float, float, float]]:
         """Up to num_tokens draft tokens continuing history, and the span (entered, forward started,
         left) spent in this engine."""
         entered_s = time.perf_counter()
-        proposal, started_s = await self.loop.submit_timed(DraftCall(seq_id, list(history), num_tokens, params, seed))
+        proposal, started_s = await self.submit(DraftCall(seq_id, list(history), num_tokens, params, seed))
         return proposal, self.answer("propose", seq_id, entered_s, started_s)
 
     def propose_in_graph(self, call: dict) -> tuple[Proposal, tuple[float, float, float], dict]:

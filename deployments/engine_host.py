@@ -147,15 +147,10 @@ class EngineCore:
         return self.submit_to_event_loop(seq_id, start).result()
 
     def submit_to_event_loop(self, seq_id: str, start: Any) -> concurrent.futures.Future:
-        """Schedule `start()` on the actor's event loop from another thread; like a late call, it
-        is refused once its request was released (a cancelled request's graph round still runs to
-        its end; it must not leave KV state behind)."""
+        """Schedule `start()` on the actor's event loop from another thread (a cancelled request's
+        graph round still runs to its end: `submit` refuses its calls once the request is released)."""
         assert self._event_loop is not None, "claim_lane runs before any graph call"
-
-        async def run() -> Any:
-            self.check_not_released(seq_id)
-            return await start()
-        return asyncio.run_coroutine_threadsafe(run(), self._event_loop)
+        return asyncio.run_coroutine_threadsafe(start(), self._event_loop)
 
     def answer(self, kind: str, seq_id: str, entered_s: float, started_s: float | None = None
                ) -> tuple[float, float, float]:
@@ -179,11 +174,18 @@ class EngineCore:
         self.loop.release(seq_id)
 
     def check_not_released(self, seq_id: str) -> None:
-        """Refuse a call for a sequence whose request already ended. A call that waited inside this
-        engine (a verify waiting for its draft block) can resume after its router released the
-        sequence on a cancel; running it would create KV state nobody ever releases."""
+        """Refuse a call for a sequence whose request already ended. Running it would create KV
+        state nobody ever releases, and it can come late: a verify waits here for its draft block,
+        an asyncio actor does not run a caller's calls in the order sent (a propose sent before
+        the release can start after it), a cancelled request's graph round runs to its end."""
         if seq_id in self.released_ids:
             raise SequenceReleasedError(f"sequence {seq_id!r} released")
+
+    async def submit(self, call: Any) -> tuple[Any, float]:
+        """Queue a call (it has a seq_id) on the batching loop: (result, when its forward began).
+        Every call that can create KV state enters here, so none does after its release."""
+        self.check_not_released(call.seq_id)
+        return await self.loop.submit_timed(call)
 
     def _release_now(self, seq_id: str) -> None:
         self.last_used_s.pop(seq_id, None)

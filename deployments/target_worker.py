@@ -57,9 +57,8 @@ class TargetEngine(EngineCore):
             except Exception:  # the router sees the same failure: it continues target-only
                 block = []
             token_ids, num_rows = list(token_ids) + block, len(block) + 1
-            self.check_not_released(seq_id)  # its request may have ended while the block was drafted
         entered_s = time.perf_counter()
-        rows, started_s = await self.loop.submit_timed(VerifyCall(seq_id, list(token_ids), num_rows, params,
+        rows, started_s = await self.submit(VerifyCall(seq_id, list(token_ids), num_rows, params,
                                                                   first_output_index))
         return rows, self.answer("verify", seq_id, entered_s, started_s)
 

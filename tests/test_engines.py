@@ -99,6 +99,25 @@ def test_a_verify_whose_request_ended_while_its_block_was_drafted_holds_nothing(
     assert asyncio.run(scenario()) == []
 
 
+def test_draft_calls_that_arrive_after_their_release_hold_nothing(pair):
+    """An asyncio actor does not run a caller's calls in the order sent: a propose (or prefill)
+    the router sent before a cancelled request's release can start after it. It is refused, so
+    the draft engine creates no KV state nobody would release (found as one sequence left in the
+    draft engine after tests/test_reliability.py's storm of dropped connections)."""
+    target_path, draft_path = pair
+
+    async def scenario():
+        engine = DraftEngine("draft", spec(draft_path), str(target_path), options())
+        await engine.release("gone")
+        with pytest.raises(SequenceReleasedError):
+            await engine.propose("gone", HISTORIES[0], 3, GREEDY, None)
+        with pytest.raises(SequenceReleasedError):
+            await engine.prefill("gone", HISTORIES[0])
+        return await engine.active_sequences()
+
+    assert asyncio.run(scenario()) == []
+
+
 def test_sampled_rows_are_the_processed_target_distribution(pair):
     target_path, _ = pair
     reference = ModelRunner(str(target_path))
