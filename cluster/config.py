@@ -33,6 +33,8 @@ class ModelSpec(_Strict):
     device: str = "cpu"
     torch_threads: int = Field(1, ge=1, description="intra-op threads per worker on CPU")
     max_sequences: int = Field(256, ge=1, description="KV caches a worker holds at once")
+    lean_forward: bool = Field(True, description="run decoding.lean_forward for Llama-shaped models "
+                                                 "(false: transformers' own forward)")
 
 
 class WorkerResources(_Strict):

@@ -4,7 +4,9 @@ Same full-history protocol as `ModelRunner` (each call names the whole history; 
 the longest cached prefix, crops the rest and computes the remainder), but `forward_batch` runs
 every call's remainder together: right-padded input ids, per-row position ids, a 4D additive mask
 (decoding.slot_cache) and a boolean `logits_to_keep`, so only the rows asked for reach the LM head.
-No model forward is hand-written: transformers' own attention runs over the slot cache.
+For Llama-shaped models the forward is decoding.lean_forward's (same arithmetic, bit-identical
+logits on the default pair, less Python per step); other architectures run transformers' own
+forward and attention over the slot cache.
 
 `load_runner` / `runner_for_model` pick this path when the architecture allows it and fall back to
 the per-sequence ModelRunner otherwise, saying which in one log line.
@@ -29,6 +31,7 @@ from decoding.model_runner import (
     load_causal_lm,
     model_path_of,
 )
+from decoding.lean_forward import LeanDecoder, lean_support
 from decoding.slot_cache import SlotKVCache, batch_layout
 
 __all__ = ["BatchedModelRunner", "ForwardCall", "NoFreeSlotError", "SequenceStateError", "load_runner",
@@ -55,7 +58,8 @@ class BatchedModelRunner(RunnerBase):
 
     chunk_slots = DEFAULT_CHUNK_SLOTS
 
-    def _init_from_model(self, model, max_sequences: int, model_path: str) -> None:
+    def _init_from_model(self, model, max_sequences: int, model_path: str, lean: bool = True) -> None:
+        """lean: run decoding.lean_forward where the architecture has one (else transformers' forward)."""
         super()._init_from_model(model, max_sequences, model_path)
         supported, reason = slot_path_support(model)
         if not supported:
@@ -65,6 +69,7 @@ class BatchedModelRunner(RunnerBase):
                                  max_slots=max_sequences, chunk_slots=self.chunk_slots, device=self.device)
         self._dtype = next(model.parameters()).dtype
         self._sequences: dict[str, _SlotSequence] = {}
+        self.lean = LeanDecoder(model) if lean and lean_support(model)[0] else None
 
     def forward(self, seq_id: str, token_ids: Sequence[int], num_rows: int = 1) -> torch.Tensor:
         """Make seq_id's cache hold exactly token_ids; return float32 logits [num_rows, V] for the
@@ -100,10 +105,7 @@ class BatchedModelRunner(RunnerBase):
         keep = torch.tensor([[num_new[i] - calls[i].num_rows <= t < num_new[i] for t in range(num_columns)]
                              for i in order], dtype=torch.bool)
         try:
-            with torch.inference_mode():
-                out = self.model(input_ids=input_ids.to(self.device), position_ids=layout.position_ids,
-                                 attention_mask=layout.attention_mask, past_key_values=self.cache.view(layout),
-                                 use_cache=True, logits_to_keep=keep.to(self.device))
+            logits = self._logits(input_ids.to(self.device), layout, keep.to(self.device))
         except BaseException:
             # Writes past a slot's length are invisible, so the held slots stay valid (cropped to
             # their reused prefix); only the slots this batch admitted are given back.
@@ -114,13 +116,21 @@ class BatchedModelRunner(RunnerBase):
             entry.token_ids = history
             self.cache.lengths[entry.slot] = len(history)
         # The boolean keep mask flattens the kept rows in (row, column) order.
-        logits = out.logits.float()
+        logits = logits.float()
         rows_by_call: list[torch.Tensor] = [None] * len(calls)  # type: ignore[list-item]
         offset = 0
         for i in order:
             rows_by_call[i] = logits[offset:offset + calls[i].num_rows]
             offset += calls[i].num_rows
         return rows_by_call
+
+    @torch.inference_mode()
+    def _logits(self, input_ids: torch.Tensor, layout, keep: torch.Tensor) -> torch.Tensor:
+        """The model's logits for the kept (row, column) positions, in that order: [kept, V]."""
+        if self.lean is not None:
+            return self.lean.forward(input_ids, layout.position_ids, layout.attention_mask, self.cache.view(layout), keep)
+        return self.model(input_ids=input_ids, position_ids=layout.position_ids, attention_mask=layout.attention_mask,
+                          past_key_values=self.cache.view(layout), use_cache=True, logits_to_keep=keep).logits
 
     def _entry(self, seq_id: str) -> _SlotSequence:
         entry = self._sequences.get(seq_id)
@@ -165,23 +175,30 @@ def slot_path_support(model) -> tuple[bool, str]:
     return True, f"{model_type} with {attention} attention and full-context attention on every layer"
 
 
-def runner_for_model(model, max_sequences: int = 256,
-                     model_path: str | None = None) -> BatchedModelRunner | ModelRunner:
-    """BatchedModelRunner over `model` when the slot path supports it, else ModelRunner; logs
-    one line saying which and why."""
+def runner_for_model(model, max_sequences: int = 256, model_path: str | None = None,
+                     lean_forward: bool = True) -> BatchedModelRunner | ModelRunner:
+    """BatchedModelRunner over `model` when the slot path supports it (running the lean forward
+    where the architecture has one and lean_forward is set), else ModelRunner; logs one line
+    saying which and why."""
     path = model_path or model_path_of(model)
     supported, reason = slot_path_support(model)
-    cls = BatchedModelRunner if supported else ModelRunner
-    logger.info("%s: %s (%s)", path,
-                "batched slot-cache runner" if supported else "per-sequence runner (no batching)", reason)
-    runner = cls.__new__(cls)
-    runner._init_from_model(model, max_sequences=max_sequences, model_path=path)
+    if not supported:
+        logger.info("%s: per-sequence runner (no batching) (%s)", path, reason)
+        runner = ModelRunner.__new__(ModelRunner)
+        runner._init_from_model(model, max_sequences=max_sequences, model_path=path)
+        return runner
+    lean, lean_reason = lean_support(model) if lean_forward else (False, "lean_forward is off")
+    logger.info("%s: batched slot-cache runner (%s; %s)", path, reason,
+                lean_reason if lean else f"transformers forward: {lean_reason}")
+    runner = BatchedModelRunner.__new__(BatchedModelRunner)
+    runner._init_from_model(model, max_sequences=max_sequences, model_path=path, lean=lean)
     return runner
 
 
 def load_runner(spec: dict) -> BatchedModelRunner | ModelRunner:
-    """The runner for a model spec mapping (path, dtype, device, torch_threads, max_sequences),
-    batched when the architecture allows it (see runner_for_model)."""
+    """The runner for a model spec mapping (path, dtype, device, torch_threads, max_sequences,
+    lean_forward), batched when the architecture allows it (see runner_for_model)."""
     model = load_causal_lm(spec["path"], dtype=spec["dtype"], device=spec["device"],
                            num_threads=spec["torch_threads"])
-    return runner_for_model(model, max_sequences=spec["max_sequences"], model_path=spec["path"])
+    return runner_for_model(model, max_sequences=spec["max_sequences"], model_path=spec["path"],
+                            lean_forward=spec.get("lean_forward", True))

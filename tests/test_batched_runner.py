@@ -80,12 +80,16 @@ def test_batch_layout_numbers_new_tokens_after_each_rows_cache_and_masks_causall
     assert layout.first_slot is None and layout.single_write is None and layout.slot_ids.tolist() == [5, 2]
 
 
+@pytest.mark.parametrize("lean_forward", [True, False])
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
-def test_ragged_batches_give_the_unbatched_rows(monkeypatch, architecture, attention):
-    # eager adds the mask to the scores, so it also catches a boolean mask (sdpa reads bools right).
+def test_ragged_batches_give_the_unbatched_rows(monkeypatch, architecture, attention, lean_forward):
+    # eager adds the mask to the scores, so it also catches a boolean mask (sdpa reads bools right);
+    # the lean forward (decoding.lean_forward) always runs SDPA, so both kernels are checked through
+    # transformers' forward too.
     model = tiny_model(architecture, attn_implementation=attention)
-    batched, reference = BatchedModelRunner.from_model(model), ModelRunner.from_model(model)
+    batched, reference = runner_for_model(model, max_sequences=256, lean_forward=lean_forward), ModelRunner.from_model(model)
+    assert isinstance(batched, BatchedModelRunner)
     read_as_view: list[bool] = []
 
     def spy(*args, **kwargs):
@@ -134,12 +138,12 @@ def boolean_mask(layout_fn):
 @pytest.mark.parametrize("break_layout", [positions_without_the_cached_length, boolean_mask])
 @pytest.mark.parametrize("architecture", ["llama", "gpt2"])
 def test_the_tolerance_catches_a_wrong_position_or_a_boolean_mask(monkeypatch, architecture, break_layout):
-    """The equality tests above can fail: wrong position ids or a bool mask (under eager
-    attention) move rows by orders of magnitude more than ATOL."""
+    """The equality tests above can fail: wrong position ids or a bool mask (under transformers'
+    eager attention) move rows by orders of magnitude more than ATOL."""
     model = tiny_model(architecture, attn_implementation="eager")
     reference = ModelRunner.from_model(model)
     monkeypatch.setattr(batched_runner_module, "batch_layout", break_layout(batch_layout))
-    broken = BatchedModelRunner.from_model(model)
+    broken = runner_for_model(model, lean_forward=False)
     worst = 0.0
     for calls in ragged_rounds():
         for call, got in zip(calls, broken.forward_batch(calls)):
@@ -274,10 +278,10 @@ def test_a_failed_forward_leaves_held_sequences_valid_and_admits_nothing(monkeyp
 
     def failing_forward(*args, **kwargs):
         raise RuntimeError("out of memory")
-    monkeypatch.setattr(runner, "model", failing_forward)
-    with pytest.raises(RuntimeError):
-        runner.forward_batch([ForwardCall("a", history[:10] + [4, 5], 2), ForwardCall("new", [3, 4])])
-    monkeypatch.setattr(runner, "model", model)
+    with monkeypatch.context() as patch:
+        patch.setattr(runner, "_logits", failing_forward)
+        with pytest.raises(RuntimeError):
+            runner.forward_batch([ForwardCall("a", history[:10] + [4, 5], 2), ForwardCall("new", [3, 4])])
     assert runner.active_sequences() == ["a"] and runner.num_cached("a") == 10
     torch.testing.assert_close(runner.forward("a", history, 3), reference.forward("a", history, 3),
                                atol=ATOL, rtol=0)

@@ -1,0 +1,89 @@
+"""What the lean decoder forward saves per step: ms per forward of the default pair through
+decoding.lean_forward against transformers' own forward, over the same slot KV cache.
+
+    python -m bench.lean_forward [--device cpu] [--dtype float32] [--threads 1] [--reps 200]
+
+Shapes an engine sees: one sequence with `--cached` tokens (145) taking 1, 5 or 8 new tokens (a
+draft step, a K=4 verify, a K=7 verify), and 4 sequences taking 5 each (batched verifies). The two
+runners take turns every repetition, so a busy machine slows them alike; the largest difference
+between their logits is reported too. Writes bench/results/lean-forward-<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from decoding.batched_runner import BatchedModelRunner
+from decoding.model_runner import ForwardCall, load_causal_lm
+
+MODELS = Path(__file__).resolve().parents[1] / "models" / "default"
+SHAPES = ((1, 1), (1, 5), (1, 8), (4, 5))  # (sequences, new tokens each)
+
+
+def runner(path: Path, dtype: str, device: str, lean: bool) -> BatchedModelRunner:
+    built = BatchedModelRunner.__new__(BatchedModelRunner)
+    built._init_from_model(load_causal_lm(str(path), dtype=dtype, device=device), max_sequences=8,
+                           model_path=str(path), lean=lean)
+    return built
+
+
+def time_shape(runners: dict[str, BatchedModelRunner], rows: int, new_tokens: int, cached: int,
+               reps: int) -> dict[str, float]:
+    """Median ms per forward of each runner, and the largest logit difference between them."""
+    histories = {f"s{row}": [(7 * row + 3 * i) % 500 + 2 for i in range(cached)] for row in range(rows)}
+    calls = [ForwardCall(seq_id, history + history[:new_tokens], new_tokens) for seq_id, history in histories.items()]
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    logits = {}
+    for name, each in runners.items():
+        each.forward_batch([ForwardCall(seq_id, history, 1) for seq_id, history in histories.items()])
+    for rep in range(reps + 5):
+        for name, each in runners.items():
+            started = time.perf_counter()
+            logits[name] = each.forward_batch(calls)
+            if rep >= 5:
+                times[name].append(time.perf_counter() - started)
+            for seq_id, history in histories.items():
+                each.rollback(seq_id, len(history))
+    lean, reference = logits["lean"], logits["transformers"]
+    return {**{f"{name}_ms": round(1000 * statistics.median(values), 3) for name, values in times.items()},
+            "max_abs_logit_diff": max(float((a - b).abs().max()) for a, b in zip(lean, reference))}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.lean_forward", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--cached", type=int, default=145)
+    parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    results = []
+    for model in ("target", "draft"):
+        runners = {name: runner(MODELS / model, args.dtype, args.device, lean=name == "lean")
+                   for name in ("lean", "transformers")}
+        for rows, new_tokens in SHAPES:
+            row = {"model": model, "sequences": rows, "new_tokens": new_tokens,
+                   **time_shape(runners, rows, new_tokens, args.cached, args.reps)}
+            row["speedup"] = round(row["transformers_ms"] / row["lean_ms"], 3)
+            results.append(row)
+            print(f"{model:6s} {rows} x {new_tokens}: transformers {row['transformers_ms']:7.3f} ms, "
+                  f"lean {row['lean_ms']:7.3f} ms ({row['speedup']:.2f}x), max |diff| {row['max_abs_logit_diff']:.2e}")
+    out = Path(args.out) / f"lean-forward-{args.device}.json"
+    out.write_text(json.dumps({"command": "python -m bench.lean_forward " + " ".join(argv or []),
+                               "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
+                               "dtype": args.dtype, "threads": args.threads, "cached_tokens": args.cached,
+                               "rows": results}, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
