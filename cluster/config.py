@@ -15,6 +15,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, field_validator, model_validator
 
+from policies.decision import policy_actor_name
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODELS_DIR = PROJECT_ROOT / "models" / "default"
 ENV_PREFIX = "SPECSERVE__"
@@ -222,7 +224,8 @@ class SpecServeConfig(_Strict):
     def engine_options(self) -> dict[str, Any]:
         """What an engine's batching loop needs: the batching section plus the largest step a
         round can bring (a block drafted ahead carries its bonus guess: max depth + 2 tokens)."""
-        return {**self.batching.model_dump(), "max_step_tokens": max(16, self.speculation.max_draft_tokens + 2)}
+        return {**self.batching.model_dump(), "max_step_tokens": max(16, self.speculation.max_draft_tokens + 2),
+                "policy_actor": policy_actor_name(self.model_name)}
 
 
 def _set_nested(tree: dict[str, Any], dotted: list[str], value: Any) -> None:

@@ -83,6 +83,7 @@ class EngineCore:
         self.prefill_token_budget = int(engine_options["prefill_token_budget"])
         self.max_batch_rows = int(engine_options["max_batch_rows"])
         self.idle_ttl_s = float(engine_options["idle_sequence_ttl_s"])
+        self.policy_actor = engine_options.get("policy_actor")  # None: the default application's
         self.metrics = EngineMetrics(self.pool, name.rsplit(":", 1)[-1] if name else "local")
         self.loop = EngineLoop(self._iterate, self._release_now, engine_options["admission_timeout_s"],
                                on_iteration=self._record_iteration)
@@ -119,7 +120,7 @@ class EngineCore:
         while True:
             await asyncio.sleep(REPORT_INTERVAL_S)
             try:
-                policy = ray.get_actor(POLICY_ACTOR_NAME, namespace=POLICY_NAMESPACE)
+                policy = ray.get_actor(self.policy_actor or POLICY_ACTOR_NAME, namespace=POLICY_NAMESPACE)
                 report = await self.stats()
                 report["cost_samples"] = list(self._unreported_costs)
                 self._unreported_costs.clear()

@@ -1,4 +1,5 @@
-"""The policy actor: one per cluster, gathers load reports and publishes `PolicyDecision`s.
+"""The policy actor: one per application (named after its model, `policy_actor_name`), gathers
+load reports and publishes `PolicyDecision`s.
 
 A thin Ray shell over `LoadTracker` (reports -> load) and `Decider` (load -> decision), both
 pure. It decides about once a second in a background task. It keeps no state worth
@@ -19,11 +20,14 @@ from typing import Any
 import ray
 
 from policies.cost_curve import fit_cost_curve
-from policies.decision import Decider, PolicySettings
+from policies.decision import Decider, PolicySettings, policy_actor_name
 from policies.load import LoadTracker
 
-POLICY_ACTOR_NAME = "specserve-policy"
+POLICY_ACTOR_NAME = PolicySettings().actor_name   # the default application's (model "specserve-default")
 POLICY_NAMESPACE = "specserve"
+
+__all__ = ["POLICY_ACTOR_NAME", "POLICY_NAMESPACE", "PolicyActor", "get_or_create_policy_actor",
+           "kill_policy_actor", "policy_actor_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +95,8 @@ class PolicyActor:
 
 
 def get_or_create_policy_actor(settings: PolicySettings | Any) -> ray.actor.ActorHandle:
-    """The cluster's policy actor, created if missing (idempotent, safe against a creation race).
+    """The application's policy actor (`settings.actor_name`), created if missing (idempotent,
+    safe against a creation race).
 
     settings: a PolicySettings or a specserve config (see PolicySettings.from_config). The first
     creator's settings win; later callers get the running actor."""
@@ -99,14 +104,14 @@ def get_or_create_policy_actor(settings: PolicySettings | Any) -> ray.actor.Acto
         settings = PolicySettings.from_config(settings)
     # get_if_exists looks the name up, creates on a miss, and on ActorAlreadyExistsError (another
     # creator won the race) looks it up again: Ray 2.60's own get-or-create.
-    return PolicyActor.options(name=POLICY_ACTOR_NAME, namespace=POLICY_NAMESPACE, lifetime="detached",
+    return PolicyActor.options(name=settings.actor_name, namespace=POLICY_NAMESPACE, lifetime="detached",
                                get_if_exists=True).remote(settings.to_dict())
 
 
-def kill_policy_actor() -> bool:
-    """Remove the detached policy actor for good (e.g. after `serve shutdown`); False if none."""
+def kill_policy_actor(actor_name: str = POLICY_ACTOR_NAME) -> bool:
+    """Remove a detached policy actor for good (e.g. after `serve shutdown`); False if none."""
     try:
-        ray.kill(ray.get_actor(POLICY_ACTOR_NAME, namespace=POLICY_NAMESPACE), no_restart=True)
+        ray.kill(ray.get_actor(actor_name, namespace=POLICY_NAMESPACE), no_restart=True)
     except ValueError:
         return False
     return True

@@ -30,11 +30,14 @@ class PoolPolicy:
     """policy_function for one pool ("target" or "draft"): replicas = the policy actor's decision."""
 
     def __init__(self, pool: str, settings: dict[str, Any] | None = None, poll_interval_s: float = 0.5,
-                 lookup_interval_s: float = 5.0, max_decision_age_s: float = 15.0) -> None:
+                 lookup_interval_s: float = 5.0, max_decision_age_s: float = 15.0,
+                 actor_name: str = POLICY_ACTOR_NAME) -> None:
+        """actor_name: the policy actor to read when no settings are given (with settings, theirs)."""
         if pool not in ("target", "draft"):
             raise ValueError(f"pool must be 'target' or 'draft', got {pool!r}")
         self.pool = pool
         self._settings = settings
+        self._actor_name = settings["actor_name"] if settings and "actor_name" in settings else actor_name
         self._poll_interval_s = poll_interval_s
         self._lookup_interval_s = lookup_interval_s
         self._max_decision_age_s = max_decision_age_s
@@ -54,7 +57,7 @@ class PoolPolicy:
                 from policies.decision import PolicySettings
                 self._actor = get_or_create_policy_actor(PolicySettings.from_dict(self._settings))
             else:
-                self._actor = ray.get_actor(POLICY_ACTOR_NAME, namespace=POLICY_NAMESPACE)
+                self._actor = ray.get_actor(self._actor_name, namespace=POLICY_NAMESPACE)
         except Exception as error:  # no actor yet: keep the pool as it is and look again later
             logger.info("specserve policy actor not available for %s pool: %s", self.pool, error)
 

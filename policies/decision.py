@@ -17,6 +17,16 @@ from policies.load import REQUEST_CLASSES, ClusterLoad
 from policies.replicas import POOLS, ScalingThresholds, decide_replicas
 
 
+POLICY_ACTOR_PREFIX = "specserve-policy"
+
+
+def policy_actor_name(model_name: str) -> str:
+    """The policy actor of the application serving model_name. One per application, not one per
+    cluster: two specserve apps in one Ray cluster (two model pairs, or benchmark variants side
+    by side) must not mix their pools' load reports nor read each other's decisions."""
+    return f"{POLICY_ACTOR_PREFIX}:{model_name}"
+
+
 @dataclass(frozen=True)
 class PolicySettings:
     """Bounds the policy works within; built from the specserve config (`from_config`)."""
@@ -30,6 +40,7 @@ class PolicySettings:
     thresholds: ScalingThresholds = field(default_factory=ScalingThresholds)
     report_ttl_s: float = 5.0
     decide_interval_s: float = 1.0
+    actor_name: str = policy_actor_name("specserve-default")
 
     @classmethod
     def from_config(cls, config: Any) -> "PolicySettings":
@@ -37,7 +48,8 @@ class PolicySettings:
         spec = config.speculation
         draft = config.draft_workers.replica_bounds if config.uses_draft_workers else None
         return cls(min_k=spec.min_draft_tokens, max_k=spec.max_draft_tokens, default_k=spec.num_draft_tokens,
-                   target_bounds=config.target_workers.replica_bounds, draft_bounds=draft)
+                   target_bounds=config.target_workers.replica_bounds, draft_bounds=draft,
+                   actor_name=policy_actor_name(config.model_name))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

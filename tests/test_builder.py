@@ -95,3 +95,20 @@ def test_kuberay_manifest_pins_draft_and_target_to_their_own_gpu_groups():
     assert "specserve_target" in groups["target-gpu"]["rayStartParams"]["resources"]
     for group in groups.values():
         assert group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
+def test_each_application_names_its_own_policy_actor():
+    """Engines, routers and the pools' autoscaling policy of one app all address the policy actor
+    named after its model, and two apps' names differ (tests/test_policy_actor.py: two actors)."""
+    from policies.decision import PolicySettings
+
+    names = set()
+    for model_name in ("pair-a", "pair-b"):
+        config = SpecServeConfig.model_validate({"model_name": model_name,
+                                                 "target_workers": {"min_replicas": 1, "max_replicas": 2}})
+        autoscaling = deployment_options(config)["TargetWorker"]["autoscaling_config"]["policy"]["policy_kwargs"]
+        addressed = {config.engine_options()["policy_actor"], PolicySettings.from_config(config).actor_name,
+                     autoscaling["settings"]["actor_name"]}
+        assert len(addressed) == 1
+        names |= addressed
+    assert len(names) == 2

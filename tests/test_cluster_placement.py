@@ -12,7 +12,7 @@ from ray import serve
 
 from cluster.builder import APP_NAME
 from cluster.local import RAY_SYSTEM_CONFIG
-from policies.actor import POLICY_ACTOR_NAME, POLICY_NAMESPACE
+from policies.actor import POLICY_NAMESPACE, policy_actor_name
 from tests.local_server import serve_tiny_pair
 from tests.test_serving import MODEL, PROMPTS
 
@@ -56,12 +56,14 @@ def test_killing_the_policy_actor_under_load_fails_no_request_and_it_comes_back(
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
     for thread in threads:
         thread.start()
+    actor_name = policy_actor_name(MODEL)   # this app's own policy actor
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # the routers create the actor with their first request
+    while True:  # the routers create the actor with their first request
         try:
-            policy = ray.get_actor(POLICY_ACTOR_NAME, namespace=POLICY_NAMESPACE)
+            policy = ray.get_actor(actor_name, namespace=POLICY_NAMESPACE)
             break
         except ValueError:
+            assert time.monotonic() < deadline, f"no policy actor {actor_name!r} appeared"
             time.sleep(0.2)
     first_start = ray.get(policy.load.remote())["started_at"]
     ray.kill(policy, no_restart=False)
@@ -71,7 +73,7 @@ def test_killing_the_policy_actor_under_load_fails_no_request_and_it_comes_back(
     deadline = time.monotonic() + 60
     while True:  # Ray restarts it (max_restarts=-1) and it answers again
         try:
-            restarted = ray.get(ray.get_actor(POLICY_ACTOR_NAME, namespace=POLICY_NAMESPACE).load.remote(), timeout=5)
+            restarted = ray.get(ray.get_actor(actor_name, namespace=POLICY_NAMESPACE).load.remote(), timeout=5)
             if restarted["started_at"] != first_start:
                 break
         except Exception:

@@ -9,7 +9,7 @@ import ray
 from ray import serve
 
 from policies.actor import POLICY_ACTOR_NAME, POLICY_NAMESPACE, get_or_create_policy_actor, kill_policy_actor
-from policies.decision import PolicySettings
+from policies.decision import PolicySettings, policy_actor_name
 from policies.replicas import ScalingThresholds
 
 pytestmark = pytest.mark.ray
@@ -84,6 +84,23 @@ def decision(actor) -> dict:
 def test_get_or_create_returns_the_same_actor(cluster):
     again = get_or_create_policy_actor(SETTINGS)
     assert again._actor_id == cluster._actor_id
+
+
+def test_each_application_has_its_own_policy_actor(cluster):
+    """Two apps in one cluster (settings built from configs with different model names) get two
+    actors: one app's load reports never reach the other's decisions."""
+    from dataclasses import replace
+
+    other_settings = replace(SETTINGS, actor_name=policy_actor_name("another-model"))
+    other = get_or_create_policy_actor(other_settings)
+    try:
+        assert other._actor_id != cluster._actor_id
+        other.report_router.remote({"router": "r-other", "active_requests": 5,
+                                    "active_by_class": {"greedy": 5, "sampled": 0}, "by_class": {}})
+        wait_for(lambda: ray.get(other.load.remote(), timeout=10)["active_requests"] == 5, what="the report")
+        assert ray.get(cluster.load.remote(), timeout=10)["active_requests"] != 5
+    finally:
+        kill_policy_actor(other_settings.actor_name)
 
 
 def test_reports_become_a_decision_that_scales_the_bottleneck(cluster):
