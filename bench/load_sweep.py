@@ -14,6 +14,16 @@ Variants (`--variants`):
   i.e. one sequence per forward, as the engines were before continuous batching
 - `k0`, `k2`, `k4`, `k8`: speculation pinned at that K (k0 = target-only through the same stack)
 - `adaptive`: the configured adaptive depth policy
+
+`--interleave N` runs the variants side by side instead: every variant is its own Serve
+application (own route, own model name, own engines and policy actor) in ONE cluster, and each
+level is run N times per variant, taking turns (the order rotated and reversed between turns).
+Why: on a shared 2-core VM a variant's tok/s drifts by more than the differences being measured
+(K = 8 at one stream read 159.1 to 196.7 tok/s across four sequential runs), and variants run
+one after another meet different minutes of that drift; taking turns level by level gives every
+variant the same minutes. The price: the idle apps' background work (health checks, load
+reports) runs beside the measured one, the same for every variant. The engines' busy share is
+not reported then (idle apps' engines would dilute it); mean batch sizes are.
 """
 
 from __future__ import annotations
@@ -102,6 +112,54 @@ def start_on_a_free_port(config: SpecServeConfig, attempts: int = 3) -> tuple[st
     raise AssertionError("unreachable")
 
 
+def run_interleaved(configs: dict[str, SpecServeConfig], bodies_for, levels: list[int], turns: int, log,
+                    progress) -> dict[str, list[dict]]:
+    """Every variant as its own Serve app in one cluster, each level run `turns` times per variant
+    in alternating order; a level's figures are the mean over its turns (module docstring)."""
+    import ray
+    from ray import serve
+
+    from cluster.builder import build_app
+    from cluster.local import RAY_SYSTEM_CONFIG, logical_cpus_needed, start_local, stop_local, wait_healthy
+
+    names = list(configs)
+    ray.init(num_cpus=sum(logical_cpus_needed(config) for config in configs.values()), include_dashboard=False,
+             _system_config=RAY_SYSTEM_CONFIG, configure_logging=False, log_to_driver=False)
+    try:
+        base_url = start_local(configs[names[0]])
+        urls = {names[0]: base_url}
+        for name in names[1:]:
+            serve.run(build_app(configs[name]), name=f"bench-{name}", route_prefix=f"/{name}")
+            urls[name] = f"{base_url}/{name}"
+            wait_healthy(urls[name], timeout_s=300.0)
+        for name in names:  # warm-up: both engines, the tokenizer, the HTTP path
+            run_level(urls[name], bodies_for(2, configs[name].model_name)[:2], 2)
+        results: dict[str, list[dict]] = {name: [] for name in names}
+        for level in levels:
+            turns_of: dict[str, list[dict]] = {name: [] for name in names}
+            for turn in range(turns):
+                order = names[turn % len(names):] + names[:turn % len(names)]
+                for name in (reversed(order) if turn % 2 else order):
+                    before = engine_counters()
+                    run = run_level(urls[name], bodies_for(level, configs[name].model_name), level)
+                    run["engines"] = {pool: {**load, "busy_share": None}
+                                      for pool, load in engine_load(before, engine_counters()).items()}
+                    overheads = [r["median_overhead_s"] for r in run["records"] if r.get("median_overhead_s") is not None]
+                    run["overhead_ms"] = 1e3 * statistics.median(overheads) if overheads else None
+                    turns_of[name].append(run)
+            for name in names:
+                merged = mean_level(turns_of[name])
+                merged["engines"] = turns_of[name][-1]["engines"]
+                merged["turns_tokens_per_s"] = [run["tokens_per_s"] for run in turns_of[name]]
+                results[name].append(merged)
+                log(f"  {level:>2} streams, {name}: {merged['tokens_per_s']:.1f} tok/s "
+                    f"(turns: {', '.join(f'{t:.1f}' for t in merged['turns_tokens_per_s'])})")
+                progress.update()
+        return results
+    finally:
+        stop_local()
+
+
 def run_variant(config: SpecServeConfig, bodies_for, levels: list[int], log, progress) -> list[dict]:
     from cluster.local import stop_local
 
@@ -163,19 +221,23 @@ def combine_runs(runs: list[dict], name: str) -> dict:
     combined.update(name=name, command="mean of: " + "; ".join(f"`{run['command']}`" for run in runs),
                     runs=[run["name"] for run in runs], variants={})
     for variant, levels in first["variants"].items():
-        rows = []
-        for level in levels:
-            same = [other_level for run in runs for other_level in run["variants"].get(variant, [])
-                    if other_level["concurrency"] == level["concurrency"]]
-            row = {key: value for key, value in level.items() if key != "records"}
-            for key in ("tokens_per_s", "latency_p50_ms", "latency_p95_ms", "ttft_p50_ms", "ttft_p95_ms",
-                        "acceptance_rate", "mean_draft_tokens", "overhead_ms"):
-                values = [other[key] for other in same if other.get(key) is not None]
-                row[key] = sum(values) / len(values) if values else None
-            row["num_requests"] = sum(other["num_requests"] for other in same)
-            rows.append(row)
-        combined["variants"][variant] = rows
+        combined["variants"][variant] = [
+            mean_level([other for run in runs for other in run["variants"].get(variant, [])
+                        if other["concurrency"] == level["concurrency"]])
+            for level in levels]
     return combined
+
+
+def mean_level(same: list[dict]) -> dict:
+    """One level's row from several measurements of it: figures averaged, requests summed, the
+    rest (engines, concurrency) from the first; per-request records dropped."""
+    row = {key: value for key, value in same[0].items() if key != "records"}
+    for key in ("tokens_per_s", "latency_p50_ms", "latency_p95_ms", "ttft_p50_ms", "ttft_p95_ms",
+                "acceptance_rate", "mean_draft_tokens", "overhead_ms"):
+        values = [other[key] for other in same if other.get(key) is not None]
+        row[key] = sum(values) / len(values) if values else None
+    row["num_requests"] = sum(other["num_requests"] for other in same)
+    return row
 
 
 def render_markdown(result: dict) -> str:
@@ -251,6 +313,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-prompts", type=int, default=None)
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--name", default=None)
+    parser.add_argument("--interleave", type=int, default=0, metavar="TURNS",
+                        help="run every variant side by side in one cluster, each level TURNS times per "
+                             "variant taking turns (module docstring); 0: one variant after another")
     parser.add_argument("--combine", nargs="+", metavar="NAME",
                         help="no run: average these results in --out (names or JSON paths) of the same sweep, "
                              "e.g. one run and one in reverse variant order, into --name")
@@ -276,10 +341,10 @@ def main(argv: list[str] | None = None) -> None:
     def log(message: str) -> None:
         print(f"[bench-load {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
-    def bodies_for(level: int) -> list[tuple[str, dict]]:
+    def bodies_for(level: int, model_name: str = base.model_name) -> list[tuple[str, dict]]:
         count = sweep_request_count(level, len(prompts), args.requests_per_level, args.requests_per_stream)
         return [(prompts[i % len(prompts)].prompt_id,
-                 request_body(base.model_name, prompts[i % len(prompts)].text, args.mode, args.max_tokens, seed=i))
+                 request_body(model_name, prompts[i % len(prompts)].text, args.mode, args.max_tokens, seed=i))
                 for i in range(count)]
 
     import os
@@ -294,10 +359,17 @@ def main(argv: list[str] | None = None) -> None:
     from tqdm import tqdm
 
     progress = tqdm(total=len(variants) * len(levels), desc="bench-load", unit="level", file=sys.stderr)
-    for variant in variants:
-        log(f"variant {variant}")
-        config = variant_config(base, variant, args.num_draft_tokens, free_port())
-        result["variants"][variant] = run_variant(config, bodies_for, levels, log, progress)
+    if args.interleave:
+        # One HTTP port for every app; each app its own model name, so its own policy actor.
+        port = free_port()
+        configs = {variant: variant_config(base, variant, args.num_draft_tokens, port).model_copy(
+            update={"model_name": f"{base.model_name}-{variant}"}) for variant in variants}
+        result["variants"] = run_interleaved(configs, bodies_for, levels, args.interleave, log, progress)
+    else:
+        for variant in variants:
+            log(f"variant {variant}")
+            config = variant_config(base, variant, args.num_draft_tokens, free_port())
+            result["variants"][variant] = run_variant(config, bodies_for, levels, log, progress)
     progress.close()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

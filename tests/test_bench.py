@@ -279,3 +279,38 @@ def test_combined_sweep_runs_average_each_variant_and_level():
     assert combined["variants"]["k4"][1]["num_requests"] == 8 and "records" not in combined["variants"]["k4"][0]
     table = adaptive_against_fixed(combined)
     assert [round(row["ratio"], 3) for row in table[:2]] == [1.0, 1.222]
+
+
+@pytest.mark.ray
+def test_interleaved_sweep_serves_every_variant_side_by_side_with_its_own_policy_actor(tmp_path):
+    """`bench-load --interleave`: variants as apps of one cluster, each level run in turns; every
+    variant answers on its own route and model name, and each app reports to its own policy actor."""
+    import ray
+
+    from bench import load_sweep
+    from policies.actor import POLICY_NAMESPACE
+    from policies.decision import policy_actor_name
+
+    seen_actors: list[set[str]] = []
+    original = load_sweep.engine_counters
+
+    def counters_and_actors():
+        seen_actors.append({entry["name"] for entry in ray.util.list_named_actors(all_namespaces=True)
+                            if entry["namespace"] == POLICY_NAMESPACE})
+        return original()
+
+    load_sweep.engine_counters = counters_and_actors
+    try:
+        load_sweep.main(["--variants", "k0,k2", "--interleave", "2", "--concurrency", "1", "--num-prompts", "2",
+                         "--requests-per-level", "2", "--requests-per-stream", "1", "--max-tokens", "8",
+                         "--out", str(tmp_path), "--name", "interleaved"])
+    finally:
+        load_sweep.engine_counters = original
+    result = json.loads((tmp_path / "interleaved.json").read_text())
+    assert set(result["variants"]) == {"k0", "k2"}
+    for variant, (level,) in result["variants"].items():
+        assert level["num_requests"] == 4 and len(level["turns_tokens_per_s"]) == 2
+        depth = level["mean_draft_tokens"]
+        assert (depth == 0.0) if variant == "k0" else (0.0 < depth <= 2.0)
+    names = set().union(*seen_actors)
+    assert {policy_actor_name("specserve-default-k0"), policy_actor_name("specserve-default-k2")} <= names
