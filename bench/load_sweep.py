@@ -112,6 +112,17 @@ def start_on_a_free_port(config: SpecServeConfig, attempts: int = 3) -> tuple[st
     raise AssertionError("unreachable")
 
 
+def measured_level(url: str, bodies: list[tuple[str, dict]], level: int) -> dict:
+    """run_level, plus the engines' batch sizes and busy share over it and the median of the
+    requests' per-round overheads."""
+    before = engine_counters()
+    result = run_level(url, bodies, level)
+    result["engines"] = engine_load(before, engine_counters())
+    overheads = [r["median_overhead_s"] for r in result["records"] if r.get("median_overhead_s") is not None]
+    result["overhead_ms"] = 1e3 * statistics.median(overheads) if overheads else None
+    return result
+
+
 def run_interleaved(configs: dict[str, SpecServeConfig], bodies_for, levels: list[int], turns: int, log,
                     progress) -> dict[str, list[dict]]:
     """Every variant as its own Serve app in one cluster, each level run `turns` times per variant
@@ -140,12 +151,8 @@ def run_interleaved(configs: dict[str, SpecServeConfig], bodies_for, levels: lis
             for turn in range(turns):
                 order = names[turn % len(names):] + names[:turn % len(names)]
                 for name in (reversed(order) if turn % 2 else order):
-                    before = engine_counters()
-                    run = run_level(urls[name], bodies_for(level, configs[name].model_name), level)
-                    run["engines"] = {pool: {**load, "busy_share": None}
-                                      for pool, load in engine_load(before, engine_counters()).items()}
-                    overheads = [r["median_overhead_s"] for r in run["records"] if r.get("median_overhead_s") is not None]
-                    run["overhead_ms"] = 1e3 * statistics.median(overheads) if overheads else None
+                    run = measured_level(urls[name], bodies_for(level, configs[name].model_name), level)
+                    run["engines"] = {pool: {**load, "busy_share": None} for pool, load in run["engines"].items()}
                     turns_of[name].append(run)
             for name in names:
                 merged = mean_level(turns_of[name])
@@ -168,11 +175,7 @@ def run_variant(config: SpecServeConfig, bodies_for, levels: list[int], log, pro
         run_level(url, bodies_for(2)[:2], 2)  # warm-up: both engines, the tokenizer, the HTTP path
         results = []
         for level in levels:
-            before = engine_counters()
-            result = run_level(url, bodies_for(level), level)
-            result["engines"] = engine_load(before, engine_counters())
-            overheads = [r["median_overhead_s"] for r in result["records"] if r.get("median_overhead_s") is not None]
-            result["overhead_ms"] = 1e3 * statistics.median(overheads) if overheads else None
+            result = measured_level(url, bodies_for(level), level)
             log(f"  {level:>2} streams: {result['tokens_per_s']:.1f} tok/s, p50 {result['latency_p50_ms']:.0f} ms, "
                 f"batch {json.dumps({p: l['mean_batch_size'] for p, l in result['engines'].items()})}")
             results.append(result)

@@ -81,7 +81,6 @@ class LeanDecoder:
         hidden = self.embed(input_ids)
         cos, sin = self.rotary(hidden, position_ids)            # [B, T, D]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        half = head_dim // 2
         width = hidden.shape[-1]
         gqa = heads != kv_heads
         for index, layer in enumerate(self.layers):
@@ -90,8 +89,7 @@ class LeanDecoder:
             q = _linear(x, attention.q_proj).view(batch, length, heads, head_dim).transpose(1, 2)
             k = _linear(x, attention.k_proj).view(batch, length, kv_heads, head_dim).transpose(1, 2)
             v = _linear(x, attention.v_proj).view(batch, length, kv_heads, head_dim).transpose(1, 2)
-            q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
-            k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
             keys, values = cache.update(k, v, index)
             attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=attention_mask,
                                                       scale=self.scaling, enable_gqa=gqa)
@@ -101,6 +99,12 @@ class LeanDecoder:
             hidden = hidden + _linear(mlp.act_fn(_linear(x, mlp.gate_proj)) * _linear(x, mlp.up_proj), mlp.down_proj)
         kept = hidden[keep]                                      # [rows kept, H], (row, column) order
         return self.lm_head(F.rms_norm(kept, (width,), self.final_norm, self.eps))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1] over the last dimension: RoPE's pairing, as transformers' Llama."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _linear(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
