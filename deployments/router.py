@@ -37,7 +37,7 @@ from deployments.naming import current_replica_id
 from deployments.round_stages import EngineCall, RoundStages, profiling_enabled
 from policies.acceptance import count_round_positions, position_accept_rates, request_position_rates
 from policies.load import REQUEST_CLASSES, accept_rate_from_rounds
-from policies.depth import RoundCosts, best_depth_by_position, choose_draft_depth, should_draft_ahead
+from policies.depth import RoundCosts, RoundWallFit, best_depth_by_position, choose_draft_depth, should_draft_ahead
 
 logger = logging.getLogger("ray.serve")
 TARGET_RECOVERY_S = 60.0  # how long a request waits for a replacement target engine
@@ -95,6 +95,9 @@ class Router:
         self._background: set[asyncio.Task] = set()  # releases retried on engines that were unreachable
         # Measured costs, shared by this router's requests: they reflect the engines' current load.
         self.round_costs = RoundCosts(draft_cost_ratio=self.config.speculation.draft_cost_ratio)
+        # What a round of depth K costs end to end when its request is alone, per class (greedy
+        # rounds draft ahead, sampled ones do not): how a lone request picks K.
+        self.lone_round_walls = {c: RoundWallFit() for c in REQUEST_CLASSES}
         # Cluster-wide depth from the policy actor (policies/actor.py), refreshed every second.
         self.router_id = current_replica_id()
         self.class_counters = {c: {"rounds": 0, "drafted": 0, "accepted": 0, "reached": [], "accepted_at": []}
@@ -245,6 +248,7 @@ class Router:
                 state.finish_reason = "timeout"
                 break
             round_started = time.perf_counter()
+            started_alone = len(self.active_requests) == 1
             stages = RoundStages(self.profile_rounds)
             stages.mark("start")
             num_draft = self._draft_depth(state) if draft is not None else 0
@@ -299,6 +303,8 @@ class Router:
             timings.round_hops_s.append(draft_hops_s + verify.hops_s)
             timings.draft_depths.append(len(proposal.token_ids))
             self.round_costs.observe_round(target_s, overhead_s)
+            if proposal.token_ids and lane is None and started_alone and len(self.active_requests) == 1:
+                self.lone_round_walls[_request_class(state)].observe(len(proposal.token_ids), round_wall_s)
             self.metrics.record_round(round_wall_s, len(proposal.token_ids))
             stages.mark("recorded")
             chunks.put_nowait(self._chunk(state, committed, logprob_rows))
@@ -499,7 +505,9 @@ class Router:
         K ~5.5 under load where K = 8 ran ~15% faster). Alone, the policy's depth caps it, and
         within the cap the request's own acceptance by draft position (leaning on its class's,
         policies.acceptance) and the measured costs choose (an easy prompt drafts deeper than a
-        hard one). 0 from the policy: speculation does not pay now. A seeded
+        hard one); the costs are what its rounds took on the wall clock alone, as a line in K
+        (policies.depth.RoundWallFit), once K has varied enough to fit one, else the engines'
+        seconds. 0 from the policy: speculation does not pay now. A seeded
         request's K must not depend on timing or load (its random draws follow K), so it uses the
         configured cost ratio and no policy."""
         spec = self.config.speculation
@@ -514,6 +522,9 @@ class Router:
             if policy_depth is not None:
                 high = min(high, policy_depth)
                 low = min(low, high)
+            lone_ratios = self.lone_round_walls[_request_class(state)].cost_ratios()
+            if lone_ratios is not None and len(self.active_requests) <= 1:
+                cost_ratio, overhead_ratio = lone_ratios
         else:
             cost_ratio, overhead_ratio = spec.draft_cost_ratio, 0.0
         if high <= 0:

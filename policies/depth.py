@@ -14,13 +14,14 @@ relative to it.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
 from policies.acceptance import (PRIOR_ACCEPTED, PRIOR_REJECTED, estimate_acceptance_rate,
                                  expected_tokens_by_position, expected_tokens_per_round)
 
-__all__ = ["RoundCosts", "choose_draft_depth", "expected_speedup", "expected_tokens_per_round",
+__all__ = ["RoundCosts", "RoundWallFit", "choose_draft_depth", "expected_speedup", "expected_tokens_per_round",
            "should_draft_ahead"]
 
 
@@ -103,6 +104,61 @@ class RoundCosts:
                 self.draft_cost_ratio = self._draft_step_s / self._target_pass_s
             if self._overhead_s is not None:
                 self.overhead_ratio = self._overhead_s / self._target_pass_s
+
+
+@dataclass
+class RoundWallFit:
+    """What a lone request's round of depth K costs on the wall clock: a line a + b*K, fitted.
+
+    Why not the engines' own seconds (RoundCosts): alone, a request drafts its next block while
+    the target verifies (should_draft_ahead), so a round's draft time hides behind the verify when
+    the guess holds and is paid twice when it does not; the block drafted ahead shares the CPU with
+    the verify; the verify itself grows with K. None of that is in "K draft steps + one target
+    pass". On the 2-core box a lone round cost about 27 ms at K = 4 and 39 ms at K = 8, 3 ms a
+    draft token, where the engine seconds say about 1 (bench/results/cpu-2core-depth-load-thirdparty-
+    interleaved.md): that is why K = 4 beat K = 8 alone there while the engine-seconds model
+    drafted 6 deep. Least squares with exponential forgetting follows the box as it drifts; until
+    K has varied enough to tell a slope from noise (`min_k_spread`, the weighted standard deviation
+    of K) there is no line, and the last identified line is kept when K later settles."""
+
+    forgetting: float = 0.98          # a round's weight decays by this per later round (~50 rounds of memory)
+    min_k_spread: float = 1.0
+    min_weight: float = 10.0
+    _w: float = 0.0
+    _wk: float = 0.0
+    _wkk: float = 0.0
+    _wy: float = 0.0
+    _wky: float = 0.0
+    _line: tuple[float, float] | None = None
+
+    def observe(self, num_draft_tokens: int, wall_s: float) -> None:
+        """Fold in one lone round that verified num_draft_tokens (>= 1) and took wall_s."""
+        f, k, y = self.forgetting, float(num_draft_tokens), wall_s
+        self._w, self._wk, self._wkk = f * self._w + 1.0, f * self._wk + k, f * self._wkk + k * k
+        self._wy, self._wky = f * self._wy + y, f * self._wky + k * y
+        if self._w < self.min_weight:
+            return
+        mean_k = self._wk / self._w
+        var_k = self._wkk / self._w - mean_k * mean_k
+        if var_k < self.min_k_spread ** 2:
+            return
+        slope = (self._wky / self._w - mean_k * self._wy / self._w) / var_k
+        intercept = self._wy / self._w - slope * mean_k
+        if intercept > 0 and math.isfinite(slope):
+            self._line = (intercept, max(0.0, slope))
+
+    @property
+    def line(self) -> tuple[float, float] | None:
+        """(a, b) in seconds: a round of depth K costs a + b*K; None until identifiable."""
+        return self._line
+
+    def cost_ratios(self) -> tuple[float, float] | None:
+        """The line as best_depth's (draft_cost_ratio, overhead_ratio): in units of a, a round
+        costs 1 + K * b/a, the same maximiser as a + b*K."""
+        if self._line is None:
+            return None
+        intercept, slope = self._line
+        return slope / intercept, 0.0
 
 
 def should_draft_ahead(enabled: bool, is_greedy: bool, active_requests: int) -> bool:

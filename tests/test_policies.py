@@ -164,3 +164,60 @@ def test_draft_ahead_only_for_a_lone_greedy_request():
     assert not should_draft_ahead(True, True, 2)    # the draft engine has other work meanwhile
     assert not should_draft_ahead(True, False, 1)   # sampled bonus tokens are rarely guessed
     assert not should_draft_ahead(False, True, 1)
+
+
+# -- what a lone round of depth K costs on the wall clock ------------------------------------------
+
+def test_round_wall_fit_recovers_the_line_a_lone_request_pays():
+    from policies.depth import RoundWallFit
+
+    fit = RoundWallFit()
+    rng = random.Random(0)
+    for _ in range(200):  # 15 ms + 3 ms a draft token, +-1 ms of noise
+        k = rng.randint(2, 8)
+        fit.observe(k, 0.015 + 0.003 * k + rng.uniform(-0.001, 0.001))
+    intercept, slope = fit.line
+    assert intercept == pytest.approx(0.015, abs=0.001)
+    assert slope == pytest.approx(0.003, abs=0.0003)
+    assert fit.cost_ratios() == (pytest.approx(0.2, abs=0.03), 0.0)
+
+
+def test_round_wall_fit_gives_no_line_while_k_has_not_varied():
+    from policies.depth import RoundWallFit
+
+    fit = RoundWallFit()
+    for _ in range(100):
+        fit.observe(6, 0.030)
+    assert fit.line is None and fit.cost_ratios() is None
+
+
+def test_round_wall_fit_keeps_its_line_when_k_settles_and_follows_drift():
+    from policies.depth import RoundWallFit
+
+    fit = RoundWallFit()
+    for i in range(100):
+        k = 2 + i % 7
+        fit.observe(k, 0.010 + 0.001 * k)
+    first = fit.line
+    for _ in range(300):  # K settles: its spread decays below the bound and the line stays
+        fit.observe(5, 0.015)
+    assert fit.line == (pytest.approx(first[0]), pytest.approx(first[1]))
+    for i in range(300):  # the box slows down: the old rounds are forgotten
+        k = 2 + i % 7
+        fit.observe(k, 0.020 + 0.004 * k)
+    assert fit.line == (pytest.approx(0.020, abs=1e-4), pytest.approx(0.004, abs=1e-5))
+
+
+def test_a_steep_measured_line_drafts_shallower_than_engine_seconds_say():
+    """The 2-core box alone: engine seconds say c ~ 0.1 of a round, the wall clock says 3 ms a
+    draft token on a 15 ms intercept; at alpha 0.88 the first picks 8, the second 4 to 6."""
+    from policies.depth import RoundWallFit, best_depth
+
+    fit = RoundWallFit()
+    for i in range(60):
+        k = 3 + i % 6
+        fit.observe(k, 0.015 + 0.003 * k)
+    wall_c, wall_o = fit.cost_ratios()
+    by_wall = best_depth(0.88, wall_c, 1, 8, wall_o)
+    by_engine = best_depth(0.88, 0.1, 1, 8, 0.4)
+    assert by_engine == 8 and 4 <= by_wall <= 6
