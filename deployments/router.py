@@ -117,14 +117,16 @@ class Router:
         return len(self.active_requests)
 
     def status(self) -> dict[str, Any]:
-        """This router's load and the depth it would give a fresh greedy request now."""
+        """This router's load and the depth it would give a fresh greedy (unseeded) request now:
+        the policy's depth for the class beside other requests, its lone choice when there are none."""
         spec = self.config.speculation
-        typical_depth = (choose_draft_depth(0, 0, self.round_costs.draft_cost_ratio, spec.min_draft_tokens,
-                                            spec.max_draft_tokens, self.round_costs.overhead_ratio, num_rounds=0)
-                         if spec.adaptive else spec.num_draft_tokens)
-        cap = None if self.policy_decision is None else self.policy_decision.get("num_draft_tokens", {}).get("greedy")
-        if spec.adaptive and cap is not None:
-            typical_depth = min(typical_depth, cap)
+        typical_depth = spec.num_draft_tokens
+        if spec.adaptive:
+            cap = None if self.policy_decision is None else self.policy_decision.get("num_draft_tokens", {}).get("greedy")
+            if cap is not None and self.active_requests:
+                typical_depth = min(spec.max_draft_tokens, cap)
+            else:
+                typical_depth = self._lone_depth("greedy", [], [], cap)
         return {"active_requests": len(self.active_requests), "queued_requests": self.admission.num_waiting,
                 "num_draft_tokens": typical_depth if self.config.uses_draft_workers else 0,
                 "pending_releases": len(self._background), "policy": self.policy_decision}
@@ -502,47 +504,54 @@ class Router:
         """K for this round. With company (more than one active request) the policy actor's depth
         for the request's class is used as it is: its goodput model sees the batched cost curves
         and the load, which a request's own view does not (measured: the per-request choice drafted
-        K ~5.5 under load where K = 8 ran ~15% faster). Alone, the policy's depth caps it, and
-        within the cap the request's own acceptance by draft position (leaning on its class's,
-        policies.acceptance) and the measured costs choose (an easy prompt drafts deeper than a
-        hard one); the costs are what its rounds took on the wall clock alone, as a line in K
-        (policies.depth.RoundWallFit), once K has varied enough to fit one, else the engines'
-        seconds. 0 from the policy: speculation does not pay now. A seeded
-        request's K must not depend on timing or load (its random draws follow K), so it uses the
-        configured cost ratio and no policy."""
+        K ~5.5 under load where K = 8 ran ~15% faster; refining the class's depth by the request's
+        own acceptance lost 5-8%, bench/results/refine-class-depth-load.md). Alone, `_lone_depth`.
+        0 from the policy: speculation does not pay now. A seeded request's K must not depend on
+        timing or load (its random draws follow K), so it uses the configured cost ratio and no
+        policy."""
         spec = self.config.speculation
         if not spec.adaptive:
             return state.draft_budget(spec.num_draft_tokens)
+        if state.params.seed is not None:
+            if spec.max_draft_tokens <= 0:
+                return 0
+            return state.draft_budget(choose_draft_depth(
+                state.stats.num_accepted, state.stats.num_drafted, spec.draft_cost_ratio, spec.min_draft_tokens,
+                spec.max_draft_tokens, 0.0, num_rounds=state.stats.rounds))
+        policy_depth = self._policy_depth_cap(state)
+        if policy_depth is not None and len(self.active_requests) > 1:
+            return state.draft_budget(min(spec.max_draft_tokens, policy_depth))
+        return state.draft_budget(self._lone_depth(_request_class(state), state.draft_reached,
+                                                   state.draft_accepted_at, policy_depth))
+
+    def _lone_depth(self, request_class: str, reached: list[int], accepted_at: list[int], cap: int | None) -> int:
+        """K for a request of this class with these rounds by position, as if alone: the policy's
+        depth (cap) bounds it, and within it the request's own acceptance by position (leaning on
+        its class's, policies.acceptance) and what a round costs choose, so an easy prompt drafts
+        deeper than a hard one. The cost is the wall-clock line a + b*K of this class's lone
+        rounds (policies.depth.RoundWallFit) once K has varied enough to fit one, else the
+        engines' seconds (also with company but no policy decision)."""
+        spec = self.config.speculation
         low, high = spec.min_draft_tokens, spec.max_draft_tokens
-        if state.params.seed is None:
-            cost_ratio, overhead_ratio = self.round_costs.draft_cost_ratio, self.round_costs.overhead_ratio
-            policy_depth = self._policy_depth_cap(state)
-            if policy_depth is not None and len(self.active_requests) > 1:
-                return state.draft_budget(min(high, policy_depth))
-            if policy_depth is not None:
-                high = min(high, policy_depth)
-                low = min(low, high)
-            lone_ratios = self.lone_round_walls[_request_class(state)].cost_ratios()
-            if lone_ratios is not None and len(self.active_requests) <= 1:
-                cost_ratio, overhead_ratio = lone_ratios
-        else:
-            cost_ratio, overhead_ratio = spec.draft_cost_ratio, 0.0
+        if cap is not None:
+            high = min(high, cap)
+            low = min(low, high)
         if high <= 0:
             return 0
-        if state.params.seed is None:
-            depth = best_depth_by_position(self._position_rates(state, high), cost_ratio, low, high, overhead_ratio)
+        lone_ratios = self.lone_round_walls[request_class].cost_ratios()
+        if lone_ratios is not None and len(self.active_requests) <= 1:
+            cost_ratio, overhead_ratio = lone_ratios
         else:
-            depth = choose_draft_depth(state.stats.num_accepted, state.stats.num_drafted, cost_ratio,
-                                       low, high, overhead_ratio, num_rounds=state.stats.rounds)
-        return state.draft_budget(depth)
+            cost_ratio, overhead_ratio = self.round_costs.draft_cost_ratio, self.round_costs.overhead_ratio
+        rates = request_position_rates(reached, accepted_at, self._class_rates(request_class, high))
+        return best_depth_by_position(rates, cost_ratio, low, high, overhead_ratio)
 
-    def _position_rates(self, state: RequestState, depth: int) -> tuple[float, ...]:
-        """This request's acceptance by position for K up to depth: its own rounds, leaning on this
-        router's rounds of its class (all time), which lean on the class's geometric alpha."""
-        counters = self.class_counters[_request_class(state)]
+    def _class_rates(self, request_class: str, depth: int) -> tuple[float, ...]:
+        """Acceptance by position for K up to depth over this router's rounds of the class (all
+        time), leaning on the class's geometric alpha."""
+        counters = self.class_counters[request_class]
         alpha = accept_rate_from_rounds(counters["rounds"], counters["drafted"], counters["accepted"])
-        class_rates = position_accept_rates(counters["reached"], counters["accepted_at"], depth, alpha)
-        return request_position_rates(state.draft_reached, state.draft_accepted_at, class_rates)
+        return position_accept_rates(counters["reached"], counters["accepted_at"], depth, alpha)
 
     @staticmethod
     def _draft_seed(state: RequestState) -> int | None:
