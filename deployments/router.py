@@ -122,7 +122,7 @@ class Router:
         spec = self.config.speculation
         typical_depth = spec.num_draft_tokens
         if spec.adaptive:
-            cap = None if self.policy_decision is None else self.policy_decision.get("num_draft_tokens", {}).get("greedy")
+            cap = self._policy_depth_cap("greedy")
             if cap is not None and self.active_requests:
                 typical_depth = min(spec.max_draft_tokens, cap)
             else:
@@ -181,11 +181,11 @@ class Router:
                 "active_by_class": active_by_class, "by_class": self.class_counters,
                 "round_overhead_s": self.round_costs.overhead_s}
 
-    def _policy_depth_cap(self, state: RequestState) -> int | None:
-        """The depth the policy actor allows this request's class now, or None (no fresh decision)."""
+    def _policy_depth_cap(self, request_class: str) -> int | None:
+        """The depth the policy actor allows this request class now, or None (no fresh decision)."""
         if self.policy_decision is None or time.monotonic() - self.policy_decision_at > POLICY_STALE_S:
             return None
-        return self.policy_decision.get("num_draft_tokens", {}).get(_request_class(state))
+        return self.policy_decision.get("num_draft_tokens", {}).get(request_class)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: dict) -> AsyncIterator[dict]:
         """Stream {"text", "token_ids", "finish_reason"} chunks; the last adds "usage" and "speculation".
@@ -518,11 +518,12 @@ class Router:
             return state.draft_budget(choose_draft_depth(
                 state.stats.num_accepted, state.stats.num_drafted, spec.draft_cost_ratio, spec.min_draft_tokens,
                 spec.max_draft_tokens, 0.0, num_rounds=state.stats.rounds))
-        policy_depth = self._policy_depth_cap(state)
+        request_class = _request_class(state)
+        policy_depth = self._policy_depth_cap(request_class)
         if policy_depth is not None and len(self.active_requests) > 1:
             return state.draft_budget(min(spec.max_draft_tokens, policy_depth))
-        return state.draft_budget(self._lone_depth(_request_class(state), state.draft_reached,
-                                                   state.draft_accepted_at, policy_depth))
+        return state.draft_budget(self._lone_depth(request_class, state.draft_reached, state.draft_accepted_at,
+                                                   policy_depth))
 
     def _lone_depth(self, request_class: str, reached: list[int], accepted_at: list[int], cap: int | None) -> int:
         """K for a request of this class with these rounds by position, as if alone: the policy's

@@ -114,10 +114,10 @@ class RoundWallFit:
     the target verifies (should_draft_ahead), so a round's draft time hides behind the verify when
     the guess holds and is paid twice when it does not; the block drafted ahead shares the CPU with
     the verify; the verify itself grows with K. None of that is in "K draft steps + one target
-    pass". On the 2-core box a lone round cost about 27 ms at K = 4 and 39 ms at K = 8, 3 ms a
-    draft token, where the engine seconds say about 1 (bench/results/cpu-2core-depth-load-thirdparty-
-    interleaved.md): that is why K = 4 beat K = 8 alone there while the engine-seconds model
-    drafted 6 deep. Least squares with exponential forgetting follows the box as it drifts; until
+    pass". On the 2-core box, dividing tok/s by tokens per round in
+    bench/results/cpu-2core-depth-load-thirdparty-interleaved.md, a lone round took about 27 ms at
+    K = 4 and 39 ms at K = 8, 3 ms a draft token, where the engine seconds say about 1; drafting by
+    engine seconds ran 0.93x of K = 8 alone, by this line 1.04x (bench/results/lone-depth-*.md). Least squares with exponential forgetting follows the box as it drifts; until
     K has varied enough to tell a slope from noise (`min_k_spread`, the weighted standard deviation
     of K) there is no line, and the last identified line is kept when K later settles."""
 
