@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import signal
 import sys
 import time
 
@@ -67,11 +68,23 @@ def _demo(url: str, model: str, prompt: str, max_tokens: int, temperature: float
     _print_stats(final, time.perf_counter() - started)
 
 
+class Terminated(Exception):
+    """SIGTERM arrived: shut down as Ctrl-C does."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
-    from cluster.local import metrics_url, start_local, stop_local
+    from cluster.local import drain_local, metrics_url, start_local, stop_local
 
     config = load_config(args.config)
     url = start_local(config, dashboard=args.dashboard)
+    # SIGTERM is how docker stop, systemd and Kubernetes ask a server to stop. Ray's driver
+    # handler (installed by ray.init) dumps a stack and exits without a drain; replace it after
+    # start-up so SIGTERM takes the same path as Ctrl-C: stop_local drains and stops everything.
+    signal.signal(signal.SIGTERM, _raise_terminated)
     print(f"specserve is serving '{config.model_name}' at {url}  (OpenAI API under {url}/v1)", flush=True)
     print(f"metrics: {metrics_url()}", flush=True)
     try:
@@ -82,8 +95,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
         print("Ctrl-C to stop.", flush=True)
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
+    except (KeyboardInterrupt, Terminated):
+        grace_s = config.limits.shutdown_grace_s
+        print(f"specserve: stopping; requests in flight get up to {grace_s:.0f} s to finish", flush=True)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the drain short
+        left = drain_local(grace_s)
+        if left:
+            print(f"specserve: {left} requests still running after {grace_s:.0f} s are cancelled", flush=True)
     finally:
         stop_local()
 

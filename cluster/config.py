@@ -116,6 +116,8 @@ class LimitsSpec(_Strict):
     max_active_requests: int = Field(128, ge=1, description="requests a router runs at once")
     max_queued_requests: int = Field(256, ge=0, description="requests waiting for room; more get 503")
     queue_timeout_s: float = Field(30.0, gt=0, description="how long a request waits for room before 503")
+    shutdown_grace_s: float = Field(25.0, ge=0, description="on SIGTERM or Ctrl-C, how long requests in flight "
+                                    "get to finish (below Kubernetes' default 30 s termination grace)")
     engine_wait_s: float = Field(30.0, gt=0, description="how long a request waits for a target replica "
                                  "before 503")
     draft_wait_s: float = Field(2.0, gt=0, description="how long a request waits for a draft replica "

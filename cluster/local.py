@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 # Full-vocabulary probability rows (sampled requests) are ~160 KB; keep them inline in the
 # RPC reply rather than in the object store, which costs an extra round trip per round.
 RAY_SYSTEM_CONFIG = {"max_direct_call_object_size": 4 * 1024 * 1024}
+DRAIN_FLUSH_S = 0.5  # after the routers are empty, time for the ingress to send the last chunks
 
 
 def logical_cpus_needed(config: SpecServeConfig) -> int:
@@ -140,6 +141,25 @@ def wait_healthy(url: str, timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"specserve at {url} did not become healthy within {timeout_s:.0f} s")
         time.sleep(0.25)
+
+
+def drain_local(grace_s: float) -> int:
+    """Stop admitting requests and wait up to grace_s for those in flight to finish; -> how many
+    were still running when the grace ran out (0: a clean drain). New requests meanwhile get 503
+    and /health answers 503, so a load balancer moves traffic elsewhere."""
+    try:
+        routers = serve.get_deployment_handle("Router", APP_NAME)
+        deadline = time.monotonic() + grace_s
+        while True:
+            held = sum(routers.broadcast("drain").results(timeout_s=max(1.0, deadline - time.monotonic())))
+            if held == 0 or time.monotonic() >= deadline:
+                break
+            time.sleep(0.25)
+    except Exception:  # nothing to drain (start-up failed half-way) or the app is already gone
+        logger.warning("could not drain the routers; stopping at once", exc_info=True)
+        return 0
+    time.sleep(DRAIN_FLUSH_S)  # the ingress streams a finished request's last chunks out
+    return held
 
 
 def stop_local() -> None:

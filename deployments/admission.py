@@ -34,6 +34,7 @@ class Admission:
         self.max_waiting = max_waiting
         self.timeout_s = timeout_s
         self.num_active = 0
+        self.draining = False
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
 
     @property
@@ -48,7 +49,13 @@ class Admission:
         finally:
             self._release()
 
+    def drain(self) -> None:
+        """Refuse every request from now on (the server is stopping); admitted and waiting ones run."""
+        self.draining = True
+
     async def _acquire(self) -> None:
+        if self.draining:
+            raise ServerOverloadedError("server is shutting down", retry_after_s=5.0)
         if self.num_active < self.max_active and not self._waiters:
             self.num_active += 1
             return

@@ -34,6 +34,7 @@ from deployments.engine_loop import EngineOverloadedError
 from deployments.fast_lane import FastLane, actor_key
 from deployments.metrics import RouterMetrics
 from deployments.naming import current_replica_id
+from deployments.pool_health import PoolHealth
 from deployments.round_stages import EngineCall, RoundStages, profiling_enabled
 from policies.acceptance import count_round_positions, position_accept_rates, request_position_rates
 from policies.load import REQUEST_CLASSES, accept_rate_from_rounds
@@ -43,7 +44,6 @@ logger = logging.getLogger("ray.serve")
 TARGET_RECOVERY_S = 60.0  # how long a request waits for a replacement target engine
 POLICY_INTERVAL_S = 1.0  # how often a router reports load to the policy actor and reads its decision
 POLICY_STALE_S = 30.0  # a decision older than this (actor gone) is dropped: per-request depth only
-HEALTH_PROBE_S = 2.0  # how long /health waits for a pool's engine to answer
 RELEASE_RETRY_S = 300.0  # how long a release keeps trying an engine that is temporarily unreachable
 LANE_RETRY_S = 30.0  # a compiled-graph lane that could not be had is tried again after this
 ENGINE_ERRORS = (RayActorError, ray.exceptions.ActorUnavailableError)
@@ -84,6 +84,7 @@ class Router:
         self.config = SpecServeConfig.model_validate(config)
         self.target_workers = target_workers
         self.draft_workers = draft_workers
+        self.health = PoolHealth({"target": target_workers, "draft": draft_workers})
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.resolved_tokenizer_path, local_files_only=True)
         model_config = AutoConfig.from_pretrained(self.config.target.path, local_files_only=True)
         self.max_context = model_config.max_position_embeddings
@@ -132,25 +133,16 @@ class Router:
                 "pending_releases": len(self._background), "policy": self.policy_decision}
 
     async def pool_health(self) -> dict[str, Any]:
-        """{"status": "ok" | "degraded" | "unavailable", "pools": {pool: "ok" | "unavailable"}}.
+        """{"status": "ok" | "degraded" | "unavailable", "pools": {pool: "ok" | "unavailable"}}
+        from the background monitor (deployments/pool_health.py): a busy engine is a live one.
+        A draining router reports "unavailable" so load balancers stop sending to it."""
+        report = await self.health.report()
+        return {**report, "status": "unavailable", "draining": True} if self.admission.draining else report
 
-        Degraded: no draft engine answers, so requests run target-only. Unavailable: no target
-        engine answers, so requests would get 503."""
-        pools = {}
-        for pool, workers in (("target", self.target_workers), ("draft", self.draft_workers)):
-            if workers is None:
-                continue
-            try:
-                engine = await asyncio.wait_for(workers.get_engine.remote(), HEALTH_PROBE_S)
-                await asyncio.wait_for(engine.ping.remote(), HEALTH_PROBE_S)
-                pools[pool] = "ok"
-            except Exception:
-                pools[pool] = "unavailable"
-        if pools["target"] != "ok":
-            status = "unavailable"
-        else:
-            status = "ok" if all(state == "ok" for state in pools.values()) else "degraded"
-        return {"status": status, "pools": pools}
+    def drain(self) -> int:
+        """Stop admitting requests (SIGTERM: the server is stopping); -> requests still held."""
+        self.admission.drain()
+        return len(self.active_requests) + self.admission.num_waiting
 
     def _ensure_policy_loop(self) -> None:
         if self._policy_task is None or self._policy_task.done():
