@@ -42,17 +42,14 @@ from cluster.config import SpecServeConfig, load_config
 from training.prompts import DEFAULT_PROMPT_SET, PROMPT_SETS, load_prompt_set, select_prompts
 
 VARIANTS = ["specserve", "target-only", "specserve-unbatched", "target-only-unbatched",
-            "k0", "k2", "k4", "k8", "adaptive", "adaptive-lane", "k4-lane", "k8-lane"]
+            "k0", "k2", "k4", "k8", "adaptive"]
 
 
 def variant_config(base: SpecServeConfig, variant: str, num_draft_tokens: int, port: int) -> SpecServeConfig:
-    """The config of one variant: same models and limits, speculation and batching as named. A
-    "-lane" variant is the same with speculation.compiled_graph on (deployments/fast_lane.py)."""
+    """The config of one variant: same models and limits, speculation and batching as named."""
     data = base.model_dump(mode="json")
     data["http"] = {"host": "127.0.0.1", "port": port}
     spec = data["speculation"]
-    spec["compiled_graph"] = variant.endswith("-lane")
-    variant = variant.removesuffix("-lane")
     pinned = {"proposer": "draft", "adaptive": False}
     if variant.startswith("target-only"):
         spec.update(proposer="none")

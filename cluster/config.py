@@ -94,11 +94,6 @@ class SpeculationSpec(_Strict):
     adaptive: bool = True
     draft_cost_ratio: float = Field(0.15, gt=0, le=1, description="draft step / target pass latency until measured")
     pipeline: bool = Field(True, description="draft the next block while the target verifies (lone greedy requests)")
-    compiled_graph: bool = Field(False, description="run a router's lone request's rounds as one Ray compiled "
-                                 "graph, router -> draft -> target -> router (deployments/fast_lane.py); "
-                                 "its drafting ahead then runs inside the draft engine")
-    compiled_graph_idle_s: float = Field(5.0, gt=0, description="a compiled-graph lane that carried no round "
-                                         "this long is torn down (an open graph's channels poll: CPU)")
 
     @model_validator(mode="after")
     def _bounds(self) -> "SpeculationSpec":

@@ -22,7 +22,6 @@ class SpecStats:
     num_emitted: int = 0       # tokens committed to the output
     target_passes: int = 0     # target forwards, the prefill pass included
     pipelined_rounds: int = 0  # rounds whose block was drafted during the previous verification
-    lane_rounds: int = 0       # rounds run as one compiled graph (speculation.compiled_graph)
     num_discarded_ahead: int = 0  # draft tokens drafted ahead (pipelining) and thrown away unverified
     draft_failures: int = 0    # draft engines lost mid-request (it then went on target-only)
     target_failovers: int = 0  # target engines lost mid-request (it re-prefilled on another)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from ray import serve
@@ -15,7 +14,6 @@ from decoding.batched_runner import ForwardCall, load_runner
 from decoding.model_runner import check_compatible_paths
 from decoding.proposers import DraftModelProposer, NgramProposer, Proposal, ProposeCall, empty_proposal
 from decoding.sampling import SamplingParams, make_generator
-from decoding.speculation import discarded_ahead, drafted_ahead
 from deployments.engine_host import EngineCore, EngineHost, to_wire
 
 
@@ -44,7 +42,6 @@ class DraftEngine(EngineCore):
             self.runner = load_runner(model_spec)
             self.proposer = DraftModelProposer(self.runner)
         self.generators: dict[str, torch.Generator] = {}
-        self.lane_ahead: dict[str, tuple[list[int], Any]] = {}  # seq -> (history it continued, its future)
         super().__init__(engine_options, name)
 
     async def prefill(self, seq_id: str, history: Sequence[int]) -> None:
@@ -59,43 +56,9 @@ class DraftEngine(EngineCore):
         proposal, started_s = await self.submit(DraftCall(seq_id, list(history), num_tokens, params, seed))
         return proposal, self.answer("propose", seq_id, entered_s, started_s)
 
-    def propose_in_graph(self, call: dict) -> tuple[Proposal, tuple[float, float, float], dict]:
-        """`propose` as the first step of a compiled-graph round (deployments/fast_lane.py):
-        (block, span, {"pipelined", "discarded_ahead"}).
-
-        Drafting ahead happens here in a lane: a graph round returns only after its verify, so the
-        router cannot overlap the next block with it. With call["ahead"], the next block (its first
-        token a guess of the target's bonus token) is drafted on the event loop as soon as this one
-        is handed on, while the target verifies; the next round uses it when the target took this
-        whole block and its bonus was the guess (decoding.speculation.drafted_ahead), else drafts
-        afresh."""
-        seq_id = call["seq_id"]
-        answer, info = None, {"pipelined": False, "discarded_ahead": 0}
-        ahead = self.lane_ahead.pop(seq_id, None)
-        if ahead is not None:
-            ahead_of, pending = ahead
-            try:
-                drafted, span = pending.result()
-            except Exception:  # released, or the draft failed: draft afresh
-                drafted = None
-            if drafted is not None:
-                proposal = drafted_ahead(call["history"], ahead_of, drafted, call["num_tokens"])
-                info.update(pipelined=proposal is not None, discarded_ahead=discarded_ahead(drafted, proposal))
-                if proposal is not None:
-                    answer = (proposal, span)
-        if answer is None:
-            answer = self.on_event_loop(seq_id, lambda: self.propose(
-                seq_id, call["history"], call["num_tokens"], call["params"], call["seed"]))
-        if call.get("ahead") and answer[0].token_ids:
-            ahead_of = list(call["history"]) + list(answer[0].token_ids)
-            self.lane_ahead[seq_id] = (ahead_of, self.submit_to_event_loop(seq_id, lambda: self.propose(
-                seq_id, ahead_of, call["num_tokens"] + 1, call["params"], call["seed"])))
-        return answer[0], answer[1], info
-
     def _release_now(self, seq_id: str) -> None:
         super()._release_now(seq_id)
         self.generators.pop(seq_id, None)
-        self.lane_ahead.pop(seq_id, None)
 
     def _iterate(self, calls: list[DraftCall]) -> dict[int, object]:
         """Prefill what the cache lacks (prompts, or a replica's first sight of a request), then

@@ -14,7 +14,6 @@ release, the stats the policy actor and `specserve status` read, idle-sequence e
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -93,8 +92,6 @@ class EngineCore:
         self.last_used_s: dict[str, float] = {}
         self.call_log: deque[tuple[str, str, float, float]] = deque(maxlen=CALL_LOG_KEPT)
         self.released_ids: OrderedDict[str, None] = OrderedDict()  # request ids are never reused
-        self.lane_holder: str | None = None  # the router whose compiled graph runs through this engine
-        self._event_loop: asyncio.AbstractEventLoop | None = None
         self.gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()] if ray.is_initialized() else []
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
@@ -128,31 +125,6 @@ class EngineCore:
             except Exception:  # no policy actor (yet, or restarting): the engine works on regardless
                 pass
 
-    async def claim_lane(self, holder: str) -> bool:
-        """Let one router run its compiled graph through this engine (deployments/fast_lane.py).
-        Ray runs an actor's graph on the one thread of its `_ray_system` group, so an engine takes
-        part in one graph at a time: the first router to claim it holds it until it frees it."""
-        self._event_loop = asyncio.get_running_loop()
-        if self.lane_holder in (None, holder):
-            self.lane_holder = holder
-            return True
-        return False
-
-    async def free_lane(self, holder: str) -> None:
-        if self.lane_holder == holder:
-            self.lane_holder = None
-
-    def on_event_loop(self, seq_id: str, start: Any) -> Any:
-        """Run `start()`, an engine call, from a compiled graph's thread on the actor's event loop
-        and wait for it: the call joins the batching loop like any other (same batches)."""
-        return self.submit_to_event_loop(seq_id, start).result()
-
-    def submit_to_event_loop(self, seq_id: str, start: Any) -> concurrent.futures.Future:
-        """Schedule `start()` on the actor's event loop from another thread (a cancelled request's
-        graph round still runs to its end: `submit` refuses its calls once the request is released)."""
-        assert self._event_loop is not None, "claim_lane runs before any graph call"
-        return asyncio.run_coroutine_threadsafe(start(), self._event_loop)
-
     def answer(self, kind: str, seq_id: str, entered_s: float, started_s: float | None = None
                ) -> tuple[float, float, float]:
         """The span (entered, forward started, left) a call spent in this engine, logged.
@@ -178,7 +150,7 @@ class EngineCore:
         """Refuse a call for a sequence whose request already ended. Running it would create KV
         state nobody ever releases, and it can come late: a verify waits here for its draft block,
         an asyncio actor does not run a caller's calls in the order sent (a propose sent before
-        the release can start after it), a cancelled request's graph round runs to its end."""
+        the release can start after it)."""
         if seq_id in self.released_ids:
             raise SequenceReleasedError(f"sequence {seq_id!r} released")
 

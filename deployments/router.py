@@ -31,7 +31,6 @@ from decoding.sequence import RequestState
 from decoding.speculation import accept_round, discarded_ahead, drafted_ahead, token_logprobs
 from deployments.admission import Admission, ServerOverloadedError
 from deployments.engine_loop import EngineOverloadedError
-from deployments.fast_lane import FastLane, actor_key
 from deployments.metrics import RouterMetrics
 from deployments.naming import current_replica_id
 from deployments.pool_health import PoolHealth
@@ -45,7 +44,6 @@ TARGET_RECOVERY_S = 60.0  # how long a request waits for a replacement target en
 POLICY_INTERVAL_S = 1.0  # how often a router reports load to the policy actor and reads its decision
 POLICY_STALE_S = 30.0  # a decision older than this (actor gone) is dropped: per-request depth only
 RELEASE_RETRY_S = 300.0  # how long a release keeps trying an engine that is temporarily unreachable
-LANE_RETRY_S = 30.0  # a compiled-graph lane that could not be had is tried again after this
 ENGINE_ERRORS = (RayActorError, ray.exceptions.ActorUnavailableError)
 
 
@@ -107,9 +105,6 @@ class Router:
         self.policy_decision_at = 0.0
         self._policy_task: asyncio.Task | None = None
         self.profile_rounds = profiling_enabled()
-        self._lane: FastLane | None = None   # speculation.compiled_graph: this router's graph, if it holds one
-        self._lane_refused_at: dict[tuple[str, str], float] = {}
-        self._lane_opening = asyncio.Lock()
 
     def _detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -248,12 +243,7 @@ class Router:
             num_draft = self._draft_depth(state) if draft is not None else 0
             stages.mark("depth")
             proposal, draft_s, draft_hops_s, sent = Proposal([], None), 0.0, 0.0, None
-            lane = await self._lane_for(draft, target) if num_draft > 0 and ahead is None else None
-            if lane is not None:
-                in_lane = await self._propose_in_lane(state, lane, num_draft, stages)
-                if in_lane is not None:
-                    proposal, draft_s, draft_hops_s, sent = in_lane
-            if num_draft > 0 and sent is None:
+            if num_draft > 0:
                 try:
                     proposal, draft_s, draft_hops_s, sent = await self._propose(state, draft, target, num_draft,
                                                                                 ahead, stages)
@@ -266,7 +256,7 @@ class Router:
             if sent is None:  # the verify leaves before the block ahead is launched: it is on the round's path
                 sent = self._send_verify(state, target, proposal)
             ahead = None
-            if draft is not None and proposal.token_ids and lane is None and should_draft_ahead(
+            if draft is not None and proposal.token_ids and should_draft_ahead(
                     self.config.speculation.pipeline, state.params.is_greedy, len(self.active_requests)):
                 # Draft the next block now, guessing the bonus token, on the draft's own worker.
                 ahead_of = state.history + proposal.token_ids
@@ -297,7 +287,7 @@ class Router:
             timings.round_hops_s.append(draft_hops_s + verify.hops_s)
             timings.draft_depths.append(len(proposal.token_ids))
             self.round_costs.observe_round(target_s, overhead_s)
-            if proposal.token_ids and lane is None and started_alone and len(self.active_requests) == 1:
+            if proposal.token_ids and started_alone and len(self.active_requests) == 1:
                 self.lone_round_walls[_request_class(state)].observe(len(proposal.token_ids), round_wall_s)
             self.metrics.record_round(round_wall_s, len(proposal.token_ids))
             stages.mark("recorded")
@@ -343,64 +333,6 @@ class Router:
         call = stages.draft = EngineCall.from_span(sent_s, span, time.perf_counter())
         self.round_costs.observe_draft(call.engine_s, len(proposal.token_ids))
         return proposal, waited_s + call.engine_s, call.entered_s - call.sent_s, sent
-
-    async def _lane_for(self, draft, target) -> FastLane | None:
-        """This router's compiled-graph lane through these engines (deployments/fast_lane.py), for a
-        lone request when speculation.compiled_graph is on; None: take the ordinary path. A lane
-        that could not be had (another router holds an engine, or it failed) is retried after
-        LANE_RETRY_S."""
-        if not self.config.speculation.compiled_graph or draft is None or len(self.active_requests) != 1:
-            return None
-        key = (actor_key(draft), actor_key(target))
-        if self._lane is not None and not self._lane.closed and self._lane.key == key:
-            return self._lane
-        if time.monotonic() - self._lane_refused_at.get(key, -LANE_RETRY_S) < LANE_RETRY_S:
-            return None
-        async with self._lane_opening:
-            if self._lane is not None:
-                await self._lane.close()
-                self._lane = None
-            try:
-                self._lane = await FastLane.open(self.router_id, draft, target)
-            except Exception:
-                self._lane = None
-            if self._lane is None:
-                self._lane_refused_at[key] = time.monotonic()
-            else:
-                logger.info("compiled-graph lane open through %s (compiled in %.0f ms)", key, self._lane.compile_s * 1e3)
-                self._spawn(self._lane.close_when_idle(self.config.speculation.compiled_graph_idle_s))
-        return self._lane
-
-    async def _propose_in_lane(self, state: RequestState, lane: FastLane, num_draft: int,
-                               stages: RoundStages) -> tuple[Proposal, float, float, Any] | None:
-        """One round through the lane, shaped like `_propose`'s answer with the verify already
-        answered; None when the lane failed (it is closed; the round goes the ordinary way)."""
-        call = {"seq_id": state.request_id, "history": state.history, "num_tokens": num_draft,
-                "params": state.params, "seed": self._draft_seed(state), "first_output_index": state.next_output_index,
-                "ahead": should_draft_ahead(self.config.speculation.pipeline, state.params.is_greedy,
-                                            len(self.active_requests))}
-        sent_s = time.perf_counter()
-        try:
-            (proposal, draft_span, ahead), verified = await lane.round(call)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            logger.warning("compiled-graph lane failed for %s; closing it, the round goes the ordinary way",
-                           state.request_id, exc_info=True)
-            self._lane_refused_at[lane.key] = time.monotonic()
-            self._spawn(lane.close(stalled=True))  # nothing more will come out of it
-            return None
-        state.stats.lane_rounds += 1
-        state.stats.num_discarded_ahead += ahead["discarded_ahead"]
-        drafting = EngineCall.from_span(sent_s, draft_span, draft_span[2])
-        self.round_costs.observe_draft(drafting.engine_s, len(proposal.token_ids))
-        answered = asyncio.get_running_loop().create_future()
-        answered.set_result(verified)
-        if ahead["pipelined"]:  # drafted during the last verify: no drafting on this round's path
-            state.stats.pipelined_rounds += 1
-            return proposal, 0.0, 0.0, (answered, sent_s, None)
-        stages.draft = drafting
-        return proposal, drafting.engine_s, drafting.entered_s - sent_s, (answered, sent_s, "lane")
 
     def _spawn(self, coroutine) -> None:
         """Run coroutine in the background, kept referenced until it ends."""

@@ -62,15 +62,6 @@ class TargetEngine(EngineCore):
                                                                   first_output_index))
         return rows, self.answer("verify", seq_id, entered_s, started_s)
 
-    def verify_in_graph(self, call: dict, drafted: tuple) -> tuple[tuple, tuple]:
-        """`verify` of the draft's block as the second step of a compiled-graph round
-        (deployments/fast_lane.py): the block comes from the draft engine through the graph's
-        channel; the draft's answer goes back with the verdict, so the router reads one result."""
-        block = list(drafted[0].token_ids)
-        verified = self.on_event_loop(call["seq_id"], lambda: self.verify(
-            call["seq_id"], list(call["history"]) + block, len(block) + 1, call["params"], call["first_output_index"]))
-        return drafted, verified
-
     def _iterate(self, calls: list[VerifyCall]) -> dict[int, object]:
         """One iteration: the step batch (verifies), then one chunk of waiting prefills."""
         results: dict[int, object] = {}

@@ -245,34 +245,3 @@ def test_an_idle_loop_reads_idle_now_not_as_busy_as_at_its_last_forward():
         assert after.idle_s - before.idle_s >= 0.25
 
     asyncio.run(scenario())
-
-
-def test_in_a_lane_the_draft_engine_drafts_the_next_block_while_the_target_verifies(pair):
-    """deployments/fast_lane.py: a graph round's draft step (called from the graph's thread) drafts
-    the next block ahead on the event loop; it is used only when the history went on exactly as
-    guessed (the whole block and the bonus guess), equals a block drafted then, and is dropped
-    (counted) otherwise or on release."""
-    target_path, draft_path = pair
-
-    async def scenario():
-        engine = DraftEngine("draft", spec(draft_path), str(target_path), options())
-        assert await engine.claim_lane("router") and not await engine.claim_lane("another router")
-        call = {"seq_id": "s", "history": HISTORIES[0], "num_tokens": 3, "params": GREEDY, "seed": None,
-                "ahead": True}
-        first, _, info = await asyncio.to_thread(engine.propose_in_graph, call)
-        assert info == {"pipelined": False, "discarded_ahead": 0} and len(first.token_ids) == 3
-        went_on = HISTORIES[0] + first.token_ids
-        guess = (await engine.propose("probe", went_on, 1, GREEDY, None))[0].token_ids[0]
-        taken = dict(call, history=went_on + [guess])
-        second, _, info = await asyncio.to_thread(engine.propose_in_graph, taken)
-        fresh = (await engine.propose("fresh", taken["history"], 3, GREEDY, None))[0]
-        assert info == {"pipelined": True, "discarded_ahead": 0} and second.token_ids == fresh.token_ids
-        missed = dict(call, history=taken["history"] + [(second.token_ids[0] + 1) % 50])
-        third, _, info = await asyncio.to_thread(engine.propose_in_graph, missed)
-        fresh = (await engine.propose("fresh2", missed["history"], 3, GREEDY, None))[0]
-        assert info == {"pipelined": False, "discarded_ahead": 4} and third.token_ids == fresh.token_ids
-        await engine.release("s")
-        await asyncio.sleep(0.05)
-        assert "s" not in engine.lane_ahead and "s" not in await engine.active_sequences()
-
-    asyncio.run(scenario())

@@ -3,18 +3,14 @@ never waits on an engine once the pool has been probed (deployments/pool_health.
 
 import asyncio
 
-import pytest
-
 from deployments import pool_health
 from deployments.pool_health import PoolHealth, overall_status
-
 
 class _Remote:
     """The `.remote()` shape of a Ray method: calling it gives an awaitable."""
 
     def __init__(self, coroutine_function):
         self.remote = coroutine_function
-
 
 class _Engine:
     def __init__(self, ping_s: float = 0.0, dead: bool = False):
@@ -25,20 +21,17 @@ class _Engine:
             return True
         self.ping = _Remote(ping)
 
-
 class _Pool:
     def __init__(self, engine: _Engine):
         async def get_engine():
             return engine
         self.get_engine = _Remote(get_engine)
 
-
 def test_overall_status():
     assert overall_status({"target": "ok", "draft": "ok"}) == "ok"
     assert overall_status({"target": "ok", "draft": "unavailable"}) == "degraded"
     assert overall_status({"target": "unavailable", "draft": "ok"}) == "unavailable"
     assert overall_status({"target": "ok"}) == "ok"
-
 
 def test_first_report_waits_for_a_verdict_then_a_busy_engine_stays_ok(monkeypatch):
     monkeypatch.setattr(pool_health, "PROBE_INTERVAL_S", 0.0)
@@ -56,7 +49,6 @@ def test_first_report_waits_for_a_verdict_then_a_busy_engine_stays_ok(monkeypatc
         assert loop.time() - started < 0.5
 
     asyncio.run(scenario())
-
 
 def test_dead_draft_is_degraded_dead_target_unavailable_slow_probe_times_out(monkeypatch):
     monkeypatch.setattr(pool_health, "PROBE_TIMEOUT_S", 0.2)
