@@ -1,4 +1,4 @@
-"""The performance model (docs/performance-model.md) and the statistics the report is built from.
+"""The performance model (docs/depth-and-autoscaling.md) and the statistics the report is built from.
 
 Pure functions on plain numbers, so the numbers printed next to a measurement can be checked by
 hand and by tests: E = (1 - a^(K+1)) / (1 - a) tokens per target pass; the overlapped
@@ -40,7 +40,7 @@ def overlapped_speedup_bound(acceptance_rate: float, num_draft_tokens: float,
 def serial_speedup_estimate(acceptance_rate: float, num_draft_tokens: float, target_step_1_s: float,
                             target_step_k1_s: float, draft_step_s: float) -> float:
     """E * t(1) / (K * t_draft + t(K+1)): drafting and verifying one after the other, no overheads.
-    With t(K+1) = t(1) and c = t_draft / t(1) this is the README's E / (K c + 1)."""
+    With t(K+1) = t(1) and c = t_draft / t(1) this is E / (K c + 1) (docs/depth-and-autoscaling.md)."""
     round_s = num_draft_tokens * draft_step_s + target_step_k1_s
     return expected_tokens_per_pass(acceptance_rate, num_draft_tokens) * target_step_1_s / round_s
 

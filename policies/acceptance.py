@@ -1,6 +1,6 @@
 """Per-token acceptance alpha: the geometric acceptance model and the one estimator of alpha.
 
-Model (docs/performance-model.md): each draft token is accepted independently with probability
+Model (docs/depth-and-autoscaling.md): each draft token is accepted independently with probability
 alpha until the first rejection, so a round of depth K accepts n = min(G, K) tokens, G geometric.
 Its likelihood over rounds is alpha^(accepted tokens) * (1 - alpha)^(rounds cut by a rejection),
 so with a Beta(a, b) prior the posterior mean is

@@ -1,6 +1,6 @@
 """Per-request speculation depth from the request's own acceptance history.
 
-The performance model (docs/performance-model.md): with per-token acceptance alpha, depth K and
+The performance model (docs/depth-and-autoscaling.md): with per-token acceptance alpha, depth K and
 draft/target step-cost ratio c, a round emits E = (1 - alpha^(K+1)) / (1 - alpha) tokens and
 costs K*c + 1 target-step equivalents. We pick the K in bounds that maximises E / (K*c + 1).
 Alpha comes from policies.acceptance (the truncated-geometric fit with a Beta prior, the same

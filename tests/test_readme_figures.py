@@ -1,12 +1,13 @@
-"""Every figure the README publishes comes from a results file in the repo, named beside it.
+"""Every figure the README and docs/ publish comes from a results file in the repo, named beside it.
 
-Checked: every block (paragraph, list item, table) of the README's Performance section, and any
-block elsewhere that quotes tok/s or a × ratio or cites `bench/results/`. A checked block that
-holds a number must cite at least one results file as `bench/results/NAME` (NAME may end in .md,
-.json or .log, or carry a glob such as `pipeline-ahead-*`); a table also counts the files cited by
-the paragraph just above it, and a list item those cited by its list's lead-in text. Each number
-must appear in one of those files, written with at least as many decimals and rounding (half up)
-to the README's digits: 0.18 matches 0.175, 144.2 matches 144.21875, 1.67x matches 1.67.
+Checked, in README.md and every docs/*.md: every block (paragraph, list item, table) of
+docs/performance.md (and of any section titled Performance), and any block elsewhere that quotes
+tok/s or a × ratio or cites `bench/results/`. A checked block that holds a number must cite at least
+one results file as `bench/results/NAME` (NAME may end in .md, .json, .log or .diff, or carry a glob
+such as `pipeline-ahead-*`); a table also counts the files cited by the paragraph just above it, and a
+list item those cited by its list's lead-in text. Each number must appear in one of those files,
+written with at least as many decimals and rounding (half up) to the document's digits: 0.18 matches
+0.175, 144.2 matches 144.21875, 1.67x matches 1.67.
 Not checked: inline code, link targets, ISO dates. A computed figure (a ratio of two table
 entries, say) that no file prints fails: print it in the report, or quote its parts.
 """
@@ -21,7 +22,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
-RESULTS_EXTENSIONS = (".md", ".json", ".log")
+DOCUMENTS = [README, *sorted((REPO / "docs").glob("*.md"))]
+ALL_FIGURES = {REPO / "docs" / "performance.md"}  # documents whose every block is a figure to check
+RESULTS_EXTENSIONS = (".md", ".json", ".log", ".diff")
 
 CITATION = re.compile(r"bench/results/[\w.*-]+")
 NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?=x\b|(?![\w.])|\.(?!\w))")
@@ -106,13 +109,18 @@ def appears_in(number: str, file_numbers: set[str]) -> bool:
     return False
 
 
-def checked_blocks() -> list[tuple[str, str]]:
+def checked_blocks(document: Path) -> list[tuple[str, str]]:
     checked = []
-    for title, lines in sections(README.read_text()).items():
+    for title, lines in sections(document.read_text()).items():
         for text, inherited in blocks(lines):
-            if title == "Performance" or QUOTES_FIGURES.search(text):
+            if document in ALL_FIGURES or title == "Performance" or QUOTES_FIGURES.search(text):
                 checked.append((text, inherited))
     return checked
+
+
+def all_checked_blocks() -> list[tuple[str, str, str]]:
+    return [(str(document.relative_to(REPO)), text, inherited)
+            for document in DOCUMENTS for text, inherited in checked_blocks(document)]
 
 
 def figure_problems(text: str, inherited: str) -> list[str]:
@@ -131,13 +139,15 @@ def figure_problems(text: str, inherited: str) -> list[str]:
     return [f"{n} not in {[f.name for f in files]}" for n in numbers if not appears_in(n, file_numbers)]
 
 
-def test_the_performance_section_is_checked_at_all():
-    assert len(checked_blocks()) >= 5
+def test_the_readme_headline_and_the_performance_doc_are_checked_at_all():
+    assert len(checked_blocks(REPO / "docs" / "performance.md")) >= 20
+    assert any("**Headline.**" in text for text, _ in checked_blocks(README))
 
 
-@pytest.mark.parametrize("text,inherited", checked_blocks(), ids=lambda s: s[:40] if s else "-")
-def test_every_readme_figure_appears_in_the_results_file_it_cites(text, inherited):
-    assert figure_problems(text, inherited) == []
+@pytest.mark.parametrize("document,text,inherited", all_checked_blocks(),
+                         ids=lambda s: s[:40] if s else "-")
+def test_every_published_figure_appears_in_the_results_file_it_cites(document, text, inherited):
+    assert figure_problems(text, inherited) == [], f"in {document}"
 
 
 # -- the checker itself --------------------------------------------------------------------------------
@@ -162,3 +172,20 @@ def test_a_figure_missing_from_the_cited_file_is_reported():
 
 def test_a_figure_without_a_citation_is_reported():
     assert figure_problems("a lone stream ran at 97.3 tok/s", "") == ["quotes ['97.3'] but cites no bench/results/ file"]
+
+
+def test_a_wrong_figure_in_the_readme_headline_is_caught():
+    """The real headline block passes; the same block with one figure off by a tenth does not."""
+    headline = next(text for text, _ in checked_blocks(README) if "**Headline.**" in text)
+    assert "165.9" in headline and figure_problems(headline, "") == []
+    assert figure_problems(headline.replace("165.9", "165.8"), "") == [
+        "165.8 not in ['cpu-2core-thirdparty-http-lean.md']"]
+
+
+def test_a_table_in_docs_inherits_the_citation_of_the_paragraph_above_it():
+    """A table row's figure is checked against the file its lead-in paragraph cites: change one cell
+    of the depth table in docs/performance.md and it fails."""
+    blocks_ = checked_blocks(REPO / "docs" / "performance.md")
+    table, inherited = next((t, i) for t, i in blocks_ if t.startswith("| streams | adaptive (mean K)"))
+    assert "bench/results/" not in table and figure_problems(table, inherited) == []
+    assert figure_problems(table.replace("127.4", "931.4"), inherited) != []
