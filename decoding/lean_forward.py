@@ -8,11 +8,9 @@ the rotary embedding from the model's own module (so every rope type it knows is
 way), SDPA with the slot cache's additive mask, and the LM head only over the rows asked for.
 vLLM and gpt-fast likewise run their own model code rather than the reference implementation.
 
-On the default pair (fp32, one thread, 145 cached tokens) its logits are bit-identical to the
-transformers forward over the same slot cache, and a step costs less: target 7.77 -> 6.88 ms for one
-token and 13.00 -> 12.18 ms for 8; draft 1.16 -> 0.89 ms and 1.90 -> 1.58 ms (`python -m
-bench.lean_forward`, bench/results/lean-forward-cpu.json, the two forwards taking turns). Fusing
-q/k/v and gate/up into one product each was tried and was slower at 8 rows on this CPU (MKL picks a
+On the default pair its logits are bit-identical to the transformers forward over the same slot
+cache, and a step costs less (`python -m bench.lean_forward`; figures in docs/performance.md).
+Fusing q/k/v and gate/up into one product each was tried and was slower on a CPU (MKL picks a
 worse kernel for the wider matrix), so the projections stay separate.
 
 Supported when the decoder is Llama-shaped (`lean_support`): llama, mistral and qwen2 layers of

@@ -427,9 +427,9 @@ class Router:
     def _draft_depth(self, state: RequestState) -> int:
         """K for this round. With company (more than one active request) the policy actor's depth
         for the request's class is used as it is: its goodput model sees the batched cost curves
-        and the load, which a request's own view does not (measured: the per-request choice drafted
-        K ~5.5 under load where K = 8 ran ~15% faster; refining the class's depth by the request's
-        own acceptance lost 5-8%, bench/results/refine-class-depth-load.md). Alone, `_lone_depth`.
+        and the load, which a request's own view does not (per-request choices, and refining the
+        class's depth by the request's own acceptance, both measured slower: docs/depth-and-autoscaling.md).
+        Alone, `_lone_depth`.
         0 from the policy: speculation does not pay now. A seeded request's K must not depend on
         timing or load (its random draws follow K), so it uses the configured cost ratio and no
         policy."""

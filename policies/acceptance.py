@@ -81,11 +81,9 @@ def estimate_acceptance_rate(num_accepted: int, num_drafted: int, num_rounds: in
 # taken in streaks (a repeated line whole, a new identifier missed at once) breaks that, and the
 # model then under-rates deep blocks. So rounds are also counted by position: `reached[j]` rounds
 # drafted position j+1 with every earlier draft accepted, and `accepted[j]` of them accepted it
-# too; with geometric acceptance the rates come out equal and nothing changes. On the shipped pair
-# and the third-party prompts acceptance is close to geometric (`python -m bench.streaks` ->
-# bench/results/streaks.md: alpha fitted at K = 2, 4 and 8 is 0.891, 0.878 and 0.877; K = 4's fit
-# predicts 5.54 tokens per round at K = 8, 5.53 measured). Beware the benchmark's "accept" column:
-# it is accepted / drafted (0.735 at K = 4), not alpha.
+# too; with geometric acceptance the rates come out equal and nothing changes (on the shipped pair
+# it is close to geometric: `python -m bench.streaks`, docs/depth-and-autoscaling.md). Beware the
+# benchmark's "accept" column: it is accepted / drafted, not alpha.
 POSITION_PRIOR_WEIGHT = 4.0  # pseudo-rounds: a position's rate leans on the one before until seen this often
 
 

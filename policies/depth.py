@@ -114,10 +114,9 @@ class RoundWallFit:
     the target verifies (should_draft_ahead), so a round's draft time hides behind the verify when
     the guess holds and is paid twice when it does not; the block drafted ahead shares the CPU with
     the verify; the verify itself grows with K. None of that is in "K draft steps + one target
-    pass". On the 2-core box, dividing tok/s by tokens per round in
-    bench/results/cpu-2core-depth-load-thirdparty-interleaved.md, a lone round took about 27 ms at
-    K = 4 and 39 ms at K = 8, 3 ms a draft token, where the engine seconds say about 1; drafting by
-    engine seconds ran 0.93x of K = 8 alone, by this line 1.04x (bench/results/lone-depth-*.md). Least squares with exponential forgetting follows the box as it drifts; until
+    pass", and on a CPU box a wall-clock draft token costs several times its engine seconds
+    (docs/depth-and-autoscaling.md has the measurements and the A/B against engine seconds).
+    Least squares with exponential forgetting follows the box as it drifts; until
     K has varied enough to tell a slope from noise (`min_k_spread`, the weighted standard deviation
     of K) there is no line, and the last identified line is kept when K later settles."""
 
@@ -166,10 +165,6 @@ def should_draft_ahead(enabled: bool, is_greedy: bool, active_requests: int) -> 
 
     Only a greedy request alone on its router: a sampled bonus token rarely equals the sampled
     guess, and with company the draft engine is already busy drafting for another request while
-    the target verifies, so blocks drafted ahead only add load. Measured on the 2-core box over
-    HTTP: a lone greedy stream 120.0 tok/s without drafting ahead (cpu-2core-distilled-draft.md),
-    141.3 drafting ahead for all (pipeline-ahead-for-all-http.md), 144.2 gated like this
-    (cpu-2core-distilled-draft-pipelined.md); two greedy streams 178.2 tok/s aggregate without,
-    155.6 drafting ahead for both (pipeline-ahead-ungated.log); sampled 96.0 tok/s drafting ahead
-    vs 103.8 and 105.0 without (files in bench/results/)."""
+    the target verifies, so blocks drafted ahead only add load. The gate was chosen by measuring
+    all three ways over HTTP (docs/depth-and-autoscaling.md)."""
     return enabled and is_greedy and active_requests <= 1

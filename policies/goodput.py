@@ -28,7 +28,7 @@ verifies. We take the better of the two schedules the engines can fall into:
 
 (two halves; in one cycle each half drafts once and verifies once, and a half's own round must
 fit in the cycle). Why it matters: charging drafting serially under load made the model draft
-~5 deep at 2 streams where K = 8 ran 7% faster (bench/results/cpu-2core-depth-load-thirdparty-v4-mean.md).
+shallower than the best pinned K at 2 streams (docs/depth-and-autoscaling.md).
 
 What it does: when t_target is flat in tokens (an accelerator below its compute knee) extra
 draft tokens are nearly free, so K goes deep; when t_target is linear in tokens (a saturated
