@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, field_validator, model_validator
 
 from policies.decision import policy_actor_name
+from policies.load import MAX_DRAFT_TOKENS
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODELS_DIR = PROJECT_ROOT / "models" / "default"
@@ -88,9 +89,9 @@ class SpeculationSpec(_Strict):
     """
 
     proposer: Literal["draft", "ngram", "none"] = "draft"
-    num_draft_tokens: int = Field(4, ge=0, le=32)
-    min_draft_tokens: int = Field(1, ge=0, le=32)
-    max_draft_tokens: int = Field(8, ge=0, le=32)
+    num_draft_tokens: int = Field(4, ge=0, le=MAX_DRAFT_TOKENS)
+    min_draft_tokens: int = Field(1, ge=0, le=MAX_DRAFT_TOKENS)
+    max_draft_tokens: int = Field(8, ge=0, le=MAX_DRAFT_TOKENS)
     adaptive: bool = True
     draft_cost_ratio: float = Field(0.15, gt=0, le=1, description="draft step / target pass latency until measured")
     pipeline: bool = Field(True, description="draft the next block while the target verifies (lone greedy requests)")
@@ -173,8 +174,12 @@ class AuthSpec(_Strict):
 
 def key_digest(key: str) -> str:
     """The form a key is stored and compared in: "sha256:<hex>" (a digest is its own digest)."""
-    if key.startswith(KEY_DIGEST_PREFIX):
-        return key
+    return key if key.startswith(KEY_DIGEST_PREFIX) else hash_key(key)
+
+
+def hash_key(key: str) -> str:
+    """ "sha256:<hex>" of key, whatever it looks like: what a presented bearer key is compared as
+    (a client presenting a digest must not pass as the key it digests)."""
     return KEY_DIGEST_PREFIX + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
 

@@ -11,7 +11,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from deployments.naming import ENGINE_NAMESPACE, POOLS, parse_engine_actor_name
+from deployments.naming import ENGINE_NAMESPACE, parse_engine_actor_name
+from policies.replicas import POOLS
 
 POOL_DEPLOYMENTS = {"draft": "DraftWorker", "target": "TargetWorker"}
 STATS_TIMEOUT_S = 10.0

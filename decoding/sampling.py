@@ -140,6 +140,12 @@ def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = N
     return token_ids.view(leading_shape)
 
 
+def draft_seed(seed: int | None) -> int | None:
+    """The draft's random stream of a seeded request: its own seed, so draft and target draws are
+    independent yet reproducible (MAX_SEED leaves room for it)."""
+    return None if seed is None else seed + 1
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     """A torch.Generator seeded with `seed`, or with 63 random bits from os.urandom when None."""
     if seed is None:

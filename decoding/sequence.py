@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from decoding.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from decoding.sampling import SamplingParams, make_generator
+from decoding.sampling import SamplingParams, draft_seed, make_generator
 
 
 @dataclass
@@ -86,7 +86,7 @@ class RequestState:
         seed = self.params.seed
         self.generator = make_generator(seed)
         # The draft gets its own stream so the target's accept/reject draws do not depend on K.
-        self.draft_generator = make_generator(None if seed is None else seed + 1)
+        self.draft_generator = make_generator(draft_seed(seed))
         self._detokenizer = None if self.detokenize is None else IncrementalDetokenizer(self.detokenize)
         self._tail_chars = max((len(stop) for stop in self.params.stop), default=1) - 1
         self._text_pieces: list[str] = []    # emitted text: complete characters only, while running

@@ -34,7 +34,7 @@ from deployments.naming import ENGINE_NAMESPACE, current_replica_id, engine_acto
 
 ENGINE_BUNDLE_INDEX = 1
 REPLICA_CPUS = 0.01  # the replica only relays the engine handle and health checks
-COST_SAMPLES_KEPT = 64  # recent (batch tokens, seconds) forwards, for the policy's cost curve
+ENGINE_COST_SAMPLES_KEPT = 64  # (batch tokens, seconds) of recent forwards, between two load reports
 CALL_LOG_KEPT = 4096  # recent (kind, sequence, entered, left) calls, for bench.round_profile
 RELEASED_IDS_KEPT = 4096  # recently released request ids: calls that arrive late for them are refused
 REPORT_INTERVAL_S = 1.0  # how often an engine reports its load to the policy actor
@@ -86,8 +86,8 @@ class EngineCore:
         self.metrics = EngineMetrics(self.pool, name.rsplit(":", 1)[-1] if name else "local")
         self.loop = EngineLoop(self._iterate, self._release_now, engine_options["admission_timeout_s"],
                                on_iteration=self._record_iteration)
-        self.cost_samples: deque[tuple[int, float]] = deque(maxlen=COST_SAMPLES_KEPT)
-        self._unreported_costs: deque[tuple[int, float]] = deque(maxlen=COST_SAMPLES_KEPT)
+        self.cost_samples: deque[tuple[int, float]] = deque(maxlen=ENGINE_COST_SAMPLES_KEPT)
+        self._unreported_costs: deque[tuple[int, float]] = deque(maxlen=ENGINE_COST_SAMPLES_KEPT)
         self._report_task: asyncio.Task | None = None
         self.last_used_s: dict[str, float] = {}
         self.call_log: deque[tuple[str, str, float, float]] = deque(maxlen=CALL_LOG_KEPT)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 
+from policies.replicas import POOLS
+
 ENGINE_NAMESPACE = "specserve"
 ENGINE_NAME_PREFIX = "engine"
-POOLS = ("draft", "target")
 
 
 def engine_actor_name(pool: str, replica_id: str) -> str:

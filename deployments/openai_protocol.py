@@ -23,7 +23,6 @@ be valid Unicode: a lone surrogate (JSON "\\ud800") would otherwise reach the to
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import time
 import uuid
@@ -32,6 +31,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator,
                       model_validator)
 
+from cluster.config import hash_key
 from decoding.sampling import MAX_LOGPROBS, MAX_STOP_STRINGS, Seed, Temperature, TopP
 
 
@@ -81,7 +81,7 @@ def authorization_error(header: str | None, key_digests: list[str]) -> dict[str,
         return None
     scheme, _, presented = (header or "").strip().partition(" ")
     if scheme.lower() == "bearer" and presented.strip():
-        digest = "sha256:" + hashlib.sha256(presented.strip().encode("utf-8", "surrogatepass")).hexdigest()
+        digest = hash_key(presented.strip())
         matches = [hmac.compare_digest(digest.encode(), known.encode()) for known in key_digests]
         if any(matches):
             return None

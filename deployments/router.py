@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from cluster.config import SpecServeConfig
 from decoding.proposers import Proposal
-from decoding.sampling import SamplingParams
+from decoding.sampling import SamplingParams, draft_seed
 from decoding.sequence import RequestState
 from decoding.speculation import accept_round, discarded_ahead, drafted_ahead, token_logprobs
 from deployments.admission import Admission, ServerOverloadedError
@@ -480,7 +480,7 @@ class Router:
 
     @staticmethod
     def _draft_seed(state: RequestState) -> int | None:
-        return None if state.params.seed is None else state.params.seed + 1
+        return draft_seed(state.params.seed)
 
     @staticmethod
     def _chunk(state: RequestState, committed: list[int], logprob_rows=None) -> dict:

@@ -23,10 +23,11 @@ from policies.goodput import ClassLoad
 from policies.replicas import PoolLoad
 
 REQUEST_CLASSES = ("greedy", "sampled")
-COST_SAMPLES_KEPT = 512      # per pool: enough for a fit, recent enough to follow the load
+POOL_COST_SAMPLES_KEPT = 512  # per pool: enough for a fit, recent enough to follow the load
 ACCEPT_WINDOW_S = 30.0       # acceptance is measured over this trailing window
 MAX_ACCEPT_RATE = 0.99
-MAX_POSITIONS = 32           # the deepest K a config allows (cluster.config: max_draft_tokens <= 32)
+MAX_DRAFT_TOKENS = 32        # the deepest K a config allows (cluster.config bounds its depths by it)
+MAX_POSITIONS = MAX_DRAFT_TOKENS
 
 
 def accept_rate_from_rounds(rounds: float, drafted: float, accepted: float) -> float:
@@ -105,7 +106,7 @@ class LoadTracker:
         seen = self._engines.get(key)
         share = _busy_share(seen.stats if seen else None, stats)
         self._engines[key] = _EngineSeen(now, dict(stats), share)
-        samples = self._samples.setdefault(key[0], deque(maxlen=COST_SAMPLES_KEPT))
+        samples = self._samples.setdefault(key[0], deque(maxlen=POOL_COST_SAMPLES_KEPT))
         samples.extend((float(tokens), float(seconds)) for tokens, seconds in stats.get("cost_samples", ()))
 
     def add_router(self, report: Mapping[str, Any], now: float) -> None:

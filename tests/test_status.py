@@ -36,5 +36,5 @@ def test_the_table_names_every_pool_and_an_unreachable_engine():
     table = render_table(summarize(ENGINES, ROUTER, {"target": 2, "draft": 1}))
     lines = table.splitlines()
     assert lines[0].split() == ["pool", "replicas", "sequences", "queue", "batch", "busy"]
-    assert lines[1].split()[:3] == ["draft", "1", "4"] and lines[2].split()[:3] == ["target", "2", "4"]
+    assert lines[1].split()[:3] == ["target", "2", "4"] and lines[2].split()[:3] == ["draft", "1", "4"]
     assert "4 active, 1 queued" in table and "d2: unreachable (RayActorError)" in table
