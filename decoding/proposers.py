@@ -43,9 +43,6 @@ class Proposer(Protocol):
     def propose_batch(self, calls: Sequence[ProposeCall]) -> list[Proposal]:
         """`propose` for every call (distinct seq_ids), batched where the proposer can."""
 
-    def prefill(self, seq_id: str, history: Sequence[int]) -> None:
-        """Bring per-sequence state up to date with history ahead of the first round (optional work)."""
-
     def release(self, seq_id: str) -> None:
         """Drop any per-sequence state (idempotent)."""
 
@@ -58,18 +55,6 @@ class DraftModelProposer:
 
     def __init__(self, runner: RunnerBase) -> None:
         self.runner = runner
-
-    def prefill(self, seq_id: str, history: Sequence[int]) -> None:
-        """Fill the draft's KV cache with history (e.g. the prompt, while the target prefills)."""
-        self.prefill_batch([(seq_id, history)])
-
-    def prefill_batch(self, items: Sequence[tuple[str, Sequence[int]]]) -> None:
-        """`prefill` for several (seq_id, history) pairs in one forward; histories that are empty
-        or longer than the draft's context are skipped (drafting will propose nothing for them)."""
-        calls = [ForwardCall(seq_id, history, 1) for seq_id, history in items
-                 if 0 < len(history) <= self.runner.max_context]
-        if calls:
-            self.runner.forward_batch(calls)
 
     def propose(self, seq_id: str, history: Sequence[int], num_tokens: int, params: SamplingParams,
                 generator: torch.Generator | None = None) -> Proposal:
@@ -128,9 +113,6 @@ class NgramProposer:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
-
-    def prefill(self, seq_id: str, history: Sequence[int]) -> None:
-        """Nothing to prepare: the lookup reads history afresh each round."""
 
     def propose(self, seq_id: str, history: Sequence[int], num_tokens: int, params: SamplingParams,
                 generator: torch.Generator | None = None) -> Proposal:

@@ -15,8 +15,7 @@ per-round calls record two histogram points, per-forward calls at most three poi
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -213,32 +212,4 @@ class EngineMetrics:
         """Calls waiting now and KV sequences held now (call when either changes, or per forward)."""
         self.queue_depth.set(queue_depth)
         self.kv_sequences.set(sequences)
-
-
-class BusyIdleClock:
-    """Splits an engine's wall time into busy (inside forwards) and idle (between them).
-
-    ``idle_s = clock.start()`` before a forward, ``busy_s = clock.stop()`` after it; busy + idle
-    add up to the wall time since the clock was made, so utilisation = busy / (busy + idle)."""
-
-    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
-        self._now = now
-        self._last = now()
-        self._running = False
-
-    def start(self) -> float:
-        """Mark a forward's start; return the idle seconds since the previous one ended."""
-        if self._running:
-            raise RuntimeError("BusyIdleClock.start() called twice without stop()")
-        now = self._now()
-        idle_s, self._last, self._running = now - self._last, now, True
-        return idle_s
-
-    def stop(self) -> float:
-        """Mark the forward's end; return its busy seconds."""
-        if not self._running:
-            raise RuntimeError("BusyIdleClock.stop() called without start()")
-        now = self._now()
-        busy_s, self._last, self._running = now - self._last, now, False
-        return busy_s
 

@@ -15,11 +15,9 @@ relative to it.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 
-from policies.acceptance import (PRIOR_ACCEPTED, PRIOR_REJECTED, estimate_acceptance_rate,
-                                 expected_tokens_by_position, expected_tokens_per_round)
+from policies.acceptance import estimate_acceptance_rate, expected_tokens_by_position, expected_tokens_per_round
 
 __all__ = ["RoundCosts", "RoundWallFit", "choose_draft_depth", "expected_speedup", "expected_tokens_per_round",
            "should_draft_ahead"]
@@ -51,19 +49,12 @@ def best_depth_by_position(accept_by_position: tuple[float, ...], draft_cost_rat
 
 def choose_draft_depth(num_accepted: int, num_drafted: int, draft_cost_ratio: float,
                        min_draft_tokens: int, max_draft_tokens: int, overhead_ratio: float = 0.0,
-                       *, num_rounds: int | None = None) -> int:
+                       *, num_rounds: int) -> int:
     """The depth K in [min, max] with the best expected throughput for this request so far.
 
-    Pass num_rounds (rounds that drafted at least one token, `SpeculationStats.rounds`): alpha
-    cannot be recovered from accepted and drafted alone. Without it the old estimate
-    (accepted + 3) / (drafted + 4) is used, which reads (E - 1) / K as alpha and so drafts too
-    shallow; that fallback is deprecated and warns."""
-    if num_rounds is None:
-        warnings.warn("choose_draft_depth without num_rounds reads accepted/drafted as alpha and "
-                      "under-estimates it; pass num_rounds=stats.rounds", DeprecationWarning, stacklevel=2)
-        accept_rate = (num_accepted + PRIOR_ACCEPTED) / (num_drafted + PRIOR_ACCEPTED + PRIOR_REJECTED)
-    else:
-        accept_rate = estimate_acceptance_rate(num_accepted, num_drafted, num_rounds)
+    num_rounds (rounds that drafted at least one token, `SpeculationStats.rounds`) is needed:
+    alpha cannot be recovered from accepted and drafted alone."""
+    accept_rate = estimate_acceptance_rate(num_accepted, num_drafted, num_rounds)
     return best_depth(accept_rate, draft_cost_ratio, min_draft_tokens, max_draft_tokens, overhead_ratio)
 
 

@@ -12,7 +12,6 @@ from deployments.metrics import (
     DISCARDED_AHEAD_FIELD,
     METRICS,
     REQUEST_COUNTER_FIELDS,
-    BusyIdleClock,
     EngineMetrics,
     PolicyMetrics,
     RouterMetrics,
@@ -140,23 +139,3 @@ def test_policy_decisions_are_gauges_per_class_and_pool(recorded):
     assert total(recorded, "specserve_policy_num_draft_tokens", request_class="greedy") == 2
     assert total(recorded, "specserve_policy_num_draft_tokens", request_class="sampled") == 3
     assert total(recorded, "specserve_policy_target_replicas", pool="target") == 2
-
-
-def test_busy_and_idle_add_up_to_wall_time():
-    ticks = iter([10.0, 10.5, 10.7, 11.0, 11.4])
-    clock = BusyIdleClock(now=lambda: next(ticks))
-    idle = clock.start()
-    busy = clock.stop()
-    idle += clock.start()
-    busy += clock.stop()
-    assert (idle, busy) == (pytest.approx(0.8), pytest.approx(0.6))
-    assert idle + busy == pytest.approx(11.4 - 10.0)
-
-
-def test_busy_idle_clock_refuses_unbalanced_calls():
-    clock = BusyIdleClock()
-    with pytest.raises(RuntimeError):
-        clock.stop()
-    clock.start()
-    with pytest.raises(RuntimeError):
-        clock.start()

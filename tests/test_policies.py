@@ -75,11 +75,9 @@ def test_estimate_refuses_more_accepted_than_drafted():
 # -- depth ---------------------------------------------------------------------------------------------
 
 def test_high_alpha_drafts_deeper_than_the_ratio_would_have():
-    """At alpha 0.93 and c 0.15 the best K is 8; reading accepted/drafted (0.84) as alpha gave 5."""
+    """At alpha 0.93 and c 0.15 the best K is 8 (reading accepted/drafted, 0.84, as alpha gave 5)."""
     accepted, drafted, rounds, _ = simulate_rounds(0.93, 4, 2000)
     assert choose_draft_depth(accepted, drafted, 0.15, 1, 8, num_rounds=rounds) == 8
-    with pytest.warns(DeprecationWarning):
-        assert choose_draft_depth(accepted, drafted, 0.15, 1, 8) == 5
 
 
 def test_expected_tokens_matches_the_geometric_formula():

@@ -183,18 +183,6 @@ def test_a_seeded_sampled_draft_does_not_depend_on_what_shares_its_batch(model):
     assert single.token_ids == alone.token_ids
 
 
-def test_prefill_batch_fills_every_cache_in_one_forward_and_skips_what_cannot_fit(model):
-    runner = BatchedModelRunner.from_model(model)
-    forwarded: list[tuple[int, int]] = []
-    hook = runner.model.get_input_embeddings().register_forward_hook(
-        lambda module, args, output: forwarded.append(tuple(args[0].shape)))
-    DraftModelProposer(runner).prefill_batch([("a", [3, 4, 5]), ("b", list(range(2, 12))), ("empty", []),
-                                              ("too-long", [3] * 200)])
-    hook.remove()
-    assert forwarded == [(2, 10)]
-    assert sorted(runner.active_sequences()) == ["a", "b"]
-
-
 def test_ngram_propose_batch_is_propose_per_call():
     calls = [ProposeCall("a", [1, 2, 3, 4, 5, 9, 3, 6, 1, 2, 3], 3, GREEDY), ProposeCall("b", [1, 2, 3], 2, GREEDY)]
     proposer = NgramProposer()
