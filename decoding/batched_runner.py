@@ -76,14 +76,14 @@ class BatchedModelRunner(RunnerBase):
         """lean: run decoding.lean_forward where the architecture has one (else transformers' forward).
         max_model_len: longest sequence served (default: the model's max_position_embeddings).
         kv_cache_memory_gb: the KV budget on CPU; on CUDA, gpu_memory_utilization decides it
-        (cuda_kv_budget_bytes) unless kv_cache_memory_gb is given."""
+        (cuda_kv_budget_bytes), as vLLM's two settings do."""
         super()._init_from_model(model, max_sequences, model_path, max_model_len)
         supported, reason = slot_path_support(model)
         if not supported:
             raise ValueError(f"{model_path}: the paged KV cache cannot serve this model ({reason}); "
                              "use load_runner / runner_for_model to fall back to ModelRunner")
         self._dtype = next(model.parameters()).dtype
-        if kv_cache_memory_gb is None and self.device.type == "cuda":
+        if self.device.type == "cuda":
             budget = cuda_kv_budget_bytes(self.device, gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION)
         else:
             budget = (kv_cache_memory_gb or DEFAULT_KV_CACHE_MEMORY_GB) * GIB

@@ -178,7 +178,8 @@ class EngineCore:
                 "forwards": loop_stats.iterations, "batch_rows_total": loop_stats.rows_total,
                 "busy_s": loop_stats.busy_s, "idle_s": loop_stats.idle_s, "gpu_ids": self.gpu_ids,
                 "node_id": self.node_id,
-                "cost_samples": list(self.cost_samples)}
+                "cost_samples": list(self.cost_samples),
+                **(self.runner.kv_usage() if self._paged else {})}
 
     @property
     def free_slots(self) -> int:
@@ -192,9 +193,18 @@ class EngineCore:
             if last_used < cutoff:
                 self.loop.release(seq_id)
 
-    def _waiting_call(self, seq_id: str, token_ids: Sequence[int], num_rows: int = 1) -> WaitingCall:
+    def _waiting_call(self, seq_id: str, token_ids: Sequence[int], num_rows: int = 1,
+                      extra_tokens: int = 0) -> WaitingCall:
+        """extra_tokens: what the call adds after its forward (a draft's later decode steps)."""
         cached = self.runner.num_cached(seq_id) if self.runner is not None else 0
-        return WaitingCall(seq_id, max(num_rows, len(token_ids) - cached), holds_slot=cached > 0)
+        blocks_held = self.runner.blocks_held(seq_id) if self._paged else 0
+        return WaitingCall(seq_id, max(num_rows, len(token_ids) - cached), holds_slot=cached > 0,
+                           num_cached=cached, blocks_held=blocks_held, extra_tokens=extra_tokens)
+
+    @property
+    def _paged(self) -> bool:
+        """The runner keeps KV in a block pool (BatchedModelRunner), so calls wait for blocks."""
+        return hasattr(self.runner, "blocks_held")
 
     def check_call(self, token_ids: Sequence[int], num_rows: int = 1) -> SequenceStateError | None:
         """The error a call would raise in a batched forward, found before it can fail the batch."""
@@ -218,7 +228,9 @@ class EngineCore:
             else:
                 results[index] = error
         plan = plan_iteration([waiting[index] for index in valid], self.free_slots, self.max_step_tokens,
-                              self.prefill_token_budget, self.max_batch_rows)
+                              self.prefill_token_budget, self.max_batch_rows,
+                              free_blocks=self.runner.num_free_blocks if self._paged else None,
+                              block_size=self.runner.block_size if self._paged else 1)
         return IterationPlan(steps=[valid[i] for i in plan.steps],
                              prefills=[(valid[i], chunk) for i, chunk in plan.prefills],
                              waiting=[valid[i] for i in plan.waiting])
