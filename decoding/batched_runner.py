@@ -140,10 +140,10 @@ class BatchedModelRunner(RunnerBase):
         except BaseException:
             # Tokens past a sequence's reused prefix are never read, so the held sequences stay
             # valid once cropped back to it; the sequences this batch admitted are given back.
-            for seq_id in new_seq_ids:
-                self.release(seq_id)
             for entry, start in zip(entries, starts):
                 self._crop(entry, start)
+            for seq_id in new_seq_ids:
+                self.release(seq_id)
             raise
         for entry, history in zip(entries, histories):
             entry.token_ids = history

@@ -136,6 +136,7 @@ class PagedLayout:
     write_offsets: torch.Tensor    # LongTensor [N]: ... and its place in that block
     source_rows: torch.Tensor      # LongTensor [N]: its row b in the batch ...
     source_columns: torch.Tensor   # LongTensor [N]: ... and its column t among the new tokens
+    single_write: tuple[int, int] | None  # (block, offset) when one row's new tokens fit one block: a slice copy
     kv_length: int                 # attend over positions [0, kv_length) of each row
     position_ids: torch.Tensor     # LongTensor [B, T]; padding repeats the row's last position
     attention_mask: torch.Tensor   # float [B, 1, T, kv_length]: 0 visible, finfo.min hidden
@@ -152,9 +153,13 @@ def paged_layout(tables: Sequence[Sequence[int]], starts: Sequence[int], num_new
               for b, (table, start, n) in enumerate(zip(tables, starts, num_new))
               for t, position in enumerate(range(start, start + n))]
     write_blocks, write_offsets, source_rows, source_columns = torch.tensor(writes, dtype=torch.long).T.to(device)
+    # A lone row's decode step or verify usually lands in one block: write it as a slice (the hot
+    # path of a single stream), not through the scatter.
+    one_block = len(tables) == 1 and writes[0][0] == writes[-1][0]
     return PagedLayout(read_blocks=torch.tensor(read_blocks, dtype=torch.long).to(device),
                        write_blocks=write_blocks, write_offsets=write_offsets,
-                       source_rows=source_rows, source_columns=source_columns, kv_length=kv_length,
+                       source_rows=source_rows, source_columns=source_columns,
+                       single_write=writes[0][:2] if one_block else None, kv_length=kv_length,
                        position_ids=position_ids.to(device), attention_mask=attention_mask.to(device))
 
 
@@ -244,19 +249,26 @@ class PagedBatchView:
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         layout = self.layout
         keys, values = self.cache._layer(layer_idx, key_states, value_states)
-        # [B, H, T, D] -> [N, H, D] for the real tokens, scattered to (block, offset).
-        rows, columns = layout.source_rows, layout.source_columns
-        keys[layout.write_blocks, :, layout.write_offsets] = key_states.transpose(1, 2)[rows, columns]
-        values[layout.write_blocks, :, layout.write_offsets] = value_states.transpose(1, 2)[rows, columns]
+        if layout.single_write is not None:
+            block, offset = layout.single_write   # one row, no padding, one block
+            keys[block, :, offset:offset + key_states.shape[2]] = key_states[0]
+            values[block, :, offset:offset + value_states.shape[2]] = value_states[0]
+        else:
+            # [B, H, T, D] -> [N, H, D] for the real tokens, scattered to (block, offset).
+            rows, columns = layout.source_rows, layout.source_columns
+            keys[layout.write_blocks, :, layout.write_offsets] = key_states.transpose(1, 2)[rows, columns]
+            values[layout.write_blocks, :, layout.write_offsets] = value_states.transpose(1, 2)[rows, columns]
         return self._read(keys), self._read(values)
 
     def _read(self, pool: torch.Tensor) -> torch.Tensor:
         """Rows' blocks as [B, H, kv_length, D] in one copy: the pool seen as [(block, head), bs, D]
         rows, picked in (row, head, block) order, is already the padded batch tensor."""
-        num_pool_blocks, heads, block_size, head_dim = pool.shape
-        batch, num_read = self.layout.read_blocks.shape
-        if self._gather is None:
+        if self._gather is None:   # once per forward: every layer has the same heads and blocks
+            num_pool_blocks, heads, block_size, head_dim = pool.shape
+            batch, num_read = self.layout.read_blocks.shape
             head = torch.arange(heads, device=pool.device).view(1, heads, 1)
             self._gather = (self.layout.read_blocks.unsqueeze(1) * heads + head).reshape(-1)
-        gathered = pool.view(num_pool_blocks * heads, block_size, head_dim).index_select(0, self._gather)
-        return gathered.view(batch, heads, num_read * block_size, head_dim)[:, :, :self.layout.kv_length]
+            self._rows_shape = (-1, block_size, head_dim)
+            self._batch_shape = (batch, heads, num_read * block_size, head_dim)
+        gathered = pool.view(self._rows_shape).index_select(0, self._gather).view(self._batch_shape)
+        return gathered[:, :, :self.layout.kv_length]
