@@ -245,3 +245,29 @@ def test_an_idle_loop_reads_idle_now_not_as_busy_as_at_its_last_forward():
         assert after.idle_s - before.idle_s >= 0.25
 
     asyncio.run(scenario())
+
+
+def test_a_call_waits_for_kv_blocks_then_runs_or_gets_overloaded(pair):
+    """A budget of 20 blocks of 16 tokens (the tiny target's max_model_len of 256 needs 16): a
+    sequence holding 13 leaves too few for a 120-token prompt, which queues until the first is
+    released, as a full slot table made calls queue; past the deadline, "overloaded"."""
+    target_path, _ = pair
+    budget_gb = 20 * 16 * 512 / 2**30   # 512 bytes a token: 2 x 2 layers x 4 heads x 8 x 4 B
+
+    async def scenario():
+        engine = TargetEngine({**spec(target_path), "kv_cache_memory_gb": budget_gb}, options(admission_timeout_s=1))
+        assert engine.runner.kv_capacity.num_blocks == 20
+        await engine.verify("a", [5 + i % 80 for i in range(200)], 1, GREEDY)
+        waiting = asyncio.create_task(engine.verify("b", [7 + i % 80 for i in range(120)], 1, GREEDY))
+        await asyncio.sleep(0.1)
+        assert not waiting.done() and engine.loop.queue_depth == 1
+        stats = await engine.stats()
+        assert (stats["kv_blocks_used"], stats["kv_blocks_free"], stats["kv_block_size"]) == (13, 7, 16)
+        await engine.release("a")
+        await waiting
+        with pytest.raises(EngineOverloadedError):
+            await engine.verify("c", [9 + i % 80 for i in range(200)], 1, GREEDY)
+        return await engine.stats()
+
+    stats = asyncio.run(scenario())
+    assert (stats["sequences"], stats["kv_blocks_used"], stats["kv_tokens_held"]) == (1, 8, 120)
