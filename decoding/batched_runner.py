@@ -205,7 +205,7 @@ def slot_path_support(model) -> tuple[bool, str]:
     attention = getattr(config, "_attn_implementation", None)
     context = int(config.max_position_embeddings)
     if model_type not in SLOT_MODEL_TYPES:
-        return False, (f"model type {model_type!r} is not one the slot cache is proven on "
+        return False, (f"model type {model_type!r} is not one the batched KV path is proven on "
                        f"({', '.join(sorted(SLOT_MODEL_TYPES))})")
     if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
         return False, "cross-attention needs an encoder-decoder cache"

@@ -271,3 +271,29 @@ def test_a_call_waits_for_kv_blocks_then_runs_or_gets_overloaded(pair):
 
     stats = asyncio.run(scenario())
     assert (stats["sequences"], stats["kv_blocks_used"], stats["kv_tokens_held"]) == (1, 8, 120)
+
+
+def test_a_held_sequence_that_cannot_grow_preempts_the_youngest_which_is_prefilled_again(pair):
+    """Two sequences fill a 20-block budget; the older one's verify needs one more block. Rather than
+    both waiting out the deadline, the younger one's KV is freed (recompute preemption): the older
+    verifies now, the younger's next call is prefilled again once blocks free up, rows unchanged."""
+    target_path, _ = pair
+    reference = ModelRunner(str(target_path))
+    older, younger = [5 + i % 80 for i in range(160)], [7 + i % 80 for i in range(160)]
+
+    async def scenario():
+        engine = TargetEngine({**spec(target_path), "kv_cache_memory_gb": 20 * 16 * 512 / 2**30},
+                              options(admission_timeout_s=5))
+        await engine.verify("old", older, 1, GREEDY)
+        await engine.verify("young", younger, 1, GREEDY)
+        grown, _ = await engine.verify("old", older + [9, 9, 4], 4, GREEDY)
+        assert engine.preemptions == 1 and await engine.active_sequences() == ["old"]
+        again = asyncio.create_task(engine.verify("young", younger + [3, 3], 3, GREEDY))
+        await asyncio.sleep(0.1)
+        assert not again.done()        # 10 blocks to prefill again, 9 free
+        await engine.release("old")
+        return grown, (await again)[0]
+
+    grown, again = asyncio.run(scenario())
+    assert grown == torch.argmax(reference.forward("o", older + [9, 9, 4], 4), dim=-1).tolist()
+    assert again == torch.argmax(reference.forward("y", younger + [3, 3], 3), dim=-1).tolist()
