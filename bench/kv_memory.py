@@ -120,7 +120,8 @@ def stream_memory(model, streams: int, seed: int) -> dict:
             histories[s] += (block[s] + [rng.randint(2, 8000)])[:rng.randint(1, 6)]
         usage = runner.kv_usage()
         samples.append({"reserved": usage["kv_bytes_reserved"], "in_blocks": usage["kv_blocks_used"] * block_bytes,
-                        "held": usage["kv_tokens_held"] * bytes_per_token})
+                        "held": usage["kv_tokens_held"] * bytes_per_token, "blocks": usage["kv_blocks_used"],
+                        "tokens": usage["kv_tokens_held"]})
     for seq_id in histories:
         runner.release(seq_id)
     assert runner.kv_usage()["kv_blocks_used"] == 0, "blocks leaked"
@@ -130,9 +131,16 @@ def stream_memory(model, streams: int, seed: int) -> dict:
     slot_reserved = slot.capacity * max_len * bytes_per_token
     peak = max(samples, key=lambda sample: sample["held"])
     mean = {key: statistics.mean(sample[key] for sample in samples) for key in peak}
+    # The same streams' blocks and tokens at Llama-3.1-8B's bytes a token and context.
+    llama = kv_bytes_per_token(LlamaConfig(**LLAMA_31_8B), torch.bfloat16)
+    llama_slots = -(-streams // 8) * 8
+    projected = {"bytes_per_token": llama, "in_blocks": peak["blocks"] * runner.block_size * llama,
+                 "held": peak["tokens"] * llama,
+                 "slot_reserved": llama_slots * LLAMA_31_8B["max_position_embeddings"] * llama}
     return {"streams": streams, "rounds": len(samples), "max_model_len": max_len,
             "final_lengths": sorted(len(h) for h in histories.values()),
-            "paged_at_peak_bytes": peak, "paged_mean_bytes": mean, "slot_reserved_bytes": slot_reserved}
+            "paged_at_peak_bytes": peak, "paged_mean_bytes": mean, "slot_reserved_bytes": slot_reserved,
+            "at_llama_3_1_8b_shapes": projected}
 
 
 def llama_arithmetic(budget_gib: float = 16.0, streams: int = 16, tokens_each: int = 1024) -> dict:
@@ -170,9 +178,13 @@ def markdown(result: dict) -> str:
     for name, sample in (("paged, at peak", peak), ("paged, mean over rounds", mean)):
         lines.append(f"| {name} | {sample['reserved'] / mib:.1f} | {sample['in_blocks'] / mib:.1f} | "
                      f"{sample['held'] / mib:.1f} | {sample['held'] / sample['reserved']:.2f} |")
-    llama = result["llama_3_1_8b"]
-    lines += ["", "Paged reserved is the pool's tensors (grown by doubling on CPU, so up to 2x the blocks in use); "
-              "the slot cache reserves max_model_len tokens for every slot of its chunk of 8.", "",
+    llama, projected = result["llama_3_1_8b"], memory["at_llama_3_1_8b_shapes"]
+    lines += ["", "Paged reserved is the pool's tensors (grown by half again on CPU, so up to 1.5x the blocks in "
+              "use; on CUDA the whole budget is allocated at start); the slot cache reserves max_model_len tokens "
+              "for every slot of its chunk of 8.", "",
+              f"The same streams at Llama-3.1-8B's shapes (bf16, max_model_len 131,072), at the peak: in blocks "
+              f"{projected['in_blocks'] / GIB:.2f} GiB for {projected['held'] / GIB:.2f} GiB of tokens held; "
+              f"the slot cache would reserve {projected['slot_reserved'] / GIB:,.0f} GiB.", "",
               "## Llama-3.1-8B shapes (config only, bf16)", "",
               f"{llama['bytes_per_token'] // 1024} KiB a token. A {llama['budget_gib']:.0f} GiB budget holds "
               f"{llama['capacity_tokens']:,} tokens: {llama['full_length_sequences']} sequence(s) of 131,072 tokens, "

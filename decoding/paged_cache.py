@@ -15,7 +15,8 @@ index_select per layer (the gather index is built once per forward). The additiv
 row's padding and everything past its own tokens, exactly as for the slot cache. Measured against
 the slot cache in docs/kv-memory.md.
 
-The pool grows by doubling up to its budget on CPU (so an idle engine holds little memory), and
+The pool grows by half again up to its budget on CPU (so an idle engine holds little memory, and
+at most a third of what it holds is headroom; each growth copies the pool, amortized), and
 is allocated whole up front on CUDA (growing there would need twice the memory for a moment).
 """
 
@@ -198,7 +199,7 @@ class PagedKVCache:
             raise NoFreeBlocksError(f"need {count} KV blocks, {self.num_free} of {self.num_blocks} are free; "
                                     "wait for sequences to finish")
         if count > len(self._free):
-            want = max(count - len(self._free) + self.capacity, 2 * self.capacity, FIRST_GROWTH_BLOCKS)
+            want = max(count - len(self._free) + self.capacity, self.capacity * 3 // 2, FIRST_GROWTH_BLOCKS)
             self._grow(min(self.num_blocks, want) - self.capacity)
         return [heapq.heappop(self._free) for _ in range(count)]
 
