@@ -4,6 +4,7 @@ leaked), refusal when the budget is spent, and rows equal to per-sequence Dynami
 ragged batches that cross many block boundaries. (The runner's general equality tests are in
 tests/test_batched_runner.py.)"""
 
+import logging
 import random
 
 import pytest
@@ -146,14 +147,18 @@ def test_a_failed_forward_gives_back_the_blocks_it_took(monkeypatch):
     assert runner.kv_usage()["kv_blocks_used"] == 2
 
 
-def test_a_long_max_model_len_and_a_small_budget_run_many_short_sequences_at_once():
+def test_a_long_max_model_len_and_a_small_budget_run_many_short_sequences_at_once(caplog):
     """max_model_len 4096 and a budget of 4096 + 512 tokens: a slot cache would reserve 4096 tokens
     for each of the 16 sequences; paged, all 16 run together (lockstep greedy decoding, each equal
     to decoding alone), because each holds only its own ~50 tokens."""
     model = tiny_model("llama", max_position_embeddings=4096)
-    runner = runner_for_model(model, max_sequences=64, kv_cache_memory_gb=(4096 + 512) *
-                              kv_bytes_per_token(model.config, torch.float32) / GIB)
+    with caplog.at_level(logging.INFO, logger="decoding.batched_runner"):
+        runner = runner_for_model(model, max_sequences=64, kv_cache_memory_gb=(4096 + 512) *
+                                  kv_bytes_per_token(model.config, torch.float32) / GIB)
     assert runner.max_context == 4096 and runner.kv_capacity.tokens == 4096 + 512
+    # Start-up says what the budget holds, in tokens and in sequences of max_model_len.
+    assert "KV cache: 288 blocks of 16 tokens = 4,608 tokens" in caplog.text
+    assert "up to 1 sequences of max_model_len=4,096" in caplog.text
     prompts = {f"r{i}": random_ids(60 + i, 10 + 2 * i) for i in range(16)}
     histories = {seq_id: list(prompt) for seq_id, prompt in prompts.items()}
     for _ in range(12):
