@@ -10,7 +10,7 @@ with zero errors, every process growing at most `--max-growth` (10%) after warm-
 or KV sequence left held once the clients stop; the JSON goes to bench/results/.
 
 Why after warm-up: the first minute allocates for good (model weights, torch's allocator pools,
-the KV slot cache growing to the concurrency it sees, compiled regex caches). A leak keeps growing.
+the KV block pool growing to the tokens it holds, compiled regex caches). A leak keeps growing.
 """
 
 from __future__ import annotations

@@ -76,10 +76,22 @@ def _raise_terminated(signum, frame) -> None:
     raise Terminated()
 
 
+def _config(args: argparse.Namespace):
+    """The config file (or defaults) with the command line's model flags applied."""
+    config = load_config(args.config)
+    budget = getattr(args, "kv_cache_memory_gb", None)
+    if budget is None:
+        return config
+    if budget <= 0:
+        raise ValueError(f"--kv-cache-memory-gb must be > 0, got {budget}")
+    return config.model_copy(update={name: spec.model_copy(update={"kv_cache_memory_gb": budget})
+                                     for name, spec in (("target", config.target), ("draft", config.draft)) if spec})
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     from cluster.local import drain_local, metrics_url, start_local, stop_local
 
-    config = load_config(args.config)
+    config = _config(args)
     url = start_local(config, dashboard=args.dashboard)
     # SIGTERM is how docker stop, systemd and Kubernetes ask a server to stop. Ray's driver
     # handler (installed by ray.init) dumps a stack and exits without a drain; replace it after
@@ -120,7 +132,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_serve_config(args: argparse.Namespace) -> None:
     from cluster.builder import serve_config_yaml
 
-    text = serve_config_yaml(load_config(args.config))
+    text = serve_config_yaml(_config(args))
     if args.output:
         with open(args.output, "w") as handle:
             handle.write(text)
@@ -131,7 +143,7 @@ def cmd_serve_config(args: argparse.Namespace) -> None:
 def cmd_k8s_manifest(args: argparse.Namespace) -> None:
     from cluster.kuberay import DEFAULT_IMAGE, rayservice_yaml
 
-    text = rayservice_yaml(load_config(args.config), image=args.image or DEFAULT_IMAGE)
+    text = rayservice_yaml(_config(args), image=args.image or DEFAULT_IMAGE)
     if args.output:
         with open(args.output, "w") as handle:
             handle.write(text)
@@ -182,6 +194,9 @@ def main(argv: list[str] | None = None) -> None:
     k8s_parser.add_argument("--image")
     k8s_parser.add_argument("-o", "--output")
     k8s_parser.set_defaults(func=cmd_k8s_manifest)
+    for model_parser in (serve_parser, config_parser, k8s_parser):
+        model_parser.add_argument("--kv-cache-memory-gb", type=float, help="KV cache budget (GiB) per engine "
+                                  "replica on CPU, target and draft alike (default 4; docs/kv-memory.md)")
 
     for name, (_, help_text) in FORWARDED_COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)  # their own parser reads the rest

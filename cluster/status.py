@@ -33,6 +33,9 @@ def summarize(engine_stats: Sequence[Mapping[str, Any]], router_status: Mapping[
             "replicas": int(running_replicas.get(pool, 0)),
             "sequences": sum(int(e.get("sequences", 0)) for e in alive),
             "queue_depth": sum(int(e.get("queue_depth", 0)) for e in alive),
+            # Paged KV (decoding.paged_cache): blocks in use and free over the pool's engines.
+            "kv_blocks_used": sum(int(e.get("kv_blocks_used", 0)) for e in alive),
+            "kv_blocks_free": sum(int(e.get("kv_blocks_free", 0)) for e in alive),
             "mean_batch_size": sum(e.get("batch_rows_total", 0) for e in alive) / forwards if forwards else None,
             "utilisation": busy / (busy + idle) if busy + idle > 0 else None,
             "engines": [{k: v for k, v in e.items() if k != "cost_samples"} for e in engines],

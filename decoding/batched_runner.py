@@ -1,12 +1,12 @@
-"""A model runner that serves many sequences in ONE forward, over a slot KV cache.
+"""A model runner that serves many sequences in ONE forward, over a paged KV cache.
 
 Same full-history protocol as `ModelRunner` (each call names the whole history; the runner reuses
 the longest cached prefix, crops the rest and computes the remainder), but `forward_batch` runs
 every call's remainder together: right-padded input ids, per-row position ids, a 4D additive mask
-(decoding.slot_cache) and a boolean `logits_to_keep`, so only the rows asked for reach the LM head.
+and a boolean `logits_to_keep`, keys and values in blocks of a budgeted pool (decoding.paged_cache), so only the rows asked for reach the LM head.
 For Llama-shaped models the forward is decoding.lean_forward's (same arithmetic, bit-identical
 logits on the default pair, less Python per step); other architectures run transformers' own
-forward and attention over the slot cache.
+forward and attention over the same cache.
 
 `load_runner` / `runner_for_model` pick this path when the architecture allows it and fall back to
 the per-sequence ModelRunner otherwise, saying which in one log line.
@@ -32,9 +32,19 @@ from decoding.model_runner import (
     model_path_of,
 )
 from decoding.lean_forward import LeanDecoder, lean_support
-from decoding.slot_cache import SlotKVCache, batch_layout
+from decoding.paged_cache import (
+    DEFAULT_BLOCK_SIZE,
+    GIB,
+    KVCapacity,
+    NoFreeBlocksError,
+    PagedKVCache,
+    blocks_for,
+    cuda_kv_budget_bytes,
+    kv_capacity,
+    paged_layout,
+)
 
-__all__ = ["BatchedModelRunner", "ForwardCall", "NoFreeSlotError", "SequenceStateError", "load_runner",
+__all__ = ["BatchedModelRunner", "ForwardCall", "NoFreeBlocksError", "NoFreeSlotError", "SequenceStateError", "load_runner",
            "runner_for_model", "slot_path_support"]
 
 logger = logging.getLogger(__name__)
@@ -44,31 +54,43 @@ logger = logging.getLogger(__name__)
 SLOT_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral", "gpt2"})
 # Attention kernels that add a float mask to the scores (flash/flex take no 4D float mask).
 SLOT_ATTENTION = frozenset({"sdpa", "eager"})
-DEFAULT_CHUNK_SLOTS = 8
+# KV budget per engine on CPU when none is given: vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE). The
+# pool grows with use, so an engine holding few tokens holds little of it.
+DEFAULT_KV_CACHE_MEMORY_GB = 4.0
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 
 
 @dataclass
-class _SlotSequence:
-    slot: int
-    token_ids: list[int]  # exactly the tokens whose keys/values the slot holds
+class _PagedSequence:
+    blocks: list[int]     # its block table: token i lives in blocks[i // block_size]
+    token_ids: list[int]  # exactly the tokens whose keys/values the blocks hold
 
 
 class BatchedModelRunner(RunnerBase):
-    """Owns one model and a slot KV cache; `forward_batch` serves many sequences per forward."""
+    """Owns one model and a paged KV cache; `forward_batch` serves many sequences per forward."""
 
-    chunk_slots = DEFAULT_CHUNK_SLOTS
-
-    def _init_from_model(self, model, max_sequences: int, model_path: str, lean: bool = True) -> None:
-        """lean: run decoding.lean_forward where the architecture has one (else transformers' forward)."""
-        super()._init_from_model(model, max_sequences, model_path)
+    def _init_from_model(self, model, max_sequences: int, model_path: str, lean: bool = True,
+                         max_model_len: int | None = None, kv_cache_memory_gb: float | None = None,
+                         gpu_memory_utilization: float | None = None,
+                         block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        """lean: run decoding.lean_forward where the architecture has one (else transformers' forward).
+        max_model_len: longest sequence served (default: the model's max_position_embeddings).
+        kv_cache_memory_gb: the KV budget on CPU; on CUDA, gpu_memory_utilization decides it
+        (cuda_kv_budget_bytes), as vLLM's two settings do."""
+        super()._init_from_model(model, max_sequences, model_path, max_model_len)
         supported, reason = slot_path_support(model)
         if not supported:
-            raise ValueError(f"{model_path}: the slot KV cache cannot serve this model ({reason}); "
+            raise ValueError(f"{model_path}: the paged KV cache cannot serve this model ({reason}); "
                              "use load_runner / runner_for_model to fall back to ModelRunner")
-        self.cache = SlotKVCache(num_layers=self.config.num_hidden_layers, max_len=self.max_context,
-                                 max_slots=max_sequences, chunk_slots=self.chunk_slots, device=self.device)
         self._dtype = next(model.parameters()).dtype
-        self._sequences: dict[str, _SlotSequence] = {}
+        if self.device.type == "cuda":
+            budget = cuda_kv_budget_bytes(self.device, gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION)
+        else:
+            budget = (kv_cache_memory_gb or DEFAULT_KV_CACHE_MEMORY_GB) * GIB
+        self.kv_capacity: KVCapacity = kv_capacity(self.config, self._dtype, budget, self.max_context, block_size)
+        self.cache = PagedKVCache(num_layers=self.config.num_hidden_layers, num_blocks=self.kv_capacity.num_blocks,
+                                  block_size=block_size, device=self.device)
+        self._sequences: dict[str, _PagedSequence] = {}
         self.lean = LeanDecoder(model) if lean and lean_support(model)[0] else None
 
     def forward(self, seq_id: str, token_ids: Sequence[int], num_rows: int = 1) -> torch.Tensor:
@@ -85,44 +107,52 @@ class BatchedModelRunner(RunnerBase):
         if not calls:
             return []
         histories = self._checked_batch(calls)
-        new_seq_ids = [call.seq_id for call in calls if call.seq_id not in self._sequences]
-        entries = [self._entry(call.seq_id) for call in calls]
+        held = [self._sequences.get(call.seq_id) for call in calls]
         starts, num_new = [], []
-        for call, history, entry in zip(calls, histories, entries):
-            reused = _common_prefix_length(entry.token_ids, history, len(history) - call.num_rows)
-            self._crop(entry, reused)
+        for call, history, entry in zip(calls, histories, held):
+            reused = 0 if entry is None else _common_prefix_length(entry.token_ids, history,
+                                                                   len(history) - call.num_rows)
+            if entry is not None:
+                self._crop(entry, reused)   # a rollback: blocks past the reused prefix go back
             starts.append(reused)
             num_new.append(len(history) - reused)
+        needed = [blocks_for(len(history), self.block_size) - (0 if entry is None else len(entry.blocks))
+                  for history, entry in zip(histories, held)]
+        if sum(needed) > self.cache.num_free:
+            raise NoFreeBlocksError(f"this batch needs {sum(needed)} more KV blocks, {self.cache.num_free} of "
+                                    f"{self.cache.num_blocks} are free; wait for sequences to finish")
+        new_seq_ids = [call.seq_id for call, entry in zip(calls, held) if entry is None]
+        entries = [entry if entry is not None else self._sequences.setdefault(call.seq_id, _PagedSequence([], []))
+                   for call, entry in zip(calls, held)]
+        for entry, count in zip(entries, needed):
+            entry.blocks.extend(self.cache.allocate(count))
 
-        # Rows in slot order: a batch of neighbouring slots reads the cache as a view.
-        order = sorted(range(len(calls)), key=lambda i: entries[i].slot)
-        layout = batch_layout([entries[i].slot for i in order], [starts[i] for i in order],
-                              [num_new[i] for i in order], dtype=self._dtype, device=self.device)
+        layout = paged_layout([entry.blocks for entry in entries], starts, num_new, self.block_size,
+                              dtype=self._dtype, device=self.device)
         num_columns = max(num_new)
         # Padding id 0 is never stored nor seen by a real token; its rows are not kept.
-        input_ids = torch.tensor([histories[i][starts[i]:] + [0] * (num_columns - num_new[i]) for i in order],
-                                 dtype=torch.long)
-        keep = torch.tensor([[num_new[i] - calls[i].num_rows <= t < num_new[i] for t in range(num_columns)]
-                             for i in order], dtype=torch.bool)
+        input_ids = torch.tensor([history[start:] + [0] * (num_columns - n)
+                                  for history, start, n in zip(histories, starts, num_new)], dtype=torch.long)
+        keep = torch.tensor([[n - call.num_rows <= t < n for t in range(num_columns)]
+                             for call, n in zip(calls, num_new)], dtype=torch.bool)
         try:
             logits = self._logits(input_ids.to(self.device), layout, keep.to(self.device))
         except BaseException:
-            # Writes past a slot's length are invisible, so the held slots stay valid (cropped to
-            # their reused prefix); only the slots this batch admitted are given back.
+            # Tokens past a sequence's reused prefix are never read, so the held sequences stay
+            # valid once cropped back to it; the sequences this batch admitted are given back.
+            for entry, start in zip(entries, starts):
+                self._crop(entry, start)
             for seq_id in new_seq_ids:
                 self.release(seq_id)
             raise
-        for call, history, entry in zip(calls, histories, entries):
+        for entry, history in zip(entries, histories):
             entry.token_ids = history
-            self.cache.lengths[entry.slot] = len(history)
         # The boolean keep mask flattens the kept rows in (row, column) order.
         logits = logits.float()
-        rows_by_call: list[torch.Tensor] = [None] * len(calls)  # type: ignore[list-item]
-        offset = 0
-        for i in order:
-            rows_by_call[i] = logits[offset:offset + calls[i].num_rows]
-            offset += calls[i].num_rows
-        return rows_by_call
+        offsets = [0]
+        for call in calls:
+            offsets.append(offsets[-1] + call.num_rows)
+        return [logits[offsets[i]:offsets[i + 1]] for i in range(len(calls))]
 
     @torch.inference_mode()
     def _logits(self, input_ids: torch.Tensor, layout, keep: torch.Tensor) -> torch.Tensor:
@@ -132,23 +162,39 @@ class BatchedModelRunner(RunnerBase):
         return self.model(input_ids=input_ids, position_ids=layout.position_ids, attention_mask=layout.attention_mask,
                           past_key_values=self.cache.view(layout), use_cache=True, logits_to_keep=keep).logits
 
-    def _entry(self, seq_id: str) -> _SlotSequence:
-        entry = self._sequences.get(seq_id)
-        if entry is None:
-            entry = _SlotSequence(self.cache.allocate(), [])
-            self._sequences[seq_id] = entry
-        return entry
-
-    def _crop(self, entry: _SlotSequence, length: int) -> None:
+    def _crop(self, entry: _PagedSequence, length: int) -> None:
+        """Keep the first length tokens and the blocks they need; the rest go back to the pool."""
         if length < len(entry.token_ids):
             del entry.token_ids[length:]
-            self.cache.lengths[entry.slot] = length
+        keep = blocks_for(length, self.block_size)
+        if keep < len(entry.blocks):
+            self.cache.free(entry.blocks[keep:])
+            del entry.blocks[keep:]
 
     def release(self, seq_id: str) -> None:
-        """Forget seq_id and free its slot (idempotent)."""
+        """Forget seq_id and free its blocks (idempotent)."""
         entry = self._sequences.pop(seq_id, None)
         if entry is not None:
-            self.cache.free(entry.slot)
+            self.cache.free(entry.blocks)
+
+    @property
+    def block_size(self) -> int:
+        return self.cache.block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.cache.num_free
+
+    def blocks_held(self, seq_id: str) -> int:
+        entry = self._sequences.get(seq_id)
+        return 0 if entry is None else len(entry.blocks)
+
+    def kv_usage(self) -> dict[str, int]:
+        """KV blocks used and free, tokens held and bytes reserved: for engine stats and metrics."""
+        return {"kv_blocks_used": self.cache.num_used, "kv_blocks_free": self.cache.num_free,
+                "kv_block_size": self.block_size,
+                "kv_tokens_held": sum(len(entry.token_ids) for entry in self._sequences.values()),
+                "kv_bytes_reserved": self.cache.reserved_bytes()}
 
 
 def slot_path_support(model) -> tuple[bool, str]:
@@ -159,7 +205,7 @@ def slot_path_support(model) -> tuple[bool, str]:
     attention = getattr(config, "_attn_implementation", None)
     context = int(config.max_position_embeddings)
     if model_type not in SLOT_MODEL_TYPES:
-        return False, (f"model type {model_type!r} is not one the slot cache is proven on "
+        return False, (f"model type {model_type!r} is not one the batched KV path is proven on "
                        f"({', '.join(sorted(SLOT_MODEL_TYPES))})")
     if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
         return False, "cross-attention needs an encoder-decoder cache"
@@ -176,29 +222,36 @@ def slot_path_support(model) -> tuple[bool, str]:
 
 
 def runner_for_model(model, max_sequences: int = 256, model_path: str | None = None,
-                     lean_forward: bool = True) -> BatchedModelRunner | ModelRunner:
-    """BatchedModelRunner over `model` when the slot path supports it (running the lean forward
+                     lean_forward: bool = True, max_model_len: int | None = None,
+                     kv_cache_memory_gb: float | None = None,
+                     gpu_memory_utilization: float | None = None) -> BatchedModelRunner | ModelRunner:
+    """BatchedModelRunner over `model` when the paged path supports it (running the lean forward
     where the architecture has one and lean_forward is set), else ModelRunner; logs one line
-    saying which and why."""
+    saying which and why, and the KV capacity (see BatchedModelRunner._init_from_model)."""
     path = model_path or model_path_of(model)
     supported, reason = slot_path_support(model)
     if not supported:
         logger.info("%s: per-sequence runner (no batching) (%s)", path, reason)
         runner = ModelRunner.__new__(ModelRunner)
-        runner._init_from_model(model, max_sequences=max_sequences, model_path=path)
+        runner._init_from_model(model, max_sequences=max_sequences, model_path=path, max_model_len=max_model_len)
         return runner
     lean, lean_reason = lean_support(model) if lean_forward else (False, "lean_forward is off")
-    logger.info("%s: batched slot-cache runner (%s; %s)", path, reason,
-                lean_reason if lean else f"transformers forward: {lean_reason}")
     runner = BatchedModelRunner.__new__(BatchedModelRunner)
-    runner._init_from_model(model, max_sequences=max_sequences, model_path=path, lean=lean)
+    runner._init_from_model(model, max_sequences=max_sequences, model_path=path, lean=lean,
+                            max_model_len=max_model_len, kv_cache_memory_gb=kv_cache_memory_gb,
+                            gpu_memory_utilization=gpu_memory_utilization)
+    logger.info("%s: batched paged-KV runner (%s; %s); %s", path, reason,
+                lean_reason if lean else f"transformers forward: {lean_reason}", runner.kv_capacity.describe())
     return runner
 
 
 def load_runner(spec: dict) -> BatchedModelRunner | ModelRunner:
     """The runner for a model spec mapping (path, dtype, device, torch_threads, max_sequences,
-    lean_forward), batched when the architecture allows it (see runner_for_model)."""
+    lean_forward, and optionally max_model_len, kv_cache_memory_gb, gpu_memory_utilization),
+    batched when the architecture allows it (see runner_for_model)."""
     model = load_causal_lm(spec["path"], dtype=spec["dtype"], device=spec["device"],
                            num_threads=spec["torch_threads"])
     return runner_for_model(model, max_sequences=spec["max_sequences"], model_path=spec["path"],
-                            lean_forward=spec.get("lean_forward", True))
+                            lean_forward=spec.get("lean_forward", True), max_model_len=spec.get("max_model_len"),
+                            kv_cache_memory_gb=spec.get("kv_cache_memory_gb"),
+                            gpu_memory_utilization=spec.get("gpu_memory_utilization"))

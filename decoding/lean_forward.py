@@ -1,11 +1,11 @@
-"""A lean decoder forward for Llama-shaped models, over the slot KV cache.
+"""A lean decoder forward for Llama-shaped models, over the batched runner's KV cache.
 
 Why: for small models a transformers forward spends a large share of its time in Python around the
 kernels (module calls, keyword plumbing, output objects), and on this project's CPU engines that
 time is paid every draft step and every verify. This forward runs the same arithmetic with the
 model's own modules' weights in the fewest calls: `F.linear` on each projection, `F.rms_norm`,
 the rotary embedding from the model's own module (so every rope type it knows is computed its
-way), SDPA with the slot cache's additive mask, and the LM head only over the rows asked for.
+way), SDPA with the KV cache's additive mask, and the LM head only over the rows asked for.
 vLLM and gpt-fast likewise run their own model code rather than the reference implementation.
 
 On the default pair its logits are bit-identical to the transformers forward over the same slot
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from decoding.slot_cache import SlotBatchView
+from decoding.paged_cache import PagedBatchView
 
 LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 
@@ -51,8 +51,9 @@ def lean_support(model) -> tuple[bool, str]:
 
 class LeanDecoder:
     """`forward(input_ids, position_ids, attention_mask, cache, keep) -> logits [kept rows, V]`,
-    taking the arguments BatchedModelRunner builds for the transformers forward. It holds
-    references to the model's modules, no copies."""
+    taking the arguments BatchedModelRunner builds for the transformers forward (cache: any
+    object whose `update(k, v, layer)` stores new keys and returns those to attend over, the paged
+    or the slot cache's view). It holds references to the model's modules, no copies."""
 
     def __init__(self, model) -> None:
         supported, reason = lean_support(model)
@@ -73,7 +74,7 @@ class LeanDecoder:
         self.layers = list(decoder.layers)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-                cache: SlotBatchView, keep: torch.Tensor) -> torch.Tensor:
+                cache: PagedBatchView, keep: torch.Tensor) -> torch.Tensor:
         batch, length = input_ids.shape
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         hidden = self.embed(input_ids)

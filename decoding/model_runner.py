@@ -101,7 +101,8 @@ class RunnerBase:
         runner._init_from_model(model, max_sequences=max_sequences, model_path=model_path_of(model))
         return runner
 
-    def _init_from_model(self, model, max_sequences: int, model_path: str) -> None:
+    def _init_from_model(self, model, max_sequences: int, model_path: str, max_model_len: int | None = None) -> None:
+        """max_model_len: the longest history served (default and upper bound: max_position_embeddings)."""
         if max_sequences < 1:
             raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
         model.eval()
@@ -117,6 +118,11 @@ class RunnerBase:
         else:
             self.vocab_size = int(config.vocab_size)
         self.max_context = int(config.max_position_embeddings)
+        if max_model_len is not None:
+            if not 1 <= max_model_len <= self.max_context:
+                raise ValueError(f"max_model_len={max_model_len} must be between 1 and the model's "
+                                 f"max_position_embeddings={self.max_context}")
+            self.max_context = max_model_len
         eos = getattr(config, "eos_token_id", None)
         if isinstance(eos, (list, tuple)):
             eos = eos[0] if eos else None
@@ -187,8 +193,8 @@ def model_path_of(model) -> str:
 class ModelRunner(RunnerBase):
     """Owns one model and a KV cache per sequence id; one forward per sequence."""
 
-    def _init_from_model(self, model, max_sequences: int, model_path: str) -> None:
-        super()._init_from_model(model, max_sequences, model_path)
+    def _init_from_model(self, model, max_sequences: int, model_path: str, max_model_len: int | None = None) -> None:
+        super()._init_from_model(model, max_sequences, model_path, max_model_len)
         self._sequences: dict[str, _CachedSequence] = {}
 
     def _new_cache(self) -> DynamicCache:

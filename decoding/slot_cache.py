@@ -7,7 +7,9 @@ is causal within the new tokens and hides everything past a row's own tokens. Ro
 a length: stale keys beyond it are never visible (gpt-fast's position-addressed cache, per slot).
 
 Only real tokens are written (padding is never stored), so max_len = the model's context suffices.
-Slots are allocated in chunks up to max_slots, so memory tracks the sequences actually held.
+Slots are allocated in chunks up to max_slots, so memory tracks the sequences held, each at the full
+context: the runner now uses decoding.paged_cache, whose memory tracks the tokens held; this cache
+stays as the baseline bench.kv_memory measures it against (docs/kv-memory.md).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from decoding.model_runner import NoFreeSlotError
+from decoding.paged_cache import positions_and_mask
 
 
 @dataclass(frozen=True)
@@ -40,25 +43,11 @@ class BatchLayout:
 
 def batch_layout(slot_ids: Sequence[int], starts: Sequence[int], num_new: Sequence[int],
                  dtype: torch.dtype, device: torch.device) -> BatchLayout:
-    """Where each row's new tokens go and what each of them may see.
-
-    Row b holds starts[b] cached tokens and brings num_new[b] >= 1 new ones, right-padded to
-    T = max(num_new). Token t of row b sits at position starts[b] + t and sees cache positions
-    [0, starts[b] + t]; a padding token (t >= num_new[b]) is treated as a copy of the row's last
-    real token, so no query row is ever fully masked (which would give NaN rows) and positions
-    stay within the context (GPT-2 looks them up in a position table).
-    """
+    """Where each row's new tokens go and what each of them may see (see positions_and_mask)."""
     # Built from Python lists in a handful of tensor ops: this runs once per forward, on the
     # critical path of every decode step (a lone row skips the scatter and gather indices).
-    batch_size, num_columns = len(slot_ids), max(num_new)
-    kv_length = max(start + n for start, n in zip(starts, num_new))
-    positions = [[start + min(t, n - 1) for t in range(num_columns)] for start, n in zip(starts, num_new)]
-    position_ids = torch.tensor(positions, dtype=torch.long)
-    if batch_size == 1 and num_columns == 1:
-        attention_mask = torch.zeros((1, 1, kv_length), dtype=dtype)   # one token sees the whole row
-    else:
-        hidden = torch.arange(kv_length).view(1, 1, kv_length) > position_ids.unsqueeze(2)   # [B, T, L]
-        attention_mask = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, torch.finfo(dtype).min)
+    batch_size = len(slot_ids)
+    position_ids, attention_mask, kv_length = positions_and_mask(starts, num_new, dtype)
     first = slot_ids[0]
     contiguous = list(slot_ids) == list(range(first, first + batch_size))
     if batch_size == 1:
@@ -76,7 +65,7 @@ def batch_layout(slot_ids: Sequence[int], starts: Sequence[int], num_new: Sequen
         source_rows=source_rows, source_columns=source_columns,
         kv_length=kv_length,
         position_ids=position_ids.to(device),
-        attention_mask=attention_mask.unsqueeze(1).to(device),
+        attention_mask=attention_mask.to(device),
     )
 
 

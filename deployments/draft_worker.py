@@ -70,7 +70,8 @@ class DraftEngine(EngineCore):
             for index, call in enumerate(calls):
                 if len(call.history) + max(call.num_tokens - 1, 0) > self.runner.max_context:
                     results[index] = None if call.num_tokens == 0 else empty_proposal()  # past the draft's context
-            waiting = [self._waiting_call(call.seq_id, call.history) for call in calls]
+            waiting = [self._waiting_call(call.seq_id, call.history, extra_tokens=max(call.num_tokens - 1, 0))
+                       for call in calls]
             plan = self.plan(waiting, [(call.history, 1) for call in calls], results)
             runnable = self._prefill(calls, waiting, plan.prefills) + plan.steps
         to_draft = []

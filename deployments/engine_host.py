@@ -14,6 +14,7 @@ release, the stats the policy actor and `specserve status` read, idle-sequence e
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -38,6 +39,8 @@ ENGINE_COST_SAMPLES_KEPT = 64  # (batch tokens, seconds) of recent forwards, bet
 CALL_LOG_KEPT = 4096  # recent (kind, sequence, entered, left) calls, for bench.round_profile
 RELEASED_IDS_KEPT = 4096  # recently released request ids: calls that arrive late for them are refused
 REPORT_INTERVAL_S = 1.0  # how often an engine reports its load to the policy actor
+
+logger = logging.getLogger(__name__)
 
 
 def engine_bundles(num_cpus: float, num_gpus: float,
@@ -92,6 +95,7 @@ class EngineCore:
         self.last_used_s: dict[str, float] = {}
         self.call_log: deque[tuple[str, str, float, float]] = deque(maxlen=CALL_LOG_KEPT)
         self.released_ids: OrderedDict[str, None] = OrderedDict()  # request ids are never reused
+        self.preemptions = 0  # sequences whose KV was freed to let older ones grow
         self.gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()] if ray.is_initialized() else []
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
@@ -178,7 +182,8 @@ class EngineCore:
                 "forwards": loop_stats.iterations, "batch_rows_total": loop_stats.rows_total,
                 "busy_s": loop_stats.busy_s, "idle_s": loop_stats.idle_s, "gpu_ids": self.gpu_ids,
                 "node_id": self.node_id,
-                "cost_samples": list(self.cost_samples)}
+                "cost_samples": list(self.cost_samples),
+                **({**self.runner.kv_usage(), "kv_preemptions": self.preemptions} if self._paged else {})}
 
     @property
     def free_slots(self) -> int:
@@ -192,9 +197,18 @@ class EngineCore:
             if last_used < cutoff:
                 self.loop.release(seq_id)
 
-    def _waiting_call(self, seq_id: str, token_ids: Sequence[int], num_rows: int = 1) -> WaitingCall:
+    def _waiting_call(self, seq_id: str, token_ids: Sequence[int], num_rows: int = 1,
+                      extra_tokens: int = 0) -> WaitingCall:
+        """extra_tokens: what the call adds after its forward (a draft's later decode steps)."""
         cached = self.runner.num_cached(seq_id) if self.runner is not None else 0
-        return WaitingCall(seq_id, max(num_rows, len(token_ids) - cached), holds_slot=cached > 0)
+        blocks_held = self.runner.blocks_held(seq_id) if self._paged else 0
+        return WaitingCall(seq_id, max(num_rows, len(token_ids) - cached), holds_slot=cached > 0,
+                           num_cached=cached, blocks_held=blocks_held, extra_tokens=extra_tokens)
+
+    @property
+    def _paged(self) -> bool:
+        """The runner keeps KV in a block pool (BatchedModelRunner), so calls wait for blocks."""
+        return hasattr(self.runner, "blocks_held")
 
     def check_call(self, token_ids: Sequence[int], num_rows: int = 1) -> SequenceStateError | None:
         """The error a call would raise in a batched forward, found before it can fail the batch."""
@@ -218,10 +232,27 @@ class EngineCore:
             else:
                 results[index] = error
         plan = plan_iteration([waiting[index] for index in valid], self.free_slots, self.max_step_tokens,
-                              self.prefill_token_budget, self.max_batch_rows)
+                              self.prefill_token_budget, self.max_batch_rows,
+                              free_blocks=self.runner.num_free_blocks if self._paged else None,
+                              block_size=self.runner.block_size if self._paged else 1)
+        if self._paged and not plan.steps and not plan.prefills and any(waiting[valid[i]].holds_slot
+                                                                         for i in plan.waiting):
+            self._preempt_youngest()
         return IterationPlan(steps=[valid[i] for i in plan.steps],
                              prefills=[(valid[i], chunk) for i, chunk in plan.prefills],
                              waiting=[valid[i] for i in plan.waiting])
+
+    def _preempt_youngest(self) -> None:
+        """Nothing can run and a sequence the engine holds waits for KV blocks to grow: free the
+        most recently admitted sequence's KV (vLLM's recompute preemption). Its request goes on:
+        its next call names the full history, so it is prefilled again once blocks are free, and
+        the older sequences finish first. Without this, sequences that all wait to grow would
+        wait each other out until the admission deadline failed them."""
+        victim = self.runner.active_sequences()[-1]
+        logger.warning("%s: KV blocks exhausted; preempting %s (it will be prefilled again)",
+                       self.name or self.pool, victim)
+        self.runner.release(victim)
+        self.preemptions += 1
 
     def record_cost(self, batch_tokens: int, seconds: float) -> None:
         self.cost_samples.append((batch_tokens, seconds))

@@ -1,5 +1,6 @@
-"""BatchedModelRunner: ragged full-history calls in one forward over a slot KV cache must give the
-rows the per-sequence ModelRunner gives, on tiny random Llama, Qwen2, Mistral and GPT-2 (fp32, CPU)."""
+"""BatchedModelRunner: ragged full-history calls in one forward over a paged KV cache must give the
+rows the per-sequence ModelRunner gives, on tiny random Llama, Qwen2, Mistral and GPT-2 (fp32, CPU).
+(Paged-specific checks: block accounting, budgets, capacity: tests/test_paged_cache.py.)"""
 
 import logging
 
@@ -19,7 +20,7 @@ from decoding.model_runner import ModelRunner, SequenceStateError
 from decoding.proposers import DraftModelProposer
 from decoding.sampling import SamplingParams
 from decoding.sequence import RequestState
-from decoding.slot_cache import batch_layout
+from decoding.paged_cache import paged_layout
 from tests.tiny_pair import ARCHITECTURES, tiny_model
 
 # Batched and unbatched matmuls round differently (~1e-6 here); logits are O(1), so a wrong
@@ -66,18 +67,20 @@ def full_logits(model, token_ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([token_ids])).logits[0].float()
 
 
-def test_batch_layout_numbers_new_tokens_after_each_rows_cache_and_masks_causally():
-    # Row 0: slot 5 holds 3 tokens and brings 2; row 1: slot 2 holds none and brings 1 (padded to 2).
-    layout = batch_layout([5, 2], starts=[3, 0], num_new=[2, 1], dtype=torch.float32, device=torch.device("cpu"))
+def test_paged_layout_numbers_new_tokens_after_each_rows_cache_and_masks_causally():
+    # Row 0: blocks [5, 9] hold 3 tokens and it brings 2; row 1: block [2] holds none and it brings 1
+    # (padded to 2). Blocks of 4 tokens.
+    layout = paged_layout([[5, 9], [2]], starts=[3, 0], num_new=[2, 1], block_size=4, dtype=torch.float32,
+                          device=torch.device("cpu"))
     assert layout.position_ids.tolist() == [[3, 4], [0, 0]]
     assert layout.kv_length == 5
     visible = (layout.attention_mask[:, 0] == 0).int().tolist()
     assert visible == [[[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]],
                        [[1, 0, 0, 0, 0], [1, 0, 0, 0, 0]]]   # the padding token copies the last real one
     assert set(layout.attention_mask.unique().tolist()) == {0.0, torch.finfo(torch.float32).min}
-    # Only real tokens are written: (slot, position) pairs.
-    assert list(zip(layout.write_slots.tolist(), layout.write_positions.tolist())) == [(5, 3), (5, 4), (2, 0)]
-    assert layout.first_slot is None and layout.single_write is None and layout.slot_ids.tolist() == [5, 2]
+    # Only real tokens are written: (block, offset) pairs; a row reads its blocks, padded with block 0.
+    assert list(zip(layout.write_blocks.tolist(), layout.write_offsets.tolist())) == [(5, 3), (9, 0), (2, 0)]
+    assert layout.read_blocks.tolist() == [[5, 9], [2, 0]]
 
 
 @pytest.mark.parametrize("lean_forward", [True, False])
@@ -90,22 +93,15 @@ def test_ragged_batches_give_the_unbatched_rows(monkeypatch, architecture, atten
     model = tiny_model(architecture, attn_implementation=attention)
     batched, reference = runner_for_model(model, max_sequences=256, lean_forward=lean_forward), ModelRunner.from_model(model)
     assert isinstance(batched, BatchedModelRunner)
-    read_as_view: list[bool] = []
-
-    def spy(*args, **kwargs):
-        layout = batch_layout(*args, **kwargs)
-        read_as_view.append(layout.first_slot is not None)
-        return layout
-    monkeypatch.setattr(batched_runner_module, "batch_layout", spy)
     for calls in ragged_rounds():
         assert_rows_match(batched, reference, calls)
-    # A released slot is reused by a new sequence, which must not see the old keys.
+    # A released sequence's blocks are reused by a new one, which must not see the old keys.
+    freed = list(batched._sequences["b"].blocks)
     batched.release("b")
     reference.release("b")
     assert_rows_match(batched, reference, [ForwardCall("e", random_ids(5, 9), 3),
                                            ForwardCall("a", random_ids(1, 40)[:36], 2)])
-    assert batched._sequences["e"].slot == 1
-    assert set(read_as_view) == {True, False}   # both cache reads were exercised
+    assert batched._sequences["e"].blocks == freed[:1]
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
@@ -142,7 +138,7 @@ def test_the_tolerance_catches_a_wrong_position_or_a_boolean_mask(monkeypatch, a
     eager attention) move rows by orders of magnitude more than ATOL."""
     model = tiny_model(architecture, attn_implementation="eager")
     reference = ModelRunner.from_model(model)
-    monkeypatch.setattr(batched_runner_module, "batch_layout", break_layout(batch_layout))
+    monkeypatch.setattr(batched_runner_module, "paged_layout", break_layout(paged_layout))
     broken = runner_for_model(model, lean_forward=False)
     worst = 0.0
     for calls in ragged_rounds():
@@ -252,22 +248,6 @@ def test_slots_run_out_at_max_sequences_and_release_frees_one():
     assert runner.num_free_slots == 1
     runner.forward("d", [7])
     assert sorted(runner.active_sequences()) == ["b", "c", "d"]
-
-
-def test_capacity_grows_in_chunks_and_never_beyond_max_sequences():
-    runner = BatchedModelRunner.from_model(tiny_model("llama"), max_sequences=10)
-    chunk = runner.cache.chunk_slots
-    assert runner.cache.capacity == 0
-    runner.forward("s0", [3])
-    assert runner.cache.capacity == chunk
-    assert runner.cache.keys[0].shape[0] == chunk
-    for i in range(1, 10):
-        runner.forward(f"s{i}", [3])
-    assert runner.cache.capacity == 10 == runner.cache.keys[0].shape[0]
-    # A freed slot is reused; capacity does not move.
-    runner.release("s4")
-    runner.forward("new", [3])
-    assert runner.cache.capacity == 10 and runner._sequences["new"].slot == 4
 
 
 def test_a_failed_forward_leaves_held_sequences_valid_and_admits_nothing(monkeypatch):

@@ -245,3 +245,55 @@ def test_an_idle_loop_reads_idle_now_not_as_busy_as_at_its_last_forward():
         assert after.idle_s - before.idle_s >= 0.25
 
     asyncio.run(scenario())
+
+
+def test_a_call_waits_for_kv_blocks_then_runs_or_gets_overloaded(pair):
+    """A budget of 20 blocks of 16 tokens (the tiny target's max_model_len of 256 needs 16): a
+    sequence holding 13 leaves too few for a 120-token prompt, which queues until the first is
+    released, as a full slot table made calls queue; past the deadline, "overloaded"."""
+    target_path, _ = pair
+    budget_gb = 20 * 16 * 512 / 2**30   # 512 bytes a token: 2 x 2 layers x 4 heads x 8 x 4 B
+
+    async def scenario():
+        engine = TargetEngine({**spec(target_path), "kv_cache_memory_gb": budget_gb}, options(admission_timeout_s=1))
+        assert engine.runner.kv_capacity.num_blocks == 20
+        await engine.verify("a", [5 + i % 80 for i in range(200)], 1, GREEDY)
+        waiting = asyncio.create_task(engine.verify("b", [7 + i % 80 for i in range(120)], 1, GREEDY))
+        await asyncio.sleep(0.1)
+        assert not waiting.done() and engine.loop.queue_depth == 1
+        stats = await engine.stats()
+        assert (stats["kv_blocks_used"], stats["kv_blocks_free"], stats["kv_block_size"]) == (13, 7, 16)
+        await engine.release("a")
+        await waiting
+        with pytest.raises(EngineOverloadedError):
+            await engine.verify("c", [9 + i % 80 for i in range(200)], 1, GREEDY)
+        return await engine.stats()
+
+    stats = asyncio.run(scenario())
+    assert (stats["sequences"], stats["kv_blocks_used"], stats["kv_tokens_held"]) == (1, 8, 120)
+
+
+def test_a_held_sequence_that_cannot_grow_preempts_the_youngest_which_is_prefilled_again(pair):
+    """Two sequences fill a 20-block budget; the older one's verify needs one more block. Rather than
+    both waiting out the deadline, the younger one's KV is freed (recompute preemption): the older
+    verifies now, the younger's next call is prefilled again once blocks free up, rows unchanged."""
+    target_path, _ = pair
+    reference = ModelRunner(str(target_path))
+    older, younger = [5 + i % 80 for i in range(160)], [7 + i % 80 for i in range(160)]
+
+    async def scenario():
+        engine = TargetEngine({**spec(target_path), "kv_cache_memory_gb": 20 * 16 * 512 / 2**30},
+                              options(admission_timeout_s=5))
+        await engine.verify("old", older, 1, GREEDY)
+        await engine.verify("young", younger, 1, GREEDY)
+        grown, _ = await engine.verify("old", older + [9, 9, 4], 4, GREEDY)
+        assert engine.preemptions == 1 and await engine.active_sequences() == ["old"]
+        again = asyncio.create_task(engine.verify("young", younger + [3, 3], 3, GREEDY))
+        await asyncio.sleep(0.1)
+        assert not again.done()        # 10 blocks to prefill again, 9 free
+        await engine.release("old")
+        return grown, (await again)[0]
+
+    grown, again = asyncio.run(scenario())
+    assert grown == torch.argmax(reference.forward("o", older + [9, 9, 4], 4), dim=-1).tolist()
+    assert again == torch.argmax(reference.forward("y", younger + [3, 3], 3), dim=-1).tolist()

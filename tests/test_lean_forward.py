@@ -1,4 +1,4 @@
-"""The lean decoder forward computes what transformers' forward computes over the same slot cache:
+"""The lean decoder forward computes what transformers' forward computes over the same KV cache:
 ragged batches, rollbacks and released slots, on tiny random Llama, Qwen2 and Mistral with GQA,
 biases, untied embeddings and scaled rope; architectures it does not know run transformers'."""
 

@@ -41,3 +41,24 @@ def test_a_sequence_runs_at_most_once_per_iteration():
 def test_batch_rows_are_capped():
     plan = plan_iteration([held(str(i)) for i in range(10)], free_slots=0, **PLAN)
     assert plan.steps == list(range(8)) and plan.waiting == [8, 9]
+
+
+def test_calls_wait_for_the_kv_blocks_their_new_tokens_fill():
+    # Blocks of 4 tokens, 3 free. a holds 8 tokens in 2 blocks and verifies 5 more (13: 2 new blocks);
+    # b holds 3 in 1 block and takes 1 (4: none new); p's 20-token prompt needs 5 and waits;
+    # q's 4-token prompt would need 1, but a took 2 of the 3 and b none, so q fits.
+    calls = [WaitingCall("a", 5, True, num_cached=8, blocks_held=2), WaitingCall("b", 1, True, num_cached=3, blocks_held=1),
+             new("p", 20), new("q", 4)]
+    plan = plan_iteration(calls, free_slots=10, **PLAN, free_blocks=3, block_size=4)
+    assert plan.steps == [0, 1, 3] and plan.waiting == [2]
+    # No block pool (a per-sequence runner): only slots and budgets count.
+    assert plan_iteration(calls, free_slots=10, **PLAN).waiting == []
+
+
+def test_a_draft_call_reserves_blocks_for_its_later_decode_steps_and_a_chunk_only_for_itself():
+    drafting = WaitingCall("d", 1, True, num_cached=4, blocks_held=1, extra_tokens=7)   # 12 tokens: 2 more
+    assert plan_iteration([drafting], free_slots=0, **PLAN, free_blocks=1, block_size=4).waiting == [0]
+    assert plan_iteration([drafting], free_slots=0, **PLAN, free_blocks=2, block_size=4).steps == [0]
+    # A 300-token prompt chunked to the 256 budget needs 64 blocks now, its decode steps later.
+    prompt = WaitingCall("p", 300, False, extra_tokens=7)
+    assert plan_iteration([prompt], free_slots=1, **PLAN, free_blocks=64, block_size=4).prefills == [(0, 256)]

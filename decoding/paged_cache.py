@@ -1,0 +1,275 @@
+"""A paged KV cache: fixed-size blocks in one pool per layer, a block table per sequence.
+
+Why: a slot per sequence sized at the model's context reserves max_model_len tokens for every
+sequence, so a long-context model (131,072 tokens) cannot hold even one short request in a sane
+budget. Here memory follows the tokens sequences actually hold, as vLLM's PagedAttention and
+nano-vllm's BlockManager do: per layer, keys and values live in [num_blocks, kv_heads, block_size,
+head_dim] pools, a sequence owns a list of blocks (its block table), gets a new block when it
+grows past its last one and gives blocks back when it is cropped (rollback) or released.
+
+Attention reads a sequence's keys through its table. There is no paged-attention kernel on CPU,
+so `PagedBatchView.update` (the `past_key_values.update` that transformers' attention and
+decoding.lean_forward call) writes the new tokens into their blocks and gathers each row's blocks
+into a padded [B, kv_heads, L, head_dim] tensor, L = the longest sequence in THIS batch, with ONE
+index_select per layer (the gather index is built once per forward). The additive mask hides a
+row's padding and everything past its own tokens, exactly as for the slot cache. Measured against
+the slot cache in docs/kv-memory.md.
+
+The pool grows by half again up to its budget on CPU (so an idle engine holds little memory, and
+at most a third of what it holds is headroom; each growth copies the pool, amortized), and
+is allocated whole up front on CUDA (growing there would need twice the memory for a moment).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from decoding.model_runner import NoFreeSlotError
+
+DEFAULT_BLOCK_SIZE = 16  # tokens per block (vLLM's default)
+FIRST_GROWTH_BLOCKS = 64  # blocks the pool starts with on first use (then doubles)
+GIB = 1 << 30
+
+
+class NoFreeBlocksError(NoFreeSlotError):
+    """The KV budget has no free blocks for this batch's new tokens: the call must wait until
+    other sequences finish (the engine queues it, then answers "overloaded" past its deadline)."""
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes one token's keys and values take over all layers: 2 x layers x kv_heads x head_dim x
+    element size, from a (text) config alone (GPT-2's n_head / n_embd map onto the same names)."""
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    element = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else torch.iinfo(dtype).bits // 8
+    return 2 * int(config.num_hidden_layers) * kv_heads * head_dim * element
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    """What a KV budget holds, for the start-up log line and the engine's stats."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+    max_model_len: int
+
+    @property
+    def tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def gib(self) -> float:
+        return self.tokens * self.bytes_per_token / GIB
+
+    @property
+    def full_length_sequences(self) -> int:
+        """Sequences of max_model_len tokens the pool holds at once (short ones fit many more)."""
+        return self.num_blocks // math.ceil(self.max_model_len / self.block_size)
+
+    def describe(self) -> str:
+        return (f"KV cache: {self.num_blocks:,} blocks of {self.block_size} tokens = {self.tokens:,} tokens, "
+                f"{self.gib:.2f} GiB ({self.bytes_per_token:,} bytes a token); up to "
+                f"{self.full_length_sequences:,} sequences of max_model_len={self.max_model_len:,}")
+
+
+def kv_capacity(config, dtype: torch.dtype, budget_bytes: float, max_model_len: int,
+                block_size: int = DEFAULT_BLOCK_SIZE) -> KVCapacity:
+    """The blocks a budget holds. ValueError when it cannot hold one max_model_len sequence (as
+    vLLM refuses to start then): lower max_model_len or raise the budget."""
+    bytes_per_token = kv_bytes_per_token(config, dtype)
+    capacity = KVCapacity(int(budget_bytes // (bytes_per_token * block_size)), block_size, bytes_per_token,
+                          max_model_len)
+    if capacity.full_length_sequences < 1:
+        raise ValueError(
+            f"the KV cache budget of {budget_bytes / GIB:.3f} GiB holds {capacity.tokens:,} tokens "
+            f"({bytes_per_token:,} bytes a token), fewer than max_model_len={max_model_len:,}: raise "
+            "kv_cache_memory_gb (or gpu_memory_utilization) or lower max_model_len")
+    return capacity
+
+
+def cuda_kv_budget_bytes(device: torch.device, gpu_memory_utilization: float) -> int:
+    """vLLM's rule: weights + KV may use gpu_memory_utilization of the device's total memory; KV
+    gets what is left of that after the memory allocated so far (the weights, once loaded).
+    Untested here (no GPU on this project's machines)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    return max(0, int(total * gpu_memory_utilization) - torch.cuda.memory_allocated(device))
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def positions_and_mask(starts: Sequence[int], num_new: Sequence[int], dtype: torch.dtype
+                       ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(position_ids [B, T], additive mask [B, 1, T, kv_length], kv_length) of a ragged batch.
+
+    Row b holds starts[b] cached tokens and brings num_new[b] >= 1 new ones, right-padded to
+    T = max(num_new). Token t of row b sits at position starts[b] + t and sees cache positions
+    [0, starts[b] + t]; a padding token (t >= num_new[b]) is treated as a copy of the row's last
+    real token, so no query row is ever fully masked (which would give NaN rows) and positions
+    stay within the context (GPT-2 looks them up in a position table)."""
+    num_columns = max(num_new)
+    kv_length = max(start + n for start, n in zip(starts, num_new))
+    positions = [[start + min(t, n - 1) for t in range(num_columns)] for start, n in zip(starts, num_new)]
+    position_ids = torch.tensor(positions, dtype=torch.long)
+    if len(starts) == 1 and num_columns == 1:
+        attention_mask = torch.zeros((1, 1, kv_length), dtype=dtype)   # one token sees the whole row
+    else:
+        hidden = torch.arange(kv_length).view(1, 1, kv_length) > position_ids.unsqueeze(2)   # [B, T, L]
+        attention_mask = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, torch.finfo(dtype).min)
+    return position_ids, attention_mask.unsqueeze(1), kv_length
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """Index tensors of one batched forward, built once and shared by every layer."""
+
+    read_blocks: torch.Tensor      # LongTensor [B, nb]: each row's first nb blocks (padded with block 0)
+    # One entry per real new token (N = sum of n_b):
+    write_blocks: torch.Tensor     # LongTensor [N]: the block it goes to ...
+    write_offsets: torch.Tensor    # LongTensor [N]: ... and its place in that block
+    source_rows: torch.Tensor      # LongTensor [N]: its row b in the batch ...
+    source_columns: torch.Tensor   # LongTensor [N]: ... and its column t among the new tokens
+    single_write: tuple[int, int] | None  # (block, offset) when one row's new tokens fit one block: a slice copy
+    kv_length: int                 # attend over positions [0, kv_length) of each row
+    position_ids: torch.Tensor     # LongTensor [B, T]; padding repeats the row's last position
+    attention_mask: torch.Tensor   # float [B, 1, T, kv_length]: 0 visible, finfo.min hidden
+
+
+def paged_layout(tables: Sequence[Sequence[int]], starts: Sequence[int], num_new: Sequence[int],
+                 block_size: int, dtype: torch.dtype, device: torch.device) -> PagedLayout:
+    """Where each row's new tokens go (tables[b] must already cover starts[b] + num_new[b]
+    tokens) and what each of them may see (see positions_and_mask)."""
+    position_ids, attention_mask, kv_length = positions_and_mask(starts, num_new, dtype)
+    num_read = blocks_for(kv_length, block_size)
+    read_blocks = [list(table[:num_read]) + [0] * (num_read - min(len(table), num_read)) for table in tables]
+    writes = [(table[position // block_size], position % block_size, b, t)
+              for b, (table, start, n) in enumerate(zip(tables, starts, num_new))
+              for t, position in enumerate(range(start, start + n))]
+    write_blocks, write_offsets, source_rows, source_columns = torch.tensor(writes, dtype=torch.long).T.to(device)
+    # A lone row's decode step or verify usually lands in one block: write it as a slice (the hot
+    # path of a single stream), not through the scatter.
+    one_block = len(tables) == 1 and writes[0][0] == writes[-1][0]
+    return PagedLayout(read_blocks=torch.tensor(read_blocks, dtype=torch.long).to(device),
+                       write_blocks=write_blocks, write_offsets=write_offsets,
+                       source_rows=source_rows, source_columns=source_columns,
+                       single_write=writes[0][:2] if one_block else None, kv_length=kv_length,
+                       position_ids=position_ids.to(device), attention_mask=attention_mask.to(device))
+
+
+class PagedKVCache:
+    """Block pools for every layer and the free list; sequences' block tables live with their owner.
+
+    Layer pools are shaped lazily from the first keys a layer writes (kv heads and head size
+    differ between architectures); num_blocks comes from the budget (kv_capacity)."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
+                 device: torch.device | str = "cpu", preallocate: bool | None = None) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self._free: list[int] = []   # min-heap of allocated-but-unused block ids
+        self.capacity = 0            # blocks the pools have room for so far
+        if self.device.type == "cuda" if preallocate is None else preallocate:
+            self._grow(num_blocks)
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can still be handed out, counting those the pools have not grown to yet."""
+        return len(self._free) + self.num_blocks - self.capacity
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def allocate(self, count: int) -> list[int]:
+        """count blocks (lowest ids first); NoFreeBlocksError, taking none, if fewer are free."""
+        if count > self.num_free:
+            raise NoFreeBlocksError(f"need {count} KV blocks, {self.num_free} of {self.num_blocks} are free; "
+                                    "wait for sequences to finish")
+        if count > len(self._free):
+            want = max(count - len(self._free) + self.capacity, self.capacity * 3 // 2, FIRST_GROWTH_BLOCKS)
+            self._grow(min(self.num_blocks, want) - self.capacity)
+        return [heapq.heappop(self._free) for _ in range(count)]
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Give blocks back (their stale keys stay, never visible: no table points at them)."""
+        for block in blocks:
+            heapq.heappush(self._free, block)
+
+    def reserved_bytes(self) -> int:
+        """Bytes the pools hold now (allocated tensors, used or not)."""
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
+
+    def _grow(self, num_blocks: int) -> None:
+        old = self.capacity
+        for layer, (keys, values) in enumerate(zip(self.keys, self.values)):
+            if keys is not None:
+                self.keys[layer] = torch.cat([keys, keys.new_zeros((num_blocks, *keys.shape[1:]))])
+                self.values[layer] = torch.cat([values, values.new_zeros((num_blocks, *values.shape[1:]))])
+        self.capacity = old + num_blocks
+        for block in range(old, self.capacity):
+            heapq.heappush(self._free, block)
+
+    def _layer(self, layer_idx: int, like_keys: torch.Tensor, like_values: torch.Tensor):
+        if self.keys[layer_idx] is None:
+            _, kv_heads, _, head_dim = like_keys.shape
+            shape = (self.capacity, kv_heads, self.block_size, head_dim)
+            self.keys[layer_idx] = like_keys.new_zeros(shape)
+            self.values[layer_idx] = like_values.new_zeros((*shape[:3], like_values.shape[-1]))
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def view(self, layout: PagedLayout) -> PagedBatchView:
+        """The object to pass as `past_key_values` for one forward laid out by `layout`."""
+        return PagedBatchView(self, layout)
+
+
+class PagedBatchView:
+    """What an attention layer sees as `past_key_values` during one batched forward: `update`
+    stores the real new tokens in their blocks and returns each row's keys/values over
+    [0, kv_length), gathered from its blocks (Llama, Qwen2, Mistral and GPT-2 attention in
+    transformers 5.x call only this, given a 4D mask and explicit position_ids)."""
+
+    def __init__(self, cache: PagedKVCache, layout: PagedLayout) -> None:
+        self.cache = cache
+        self.layout = layout
+        self._gather: torch.Tensor | None = None   # [B * H * nb]: (block, head) rows of the pool, in output order
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        layout = self.layout
+        keys, values = self.cache._layer(layer_idx, key_states, value_states)
+        if layout.single_write is not None:
+            block, offset = layout.single_write   # one row, no padding, one block
+            keys[block, :, offset:offset + key_states.shape[2]] = key_states[0]
+            values[block, :, offset:offset + value_states.shape[2]] = value_states[0]
+        else:
+            # [B, H, T, D] -> [N, H, D] for the real tokens, scattered to (block, offset).
+            rows, columns = layout.source_rows, layout.source_columns
+            keys[layout.write_blocks, :, layout.write_offsets] = key_states.transpose(1, 2)[rows, columns]
+            values[layout.write_blocks, :, layout.write_offsets] = value_states.transpose(1, 2)[rows, columns]
+        return self._read(keys), self._read(values)
+
+    def _read(self, pool: torch.Tensor) -> torch.Tensor:
+        """Rows' blocks as [B, H, kv_length, D] in one copy: the pool seen as [(block, head), bs, D]
+        rows, picked in (row, head, block) order, is already the padded batch tensor."""
+        if self._gather is None:   # once per forward: every layer has the same heads and blocks
+            num_pool_blocks, heads, block_size, head_dim = pool.shape
+            batch, num_read = self.layout.read_blocks.shape
+            head = torch.arange(heads, device=pool.device).view(1, heads, 1)
+            self._gather = (self.layout.read_blocks.unsqueeze(1) * heads + head).reshape(-1)
+            self._rows_shape = (-1, block_size, head_dim)
+            self._batch_shape = (batch, heads, num_read * block_size, head_dim)
+        gathered = pool.view(self._rows_shape).index_select(0, self._gather).view(self._batch_shape)
+        return gathered[:, :, :self.layout.kv_length]
