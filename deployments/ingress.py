@@ -5,7 +5,9 @@ to treat request models as JSON bodies.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (``stream: true`` = SSE chunks in
 OpenAI's format, ending with ``data: [DONE]``), GET /v1/models, GET /health. Responses carry the
-usual ``usage`` plus a ``speculation`` field with the request's acceptance statistics.
+usual ``usage`` plus a ``speculation`` field with the request's acceptance statistics. Each choice
+(one per prompt, times n) is its own sequence on the router, all started at once so the engines
+batch them; docs/api.md has the field table and how choices are numbered and seeded.
 
 Every client error is a 4xx with OpenAI's {"error": {...}} body, never a 5xx: which fields are
 served, ignored or refused is decided in deployments/openai_protocol.py. With ``auth.api_keys``
