@@ -140,6 +140,9 @@ class Choice:
 
 @dataclass
 class ChoiceOutput:
+    """One choice's collected answer: generated text, its logprob entries, the prompt's (if
+    asked) and the router's final chunk (finish reason, usage, speculation)."""
+
     text: str
     entries: list[dict]
     prompt_entries: list[dict]
