@@ -143,6 +143,10 @@ def test_a_batch_of_prompts_and_n_choices_are_indexed_as_vllm(server):
         assert [batch.choices[i * 2 + j].text for j in range(2)] == [single.choices[0].text] * 2
     assert batch.usage.prompt_tokens == sum(single.usage.prompt_tokens for single in singles)
     assert batch.usage.completion_tokens == 2 * sum(single.usage.completion_tokens for single in singles)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                          max_tokens=6, temperature=0)
+    assert [choice.index for choice in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content
 
 
 def test_token_id_prompts_answer_as_their_text(server):
@@ -186,10 +190,12 @@ def test_a_stream_of_several_choices_carries_each_choice_index(server):
 def test_echo_with_zero_max_tokens_returns_the_prompt_and_its_logprobs(server, target):
     url, _ = server
     prompt_ids = json.loads((BODIES / "lmeval_completions_loglikelihood.json").read_text())["prompt"][1]
-    body = {"model": MODEL, "prompt": prompt_ids, "echo": True, "logprobs": 2, "max_tokens": 0, "temperature": 0}
+    body = {"model": MODEL, "prompt": prompt_ids, "echo": True, "logprobs": 2, "max_tokens": 0, "temperature": 0,
+            "return_tokens_as_token_ids": True}
     answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
     (choice,) = answer["choices"]
     assert choice["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == 0
+    assert choice["logprobs"]["tokens"] == [f"token_id:{token}" for token in prompt_ids]
     assert len(choice["logprobs"]["token_logprobs"]) == len(prompt_ids)
     assert torch.tensor(choice["logprobs"]["token_logprobs"][1:]) == pytest.approx(
         hf_prompt_logprobs(target, prompt_ids), abs=1e-4)
