@@ -21,7 +21,8 @@ fields, so a client never believes it got what it did not:
   unknown field cannot be known to be harmless, and silently dropping one is how a benchmark ends
   up measuring something else.
 
-``null`` for any field means its default (clients send nulls for unset options). Every string must
+docs/api.md has the field-by-field table. ``null`` for any field means its default (clients send
+nulls for unset options). Every string must
 be valid Unicode: a lone surrogate (JSON "\\ud800") would otherwise reach the tokenizer.
 """
 
