@@ -5,7 +5,9 @@ to treat request models as JSON bodies.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (``stream: true`` = SSE chunks in
 OpenAI's format, ending with ``data: [DONE]``), GET /v1/models, GET /health. Responses carry the
-usual ``usage`` plus a ``speculation`` field with the request's acceptance statistics.
+usual ``usage`` plus a ``speculation`` field with the request's acceptance statistics. Each choice
+(one per prompt, times n) is its own sequence on the router, all started at once so the engines
+batch them; docs/api.md has the field table and how choices are numbered and seeded.
 
 Every client error is a 4xx with OpenAI's {"error": {...}} body, never a 5xx: which fields are
 served, ignored or refused is decided in deployments/openai_protocol.py. With ``auth.api_keys``
@@ -13,9 +15,11 @@ set, every /v1/* path needs ``Authorization: Bearer <key>`` (checked before the 
 /health stays open for load balancers and Serve's health checks.
 """
 
+import asyncio
 import json
 import math
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoConfig, AutoTokenizer
 
 from cluster.config import SpecServeConfig
-from decoding.sampling import SamplingParams
+from decoding.sampling import MAX_SEED, SamplingParams
 from deployments.admission import ServerOverloadedError
 from deployments.openai_protocol import (
     ChatCompletionRequest,
@@ -98,6 +102,17 @@ async def _first_chunk(chunks) -> dict:
         raise
 
 
+async def _first_chunks(streams: list) -> list[dict]:
+    """Every choice's first chunk; if one fails (e.g. 503), every stream is cancelled and it raises."""
+    results = await asyncio.gather(*(_first_chunk(stream) for stream in streams), return_exceptions=True)
+    failure = next((result for result in results if isinstance(result, BaseException)), None)
+    if failure is not None:
+        for stream in streams:
+            stream.cancel()
+        raise failure
+    return results
+
+
 async def _prepend(first: dict, chunks) -> AsyncIterator[dict]:
     yield first
     if "usage" not in first:
@@ -109,6 +124,66 @@ def _sse(payload: dict[str, Any] | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
+@dataclass(frozen=True)
+class Choice:
+    """One sequence the router generates: choice `index` of the response (prompt i's n choices
+    are i*n .. i*n+n-1, as vLLM numbers them)."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    echo: str = ""                       # the prompt's text, when echoed
+    prompt_logprobs: int | None = None   # alternatives per prompt position, if the prompt's logprobs are wanted
+    prompt_only: bool = False            # max_tokens 0 with echo: the generated token is dropped
+
+
+@dataclass
+class ChoiceOutput:
+    """One choice's collected answer: generated text, its logprob entries, the prompt's (if
+    asked) and the router's final chunk (finish reason, usage, speculation)."""
+
+    text: str
+    entries: list[dict]
+    prompt_entries: list[dict]
+    final: dict
+
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """Choice j of a seeded request samples with seed + j (vLLM's rule for n > 1), so choice j
+    reproduces a single request with that seed; wrapped into the seed range."""
+    return None if seed is None else (seed + choice) % (MAX_SEED + 1)
+
+
+def _usage(choices: list[Choice], usages: list[dict | None]) -> dict[str, int]:
+    """Usage summed as vLLM sums it: each prompt's tokens once, every choice's completion tokens."""
+    prompt_tokens = sum(len(ids) for ids in {c.prompt_index: c.prompt_ids for c in choices}.values())
+    completion_tokens = sum(0 if choice.prompt_only or usage is None else usage["completion_tokens"]
+                            for choice, usage in zip(choices, usages))
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def _collect(first: dict, chunks) -> ChoiceOutput:
+    """One choice's whole answer from its router stream."""
+    output = ChoiceOutput("", [], first.get("prompt_logprobs", []), {})
+    async for chunk in _prepend(first, chunks):
+        output.text += chunk["text"]
+        output.entries += chunk.get("logprobs", [])
+        output.final = chunk
+    return output
+
+
+async def _pump(position: int, first: dict, chunks, queue: asyncio.Queue) -> None:
+    """Put one choice's chunks on the queue as (position, chunk), then (position, None) or an error."""
+    try:
+        async for chunk in _prepend(first, chunks):
+            queue.put_nowait((position, chunk))
+        queue.put_nowait((position, None))
+    except Exception as exc:
+        queue.put_nowait((position, exc))
+
+
 @serve.deployment
 @serve.ingress(app)
 class Ingress:
@@ -117,8 +192,9 @@ class Ingress:
         self.api_key_digests = self.config.auth.key_digests()
         self.router = router
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.resolved_tokenizer_path, local_files_only=True)
-        self.max_context = AutoConfig.from_pretrained(self.config.target.path,
-                                                      local_files_only=True).max_position_embeddings
+        target_config = AutoConfig.from_pretrained(self.config.target.path, local_files_only=True)
+        self.max_context = target_config.max_position_embeddings
+        self.vocab_size = target_config.vocab_size
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
@@ -137,14 +213,17 @@ class Ingress:
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
-        prompt_ids = self._encode(body.prompt)
-        return await self._respond(body, prompt_ids, kind="text_completion",
-                                   echo_prefix=body.prompt if body.echo else "")
+        choices = []
+        for prompt in body.prompts:
+            prompt_ids = self._encode(prompt) if isinstance(prompt, str) else self._checked_ids(prompt)
+            echo = "" if not body.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+            choices += self._choices(body, prompt_ids, len(choices), echo)
+        return await self._respond(body, choices, kind="text_completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
         prompt = self._chat_prompt([{"role": m.template_role, "content": m.content} for m in body.messages])
-        return await self._respond(body, self._encode(prompt), kind="chat.completion")
+        return await self._respond(body, self._choices(body, self._encode(prompt), 0), kind="chat.completion")
 
     # -- helpers ---------------------------------------------------------------------------
     def _encode(self, prompt: str) -> list[int]:
@@ -164,6 +243,25 @@ class Ingress:
                                   param="messages") from None
         return "".join(DEFAULT_CHAT_TEMPLATE.format(**m) for m in messages) + DEFAULT_CHAT_SUFFIX
 
+    def _checked_ids(self, prompt_ids: list[int]) -> list[int]:
+        """A token-id prompt, checked like a text one: not empty, every id in the vocabulary."""
+        if not prompt_ids:
+            raise OpenAIError("prompt must not be empty", param="prompt")
+        if max(prompt_ids) >= self.vocab_size:
+            raise OpenAIError(f"token id {max(prompt_ids)} is out of the vocabulary (size {self.vocab_size})",
+                              param="prompt")
+        return list(prompt_ids)
+
+    def _choices(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int], first_index: int,
+                 echo: str = "") -> list[Choice]:
+        """The body.n choices of one prompt, indexed from first_index (prompt i's are i*n .. i*n+n-1)."""
+        params = self._sampling_params(body, len(prompt_ids))
+        prompt_logprobs = getattr(body, "num_prompt_logprobs", None)
+        return [Choice(first_index + j, first_index // body.n, prompt_ids,
+                       params.model_copy(update={"seed": choice_seed(params.seed, j)}), echo, prompt_logprobs,
+                       prompt_only=body.requested_max_tokens == 0)
+                for j in range(body.n)]
+
     def _sampling_params(self, body: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int) -> SamplingParams:
         if body.model != self.config.model_name:
             raise OpenAIError(f"The model '{body.model}' does not exist; this server serves "
@@ -177,7 +275,8 @@ class Ingress:
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         if requested is not None and requested > limit:
             raise OpenAIError(f"{param} must be at most {limit}", param=param)
-        max_tokens = requested or min(self.config.limits.default_max_tokens, room)
+        # max_tokens 0 (echo: the prompt alone) still prefills, as in vLLM: one token is generated and dropped.
+        max_tokens = 1 if requested == 0 else requested or min(self.config.limits.default_max_tokens, room)
         if num_prompt_tokens + max_tokens > self.max_context:
             raise OpenAIError(f"This model's maximum context length is {self.max_context} tokens; you requested "
                               f"{num_prompt_tokens + max_tokens} ({num_prompt_tokens} in the prompt, "
@@ -193,34 +292,64 @@ class Ingress:
         except ValidationError as exc:  # the request models share these limits: a bug if it happens
             raise OpenAIError(validation_error_body(exc.errors())["error"]["message"]) from None
 
-    async def _respond(self, body, prompt_ids: list[int], kind: str, echo_prefix: str = ""):
-        params = self._sampling_params(body, len(prompt_ids))
+    async def _respond(self, body, choices: list[Choice], kind: str):
+        """Start every choice on the router at once (the engines batch them), then answer."""
         request_id = new_id("cmpl" if kind == "text_completion" else "chatcmpl")
-        chunks = self.router.options(stream=True).generate.remote(request_id, prompt_ids, params.model_dump())
-        first = await _first_chunk(chunks)  # before any byte goes out, so overload can still be a 503
+        streams = [self.router.options(stream=True).generate.remote(
+            request_id if len(choices) == 1 else f"{request_id}-{choice.index}", choice.prompt_ids,
+            choice.params.model_dump(), choice.prompt_logprobs) for choice in choices]
+        firsts = await _first_chunks(streams)  # before any byte goes out, so overload can still be a 503
         if body.stream:
-            return StreamingResponse(self._stream(first, chunks, request_id, kind, body.model, echo_prefix,
-                                                  body.include_usage, params.logprobs is not None),
+            return StreamingResponse(self._stream(body, choices, firsts, streams, request_id, kind),
                                      media_type="text/event-stream")
-        text, final, entries = echo_prefix, {}, []
-        async for chunk in _prepend(first, chunks):
-            text += chunk["text"]
-            entries += chunk.get("logprobs", [])
-            final = chunk
-        logprobs = None if params.logprobs is None else self._logprobs(kind, entries, len(echo_prefix))
-        choice: dict[str, Any] = {"index": 0, "finish_reason": final.get("finish_reason"), "logprobs": logprobs}
-        if kind == "text_completion":
-            choice["text"] = text
-        else:
-            choice["message"] = {"role": "assistant", "content": text}
-        return {"id": request_id, "object": kind, "created": now(), "model": body.model, "choices": [choice],
-                "usage": final.get("usage"), "speculation": final.get("speculation")}
+        outputs = await asyncio.gather(*(_collect(first, stream) for first, stream in zip(firsts, streams)))
+        bodies = [self._choice_body(body, kind, choice, output) for choice, output in zip(choices, outputs)]
+        if len(bodies) > 1:
+            for choice_body, output in zip(bodies, outputs):
+                choice_body["speculation"] = output.final.get("speculation")
+        return {"id": request_id, "object": kind, "created": now(), "model": body.model, "choices": bodies,
+                "usage": _usage(choices, [output.final.get("usage") for output in outputs]),
+                "speculation": outputs[0].final.get("speculation")}
 
-    def _logprobs(self, kind: str, entries: list[dict], text_offset: int = 0) -> dict[str, Any]:
+    def _choice_body(self, body, kind: str, choice: Choice, output: ChoiceOutput) -> dict[str, Any]:
+        text = choice.echo + ("" if choice.prompt_only else output.text)
+        entries = [] if choice.prompt_only else output.entries
+        logprobs = None
+        if choice.params.logprobs is not None:
+            logprobs = self._logprobs(kind, output.prompt_entries + entries, body.return_tokens_as_token_ids) \
+                if choice.echo else self._logprobs(kind, entries, body.return_tokens_as_token_ids, len(choice.echo))
+        finish_reason = "length" if choice.prompt_only else output.final.get("finish_reason")
+        answer: dict[str, Any] = {"index": choice.index, "finish_reason": finish_reason, "logprobs": logprobs}
+        if kind == "text_completion":
+            answer["text"] = text
+            if getattr(body, "prompt_logprobs", None) is not None:
+                answer["prompt_logprobs"] = self._vllm_prompt_logprobs(output.prompt_entries)
+        else:
+            answer["message"] = {"role": "assistant", "content": text}
+        return answer
+
+    def _vllm_prompt_logprobs(self, entries: list[dict]) -> list[dict | None]:
+        """vLLM's prompt_logprobs: per prompt position None (the first) or {token id: {logprob, rank,
+        decoded_token}} for the prompt's token and the top alternatives."""
+        def item(logprob: float, rank: int, token_id: int) -> dict[str, Any]:
+            return {"logprob": logprob, "rank": rank, "decoded_token": self.tokenizer.decode([token_id])}
+
+        return [None if entry["logprob"] is None else {
+            str(entry["token_id"]): item(entry["logprob"], entry["rank"], entry["token_id"]),
+            **{str(i): item(lp, rank, i) for rank, (i, lp) in enumerate(entry["top"], start=1)
+               if i != entry["token_id"]}} for entry in entries]
+
+    def _logprobs(self, kind: str, entries: list[dict], as_token_ids: bool = False,
+                  text_offset: int = 0) -> dict[str, Any]:
         """Router entries ({token_id, logprob, top: [(id, logprob)]}) in OpenAI's shape: completions'
-        tokens / token_logprobs / top_logprobs / text_offset, or chat's content list."""
+        tokens / token_logprobs / top_logprobs / text_offset, or chat's content list. The prompt's
+        first token has no log-probability (logprob None): its top_logprobs is None too, as vLLM.
+        as_token_ids: vLLM's return_tokens_as_token_ids, tokens as "token_id:N"."""
         def text_of(token_id: int) -> str:
-            return self.tokenizer.decode([token_id])
+            return f"token_id:{token_id}" if as_token_ids else self.tokenizer.decode([token_id])
+
+        def top_of(entry: dict) -> dict[str, float] | None:
+            return None if entry["logprob"] is None else {text_of(i): lp for i, lp in entry["top"]}
 
         if kind == "text_completion":
             tokens = [text_of(e["token_id"]) for e in entries]
@@ -229,7 +358,7 @@ class Ingress:
                 offsets.append(text_offset)
                 text_offset += len(token)
             return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-                    "top_logprobs": [{text_of(i): lp for i, lp in e["top"]} for e in entries], "text_offset": offsets}
+                    "top_logprobs": [top_of(e) for e in entries], "text_offset": offsets}
 
         def item(token_id: int, logprob: float) -> dict[str, Any]:
             token = text_of(token_id)
@@ -238,46 +367,86 @@ class Ingress:
         return {"content": [{**item(e["token_id"], e["logprob"]), "top_logprobs": [item(i, lp) for i, lp in e["top"]]}
                             for e in entries], "refusal": None}
 
-    async def _stream(self, first: dict, chunks, request_id: str, kind: str, model: str, echo_prefix: str,
-                      include_usage: bool = False, with_logprobs: bool = False) -> AsyncIterator[str]:
-        """SSE chunks. With stream_options.include_usage, as OpenAI: every chunk carries
-        "usage": null and an extra last chunk with empty choices carries the usage; without it,
-        the finishing chunk carries the usage (as before)."""
+    async def _stream(self, body, choices: list[Choice], firsts: list[dict], streams: list, request_id: str,
+                      kind: str) -> AsyncIterator[str]:
+        """SSE chunks, each choice's as they come, with its `index`. With stream_options.include_usage,
+        as OpenAI: every chunk carries "usage": null and an extra last chunk with empty choices carries
+        the usage summed over choices; with vLLM's continuous_usage_stats as well, every chunk with a
+        choice carries that choice's usage so far instead of null. Without include_usage, each
+        choice's finishing chunk carries its usage (as before)."""
         object_name = "text_completion" if kind == "text_completion" else "chat.completion.chunk"
         created = now()
-        usage_null = {"usage": None} if include_usage else {}
+        include_usage, continuous = body.include_usage, body.continuous_usage
+        as_token_ids = body.return_tokens_as_token_ids
+        completion_tokens = [0] * len(choices)
 
-        def event(choices: list[dict[str, Any]], **extra: Any) -> str:
-            return _sse({"id": request_id, "object": object_name, "created": created, "model": model,
-                         "choices": choices, **usage_null, **extra})
+        def usage_of(position: int) -> dict[str, Any]:
+            if not continuous:
+                return {"usage": None} if include_usage else {}
+            prompt_tokens, generated = len(choices[position].prompt_ids), completion_tokens[position]
+            return {"usage": {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
+                              "total_tokens": prompt_tokens + generated}}
 
-        def choice(text: str | None, finish_reason: str | None, entries: list[dict] | None = None) -> dict[str, Any]:
-            logprobs = self._logprobs(kind, entries or []) if with_logprobs and entries is not None else None
-            body: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs}
+        def event(position: int | None, choice_bodies: list[dict[str, Any]], **extra: Any) -> str:
+            usage = {"usage": None} if position is None else usage_of(position)
+            return _sse({"id": request_id, "object": object_name, "created": created, "model": body.model,
+                         "choices": choice_bodies, **usage, **extra})
+
+        def delta(position: int, text: str | None, finish_reason: str | None,
+                  entries: list[dict] | None = None, text_offset: int = 0) -> dict[str, Any]:
+            with_logprobs = choices[position].params.logprobs is not None and entries is not None
+            logprobs = self._logprobs(kind, entries, as_token_ids, text_offset) if with_logprobs else None
+            answer: dict[str, Any] = {"index": choices[position].index, "finish_reason": finish_reason,
+                                      "logprobs": logprobs}
             if kind == "text_completion":
-                body["text"] = text or ""
+                answer["text"] = text or ""
             else:
-                body["delta"] = {} if text is None else {"content": text}
-            return body
+                answer["delta"] = {} if text is None else {"content": text}
+            return answer
 
+        chunks: asyncio.Queue = asyncio.Queue()
+        pumps = [asyncio.create_task(_pump(position, first, stream, chunks))
+                 for position, (first, stream) in enumerate(zip(firsts, streams))]
         try:
-            if kind != "text_completion":
-                yield event([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                              "finish_reason": None, "logprobs": None}])
-            if echo_prefix:
-                yield event([choice(echo_prefix, None)])
-            async for chunk in _prepend(first, chunks):
+            for position, choice in enumerate(choices):
+                if kind != "text_completion":
+                    yield event(position, [{"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                                            "finish_reason": None, "logprobs": None}])
+                if choice.echo:
+                    yield event(position, [delta(position, choice.echo, None,
+                                                 firsts[position].get("prompt_logprobs", []))])
+            usages, running = [None] * len(choices), len(choices)
+            while running:
+                position, chunk = await chunks.get()
+                if isinstance(chunk, BaseException):
+                    raise chunk
+                choice = choices[position]
+                if chunk is None:
+                    running -= 1
+                    continue
+                if choice.prompt_only:  # the one token generated to prefill is not returned
+                    chunk = {**chunk, "text": "", "token_ids": [], "logprobs": []}
+                completion_tokens[position] += len(chunk["token_ids"])
                 if "usage" in chunk:
-                    finish = choice(chunk["text"] or None, chunk["finish_reason"], chunk.get("logprobs"))
+                    usage = {**chunk["usage"], "completion_tokens": completion_tokens[position],
+                             "total_tokens": chunk["usage"]["prompt_tokens"] + completion_tokens[position]}
+                    usages[position] = usage
+                    finish = delta(position, chunk["text"] or None,
+                                   "length" if choice.prompt_only else chunk["finish_reason"], chunk.get("logprobs"))
                     if include_usage:
-                        yield event([finish], speculation=chunk["speculation"])
-                        yield event([], usage=chunk["usage"])
+                        yield event(position, [finish], speculation=chunk["speculation"])
                     else:
-                        yield event([finish], usage=chunk["usage"], speculation=chunk["speculation"])
+                        yield event(position, [finish], usage=usage, speculation=chunk["speculation"])
                 elif chunk["text"] or chunk.get("logprobs"):
-                    yield event([choice(chunk["text"], None, chunk.get("logprobs"))])
+                    yield event(position, [delta(position, chunk["text"], None, chunk.get("logprobs"))])
+            if include_usage:
+                yield _sse({"id": request_id, "object": object_name, "created": created, "model": body.model,
+                            "choices": [], "usage": _usage(choices, usages)})
             yield _sse("[DONE]")
         except Exception as exc:  # the stream has started: report in-band, as OpenAI does
             yield _sse(error_body(f"generation failed: {exc}", error_type="server_error"))
         finally:
-            chunks.cancel()  # client disconnect or error: the router releases worker state
+            for pump in pumps:
+                pump.cancel()
+            for stream in streams:
+                stream.cancel()  # client disconnect or error: the router releases worker state

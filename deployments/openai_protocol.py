@@ -4,20 +4,25 @@ Bodies are validated by pydantic at the edge; anything malformed becomes an HTTP
 OpenAI-style error JSON (``error_body``) whose ``param`` names the offending field. The rule for
 fields, so a client never believes it got what it did not:
 
-- *served*: model, prompt / messages, max_tokens, max_completion_tokens (wins over max_tokens,
-  as in vLLM), temperature, top_p, top_k, seed, stop, stream, stream_options, echo (completions),
-  and vLLM's ignore_eos and min_tokens. Limits come from decoding.sampling, the one source of
-  truth the router's SamplingParams also uses.
+- *served*: model, prompt (a string, a list of strings, token ids or a list of token-id lists:
+  one choice per prompt) / messages, n (independent choices per prompt), max_tokens,
+  max_completion_tokens (wins over max_tokens, as in vLLM), temperature, top_p, top_k, seed, stop,
+  stream, stream_options (include_usage, and vLLM's continuous_usage_stats), echo (completions;
+  with max_tokens 0 it returns the prompt alone, as vLLM), and vLLM's ignore_eos, min_tokens,
+  prompt_logprobs and return_tokens_as_token_ids. Limits come from decoding.sampling, the one
+  source of truth the router's SamplingParams also uses. Log-probabilities are served: `logprobs`
+  (completions: how many alternatives, 0-20) and `logprobs` + `top_logprobs` (chat), the
+  target's raw distribution; with echo (or prompt_logprobs) the prompt's too, from its prefill.
 - *accepted and ignored* (they change neither the tokens nor the response shape): ``IGNORED_FIELDS``.
 - *served only at their neutral value* (anything else changes semantics we do not serve, so 400
-  naming the field): ``NEUTRAL_VALUES``, e.g. n=1, presence_penalty=0, logit_bias={}, tools=[],
-  response_format={"type": "text"}. Log-probabilities are served: `logprobs` (completions: how
-  many alternatives, 0-20) and `logprobs` + `top_logprobs` (chat), the target's raw distribution.
+  naming the field): ``NEUTRAL_VALUES``, e.g. best_of=1, presence_penalty=0, logit_bias={},
+  tools=[], response_format={"type": "text"}, structured_outputs (none).
 - *unknown*: 400 "Unrecognized request argument supplied: X", as OpenAI's own API answers. An
   unknown field cannot be known to be harmless, and silently dropping one is how a benchmark ends
   up measuring something else.
 
-``null`` for any field means its default (clients send nulls for unset options). Every string must
+docs/api.md has the field-by-field table. ``null`` for any field means its default (clients send
+nulls for unset options). Every string must
 be valid Unicode: a lone surrogate (JSON "\\ud800") would otherwise reach the tokenizer.
 """
 
@@ -104,11 +109,14 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 # Accepted and ignored: metadata, routing and hints that change neither tokens nor response shape.
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prediction",
-                  "spaces_between_special_tokens", "prompt_cache_key", "safety_identifier")
+                  "spaces_between_special_tokens", "prompt_cache_key", "safety_identifier",
+                  # vLLM's: its own request id (ours is generated), a prefix-cache salt (no cache is
+                  # shared between requests here), offsets only its /render endpoints return,
+                  # reasoning output (no reasoning parser: nothing to include or leave out).
+                  "request_id", "cache_salt", "return_token_offsets", "include_reasoning")
 
 # Served only at these values (compared with ==, so 0 == 0.0 and [] == []).
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
     "best_of": (1,),
     "presence_penalty": (0,),
     "frequency_penalty": (0,),
@@ -125,13 +133,31 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "audio": (),
     "reasoning_effort": (),
     "web_search_options": (),
-    "prompt_logprobs": (),
     "stop_token_ids": ([],),
     "include_stop_str_in_output": (False,),
     "use_beam_search": (False,),
     "skip_special_tokens": (True,),
+    # vLLM's extensions that would change the output (or its scheduling) and are not served here.
+    "length_penalty": (1,),             # beam search only
+    "priority": (0,),                   # vLLM too refuses a priority without priority scheduling
+    "truncate_prompt_tokens": (),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "logits_processors": (),
+    "structured_outputs": (),           # constrained decoding: not served yet
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "prompt_embeds": (),
+    "logprob_token_ids": (),
+    "vllm_xargs": ({},),
+    "kv_transfer_params": (),
+    "thinking_token_budget": (),
+    "repetition_detection": (),
+    "return_token_ids": (False,),
 }
-_CHAT_ONLY_NEUTRAL = {"echo": (False,), "add_generation_prompt": (True,), "continue_final_message": (False,)}
+_CHAT_ONLY_NEUTRAL = {"echo": (False,), "add_generation_prompt": (True,), "continue_final_message": (False,),
+                      "prompt_logprobs": ()}
+MAX_N = 16          # choices per prompt
+MAX_PROMPTS = 64    # prompts per completions request
 
 
 def _same(value: Any, allowed: Any) -> bool:
@@ -153,7 +179,7 @@ class StreamOptions(BaseModel):
 
     include_usage: bool | None = None
     include_obfuscation: Any = None                 # accepted, ignored: specserve sends no obfuscation
-    continuous_usage_stats: Literal[False] | None = None
+    continuous_usage_stats: bool | None = None      # vLLM: usage so far on every chunk
 
 
 class _RequestFields(BaseModel):
@@ -184,9 +210,15 @@ class _RequestFields(BaseModel):
     spaces_between_special_tokens: Any = None
     prompt_cache_key: Any = None
     safety_identifier: Any = None
+    request_id: Any = None
+    cache_salt: Any = None
+    return_token_offsets: Any = None
+    include_reasoning: Any = None
+
+    n: int = Field(1, ge=1, le=MAX_N, description="independent choices per prompt")
+    return_tokens_as_token_ids: bool = Field(False, description="vLLM: logprob tokens as 'token_id:N'")
 
     # Served only at their neutral value (NEUTRAL_VALUES).
-    n: Any = None
     best_of: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
@@ -203,11 +235,28 @@ class _RequestFields(BaseModel):
     audio: Any = None
     reasoning_effort: Any = None
     web_search_options: Any = None
-    prompt_logprobs: Any = None
     stop_token_ids: Any = None
     include_stop_str_in_output: Any = None
     use_beam_search: Any = None
     skip_special_tokens: Any = None
+    length_penalty: Any = None
+    priority: Any = None
+    truncate_prompt_tokens: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    prompt_embeds: Any = None
+    logprob_token_ids: Any = None
+    vllm_xargs: Any = None
+    kv_transfer_params: Any = None
+    thinking_token_budget: Any = None
+    repetition_detection: Any = None
+    return_token_ids: Any = None
 
     @model_validator(mode="before")
     @classmethod
@@ -249,25 +298,72 @@ class _RequestFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats: every streamed chunk carries the usage so far."""
+        return bool(self.include_usage and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(_RequestFields):
-    prompt: Text
+    """prompt: a string, a list of strings, token ids, or a list of token-id lists (one choice
+    per prompt, n per prompt with n > 1). `prompts` gives them as a list either way."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0, description="0 with echo: the prompt alone, as vLLM")
     echo: bool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                        description="log-probability of each token and this many alternatives")
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                              description="vLLM: the prompt tokens' log-probabilities")
 
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt, a string or token ids."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt position, or None for no prompt log-probabilities: vLLM's
+        prompt_logprobs, else echo's `logprobs` (as vLLM derives it)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
+
     @field_validator("prompt", mode="before")
     @classmethod
-    def _single_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list):
-            if len(value) != 1 or not isinstance(value[0], str):
-                raise ValueError("exactly one prompt, a string, is served per request")
-            return value[0]
-        return value
+    def _prompt_shape(cls, value: Any) -> Any:
+        # Checked by hand: a union's errors would name its members, not what is wrong.
+        def token_ids(item: Any) -> bool:
+            return isinstance(item, list) and all(type(t) is int and t >= 0 for t in item)
+
+        if isinstance(value, str):
+            return _valid_unicode(value)
+        if not isinstance(value, list) or not value:
+            raise ValueError("prompt must be a string, a list of strings, token ids or a list of token-id lists")
+        if token_ids(value):
+            return value
+        if len(value) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+        if all(isinstance(item, str) for item in value):
+            return [_valid_unicode(item) for item in value]
+        if all(token_ids(item) for item in value):
+            return value
+        raise ValueError("prompt must be a string, a list of strings, token ids (non-negative integers) "
+                         "or a list of token-id lists")
+
+    @model_validator(mode="after")
+    def _zero_tokens_only_with_echo(self) -> "CompletionRequest":
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens may be 0 only with echo: true (the prompt alone is returned)")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream is true (as in vLLM)")
+        return self
 
 
 def _text_of_parts(value: Any) -> Any:
@@ -313,6 +409,7 @@ class ChatCompletionRequest(_RequestFields):
     echo: Any = None
     add_generation_prompt: Any = None
     continue_final_message: Any = None
+    prompt_logprobs: Any = None
 
     @field_validator(*_CHAT_ONLY_NEUTRAL)
     @classmethod

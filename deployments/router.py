@@ -174,8 +174,11 @@ class Router:
             return None
         return self.policy_decision.get("num_draft_tokens", {}).get(request_class)
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: dict) -> AsyncIterator[dict]:
+    async def generate(self, request_id: str, prompt_ids: list[int], params: dict,
+                       prompt_logprobs: int | None = None) -> AsyncIterator[dict]:
         """Stream {"text", "token_ids", "finish_reason"} chunks; the last adds "usage" and "speculation".
+        prompt_logprobs: the first chunk adds "prompt_logprobs", an entry per prompt token (the
+        first's logprob None) with this many alternatives, from the target's prefill.
 
         The rounds run in their own task and hand chunks over through a queue, so a round never
         waits for the previous chunk to be streamed out; chunks that pile up meanwhile are merged.
@@ -186,14 +189,14 @@ class Router:
                              max_context=self.max_context, detokenize=self._detokenize)
         chunks: asyncio.Queue = asyncio.Queue()
         self._ensure_policy_loop()
-        rounds = asyncio.create_task(self._decode(state, chunks))
+        rounds = asyncio.create_task(self._decode(state, chunks, prompt_logprobs))
         try:
             async for merged in coalesced_chunks(chunks, self.config.http.stream_interval_ms / 1000):
                 yield merged
         finally:
             rounds.cancel()
 
-    async def _decode(self, state: RequestState, chunks: asyncio.Queue) -> None:
+    async def _decode(self, state: RequestState, chunks: asyncio.Queue, prompt_logprobs: int | None = None) -> None:
         """Admission, prefill, then speculative rounds until the request finishes; every step's
         tokens go to chunks. Whatever happens, every engine the request touched releases it."""
         request_id = state.request_id
@@ -204,7 +207,7 @@ class Router:
             async with self.admission.slot():
                 self.active_requests[request_id] = state
                 self.metrics.set_active_requests(len(self.active_requests))
-                await self._rounds(state, chunks, timings, engines, started)
+                await self._rounds(state, chunks, timings, engines, started, prompt_logprobs)
             chunks.put_nowait(self._final_chunk(state, timings))
         except Exception as exc:  # hand it to the stream, which raises it to the caller
             chunks.put_nowait(exc)
@@ -216,7 +219,7 @@ class Router:
                 self._release_everywhere(engine, request_id)
 
     async def _rounds(self, state: RequestState, chunks: asyncio.Queue, timings: RoundTimings,
-                      engines: list[Any], started: float) -> None:
+                      engines: list[Any], started: float, prompt_logprobs: int | None = None) -> None:
         request_id = state.request_id
         deadline = started + self.config.limits.request_timeout_s
         target = await self._target_engine()
@@ -225,12 +228,17 @@ class Router:
         if draft is not None:  # the draft prefills while the target does
             engines.append(draft)
             draft.prefill.remote(request_id, state.history)
-        rows, _, target = await self._verify(state, target, engines)
+        rows, _, target = await self._verify(state, target, engines, prompt_logprobs=prompt_logprobs)
+        if prompt_logprobs is not None:  # the prefill answered (its usual answer, the prompt's entries)
+            rows, prompt_entries = rows
         rows, logprob_rows = _split_logprobs(state, rows)
         committed = accept_round(state, Proposal([], None), rows)
         timings.first_token_s = time.perf_counter() - started
         self.metrics.record_first_token(timings.first_token_s)
-        chunks.put_nowait(self._chunk(state, committed, logprob_rows))
+        first_chunk = self._chunk(state, committed, logprob_rows)
+        if prompt_logprobs is not None:
+            first_chunk["prompt_logprobs"] = prompt_entries
+        chunks.put_nowait(first_chunk)
         ahead = None  # (history it continued, its in-flight draft) while the target verifies
         while not state.finished:
             if time.perf_counter() > deadline:
@@ -363,18 +371,21 @@ class Router:
             return None
 
     def _send_verify(self, state: RequestState, target, proposal: Proposal | None = None,
-                     draft_answer: Any = None) -> tuple[Any, float, Any]:
+                     draft_answer: Any = None, prompt_logprobs: int | None = None) -> tuple[Any, float, Any]:
         """Send one verify: of proposal's block, or of the block a draft engine is drafting
         (draft_answer: its propose ObjectRef, handed to the target unresolved). -> (ObjectRef of the
-        answer, when it was sent, draft_answer)."""
+        answer, when it was sent, draft_answer). prompt_logprobs: a prefill that also returns the
+        prompt's log-probabilities (TargetEngine.verify)."""
         block = proposal.token_ids if proposal else []
         sent_s = time.perf_counter()
         answer = target.verify.remote(state.request_id, state.history + block, len(block) + 1, state.params,
-                                      state.next_output_index, None if draft_answer is None else [draft_answer])
+                                      state.next_output_index, None if draft_answer is None else [draft_answer],
+                                      prompt_logprobs)
         return answer, sent_s, draft_answer
 
     async def _verify(self, state: RequestState, target, engines: list[Any], proposal: Proposal | None = None,
-                      sent: tuple[Any, float, Any] | None = None) -> tuple[Any, EngineCall, Any]:
+                      sent: tuple[Any, float, Any] | None = None,
+                      prompt_logprobs: int | None = None) -> tuple[Any, EngineCall, Any]:
         """One target forward -> (rows, the call's timing, the engine that answered). sent: the
         verify already sent (`_send_verify`), else it is sent now.
 
@@ -385,7 +396,8 @@ class Router:
         deadline = time.monotonic() + TARGET_RECOVERY_S
         while True:
             try:
-                answer, sent_s, draft_answer = sent if sent is not None else self._send_verify(state, target, proposal)
+                answer, sent_s, draft_answer = sent if sent is not None else self._send_verify(
+                    state, target, proposal, prompt_logprobs=prompt_logprobs)
                 sent = None
                 rows, span = await answer
                 return rows, EngineCall.from_span(sent_s, span, time.perf_counter()), target
@@ -553,6 +565,9 @@ def _merge_chunks(chunks: list[dict]) -> dict:
     merged["token_ids"] = [token for chunk in chunks for token in chunk["token_ids"]]
     if any("logprobs" in chunk for chunk in chunks):
         merged["logprobs"] = [entry for chunk in chunks for entry in chunk.get("logprobs", [])]
+    for chunk in chunks:  # only the first chunk of a request has them
+        if "prompt_logprobs" in chunk:
+            merged["prompt_logprobs"] = chunk["prompt_logprobs"]
     return merged
 
 

@@ -12,7 +12,7 @@ from ray import serve
 from decoding.batched_runner import ForwardCall, load_runner
 from decoding.model_runner import SequenceStateError
 from decoding.sampling import SamplingParams
-from decoding.speculation import target_rows
+from decoding.speculation import target_rows, token_logprobs
 from deployments.engine_host import EngineCore, EngineHost, to_wire
 
 
@@ -23,6 +23,7 @@ class VerifyCall:
     num_rows: int             # rows wanted: K + 1 (1 for a prefill)
     params: SamplingParams
     first_output_index: int | None = None  # output position of the first row (min_tokens EOS masking)
+    prompt_logprobs: int | None = None     # a prefill whose rows span the prompt (see TargetEngine.verify)
 
 
 class TargetEngine(EngineCore):
@@ -35,8 +36,8 @@ class TargetEngine(EngineCore):
         super().__init__(engine_options, name)
 
     async def verify(self, seq_id: str, token_ids: Sequence[int], num_rows: int, params: SamplingParams,
-                     first_output_index: int | None = None,
-                     draft_block: list | None = None) -> tuple[object, tuple[float, float, float]]:
+                     first_output_index: int | None = None, draft_block: list | None = None,
+                     prompt_logprobs: int | None = None) -> tuple[object, tuple[float, float, float]]:
         """Rows for the last num_rows positions of token_ids (argmax ids when greedy, else probs),
         and the span (entered, forward started, left) the call spent in this engine (loop wait +
         forward). Prefill: num_rows=1. When params.logprobs is set the rows come as (rows, raw
@@ -57,9 +58,11 @@ class TargetEngine(EngineCore):
             except Exception:  # the router sees the same failure: it continues target-only
                 block = []
             token_ids, num_rows = list(token_ids) + block, len(block) + 1
+        if prompt_logprobs is not None:
+            num_rows = len(token_ids)
         entered_s = time.perf_counter()
         rows, started_s = await self.submit(VerifyCall(seq_id, list(token_ids), num_rows, params,
-                                                                  first_output_index))
+                                                       first_output_index, prompt_logprobs))
         return rows, self.answer("verify", seq_id, entered_s, started_s)
 
     def _iterate(self, calls: list[VerifyCall]) -> dict[int, object]:
@@ -72,7 +75,9 @@ class TargetEngine(EngineCore):
         finishing, chunks = [], []
         for index, chunk in plan.prefills:
             call = calls[index]
-            if chunk < waiting[index].num_new_tokens:  # an early chunk: fill the cache, no rows
+            # An early chunk fills the cache and returns no rows; a call whose rows span more than
+            # a chunk (prompt log-probabilities) runs whole, its rows from one forward.
+            if call.num_rows <= chunk < waiting[index].num_new_tokens:
                 end = self.runner.num_cached(call.seq_id) + chunk
                 chunks.append(ForwardCall(call.seq_id, call.token_ids[:end], 1))
             else:
@@ -93,11 +98,29 @@ class TargetEngine(EngineCore):
                 results[index] = exc
             return
         for (index, call), rows in zip(indexed_calls, logits):
+            prompt_entries = None
+            if call.prompt_logprobs is not None:
+                prompt_entries = prompt_logprob_entries(call.token_ids, rows[:-1], call.prompt_logprobs)
+                rows = rows[-1:]
             processed = to_wire(target_rows(rows, call.params, self.runner.eos_token_id, call.first_output_index))
             if call.params.logprobs is None:
                 results[index] = processed
             else:  # the raw distribution's log-probabilities, for the tokens the router will emit
                 results[index] = (processed, to_wire(torch.log_softmax(rows.float(), dim=-1)))
+            if prompt_entries is not None:
+                results[index] = (results[index], prompt_entries)
+
+
+def prompt_logprob_entries(token_ids: Sequence[int], logits: torch.Tensor, num_alternatives: int) -> list[dict]:
+    """Per prompt token, its log-probability under the target given the tokens before it (row i of
+    logits predicts token i + 1), the num_alternatives most likely tokens and its rank among all
+    (1 = the most likely); the first token has none (logprob, top and rank None), as in OpenAI/vLLM."""
+    logprob_rows = torch.log_softmax(logits.float(), dim=-1)
+    entries = [{"token_id": int(token_ids[0]), "logprob": None, "top": None, "rank": None}]
+    for entry, row in zip(token_logprobs(token_ids[1:], logprob_rows, num_alternatives), logprob_rows):
+        entry["rank"] = int((row > entry["logprob"]).sum()) + 1
+        entries.append(entry)
+    return entries
 
 
 @serve.deployment

@@ -151,6 +151,35 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_running_verifies(pair):
     assert len(steps) == 3 and engine.loop.stats.iterations >= 4
 
 
+def test_prompt_logprobs_come_from_one_prefill_even_past_the_chunk_budget(pair):
+    """A prefill asked for the prompt's log-probabilities keeps every prompt row (it runs whole
+    though the prompt is three chunks long), and they equal HF's forward of the whole prompt; the
+    first token has none, and the usual answer (the first output token) is unchanged."""
+    from transformers import AutoModelForCausalLM
+
+    target_path, _ = pair
+    long_prompt = [(7 * i) % 90 + 3 for i in range(100)]
+
+    async def scenario():
+        engine = TargetEngine(spec(target_path), options(prefill_token_budget=32))
+        plain, _ = await engine.verify("plain", long_prompt, 1, GREEDY)
+        with_prompt, _ = await asyncio.wait_for(engine.verify("echo", long_prompt, 1, GREEDY, prompt_logprobs=2), 60)
+        return engine, plain, with_prompt
+
+    engine, plain, (rows, entries) = asyncio.run(scenario())
+    assert rows == plain and engine.runner.num_cached("echo") == len(long_prompt)
+    model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([long_prompt])).logits[0].float(), dim=-1)
+    assert entries[0] == {"token_id": long_prompt[0], "logprob": None, "top": None, "rank": None}
+    assert [entry["token_id"] for entry in entries] == long_prompt
+    for position, entry in enumerate(entries[1:]):
+        row = expected[position]
+        assert entry["logprob"] == pytest.approx(float(row[long_prompt[position + 1]]), abs=1e-4)
+        assert [i for i, _ in entry["top"]] == torch.topk(row, 2).indices.tolist()
+        assert entry["rank"] == int((row > row[long_prompt[position + 1]] + 1e-6).sum()) + 1
+
+
 def test_release_frees_the_slot_and_drops_queued_calls(pair):
     target_path, _ = pair
 

@@ -34,10 +34,12 @@ def refusal(model, body) -> dict:
 @pytest.mark.parametrize("field, value", [
     ("logit_bias", {"50": 10}), ("presence_penalty", 0.5), ("frequency_penalty", -1), ("best_of", 2),
     ("suffix", "return x"),
-    ("n", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]), ("functions", [{"name": "f"}]),
+    ("n", 17), ("tools", [{"type": "function", "function": {"name": "f"}}]), ("functions", [{"name": "f"}]),
     ("tool_choice", "auto"), ("response_format", {"type": "json_object"}), ("repetition_penalty", 1.2),
     ("min_p", 0.1), ("use_beam_search", True), ("include_stop_str_in_output", True), ("audio", {"voice": "x"}),
-    ("skip_special_tokens", False), ("stop_token_ids", [5]),
+    ("skip_special_tokens", False), ("stop_token_ids", [5]), ("structured_outputs", {"choice": ["a", "b"]}),
+    ("guided_regex", "a+"), ("priority", 1), ("truncate_prompt_tokens", 4), ("bad_words", ["x"]),
+    ("return_token_ids", True), ("length_penalty", 0.5),
 ])
 @pytest.mark.parametrize("model, base", [(CompletionRequest, COMPLETION), (ChatCompletionRequest, CHAT)])
 def test_fields_that_change_semantics_are_refused_naming_the_field(model, base, field, value):
@@ -63,6 +65,46 @@ def test_harmless_fields_are_accepted_and_ignored(field, value):
     assert field in IGNORED_FIELDS
     CompletionRequest.model_validate({**COMPLETION, field: value})
     ChatCompletionRequest.model_validate({**CHAT, field: value})
+
+
+@pytest.mark.parametrize("field, value", [("request_id", "r-1"), ("cache_salt", "salt"), ("include_reasoning", True),
+                                          ("return_token_offsets", False)])
+def test_vllm_fields_that_change_nothing_here_are_accepted(field, value):
+    assert field in IGNORED_FIELDS
+    CompletionRequest.model_validate({**COMPLETION, field: value})
+    ChatCompletionRequest.model_validate({**CHAT, field: value})
+
+
+def test_continuous_usage_stats_is_served_with_include_usage():
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    request = CompletionRequest.model_validate({**COMPLETION, "stream": True, "stream_options": options})
+    assert request.include_usage and request.continuous_usage
+    alone = CompletionRequest.model_validate({**COMPLETION, "stream": True,
+                                              "stream_options": {"continuous_usage_stats": True}})
+    assert not alone.continuous_usage  # as vLLM: continuous usage rides on include_usage
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ("a", ["a"]), (["a", "b"], ["a", "b"]), ([1, 2, 3], [[1, 2, 3]]), ([[1, 2], [3]], [[1, 2], [3]]),
+])
+def test_prompt_may_be_strings_or_token_ids(prompt, expected):
+    assert CompletionRequest.model_validate({**COMPLETION, "prompt": prompt}).prompts == expected
+
+
+@pytest.mark.parametrize("prompt", [[], [-1], [[1], "a"], [["a"]], 42, [1.5]])
+def test_malformed_prompts_are_refused(prompt):
+    assert refusal(CompletionRequest, {**COMPLETION, "prompt": prompt})["param"].startswith("prompt")
+
+
+def test_max_tokens_zero_needs_echo_and_prompt_logprobs_follow_echo():
+    assert "echo" in refusal(CompletionRequest, {**COMPLETION, "max_tokens": 0})["message"]
+    request = CompletionRequest.model_validate({**COMPLETION, "max_tokens": 0, "echo": True, "logprobs": 1})
+    assert request.requested_max_tokens == 0 and request.num_prompt_logprobs == 1
+    assert CompletionRequest.model_validate({**COMPLETION, "logprobs": 1}).num_prompt_logprobs is None
+    assert CompletionRequest.model_validate({**COMPLETION, "prompt_logprobs": 0}).num_prompt_logprobs == 0
+    assert refusal(CompletionRequest, {**COMPLETION, "prompt_logprobs": 1, "stream": True})
+    assert refusal(ChatCompletionRequest, {**CHAT, "max_tokens": 0})["param"] == "max_tokens"
+    assert refusal(ChatCompletionRequest, {**CHAT, "prompt_logprobs": 1})["param"] == "prompt_logprobs"
 
 
 def test_unknown_fields_are_refused_as_openai_does():
@@ -162,7 +204,7 @@ def test_vllm_extensions_are_read():
 
 
 @pytest.mark.parametrize("body", [[], "x", 5, {"model": 5, "prompt": "x"}, {"model": "m", "prompt": 5},
-                                  {"model": "m", "prompt": ["a", "b"]}, {"model": "m", "prompt": [1, 2]},
+                                  {"model": "m", "prompt": ["a", 2]}, {"model": "m", "prompt": [1, "2"]},
                                   {"model": "m", "prompt": "x", "max_tokens": 0},
                                   {"model": "m", "prompt": "x", "temperature": "hot"}])
 def test_wrong_types_are_refused(body):

@@ -368,7 +368,7 @@ BAD_BODIES = [
     ({"model": MODEL, "prompt": "x", "temperature": -0.5}, "temperature"),
     ({"model": MODEL, "prompt": "x", "top_p": 0}, "top_p"),
     ({"model": MODEL, "prompt": "x", "top_p": 1.5}, "top_p"),
-    ({"model": MODEL, "prompt": "x", "n": 3}, "n"),
+    ({"model": MODEL, "prompt": "x", "n": 17}, "n"),
     ({"model": MODEL, "prompt": ""}, "prompt"),
     ({"model": MODEL, "prompt": "word " * 400}, "prompt"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 200, "stop": ""}, "stop"),
