@@ -6,11 +6,12 @@ fields, so a client never believes it got what it did not:
 
 - *served*: model, prompt / messages, max_tokens, max_completion_tokens (wins over max_tokens,
   as in vLLM), temperature, top_p, top_k, seed, stop, stream, stream_options, echo (completions),
-  and vLLM's ignore_eos and min_tokens. Limits come from decoding.sampling, the one source of
+  presence_penalty, frequency_penalty, and vLLM's repetition_penalty, min_p, ignore_eos and
+  min_tokens (docs/sampling.md). Limits come from decoding.sampling, the one source of
   truth the router's SamplingParams also uses.
 - *accepted and ignored* (they change neither the tokens nor the response shape): ``IGNORED_FIELDS``.
 - *served only at their neutral value* (anything else changes semantics we do not serve, so 400
-  naming the field): ``NEUTRAL_VALUES``, e.g. n=1, presence_penalty=0, logit_bias={}, tools=[],
+  naming the field): ``NEUTRAL_VALUES``, e.g. n=1, logit_bias={}, tools=[],
   response_format={"type": "text"}. Log-probabilities are served: `logprobs` (completions: how
   many alternatives, 0-20) and `logprobs` + `top_logprobs` (chat), the target's raw distribution.
 - *unknown*: 400 "Unrecognized request argument supplied: X", as OpenAI's own API answers. An
@@ -32,7 +33,8 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, 
                       model_validator)
 
 from cluster.config import hash_key
-from decoding.sampling import MAX_LOGPROBS, MAX_STOP_STRINGS, Seed, Temperature, TopP
+from decoding.sampling import (MAX_LOGPROBS, MAX_STOP_STRINGS, FrequencyPenalty, MinP, PresencePenalty,
+                               RepetitionPenalty, Seed, Temperature, TopP)
 
 
 class OpenAIError(Exception):
@@ -110,10 +112,6 @@ IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_ca
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "n": (1,),
     "best_of": (1,),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "repetition_penalty": (1,),
-    "min_p": (0,),
     "logit_bias": ({},),
     "suffix": ("",),
     "tools": ([],),
@@ -173,6 +171,10 @@ class _RequestFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="vLLM extension: EOS does not end the request")
     min_tokens: int = Field(0, ge=0, description="vLLM extension: EOS is masked before this many tokens")
+    presence_penalty: PresencePenalty = 0.0
+    frequency_penalty: FrequencyPenalty = 0.0
+    repetition_penalty: RepetitionPenalty = Field(1.0, description="extension (as in vLLM/HF); 1 = off")
+    min_p: MinP = Field(0.0, description="extension (as in vLLM/HF); 0 = off")
 
     # Accepted and ignored (IGNORED_FIELDS).
     user: Any = None
@@ -188,10 +190,6 @@ class _RequestFields(BaseModel):
     # Served only at their neutral value (NEUTRAL_VALUES).
     n: Any = None
     best_of: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    min_p: Any = None
     logit_bias: Any = None
     suffix: Any = None
     tools: Any = None

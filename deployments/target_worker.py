@@ -93,7 +93,8 @@ class TargetEngine(EngineCore):
                 results[index] = exc
             return
         for (index, call), rows in zip(indexed_calls, logits):
-            processed = to_wire(target_rows(rows, call.params, self.runner.eos_token_id, call.first_output_index))
+            processed = to_wire(target_rows(rows, call.params, self.runner.eos_token_id, call.first_output_index,
+                                              call.token_ids))
             if call.params.logprobs is None:
                 results[index] = processed
             else:  # the raw distribution's log-probabilities, for the tokens the router will emit
