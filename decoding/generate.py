@@ -28,11 +28,13 @@ def generate(target: ModelRunner, state: RequestState, proposer: Proposer | None
         while not state.finished:
             history = state.history
             num_tokens = state.draft_budget(num_draft_tokens) if speculate and prefilled else 0
-            proposal = (proposer.propose(state.request_id, history, num_tokens, params, state.draft_generator)
+            proposal = (proposer.propose(state.request_id, history, num_tokens, params, state.draft_generator,
+                                         len(state.prompt_ids))
                         if num_tokens > 0 else empty_proposal())
             num_drafted = len(proposal.token_ids)
             logits = target.forward(state.request_id, history + proposal.token_ids, num_rows=num_drafted + 1)
-            rows = target_rows(logits, params, state.eos_token_id, state.next_output_index)
+            rows = target_rows(logits, params, state.eos_token_id, state.next_output_index,
+                               history + proposal.token_ids)
             committed = accept_round(state, proposal, rows)
             prefilled = True
             if committed:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from decoding.model_runner import ForwardCall, RunnerBase
+from decoding.row_processors import HistoryProcessor, history_processor
 from decoding.sampling import SamplingParams, logits_to_probs, sample_from_probs
 
 
@@ -28,6 +29,7 @@ class ProposeCall:
     num_tokens: int
     params: SamplingParams
     generator: torch.Generator | None = None
+    prompt_len: int | None = None  # tokens of history that are prompt (penalties count the rest as output)
 
 
 def empty_proposal() -> Proposal:
@@ -37,8 +39,9 @@ def empty_proposal() -> Proposal:
 
 class Proposer(Protocol):
     def propose(self, seq_id: str, history: Sequence[int], num_tokens: int, params: SamplingParams,
-                generator: torch.Generator | None = None) -> Proposal:
-        """Propose up to num_tokens continuing history (prompt + committed output)."""
+                generator: torch.Generator | None = None, prompt_len: int | None = None) -> Proposal:
+        """Propose up to num_tokens continuing history (prompt + committed output; its first
+        prompt_len tokens are the prompt, which penalties need to know)."""
 
     def propose_batch(self, calls: Sequence[ProposeCall]) -> list[Proposal]:
         """`propose` for every call (distinct seq_ids), batched where the proposer can."""
@@ -57,13 +60,14 @@ class DraftModelProposer:
         self.runner = runner
 
     def propose(self, seq_id: str, history: Sequence[int], num_tokens: int, params: SamplingParams,
-                generator: torch.Generator | None = None) -> Proposal:
+                generator: torch.Generator | None = None, prompt_len: int | None = None) -> Proposal:
         """Draft up to num_tokens tokens, one draft forward each. Greedy drafts are the argmax chain
         (probs None); sampled drafts are drawn from logits_to_probs rows with `generator`, and those
-        processed q rows [K, V] are returned for rejection sampling.
+        processed q rows [K, V] are returned for rejection sampling. Penalties see history plus the
+        tokens drafted so far, as the target's verify rows will (decoding.row_processors).
 
         Fewer tokens are drafted when the draft model's context would overflow."""
-        return self.propose_batch([ProposeCall(seq_id, history, num_tokens, params, generator)])[0]
+        return self.propose_batch([ProposeCall(seq_id, history, num_tokens, params, generator, prompt_len)])[0]
 
     def propose_batch(self, calls: Sequence[ProposeCall]) -> list[Proposal]:
         """`propose` for every call (distinct seq_ids) in max(num_tokens) batched draft steps.
@@ -78,11 +82,22 @@ class DraftModelProposer:
         histories = [list(call.history) for call in calls]
         drafted: list[list[int]] = [[] for _ in calls]
         q_rows: list[list[torch.Tensor]] = [[] for _ in calls]
+        processors: list[HistoryProcessor | None] = [None] * len(calls)
         drafting = [i for i, budget in enumerate(budgets) if budget > 0]
         while drafting:
             logits = self.runner.forward_batch([ForwardCall(calls[i].seq_id, histories[i], 1) for i in drafting])
             for i, row_logits in zip(drafting, logits):
-                token = self._draw(row_logits[0], calls[i], q_rows[i])
+                call = calls[i]
+                row = row_logits[0] if call.generator is None or call.params.is_greedy else (
+                    row_logits[0].to(call.generator.device))  # sample where the generator lives
+                if call.params.uses_penalties:
+                    if processors[i] is None:
+                        processors[i] = history_processor(call.params, call.history, call.prompt_len,
+                                                          row.shape[-1], row.device)
+                    row = processors[i].process(row.unsqueeze(0))[0]
+                token = self._draw(row, call, q_rows[i])
+                if processors[i] is not None:
+                    processors[i].advance([token])
                 drafted[i].append(token)
                 histories[i].append(token)
             drafting = [i for i in drafting if len(drafted[i]) < budgets[i]]
@@ -91,14 +106,13 @@ class DraftModelProposer:
 
     @staticmethod
     def _draw(logits: torch.Tensor, call: ProposeCall, q_rows: list[torch.Tensor]) -> int:
-        """The next draft token from one row of logits [V]; a sampled row's q is kept in q_rows."""
+        """The next draft token from one row of logits [V] (on the generator's device when sampling,
+        so q rows travel in the same host place); a sampled row's q is kept in q_rows."""
         if call.params.is_greedy:
             return int(torch.argmax(logits))
-        generator = call.generator
-        # Sample where the generator lives; q rows then travel in the same (host) place.
-        q = logits_to_probs(logits if generator is None else logits.to(generator.device), call.params)
+        q = logits_to_probs(logits, call.params)
         q_rows.append(q)
-        return int(sample_from_probs(q, generator))
+        return int(sample_from_probs(q, call.generator))
 
     def release(self, seq_id: str) -> None:
         self.runner.release(seq_id)
@@ -115,7 +129,7 @@ class NgramProposer:
         self.min_ngram = min_ngram
 
     def propose(self, seq_id: str, history: Sequence[int], num_tokens: int, params: SamplingParams,
-                generator: torch.Generator | None = None) -> Proposal:
+                generator: torch.Generator | None = None, prompt_len: int | None = None) -> Proposal:
         """The up-to-num_tokens tokens that followed the most recent earlier occurrence of the
         longest matching suffix; empty when no suffix of length >= min_ngram recurs."""
         length = len(history)

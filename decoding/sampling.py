@@ -22,21 +22,34 @@ MAX_STOP_STRINGS = 4
 # Below this a temperature is greedy (vLLM's _SAMPLING_EPS): logits / 1e-162 overflow to inf and
 # softmax turns them into NaN, which a fuzzer found as an HTTP 500.
 GREEDY_BELOW_TEMPERATURE = 1e-5
-# torch.Generator.manual_seed takes a 64-bit seed; the draft stream uses seed + 1.
-MAX_SEED = 2**63 - 2
+# torch.Generator.manual_seed takes a 64-bit seed; the draft stream flips bit 62 (draft_seed).
+MAX_SEED = 2**63 - 1
+DRAFT_SEED_BIT = 1 << 62
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (vLLM's default cap)
+# Presence and frequency penalties: OpenAI's documented range. repetition_penalty (HF/vLLM) must be
+# positive; 1 is neutral. min_p (vLLM/HF) is a fraction of the most likely token's probability.
+MIN_PRESENCE_PENALTY, MAX_PRESENCE_PENALTY = -2.0, 2.0
+MIN_FREQUENCY_PENALTY, MAX_FREQUENCY_PENALTY = -2.0, 2.0
+MIN_P_RANGE = (0.0, 1.0)
 
 # Field types shared with the HTTP request models.
 Temperature = Annotated[float, Field(ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+PresencePenalty = Annotated[float, Field(ge=MIN_PRESENCE_PENALTY, le=MAX_PRESENCE_PENALTY, allow_inf_nan=False)]
+FrequencyPenalty = Annotated[float, Field(ge=MIN_FREQUENCY_PENALTY, le=MAX_FREQUENCY_PENALTY, allow_inf_nan=False)]
+RepetitionPenalty = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
+MinP = Annotated[float, Field(ge=MIN_P_RANGE[0], le=MIN_P_RANGE[1], allow_inf_nan=False)]
 
 
 class SamplingParams(BaseModel):
     """Per-request sampling parameters, validated at the edge.
 
     temperature == 0 (or below GREEDY_BELOW_TEMPERATURE) means greedy. top_k <= 0 disables top-k;
-    top_p == 1 disables top-p.
+    top_p == 1 disables top-p; min_p == 0 disables min-p.
+    repetition_penalty (1 = off), presence_penalty and frequency_penalty (0 = off) depend on the
+    tokens before a row (decoding.row_processors); greedy decoding applies them too. The order and
+    semantics follow vLLM (docs/sampling.md).
     `stop` accepts a string or a list of strings (stored as a list). `seed` makes sampling
     reproducible. `ignore_eos` and `min_tokens` are vLLM's extensions (fixed-length benchmarks
     send them): with `ignore_eos` EOS is committed as an ordinary token instead of ending the
@@ -55,6 +68,15 @@ class SamplingParams(BaseModel):
                             description=f"up to {MAX_STOP_STRINGS} non-empty stop strings")
     ignore_eos: bool = Field(default=False, description="EOS is an ordinary token: it does not end the request")
     min_tokens: int = Field(default=0, ge=0, description="EOS is masked for output positions below this")
+    repetition_penalty: RepetitionPenalty = Field(
+        default=1.0, description="logits of tokens seen in prompt or output: positive ones divided by it, "
+                                 "negative ones multiplied (HF/vLLM); 1 = off")
+    presence_penalty: PresencePenalty = Field(default=0.0, description="subtracted from the logit of every "
+                                                                       "token already in the output")
+    frequency_penalty: FrequencyPenalty = Field(default=0.0, description="subtracted once per occurrence of "
+                                                                         "a token in the output")
+    min_p: MinP = Field(default=0.0, description="drop tokens less likely than min_p times the most likely "
+                                                 "one (after temperature); 0 = off")
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS,
                                  description="return the target's raw log-probability of every emitted token "
                                              "and this many most likely alternatives; None: none")
@@ -88,11 +110,37 @@ class SamplingParams(BaseModel):
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
+    @property
+    def uses_penalties(self) -> bool:
+        """True when a row's logits depend on the tokens before it (repetition/presence/frequency)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor, seen: torch.Tensor,
+                    params: SamplingParams) -> torch.Tensor:
+    """Penalized logits [..., V] (a new tensor), vLLM's `apply_penalties` for one request.
+
+    output_counts [..., V]: how often each token occurs in the row's output so far (float);
+    seen [..., V] (bool): whether it occurs in the prompt or the output. Repetition divides the
+    positive logits of seen tokens by repetition_penalty and multiplies the others (HF's
+    RepetitionPenaltyLogitsProcessor); then frequency_penalty * count and presence_penalty *
+    (count > 0) are subtracted (OpenAI's definition: output tokens only)."""
+    logits = logits.float()
+    if params.repetition_penalty != 1.0:
+        penalty = torch.where(seen, params.repetition_penalty, 1.0)
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    if params.frequency_penalty != 0.0:
+        logits = logits - params.frequency_penalty * output_counts
+    if params.presence_penalty != 0.0:
+        logits = logits - params.presence_penalty * (output_counts > 0).float()
+    return logits
+
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Processed probabilities [..., V] (float32) from logits [..., V].
 
-    Temperature, then top-k, then top-p, renormalised. Greedy gives one-hot rows at argmax
+    Temperature, then min-p, then top-k, then top-p, renormalised (vLLM's order). Min-p drops the
+    tokens whose probability is below min_p times the row's largest. Greedy gives one-hot rows at argmax
     (ties: the lowest index, as torch.argmax). Top-k ties are broken towards the lowest index too,
     so exactly k tokens survive. Top-p keeps the smallest set of most likely tokens (of the top-k
     renormalised distribution) whose cumulative probability reaches top_p; the top token always
@@ -105,6 +153,9 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         return torch.nn.functional.one_hot(logits.argmax(dim=-1), vocab_size).float()
 
     logits = logits / params.temperature
+    if params.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     use_top_k = 0 < params.top_k < vocab_size
     use_top_p = params.top_p < 1.0
     if not (use_top_k or use_top_p):
@@ -141,9 +192,10 @@ def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = N
 
 
 def draft_seed(seed: int | None) -> int | None:
-    """The draft's random stream of a seeded request: its own seed, so draft and target draws are
-    independent yet reproducible (MAX_SEED leaves room for it)."""
-    return None if seed is None else seed + 1
+    """The draft's random stream of a seeded request: reproducible, and far from the seeds the
+    target streams of the same request's other choices use (seed + j for choice j, as vLLM), so
+    no two streams of one request draw the same numbers."""
+    return None if seed is None else seed ^ DRAFT_SEED_BIT
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

@@ -24,6 +24,7 @@ class DraftCall:
     num_tokens: int                  # 0: only prefill the cache with history
     params: SamplingParams | None = None
     seed: int | None = None
+    prompt_len: int | None = None    # history's prompt tokens (penalties count the rest as output)
 
 
 class DraftEngine(EngineCore):
@@ -49,11 +50,12 @@ class DraftEngine(EngineCore):
         await self.submit(DraftCall(seq_id, list(history), 0))
 
     async def propose(self, seq_id: str, history: Sequence[int], num_tokens: int, params: SamplingParams,
-                      seed: int | None) -> tuple[Proposal, tuple[float, float, float]]:
-        """Up to num_tokens draft tokens continuing history, and the span (entered, forward started,
-        left) spent in this engine."""
+                      seed: int | None, prompt_len: int | None = None) -> tuple[Proposal, tuple[float, float, float]]:
+        """Up to num_tokens draft tokens continuing history (its first prompt_len tokens the
+        prompt), and the span (entered, forward started, left) spent in this engine."""
         entered_s = time.perf_counter()
-        proposal, started_s = await self.submit(DraftCall(seq_id, list(history), num_tokens, params, seed))
+        proposal, started_s = await self.submit(DraftCall(seq_id, list(history), num_tokens, params, seed,
+                                                          prompt_len))
         return proposal, self.answer("propose", seq_id, entered_s, started_s)
 
     def _release_now(self, seq_id: str) -> None:
@@ -113,7 +115,7 @@ class DraftEngine(EngineCore):
         generator = self.generators.get(call.seq_id)
         if generator is None:
             generator = self.generators[call.seq_id] = make_generator(call.seed)
-        return ProposeCall(call.seq_id, call.history, call.num_tokens, call.params, generator)
+        return ProposeCall(call.seq_id, call.history, call.num_tokens, call.params, generator, call.prompt_len)
 
     @staticmethod
     def _to_wire(proposal: Proposal) -> Proposal:

@@ -288,6 +288,9 @@ class Ingress:
             return SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
                                   seed=body.seed, max_tokens=max_tokens, stop=body.stop,
                                   ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+                                  repetition_penalty=body.repetition_penalty,
+                                  presence_penalty=body.presence_penalty,
+                                  frequency_penalty=body.frequency_penalty, min_p=body.min_p,
                                   logprobs=body.num_logprobs)
         except ValidationError as exc:  # the request models share these limits: a bug if it happens
             raise OpenAIError(validation_error_body(exc.errors())["error"]["message"]) from None

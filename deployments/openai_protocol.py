@@ -6,17 +6,18 @@ fields, so a client never believes it got what it did not:
 
 - *served*: model, prompt (a string, a list of strings, token ids or a list of token-id lists:
   one choice per prompt) / messages, n (independent choices per prompt), max_tokens,
-  max_completion_tokens (wins over max_tokens, as in vLLM), temperature, top_p, top_k, seed, stop,
-  stream, stream_options (include_usage, and vLLM's continuous_usage_stats), echo (completions;
-  with max_tokens 0 it returns the prompt alone, as vLLM), and vLLM's ignore_eos, min_tokens,
+  max_completion_tokens (wins over max_tokens, as in vLLM), temperature, top_p, top_k, min_p, seed,
+  stop, presence_penalty, frequency_penalty, vLLM's repetition_penalty (docs/sampling.md), stream,
+  stream_options (include_usage, and vLLM's continuous_usage_stats), echo (completions; with
+  max_tokens 0 it returns the prompt alone, as vLLM), and vLLM's ignore_eos, min_tokens,
   prompt_logprobs and return_tokens_as_token_ids. Limits come from decoding.sampling, the one
   source of truth the router's SamplingParams also uses. Log-probabilities are served: `logprobs`
   (completions: how many alternatives, 0-20) and `logprobs` + `top_logprobs` (chat), the
   target's raw distribution; with echo (or prompt_logprobs) the prompt's too, from its prefill.
 - *accepted and ignored* (they change neither the tokens nor the response shape): ``IGNORED_FIELDS``.
 - *served only at their neutral value* (anything else changes semantics we do not serve, so 400
-  naming the field): ``NEUTRAL_VALUES``, e.g. best_of=1, presence_penalty=0, logit_bias={},
-  tools=[], response_format={"type": "text"}, structured_outputs (none).
+  naming the field): ``NEUTRAL_VALUES``, e.g. best_of=1, logit_bias={}, tools=[],
+  response_format={"type": "text"}, structured_outputs (none).
 - *unknown*: 400 "Unrecognized request argument supplied: X", as OpenAI's own API answers. An
   unknown field cannot be known to be harmless, and silently dropping one is how a benchmark ends
   up measuring something else.
@@ -37,7 +38,8 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, 
                       model_validator)
 
 from cluster.config import hash_key
-from decoding.sampling import MAX_LOGPROBS, MAX_STOP_STRINGS, Seed, Temperature, TopP
+from decoding.sampling import (MAX_LOGPROBS, MAX_STOP_STRINGS, FrequencyPenalty, MinP, PresencePenalty,
+                               RepetitionPenalty, Seed, Temperature, TopP)
 
 
 class OpenAIError(Exception):
@@ -118,10 +120,6 @@ IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_ca
 # Served only at these values (compared with ==, so 0 == 0.0 and [] == []).
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "repetition_penalty": (1,),
-    "min_p": (0,),
     "logit_bias": ({},),
     "suffix": ("",),
     "tools": ([],),
@@ -199,6 +197,10 @@ class _RequestFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="vLLM extension: EOS does not end the request")
     min_tokens: int = Field(0, ge=0, description="vLLM extension: EOS is masked before this many tokens")
+    presence_penalty: PresencePenalty = 0.0
+    frequency_penalty: FrequencyPenalty = 0.0
+    repetition_penalty: RepetitionPenalty = Field(1.0, description="extension (as in vLLM/HF); 1 = off")
+    min_p: MinP = Field(0.0, description="extension (as in vLLM/HF); 0 = off")
 
     # Accepted and ignored (IGNORED_FIELDS).
     user: Any = None
@@ -220,10 +222,6 @@ class _RequestFields(BaseModel):
 
     # Served only at their neutral value (NEUTRAL_VALUES).
     best_of: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    min_p: Any = None
     logit_bias: Any = None
     suffix: Any = None
     tools: Any = None

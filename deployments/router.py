@@ -269,7 +269,7 @@ class Router:
                 # Draft the next block now, guessing the bonus token, on the draft's own worker.
                 ahead_of = state.history + proposal.token_ids
                 ahead = (ahead_of, draft.propose.remote(request_id, ahead_of, num_draft + 1, state.params,
-                                                        self._draft_seed(state)))
+                                                        self._draft_seed(state), len(state.prompt_ids)))
             rows, verify, target = await self._verify(state, target, engines, proposal, sent)
             if stages.draft is not None and sent[2] is not None:  # the block went draft -> target
                 verify = replace(verify, sent_s=stages.draft.left_s)
@@ -331,7 +331,7 @@ class Router:
             waited_s = time.perf_counter() - started
         sent_s = time.perf_counter()
         answer = draft.propose.remote(state.request_id, state.history, num_draft, state.params,
-                                      self._draft_seed(state))
+                                      self._draft_seed(state), len(state.prompt_ids))
         sent = self._send_verify(state, target, None, answer)
         try:
             proposal, span = await answer

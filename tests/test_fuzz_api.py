@@ -160,7 +160,7 @@ def test_text_content_parts_developer_role_and_vllm_extensions_are_served(client
 
 def test_refused_fields_raise_bad_request_naming_the_field(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt="x", max_tokens=3, presence_penalty=0.5)
+        client.completions.create(model=MODEL, prompt="x", max_tokens=3, presence_penalty=2.5)
     assert info.value.param == "presence_penalty"
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
@@ -213,7 +213,8 @@ SAMPLING_FIELDS = {
     "seed": st.integers(0, 2**63), "stop": st.one_of(plausible_text, st.lists(plausible_text, max_size=4)),
     "stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "ignore_eos": st.booleans(), "min_tokens": st.integers(0, 2), "n": st.just(1), "user": plain_text,
-    "presence_penalty": st.just(0), "logprobs": st.just(False), "response_format": st.just({"type": "text"}),
+    "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.5, 2), "min_p": st.floats(0, 1), "logprobs": st.just(False), "response_format": st.just({"type": "text"}),
 }
 completion_bodies = st.fixed_dictionaries(
     {"model": st.one_of(st.just(MODEL), st.just(MODEL), plausible_text),

@@ -32,11 +32,11 @@ def refusal(model, body) -> dict:
 
 
 @pytest.mark.parametrize("field, value", [
-    ("logit_bias", {"50": 10}), ("presence_penalty", 0.5), ("frequency_penalty", -1), ("best_of", 2),
+    ("logit_bias", {"50": 10}), ("best_of", 2),
     ("suffix", "return x"),
     ("n", 17), ("tools", [{"type": "function", "function": {"name": "f"}}]), ("functions", [{"name": "f"}]),
-    ("tool_choice", "auto"), ("response_format", {"type": "json_object"}), ("repetition_penalty", 1.2),
-    ("min_p", 0.1), ("use_beam_search", True), ("include_stop_str_in_output", True), ("audio", {"voice": "x"}),
+    ("tool_choice", "auto"), ("response_format", {"type": "json_object"}),
+    ("use_beam_search", True), ("include_stop_str_in_output", True), ("audio", {"voice": "x"}),
     ("skip_special_tokens", False), ("stop_token_ids", [5]), ("structured_outputs", {"choice": ["a", "b"]}),
     ("guided_regex", "a+"), ("priority", 1), ("truncate_prompt_tokens", 4), ("bad_words", ["x"]),
     ("return_token_ids", True), ("length_penalty", 0.5),
@@ -139,6 +139,10 @@ def _accepts(make) -> bool:
     ("top_p", [0.0, 1e-9, 0.5, 1.0, 1.01]),
     ("seed", [-1, 0, MAX_SEED, MAX_SEED + 1]),
     ("stop", [["x"] * MAX_STOP_STRINGS, ["x"] * (MAX_STOP_STRINGS + 1), [""], "x"]),
+    ("presence_penalty", [-2.01, -2.0, 0.0, 0.5, 2.0, 2.01, float("nan")]),
+    ("frequency_penalty", [-2.01, -2.0, -1, 2.0, 2.01, float("inf")]),
+    ("repetition_penalty", [-1.0, 0.0, 1e-3, 1.0, 1.2, 50.0, float("inf")]),
+    ("min_p", [-0.01, 0.0, 0.1, 1.0, 1.01, float("nan")]),
 ])
 def test_the_ingress_admits_exactly_what_sampling_params_accept(field, values):
     """One source of truth: a request the ingress admits never fails later in the router, and the
@@ -148,6 +152,16 @@ def test_the_ingress_admits_exactly_what_sampling_params_accept(field, values):
         router = _accepts(lambda: SamplingParams.model_validate({field: value}))
         assert ingress == router, (field, value)
     assert MAX_TEMPERATURE == 2.0 and MAX_STOP_STRINGS == 4   # OpenAI's documented limits
+
+
+@pytest.mark.parametrize("field, value", [("presence_penalty", 2.5), ("frequency_penalty", -3),
+                                          ("repetition_penalty", 0), ("min_p", 1.5)])
+@pytest.mark.parametrize("model, base", [(CompletionRequest, COMPLETION), (ChatCompletionRequest, CHAT)])
+def test_penalties_and_min_p_are_served_and_out_of_range_values_refused_naming_the_field(model, base, field, value):
+    served = {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2, "min_p": 0.1}[field]
+    assert getattr(model.model_validate({**base, field: served}), field) == served
+    error = refusal(model, {**base, field: value})
+    assert error["param"] == field and field in error["message"]
 
 
 def test_content_as_a_list_of_text_parts_is_joined():

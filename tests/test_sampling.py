@@ -76,7 +76,7 @@ def test_more_stop_strings_than_openai_allows_are_rejected():
 
 
 def test_seed_beyond_64_bits_is_rejected():
-    # torch.Generator.manual_seed would raise deep in the router; the draft stream uses seed + 1.
+    # torch.Generator.manual_seed would raise deep in the router past 64 bits; the draft stream flips bit 62.
     assert SamplingParams(seed=MAX_SEED).seed == MAX_SEED
     with pytest.raises(ValidationError, match="seed"):
         SamplingParams(seed=MAX_SEED + 1)

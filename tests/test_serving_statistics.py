@@ -13,6 +13,11 @@ count is >= 5, the rest pooled into one cell, must not reject at 1e-3; the total
 distance between the empirical and the exact text distribution must stay under 0.2 (its expectation
 at 200 samples over these few cells is a few hundredths). The same test must reject the target's
 distribution at half the temperature (same filters), so it has the power to see a real error.
+
+The penalties case sends 3-token completions, so its third token can come from the second row of the
+first round's verify: it follows the target only if that row (and the draft's second step) saw the
+block's first draft token. It must also reject the unpenalized distribution. Greedy with penalties,
+through the official openai client, equals HF `generate` with the same processors.
 """
 
 from __future__ import annotations
@@ -26,8 +31,12 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoTokenizer, LlamaForCausalLM
 
+import openai
+
+from decoding.row_processors import history_processor
 from decoding.sampling import SamplingParams, logits_to_probs
 from tests.local_server import serve_tiny_pair
+from tests.test_penalties import hf_processors
 
 pytestmark = pytest.mark.ray
 MODEL = "tiny-pair"
@@ -39,7 +48,11 @@ TV_BOUND = 0.2
 CASES = {
     "temperature-top-k": {"temperature": 1.5, "top_k": 8},
     "temperature-top-p": {"temperature": 1.2, "top_p": 0.5},
+    "penalties-min-p": {"temperature": 1.5, "top_k": 4, "min_p": 0.05, "repetition_penalty": 1.3,
+                        "presence_penalty": 0.5, "frequency_penalty": 0.5},
 }
+NUM_TOKENS = {"penalties-min-p": 3}  # tokens per completion (2 unless listed)
+NEUTRAL_PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -54,28 +67,35 @@ def target(server):
             AutoTokenizer.from_pretrained(config.target.path))
 
 
-def text_distribution(model, tokenizer, prompt: str, params: SamplingParams) -> dict[str, float]:
-    """Exact distribution of the client-visible text of a 2-token completion, in float64."""
+def text_distribution(model, tokenizer, prompt: str, params: SamplingParams, num_tokens: int = 2) -> dict[str, float]:
+    """Exact distribution of the client-visible text of a num_tokens completion, in float64,
+    enumerated over the processed (penalized) target's support; EOS ends a branch."""
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
     eos = tokenizer.eos_token_id
-    with torch.no_grad():
-        first = logits_to_probs(model(torch.tensor([prompt_ids])).logits[0, -1], params).double()
-        support = [int(t) for t in torch.nonzero(first).flatten()]
-        continuing = [t for t in support if t != eos]
-        second = logits_to_probs(model(torch.tensor([prompt_ids + [t] for t in continuing])).logits[:, -1],
-                                 params).double()
     texts: Counter[str] = Counter()
-    if eos in support:
-        texts[""] += float(first[eos])
-    for t1, row in zip(continuing, second):
-        for t2 in torch.nonzero(row).flatten().tolist():
-            texts[tokenizer.decode([t1, t2], skip_special_tokens=True)] += float(first[t1] * row[t2])
+    growing = {(): 1.0}
+    for step in range(num_tokens):
+        prefixes = list(growing)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt_ids + list(p) for p in prefixes])).logits[:, -1].float()
+        grown = {}
+        for prefix, row in zip(prefixes, logits):
+            processor = history_processor(params, prompt_ids + list(prefix), len(prompt_ids), row.shape[-1])
+            probs = logits_to_probs(row if processor is None else processor.process(row[None])[0], params).double()
+            for token in torch.nonzero(probs).flatten().tolist():
+                mass = growing[prefix] * float(probs[token])
+                if token == eos or step == num_tokens - 1:
+                    ids = list(prefix) + ([] if token == eos else [token])
+                    texts[tokenizer.decode(ids, skip_special_tokens=True)] += mass
+                else:
+                    grown[prefix + (token,)] = mass
+        growing = grown
     return dict(texts)
 
 
-def sample_texts(url: str, sampling: dict, seeds: range) -> list[str]:
+def sample_texts(url: str, sampling: dict, seeds: range, num_tokens: int = 2) -> list[str]:
     def one(seed: int) -> str:
-        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "seed": seed, **sampling}
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": num_tokens, "seed": seed, **sampling}
         response = client.post(f"{url}/v1/completions", json=body, timeout=60)
         response.raise_for_status()
         return response.json()["choices"][0]["text"]
@@ -112,14 +132,38 @@ def total_variation(observed: Counter, expected_probs: dict[str, float]) -> floa
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_sampled_text_over_http_follows_the_targets_distribution(server, target, case):
     url, _ = server
-    sampling = CASES[case]
-    params = SamplingParams(max_tokens=2, **sampling)
+    sampling, num_tokens = CASES[case], NUM_TOKENS.get(case, 2)
+    params = SamplingParams(max_tokens=num_tokens, **sampling)
     start = 10_000 * sorted(CASES).index(case)
-    observed = Counter(sample_texts(url, sampling, range(start, start + NUM_REQUESTS)))
-    expected = text_distribution(*target, PROMPT, params)
+    observed = Counter(sample_texts(url, sampling, range(start, start + NUM_REQUESTS), num_tokens))
+    expected = text_distribution(*target, PROMPT, params, num_tokens)
 
     assert chi_square_p_value(observed, expected) > P_VALUE_FLOOR, (observed.most_common(8), expected)
     assert total_variation(observed, expected) < TV_BOUND
-    # Power: a server sampling at the wrong temperature would be caught.
-    colder = SamplingParams(max_tokens=2, **{**sampling, "temperature": sampling["temperature"] / 2})
-    assert chi_square_p_value(observed, text_distribution(*target, PROMPT, colder)) < P_VALUE_FLOOR
+    # Power: a server sampling at the wrong temperature (or ignoring penalties) would be caught.
+    colder = params.model_copy(update={"temperature": sampling["temperature"] / 2})
+    assert chi_square_p_value(observed, text_distribution(*target, PROMPT, colder, num_tokens)) < P_VALUE_FLOOR
+    if params.uses_penalties:
+        unpenalized = params.model_copy(update=NEUTRAL_PENALTIES)
+        assert chi_square_p_value(observed, text_distribution(*target, PROMPT, unpenalized, num_tokens)) < P_VALUE_FLOOR
+
+
+def test_greedy_with_penalties_over_the_openai_client_equals_hf_generate(server, target):
+    url, _ = server
+    model, tokenizer = target
+    penalties = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.8}
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
+                                      presence_penalty=penalties["presence_penalty"],
+                                      frequency_penalty=penalties["frequency_penalty"],
+                                      extra_body={"repetition_penalty": penalties["repetition_penalty"]})
+    prompt_ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    with torch.no_grad():
+        output = model.generate(torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False,
+                                logits_processor=hf_processors(len(prompt_ids), penalties),
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    ids = output[0, len(prompt_ids):].tolist()
+    ids = ids[:ids.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in ids else ids
+    assert reply.choices[0].text == tokenizer.decode(ids, skip_special_tokens=True)
+    unpenalized = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert unpenalized.choices[0].text != reply.choices[0].text  # the penalties changed the text

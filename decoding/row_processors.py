@@ -1,0 +1,97 @@
+"""History-dependent row processing: logits changed by the tokens *before* each row.
+
+Temperature, min-p, top-k and top-p (decoding.sampling.logits_to_probs) look at one row alone.
+Penalties (and, later, structured-output grammar masks) also depend on the row's history, and in a
+speculative block that history differs row by row: target row i of a verify over [last, d1..dK]
+conditions on committed + d1..d_i, and draft step i conditions on the same tokens. Rejection
+sampling is lossless only if the q and p rows at each position are processed for that same prefix,
+so draft and target both go through this module.
+
+A `HistoryProcessor` is one request's state for one call, built from the token history the call
+carries (prompt + committed output, nothing kept across calls, so a cropped or re-prefilled history
+needs no rollback; penalties touch only the columns of tokens in that history). `process(logits, block)` gives rows whose row i sees the history plus block[:i];
+`advance(tokens)` appends tokens to the history (a draft step). A verify processes its K+1 rows in
+one call with block = d1..dK; a drafter processes one row per step and advances by the token it drew.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from decoding.sampling import SamplingParams, apply_penalties
+
+
+class HistoryProcessor(Protocol):
+    def process(self, logits: torch.Tensor, block: Sequence[int] = ()) -> torch.Tensor:
+        """Processed logits [n, V] from logits [n, V]: row i conditions on the history + block[:i]
+        (len(block) >= n - 1)."""
+
+    def advance(self, token_ids: Sequence[int]) -> None:
+        """The history grows by token_ids (appended after it, in the output)."""
+
+
+class Penalties:
+    """repetition / presence / frequency penalties (decoding.sampling.apply_penalties) for one
+    request. Only the columns of tokens the history holds can change, so the state is those
+    distinct token ids and their output counts, and a call touches [rows, distinct tokens]
+    instead of [rows, vocabulary]: its cost follows the history, not the vocabulary size."""
+
+    def __init__(self, params: SamplingParams, token_ids: Sequence[int], prompt_len: int, vocab_size: int,
+                 device: torch.device | str = "cpu") -> None:
+        if not 0 <= prompt_len <= len(token_ids):
+            raise ValueError(f"prompt_len {prompt_len} outside a history of {len(token_ids)} tokens")
+        self.params = params
+        self.vocab_size = vocab_size
+        self.device = device
+        ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=device)
+        self.seen_ids = torch.empty(0, dtype=torch.long, device=device)      # distinct, sorted
+        self.output_counts = torch.empty(0, dtype=torch.float32, device=device)
+        self._merge(ids[:prompt_len], counted=False)
+        self._merge(ids[prompt_len:], counted=True)
+
+    def _merge(self, ids: torch.Tensor, counted: bool) -> None:
+        """Add ids to the seen tokens (and to the output counts when counted)."""
+        merged, inverse = torch.unique(torch.cat([self.seen_ids, ids]), return_inverse=True)
+        counts = torch.zeros(len(merged), device=merged.device)
+        counts.index_add_(0, inverse[:len(self.seen_ids)], self.output_counts)
+        if counted:
+            counts.index_add_(0, inverse[len(self.seen_ids):], torch.ones(len(ids), device=merged.device))
+        self.seen_ids, self.output_counts = merged, counts
+
+    def process(self, logits: torch.Tensor, block: Sequence[int] = ()) -> torch.Tensor:
+        num_rows = logits.shape[0]
+        block_ids = torch.as_tensor(list(block[:num_rows - 1]), dtype=torch.long, device=self.seen_ids.device)
+        if block_ids.numel() != num_rows - 1:
+            raise ValueError(f"{num_rows} rows need a block of at least {num_rows - 1} tokens, got {len(block)}")
+        columns = torch.unique(torch.cat([self.seen_ids, block_ids]))
+        in_history = torch.isin(columns, self.seen_ids)
+        counts = torch.zeros(num_rows, len(columns), device=columns.device)
+        counts[:, torch.searchsorted(columns, self.seen_ids)] = self.output_counts
+        seen = in_history.expand(num_rows, -1)
+        if num_rows > 1:
+            # Row i adds the block's first i tokens: a cumulative sum of their one-hot rows.
+            added = torch.zeros_like(counts)
+            positions = torch.searchsorted(columns, block_ids)
+            added[1:] = torch.nn.functional.one_hot(positions, len(columns)).float().cumsum(dim=0)
+            counts, seen = counts + added, seen | (added > 0)
+        processed = logits.to(device=columns.device, dtype=torch.float32, copy=True)
+        processed[:, columns] = apply_penalties(processed[:, columns], counts, seen, self.params)
+        return processed
+
+    def advance(self, token_ids: Sequence[int]) -> None:
+        self._merge(torch.as_tensor(list(token_ids), dtype=torch.long, device=self.seen_ids.device), counted=True)
+
+
+def history_processor(params: SamplingParams, token_ids: Sequence[int], prompt_len: int | None,
+                      vocab_size: int, device: torch.device | str = "cpu") -> HistoryProcessor | None:
+    """The request's history-dependent processor for a call over token_ids (prompt + committed
+    output; prompt_len tokens of prompt), or None when it has none, so that requests without
+    penalties pay nothing. Grammar masks will be a second processor composed here."""
+    if not params.uses_penalties:
+        return None
+    if prompt_len is None:
+        raise ValueError("penalties need the prompt's length to tell output tokens from prompt tokens")
+    return Penalties(params, token_ids, prompt_len, vocab_size, device)
