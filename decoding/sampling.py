@@ -22,9 +22,10 @@ MAX_STOP_STRINGS = 4
 # Below this a temperature is greedy (vLLM's _SAMPLING_EPS): logits / 1e-162 overflow to inf and
 # softmax turns them into NaN, which a fuzzer found as an HTTP 500.
 GREEDY_BELOW_TEMPERATURE = 1e-5
-# torch.Generator.manual_seed takes a 64-bit seed; the draft stream flips bit 62 (draft_seed).
+# torch.Generator.manual_seed takes a 64-bit seed; the draft's stream comes from draft_seed.
 MAX_SEED = 2**63 - 1
-DRAFT_SEED_BIT = 1 << 62
+DRAFT_SEED_MULTIPLIER = 0x9E3779B97F4A7C15  # odd: the golden-ratio constant of splitmix64
+DRAFT_SEED_OFFSET = 0x632BE59BD9B4E019
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (vLLM's default cap)
 # Presence and frequency penalties: OpenAI's documented range. repetition_penalty (HF/vLLM) must be
 # positive; 1 is neutral. min_p (vLLM/HF) is a fraction of the most likely token's probability.
@@ -192,10 +193,12 @@ def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = N
 
 
 def draft_seed(seed: int | None) -> int | None:
-    """The draft's random stream of a seeded request: reproducible, and far from the seeds the
-    target streams of the same request's other choices use (seed + j for choice j, as vLLM), so
-    no two streams of one request draw the same numbers."""
-    return None if seed is None else seed ^ DRAFT_SEED_BIT
+    """The draft's random stream of a seeded request: reproducible, and unlike the streams of the
+    same request's other choices (seed + j for choice j, as vLLM). Torch's CPU generator keeps only
+    a seed's low 32 bits, so the map must scramble those: an odd multiplier and an offset (a
+    bijection on seeds) put the draft stream far from seed + j. If draft and target drew the same
+    numbers, acceptance would correlate with the draft's choice and the output would be biased."""
+    return None if seed is None else (seed * DRAFT_SEED_MULTIPLIER + DRAFT_SEED_OFFSET) % (MAX_SEED + 1)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

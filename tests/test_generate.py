@@ -269,6 +269,18 @@ def total_variation(counts: torch.Tensor, probs: torch.Tensor) -> float:
 TV_BOUND = 0.02  # E[TV] of 20k samples over <= 16 live tokens is about 0.01
 
 
+def null_tv_bound(probs: torch.Tensor, num_samples: int, quantile: float = 0.999, draws: int = 1000) -> float:
+    """The TV distance that exact sampling of num_samples from probs stays under with probability
+    `quantile` (simulated, seeded): a pooled marginal can have many live tokens, and a fixed bound
+    near E[TV] would fail by chance."""
+    generator = torch.Generator().manual_seed(0)
+    probs = probs.double() / probs.double().sum()
+    tokens = torch.multinomial(probs.float(), num_samples * draws, replacement=True, generator=generator)
+    rows = torch.arange(draws).repeat_interleave(num_samples)
+    counts = torch.bincount(rows * len(probs) + tokens, minlength=draws * len(probs)).view(draws, -1).double()
+    return float(torch.quantile(0.5 * (counts / num_samples - probs).abs().sum(-1), quantile))
+
+
 def test_the_logit_table_is_the_model(target_model):
     table = TableRunner(logit_table(target_model, PROMPTS[2], depth=1))
     runner = ModelRunner.from_model(target_model)
@@ -283,15 +295,18 @@ def test_sampled_speculation_preserves_the_target_distribution(sampled_outputs, 
     At the first speculative position and at the next one (each sample given its own history,
     pooled: the exact marginal), a chi-square test against the target's distribution must not
     reject at 1e-3 and the total-variation distance must stay under 0.02, while the same test
-    rejects the draft's distribution (and its TV is far above the bound)."""
+    rejects the draft's distribution (and its TV is far above the bound). The pooled marginal has
+    more live tokens than the first position, so its TV bound is exact sampling's 99.9% quantile
+    for this marginal, not a fixed figure."""
     prompt, target, draft, outputs, _ = sampled_outputs
     counts = torch.bincount(outputs[:, position], minlength=VOCAB_SIZE).double()
     target_marginal = position_marginals(target, target, prompt)[position - 1]
     draft_marginal = position_marginals(draft, target, prompt)[position - 1]
+    bound = null_tv_bound(target_marginal, NUM_SAMPLED_RUNS)
     assert chi_square_p_value(counts, target_marginal) > 1e-3
-    assert total_variation(counts, target_marginal) < TV_BOUND
+    assert total_variation(counts, target_marginal) < bound
     assert chi_square_p_value(counts, draft_marginal) < 1e-3
-    assert total_variation(counts, draft_marginal) > 5 * TV_BOUND
+    assert total_variation(counts, draft_marginal) > 5 * bound
 
 
 def test_the_first_token_is_the_targets_prefill_sample(sampled_outputs):

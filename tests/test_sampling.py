@@ -9,6 +9,7 @@ from decoding.sampling import (
     MAX_STOP_STRINGS,
     MAX_TEMPERATURE,
     SamplingParams,
+    draft_seed,
     logits_to_probs,
     make_generator,
     sample_from_probs,
@@ -76,7 +77,7 @@ def test_more_stop_strings_than_openai_allows_are_rejected():
 
 
 def test_seed_beyond_64_bits_is_rejected():
-    # torch.Generator.manual_seed would raise deep in the router past 64 bits; the draft stream flips bit 62.
+    # torch.Generator.manual_seed would raise deep in the router past 64 bits.
     assert SamplingParams(seed=MAX_SEED).seed == MAX_SEED
     with pytest.raises(ValidationError, match="seed"):
         SamplingParams(seed=MAX_SEED + 1)
@@ -200,3 +201,14 @@ def test_make_generator_without_seed_gives_different_streams():
     draws = {torch.rand(4, generator=make_generator(None)).sum().item() for _ in range(3)}
     assert len(draws) == 3
     assert torch.equal(torch.rand(4, generator=make_generator(9)), torch.rand(4, generator=make_generator(9)))
+
+
+def test_the_draft_stream_differs_from_every_choice_stream_of_its_request():
+    """Torch's CPU generator keeps a seed's low 32 bits: a draft seed equal to seed + j there would
+    make the draft and choice j's target draw the same numbers (and seed ^ 2**62 equals seed)."""
+    for seed in (0, 1, 7, 123456789, MAX_SEED - 3):
+        draft = draft_seed(seed)
+        assert 0 <= draft <= MAX_SEED
+        assert all((draft - (seed + j)) % 2**32 for j in range(17))
+        first = torch.rand(4, generator=make_generator(draft))
+        assert not torch.equal(first, torch.rand(4, generator=make_generator(seed)))
