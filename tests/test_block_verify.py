@@ -15,8 +15,12 @@ import torch
 from scipy.stats import chisquare
 
 import decoding.rejection as rejection
+from cluster.config import SpeculationSpec
+from decoding.proposers import Proposal
 from decoding.rejection import PLACEHOLDER_TOKEN_ID, block_verify, greedy_verify, rejection_sample
-from decoding.sampling import make_generator, sample_from_probs
+from decoding.sampling import SamplingParams, make_generator, sample_from_probs
+from decoding.sequence import RequestState
+from decoding.speculation import accept_round
 from tests.test_rejection import one_hot, random_rows, rows_given_prefix
 
 NUM_SAMPLES = 200_000
@@ -271,3 +275,29 @@ def test_zero_draft_tokens_sample_from_target_row_zero_and_seeds_reproduce():
 def test_mismatched_shapes_raise_value_error():
     with pytest.raises(ValueError, match="draft_probs"):
         block_verify(torch.zeros(2, 3, dtype=torch.long), torch.rand(2, 3, 4), torch.rand(2, 4, 5))
+
+
+# --- wiring: accept_round ----------------------------------------------------------------------
+
+def paper_round(verification: str, seed: int, with_draft_rows: bool = True) -> tuple[list[int], int]:
+    """accept_round on the paper's rows with the draft block (a, b) = (0, 1): block verification
+    keeps both (P_1 = 1/2, P_2 = min(1, 1/2 * 2) = 1 = h_2), token-wise keeps a only half the time.
+    Returns (committed tokens, accepted count in the request's stats)."""
+    state = RequestState(request_id=f"r{seed}", prompt_ids=[0], params=SamplingParams(seed=seed, max_tokens=8),
+                         eos_token_id=None, max_context=64)
+    draft_rows = torch.tensor([[2 / 3, 1 / 3]] * 2) if with_draft_rows else None
+    committed = accept_round(state, Proposal([0, 1], draft_rows), torch.tensor([[1 / 3, 2 / 3]] * 3), verification)
+    return committed, state.stats.num_accepted
+
+
+def test_accept_round_verifies_a_sampled_draft_block_jointly_by_default():
+    assert SpeculationSpec().verification == "block"
+    outcomes = [paper_round("block", seed) for seed in range(50)]
+    assert all(committed[:2] == [0, 1] and len(committed) == 3 and accepted == 2 for committed, accepted in outcomes)
+    token_wise = [paper_round("token", seed)[1] for seed in range(50)]
+    assert 0 < token_wise.count(2) < 50
+
+
+def test_accept_round_keeps_blocks_without_draft_rows_token_wise():
+    for seed in range(20):
+        assert paper_round("block", seed, with_draft_rows=False) == paper_round("token", seed, with_draft_rows=False)
