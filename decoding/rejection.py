@@ -121,20 +121,7 @@ def block_verify(
     if num_draft_tokens == 0:
         return sample_from_probs(target_probs[:, 0], generator).unsqueeze(1)
 
-    draft_ids = draft_token_ids.long()
-    target = target_probs.float()
-    if draft_probs is None:
-        draft = torch.zeros(batch_size, num_draft_tokens, target.shape[-1], device=device).scatter_(
-            -1, draft_ids.unsqueeze(-1), 1.0)
-    else:
-        draft = draft_probs.float()
-    target_of_draft = target[:, :num_draft_tokens].gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1).double()
-    draft_of_draft = draft.gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1).double()
-    log_ratio = torch.where(target_of_draft > 0,
-                            torch.where(draft_of_draft > 0, target_of_draft.log() - draft_of_draft.log(),
-                                        float("inf")),
-                            float("-inf"))                                          # [B, K]
-
+    draft_ids, draft, target, log_ratio = _block_inputs(draft_token_ids, draft_probs, target_probs)
     weights = _block_weights(log_ratio)                                             # P_0..P_K [B, K+1]
     uniform = torch.rand(batch_size, num_draft_tokens, generator=generator, device=device)
     passes = uniform.double() < _stop_probabilities(weights, target, draft)         # u_i < h_i, i = 1..K
@@ -151,6 +138,46 @@ def block_verify(
     residual_is_empty = residual.sum(dim=-1, keepdim=True) <= 0
     emitted = sample_from_probs(torch.where(residual_is_empty, target_row, residual), generator)
     return _assemble(draft_ids, num_accepted, emitted)
+
+
+def expected_num_accepted(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
+                          target_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expected accepted draft tokens per row [B] (float64), over the verifier's own draws, for
+    token-wise verification and for block verification: (token_wise, block). Same inputs as the
+    verifiers, K >= 1.
+
+    Averaged over rounds whose drafts were sampled from q, each is that verifier's mean accepted
+    count; on the same rows the pair compares the two without the verifiers' sampling noise. For
+    one fixed draft block, block can be below token-wise (its optimality is in expectation over
+    the drafts; docs/block-verification.md)."""
+    _check_shapes(draft_token_ids, draft_probs, target_probs)
+    _, draft, target, log_ratio = _block_inputs(draft_token_ids, draft_probs, target_probs)
+    token_wise = log_ratio.clamp(max=0.0).exp().cumprod(dim=-1).sum(dim=-1)
+    stop = _stop_probabilities(_block_weights(log_ratio), target, draft)             # h_1..h_K
+    survive = (1.0 - stop).flip(-1).cumprod(-1).flip(-1)                             # prod_{j >= i} (1 - h_j)
+    after = torch.cat([survive[:, 1:], torch.ones_like(survive[:, :1])], dim=1)       # prod_{j > i}
+    positions = torch.arange(1, stop.shape[1] + 1, device=stop.device, dtype=stop.dtype)
+    return token_wise, (positions * stop * after).sum(dim=-1)
+
+
+def _block_inputs(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor):
+    """(draft ids long [B, K], draft rows q float32 [B, K, V] (one-hot when None), target rows p
+    float32 [B, K+1, V], log p(x)/q(x) per draft token float64 [B, K]); q = 0 < p gives +inf,
+    p = 0 gives -inf."""
+    draft_ids = draft_token_ids.long()
+    target = target_probs.float()
+    if draft_probs is None:
+        draft = torch.zeros(*draft_ids.shape, target.shape[-1], device=target.device).scatter_(
+            -1, draft_ids.unsqueeze(-1), 1.0)
+    else:
+        draft = draft_probs.float()
+    target_of_draft = target[:, :draft_ids.shape[1]].gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1).double()
+    draft_of_draft = draft.gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1).double()
+    log_ratio = torch.where(target_of_draft > 0,
+                            torch.where(draft_of_draft > 0, target_of_draft.log() - draft_of_draft.log(),
+                                        float("inf")),
+                            float("-inf"))
+    return draft_ids, draft, target, log_ratio
 
 
 def _block_weights(log_ratio: torch.Tensor) -> torch.Tensor:

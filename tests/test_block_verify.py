@@ -17,7 +17,8 @@ from scipy.stats import chisquare
 import decoding.rejection as rejection
 from cluster.config import SpeculationSpec
 from decoding.proposers import Proposal
-from decoding.rejection import PLACEHOLDER_TOKEN_ID, block_verify, greedy_verify, rejection_sample
+from decoding.rejection import (PLACEHOLDER_TOKEN_ID, block_verify, expected_num_accepted, greedy_verify,
+                                rejection_sample)
 from decoding.sampling import SamplingParams, make_generator, sample_from_probs
 from decoding.sequence import RequestState
 from decoding.speculation import accept_round
@@ -152,24 +153,25 @@ def test_the_joint_test_rejects_a_broken_verifier(monkeypatch, helper, broken):
 def test_papers_example_accepts_11_9_tokens_against_token_wises_10_9():
     # Sun et al., section 2: context-independent p = (1/3, 2/3), q = (2/3, 1/3), K = 2. Token-wise
     # keeps 10/9 draft tokens per round in expectation, block verification 11/9.
-    generator = make_generator(3)
-    draft_probs = torch.tensor([2 / 3, 1 / 3]).expand(NUM_SAMPLES, 2, 2)
-    target_probs = torch.tensor([1 / 3, 2 / 3]).expand(NUM_SAMPLES, 3, 2)
-    draft_token_ids = sample_from_probs(draft_probs, generator)
-    block = num_accepted(block_verify(draft_token_ids, draft_probs, target_probs, generator)).double().mean()
-    token = num_accepted(rejection_sample(draft_token_ids, draft_probs, target_probs, generator)).double().mean()
-    # Standard deviation of either mean at n = 200k: < 0.002.
-    assert abs(block.item() - 11 / 9) < 0.01
-    assert abs(token.item() - 10 / 9) < 0.01
+    blocks = torch.tensor([[0, 0], [0, 1], [1, 0], [1, 1]])
+    q = torch.tensor([2 / 3, 1 / 3])
+    exact = expected_num_accepted(blocks, q.expand(4, 2, 2), torch.tensor([1 / 3, 2 / 3]).expand(4, 3, 2))
+    draft_probability = q[blocks].prod(-1).double()
+    token_wise, block = ((draft_probability * expectation).sum().item() for expectation in exact)
+    assert token_wise == pytest.approx(10 / 9) and block == pytest.approx(11 / 9)
+    # One block can lose: (a, a) keeps 3/4 token-wise, 1/2 jointly. The gain is over the drafts.
+    assert exact[0][0].item() == pytest.approx(3 / 4) and exact[1][0].item() == pytest.approx(1 / 2)
 
 
-def test_block_keeps_at_least_as_many_draft_tokens_as_token_wise_on_the_same_rows():
+def test_sampled_counts_match_the_exact_expectations_and_block_beats_token_wise():
     target_tables, draft_tables = toy_models(seed=4, vocab_size=6, num_draft_tokens=4)
     inputs = draft_and_rows(target_tables, draft_tables, NUM_SAMPLES, make_generator(5))
-    block = num_accepted(block_verify(*inputs, generator=make_generator(6))).double()
-    token = num_accepted(rejection_sample(*inputs, generator=make_generator(7))).double()
-    standard_error = ((block.var() + token.var()) / NUM_SAMPLES).sqrt().item()
-    assert block.mean().item() > token.mean().item() + 4 * standard_error
+    token_exact, block_exact = expected_num_accepted(*inputs)
+    assert block_exact.mean().item() > 1.02 * token_exact.mean().item()
+    # Sampled counts agree with the expectations: 5 standard errors (< 0.02 tokens at n = 200k).
+    for verifier, exact in ((block_verify, block_exact), (rejection_sample, token_exact)):
+        counts = num_accepted(verifier(*inputs, generator=make_generator(6))).double()
+        assert abs(counts.mean().item() - exact.mean().item()) < 5 * (counts.var() / NUM_SAMPLES).sqrt().item()
 
 
 # --- where block and token-wise must agree exactly ---------------------------------------------
