@@ -182,14 +182,13 @@ def _block_inputs(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | Non
 
 def _block_weights(log_ratio: torch.Tensor) -> torch.Tensor:
     """log p_i(x)/q_i(x) per draft token [B, K] -> P_0..P_K [B, K+1] (float64), P_0 = 1 and
-    P_i = min(1, P_{i-1} * ratio_i), carried in log space. A zero weight stays zero even where a
-    later ratio is infinite (q = 0): the target cannot produce that prefix at all."""
-    log_weights = [torch.zeros(log_ratio.shape[0], dtype=torch.float64, device=log_ratio.device)]
-    for position in range(log_ratio.shape[1]):
-        previous = log_weights[-1]
-        log_weights.append(torch.where(previous == float("-inf"), previous,
-                                       (previous + log_ratio[:, position]).clamp(max=0.0)))
-    return torch.stack(log_weights, dim=1).exp()
+    P_i = min(1, P_{i-1} * ratio_i), carried in log space: with S the running sums of the log
+    ratios (S_0 = 0), log P_i = S_i - max_{j <= i} S_j, one cumsum and one cummax instead of a loop.
+    Infinite ratios become finite sentinels so the sums stay defined: p = 0 (-1e30) leaves P at 0
+    for good, even where a later q = 0 < p (+1e10, i.e. back to 1 otherwise) follows."""
+    finite = log_ratio.clamp(min=-1e30, max=1e10)
+    sums = torch.cat([torch.zeros_like(finite[:, :1]), finite.cumsum(dim=-1)], dim=1)
+    return (sums - sums.cummax(dim=-1).values).exp()
 
 
 def _weighted_residual(weight: torch.Tensor, target: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
