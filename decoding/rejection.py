@@ -104,7 +104,8 @@ def block_verify(
     one uniform u_i per position 1..K, and the block is cut at tau = the last i with u_i < h_i
     (0 when none passes). x_1..x_tau are accepted; then a bonus token from p_K when tau = K, else a
     recovered token from norm(max(P_tau p_tau - q_tau, 0)) (at tau = 0: max(p_0 - q_0, 0), the
-    token-wise residual). A later position can keep tokens an earlier test would have cut.
+    token-wise residual). A later position can keep tokens an earlier test would have cut. Where
+    this departs from the paper (u < h rather than <=, conventions for zeros): docs/block-verification.md.
 
     Rows must be probability distributions (processed rows sum to 1). P is carried in log space so
     a long block of small ratios does not underflow into 0 * inf. q(x) = 0 < p(x) counts as ratio

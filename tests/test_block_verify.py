@@ -16,22 +16,27 @@ from scipy.stats import chisquare
 
 import decoding.rejection as rejection
 from cluster.config import SpeculationSpec
-from decoding.proposers import Proposal
 from decoding.rejection import (PLACEHOLDER_TOKEN_ID, block_verify, expected_num_accepted, greedy_verify,
                                 rejection_sample)
 from decoding.sampling import SamplingParams, make_generator, sample_from_probs
 from decoding.sequence import RequestState
+from decoding.generate import generate
+from decoding.proposers import DraftModelProposer, Proposal
 from decoding.speculation import accept_round
+from tests.test_generate import (PROMPTS, SAMPLED, VOCAB_SIZE, TableRunner, chi_square_p_value, logit_table,
+                                 new_state, position_marginals, target_model, total_variation,
+                                 unrelated_draft_model)
 from tests.test_rejection import one_hot, random_rows, rows_given_prefix
 
 NUM_SAMPLES = 200_000
-VOCAB_SIZE, NUM_DRAFT_TOKENS = 4, 3
+TOY_VOCAB_SIZE, NUM_DRAFT_TOKENS = 4, 3
+NUM_GENERATE_RUNS = 6000
 TV_TOLERANCE = 0.02
 P_VALUE_THRESHOLD = 1e-3
 MIN_EXPECTED_COUNT = 5
 
 
-def toy_models(seed: int, vocab_size: int = VOCAB_SIZE, num_draft_tokens: int = NUM_DRAFT_TOKENS):
+def toy_models(seed: int, vocab_size: int = TOY_VOCAB_SIZE, num_draft_tokens: int = NUM_DRAFT_TOKENS):
     """Target tables for tokens 0..K and draft tables for tokens 0..K-1 (table i: [V]*i x [V],
     token i's row given tokens 0..i-1), one zero per row at a random place."""
     generator = make_generator(seed)
@@ -303,3 +308,29 @@ def test_accept_round_verifies_a_sampled_draft_block_jointly_by_default():
 def test_accept_round_keeps_blocks_without_draft_rows_token_wise():
     for seed in range(20):
         assert paper_round("block", seed, with_draft_rows=False) == paper_round("token", seed, with_draft_rows=False)
+
+
+# --- end to end in process: generate() with real (tiny) models, two draft tokens per round ------
+
+def test_generate_with_block_verification_keeps_the_targets_marginals(target_model, unrelated_draft_model):
+    """NUM_GENERATE_RUNS seeded 3-token requests with K = 2 (temperature 0.9, top-k 16, top-p 0.95):
+    tokens 1 and 2 come from one block-verified round. Each position's distribution must match
+    the target's exact marginal (chi-square at 1e-3; TV < 0.04, about twice its expectation at
+    6,000 samples over <= 16 live tokens) and not the draft's."""
+    prompt = PROMPTS[2]
+    target = TableRunner(logit_table(target_model, prompt, depth=2))
+    draft = TableRunner(logit_table(unrelated_draft_model, prompt, depth=2))
+    proposer = DraftModelProposer(draft)
+    outputs = torch.empty(NUM_GENERATE_RUNS, 3, dtype=torch.long)
+    for seed in range(NUM_GENERATE_RUNS):
+        state = new_state(prompt, SamplingParams(**{**SAMPLED.__dict__, "seed": seed}), request_id=f"r{seed}")
+        for _ in generate(target, state, proposer, num_draft_tokens=2, verification="block"):
+            pass
+        outputs[seed] = torch.tensor(state.output_ids)
+    for position in (1, 2):
+        counts = torch.bincount(outputs[:, position], minlength=VOCAB_SIZE).double()
+        target_marginal = position_marginals(target, target, prompt)[position - 1]
+        draft_marginal = position_marginals(draft, target, prompt)[position - 1]
+        assert chi_square_p_value(counts, target_marginal) > 1e-3
+        assert total_variation(counts, target_marginal) < 0.04
+        assert chi_square_p_value(counts, draft_marginal) < 1e-3
