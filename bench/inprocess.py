@@ -119,8 +119,9 @@ def _median(values: list[float]) -> float | None:
 
 
 def run_specserve(pair: LoadedPair, prompt_id: str, run: int, prompt_ids: list[int], params: SamplingParams,
-                  num_draft_tokens: int) -> RequestRecord:
-    """One request through decoding.generate; num_draft_tokens 0 = target-only (no proposer)."""
+                  num_draft_tokens: int, verification: str = "block") -> RequestRecord:
+    """One request through decoding.generate; num_draft_tokens 0 = target-only (no proposer);
+    verification "block" or "token" (decoding.speculation.accept_round)."""
     proposer = DraftModelProposer(pair.draft) if num_draft_tokens > 0 else None
     state = RequestState(request_id=f"{prompt_id}-{run}", prompt_ids=prompt_ids, params=params,
                          eos_token_id=pair.target.eos_token_id, max_context=pair.target.max_context)
@@ -129,7 +130,7 @@ def run_specserve(pair: LoadedPair, prompt_id: str, run: int, prompt_ids: list[i
     ttft_s = None
     started = time.perf_counter()
     last, model_at_last = started, clock.total_s
-    for _ in generate(pair.target, state, proposer, num_draft_tokens):
+    for _ in generate(pair.target, state, proposer, num_draft_tokens, verification):
         now = time.perf_counter()
         if ttft_s is None:
             ttft_s = now - started

@@ -14,6 +14,8 @@ Variants (`--variants`):
   i.e. one sequence per forward, as the engines were before continuous batching
 - `k0`, `k2`, `k4`, `k8`: speculation pinned at that K (k0 = target-only through the same stack)
 - `adaptive`: the configured adaptive depth policy
+- any variant with `-token`: the same with speculation.verification "token" (block is the default;
+  docs/block-verification.md), e.g. `adaptive,adaptive-token --mode sampled`
 
 `--interleave N` runs the variants side by side instead: every variant is its own Serve
 application (own route, own model name, own engines and policy actor) in ONE cluster, and each
@@ -46,10 +48,14 @@ VARIANTS = ["specserve", "target-only", "specserve-unbatched", "target-only-unba
 
 
 def variant_config(base: SpecServeConfig, variant: str, num_draft_tokens: int, port: int) -> SpecServeConfig:
-    """The config of one variant: same models and limits, speculation and batching as named."""
+    """The config of one variant: same models and limits, speculation and batching as named; a
+    "-token" one with token-wise verification."""
     data = base.model_dump(mode="json")
     data["http"] = {"host": "127.0.0.1", "port": port}
     spec = data["speculation"]
+    if variant.endswith("-token"):
+        spec["verification"] = "token"
+        variant = variant.removesuffix("-token")
     pinned = {"proposer": "draft", "adaptive": False}
     if variant.startswith("target-only"):
         spec.update(proposer="none")
@@ -330,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
         print(render_markdown(combined))
         return
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = sorted(set(variants) - set(VARIANTS))
+    unknown = sorted({v.removesuffix("-token") for v in variants} - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {VARIANTS}")
     levels = [int(c) for c in args.concurrency.split(",")]

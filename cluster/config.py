@@ -99,6 +99,9 @@ class SpeculationSpec(_Strict):
     adaptive: bool = True
     draft_cost_ratio: float = Field(0.15, gt=0, le=1, description="draft step / target pass latency until measured")
     pipeline: bool = Field(True, description="draft the next block while the target verifies (lone greedy requests)")
+    verification: Literal["block", "token"] = Field(
+        "block", description="how a sampled request's draft-model block is verified: jointly (block verification, "
+        "docs/block-verification.md) or token by token; greedy requests and n-gram drafts are always token-wise")
 
     @model_validator(mode="after")
     def _bounds(self) -> "SpeculationSpec":

@@ -14,13 +14,14 @@ from decoding.speculation import accept_round, target_rows
 
 
 def generate(target: ModelRunner, state: RequestState, proposer: Proposer | None = None,
-             num_draft_tokens: int = 4) -> Iterator[list[int]]:
+             num_draft_tokens: int = 4, verification: str = "block") -> Iterator[list[int]]:
     """Decode state to completion, yielding the (non-empty) tokens committed at each target pass.
 
     The first pass is the prefill and gives the first token; every later pass verifies up to
     num_draft_tokens tokens from proposer (capped by state.draft_budget). proposer None or
-    num_draft_tokens 0 is target-only decoding. The sequence is released from the target runner
-    and the proposer when decoding ends or the iterator is closed."""
+    num_draft_tokens 0 is target-only decoding; verification ("block" or "token") as in accept_round.
+    The sequence is released from the target runner and the proposer when decoding ends or the
+    iterator is closed."""
     speculate = proposer is not None and num_draft_tokens > 0
     params = state.params
     try:
@@ -35,7 +36,7 @@ def generate(target: ModelRunner, state: RequestState, proposer: Proposer | None
             logits = target.forward(state.request_id, history + proposal.token_ids, num_rows=num_drafted + 1)
             rows = target_rows(logits, params, state.eos_token_id, state.next_output_index,
                                history + proposal.token_ids)
-            committed = accept_round(state, proposal, rows)
+            committed = accept_round(state, proposal, rows, verification)
             prefilled = True
             if committed:
                 yield committed

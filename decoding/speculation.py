@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from decoding.proposers import Proposal
-from decoding.rejection import PLACEHOLDER_TOKEN_ID, greedy_verify, rejection_sample
+from decoding.rejection import PLACEHOLDER_TOKEN_ID, block_verify, greedy_verify, rejection_sample
 from decoding.row_processors import history_processor
 from decoding.sampling import SamplingParams, logits_to_probs
 from decoding.sequence import RequestState
@@ -55,10 +55,14 @@ def as_tensor(rows: torch.Tensor | np.ndarray | Sequence[int]) -> torch.Tensor:
 
 
 def accept_round(state: RequestState, proposal: Proposal,
-                 rows: torch.Tensor | np.ndarray | Sequence[int]) -> list[int]:
+                 rows: torch.Tensor | np.ndarray | Sequence[int], verification: str = "block") -> list[int]:
     """Verify proposal against the target's K+1 rows, commit the emitted tokens to state and
     update its stats; return the tokens committed. An empty proposal is a plain target step
-    (one token from row 0), e.g. the first token after prefill."""
+    (one token from row 0), e.g. the first token after prefill.
+
+    verification "block" verifies a sampled request's block with draft rows jointly
+    (`block_verify`); "token" token by token. Greedy requests and blocks without draft rows (n-gram)
+    are token-wise either way: there block verification has token-wise's distribution and costs more."""
     if state.finished:
         raise ValueError(f"request {state.request_id!r} already finished ({state.finish_reason})")
     num_drafted = len(proposal.token_ids)
@@ -79,7 +83,8 @@ def accept_round(state: RequestState, proposal: Proposal,
             output = greedy_verify(draft_ids, rows.to(device).unsqueeze(0))
         else:
             draft_probs = None if proposal.probs is None else as_tensor(proposal.probs).to(device).unsqueeze(0)
-            output = rejection_sample(draft_ids, draft_probs, rows.to(device).unsqueeze(0), state.generator)
+            verify = block_verify if verification == "block" and draft_probs is not None else rejection_sample
+            output = verify(draft_ids, draft_probs, rows.to(device).unsqueeze(0), state.generator)
         emitted = [token for token in output[0].tolist() if token != PLACEHOLDER_TOKEN_ID]
     committed = state.commit(emitted)
 

@@ -278,7 +278,7 @@ class Router:
             target_s = verify.engine_s
             accepted_before = state.stats.num_accepted
             rows, logprob_rows = _split_logprobs(state, rows)
-            committed = accept_round(state, proposal, rows)
+            committed = accept_round(state, proposal, rows, self.config.speculation.verification)
             if proposal.token_ids:
                 counters = self.class_counters[_request_class(state)]
                 counters["rounds"] += 1
