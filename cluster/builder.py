@@ -90,7 +90,7 @@ def served_model_specs(config: SpecServeConfig) -> tuple[dict[str, Any], dict[st
     the difference), the EOS set and max_model_len."""
     from transformers import AutoTokenizer
 
-    from decoding.checkpoint import context_length, eos_token_ids
+    from decoding.checkpoint import context_length, eos_token_ids, max_model_len
     from decoding.model_runner import check_compatible_paths, output_width, served_vocab_size
 
     tokenizer_path = config.resolved_tokenizer_path
@@ -99,17 +99,13 @@ def served_model_specs(config: SpecServeConfig) -> tuple[dict[str, Any], dict[st
         vocab_size = check_compatible_paths(config.draft.path, config.target.path, tokenizer_path)
     else:
         vocab_size = served_vocab_size(tokenizer, output_width(config.target.path))
-    context = context_length(config.target.path)
-    max_model_len = config.target.max_model_len or context
-    if max_model_len > context:
-        raise ValueError(f"target.max_model_len {max_model_len} exceeds the target's context of {context} "
-                         "(max_position_embeddings)")
+    target_len = max_model_len(config.target.path, config.target.max_model_len)
     served = {"vocab_size": vocab_size, "eos_token_ids": sorted(eos_token_ids(config.target.path, tokenizer)),
-              "max_model_len": max_model_len}
+              "max_model_len": target_len}
     draft = None
     if config.draft is not None and config.speculation.proposer == "draft":
         draft = {**config.draft.model_dump(), **served,
-                 "max_model_len": min(max_model_len, context_length(config.draft.path))}
+                 "max_model_len": min(target_len, context_length(config.draft.path))}
     return {**config.target.model_dump(), **served}, draft
 
 

@@ -212,6 +212,8 @@ class SpecServeConfig(_Strict):
     target: ModelSpec = ModelSpec(path=str(DEFAULT_MODELS_DIR / "target"))
     draft: ModelSpec | None = ModelSpec(path=str(DEFAULT_MODELS_DIR / "draft"))
     tokenizer_path: str | None = Field(None, description="defaults to the target's path")
+    chat_template: str | None = Field(None, description="a Jinja chat template, or the path of a file holding "
+                                      "one, used instead of the tokenizer's (vLLM's --chat-template)")
     speculation: SpeculationSpec = SpeculationSpec()
     limits: LimitsSpec = LimitsSpec()
     batching: BatchingSpec = BatchingSpec()
@@ -246,6 +248,16 @@ class SpecServeConfig(_Strict):
     @property
     def resolved_tokenizer_path(self) -> str:
         return self.tokenizer_path or self.target.path
+
+    @property
+    def resolved_chat_template(self) -> str | None:
+        """chat_template's text (read from the file when it names one), or None: the tokenizer's."""
+        if self.chat_template is None:
+            return None
+        candidate = Path(self.chat_template)
+        if "{" not in self.chat_template and candidate.is_file():
+            return candidate.read_text()
+        return self.chat_template
 
     @property
     def uses_draft_workers(self) -> bool:

@@ -21,7 +21,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 CPU_AUTO_DTYPE = "float32"
 # generation_config.json fields that become defaults of the request fields of the same name, as
 # vLLM's `--generation-config auto` (a new sampling field is one more name here).
-GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k")
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _json(path: Path) -> dict[str, Any]:
@@ -69,6 +69,16 @@ def context_length(model_path: str | Path) -> int:
     if "max_position_embeddings" not in config:
         raise ValueError(f"{model_path}: config.json has no max_position_embeddings; set max_model_len")
     return int(config["max_position_embeddings"])
+
+
+def max_model_len(model_path: str | Path, configured: int | None = None) -> int:
+    """The longest prompt + completion served: `configured` (ModelSpec.max_model_len), at most the
+    model's context, which is the default."""
+    context = context_length(model_path)
+    if configured is not None and configured > context:
+        raise ValueError(f"max_model_len {configured} exceeds the context of {model_path} ({context}, "
+                         "max_position_embeddings)")
+    return configured or context
 
 
 def resolve_device(device: str) -> str:
