@@ -62,7 +62,7 @@ def config_from_args(args: argparse.Namespace):
     return type(config).model_validate(data)
 
 
-def stream_completion(url: str, model: str, prompt: str, max_tokens: int, temperature: float,
+def stream_completion(url: str, model: str, prompt: str, max_tokens: int, temperature: float | None,
                       seed: int | None = None, out=sys.stdout) -> dict:
     """POST /v1/completions with stream=true, echo text as it arrives; return the final chunk."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
@@ -94,7 +94,7 @@ def _print_stats(final: dict, elapsed_s: float) -> None:
     print("--- speculation: " + json.dumps(spec))
 
 
-def _demo(url: str, model: str, prompt: str, max_tokens: int, temperature: float) -> None:
+def _demo(url: str, model: str, prompt: str, max_tokens: int, temperature: float | None) -> None:
     print(f"--- POST {url}/v1/completions  prompt={prompt!r}")
     print(prompt, end="")
     started = time.perf_counter()
@@ -198,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     def add_request_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--config", help="YAML config (defaults: the shipped default pair)")
         p.add_argument("--max-tokens", type=int, default=96)
-        p.add_argument("--temperature", type=float, default=0.0)
+        p.add_argument("--temperature", type=float, default=None,
+                       help="default: the target's generation_config.json (else 1.0); 0 = greedy")
         add_model_args(p)
 
     serve_parser = sub.add_parser("serve", help="start a local Ray cluster and serve the OpenAI API")
