@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from cluster.builder import served_model_specs
+from cluster.builder import build_app, served_model_specs
 from cluster.cli import add_model_args, config_from_args
 from cluster.config import SpecServeConfig
 from decoding.batched_runner import load_runner, runner_for_model
@@ -171,6 +171,8 @@ def test_a_draft_with_another_tokenizer_fails_at_start_naming_the_difference(che
     with pytest.raises(IncompatibleModelsError, match="do not share a tokenizer: .*8198.*8194.*proposer: none"):
         served_model_specs(pair_config(qwen.target, llama.draft))
     served_model_specs(pair_config(qwen.target, None))   # target-only serves
+    with pytest.raises(IncompatibleModelsError):          # the app is never built, so nothing starts
+        build_app(pair_config(qwen.target, llama.draft))
 
 
 # -- padded vocabularies stay lossless ------------------------------------------------------------
