@@ -139,7 +139,8 @@ def test_eos_set_unites_generation_config_config_and_tokenizer(checkpoint_famili
 
 def test_generation_defaults_are_the_targets(checkpoint_families):
     assert generation_defaults(checkpoint_families["llama3"].target) == {"temperature": 0.6, "top_p": 0.9}
-    assert generation_defaults(checkpoint_families["qwen25"].target) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
+    assert generation_defaults(checkpoint_families["qwen25"].target) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                                                                        "repetition_penalty": 1.05}
     assert generation_defaults(checkpoint_families["mistral"].target) == {}
     assert max_model_len(checkpoint_families["qwen25"].target) == 1024
     assert max_model_len(checkpoint_families["qwen25"].target, 300) == 300
@@ -310,7 +311,7 @@ def test_generation_defaults_fill_only_what_a_request_leaves_out(checkpoint_fami
     ingress = ingress_for(checkpoint_families["qwen25"].target, model_name="m")
     body = CompletionRequest.model_validate({"model": "m", "prompt": "x", "temperature": None, "top_k": 5})
     params = ingress._sampling_params(body, num_prompt_tokens=3)
-    assert (params.temperature, params.top_p, params.top_k) == (0.7, 0.8, 5)
+    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (0.7, 0.8, 5, 1.05)
     assert params.max_tokens == 16                                 # completions: OpenAI's default
     chat = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}],
                                                  "temperature": 0})
