@@ -83,17 +83,42 @@ def deployment_options(config: SpecServeConfig) -> dict[str, dict[str, Any]]:
     return options
 
 
+def served_model_specs(config: SpecServeConfig) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(target spec, draft spec) as the engines receive them: the configured ModelSpec plus what
+    the pair decides, read from the checkpoint folders before anything starts: the ids served
+    (the tokenizer's, checked against the draft: IncompatibleModelsError here, at start, names
+    the difference), the EOS set and max_model_len."""
+    from transformers import AutoTokenizer
+
+    from decoding.checkpoint import context_length, eos_token_ids, max_model_len
+    from decoding.model_runner import check_compatible_paths, output_width, served_vocab_size
+
+    tokenizer_path = config.resolved_tokenizer_path
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+    if config.speculation.proposer == "draft" and config.draft is not None:
+        vocab_size = check_compatible_paths(config.draft.path, config.target.path, tokenizer_path)
+    else:
+        vocab_size = served_vocab_size(tokenizer, output_width(config.target.path))
+    target_len = max_model_len(config.target.path, config.target.max_model_len)
+    served = {"vocab_size": vocab_size, "eos_token_ids": sorted(eos_token_ids(config.target.path, tokenizer)),
+              "max_model_len": target_len}
+    draft = None
+    if config.draft is not None and config.speculation.proposer == "draft":
+        draft = {**config.draft.model_dump(), **served,
+                 "max_model_len": min(target_len, context_length(config.draft.path))}
+    return {**config.target.model_dump(), **served}, draft
+
+
 def build_app(config: SpecServeConfig) -> Application:
     """The bound application: Ingress -> Router -> (TargetWorker, DraftWorker)."""
     options = deployment_options(config)
     config_dict = config.model_dump(mode="json")
-    target_spec = config.target.model_dump()
+    target_spec, draft_spec = served_model_specs(config)
     engine_options = config.engine_options()
     targets = TargetWorker.options(**options["TargetWorker"]).bind(
         config.target_workers.model_dump(), target_spec, engine_options)
     drafts = None
     if config.uses_draft_workers:
-        draft_spec = config.draft.model_dump() if config.draft is not None else None
         drafts = DraftWorker.options(**options["DraftWorker"]).bind(
             config.draft_workers.model_dump(), config.speculation.proposer, draft_spec, config.target.path,
             engine_options)

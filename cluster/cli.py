@@ -28,7 +28,41 @@ FORWARDED_COMMANDS = {
 }
 
 
-def stream_completion(url: str, model: str, prompt: str, max_tokens: int, temperature: float,
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The flags that point a command at a pair (over the --config file and environment)."""
+    p.add_argument("--target", help="target model directory (Hugging Face format)")
+    p.add_argument("--draft", help="draft model directory (it must share the target's tokenizer)")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
+    p.add_argument("--max-model-len", type=int, help="longest prompt + completion (default: the model's context)")
+    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="weights dtype of both models (default auto: the checkpoint's on GPU, float32 on CPU)")
+
+
+def config_from_args(args: argparse.Namespace):
+    """load_config(--config) with the model flags laid over it; a new --target without --draft
+    keeps no draft from the file (it would rarely share the new target's tokenizer): it serves
+    target-only unless --draft is given."""
+    config = load_config(getattr(args, "config", None))
+    data = config.model_dump(mode="json")
+    if args.target:
+        data["target"] = {**data["target"], "path": args.target, "max_model_len": None}
+        if not args.draft:
+            data["draft"], data["speculation"] = None, {**data["speculation"], "proposer": "none"}
+    if args.draft:
+        data["draft"] = {**(data["draft"] or data["target"]), "path": args.draft}
+        data["speculation"] = {**data["speculation"], "proposer": "draft"}
+    if args.tokenizer:
+        data["tokenizer_path"] = args.tokenizer
+    if args.max_model_len:
+        data["target"]["max_model_len"] = args.max_model_len
+    if args.dtype:
+        for role in ("target", "draft"):
+            if data.get(role):
+                data[role]["dtype"] = args.dtype
+    return type(config).model_validate(data)
+
+
+def stream_completion(url: str, model: str, prompt: str, max_tokens: int, temperature: float | None,
                       seed: int | None = None, out=sys.stdout) -> dict:
     """POST /v1/completions with stream=true, echo text as it arrives; return the final chunk."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
@@ -60,7 +94,7 @@ def _print_stats(final: dict, elapsed_s: float) -> None:
     print("--- speculation: " + json.dumps(spec))
 
 
-def _demo(url: str, model: str, prompt: str, max_tokens: int, temperature: float) -> None:
+def _demo(url: str, model: str, prompt: str, max_tokens: int, temperature: float | None) -> None:
     print(f"--- POST {url}/v1/completions  prompt={prompt!r}")
     print(prompt, end="")
     started = time.perf_counter()
@@ -78,7 +112,7 @@ def _raise_terminated(signum, frame) -> None:
 
 def _config(args: argparse.Namespace):
     """The config file (or defaults) with the command line's model flags applied."""
-    config = load_config(args.config)
+    config = config_from_args(args)
     budget = getattr(args, "kv_cache_memory_gb", None)
     if budget is None:
         return config
@@ -121,7 +155,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> None:
     from cluster.local import start_local, stop_local
 
-    config = load_config(args.config)
+    config = _config(args)
     url = start_local(config)
     try:
         _demo(url, config.model_name, args.prompt, args.max_tokens, args.temperature)
@@ -164,7 +198,9 @@ def main(argv: list[str] | None = None) -> None:
     def add_request_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--config", help="YAML config (defaults: the shipped default pair)")
         p.add_argument("--max-tokens", type=int, default=96)
-        p.add_argument("--temperature", type=float, default=0.0)
+        p.add_argument("--temperature", type=float, default=None,
+                       help="default: the target's generation_config.json (else 1.0); 0 = greedy")
+        add_model_args(p)
 
     serve_parser = sub.add_parser("serve", help="start a local Ray cluster and serve the OpenAI API")
     add_request_args(serve_parser)
@@ -181,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
 
     config_parser = sub.add_parser("serve-config", help="print a Serve config YAML for `serve deploy`")
     config_parser.add_argument("--config")
+    add_model_args(config_parser)
     config_parser.add_argument("-o", "--output")
     config_parser.set_defaults(func=cmd_serve_config)
 
@@ -192,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     k8s_parser = sub.add_parser("k8s-manifest", help="print a KubeRay RayService manifest")
     k8s_parser.add_argument("--config", default="k8s/specserve-gpu.yaml")
     k8s_parser.add_argument("--image")
+    add_model_args(k8s_parser)
     k8s_parser.add_argument("-o", "--output")
     k8s_parser.set_defaults(func=cmd_k8s_manifest)
     for model_parser in (serve_parser, config_parser, k8s_parser):

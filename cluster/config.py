@@ -32,8 +32,12 @@ class ModelSpec(_Strict):
     """One Hugging Face causal LM on local disk."""
 
     path: str
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    device: str = "cpu"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="auto: the checkpoint's torch_dtype on a GPU, float32 on CPU (docs/real-checkpoints.md)")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+                        description="auto: cuda when the worker has a GPU (num_gpus > 0), else cpu")
+    max_model_len: int | None = Field(None, ge=2, description="longest prompt + completion served; "
+                                      "default: the model's context (max_position_embeddings)")
     torch_threads: int = Field(1, ge=1, description="intra-op threads per worker on CPU")
     max_sequences: int = Field(256, ge=1, description="KV caches a worker holds at once")
     lean_forward: bool = Field(True, description="run decoding.lean_forward for Llama-shaped models "
@@ -111,8 +115,11 @@ class SpeculationSpec(_Strict):
 
 
 class LimitsSpec(_Strict):
-    max_tokens: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
-    default_max_tokens: int = Field(64, ge=1)
+    max_tokens: int | None = Field(None, ge=1, description="largest max_tokens a request may ask for; "
+                                   "default: the target's max_model_len")
+    default_max_tokens: int | None = Field(None, ge=1, description="max_tokens of a request that sets none; "
+                                           "default: as vLLM, chat runs to the rest of the context, "
+                                           "completions make 16 (OpenAI's default)")
     max_prompt_chars: int = Field(100_000, ge=1)
     request_timeout_s: float = Field(600.0, gt=0, description="a request running longer ends with "
                                      "finish_reason 'timeout' and the tokens it has")
@@ -205,6 +212,8 @@ class SpecServeConfig(_Strict):
     target: ModelSpec = ModelSpec(path=str(DEFAULT_MODELS_DIR / "target"))
     draft: ModelSpec | None = ModelSpec(path=str(DEFAULT_MODELS_DIR / "draft"))
     tokenizer_path: str | None = Field(None, description="defaults to the target's path")
+    chat_template: str | None = Field(None, description="a Jinja chat template, or the path of a file holding "
+                                      "one, used instead of the tokenizer's (vLLM's --chat-template)")
     speculation: SpeculationSpec = SpeculationSpec()
     limits: LimitsSpec = LimitsSpec()
     batching: BatchingSpec = BatchingSpec()
@@ -222,9 +231,33 @@ class SpecServeConfig(_Strict):
             raise ValueError("speculation.proposer 'draft' needs a draft model (set draft.path)")
         return self
 
+    @model_validator(mode="after")
+    def _device_matches_gpus(self) -> "SpecServeConfig":
+        pools = [("target", self.target, "target_workers", self.target_workers)]
+        if self.draft is not None and self.speculation.proposer == "draft":
+            pools.append(("draft", self.draft, "draft_workers", self.draft_workers))
+        for role, spec, pool, workers in pools:
+            if spec.device.startswith("cuda") and workers.num_gpus == 0:
+                raise ValueError(f"{role}.device is {spec.device!r} but {pool}.num_gpus is 0: Ray gives the worker "
+                                 f"no GPU. Set {pool}.num_gpus (e.g. 1) or {role}.device: auto")
+            if spec.device == "cpu" and workers.num_gpus > 0:
+                raise ValueError(f"{role}.device is 'cpu' but {pool}.num_gpus is {workers.num_gpus:g}: the GPU "
+                                 f"would sit idle. Set {role}.device: auto (or cuda) or {pool}.num_gpus: 0")
+        return self
+
     @property
     def resolved_tokenizer_path(self) -> str:
         return self.tokenizer_path or self.target.path
+
+    @property
+    def resolved_chat_template(self) -> str | None:
+        """chat_template's text (read from the file when it names one), or None: the tokenizer's."""
+        if self.chat_template is None:
+            return None
+        candidate = Path(self.chat_template)
+        if "{" not in self.chat_template and candidate.is_file():
+            return candidate.read_text()
+        return self.chat_template
 
     @property
     def uses_draft_workers(self) -> bool:

@@ -148,7 +148,7 @@ class BatchedModelRunner(RunnerBase):
         for entry, history in zip(entries, histories):
             entry.token_ids = history
         # The boolean keep mask flattens the kept rows in (row, column) order.
-        logits = logits.float()
+        logits = self._served_columns(logits.float())
         offsets = [0]
         for call in calls:
             offsets.append(offsets[-1] + call.num_rows)
@@ -251,7 +251,9 @@ def load_runner(spec: dict) -> BatchedModelRunner | ModelRunner:
     batched when the architecture allows it (see runner_for_model)."""
     model = load_causal_lm(spec["path"], dtype=spec["dtype"], device=spec["device"],
                            num_threads=spec["torch_threads"])
-    return runner_for_model(model, max_sequences=spec["max_sequences"], model_path=spec["path"],
-                            lean_forward=spec.get("lean_forward", True), max_model_len=spec.get("max_model_len"),
-                            kv_cache_memory_gb=spec.get("kv_cache_memory_gb"),
-                            gpu_memory_utilization=spec.get("gpu_memory_utilization"))
+    runner = runner_for_model(model, max_sequences=spec["max_sequences"], model_path=spec["path"],
+                              lean_forward=spec.get("lean_forward", True), max_model_len=spec.get("max_model_len"),
+                              kv_cache_memory_gb=spec.get("kv_cache_memory_gb"),
+                              gpu_memory_utilization=spec.get("gpu_memory_utilization"))
+    runner.serve_as(spec.get("vocab_size"), spec.get("eos_token_ids"))
+    return runner

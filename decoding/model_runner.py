@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from decoding.checkpoint import check_weight_files, resolve_device, resolve_dtype
 
 # Draft and target must split text into the same ids; code-like text exercises merges and spaces.
 _PROBE_TEXT = "def fibonacci(n):\n    return n"
@@ -63,16 +63,21 @@ def _common_prefix_length(cached: list[int], wanted: list[int], limit: int) -> i
     return limit
 
 
-def load_causal_lm(model_path: str, dtype: str = "float32", device: str = "cpu",
+def load_causal_lm(model_path: str, dtype: str = "auto", device: str = "auto",
                    num_threads: int | None = None):
-    """A local Hugging Face causal LM in eval mode on `device` (no download)."""
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    """A local Hugging Face causal LM in eval mode on `device` (no download). dtype and device
+    'auto' are resolved by decoding.checkpoint. On CUDA the weights load straight onto the device
+    (device_map), never staged in host memory first (written with care, not run here: no GPU)."""
+    check_weight_files(model_path)
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, model_path, device)
     if num_threads is not None:
         # Process-wide: a worker process owns one runner, so this is its thread budget.
         torch.set_num_threads(num_threads)
-    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=_DTYPES[dtype])
-    return model.to(torch.device(device)).eval()
+    on_gpu = device.startswith("cuda")
+    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch_dtype,
+                                                 **({"device_map": device} if on_gpu else {}))
+    return (model if on_gpu else model.to(torch.device(device))).eval()
 
 
 class RunnerBase:
@@ -124,11 +129,27 @@ class RunnerBase:
                                  f"max_position_embeddings={self.max_context}")
             self.max_context = max_model_len
         eos = getattr(config, "eos_token_id", None)
-        if isinstance(eos, (list, tuple)):
-            eos = eos[0] if eos else None
-        self.eos_token_id = None if eos is None else int(eos)
+        eos = list(eos) if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
+        self.eos_token_id = int(eos[0]) if eos else None
+        self.eos_token_ids = frozenset(int(token) for token in eos)
         forward_params = inspect.signature(model.forward).parameters
         self._takes_logits_to_keep = "logits_to_keep" in forward_params
+
+    def serve_as(self, vocab_size: int | None = None, eos_token_ids=None) -> None:
+        """What the served pair decided (cluster.builder.served_model_specs): logits only over the
+        tokenizer's vocab_size ids (padding columns of a padded embedding are cut, so they are
+        never sampled nor drafted, and draft and target rows have one width), and the EOS set."""
+        if vocab_size is not None:
+            if vocab_size > self.vocab_size:
+                raise IncompatibleModelsError(f"{self.model_path}: the tokenizer has {vocab_size} ids but the "
+                                              f"model's output layer only {self.vocab_size}")
+            self.vocab_size = int(vocab_size)
+        if eos_token_ids is not None:
+            self.eos_token_ids = frozenset(int(token) for token in eos_token_ids)
+
+    def _served_columns(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [..., width] -> [..., vocab_size] (a no-op when the widths agree)."""
+        return logits if logits.shape[-1] == self.vocab_size else logits[..., :self.vocab_size].contiguous()
 
     # Per-sequence state, kept by subclasses: self._sequences maps seq_id -> an entry whose
     # token_ids are exactly the tokens its KV holds; self._crop(entry, length) cuts it back.
@@ -228,7 +249,7 @@ class ModelRunner(RunnerBase):
             self.release(seq_id)
             raise
         entry.token_ids = wanted
-        return out.logits[0, -num_rows:].float()
+        return self._served_columns(out.logits[0, -num_rows:].float())
 
     def forward_batch(self, calls: Sequence[ForwardCall]) -> list[torch.Tensor]:
         """`forward` for each call in turn (this runner has no batched path); the same checks as
@@ -255,32 +276,65 @@ class ModelRunner(RunnerBase):
         self._sequences.pop(seq_id, None)
 
 
-def check_compatible(draft: ModelRunner, target: ModelRunner, draft_tokenizer, target_tokenizer) -> None:
-    """Raise IncompatibleModelsError unless vocab sizes match and a probe string tokenizes identically."""
-    _check_pair(draft.model_path, draft.vocab_size, draft_tokenizer,
-                target.model_path, target.vocab_size, target_tokenizer)
+def check_compatible(draft: ModelRunner, target: ModelRunner, draft_tokenizer, target_tokenizer) -> int:
+    """served_vocab_size of two loaded runners (IncompatibleModelsError if they cannot be paired)."""
+    return _check_pair(draft.model_path, draft.vocab_size, draft_tokenizer,
+                       target.model_path, target.vocab_size, target_tokenizer)
 
 
-def check_compatible_paths(draft_path: str, target_path: str) -> None:
-    """check_compatible from two local model directories, without loading the weights."""
-    from transformers import AutoConfig, AutoTokenizer
+def output_width(path: str) -> int:
+    """Rows of a checkpoint's output layer (its padded embedding width), from config.json."""
+    from transformers import AutoConfig
 
-    def vocab_and_tokenizer(path: str):
-        config = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config(decoder=True)
-        return config.vocab_size, AutoTokenizer.from_pretrained(path, local_files_only=True)
-
-    _check_pair(draft_path, *vocab_and_tokenizer(draft_path), target_path, *vocab_and_tokenizer(target_path))
+    return int(AutoConfig.from_pretrained(path, local_files_only=True).get_text_config(decoder=True).vocab_size)
 
 
-def _check_pair(draft_name: str, draft_vocab: int, draft_tokenizer,
-                target_name: str, target_vocab: int, target_tokenizer) -> None:
-    if draft_vocab != target_vocab:
-        raise IncompatibleModelsError(
-            f"draft {draft_name!r} has vocab size {draft_vocab} but target "
-            f"{target_name!r} has {target_vocab}; a draft must share the target's vocabulary")
+def check_compatible_paths(draft_path: str, target_path: str, tokenizer_path: str | None = None) -> int:
+    """check_compatible from local model directories, without loading the weights: the draft's
+    own tokenizer against the served one (tokenizer_path, default the target's). Returns
+    served_vocab_size."""
+    from transformers import AutoTokenizer
+
+    def tokenizer(path: str):
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+    return _check_pair(draft_path, output_width(draft_path), tokenizer(draft_path),
+                       target_path, output_width(target_path), tokenizer(tokenizer_path or target_path))
+
+
+def served_vocab_size(tokenizer, target_width: int) -> int:
+    """The ids a request can hold: the tokenizer's (len(tokenizer)), within the target's output
+    layer. Columns past it (Qwen2.5 pads 151,665 ids to 152,064 rows) are never sampled."""
+    return min(len(tokenizer), target_width)
+
+
+def _tokenizer_difference(draft_tokenizer, target_tokenizer) -> str | None:
+    """How two tokenizers differ, in words, or None when they split text into the same ids."""
+    if len(draft_tokenizer) != len(target_tokenizer):
+        return f"they hold {len(draft_tokenizer)} and {len(target_tokenizer)} tokens"
+    for name in ("bos_token_id", "eos_token_id"):
+        draft_id, target_id = getattr(draft_tokenizer, name, None), getattr(target_tokenizer, name, None)
+        if draft_id != target_id:
+            return f"their {name} differ ({draft_id} vs {target_id})"
     draft_ids = list(draft_tokenizer.encode(_PROBE_TEXT, add_special_tokens=False))
     target_ids = list(target_tokenizer.encode(_PROBE_TEXT, add_special_tokens=False))
     if draft_ids != target_ids:
+        return f"they split {_PROBE_TEXT!r} differently ({draft_ids} vs {target_ids})"
+    return None
+
+
+def _check_pair(draft_name: str, draft_width: int, draft_tokenizer,
+                target_name: str, target_width: int, target_tokenizer) -> int:
+    """served_vocab_size when the draft can speculate for the target: the same tokenizer (the
+    embedding widths may differ: padding), and a draft output layer covering every served id."""
+    difference = _tokenizer_difference(draft_tokenizer, target_tokenizer)
+    if difference is not None:
         raise IncompatibleModelsError(
-            f"draft and target tokenizers split {_PROBE_TEXT!r} differently ({draft_ids} vs {target_ids}); "
-            "use a draft trained with the target's tokenizer")
+            f"draft {draft_name!r} and target {target_name!r} do not share a tokenizer: {difference}. A draft "
+            "must use the target's tokenizer; to serve the target alone set speculation.proposer: none")
+    vocab_size = served_vocab_size(target_tokenizer, target_width)
+    if draft_width < vocab_size:
+        raise IncompatibleModelsError(
+            f"draft {draft_name!r} scores {draft_width} ids but the target's tokenizer has {vocab_size}; "
+            "to serve the target alone set speculation.proposer: none")
+    return vocab_size

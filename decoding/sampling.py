@@ -78,6 +78,10 @@ class SamplingParams(BaseModel):
                                                                          "a token in the output")
     min_p: MinP = Field(default=0.0, description="drop tokens less likely than min_p times the most likely "
                                                  "one (after temperature); 0 = off")
+    stop_token_ids: list[int] = Field(default_factory=list, description="vLLM extension: these ids end the "
+                                      "request as EOS does (also with ignore_eos); masked below min_tokens")
+    include_stop_str_in_output: bool = Field(default=False, description="vLLM extension: the stop string (or "
+                                             "stop token) that ended the request stays in the output")
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS,
                                  description="return the target's raw log-probability of every emitted token "
                                              "and this many most likely alternatives; None: none")

@@ -3,13 +3,24 @@ committed tokens, stop conditions, streamed text, seeded generators and speculat
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from decoding.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from decoding.sampling import SamplingParams, draft_seed, make_generator
+
+
+def stop_ids(eos_token_id: int | Collection[int] | None, stop_token_ids: Sequence[int] = ()) -> list[int]:
+    """The ids that end a request, sorted: one EOS id or a set of them, plus a request's stop ids."""
+    if eos_token_id is None:
+        eos = set()
+    elif isinstance(eos_token_id, Collection):
+        eos = set(eos_token_id)
+    else:
+        eos = {eos_token_id}
+    return sorted(int(token) for token in eos | set(stop_token_ids))
 
 
 @dataclass
@@ -49,9 +60,11 @@ class RequestState:
     """One request: its prompt, committed output and why it finished.
 
     The output never exceeds params.max_tokens tokens nor lets prompt + output exceed max_context.
-    EOS ends the request without being appended (with params.ignore_eos it is an ordinary token);
-    a stop string ends it after the token that completed it (the text is cut before the stop
-    string). Stop strings are looked for once the output is longer than params.min_tokens, as vLLM.
+    EOS (any id of eos_token_id: one id or the served set) ends the request without being
+    appended (with params.ignore_eos it is an ordinary token); so does a stop token id of
+    params.stop_token_ids (also with ignore_eos, as vLLM). A stop string ends it after the token
+    that completed it (the text is cut before the stop string). With include_stop_str_in_output
+    the stop string stays in the text and a stop token id in the output. Stop strings are looked for once the output is longer than params.min_tokens, as vLLM.
 
     Text is detokenized incrementally (decoding.detokenizer), and a stop string is looked for only
     in the new text plus the last max(len(stop)) - 1 characters before it, so each token costs the
@@ -60,7 +73,7 @@ class RequestState:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    eos_token_id: int | None
+    eos_token_id: int | Collection[int] | None
     max_context: int
     detokenize: Callable[[list[int]], str] | None = None
     output_ids: list[int] = field(default_factory=list)
@@ -83,6 +96,8 @@ class RequestState:
             raise ValueError(f"max_tokens must be >= 1, got {self.params.max_tokens}")
         if self.params.stop and self.detokenize is None:
             raise ValueError("stop strings need a detokenize function to be detected")
+        self._eos_ids = frozenset(stop_ids(self.eos_token_id))
+        self._stop_token_ids = frozenset(self.params.stop_token_ids)
         seed = self.params.seed
         self.generator = make_generator(seed)
         # The draft gets its own stream so the target's accept/reject draws do not depend on K.
@@ -126,8 +141,11 @@ class RequestState:
         for token in token_ids:
             if self.finished:
                 break
-            if self.eos_token_id is not None and token == self.eos_token_id and not self.params.ignore_eos:
+            if token in self._stop_token_ids or (token in self._eos_ids and not self.params.ignore_eos):
                 self.finish_reason = "stop"
+                if token in self._stop_token_ids and self.params.include_stop_str_in_output:
+                    self.output_ids.append(token)
+                    appended.append(token)
                 break
             self.output_ids.append(token)
             appended.append(token)
@@ -148,10 +166,11 @@ class RequestState:
             return False
         # The held text counts: a token may complete a stop string and begin a character at once.
         window = tail + piece + self._held
-        hits = [i for i in (window.find(stop) for stop in self.params.stop) if i >= 0]
+        hits = [(i, len(stop)) for i, stop in ((window.find(stop), stop) for stop in self.params.stop) if i >= 0]
         if not hits:
             return False
-        self._stop_at = text_len - len(tail) + min(hits)
+        start, length = min(hits)
+        self._stop_at = text_len - len(tail) + start + (length if self.params.include_stop_str_in_output else 0)
         return True
 
     def _emit(self, piece: str) -> None:

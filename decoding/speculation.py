@@ -4,7 +4,7 @@ generator both call these, so the distributed path and the reference share the m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import torch
@@ -13,27 +13,30 @@ from decoding.proposers import Proposal
 from decoding.rejection import PLACEHOLDER_TOKEN_ID, block_verify, greedy_verify, rejection_sample
 from decoding.row_processors import history_processor
 from decoding.sampling import SamplingParams, logits_to_probs
-from decoding.sequence import RequestState
+from decoding.sequence import RequestState, stop_ids
 
 
-def target_rows(logits: torch.Tensor, params: SamplingParams, eos_token_id: int | None = None,
+def target_rows(logits: torch.Tensor, params: SamplingParams,
+                eos_token_id: int | Collection[int] | None = None,
                 first_output_index: int | None = None, token_ids: Sequence[int] | None = None) -> torch.Tensor:
     """Target logits [n, V] -> argmax ids LongTensor [n] when greedy (small on the wire),
     else processed probabilities float32 [n, V].
 
     Row i scores output position first_output_index + i (`RequestState.next_output_index` at the
-    time of the call). Where that position is below params.min_tokens, EOS gets logit -inf, so it
-    can be neither the argmax nor sampled, as in vLLM. Only target rows need it: rejection sampling
-    turns any draft into samples of the (masked) target distribution.
+    time of the call). Where that position is below params.min_tokens, every EOS id (the served
+    set, see decoding.checkpoint.eos_token_ids) and every stop token id gets logit -inf, so none
+    can be the argmax nor sampled, as in vLLM. Only target rows need it: rejection sampling turns
+    any draft into samples of the (masked) target distribution.
 
     token_ids: the call's whole input (prompt + committed output + the n - 1 draft tokens), needed
     when the request has penalties: row i is penalized for the committed history plus the block's
     first i tokens (decoding.row_processors), exactly as the drafter penalized its step i."""
-    if params.min_tokens > 0 and eos_token_id is not None and first_output_index is not None:
+    if params.min_tokens > 0 and first_output_index is not None:
         num_masked = min(max(params.min_tokens - first_output_index, 0), logits.shape[0])
-        if num_masked:
+        stopping = stop_ids(eos_token_id, params.stop_token_ids) if num_masked else []
+        if stopping:
             logits = logits.clone()
-            logits[:num_masked, eos_token_id] = float("-inf")
+            logits[:num_masked, stopping] = float("-inf")
     if params.uses_penalties:
         if token_ids is None or first_output_index is None:
             raise ValueError("penalties need the call's token ids and its first output index")

@@ -11,7 +11,6 @@ import torch
 from ray import serve
 
 from decoding.batched_runner import ForwardCall, load_runner
-from decoding.model_runner import check_compatible_paths
 from decoding.proposers import DraftModelProposer, NgramProposer, Proposal, ProposeCall, empty_proposal
 from decoding.sampling import SamplingParams, make_generator
 from deployments.engine_host import EngineCore, EngineHost, to_wire
@@ -39,7 +38,8 @@ class DraftEngine(EngineCore):
             self.proposer = NgramProposer()
         else:
             assert model_spec is not None, "a draft-model proposer needs a model spec"
-            check_compatible_paths(model_spec["path"], target_path)  # fail start-up with a clear message
+            # The pair was checked before the app started (cluster.builder.served_model_specs): a
+            # refusal here would only make Serve retry this deployment while the rest serves.
             self.runner = load_runner(model_spec)
             self.proposer = DraftModelProposer(self.runner)
         self.generators: dict[str, torch.Generator] = {}

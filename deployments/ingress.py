@@ -29,9 +29,11 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
 from cluster.config import SpecServeConfig
+from decoding.checkpoint import GENERATION_DEFAULT_FIELDS, generation_defaults, max_model_len
+from decoding.model_runner import output_width, served_vocab_size
 from decoding.sampling import MAX_SEED, SamplingParams
 from deployments.admission import ServerOverloadedError
 from deployments.openai_protocol import (
@@ -45,9 +47,15 @@ from deployments.openai_protocol import (
     validation_error_body,
 )
 
-# Used when the tokenizer ships no chat template (the default pair is a code model and has none).
+# Used when neither the config nor the tokenizer has a chat template.
 DEFAULT_CHAT_TEMPLATE = "{role}: {content}\n"
 DEFAULT_CHAT_SUFFIX = "assistant:"
+# As vLLM's CompletionRequest: a completion without max_tokens makes OpenAI's default 16 tokens
+# (a chat runs to the rest of the context).
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+# Template variables a request's chat_template_kwargs may not replace.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "conversation", "tokenize", "add_generation_prompt",
+                                         "chat_template", "tools", "documents", "return_dict"})
 
 app = FastAPI(title="specserve", description="OpenAI-compatible speculative decoding on Ray Serve")
 
@@ -192,9 +200,11 @@ class Ingress:
         self.api_key_digests = self.config.auth.key_digests()
         self.router = router
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.resolved_tokenizer_path, local_files_only=True)
-        target_config = AutoConfig.from_pretrained(self.config.target.path, local_files_only=True)
-        self.max_context = target_config.max_position_embeddings
-        self.vocab_size = target_config.vocab_size
+        self.max_context = max_model_len(self.config.target.path, self.config.target.max_model_len)
+        self.generation_defaults = generation_defaults(self.config.target.path)
+        self.chat_template = self.config.resolved_chat_template
+        # Ids a token-id prompt may hold: the tokenizer's (padding rows of the embedding are not tokens).
+        self.vocab_size = served_vocab_size(self.tokenizer, output_width(self.config.target.path))
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
@@ -214,30 +224,42 @@ class Ingress:
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
         choices = []
-        for prompt in body.prompts:
-            prompt_ids = self._encode(prompt) if isinstance(prompt, str) else self._checked_ids(prompt)
+        for prompt in body.prompts:  # as vLLM, the tokenizer decides BOS (Llama's and Mistral's add theirs)
+            prompt_ids = self._encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else self._checked_ids(prompt)
             echo = "" if not body.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
             choices += self._choices(body, prompt_ids, len(choices), echo)
         return await self._respond(body, choices, kind="text_completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
-        prompt = self._chat_prompt([{"role": m.template_role, "content": m.content} for m in body.messages])
-        return await self._respond(body, self._choices(body, self._encode(prompt), 0), kind="chat.completion")
+        prompt = self._chat_prompt([{"role": m.template_role, "content": m.content} for m in body.messages],
+                                   body.chat_template, body.chat_template_kwargs or {})
+        # The rendered template holds its special tokens (Llama's writes bos_token): encoding it
+        # with special tokens again would double the BOS. These ids go to draft and target alike.
+        prompt_ids = self._encode(prompt, add_special_tokens=False)
+        return await self._respond(body, self._choices(body, prompt_ids, 0), kind="chat.completion")
 
     # -- helpers ---------------------------------------------------------------------------
-    def _encode(self, prompt: str) -> list[int]:
+    def _encode(self, prompt: str, add_special_tokens: bool) -> list[int]:
         if not prompt:
             raise OpenAIError("prompt must not be empty", param="prompt")
         if len(prompt) > self.config.limits.max_prompt_chars:
             raise OpenAIError(f"prompt is longer than {self.config.limits.max_prompt_chars} characters",
                               param="prompt")
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
-    def _chat_prompt(self, messages: list[dict[str, str]]) -> str:
-        if getattr(self.tokenizer, "chat_template", None):
+    def _chat_prompt(self, messages: list[dict[str, str]], template: str | None = None,
+                     template_kwargs: dict[str, Any] | None = None) -> str:
+        """The conversation rendered once with the target's tokenizer: the request's template, else
+        the config's (chat_template), else the tokenizer's own."""
+        template = template or self.chat_template
+        reserved = sorted(RESERVED_TEMPLATE_VARIABLES & set(template_kwargs or {}))
+        if reserved:
+            raise OpenAIError(f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
+        if template or getattr(self.tokenizer, "chat_template", None):
             try:
-                return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                          chat_template=template, **(template_kwargs or {}))
             except Exception as exc:  # templates raise on what they cannot render (e.g. role order)
                 raise OpenAIError(f"messages cannot be rendered with this model's chat template: {exc}",
                                   param="messages") from None
@@ -262,35 +284,58 @@ class Ingress:
                        prompt_only=body.requested_max_tokens == 0)
                 for j in range(body.n)]
 
+    def _sampling_fields(self, body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+        """The request's sampling fields over the target's generation_config.json defaults: a field
+        the request leaves out (or sends as null) takes the default, as vLLM's --generation-config auto."""
+        fields = {name: getattr(body, name) for name in GENERATION_DEFAULT_FIELDS}
+        return {**fields, **{name: value for name, value in self.generation_defaults.items()
+                             if name not in body.model_fields_set}}
+
+    def _max_tokens(self, body: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int) -> int:
+        """max_tokens as vLLM: at most max_model_len - prompt (else 400 with vLLM's message); left
+        out: the rest of the context for chat, 16 for completions (limits.default_max_tokens when set)."""
+        room = self.max_context - num_prompt_tokens
+        if room < 1:
+            raise OpenAIError(f"This model's maximum context length is {self.max_context} tokens. However, your "
+                              f"request has {num_prompt_tokens} input tokens. Please reduce the length of the "
+                              "input messages.", param="messages" if hasattr(body, "messages") else "prompt")
+        requested = body.requested_max_tokens
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        limit = self.config.limits.max_tokens
+        if requested is not None and limit is not None and requested > limit:
+            raise OpenAIError(f"{param} must be at most {limit}", param=param)
+        if requested == 0:  # echo of the prompt alone still prefills, as vLLM: one token made and dropped
+            return 1
+        if requested is None:
+            default = self.config.limits.default_max_tokens
+            if default is None:
+                default = COMPLETION_DEFAULT_MAX_TOKENS if isinstance(body, CompletionRequest) else room
+            return min(default, room)
+        if num_prompt_tokens + requested > self.max_context:
+            raise OpenAIError(f"This model's maximum context length is {self.max_context} tokens. However, you "
+                              f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
+                              f"messages, {requested} in the completion). Please reduce the length of the "
+                              "messages or completion.", param=param)
+        return requested
+
     def _sampling_params(self, body: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int) -> SamplingParams:
         if body.model != self.config.model_name:
             raise OpenAIError(f"The model '{body.model}' does not exist; this server serves "
                               f"'{self.config.model_name}'", param="model")
-        room = self.max_context - num_prompt_tokens
-        if room < 1:
-            raise OpenAIError(f"This model's maximum context length is {self.max_context} tokens; the prompt "
-                              f"has {num_prompt_tokens}", param="prompt")
-        limit = self.config.limits.max_tokens
-        requested = body.requested_max_tokens
-        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        if requested is not None and requested > limit:
-            raise OpenAIError(f"{param} must be at most {limit}", param=param)
-        # max_tokens 0 (echo: the prompt alone) still prefills, as in vLLM: one token is generated and dropped.
-        max_tokens = 1 if requested == 0 else requested or min(self.config.limits.default_max_tokens, room)
-        if num_prompt_tokens + max_tokens > self.max_context:
-            raise OpenAIError(f"This model's maximum context length is {self.max_context} tokens; you requested "
-                              f"{num_prompt_tokens + max_tokens} ({num_prompt_tokens} in the prompt, "
-                              f"{max_tokens} in the completion)", param=param)
+        max_tokens = self._max_tokens(body, num_prompt_tokens)
+        unknown = [token for token in body.stop_token_ids if token >= len(self.tokenizer)]
+        if unknown:
+            raise OpenAIError(f"stop_token_ids {unknown} are not ids of this model's tokenizer "
+                              f"({len(self.tokenizer)} ids)", param="stop_token_ids")
         if body.min_tokens > max_tokens:
             raise OpenAIError(f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})",
                               param="min_tokens")
         try:
-            return SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                                  seed=body.seed, max_tokens=max_tokens, stop=body.stop,
-                                  ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
-                                  repetition_penalty=body.repetition_penalty,
-                                  presence_penalty=body.presence_penalty,
-                                  frequency_penalty=body.frequency_penalty, min_p=body.min_p,
+            return SamplingParams(**self._sampling_fields(body), seed=body.seed, max_tokens=max_tokens,
+                                  stop=body.stop, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+                                  presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                                  stop_token_ids=body.stop_token_ids,
+                                  include_stop_str_in_output=body.include_stop_str_in_output,
                                   logprobs=body.num_logprobs)
         except ValidationError as exc:  # the request models share these limits: a bug if it happens
             raise OpenAIError(validation_error_body(exc.errors())["error"]["message"]) from None

@@ -10,8 +10,11 @@ fields, so a client never believes it got what it did not:
   stop, presence_penalty, frequency_penalty, vLLM's repetition_penalty (docs/sampling.md), stream,
   stream_options (include_usage, and vLLM's continuous_usage_stats), echo (completions; with
   max_tokens 0 it returns the prompt alone, as vLLM), and vLLM's ignore_eos, min_tokens,
-  prompt_logprobs and return_tokens_as_token_ids. Limits come from decoding.sampling, the one
-  source of truth the router's SamplingParams also uses. Log-probabilities are served: `logprobs`
+  prompt_logprobs, return_tokens_as_token_ids, stop_token_ids, include_stop_str_in_output and
+  (chat) chat_template / chat_template_kwargs. Sampling fields a request leaves out take the
+  target's generation_config.json defaults (deployments/ingress.py, as vLLM's --generation-config
+  auto). Limits come from decoding.sampling, the one source of truth the router's SamplingParams
+  also uses. Log-probabilities are served: `logprobs`
   (completions: how many alternatives, 0-20) and `logprobs` + `top_logprobs` (chat), the
   target's raw distribution; with echo (or prompt_logprobs) the prompt's too, from its prefill.
 - *accepted and ignored* (they change neither the tokens nor the response shape): ``IGNORED_FIELDS``.
@@ -131,8 +134,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "audio": (),
     "reasoning_effort": (),
     "web_search_options": (),
-    "stop_token_ids": ([],),
-    "include_stop_str_in_output": (False,),
     "use_beam_search": (False,),
     "skip_special_tokens": (True,),
     # vLLM's extensions that would change the output (or its scheduling) and are not served here.
@@ -201,6 +202,9 @@ class _RequestFields(BaseModel):
     frequency_penalty: FrequencyPenalty = 0.0
     repetition_penalty: RepetitionPenalty = Field(1.0, description="extension (as in vLLM/HF); 1 = off")
     min_p: MinP = Field(0.0, description="extension (as in vLLM/HF); 0 = off")
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] = Field(
+        default_factory=list, description="vLLM extension: token ids that end the request as EOS does")
+    include_stop_str_in_output: StrictBool = Field(False, description="vLLM extension: keep the stop string")
 
     # Accepted and ignored (IGNORED_FIELDS).
     user: Any = None
@@ -233,8 +237,6 @@ class _RequestFields(BaseModel):
     audio: Any = None
     reasoning_effort: Any = None
     web_search_options: Any = None
-    stop_token_ids: Any = None
-    include_stop_str_in_output: Any = None
     use_beam_search: Any = None
     skip_special_tokens: Any = None
     length_penalty: Any = None
@@ -405,6 +407,10 @@ class ChatCompletionRequest(_RequestFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Any = None
+    chat_template: Text | None = Field(None, description="vLLM extension: a Jinja template used instead of "
+                                       "the model's")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM extension: extra variables "
+                                                        "for the template (e.g. Llama-3's date_string)")
     add_generation_prompt: Any = None
     continue_final_message: Any = None
     prompt_logprobs: Any = None

@@ -22,9 +22,10 @@ import ray
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
 from cluster.config import SpecServeConfig
+from decoding.checkpoint import eos_token_ids, max_model_len
 from decoding.proposers import Proposal
 from decoding.sampling import SamplingParams, draft_seed
 from decoding.sequence import RequestState
@@ -84,9 +85,8 @@ class Router:
         self.draft_workers = draft_workers
         self.health = PoolHealth({"target": target_workers, "draft": draft_workers})
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.resolved_tokenizer_path, local_files_only=True)
-        model_config = AutoConfig.from_pretrained(self.config.target.path, local_files_only=True)
-        self.max_context = model_config.max_position_embeddings
-        self.eos_token_id = self.tokenizer.eos_token_id
+        self.max_context = max_model_len(self.config.target.path, self.config.target.max_model_len)
+        self.eos_token_id = eos_token_ids(self.config.target.path, self.tokenizer)  # the set
         self.metrics = RouterMetrics(current_replica_id())
         self.active_requests: dict[str, RequestState] = {}
         limits = self.config.limits

@@ -102,7 +102,7 @@ class TargetEngine(EngineCore):
             if call.prompt_logprobs is not None:
                 prompt_entries = prompt_logprob_entries(call.token_ids, rows[:-1], call.prompt_logprobs)
                 rows = rows[-1:]
-            processed = to_wire(target_rows(rows, call.params, self.runner.eos_token_id, call.first_output_index,
+            processed = to_wire(target_rows(rows, call.params, self.runner.eos_token_ids, call.first_output_index,
                                             call.token_ids))
             if call.params.logprobs is None:
                 results[index] = processed

@@ -21,3 +21,12 @@ def no_ray_left_behind():
             serve.shutdown()
         finally:
             ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def checkpoint_families(tmp_path_factory):
+    """Look-alikes of the Llama-3, Qwen2.5 and Mistral checkpoints (tests/checkpoint_fixtures.py),
+    built once per session."""
+    from tests.checkpoint_fixtures import build_all
+
+    return build_all(tmp_path_factory.mktemp("checkpoints"))

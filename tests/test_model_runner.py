@@ -150,15 +150,22 @@ def test_check_compatible_passes_for_a_matching_pair(model):
                      word_tokenizer(PROBE_WORDS), word_tokenizer(PROBE_WORDS))
 
 
-def test_check_compatible_rejects_mismatched_vocab_sizes(model):
+def test_check_compatible_accepts_padded_widths_and_serves_the_tokenizers_ids(model):
+    """Qwen2.5's case: one tokenizer, two embedding widths (both padded past it)."""
     draft = ModelRunner.from_model(tiny_llama(vocab_size=64, seed=1))
-    with pytest.raises(IncompatibleModelsError, match="vocab size 64"):
-        check_compatible(draft, ModelRunner.from_model(model),
-                         word_tokenizer(PROBE_WORDS), word_tokenizer(PROBE_WORDS))
+    tokenizer = word_tokenizer(PROBE_WORDS)
+    assert check_compatible(draft, ModelRunner.from_model(model), tokenizer, tokenizer) == len(tokenizer)
+
+
+def test_check_compatible_rejects_a_draft_narrower_than_the_tokenizer(model):
+    draft = ModelRunner.from_model(tiny_llama(vocab_size=64, seed=1))
+    tokenizer = word_tokenizer([f"w{i}" for i in range(80)])
+    with pytest.raises(IncompatibleModelsError, match="scores 64 ids.*proposer: none"):
+        check_compatible(draft, ModelRunner.from_model(model), tokenizer, tokenizer)
 
 
 def test_check_compatible_rejects_differing_tokenization(model):
-    with pytest.raises(IncompatibleModelsError, match="differently"):
+    with pytest.raises(IncompatibleModelsError, match="split .* differently"):
         check_compatible(ModelRunner.from_model(tiny_llama(seed=1)), ModelRunner.from_model(model),
                          word_tokenizer(PROBE_WORDS), word_tokenizer(list(reversed(PROBE_WORDS))))
 
@@ -179,5 +186,5 @@ def test_check_compatible_paths_rejects_a_draft_with_another_vocabulary(tmp_path
     LlamaForCausalLM(tiny_config(vocab_size=100)).save_pretrained(tmp_path / "other")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(target_path / name, tmp_path / "other" / name)
-    with pytest.raises(IncompatibleModelsError, match="vocab size"):
+    with pytest.raises(IncompatibleModelsError, match="scores 100 ids"):
         check_compatible_paths(str(tmp_path / "other"), str(target_path))

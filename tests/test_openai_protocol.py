@@ -36,8 +36,8 @@ def refusal(model, body) -> dict:
     ("suffix", "return x"),
     ("n", 17), ("tools", [{"type": "function", "function": {"name": "f"}}]), ("functions", [{"name": "f"}]),
     ("tool_choice", "auto"), ("response_format", {"type": "json_object"}),
-    ("use_beam_search", True), ("include_stop_str_in_output", True), ("audio", {"voice": "x"}),
-    ("skip_special_tokens", False), ("stop_token_ids", [5]), ("structured_outputs", {"choice": ["a", "b"]}),
+    ("use_beam_search", True), ("include_stop_str_in_output", "yes"), ("audio", {"voice": "x"}),
+    ("skip_special_tokens", False), ("stop_token_ids", "5"), ("structured_outputs", {"choice": ["a", "b"]}),
     ("guided_regex", "a+"), ("priority", 1), ("truncate_prompt_tokens", 4), ("bad_words", ["x"]),
     ("return_token_ids", True), ("length_penalty", 0.5),
 ])
@@ -52,6 +52,15 @@ def test_unserved_fields_are_accepted_at_their_neutral_value_or_null(field):
     for value in NEUTRAL_VALUES[field] + (None,):
         CompletionRequest.model_validate({**COMPLETION, field: value})
         ChatCompletionRequest.model_validate({**CHAT, field: value})
+
+
+def test_stop_token_ids_and_chat_template_fields_are_served():
+    request = CompletionRequest.model_validate({**COMPLETION, "stop_token_ids": [5, 7], "include_stop_str_in_output": True})
+    assert (request.stop_token_ids, request.include_stop_str_in_output) == ([5, 7], True)
+    chat = ChatCompletionRequest.model_validate({**CHAT, "chat_template": "{{ messages[0]['content'] }}",
+                                                 "chat_template_kwargs": {"date_string": "01 Jan 2025"}})
+    assert chat.chat_template_kwargs == {"date_string": "01 Jan 2025"}
+    assert refusal(CompletionRequest, {**COMPLETION, "chat_template": "x"})["param"] == "chat_template"
 
 
 def test_echo_is_served_on_completions_and_refused_on_chat():

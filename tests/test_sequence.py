@@ -188,3 +188,30 @@ def test_next_output_index_is_the_position_the_next_verify_rows_start_at():
     assert state.next_output_index == 0
     state.commit(tokens("abc"))
     assert state.next_output_index == 3
+
+
+def test_every_id_of_an_eos_set_ends_a_request():
+    for eos in (EOS, 257):
+        state = RequestState(request_id="r", prompt_ids=tokens("hi"), params=SamplingParams(max_tokens=9),
+                             eos_token_id=frozenset({EOS, 257}), max_context=64, detokenize=detokenize)
+        assert state.commit(tokens("a") + [eos] + tokens("b")) == tokens("a") and state.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_token_ids_end_a_request_even_with_ignore_eos(include):
+    params = SamplingParams(max_tokens=9, stop_token_ids=[ord("x")], ignore_eos=True,
+                            include_stop_str_in_output=include)
+    state = RequestState(request_id="r", prompt_ids=tokens("hi"), params=params, eos_token_id=EOS,
+                         max_context=64, detokenize=detokenize)
+    state.commit(tokens("a") + [EOS] + tokens("bxc"))
+    assert state.finish_reason == "stop"
+    assert state.output_ids == tokens("a") + [EOS] + tokens("bx" if include else "b")
+
+
+@pytest.mark.parametrize("include, text", [(False, "ab"), (True, "abSTOP")])
+def test_include_stop_str_in_output_keeps_the_stop_string(include, text):
+    params = SamplingParams(max_tokens=20, stop=["STOP"], include_stop_str_in_output=include)
+    state = RequestState(request_id="r", prompt_ids=tokens("hi"), params=params, eos_token_id=EOS,
+                         max_context=64, detokenize=detokenize)
+    state.commit(tokens("abSTOPcd"))
+    assert state.finish_reason == "stop" and state.output_text == text

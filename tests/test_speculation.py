@@ -73,3 +73,11 @@ def test_greedy_on_plain_lists_emits_what_greedy_verify_emits():
         target = torch.randint(0, 3, (1, num_draft + 1), generator=generator)
         expected = [t for t in greedy_verify(draft, target)[0].tolist() if t != PLACEHOLDER_TOKEN_ID]
         assert greedy_emitted(draft[0].tolist(), target[0].tolist()) == expected
+
+
+def test_target_rows_mask_every_eos_id_and_stop_token_id_below_min_tokens():
+    logits = torch.zeros(2, 6)
+    logits[:, [1, 2, 4]] = torch.tensor([12.0, 11.0, 10.0])     # EOS set {1, 2}, then stop id 4
+    params = SamplingParams(temperature=0, min_tokens=1, max_tokens=5, stop_token_ids=[4])
+    ids = target_rows(logits, params, eos_token_id=frozenset({1, 2}), first_output_index=0)
+    assert ids.tolist() == [0, 1]                  # row 0 masks 1, 2 and 4; row 1 is past min_tokens

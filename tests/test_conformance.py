@@ -1,0 +1,166 @@
+"""Conformance on the checkpoint look-alikes, served: one Ray cluster, one Serve app per family
+(Llama-3 pair, Qwen2.5 padded pair, Mistral target-only), each configured from the launch flags,
+over real HTTP with the official `openai` client. For each: greedy equals Hugging Face `generate`
+with the folder's generation config (greedy forced; near-ties told apart), chat prompts are the
+tokenizer's apply_chat_template ids, and requests stop on the EOS list and on stop_token_ids."""
+
+from __future__ import annotations
+
+import argparse
+
+import openai
+import pytest
+import ray
+import torch
+from ray import serve
+from ray.serve.api import RunTarget
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from cluster.builder import build_app
+from cluster.cli import add_model_args, config_from_args
+from cluster.local import RAY_SYSTEM_CONFIG, stop_local, wait_healthy
+from tests.checkpoint_fixtures import EOS_AFTER, EOS_PROMPT
+from tests.local_server import free_port
+
+pytestmark = pytest.mark.ray
+PROMPTS = ["import numpy as np\n", "class Stack:\n    def push(self, x):"]
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write a loop."}]
+MAX_TOKENS = 12
+NEAR_TIE_LOGIT_GAP = 1e-3
+
+
+def family_config(family, port: int):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config")
+    add_model_args(parser)
+    argv = ["--target", str(family.target)] + (["--draft", str(family.draft)] if family.draft else [])
+    config = config_from_args(parser.parse_args(argv))
+    light = {"num_cpus": 0.5}
+    return config.model_validate({**config.model_dump(mode="json"), "model_name": family.name,
+                                  "http": {"port": port}, "target_workers": light, "draft_workers": light,
+                                  "observability": {"metrics_export_port": 0}})
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint_families):
+    """{family name: (openai client, family)}: three apps on one cluster."""
+    port = free_port()
+    ray.init(num_cpus=8, include_dashboard=False, configure_logging=False, log_to_driver=False,
+             _system_config=RAY_SYSTEM_CONFIG)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run_many([RunTarget(build_app(family_config(family, port)), name=name, route_prefix=f"/{name}")
+                        for name, family in checkpoint_families.items()])   # deployed together
+        clients = {}
+        for name, family in checkpoint_families.items():
+            base = f"http://127.0.0.1:{port}/{name}"
+            wait_healthy(base, 120)
+            clients[name] = (openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120),
+                             family)
+        yield clients
+    finally:
+        stop_local()
+
+
+class Oracle:
+    """Hugging Face `generate` on the target folder with its own generation config, greedy forced;
+    ids past the tokenizer (padding rows) are suppressed, as the server never samples them."""
+
+    def __init__(self, family) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(family.target)
+        self.model = AutoModelForCausalLM.from_pretrained(family.target, dtype=torch.float32).eval()
+        self.config = GenerationConfig.from_pretrained(family.target)
+        width = self.model.get_output_embeddings().weight.shape[0]
+        self.padding = list(range(len(self.tokenizer), width))
+
+    def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        eos = self.config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [eos])
+        with torch.no_grad():
+            out = self.model.generate(torch.tensor([prompt_ids]), generation_config=self.config, do_sample=False,
+                                      temperature=None, top_p=None, top_k=None, max_new_tokens=max_tokens,
+                                      suppress_tokens=self.padding or None, pad_token_id=min(eos))
+        ids = out[0, len(prompt_ids):].tolist()
+        return ids[:-1] if ids and ids[-1] in eos else ids
+
+    def text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def near_tie_at_divergence(self, prompt_ids: list[int], ids: list[int], served: str) -> bool:
+        """The served text left the oracle's: True iff the oracle's top-2 logits at the first
+        token whose text the served one lacks are within NEAR_TIE_LOGIT_GAP."""
+        position = next((i for i in range(len(ids)) if not served.startswith(self.text(ids[:i + 1]))), None)
+        if position is None:
+            return False
+        with torch.no_grad():
+            logits = self.model(torch.tensor([prompt_ids + ids[:position]])).logits[0, -1, :len(self.tokenizer)]
+        top2 = torch.topk(logits, 2).values
+        return float(top2[0] - top2[1]) < NEAR_TIE_LOGIT_GAP
+
+
+@pytest.fixture(scope="module")
+def oracles(checkpoint_families):
+    return {name: Oracle(family) for name, family in checkpoint_families.items()}
+
+
+def assert_equal_or_near_tie(oracle: Oracle, prompt_ids: list[int], ids: list[int], served: str) -> None:
+    assert served == oracle.text(ids) or oracle.near_tie_at_divergence(prompt_ids, ids, served), (served, ids)
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen25", "mistral"])
+def test_greedy_completions_equal_hf_generate(served, oracles, name):
+    client, family = served[name]
+    oracle = oracles[name]
+    for prompt in PROMPTS:
+        prompt_ids = oracle.tokenizer.encode(prompt)      # the tokenizer decides BOS, as the server
+        response = client.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert response.usage.prompt_tokens == len(prompt_ids)
+        assert_equal_or_near_tie(oracle, prompt_ids, oracle.greedy(prompt_ids, MAX_TOKENS), response.choices[0].text)
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen25", "mistral"])
+def test_chat_prompt_is_apply_chat_template_and_greedy_equals_hf(served, oracles, name):
+    client, family = served[name]
+    oracle = oracles[name]
+    messages = MESSAGES if name != "mistral" else MESSAGES[1:]
+    prompt_ids = list(oracle.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                           return_dict=False))
+    response = client.chat.completions.create(model=name, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    assert response.usage.prompt_tokens == len(prompt_ids)
+    assert_equal_or_near_tie(oracle, prompt_ids, oracle.greedy(prompt_ids, MAX_TOKENS),
+                             response.choices[0].message.content)
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen25"])
+def test_requests_stop_on_the_generation_config_eos_list(served, oracles, name):
+    """The fixture's target answers EOS_PROMPT with an EOS id only generation_config.json lists,
+    after EOS_AFTER tokens: the request stops there (a server reading the tokenizer's EOS alone
+    would run to max_tokens), streamed or not, with a draft speculating past it."""
+    client, family = served[name]
+    response = client.completions.create(model=name, prompt=EOS_PROMPT, max_tokens=40, temperature=0)
+    assert (response.choices[0].finish_reason, response.usage.completion_tokens) == ("stop", EOS_AFTER)
+    chunks = list(client.completions.create(model=name, prompt=EOS_PROMPT, max_tokens=40, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == response.choices[0].text
+    ignored = client.completions.create(model=name, prompt=EOS_PROMPT, max_tokens=EOS_AFTER + 3, temperature=0,
+                                        extra_body={"ignore_eos": True})
+    assert ignored.usage.completion_tokens == EOS_AFTER + 3
+    masked = client.completions.create(model=name, prompt=EOS_PROMPT, max_tokens=EOS_AFTER + 3, temperature=0,
+                                       extra_body={"min_tokens": EOS_AFTER + 2})
+    assert masked.usage.completion_tokens > EOS_AFTER     # min_tokens masks the list-only EOS too
+
+
+def test_stop_token_ids_end_a_request_and_can_stay_in_the_output(served, oracles):
+    client, family = served["mistral"]
+    oracle = oracles["mistral"]
+    prompt_ids = oracle.tokenizer.encode(PROMPTS[1])
+    ids = oracle.greedy(prompt_ids, MAX_TOKENS)
+    stop_id = ids[3]
+    first = ids.index(stop_id)
+    response = client.completions.create(model="mistral", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
+                                         extra_body={"stop_token_ids": [stop_id]})
+    assert (response.choices[0].finish_reason, response.usage.completion_tokens) == ("stop", first)
+    kept = client.completions.create(model="mistral", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
+                                     extra_body={"stop_token_ids": [stop_id], "include_stop_str_in_output": True})
+    assert kept.usage.completion_tokens == first + 1
+    assert kept.choices[0].text == oracle.text(ids[:first + 1])
