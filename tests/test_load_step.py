@@ -34,6 +34,7 @@ PHASES = [Phase(1, 15.0), Phase(8, 30.0, max_s=180.0, until=_target_grew), Phase
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # minutes at best on 2 cores: `make reliability`, beside the node-loss tests
 def test_a_load_step_grows_the_target_pool_moves_k_and_both_come_back_without_failures():
     config = autoscaled_config(load_config(None), max_replicas=2, port=free_port())
     url = start_local(config)
