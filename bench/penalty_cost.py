@@ -41,7 +41,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    lines = [f"| vocabulary | history tokens | target_rows ms, no penalties | with penalties | added |",
+    lines = ["| vocabulary | history tokens | target_rows ms, no penalties | with penalties | added |",
              "|---|---|---|---|---|"]
     for vocab_size in (32_000, 152_064):
         for history_len in (256, 4096):
