@@ -26,7 +26,7 @@ from decoding.speculation import accept_round
 from tests.test_generate import (PROMPTS, SAMPLED, VOCAB_SIZE, TableRunner, chi_square_p_value, logit_table,
                                  new_state, position_marginals, target_model, total_variation,
                                  unrelated_draft_model)
-from tests.test_rejection import one_hot, random_rows, rows_given_prefix
+from tests.test_rejection import drafts_against_greedy_targets, one_hot, random_rows, rows_given_prefix
 
 NUM_SAMPLES = 200_000
 TOY_VOCAB_SIZE, NUM_DRAFT_TOKENS = 4, 3
@@ -182,13 +182,8 @@ def test_sampled_counts_match_the_exact_expectations_and_block_beats_token_wise(
 # --- where block and token-wise must agree exactly ---------------------------------------------
 
 def test_one_hot_rows_give_exactly_token_wises_output():
-    batch_size, num_draft_tokens, vocab_size = 500, 5, 7
-    generator = make_generator(10)
-    target_token_ids = torch.randint(vocab_size, (batch_size, num_draft_tokens + 1), generator=generator)
-    corrupt = torch.rand(batch_size, num_draft_tokens, generator=generator) < 0.25
-    draft_token_ids = torch.where(
-        corrupt, torch.randint(vocab_size, (batch_size, num_draft_tokens), generator=generator),
-        target_token_ids[:, :num_draft_tokens])
+    num_draft_tokens, vocab_size = 5, 7
+    draft_token_ids, target_token_ids = drafts_against_greedy_targets(500, num_draft_tokens, vocab_size, seed=10)
     greedy = greedy_verify(draft_token_ids, target_token_ids)
     for draft_probs in (one_hot(draft_token_ids, vocab_size), None):
         output = block_verify(draft_token_ids, draft_probs, one_hot(target_token_ids, vocab_size), make_generator(11))

@@ -11,7 +11,6 @@ draft steps do not see their own earlier tokens: draft and target rows are proce
 
 from __future__ import annotations
 
-import copy
 from collections import Counter
 
 import pytest
@@ -27,6 +26,7 @@ from decoding.row_processors import Penalties, history_processor
 from decoding.sampling import SamplingParams, apply_penalties, logits_to_probs
 from decoding.sequence import RequestState
 from decoding.speculation import accept_round, target_rows
+from tests.test_generate import perturbed_copy
 from tests.tiny_pair import tiny_llama
 
 VOCAB_SIZE = 96
@@ -50,15 +50,6 @@ def hf_processors(prompt_len: int, penalties: dict) -> LogitsProcessorList:
     return LogitsProcessorList([RepetitionPenaltyLogitsProcessor(penalties["repetition_penalty"]),
                                 OpenAIPenalties(prompt_len, penalties["presence_penalty"],
                                                 penalties["frequency_penalty"])])
-
-
-def perturbed_copy(model, noise_std: float, seed: int):
-    torch.manual_seed(seed)
-    draft = copy.deepcopy(model)
-    with torch.no_grad():
-        for parameter in draft.parameters():
-            parameter.add_(noise_std * torch.randn_like(parameter))
-    return draft
 
 
 @pytest.fixture(scope="module")

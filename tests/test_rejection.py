@@ -262,14 +262,21 @@ def test_greedy_verify_accepts_while_draft_equals_target_argmax():
         [1, 2, 3, 7], [1, 2, 4, -1], [1, -1, -1, -1], [1, 2, -1, -1]]
 
 
-def test_greedy_verify_equals_rejection_sample_with_one_hot_rows():
-    batch_size, num_draft_tokens, vocab_size = 500, 5, 7
-    generator = make_generator(10)
+def drafts_against_greedy_targets(batch_size: int, num_draft_tokens: int, vocab_size: int, seed: int):
+    """(draft ids [B, K], target argmax ids [B, K+1]): drafts copy the target's ids except where a
+    quarter of positions, at random, are replaced, so every number of accepted tokens occurs."""
+    generator = make_generator(seed)
     target_token_ids = torch.randint(vocab_size, (batch_size, num_draft_tokens + 1), generator=generator)
     corrupt = torch.rand(batch_size, num_draft_tokens, generator=generator) < 0.25
     draft_token_ids = torch.where(
         corrupt, torch.randint(vocab_size, (batch_size, num_draft_tokens), generator=generator),
         target_token_ids[:, :num_draft_tokens])
+    return draft_token_ids, target_token_ids
+
+
+def test_greedy_verify_equals_rejection_sample_with_one_hot_rows():
+    batch_size, num_draft_tokens, vocab_size = 500, 5, 7
+    draft_token_ids, target_token_ids = drafts_against_greedy_targets(batch_size, num_draft_tokens, vocab_size, 10)
     greedy = greedy_verify(draft_token_ids, target_token_ids)
     target_probs = one_hot(target_token_ids, vocab_size)
     for draft_probs in (one_hot(draft_token_ids, vocab_size), None):
