@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from deployments.router import coalesced_chunks
+from deployments.streaming import coalesced_chunks
 
 
 def _chunk(text: str, last: bool = False) -> dict:

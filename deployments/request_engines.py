@@ -1,0 +1,127 @@
+"""The engines one request talks to, and what happens when one of them is lost.
+
+Engines are plain Ray actors reached directly (deployments/engine_host.py); Serve picks which
+replica's engine a request uses, once, at its start. Every engine call carries the full history,
+so a replacement engine re-prefills by itself: a dead target is swapped for another replica's
+engine, a dead draft makes the request continue target-only. Nothing committed is lost.
+`touched` lists every engine the request used, so the router can release it on all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+from ray.serve.handle import DeploymentHandle
+
+from cluster.config import LimitsSpec
+from decoding.proposers import Proposal
+from decoding.sampling import draft_seed
+from decoding.sequence import RequestState
+from deployments.admission import ServerOverloadedError
+from deployments.engine_loop import EngineOverloadedError
+from deployments.round_stages import EngineCall
+
+logger = logging.getLogger("ray.serve")
+TARGET_RECOVERY_S = 60.0  # how long a request waits for a replacement target engine
+ENGINE_ERRORS = (RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+class RequestEngines:
+    """A request's target engine and, while it has one, its draft engine."""
+
+    def __init__(self, target_workers: DeploymentHandle, draft_workers: DeploymentHandle | None,
+                 limits: LimitsSpec) -> None:
+        self.target_workers = target_workers
+        self.draft_workers = draft_workers
+        self.limits = limits
+        self.target: Any = None
+        self.draft: Any = None
+        self.touched: list[Any] = []
+
+    async def acquire(self, state: RequestState) -> bool:
+        """A target engine (503 when no target replica answers in time) and a draft engine if one
+        answers within limits.draft_wait_s: speculation is an optimisation, so a request serves
+        target-only rather than wait. The draft prefills while the target does.
+        -> False when there is a draft pool but none of its engines answered."""
+        try:
+            self.target = await asyncio.wait_for(self.target_workers.get_engine.remote(), self.limits.engine_wait_s)
+        except asyncio.TimeoutError:
+            raise ServerOverloadedError(f"no target replica became available within "
+                                        f"{self.limits.engine_wait_s:.0f} s", retry_after_s=5.0) from None
+        self.touched.append(self.target)
+        if self.draft_workers is None:
+            return True
+        try:
+            self.draft = await asyncio.wait_for(self.draft_workers.get_engine.remote(), self.limits.draft_wait_s)
+        except Exception:
+            logger.warning("no draft engine available; serving target-only", exc_info=True)
+            return False
+        self.touched.append(self.draft)
+        self.draft.prefill.remote(state.request_id, state.history)
+        return True
+
+    def lose_draft(self) -> None:
+        self.draft = None
+
+    def propose(self, state: RequestState, history: list[int], num_tokens: int):
+        """ObjectRef of the draft engine's (proposal, span) for num_tokens continuing history."""
+        return self.draft.propose.remote(state.request_id, history, num_tokens, state.params,
+                                         draft_seed(state.params.seed), len(state.prompt_ids))
+
+    def send_verify(self, state: RequestState, proposal: Proposal | None = None, draft_answer: Any = None,
+                    prompt_logprobs: int | None = None) -> tuple[Any, float, Any]:
+        """Send one verify: of proposal's block, or of the block a draft engine is drafting
+        (draft_answer: its propose ObjectRef, handed to the target unresolved). -> (ObjectRef of the
+        answer, when it was sent, draft_answer). prompt_logprobs: a prefill that also returns the
+        prompt's log-probabilities (TargetEngine.verify)."""
+        block = proposal.token_ids if proposal else []
+        sent_s = time.perf_counter()
+        answer = self.target.verify.remote(state.request_id, state.history + block, len(block) + 1, state.params,
+                                           state.next_output_index,
+                                           None if draft_answer is None else [draft_answer], prompt_logprobs)
+        return answer, sent_s, draft_answer
+
+    async def verify(self, state: RequestState, proposal: Proposal | None = None,
+                     sent: tuple[Any, float, Any] | None = None,
+                     prompt_logprobs: int | None = None) -> tuple[Any, EngineCall]:
+        """One target forward -> (rows, the call's timing). sent: the verify already sent
+        (`send_verify`), else it is sent now.
+
+        On a lost engine, ask Serve for one again until TARGET_RECOVERY_S passes: another
+        replica's engine, or the replacement Serve starts once the dead replica fails its health
+        check. The full history makes the new engine re-prefill, so nothing committed is lost.
+        A full engine (no KV slot within its admission deadline) makes the request fail with 503."""
+        deadline = time.monotonic() + TARGET_RECOVERY_S
+        while True:
+            try:
+                answer, sent_s, _ = sent if sent is not None else self.send_verify(
+                    state, proposal, prompt_logprobs=prompt_logprobs)
+                sent = None
+                rows, span = await answer
+                return rows, EngineCall.from_span(sent_s, span, time.perf_counter())
+            except EngineOverloadedError as exc:
+                raise ServerOverloadedError(str(exc), retry_after_s=2.0) from None
+            except ENGINE_ERRORS:
+                if time.monotonic() > deadline:
+                    raise
+                logger.warning("target engine lost for %s; re-prefilling on another engine", state.request_id)
+                state.stats.target_failovers += 1
+                await asyncio.sleep(0.5)
+                try:
+                    self.target = await self.target_workers.get_engine.remote()
+                    self.touched.append(self.target)
+                except Exception:  # the replica itself may be going down: try again shortly
+                    logger.warning("no target replica reachable yet for %s", state.request_id)
+
+
+def discard(answer) -> None:
+    """Let an ObjectRef's call finish unobserved: its failure must not be logged as unhandled."""
+    try:
+        ray.cancel(answer)
+    except Exception:
+        pass

@@ -1,0 +1,168 @@
+"""One request's speculative rounds: propose -> verify -> accept -> commit, until it finishes.
+
+Per round: the draft engine proposes K tokens -> the target engine scores [last, d1..dK] in one
+forward -> `accept_round` (rejection sampling) commits tokens to the request's history -> they
+go out as a chunk. Each round ends with one `RoundRecord` handed to the observer
+(deployments/round_record.py), which keeps every statistic; this loop keeps none.
+
+Two things make a round cheaper than its three steps in a row. The verify is sent before the
+draft's answer is back, carrying the draft's ObjectRef, so the block goes draft -> target without
+this process in between. And a greedy request alone drafts its next block during the verify,
+guessing the bonus token (`should_draft_ahead`); the block is used when the guess held.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from cluster.config import SpeculationSpec
+from decoding.proposers import Proposal
+from decoding.sequence import RequestState
+from decoding.speculation import accept_round, discarded_ahead, drafted_ahead
+from deployments.request_engines import ENGINE_ERRORS, RequestEngines, discard
+from deployments.round_record import RoundObserver, RoundRecord
+from deployments.round_stages import EngineCall, RoundStages
+from deployments.streaming import step_chunk
+from policies.acceptance import count_round_positions
+from policies.depth import should_draft_ahead
+from policies.depth_chooser import request_class
+
+logger = logging.getLogger("ray.serve")
+
+
+class RoundLoop:
+    """Drives one request. choose_depth(state) -> K for the next round; num_active() -> the
+    router's active requests now; emit(chunk) streams a chunk out."""
+
+    def __init__(self, state: RequestState, engines: RequestEngines, observer: RoundObserver,
+                 emit: Callable[[dict], None], choose_depth: Callable[[RequestState], int],
+                 num_active: Callable[[], int], speculation: SpeculationSpec, profile: bool = False) -> None:
+        self.state = state
+        self.engines = engines
+        self.observer = observer
+        self.emit = emit
+        self.choose_depth = choose_depth
+        self.num_active = num_active
+        self.speculation = speculation
+        self.profile = profile
+
+    async def run(self, started_s: float, deadline_s: float, prompt_logprobs: int | None = None) -> None:
+        """Prefill (the first token), then rounds until the request finishes or deadline_s passes."""
+        state = self.state
+        if not await self.engines.acquire(state):
+            self.observer.draft_lost()
+        rows, _ = await self.engines.verify(state, prompt_logprobs=prompt_logprobs)
+        prompt_entries = None
+        if prompt_logprobs is not None:  # the prefill answered (its usual answer, the prompt's entries)
+            rows, prompt_entries = rows
+        rows, logprob_rows = split_logprobs(state, rows)
+        committed = accept_round(state, Proposal([], None), rows)
+        self.observer.first_token(time.perf_counter() - started_s)
+        chunk = step_chunk(state, committed, logprob_rows)
+        if prompt_entries is not None:
+            chunk["prompt_logprobs"] = prompt_entries
+        self.emit(chunk)
+        ahead = None  # (history it continued, its in-flight draft) while the target verifies
+        while not state.finished:
+            if time.perf_counter() > deadline_s:
+                state.finish_reason = "timeout"
+                break
+            ahead = await self._round(ahead)
+
+    async def _round(self, ahead) -> Any:
+        """One round; -> the block being drafted ahead for the next one, or None."""
+        state, engines = self.state, self.engines
+        round_started = time.perf_counter()
+        started_alone = self.num_active() == 1
+        stages = RoundStages(self.profile)
+        stages.mark("start")
+        num_draft = self.choose_depth(state) if engines.draft is not None else 0
+        stages.mark("depth")
+        proposal, draft_s, draft_hops_s, sent, draft_calls = Proposal([], None), 0.0, 0.0, None, []
+        if num_draft > 0:
+            try:
+                proposal, draft_s, draft_hops_s, sent = await self._propose(num_draft, ahead, stages, draft_calls)
+            except ENGINE_ERRORS:
+                logger.warning("draft engine lost for %s; continuing target-only", state.request_id)
+                self.observer.draft_lost()
+                state.stats.draft_failures += 1
+                engines.lose_draft()
+        stages.mark("proposed")
+        if sent is None:  # the verify leaves before the block ahead is launched: it is on the round's path
+            sent = engines.send_verify(state, proposal)
+        ahead = None
+        if engines.draft is not None and proposal.token_ids and should_draft_ahead(
+                self.speculation.pipeline, state.params.is_greedy, self.num_active()):
+            ahead_of = state.history + proposal.token_ids
+            ahead = (ahead_of, engines.propose(state, ahead_of, num_draft + 1))
+        rows, verify = await engines.verify(state, proposal, sent)
+        if stages.draft is not None and sent[2] is not None:  # the block went draft -> target
+            verify = replace(verify, sent_s=stages.draft.left_s)
+            stages.chained = True
+        stages.target = verify
+        accepted_before = state.stats.num_accepted
+        rows, logprob_rows = split_logprobs(state, rows)
+        committed = accept_round(state, proposal, rows, self.speculation.verification)
+        num_accepted = state.stats.num_accepted - accepted_before
+        if proposal.token_ids:
+            count_round_positions(state.draft_reached, state.draft_accepted_at, len(proposal.token_ids), num_accepted)
+        stages.mark("accepted")
+        self.observer.round(RoundRecord(
+            request_class=request_class(state), num_drafted=len(proposal.token_ids), num_accepted=num_accepted,
+            wall_s=time.perf_counter() - round_started, draft_s=draft_s, target_s=verify.engine_s,
+            hops_s=draft_hops_s + verify.hops_s, alone=started_alone and self.num_active() == 1,
+            draft_calls=tuple(draft_calls)))
+        stages.mark("recorded")
+        self.emit(step_chunk(state, committed, logprob_rows))
+        stages.mark("chunked")
+        if stages.enabled:
+            self.observer.round_stages(stages.stages())
+        return ahead
+
+    async def _propose(self, num_draft: int, ahead, stages: RoundStages,
+                       draft_calls: list[tuple[float, int]]) -> tuple[Proposal, float, float, Any]:
+        """This round's draft block, the draft engine seconds and the RPC hop seconds the round
+        waited on, and the verify already sent for it (or None). draft_calls gets (engine seconds,
+        tokens) of every drafting call answered, for the draft's cost estimate: a block drafted
+        ahead counts its own call's engine time, so pipelined rounds do not drag it towards 0.
+
+        A block drafted ahead, during the last verification, is used when the target took it all
+        and its bonus guess (decoding.speculation.drafted_ahead): no draft time, no hops, and the
+        caller sends the verify. Otherwise a fresh block is drafted and its verify is sent at once,
+        carrying the draft's answer as an ObjectRef (TargetEngine.verify's draft_block): the block
+        goes draft -> target while this router awaits the same answer. A fresh call first waits
+        for a missed block ahead."""
+        state, engines = self.state, self.engines
+        waited_s = 0.0
+        if ahead is not None:
+            ahead_of, pending = ahead
+            started = time.perf_counter()
+            drafted, (entered_s, _, left_s) = await pending
+            stages.ahead_wait_s = time.perf_counter() - started
+            draft_calls.append((left_s - entered_s, len(drafted.token_ids)))
+            proposal = drafted_ahead(state.history, ahead_of, drafted, num_draft)
+            state.stats.num_discarded_ahead += discarded_ahead(drafted, proposal)
+            if proposal is not None:
+                state.stats.pipelined_rounds += 1
+                return proposal, 0.0, 0.0, None
+            waited_s = time.perf_counter() - started
+        sent_s = time.perf_counter()
+        answer = engines.propose(state, state.history, num_draft)
+        sent = engines.send_verify(state, None, answer)
+        try:
+            proposal, span = await answer
+        except BaseException:  # a lost draft: the caller goes on target-only with a verify of its own
+            discard(sent[0])
+            raise
+        call = stages.draft = EngineCall.from_span(sent_s, span, time.perf_counter())
+        draft_calls.append((call.engine_s, len(proposal.token_ids)))
+        return proposal, waited_s + call.engine_s, call.entered_s - call.sent_s, sent
+
+
+def split_logprobs(state: RequestState, rows):
+    """(rows, raw log-probability rows or None): a logprobs request's verify answers with both."""
+    return rows if state.params.logprobs is not None else (rows, None)

@@ -1,0 +1,150 @@
+"""One router's choice of a request's draft depth K, and everything it learns that choice from.
+
+A router learns from its own rounds (per-class acceptance counters by position, the engines'
+measured costs, the wall-clock line of lone rounds) and from the policy actor's cluster-wide
+decision. `DepthChooser` holds all of it, takes one observation per round, and answers `choose`
+for a request and `typical_depth` for `specserve status`: the round loop and status ask the same
+object, and tests drive it without Ray. The clock is passed in, so nothing here reads time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.config import SpeculationSpec
+from decoding.sequence import RequestState
+from policies.acceptance import count_round_positions, position_accept_rates, request_position_rates
+from policies.depth import RoundCosts, RoundWallFit, best_depth_by_position, choose_draft_depth
+from policies.load import REQUEST_CLASSES, accept_rate_from_rounds
+
+POLICY_STALE_S = 30.0  # a decision older than this (actor gone) is dropped: per-request depth only
+
+
+def request_class(state: RequestState) -> str:
+    return "greedy" if state.params.is_greedy else "sampled"
+
+
+@dataclass
+class ClassCounters:
+    """Cumulative rounds of one request class on this router: what the policy actor's goodput
+    model reads (policies.load), and the prior a request's own acceptance leans on."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    reached: list[int] = field(default_factory=list)       # by draft position (policies.acceptance)
+    accepted_at: list[int] = field(default_factory=list)
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        self.rounds += 1
+        self.drafted += num_drafted
+        self.accepted += num_accepted
+        count_round_positions(self.reached, self.accepted_at, num_drafted, num_accepted)
+
+    def position_rates(self, depth: int) -> tuple[float, ...]:
+        """Acceptance by position for K up to depth, leaning on the class's geometric alpha."""
+        alpha = accept_rate_from_rounds(self.rounds, self.drafted, self.accepted)
+        return position_accept_rates(self.reached, self.accepted_at, depth, alpha)
+
+    def as_report(self) -> dict[str, Any]:
+        return {"rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
+                "reached": list(self.reached), "accepted_at": list(self.accepted_at)}
+
+
+class DepthChooser:
+    """K per round. With company (more than one active request) the policy actor's depth for the
+    request's class is used as it is: its goodput model sees the batched cost curves and the load,
+    which one request's view does not (per-request choices, and refining the class's depth by the
+    request's own acceptance, both measured slower: docs/depth-and-autoscaling.md). Alone, `_lone`.
+    0 from the policy: speculation does not pay now. A seeded request's K must not depend on
+    timing or load (its random draws follow K), so it uses the configured cost ratio and no policy."""
+
+    def __init__(self, speculation: SpeculationSpec) -> None:
+        self.spec = speculation
+        # Measured costs, shared by the router's requests: they reflect the engines' current load.
+        self.round_costs = RoundCosts(draft_cost_ratio=speculation.draft_cost_ratio)
+        # What a round of depth K costs end to end when its request is alone, per class (greedy
+        # rounds draft ahead, sampled ones do not): how a lone request picks K.
+        self.lone_round_walls = {c: RoundWallFit() for c in REQUEST_CLASSES}
+        self.class_counters = {c: ClassCounters() for c in REQUEST_CLASSES}
+        self.policy_decision: dict[str, Any] | None = None
+        self.policy_decision_at = float("-inf")
+
+    def set_policy_decision(self, decision: dict[str, Any] | None, now: float) -> None:
+        self.policy_decision, self.policy_decision_at = decision, now
+
+    def policy_depth(self, klass: str, now: float) -> int | None:
+        """The depth the policy actor allows this request class now, or None (no fresh decision)."""
+        if self.policy_decision is None or now - self.policy_decision_at > POLICY_STALE_S:
+            return None
+        return self.policy_decision.get("num_draft_tokens", {}).get(klass)
+
+    def choose(self, state: RequestState, num_active: int, now: float) -> int:
+        """K for this round of state's request, with num_active requests on the router."""
+        spec = self.spec
+        if not spec.adaptive:
+            return state.draft_budget(spec.num_draft_tokens)
+        if state.params.seed is not None:
+            if spec.max_draft_tokens <= 0:
+                return 0
+            stats = state.stats
+            return state.draft_budget(choose_draft_depth(
+                stats.num_accepted, stats.num_drafted, spec.draft_cost_ratio, spec.min_draft_tokens,
+                spec.max_draft_tokens, 0.0, num_rounds=stats.rounds))
+        klass = request_class(state)
+        policy_depth = self.policy_depth(klass, now)
+        if policy_depth is not None and num_active > 1:
+            return state.draft_budget(min(spec.max_draft_tokens, policy_depth))
+        return state.draft_budget(self._lone(klass, state.draft_reached, state.draft_accepted_at, policy_depth,
+                                             num_active))
+
+    def typical_depth(self, num_active: int, now: float) -> int:
+        """The depth a fresh greedy, unseeded request would get now (`specserve status`): the
+        policy's beside other requests, the lone choice when there are none."""
+        spec = self.spec
+        if not spec.adaptive:
+            return spec.num_draft_tokens
+        cap = self.policy_depth("greedy", now)
+        if cap is not None and num_active:
+            return min(spec.max_draft_tokens, cap)
+        return self._lone("greedy", [], [], cap, num_active)
+
+    def _lone(self, klass: str, reached: list[int], accepted_at: list[int], cap: int | None,
+              num_active: int) -> int:
+        """K for a request of this class with these rounds by position, as if alone: the policy's
+        depth (cap) bounds it, and within it the request's own acceptance by position (leaning on
+        its class's, policies.acceptance) and what a round costs choose, so an easy prompt drafts
+        deeper than a hard one. The cost is the wall-clock line a + b*K of this class's lone
+        rounds (RoundWallFit) once K has varied enough to fit one, else the engines' seconds
+        (also with company but no policy decision)."""
+        low, high = self.spec.min_draft_tokens, self.spec.max_draft_tokens
+        if cap is not None:
+            high = min(high, cap)
+            low = min(low, high)
+        if high <= 0:
+            return 0
+        lone_ratios = self.lone_round_walls[klass].cost_ratios()
+        if lone_ratios is not None and num_active <= 1:
+            cost_ratio, overhead_ratio = lone_ratios
+        else:
+            cost_ratio, overhead_ratio = self.round_costs.draft_cost_ratio, self.round_costs.overhead_ratio
+        rates = request_position_rates(reached, accepted_at, self.class_counters[klass].position_rates(high))
+        return best_depth_by_position(rates, cost_ratio, low, high, overhead_ratio)
+
+    def observe_draft(self, engine_s: float, num_tokens: int) -> None:
+        """One drafting call's own engine seconds (drafted ahead or not), for the cost ratio."""
+        self.round_costs.observe_draft(engine_s, num_tokens)
+
+    def observe_round(self, klass: str, num_drafted: int, num_accepted: int, wall_s: float, target_s: float,
+                      overhead_s: float, alone: bool) -> None:
+        """One finished round: its class counters, the engines' costs and, for a round that ran
+        alone from start to end, the lone wall-clock line."""
+        if num_drafted:
+            self.class_counters[klass].observe(num_drafted, num_accepted)
+        self.round_costs.observe_round(target_s, overhead_s)
+        if num_drafted and alone:
+            self.lone_round_walls[klass].observe(num_drafted, wall_s)
+
+    def counters_report(self) -> dict[str, dict[str, Any]]:
+        return {klass: counters.as_report() for klass, counters in self.class_counters.items()}

@@ -1,0 +1,84 @@
+"""How a router picks a request's draft depth (policies.depth_chooser.DepthChooser), in-process.
+
+The chooser reads only its own counters, its wall-clock fit and the policy decision, with the
+clock passed in, so the tests drive it directly; one test checks the router's `status` asks it."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.config import SpecServeConfig
+from decoding.sampling import SamplingParams
+from decoding.sequence import RequestState
+from deployments.router import Router
+from policies.depth_chooser import POLICY_STALE_S, DepthChooser
+
+NOW = 1000.0
+
+
+@pytest.fixture()
+def chooser():
+    return DepthChooser(SpecServeConfig().speculation)
+
+
+def request(request_id: str, seed: int | None = None) -> RequestState:
+    params = SamplingParams(temperature=0.0 if seed is None else 0.8, seed=seed, max_tokens=64)
+    return RequestState(request_id=request_id, prompt_ids=[1, 2, 3], params=params, eos_token_id=None,
+                        max_context=512)
+
+
+def teach_line(chooser, request_class: str, intercept_s: float, per_token_s: float, rounds: int = 60) -> None:
+    for i in range(rounds):
+        k = 2 + i % 7
+        chooser.lone_round_walls[request_class].observe(k, intercept_s + per_token_s * k)
+
+
+def test_a_lone_request_drafts_shallower_once_its_rounds_show_a_steep_line(chooser):
+    alone = request("a")
+    by_engine_seconds = chooser.choose(alone, 1, NOW)
+    teach_line(chooser, "greedy", 0.015, 0.006)
+    assert chooser.choose(alone, 1, NOW) < by_engine_seconds
+    teach_line(chooser, "greedy", 0.030, 0.0, rounds=400)   # the box changed: deeper costs nothing now
+    assert chooser.choose(alone, 1, NOW) == chooser.spec.max_draft_tokens
+
+
+def test_only_rounds_alone_from_start_to_end_teach_the_lone_line(chooser):
+    for alone in (False, True):
+        for i in range(60):
+            k = 2 + i % 7
+            chooser.observe_round("greedy", k, k // 2, 0.015 + 0.006 * k, 0.01, 0.0, alone=alone)
+        assert (chooser.lone_round_walls["greedy"].line is None) == (not alone)
+    assert chooser.class_counters["greedy"].rounds == 120
+    assert chooser.class_counters["sampled"].rounds == 0
+
+
+def test_with_company_the_policy_depth_holds_whatever_the_lone_line_says(chooser):
+    teach_line(chooser, "greedy", 0.015, 0.006)
+    chooser.set_policy_decision({"num_draft_tokens": {"greedy": 7, "sampled": 3}}, NOW)
+    first = request("a")
+    assert chooser.choose(first, 2, NOW) == 7
+    assert chooser.choose(first, 1, NOW) < 7     # alone, the policy's depth only caps
+
+
+def test_a_stale_policy_decision_is_dropped(chooser):
+    chooser.set_policy_decision({"num_draft_tokens": {"greedy": 1, "sampled": 1}}, NOW)
+    assert chooser.choose(request("a"), 2, NOW) == 1
+    assert chooser.choose(request("a"), 2, NOW + POLICY_STALE_S + 1) > 1
+
+
+def test_a_seeded_request_ignores_the_policy_and_the_measured_line(chooser):
+    seeded = request("s", seed=5)
+    before = chooser.choose(seeded, 1, NOW)
+    teach_line(chooser, "sampled", 0.015, 0.006)
+    chooser.set_policy_decision({"num_draft_tokens": {"greedy": 1, "sampled": 1}}, NOW)
+    assert chooser.choose(seeded, 2, NOW) == before
+
+
+def test_status_reports_what_a_fresh_greedy_request_would_draft():
+    router = Router.func_or_class(SpecServeConfig().model_dump(mode="json"), None)
+    idle = router.status()["num_draft_tokens"]
+    teach_line(router.depth, "greedy", 0.015, 0.006)
+    assert router.status()["num_draft_tokens"] < idle          # alone: its lone choice
+    router.depth.set_policy_decision({"num_draft_tokens": {"greedy": 6, "sampled": 3}}, float("inf"))
+    router.active_requests = {"a": request("a")}
+    assert router.status()["num_draft_tokens"] == 6            # beside another: the policy's depth
