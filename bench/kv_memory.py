@@ -1,5 +1,5 @@
 """KV memory and forward time: the paged KV cache (decoding.paged_cache) against the slot cache it
-replaced (decoding.slot_cache), on the default target (fp32, one thread).
+replaced (bench.slot_cache), on the default target (fp32, one thread).
 
     python -m bench.kv_memory [--reps 15] [--streams 16] [--seed 0]
 
@@ -36,7 +36,7 @@ from decoding.batched_runner import BatchedModelRunner
 from decoding.lean_forward import LeanDecoder
 from decoding.model_runner import ForwardCall, load_causal_lm
 from decoding.paged_cache import GIB, PagedKVCache, blocks_for, kv_bytes_per_token, kv_capacity, paged_layout
-from decoding.slot_cache import SlotKVCache, batch_layout
+from bench.slot_cache import SlotKVCache, batch_layout
 
 TARGET = Path(__file__).resolve().parents[1] / "models" / "default" / "target"
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"

@@ -9,7 +9,7 @@ a length: stale keys beyond it are never visible (gpt-fast's position-addressed 
 Only real tokens are written (padding is never stored), so max_len = the model's context suffices.
 Slots are allocated in chunks up to max_slots, so memory tracks the sequences held, each at the full
 context: the runner now uses decoding.paged_cache, whose memory tracks the tokens held; this cache
-stays as the baseline bench.kv_memory measures it against (docs/kv-memory.md).
+lives in bench/ as the baseline bench.kv_memory measures it against (docs/kv-memory.md).
 """
 
 from __future__ import annotations
