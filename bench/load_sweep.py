@@ -74,17 +74,18 @@ def variant_config(base: SpecServeConfig, variant: str, num_draft_tokens: int, p
 
 def engine_counters() -> dict[str, dict[str, float]]:
     """Summed engine counters per pool, read from the named engine actors."""
+    from cluster.messages import EngineStats
     from cluster.status import read_engine_stats
 
     totals: dict[str, dict[str, float]] = {}
     for stats in read_engine_stats():
-        if "error" in stats:
+        if not isinstance(stats, EngineStats):  # unreachable
             continue
-        pool = totals.setdefault(stats["pool"], {"forwards": 0, "rows": 0, "busy_s": 0.0, "idle_s": 0.0})
-        pool["forwards"] += stats["forwards"]
-        pool["rows"] += stats["batch_rows_total"]
-        pool["busy_s"] += stats["busy_s"]
-        pool["idle_s"] += stats["idle_s"]
+        pool = totals.setdefault(stats.pool, {"forwards": 0, "rows": 0, "busy_s": 0.0, "idle_s": 0.0})
+        pool["forwards"] += stats.forwards
+        pool["rows"] += stats.batch_rows_total
+        pool["busy_s"] += stats.busy_s
+        pool["idle_s"] += stats.idle_s
     return totals
 
 

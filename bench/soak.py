@@ -150,7 +150,7 @@ def held_after(timeout_s: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         router = router_status(timeout_s=5) or {}
-        sequences = sum(int(stats.get("sequences", 0)) for stats in read_engine_stats(timeout_s=5))
+        sequences = sum(getattr(stats, "sequences", 0) for stats in read_engine_stats(timeout_s=5))
         held = {"active_requests": router.get("active_requests"), "sequences": sequences}
         if held == {"active_requests": 0, "sequences": 0} or time.monotonic() > deadline:
             return held

@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, field_validator, model_validator
 
 from policies.decision import policy_actor_name
-from policies.load import MAX_DRAFT_TOKENS
+from cluster.messages import MAX_DRAFT_TOKENS
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODELS_DIR = PROJECT_ROOT / "models" / "default"

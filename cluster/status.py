@@ -9,36 +9,46 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
+from cluster.messages import POOLS, EngineStats
 from deployments.naming import ENGINE_NAMESPACE, parse_engine_actor_name
-from policies.replicas import POOLS
 
 POOL_DEPLOYMENTS = {"draft": "DraftWorker", "target": "TargetWorker"}
 STATS_TIMEOUT_S = 10.0
 
 
-def summarize(engine_stats: Sequence[Mapping[str, Any]], router_status: Mapping[str, Any] | None,
+@dataclass(frozen=True)
+class UnreachableEngine:
+    """A named engine actor whose stats could not be read (dying, or too busy to answer in time)."""
+
+    pool: str
+    replica: str
+    error: str
+
+
+def summarize(engine_stats: Sequence[EngineStats | UnreachableEngine], router_status: Mapping[str, Any] | None,
               running_replicas: Mapping[str, int]) -> dict[str, Any]:
     """The status document: per pool replicas, KV sequences, queue depth and engines; the policy's
     depth; the load. An engine whose stats could not be read appears with "error"."""
     pools: dict[str, dict[str, Any]] = {}
     for pool in POOLS:
-        engines = [dict(stats) for stats in engine_stats if stats.get("pool") == pool]
-        alive = [e for e in engines if "error" not in e]
-        busy = sum(e.get("busy_s", 0.0) for e in alive)
-        idle = sum(e.get("idle_s", 0.0) for e in alive)
-        forwards = sum(e.get("forwards", 0) for e in alive)
+        engines = [stats for stats in engine_stats if stats.pool == pool]
+        alive = [e for e in engines if isinstance(e, EngineStats)]
+        busy = sum(e.busy_s for e in alive)
+        idle = sum(e.idle_s for e in alive)
+        forwards = sum(e.forwards for e in alive)
         pools[pool] = {
             "replicas": int(running_replicas.get(pool, 0)),
-            "sequences": sum(int(e.get("sequences", 0)) for e in alive),
-            "queue_depth": sum(int(e.get("queue_depth", 0)) for e in alive),
+            "sequences": sum(e.sequences for e in alive),
+            "queue_depth": sum(e.queue_depth for e in alive),
             # Paged KV (decoding.paged_cache): blocks in use and free over the pool's engines.
-            "kv_blocks_used": sum(int(e.get("kv_blocks_used", 0)) for e in alive),
-            "kv_blocks_free": sum(int(e.get("kv_blocks_free", 0)) for e in alive),
-            "mean_batch_size": sum(e.get("batch_rows_total", 0) for e in alive) / forwards if forwards else None,
+            "kv_blocks_used": sum(e.kv.blocks_used for e in alive if e.kv is not None),
+            "kv_blocks_free": sum(e.kv.blocks_free for e in alive if e.kv is not None),
+            "mean_batch_size": sum(e.batch_rows_total for e in alive) / forwards if forwards else None,
             "utilisation": busy / (busy + idle) if busy + idle > 0 else None,
-            "engines": [{k: v for k, v in e.items() if k != "cost_samples"} for e in engines],
+            "engines": [_engine_row(e) for e in engines],
         }
     router = dict(router_status or {})
     decision = router.get("policy") or {}
@@ -48,6 +58,12 @@ def summarize(engine_stats: Sequence[Mapping[str, Any]], router_status: Mapping[
         "load": {"active_requests": int(router.get("active_requests", 0)),
                  "queued_requests": int(router.get("queued_requests", 0))},
     }
+
+
+def _engine_row(engine: EngineStats | UnreachableEngine) -> dict[str, Any]:
+    if isinstance(engine, UnreachableEngine):
+        return asdict(engine)
+    return {key: value for key, value in engine.to_dict().items() if key != "cost_samples"}
 
 
 def render_table(summary: Mapping[str, Any]) -> str:
@@ -71,8 +87,8 @@ def render_table(summary: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def read_engine_stats(timeout_s: float = STATS_TIMEOUT_S) -> list[dict[str, Any]]:
-    """stats() of every named engine actor in the connected cluster; a dying one reads as an error row."""
+def read_engine_stats(timeout_s: float = STATS_TIMEOUT_S) -> list[EngineStats | UnreachableEngine]:
+    """stats() of every named engine actor in the connected cluster; a dying one reads as unreachable."""
     import ray
 
     engine_stats = []
@@ -85,7 +101,7 @@ def read_engine_stats(timeout_s: float = STATS_TIMEOUT_S) -> list[dict[str, Any]
             actor = ray.get_actor(entry["name"], namespace=ENGINE_NAMESPACE)
             engine_stats.append(ray.get(actor.stats.remote(), timeout=timeout_s))
         except Exception as exc:  # a dying engine is reported, not fatal
-            engine_stats.append({"pool": pool, "replica": replica, "error": type(exc).__name__})
+            engine_stats.append(UnreachableEngine(pool, replica, type(exc).__name__))
     return engine_stats
 
 

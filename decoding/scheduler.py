@@ -12,13 +12,21 @@ iteration from them (no timer: a lone call runs at once, so a single stream pays
   the KV blocks its new tokens will fill (decoding.paged_cache): while they are not free it waits
   in the queue (the engine answers "overloaded" past a deadline), in arrival order.
 
-Pure: the engine passes what it knows of each call and gets back the plan.
+`plan_iteration` is pure: it is passed what is known of each call and gives back the plan.
+`Scheduler` asks a runner what it holds, plans with it, and preempts when nothing can run; the
+engine actor only calls `schedule` (deployments.engine_host).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+from decoding.model_runner import SequenceStateError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,11 @@ class WaitingCall:
         that recomputes cached rows crops first)."""
         extra = self.extra_tokens if tokens_run >= self.num_new_tokens else 0
         return max(0, -(-(self.num_cached + tokens_run + extra) // block_size) - self.blocks_held)
+
+    def chunk_end(self, chunk: int) -> int | None:
+        """The history length a prefill chunk of this many tokens fills the cache up to, or None
+        when the chunk completes the call."""
+        return None if chunk >= self.num_new_tokens else self.num_cached + chunk
 
 
 @dataclass
@@ -92,3 +105,103 @@ def plan_iteration(calls: Sequence[WaitingCall], free_slots: int, max_step_token
             free_slots -= 1
         seen.add(call.seq_id)
     return plan
+
+
+@dataclass(frozen=True)
+class CallShape:
+    """What one engine call asks of the runner: its history, the rows it wants back, and the
+    tokens it adds after its forward in the same iteration (a draft's later decode steps)."""
+
+    seq_id: str
+    token_ids: Sequence[int]
+    num_rows: int = 1
+    extra_tokens: int = 0
+
+
+@dataclass
+class Schedule:
+    """One iteration over an engine's calls: the plan (indices into the calls), what was known of
+    each call when it was made, and the calls answered with an error instead of failing the batch."""
+
+    plan: IterationPlan
+    calls: list[WaitingCall]
+    errors: dict[int, Exception] = field(default_factory=dict)
+
+
+class Scheduler:
+    """Plans an engine's iterations over its runner's state (free slots, cached tokens, KV blocks).
+
+    runner: a decoding runner (BatchedModelRunner or ModelRunner), or None for a model-free
+    proposer, whose calls all run at once."""
+
+    def __init__(self, runner: Any, max_step_tokens: int, prefill_token_budget: int, max_batch_rows: int,
+                 name: str = "engine") -> None:
+        """name: the engine's, for the log."""
+        self.runner = runner
+        self.name = name
+        self.max_step_tokens = max_step_tokens
+        self.prefill_token_budget = prefill_token_budget
+        self.max_batch_rows = max_batch_rows
+        self.preemptions = 0  # sequences whose KV was freed to let older ones grow
+
+    @property
+    def paged(self) -> bool:
+        """The runner keeps KV in a block pool (BatchedModelRunner), so calls wait for blocks."""
+        return hasattr(self.runner, "blocks_held")
+
+    @property
+    def free_slots(self) -> int:
+        return 1 << 30 if self.runner is None else self.runner.num_free_slots
+
+    def schedule(self, shapes: Sequence[CallShape]) -> Schedule:
+        """This iteration's plan over the waiting calls. A call that cannot run (too long, bad row
+        count) is answered with its error instead of failing the batch."""
+        waiting = [self._waiting_call(shape) for shape in shapes]
+        if self.runner is None:
+            return Schedule(IterationPlan(steps=list(range(len(shapes)))), waiting)
+        errors: dict[int, Exception] = {}
+        valid = []
+        for index, shape in enumerate(shapes):
+            error = self.check(shape)
+            if error is None:
+                valid.append(index)
+            else:
+                errors[index] = error
+        plan = plan_iteration([waiting[index] for index in valid], self.free_slots, self.max_step_tokens,
+                              self.prefill_token_budget, self.max_batch_rows,
+                              free_blocks=self.runner.num_free_blocks if self.paged else None,
+                              block_size=self.runner.block_size if self.paged else 1)
+        if self.paged and not plan.steps and not plan.prefills and any(waiting[valid[i]].holds_slot
+                                                                       for i in plan.waiting):
+            self._preempt_youngest()
+        plan = IterationPlan(steps=[valid[i] for i in plan.steps],
+                             prefills=[(valid[i], chunk) for i, chunk in plan.prefills],
+                             waiting=[valid[i] for i in plan.waiting])
+        return Schedule(plan, waiting, errors)
+
+    def check(self, shape: CallShape) -> SequenceStateError | None:
+        """The error a call would raise in a batched forward, found before it can fail the batch."""
+        if len(shape.token_ids) > self.runner.max_context:
+            return SequenceStateError(f"{len(shape.token_ids)} tokens exceed the model's context of "
+                                      f"{self.runner.max_context}")
+        if not 1 <= shape.num_rows <= len(shape.token_ids):
+            return SequenceStateError(f"num_rows={shape.num_rows} must be between 1 and the history length "
+                                      f"{len(shape.token_ids)}")
+        return None
+
+    def _waiting_call(self, shape: CallShape) -> WaitingCall:
+        cached = self.runner.num_cached(shape.seq_id) if self.runner is not None else 0
+        blocks_held = self.runner.blocks_held(shape.seq_id) if self.paged else 0
+        return WaitingCall(shape.seq_id, max(shape.num_rows, len(shape.token_ids) - cached), holds_slot=cached > 0,
+                           num_cached=cached, blocks_held=blocks_held, extra_tokens=shape.extra_tokens)
+
+    def _preempt_youngest(self) -> None:
+        """Nothing can run and a sequence the engine holds waits for KV blocks to grow: free the
+        most recently admitted sequence's KV (vLLM's recompute preemption). Its request goes on:
+        its next call names the full history, so it is prefilled again once blocks are free, and
+        the older sequences finish first. Without this, sequences that all wait to grow would
+        wait each other out until the admission deadline failed them."""
+        victim = self.runner.active_sequences()[-1]
+        logger.warning("%s: KV blocks exhausted; preempting %s (it will be prefilled again)", self.name, victim)
+        self.runner.release(victim)
+        self.preemptions += 1

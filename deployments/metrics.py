@@ -21,6 +21,8 @@ from typing import Literal
 
 from ray.util import metrics
 
+from cluster.messages import MAX_DRAFT_TOKENS
+
 PROMETHEUS_PREFIX = "ray_"  # Ray's metrics agent prefixes every application metric with it
 
 MetricKind = Literal["counter", "gauge", "histogram"]
@@ -57,7 +59,7 @@ class MetricSpec:
 
 ENGINE_TAGS = ("pool", "replica")
 _SECONDS_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
-_DEPTH_BUCKETS = (0.5, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32)  # K in [0, 32]; Ray wants bounds > 0
+_DEPTH_BUCKETS = (0.5, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, MAX_DRAFT_TOKENS)  # K >= 0; Ray wants bounds > 0
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 METRICS: dict[str, MetricSpec] = {spec.name: spec for spec in (

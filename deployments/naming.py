@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from policies.replicas import POOLS
+from cluster.messages import POOLS
 
 ENGINE_NAMESPACE = "specserve"
 ENGINE_NAME_PREFIX = "engine"

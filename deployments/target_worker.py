@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 from ray import serve
@@ -12,8 +11,9 @@ from ray import serve
 from decoding.batched_runner import ForwardCall, load_runner
 from decoding.model_runner import SequenceStateError
 from decoding.sampling import SamplingParams
+from decoding.scheduler import CallShape, Schedule
 from decoding.speculation import target_rows, token_logprobs
-from deployments.engine_host import EngineCore, EngineHost, to_wire
+from deployments.engine_host import EngineCore, EngineHost, StepOutput, timed_forward, to_wire
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,7 @@ class TargetEngine(EngineCore):
     pool = "target"
 
     def __init__(self, model_spec: dict, engine_options: dict, name: str = "") -> None:
-        self.runner = load_runner(model_spec)
-        super().__init__(engine_options, name)
+        super().__init__(load_runner(model_spec), engine_options, name)
 
     async def verify(self, seq_id: str, token_ids: Sequence[int], num_rows: int, params: SamplingParams,
                      first_output_index: int | None = None, draft_block: list | None = None,
@@ -60,43 +59,45 @@ class TargetEngine(EngineCore):
             token_ids, num_rows = list(token_ids) + block, len(block) + 1
         if prompt_logprobs is not None:
             num_rows = len(token_ids)
-        entered_s = time.perf_counter()
-        rows, started_s = await self.submit(VerifyCall(seq_id, list(token_ids), num_rows, params,
-                                                       first_output_index, prompt_logprobs))
-        return rows, self.answer("verify", seq_id, entered_s, started_s)
+        rows, span = await self.submit(VerifyCall(seq_id, list(token_ids), num_rows, params, first_output_index,
+                                                  prompt_logprobs))
+        self.call_log.record("verify", seq_id, span)
+        return rows, astuple(span)
 
-    def _iterate(self, calls: list[VerifyCall]) -> dict[int, object]:
+    def shape(self, call: VerifyCall) -> CallShape:
+        return CallShape(call.seq_id, call.token_ids, call.num_rows)
+
+    def run(self, calls: list[VerifyCall], schedule: Schedule) -> StepOutput:
         """One iteration: the step batch (verifies), then one chunk of waiting prefills."""
-        results: dict[int, object] = {}
-        waiting = [self._waiting_call(call.seq_id, call.token_ids, call.num_rows) for call in calls]
-        plan = self.plan(waiting, [(call.token_ids, call.num_rows) for call in calls], results)
-        step_calls = [(index, calls[index]) for index in plan.steps]
-        self._forward_rows(step_calls, results)
+        output = StepOutput()
+        self._forward_rows([(index, calls[index]) for index in schedule.plan.steps], output)
         finishing, chunks = [], []
-        for index, chunk in plan.prefills:
+        for index, chunk in schedule.plan.prefills:
             call = calls[index]
+            end = schedule.calls[index].chunk_end(chunk)
             # An early chunk fills the cache and returns no rows; a call whose rows span more than
             # a chunk (prompt log-probabilities) runs whole, its rows from one forward.
-            if call.num_rows <= chunk < waiting[index].num_new_tokens:
-                end = self.runner.num_cached(call.seq_id) + chunk
+            if call.num_rows <= chunk and end is not None:
                 chunks.append(ForwardCall(call.seq_id, call.token_ids[:end], 1))
             else:
                 finishing.append((index, call))
-        self._forward_rows(finishing, results, extra=chunks)
-        return results
+        self._forward_rows(finishing, output, extra=chunks)
+        return output
 
-    def _forward_rows(self, indexed_calls: list[tuple[int, VerifyCall]], results: dict[int, object],
+    def _forward_rows(self, indexed_calls: list[tuple[int, VerifyCall]], output: StepOutput,
                       extra: list[ForwardCall] = ()) -> None:
-        """One forward for indexed_calls (+ prefill chunks whose rows nobody wants); rows into results."""
+        """One forward for indexed_calls (+ prefill chunks whose rows nobody wants); rows into output."""
+        results = output.results
         forward_calls = [ForwardCall(call.seq_id, call.token_ids, call.num_rows) for _, call in indexed_calls]
         if not forward_calls and not extra:
             return
         try:
-            logits = self.timed_forward(forward_calls + list(extra))
+            logits, cost = timed_forward(self.runner, forward_calls + list(extra))
         except SequenceStateError as exc:
             for index, _ in indexed_calls:
                 results[index] = exc
             return
+        output.costs.append(cost)
         for (index, call), rows in zip(indexed_calls, logits):
             prompt_entries = None
             if call.prompt_logprobs is not None:

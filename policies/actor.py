@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 
+from cluster.messages import EngineStats
 from policies.cost_curve import fit_cost_curve
 from policies.decision import Decider, PolicySettings, policy_actor_name
 from policies.load import LoadTracker
@@ -66,7 +67,7 @@ class PolicyActor:
         self._metrics.record_decision(decision["num_draft_tokens"], replicas)
         return decision
 
-    async def report_engine(self, stats: dict[str, Any]) -> None:
+    async def report_engine(self, stats: EngineStats) -> None:
         self._ensure_loop()
         self._tracker.add_engine(stats, time.monotonic())
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from cluster.messages import POOLS, REQUEST_CLASSES, PolicyDecision
 from policies.cost_curve import fit_cost_curve
 from policies.goodput import choose_depths
-from policies.load import REQUEST_CLASSES, ClusterLoad
-from policies.replicas import POOLS, ScalingThresholds, decide_replicas
+from policies.load import ClusterLoad
+from policies.replicas import ScalingThresholds, decide_replicas
 
 
 POLICY_ACTOR_PREFIX = "specserve-policy"
@@ -61,27 +62,6 @@ class PolicySettings:
         data["target_bounds"] = tuple(data["target_bounds"])
         data["draft_bounds"] = tuple(data["draft_bounds"]) if data.get("draft_bounds") else None
         return cls(**data)
-
-
-@dataclass(frozen=True)
-class PolicyDecision:
-    """What routers and the Serve autoscaler read. A replica count of None means "no opinion:
-    keep what runs" (nobody in that pool has reported yet). `version` counts changed decisions
-    of one actor incarnation; it restarts at 0 with the actor, so never compare across restarts."""
-
-    num_draft_tokens: dict[str, int]
-    target_replicas: int | None
-    draft_replicas: int | None
-    version: int
-    reasons: list[str]
-    goodput_tokens_per_s: float | None = None   # the model's estimate for the chosen depths
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def same_choice(self, other: "PolicyDecision") -> bool:
-        return (self.num_draft_tokens, self.target_replicas, self.draft_replicas) == \
-            (other.num_draft_tokens, other.target_replicas, other.draft_replicas)
 
 
 class Decider:

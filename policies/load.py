@@ -1,8 +1,7 @@
 """Cluster-wide load from the reports engines and routers send the policy actor (no Ray here).
 
-Engines send `stats()` about once a second: {"pool", "replica", "sequences", "free_slots",
-"queue_depth", "forwards", "batch_rows_total", "busy_s", "idle_s", "cost_samples"}, busy_s and
-idle_s cumulative, cost_samples the (batch_tokens, seconds) of forwards since the last report.
+Engines send their `EngineStats` about once a second (cluster.messages), busy_s and idle_s
+cumulative, cost_samples the (batch_tokens, seconds) of forwards since the last report.
 Routers send {"router", "active_requests", "by_class": {class: {"rounds", "drafted",
 "accepted", "reached", "accepted_at"}}} with cumulative counters, the last two lists by draft
 position (policies.acceptance.count_round_positions; older routers send neither). A source that stops reporting (dead replica, scaled
@@ -18,16 +17,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.messages import MAX_DRAFT_TOKENS, POOL_COST_SAMPLES_KEPT, REQUEST_CLASSES, EngineStats
 from policies.acceptance import acceptance_from_tokens_per_round, estimate_acceptance_rate, position_accept_rates
 from policies.goodput import ClassLoad
 from policies.replicas import PoolLoad
 
-REQUEST_CLASSES = ("greedy", "sampled")
-POOL_COST_SAMPLES_KEPT = 512  # per pool: enough for a fit, recent enough to follow the load
 ACCEPT_WINDOW_S = 30.0       # acceptance is measured over this trailing window
 MAX_ACCEPT_RATE = 0.99
-MAX_DRAFT_TOKENS = 32        # the deepest K a config allows (cluster.config bounds its depths by it)
-MAX_POSITIONS = MAX_DRAFT_TOKENS
+MAX_POSITIONS = MAX_DRAFT_TOKENS  # acceptance is tracked at every draft position a config allows
 
 
 def accept_rate_from_rounds(rounds: float, drafted: float, accepted: float) -> float:
@@ -54,7 +51,7 @@ class ClusterLoad:
 @dataclass
 class _EngineSeen:
     at: float
-    stats: Mapping[str, Any]
+    stats: EngineStats
     busy_share: float
 
 
@@ -65,10 +62,10 @@ class _RouterSeen:
     history: deque = field(default_factory=deque)  # (time, {class: counters}) within the window
 
 
-def _busy_share(previous: Mapping[str, Any] | None, current: Mapping[str, Any]) -> float:
-    busy, idle = float(current.get("busy_s", 0.0)), float(current.get("idle_s", 0.0))
+def _busy_share(previous: EngineStats | None, current: EngineStats) -> float:
+    busy, idle = current.busy_s, current.idle_s
     if previous is not None:
-        d_busy, d_idle = busy - float(previous.get("busy_s", 0.0)), idle - float(previous.get("idle_s", 0.0))
+        d_busy, d_idle = busy - previous.busy_s, idle - previous.idle_s
         if d_busy >= 0 and d_idle >= 0 and d_busy + d_idle > 0:  # same engine, counters moved
             return d_busy / (d_busy + d_idle)
     return busy / (busy + idle) if busy + idle > 0 else 0.0
@@ -101,13 +98,13 @@ class LoadTracker:
         self._routers: dict[str, _RouterSeen] = {}
         self._samples: dict[str, deque] = {}
 
-    def add_engine(self, stats: Mapping[str, Any], now: float) -> None:
-        key = (str(stats["pool"]), str(stats["replica"]))
+    def add_engine(self, stats: EngineStats, now: float) -> None:
+        key = (stats.pool, stats.replica)
         seen = self._engines.get(key)
         share = _busy_share(seen.stats if seen else None, stats)
-        self._engines[key] = _EngineSeen(now, dict(stats), share)
-        samples = self._samples.setdefault(key[0], deque(maxlen=POOL_COST_SAMPLES_KEPT))
-        samples.extend((float(tokens), float(seconds)) for tokens, seconds in stats.get("cost_samples", ()))
+        self._engines[key] = _EngineSeen(now, stats, share)
+        samples = self._samples.setdefault(stats.pool, deque(maxlen=POOL_COST_SAMPLES_KEPT))
+        samples.extend((float(tokens), float(seconds)) for tokens, seconds in stats.cost_samples)
 
     def add_router(self, report: Mapping[str, Any], now: float) -> None:
         seen = self._routers.setdefault(str(report["router"]), _RouterSeen(now, report))
@@ -147,8 +144,8 @@ class LoadTracker:
             seen = [s for (p, _), s in self._engines.items() if p == pool]
             pools[pool] = PoolLoad(replicas=len(seen),
                                    busy_share=sum(s.busy_share for s in seen) / len(seen),
-                                   queue_depth=sum(float(s.stats.get("queue_depth", 0)) for s in seen) / len(seen))
-            sequences[pool] = sum(int(s.stats.get("sequences", 0)) for s in seen)
+                                   queue_depth=sum(s.stats.queue_depth for s in seen) / len(seen))
+            sequences[pool] = sum(s.stats.sequences for s in seen)
         by_class_active: dict[str, int] = {c: 0 for c in REQUEST_CLASSES}
         for seen in self._routers.values():
             for c, active in seen.report.get("active_by_class", {}).items():

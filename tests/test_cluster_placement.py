@@ -30,15 +30,15 @@ def gpu_server(tmp_path_factory):
         yield url
 
 
-def engine_stats(deployment: str) -> dict:
+def engine_stats(deployment: str):
     engine = serve.get_deployment_handle(deployment, APP_NAME).get_engine.remote().result()
     return ray.get(engine.stats.remote())
 
 
 def test_draft_and_target_engines_hold_distinct_gpus(gpu_server):
     target, draft = engine_stats("TargetWorker"), engine_stats("DraftWorker")
-    assert len(target["gpu_ids"]) == 1 and len(draft["gpu_ids"]) == 1
-    assert target["gpu_ids"] != draft["gpu_ids"]
+    assert len(target.gpu_ids) == 1 and len(draft.gpu_ids) == 1
+    assert target.gpu_ids != draft.gpu_ids
 
 
 def test_killing_the_policy_actor_under_load_fails_no_request_and_it_comes_back(gpu_server):

@@ -248,8 +248,8 @@ def test_batched_drafts_equal_drafts_made_alone(pair):
         expected = alone.propose(f"x{i}", history, 3, SAMPLED, make_generator(100 + i))
         assert sampled[i][0].token_ids == expected.token_ids
         torch.testing.assert_close(torch.as_tensor(sampled[i][0].probs), expected.probs, atol=1e-4, rtol=0)
-    assert stats["pool"] == "draft" and stats["sequences"] == 2 * len(HISTORIES)
-    assert stats["batch_rows_total"] > stats["forwards"]  # drafting was batched
+    assert stats.pool == "draft" and stats.sequences == 2 * len(HISTORIES)
+    assert stats.batch_rows_total > stats.forwards  # drafting was batched
 
 
 def test_an_idle_loop_reads_idle_now_not_as_busy_as_at_its_last_forward():
@@ -291,7 +291,7 @@ def test_a_call_waits_for_kv_blocks_then_runs_or_gets_overloaded(pair):
         await asyncio.sleep(0.1)
         assert not waiting.done() and engine.loop.queue_depth == 1
         stats = await engine.stats()
-        assert (stats["kv_blocks_used"], stats["kv_blocks_free"], stats["kv_block_size"]) == (13, 7, 16)
+        assert (stats.kv.blocks_used, stats.kv.blocks_free, stats.kv.block_size) == (13, 7, 16)
         await engine.release("a")
         await waiting
         with pytest.raises(EngineOverloadedError):
@@ -299,7 +299,7 @@ def test_a_call_waits_for_kv_blocks_then_runs_or_gets_overloaded(pair):
         return await engine.stats()
 
     stats = asyncio.run(scenario())
-    assert (stats["sequences"], stats["kv_blocks_used"], stats["kv_tokens_held"]) == (1, 8, 120)
+    assert (stats.sequences, stats.kv.blocks_used, stats.kv.tokens_held) == (1, 8, 120)
 
 
 def test_a_held_sequence_that_cannot_grow_preempts_the_youngest_which_is_prefilled_again(pair):
@@ -316,7 +316,7 @@ def test_a_held_sequence_that_cannot_grow_preempts_the_youngest_which_is_prefill
         await engine.verify("old", older, 1, GREEDY)
         await engine.verify("young", younger, 1, GREEDY)
         grown, _ = await engine.verify("old", older + [9, 9, 4], 4, GREEDY)
-        assert engine.preemptions == 1 and await engine.active_sequences() == ["old"]
+        assert engine.scheduler.preemptions == 1 and await engine.active_sequences() == ["old"]
         again = asyncio.create_task(engine.verify("young", younger + [3, 3], 3, GREEDY))
         await asyncio.sleep(0.1)
         assert not again.done()        # 10 blocks to prefill again, 9 free

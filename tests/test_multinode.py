@@ -143,7 +143,7 @@ def reference(cluster):
     return greedy_reference(cluster[1].target.path)
 
 
-def engine_nodes(pool: str) -> dict[str, dict]:
+def engine_nodes(pool: str) -> dict:
     """pool's named engine actors -> their stats (node id, sequences held); only that pool's, so
     an engine lost with another node is never waited on."""
     from deployments.naming import ENGINE_NAMESPACE, parse_engine_actor_name
@@ -179,13 +179,13 @@ def stream_losing_a_node(url: str, prompt: str, max_tokens: int, pick_node) -> d
 def test_engines_land_on_their_own_nodes(cluster):
     targets, drafts = engine_nodes("target"), engine_nodes("draft")
     assert len(targets) == 2 and len(drafts) == 1
-    nodes = [stats["node_id"] for stats in (*targets.values(), *drafts.values())]
+    nodes = [stats.node_id for stats in (*targets.values(), *drafts.values())]
     assert len(set(nodes)) == 3, nodes
 
 
 def test_losing_the_draft_node_mid_stream_the_request_completes_target_only(cluster, reference):
     url, _ = cluster
-    draft_node = next(iter(engine_nodes("draft").values()))["node_id"]
+    draft_node = next(iter(engine_nodes("draft").values())).node_id
     result = stream_losing_a_node(url, PROMPTS[2], 150, lambda: draft_node)
     assert result["text"] == reference(PROMPTS[2], 150)
     assert result["final"]["speculation"]["draft_failures"] >= 1
@@ -197,9 +197,9 @@ def test_losing_a_target_node_mid_stream_the_request_completes_on_the_other_targ
     def node_serving_the_request() -> str:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            holding = [stats for stats in engine_nodes("target").values() if stats["sequences"] > 0]
+            holding = [stats for stats in engine_nodes("target").values() if stats.sequences > 0]
             if len(holding) == 1:
-                return holding[0]["node_id"]
+                return holding[0].node_id
             time.sleep(0.05)
         raise AssertionError("no single target engine holds the request")
 

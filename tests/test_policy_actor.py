@@ -8,6 +8,7 @@ import pytest
 import ray
 from ray import serve
 
+from cluster.messages import EngineStats
 from policies.actor import POLICY_ACTOR_NAME, POLICY_NAMESPACE, get_or_create_policy_actor, kill_policy_actor
 from policies.decision import PolicySettings, policy_actor_name
 from policies.replicas import ScalingThresholds
@@ -15,7 +16,7 @@ from policies.replicas import ScalingThresholds
 pytestmark = pytest.mark.ray
 SETTINGS = PolicySettings(target_bounds=(1, 3), draft_bounds=(1, 3), thresholds=ScalingThresholds(cooldown_s=0.0),
                           report_ttl_s=3.0, decide_interval_s=0.2)
-COST_SAMPLES = [(tokens, 0.010 + 0.00001 * tokens) for tokens in (1, 2, 4, 8, 16)]
+COST_SAMPLES = tuple((tokens, 0.010 + 0.00001 * tokens) for tokens in (1, 2, 4, 8, 16))
 
 
 def wait_for(predicate, timeout_s: float = 60.0, what: str = "condition"):
@@ -51,10 +52,10 @@ class Reporter:
                 actor = ray.get_actor(POLICY_ACTOR_NAME, namespace=POLICY_NAMESPACE)
                 for pool, share in self.shares.items():
                     for replica in range(self.replicas[pool]):
-                        actor.report_engine.remote({
-                            "pool": pool, "replica": f"{pool}-{replica}", "sequences": self.active,
-                            "free_slots": 8, "queue_depth": 0, "forwards": 1, "batch_rows_total": 1,
-                            "busy_s": share * clock, "idle_s": (1 - share) * clock, "cost_samples": COST_SAMPLES})
+                        actor.report_engine.remote(EngineStats(
+                            pool, f"{pool}-{replica}", sequences=self.active, free_slots=8, queue_depth=0,
+                            forwards=1, batch_rows_total=1, busy_s=share * clock, idle_s=(1 - share) * clock,
+                            cost_samples=COST_SAMPLES))
                 actor.report_router.remote({"router": "r1", "active_requests": self.active,
                                             "active_by_class": {"greedy": self.active, "sampled": 0},
                                             "by_class": {"greedy": {"rounds": 10, "drafted": 40, "accepted": 30}}})

@@ -2,6 +2,7 @@
 
 import pytest
 
+from cluster.messages import EngineStats
 from policies.decision import Decider, PolicySettings
 from policies.depth import expected_tokens_per_round
 from policies.load import LoadTracker, accept_rate_from_rounds
@@ -104,8 +105,8 @@ def test_a_pool_nobody_reports_on_gets_no_opinion():
 # --- load from reports ------------------------------------------------------------------------
 
 def engine(pool: str, replica: str, busy_s: float, idle_s: float, queue_depth: int = 0, samples=()):
-    return {"pool": pool, "replica": replica, "sequences": 3, "free_slots": 10, "queue_depth": queue_depth,
-            "forwards": 1, "batch_rows_total": 1, "busy_s": busy_s, "idle_s": idle_s, "cost_samples": list(samples)}
+    return EngineStats(pool, replica, sequences=3, free_slots=10, queue_depth=queue_depth, forwards=1,
+                       batch_rows_total=1, busy_s=busy_s, idle_s=idle_s, cost_samples=tuple(samples))
 
 
 def router(name: str, active: int, rounds: int, drafted: int, accepted: int, active_by_class=None):

@@ -1,15 +1,16 @@
 """`specserve status`: the document and table built from engine stats, the router and Serve."""
 
-from cluster.status import render_table, summarize
+from cluster.messages import EngineStats
+from cluster.status import UnreachableEngine, render_table, summarize
 
 ENGINES = [
-    {"pool": "target", "replica": "t1", "sequences": 3, "free_slots": 5, "queue_depth": 2, "forwards": 10,
-     "batch_rows_total": 25, "busy_s": 3.0, "idle_s": 1.0, "gpu_ids": [], "cost_samples": [[5, 0.01]]},
-    {"pool": "target", "replica": "t2", "sequences": 1, "free_slots": 7, "queue_depth": 0, "forwards": 10,
-     "batch_rows_total": 15, "busy_s": 1.0, "idle_s": 3.0, "gpu_ids": []},
-    {"pool": "draft", "replica": "d1", "sequences": 4, "free_slots": 4, "queue_depth": 1, "forwards": 4,
-     "batch_rows_total": 8, "busy_s": 1.0, "idle_s": 1.0, "gpu_ids": []},
-    {"pool": "draft", "replica": "d2", "error": "RayActorError"},
+    EngineStats("target", "t1", sequences=3, free_slots=5, queue_depth=2, forwards=10, batch_rows_total=25,
+                busy_s=3.0, idle_s=1.0, cost_samples=((5, 0.01),)),
+    EngineStats("target", "t2", sequences=1, free_slots=7, queue_depth=0, forwards=10, batch_rows_total=15,
+                busy_s=1.0, idle_s=3.0),
+    EngineStats("draft", "d1", sequences=4, free_slots=4, queue_depth=1, forwards=4, batch_rows_total=8,
+                busy_s=1.0, idle_s=1.0),
+    UnreachableEngine("draft", "d2", "RayActorError"),
 ]
 ROUTER = {"active_requests": 4, "queued_requests": 1, "num_draft_tokens": 3,
           "policy": {"num_draft_tokens": {"greedy": 3, "sampled": 2}}}

@@ -1,0 +1,131 @@
+"""What specserve's processes tell each other, as typed messages, and the constants both ends share.
+
+Engines, routers and the policy actor run in separate Ray processes. Each message here is a
+frozen dataclass that every side imports from this one module (as vLLM v1's engine messages
+are): a field added on one side is seen on the other, and a misspelt one fails where the message
+is built, not three hops later in a `.get()`. Ray pickles dataclasses as they are. This module
+imports nothing of specserve's, so every process (the Serve controller's autoscaling policy
+too) can read what it receives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+POOLS = ("target", "draft")
+REQUEST_CLASSES = ("greedy", "sampled")
+MAX_DRAFT_TOKENS = 32  # the deepest K a config allows (cluster.config bounds its depths by it)
+# An engine keeps the (new tokens, seconds) of its recent forwards and sends the ones not sent yet
+# with each load report; the policy actor keeps more per pool: enough for a cost-curve fit,
+# recent enough to follow the load.
+ENGINE_COST_SAMPLES_KEPT = 64
+POOL_COST_SAMPLES_KEPT = 512
+
+CostSample = tuple[int, float]  # (new tokens a forward ran, its seconds)
+
+
+@dataclass(frozen=True)
+class CallSpan:
+    """One engine call's moments inside the engine, perf_counter seconds (CLOCK_MONOTONIC, one
+    clock for every process of a machine, so the caller can subtract its own send and receive
+    times): it entered the engine, the forward that answered it began, it left. Entered to
+    started is the wait in the batching loop, started to left the compute."""
+
+    entered_s: float
+    started_s: float
+    left_s: float
+
+    @property
+    def engine_s(self) -> float:
+        return self.left_s - self.entered_s
+
+
+@dataclass(frozen=True)
+class KvUsage:
+    """A paged engine's KV blocks (decoding.paged_cache) and the sequences it preempted."""
+
+    blocks_used: int
+    blocks_free: int
+    block_size: int
+    tokens_held: int
+    bytes_reserved: int
+    preemptions: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """An engine's load, for the policy actor (sent about once a second), `specserve status` and
+    benchmarks. Counters are cumulative; cost_samples are the recent forwards' costs (in a load
+    report: those not reported before)."""
+
+    pool: str
+    replica: str
+    sequences: int          # whose KV cache the engine holds
+    free_slots: int
+    queue_depth: int        # calls waiting for the next forward
+    forwards: int
+    batch_rows_total: int   # rows over all forwards: / forwards = mean batch size
+    busy_s: float
+    idle_s: float
+    gpu_ids: tuple[str, ...] = ()
+    node_id: str | None = None
+    cost_samples: tuple[CostSample, ...] = ()
+    kv: KvUsage | None = None  # None: the runner keeps no block pool
+
+    def to_dict(self) -> dict[str, Any]:
+        """The flat JSON form `specserve status --json` shows (KV fields prefixed kv_)."""
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "kv"}
+        data["gpu_ids"], data["cost_samples"] = list(self.gpu_ids), [list(s) for s in self.cost_samples]
+        if self.kv is not None:
+            data.update({f"kv_{name}": value for name, value in asdict(self.kv).items()})
+        return data
+
+
+@dataclass(frozen=True)
+class ClassCounters:
+    """A router's rounds of one request class so far: rounds that drafted, tokens drafted and
+    accepted, and by draft position how many rounds reached it and accepted there
+    (policies.acceptance.count_round_positions)."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    reached: tuple[int, ...] = ()
+    accepted_at: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class RouterReport:
+    """A router's load, sent to the policy actor about once a second."""
+
+    router: str
+    active_requests: int
+    active_by_class: Mapping[str, int]
+    by_class: Mapping[str, ClassCounters]
+    round_overhead_s: float | None = None  # per round: RPC hops and the router's own work
+
+
+@dataclass(frozen=True)
+class PolicyDecision:
+    """What routers and the Serve autoscaler read. A replica count of None means "no opinion:
+    keep what runs" (nobody in that pool has reported yet). `version` counts changed decisions
+    of one actor incarnation; it restarts at 0 with the actor, so never compare across restarts."""
+
+    num_draft_tokens: Mapping[str, int]
+    target_replicas: int | None
+    draft_replicas: int | None
+    version: int
+    reasons: list[str] = field(default_factory=list)
+    goodput_tokens_per_s: float | None = None   # the model's estimate for the chosen depths
+
+    def replicas(self, pool: str) -> int | None:
+        return self.target_replicas if pool == "target" else self.draft_replicas
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def same_choice(self, other: "PolicyDecision") -> bool:
+        return (self.num_draft_tokens, self.target_replicas, self.draft_replicas) == \
+            (other.num_draft_tokens, other.target_replicas, other.draft_replicas)
