@@ -84,7 +84,7 @@ class EngineStats:
 
 
 @dataclass(frozen=True)
-class ClassCounters:
+class ClassReport:
     """A router's rounds of one request class so far: rounds that drafted, tokens drafted and
     accepted, and by draft position how many rounds reached it and accepted there
     (policies.acceptance.count_round_positions)."""
@@ -103,7 +103,7 @@ class RouterReport:
     router: str
     active_requests: int
     active_by_class: Mapping[str, int]
-    by_class: Mapping[str, ClassCounters]
+    by_class: Mapping[str, ClassReport]
     round_overhead_s: float | None = None  # per round: RPC hops and the router's own work
 
 

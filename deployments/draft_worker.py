@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
 import torch
 from ray import serve
 
+from cluster.messages import CallSpan
 from decoding.batched_runner import ForwardCall, load_runner
 from decoding.proposers import DraftModelProposer, NgramProposer, Proposal, ProposeCall, empty_proposal
 from decoding.sampling import SamplingParams, make_generator
@@ -51,12 +52,12 @@ class DraftEngine(EngineCore):
         await self.submit(DraftCall(seq_id, list(history), 0))
 
     async def propose(self, seq_id: str, history: Sequence[int], num_tokens: int, params: SamplingParams,
-                      seed: int | None, prompt_len: int | None = None) -> tuple[Proposal, tuple[float, float, float]]:
+                      seed: int | None, prompt_len: int | None = None) -> tuple[Proposal, CallSpan]:
         """Up to num_tokens draft tokens continuing history (its first prompt_len tokens the
-        prompt), and the span (entered, forward started, left) spent in this engine."""
+        prompt), and the span it spent in this engine."""
         proposal, span = await self.submit(DraftCall(seq_id, list(history), num_tokens, params, seed, prompt_len))
         self.call_log.record("propose", seq_id, span)
-        return proposal, astuple(span)
+        return proposal, span
 
     def forget(self, seq_id: str) -> None:
         super().forget(seq_id)

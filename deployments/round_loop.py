@@ -141,9 +141,9 @@ class RoundLoop:
         if ahead is not None:
             ahead_of, pending = ahead
             started = time.perf_counter()
-            drafted, (entered_s, _, left_s) = await pending
+            drafted, span = await pending
             stages.ahead_wait_s = time.perf_counter() - started
-            draft_calls.append((left_s - entered_s, len(drafted.token_ids)))
+            draft_calls.append((span.engine_s, len(drafted.token_ids)))
             proposal = drafted_ahead(state.history, ahead_of, drafted, num_draft)
             state.stats.num_discarded_ahead += discarded_ahead(drafted, proposal)
             if proposal is not None:

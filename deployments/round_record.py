@@ -45,7 +45,7 @@ class RoundTimings:
     round_hops_s: list[float] = field(default_factory=list)
     draft_depths: list[int] = field(default_factory=list)
     first_token_s: float | None = None
-    round_stages: list[dict[str, float]] | None = None  # per round, when profiling
+    round_stages: list[dict[str, float]] | None = None  # per round, when profiling (round_stages.py)
 
     def add(self, record: RoundRecord) -> None:
         self.round_wall_s.append(record.wall_s)
@@ -57,16 +57,18 @@ class RoundTimings:
         def median_ms(values: list[float]) -> float | None:
             return round(1000 * statistics.median(values), 3) if values else None
 
-        return {
+        timings = {
             "median_round_ms": median_ms(self.round_wall_s),
             "median_overhead_ms": median_ms(self.round_overhead_s),
-            "median_hops_ms": median_ms(self.round_hops_s),
-            "median_router_ms": median_ms([o - h for o, h in zip(self.round_overhead_s, self.round_hops_s)]),
             "mean_draft_tokens": round(statistics.fmean(self.draft_depths), 3) if self.draft_depths else 0.0,
             "time_to_first_token_ms": None if self.first_token_s is None else round(1000 * self.first_token_s, 3),
-            **({} if self.round_stages is None else {"round_stages_ms": [
-                {name: round(1000 * seconds, 4) for name, seconds in stages.items()} for stages in self.round_stages]}),
         }
+        if self.round_stages is not None:  # profiling (bench.round_profile): the overhead split, every stage
+            timings["median_hops_ms"] = median_ms(self.round_hops_s)
+            timings["median_router_ms"] = median_ms([o - h for o, h in zip(self.round_overhead_s, self.round_hops_s)])
+            timings["round_stages_ms"] = [{name: round(1000 * seconds, 4) for name, seconds in stages.items()}
+                                          for stages in self.round_stages]
+        return timings
 
 
 class RoundObserver:

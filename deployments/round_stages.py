@@ -14,6 +14,8 @@ import os
 import time
 from dataclasses import dataclass
 
+from cluster.messages import CallSpan
+
 PROFILE_ENV = "SPECSERVE_PROFILE_ROUNDS"
 
 
@@ -33,9 +35,8 @@ class EngineCall:
     answered_s: float
 
     @classmethod
-    def from_span(cls, sent_s: float, span: tuple[float, float, float], answered_s: float) -> "EngineCall":
-        entered_s, started_s, left_s = span
-        return cls(sent_s, entered_s, started_s, left_s, answered_s)
+    def from_span(cls, sent_s: float, span: CallSpan, answered_s: float) -> "EngineCall":
+        return cls(sent_s, span.entered_s, span.started_s, span.left_s, answered_s)
 
     @property
     def engine_s(self) -> float:

@@ -22,6 +22,7 @@ from ray.serve.handle import DeploymentHandle
 from transformers import AutoTokenizer
 
 from cluster.config import SpecServeConfig
+from cluster.messages import REQUEST_CLASSES, RouterReport
 from decoding.checkpoint import eos_token_ids, max_model_len
 from decoding.sampling import SamplingParams
 from decoding.sequence import RequestState
@@ -35,7 +36,6 @@ from deployments.round_record import RoundObserver, RoundTimings
 from deployments.round_stages import profiling_enabled
 from deployments.streaming import coalesced_chunks, final_chunk
 from policies.depth_chooser import DepthChooser, request_class
-from policies.load import REQUEST_CLASSES
 
 logger = logging.getLogger("ray.serve")
 POLICY_INTERVAL_S = 1.0  # how often a router reports load to the policy actor and reads its decision
@@ -72,9 +72,11 @@ class Router:
     def status(self) -> dict[str, Any]:
         """This router's load and the depth it would give a fresh greedy (unseeded) request now."""
         typical_depth = self.depth.typical_depth(len(self.active_requests), time.monotonic())
+        decision = self.depth.policy_decision
         return {"active_requests": len(self.active_requests), "queued_requests": self.admission.num_waiting,
                 "num_draft_tokens": typical_depth if self.config.uses_draft_workers else 0,
-                "pending_releases": len(self._background), "policy": self.depth.policy_decision}
+                "pending_releases": len(self._background),
+                "policy": None if decision is None else decision.to_dict()}
 
     async def pool_health(self) -> dict[str, Any]:
         """{"status": "ok" | "degraded" | "unavailable", "pools": {pool: "ok" | "unavailable"}}
@@ -110,13 +112,12 @@ class Router:
                 policy = None
             await asyncio.sleep(POLICY_INTERVAL_S)
 
-    def _load_report(self) -> dict[str, Any]:
+    def _load_report(self) -> RouterReport:
         active_by_class = dict.fromkeys(REQUEST_CLASSES, 0)
         for state in self.active_requests.values():
             active_by_class[request_class(state)] += 1
-        return {"router": self.router_id, "active_requests": len(self.active_requests),
-                "active_by_class": active_by_class, "by_class": self.depth.counters_report(),
-                "round_overhead_s": self.depth.round_costs.overhead_s}
+        return RouterReport(self.router_id, len(self.active_requests), active_by_class, self.depth.counters_report(),
+                            self.depth.round_costs.overhead_s)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: dict,
                        prompt_logprobs: int | None = None) -> AsyncIterator[dict]:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
 import torch
 from ray import serve
 
+from cluster.messages import CallSpan
 from decoding.batched_runner import ForwardCall, load_runner
 from decoding.model_runner import SequenceStateError
 from decoding.sampling import SamplingParams
@@ -36,7 +37,7 @@ class TargetEngine(EngineCore):
 
     async def verify(self, seq_id: str, token_ids: Sequence[int], num_rows: int, params: SamplingParams,
                      first_output_index: int | None = None, draft_block: list | None = None,
-                     prompt_logprobs: int | None = None) -> tuple[object, tuple[float, float, float]]:
+                     prompt_logprobs: int | None = None) -> tuple[object, CallSpan]:
         """Rows for the last num_rows positions of token_ids (argmax ids when greedy, else probs),
         and the span (entered, forward started, left) the call spent in this engine (loop wait +
         forward). Prefill: num_rows=1. When params.logprobs is set the rows come as (rows, raw
@@ -62,7 +63,7 @@ class TargetEngine(EngineCore):
         rows, span = await self.submit(VerifyCall(seq_id, list(token_ids), num_rows, params, first_output_index,
                                                   prompt_logprobs))
         self.call_log.record("verify", seq_id, span)
-        return rows, astuple(span)
+        return rows, span
 
     def shape(self, call: VerifyCall) -> CallShape:
         return CallShape(call.seq_id, call.token_ids, call.num_rows)

@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 
-from cluster.messages import EngineStats
+from cluster.messages import POOLS, EngineStats, PolicyDecision, RouterReport
 from policies.cost_curve import fit_cost_curve
 from policies.decision import Decider, PolicySettings, policy_actor_name
 from policies.load import LoadTracker
@@ -60,25 +60,24 @@ class PolicyActor:
                 logger.exception("policy decision failed")
             await asyncio.sleep(self._settings.decide_interval_s)
 
-    def _decide(self) -> dict[str, Any]:
-        decision = self._decider.decide(self._tracker.snapshot(time.monotonic()), time.monotonic()).to_dict()
-        replicas = {pool: decision[f"{pool}_replicas"] for pool in ("target", "draft")
-                    if decision.get(f"{pool}_replicas") is not None}
-        self._metrics.record_decision(decision["num_draft_tokens"], replicas)
+    def _decide(self) -> PolicyDecision:
+        decision = self._decider.decide(self._tracker.snapshot(time.monotonic()), time.monotonic())
+        replicas = {pool: decision.replicas(pool) for pool in POOLS if decision.replicas(pool) is not None}
+        self._metrics.record_decision(decision.num_draft_tokens, replicas)
         return decision
 
     async def report_engine(self, stats: EngineStats) -> None:
         self._ensure_loop()
         self._tracker.add_engine(stats, time.monotonic())
 
-    async def report_router(self, report: dict[str, Any]) -> None:
+    async def report_router(self, report: RouterReport) -> None:
         self._ensure_loop()
         self._tracker.add_router(report, time.monotonic())
 
-    async def decision(self) -> dict[str, Any]:
-        """The latest decision (PolicyDecision.to_dict())."""
+    async def decision(self) -> PolicyDecision:
+        """The latest decision."""
         self._ensure_loop()
-        return self._decider.decision.to_dict()
+        return self._decider.decision
 
     async def load(self) -> dict[str, Any]:
         """The load the last decision saw, for `specserve status` and debugging."""

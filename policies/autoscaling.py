@@ -21,6 +21,7 @@ from typing import Any
 
 import ray
 
+from cluster.messages import PolicyDecision
 from policies.actor import POLICY_ACTOR_NAME, POLICY_NAMESPACE, get_or_create_policy_actor
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class PoolPolicy:
         self._pending: Any = None
         self._next_poll = 0.0
         self._next_lookup = 0.0
-        self._decision: dict[str, Any] | None = None
+        self._decision: PolicyDecision | None = None
         self._decision_at = float("-inf")
 
     def _lookup(self, now: float) -> None:
@@ -87,7 +88,7 @@ class PoolPolicy:
         """The decision's count for this pool, or None (no fresh decision / no opinion)."""
         if self._decision is None or now - self._decision_at > self._max_decision_age_s:
             return None
-        return self._decision.get(f"{self.pool}_replicas")
+        return self._decision.replicas(self.pool)
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         now = time.monotonic()
@@ -96,5 +97,5 @@ class PoolPolicy:
         wanted = self.wanted_replicas(now)
         if wanted is None:
             return ctx.target_num_replicas, state
-        state["specserve_policy_version"] = self._decision.get("version") if self._decision else None
+        state["specserve_policy_version"] = self._decision.version if self._decision else None
         return int(wanted), state

@@ -10,13 +10,13 @@ object, and tests drive it without Ray. The clock is passed in, so nothing here 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from cluster.config import SpeculationSpec
+from cluster.messages import REQUEST_CLASSES, ClassReport, PolicyDecision
 from decoding.sequence import RequestState
 from policies.acceptance import count_round_positions, position_accept_rates, request_position_rates
 from policies.depth import RoundCosts, RoundWallFit, best_depth_by_position, choose_draft_depth
-from policies.load import REQUEST_CLASSES, accept_rate_from_rounds
+from policies.load import accept_rate_from_rounds
 
 POLICY_STALE_S = 30.0  # a decision older than this (actor gone) is dropped: per-request depth only
 
@@ -47,9 +47,8 @@ class ClassCounters:
         alpha = accept_rate_from_rounds(self.rounds, self.drafted, self.accepted)
         return position_accept_rates(self.reached, self.accepted_at, depth, alpha)
 
-    def as_report(self) -> dict[str, Any]:
-        return {"rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
-                "reached": list(self.reached), "accepted_at": list(self.accepted_at)}
+    def as_report(self) -> ClassReport:
+        return ClassReport(self.rounds, self.drafted, self.accepted, tuple(self.reached), tuple(self.accepted_at))
 
 
 class DepthChooser:
@@ -68,17 +67,17 @@ class DepthChooser:
         # rounds draft ahead, sampled ones do not): how a lone request picks K.
         self.lone_round_walls = {c: RoundWallFit() for c in REQUEST_CLASSES}
         self.class_counters = {c: ClassCounters() for c in REQUEST_CLASSES}
-        self.policy_decision: dict[str, Any] | None = None
+        self.policy_decision: PolicyDecision | None = None
         self.policy_decision_at = float("-inf")
 
-    def set_policy_decision(self, decision: dict[str, Any] | None, now: float) -> None:
+    def set_policy_decision(self, decision: PolicyDecision | None, now: float) -> None:
         self.policy_decision, self.policy_decision_at = decision, now
 
     def policy_depth(self, klass: str, now: float) -> int | None:
         """The depth the policy actor allows this request class now, or None (no fresh decision)."""
         if self.policy_decision is None or now - self.policy_decision_at > POLICY_STALE_S:
             return None
-        return self.policy_decision.get("num_draft_tokens", {}).get(klass)
+        return self.policy_decision.num_draft_tokens.get(klass)
 
     def choose(self, state: RequestState, num_active: int, now: float) -> int:
         """K for this round of state's request, with num_active requests on the router."""
@@ -146,5 +145,5 @@ class DepthChooser:
         if num_drafted and alone:
             self.lone_round_walls[klass].observe(num_drafted, wall_s)
 
-    def counters_report(self) -> dict[str, dict[str, Any]]:
+    def counters_report(self) -> dict[str, ClassReport]:
         return {klass: counters.as_report() for klass, counters in self.class_counters.items()}

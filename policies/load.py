@@ -2,22 +2,21 @@
 
 Engines send their `EngineStats` about once a second (cluster.messages), busy_s and idle_s
 cumulative, cost_samples the (batch_tokens, seconds) of forwards since the last report.
-Routers send {"router", "active_requests", "by_class": {class: {"rounds", "drafted",
-"accepted", "reached", "accepted_at"}}} with cumulative counters, the last two lists by draft
-position (policies.acceptance.count_round_positions; older routers send neither). A source that stops reporting (dead replica, scaled
-down) expires after `ttl_s`, so the view only counts what is alive. Busy shares and acceptance
+Routers send a `RouterReport`: active requests by class and, per class, cumulative round
+counters (`ClassReport`; by draft position too, policies.acceptance.count_round_positions). A
+source that stops reporting (dead replica, scaled down) expires after `ttl_s`, so the view only
+counts what is alive. Busy shares and acceptance
 come from differences between reports, i.e. the recent past, not the lifetime.
 """
 
 from __future__ import annotations
 
-import copy
 from collections import deque
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from cluster.messages import MAX_DRAFT_TOKENS, POOL_COST_SAMPLES_KEPT, REQUEST_CLASSES, EngineStats
+from cluster.messages import (MAX_DRAFT_TOKENS, POOL_COST_SAMPLES_KEPT, REQUEST_CLASSES, ClassReport, EngineStats,
+                              RouterReport)
 from policies.acceptance import acceptance_from_tokens_per_round, estimate_acceptance_rate, position_accept_rates
 from policies.goodput import ClassLoad
 from policies.replicas import PoolLoad
@@ -58,8 +57,8 @@ class _EngineSeen:
 @dataclass
 class _RouterSeen:
     at: float
-    report: Mapping[str, Any]
-    history: deque = field(default_factory=deque)  # (time, {class: counters}) within the window
+    report: RouterReport
+    history: deque = field(default_factory=deque)  # (time, {class: ClassReport}) within the window
 
 
 def _busy_share(previous: EngineStats | None, current: EngineStats) -> float:
@@ -72,9 +71,8 @@ def _busy_share(previous: EngineStats | None, current: EngineStats) -> float:
 
 
 def _minus(last: Any, first: Any) -> Any:
-    """Counter growth: numbers, or lists element by element (a list may have grown longer)."""
-    if isinstance(last, list):
-        first = first if isinstance(first, list) else []
+    """Counter growth: numbers, or sequences element by element (one may have grown longer)."""
+    if isinstance(last, tuple):
         return [float(v) - (float(first[i]) if i < len(first) else 0.0) for i, v in enumerate(last)]
     return float(last) - float(first)
 
@@ -106,10 +104,10 @@ class LoadTracker:
         samples = self._samples.setdefault(stats.pool, deque(maxlen=POOL_COST_SAMPLES_KEPT))
         samples.extend((float(tokens), float(seconds)) for tokens, seconds in stats.cost_samples)
 
-    def add_router(self, report: Mapping[str, Any], now: float) -> None:
-        seen = self._routers.setdefault(str(report["router"]), _RouterSeen(now, report))
-        seen.at, seen.report = now, dict(report)
-        seen.history.append((now, copy.deepcopy(report.get("by_class", {}))))  # an in-process router mutates its own
+    def add_router(self, report: RouterReport, now: float) -> None:
+        seen = self._routers.setdefault(report.router, _RouterSeen(now, report))
+        seen.at, seen.report = now, report
+        seen.history.append((now, report.by_class))
         while len(seen.history) > 2 and seen.history[1][0] <= now - ACCEPT_WINDOW_S:
             seen.history.popleft()  # keep one point at or before the window start
 
@@ -123,12 +121,12 @@ class LoadTracker:
         window = {"rounds": 0.0, "drafted": 0.0, "accepted": 0.0, "reached": [], "accepted_at": []}
         lifetime = {name: [] if isinstance(value, list) else 0.0 for name, value in window.items()}
         for seen in self._routers.values():
-            first, last = seen.history[0][1].get(request_class, {}), seen.history[-1][1].get(request_class, {})
-            since = first if len(seen.history) > 1 else {}
-            for name, zero in window.items():
-                zero = [] if isinstance(zero, list) else 0.0
-                _add(lifetime, name, last.get(name, zero))
-                _add(window, name, _minus(last.get(name, zero), since.get(name, zero)))
+            first = seen.history[0][1].get(request_class, ClassReport())
+            last = seen.history[-1][1].get(request_class, ClassReport())
+            since = first if len(seen.history) > 1 else ClassReport()
+            for name in (f.name for f in fields(ClassReport)):
+                _add(lifetime, name, getattr(last, name))
+                _add(window, name, _minus(getattr(last, name), getattr(since, name)))
         # No drafting in the window (K = 0 for this class, or no traffic): fall back to the lifetime.
         counters = window if window["drafted"] > 0 else lifetime
         alpha = accept_rate_from_rounds(counters["rounds"], counters["drafted"], counters["accepted"])
@@ -148,14 +146,12 @@ class LoadTracker:
             sequences[pool] = sum(s.stats.sequences for s in seen)
         by_class_active: dict[str, int] = {c: 0 for c in REQUEST_CLASSES}
         for seen in self._routers.values():
-            for c, active in seen.report.get("active_by_class", {}).items():
-                by_class_active[c] = by_class_active.get(c, 0) + int(active)
-        active = sum(int(seen.report.get("active_requests", 0)) for seen in self._routers.values())
-        if sum(by_class_active.values()) == 0 and active:
-            by_class_active["greedy"] = active  # routers that do not split active requests by class
+            for c, active in seen.report.active_by_class.items():
+                by_class_active[c] = by_class_active.get(c, 0) + active
+        active = sum(seen.report.active_requests for seen in self._routers.values())
         classes = {c: self._class_load(c, by_class_active.get(c, 0)) for c in by_class_active}
-        overheads = [float(seen.report["round_overhead_s"]) for seen in self._routers.values()
-                     if seen.report.get("round_overhead_s") is not None]
+        overheads = [seen.report.round_overhead_s for seen in self._routers.values()
+                     if seen.report.round_overhead_s is not None]
         return ClusterLoad(pools, sequences, classes, active,
                            {pool: list(samples) for pool, samples in self._samples.items()},
                            sum(overheads) / len(overheads) if overheads else 0.0)

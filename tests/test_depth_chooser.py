@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.config import SpecServeConfig
+from cluster.messages import PolicyDecision
 from decoding.sampling import SamplingParams
 from decoding.sequence import RequestState
 from deployments.router import Router
@@ -25,6 +26,11 @@ def request(request_id: str, seed: int | None = None) -> RequestState:
     params = SamplingParams(temperature=0.0 if seed is None else 0.8, seed=seed, max_tokens=64)
     return RequestState(request_id=request_id, prompt_ids=[1, 2, 3], params=params, eos_token_id=None,
                         max_context=512)
+
+
+def depths(num_draft_tokens: dict[str, int]) -> PolicyDecision:
+    """A policy decision allowing these depths, with no opinion on replicas."""
+    return PolicyDecision(num_draft_tokens, None, None, version=1)
 
 
 def teach_line(chooser, request_class: str, intercept_s: float, per_token_s: float, rounds: int = 60) -> None:
@@ -54,14 +60,14 @@ def test_only_rounds_alone_from_start_to_end_teach_the_lone_line(chooser):
 
 def test_with_company_the_policy_depth_holds_whatever_the_lone_line_says(chooser):
     teach_line(chooser, "greedy", 0.015, 0.006)
-    chooser.set_policy_decision({"num_draft_tokens": {"greedy": 7, "sampled": 3}}, NOW)
+    chooser.set_policy_decision(depths({"greedy": 7, "sampled": 3}), NOW)
     first = request("a")
     assert chooser.choose(first, 2, NOW) == 7
     assert chooser.choose(first, 1, NOW) < 7     # alone, the policy's depth only caps
 
 
 def test_a_stale_policy_decision_is_dropped(chooser):
-    chooser.set_policy_decision({"num_draft_tokens": {"greedy": 1, "sampled": 1}}, NOW)
+    chooser.set_policy_decision(depths({"greedy": 1, "sampled": 1}), NOW)
     assert chooser.choose(request("a"), 2, NOW) == 1
     assert chooser.choose(request("a"), 2, NOW + POLICY_STALE_S + 1) > 1
 
@@ -70,7 +76,7 @@ def test_a_seeded_request_ignores_the_policy_and_the_measured_line(chooser):
     seeded = request("s", seed=5)
     before = chooser.choose(seeded, 1, NOW)
     teach_line(chooser, "sampled", 0.015, 0.006)
-    chooser.set_policy_decision({"num_draft_tokens": {"greedy": 1, "sampled": 1}}, NOW)
+    chooser.set_policy_decision(depths({"greedy": 1, "sampled": 1}), NOW)
     assert chooser.choose(seeded, 2, NOW) == before
 
 
@@ -79,6 +85,6 @@ def test_status_reports_what_a_fresh_greedy_request_would_draft():
     idle = router.status()["num_draft_tokens"]
     teach_line(router.depth, "greedy", 0.015, 0.006)
     assert router.status()["num_draft_tokens"] < idle          # alone: its lone choice
-    router.depth.set_policy_decision({"num_draft_tokens": {"greedy": 6, "sampled": 3}}, float("inf"))
+    router.depth.set_policy_decision(depths({"greedy": 6, "sampled": 3}), float("inf"))
     router.active_requests = {"a": request("a")}
     assert router.status()["num_draft_tokens"] == 6            # beside another: the policy's depth

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from cluster.config import SpecServeConfig
+from cluster.messages import CallSpan
 from decoding.model_runner import ModelRunner
 from decoding.sampling import SamplingParams, make_generator
 from decoding.proposers import DraftModelProposer, Proposal
@@ -62,7 +63,7 @@ def test_a_verify_handed_the_drafts_answer_verifies_its_block_or_none_if_the_dra
         await asyncio.sleep(0.01)  # the draft is still drafting when the verify arrives
         if error is not None:
             raise error
-        return Proposal(block, None), (0.0, 0.0, 0.0)
+        return Proposal(block, None), CallSpan(0.0, 0.0, 0.0)
 
     async def scenario():
         engine = TargetEngine(spec(target_path), options())
@@ -91,7 +92,7 @@ def test_a_verify_whose_request_ended_while_its_block_was_drafted_holds_nothing(
         verify = asyncio.ensure_future(engine.verify("gone", HISTORIES[0], 1, GREEDY, 0, [block]))
         await asyncio.sleep(0.01)
         await engine.release("gone")
-        block.set_result((Proposal([9, 4], None), (0.0, 0.0, 0.0)))
+        block.set_result((Proposal([9, 4], None), CallSpan(0.0, 0.0, 0.0)))
         with pytest.raises(SequenceReleasedError):
             await verify
         return await engine.active_sequences()

@@ -171,9 +171,10 @@ def test_a_costly_round_trip_argues_for_deeper_rounds():
 
 
 def test_the_load_view_carries_the_routers_measured_overhead():
+    from cluster.messages import RouterReport
     from policies.load import LoadTracker
 
     tracker = LoadTracker()
     for name, overhead_s in (("r1", 0.006), ("r2", 0.008), ("r3", None)):
-        tracker.add_router({"router": name, "active_requests": 1, "round_overhead_s": overhead_s}, now=0.0)
+        tracker.add_router(RouterReport(name, 1, {"greedy": 1}, {}, overhead_s), now=0.0)
     assert tracker.snapshot(0.0).round_overhead_s == pytest.approx(0.007)

@@ -8,7 +8,7 @@ import pytest
 import ray
 from ray import serve
 
-from cluster.messages import EngineStats
+from cluster.messages import ClassReport, EngineStats, PolicyDecision, RouterReport
 from policies.actor import POLICY_ACTOR_NAME, POLICY_NAMESPACE, get_or_create_policy_actor, kill_policy_actor
 from policies.decision import PolicySettings, policy_actor_name
 from policies.replicas import ScalingThresholds
@@ -56,9 +56,8 @@ class Reporter:
                             pool, f"{pool}-{replica}", sequences=self.active, free_slots=8, queue_depth=0,
                             forwards=1, batch_rows_total=1, busy_s=share * clock, idle_s=(1 - share) * clock,
                             cost_samples=COST_SAMPLES))
-                actor.report_router.remote({"router": "r1", "active_requests": self.active,
-                                            "active_by_class": {"greedy": self.active, "sampled": 0},
-                                            "by_class": {"greedy": {"rounds": 10, "drafted": 40, "accepted": 30}}})
+                actor.report_router.remote(RouterReport("r1", self.active, {"greedy": self.active, "sampled": 0},
+                                                        {"greedy": ClassReport(10, 40, 30)}))
             except (ValueError, ray.exceptions.RayError):
                 pass  # actor restarting: report again next tick
             self._stop.wait(0.3)
@@ -78,7 +77,7 @@ def cluster():
     ray.shutdown()
 
 
-def decision(actor) -> dict:
+def decision(actor) -> PolicyDecision:
     return ray.get(actor.decision.remote(), timeout=10)
 
 
@@ -96,8 +95,7 @@ def test_each_application_has_its_own_policy_actor(cluster):
     other = get_or_create_policy_actor(other_settings)
     try:
         assert other._actor_id != cluster._actor_id
-        other.report_router.remote({"router": "r-other", "active_requests": 5,
-                                    "active_by_class": {"greedy": 5, "sampled": 0}, "by_class": {}})
+        other.report_router.remote(RouterReport("r-other", 5, {"greedy": 5, "sampled": 0}, {}))
         wait_for(lambda: ray.get(other.load.remote(), timeout=10)["active_requests"] == 5, what="the report")
         assert ray.get(cluster.load.remote(), timeout=10)["active_requests"] != 5
     finally:
@@ -107,12 +105,12 @@ def test_each_application_has_its_own_policy_actor(cluster):
 def test_reports_become_a_decision_that_scales_the_bottleneck(cluster):
     reporter = Reporter(target_busy=0.3, draft_busy=0.95, active=4)
     try:
-        final = wait_for(lambda: (d := decision(cluster))["draft_replicas"] == 2 and d, what="draft pool scale-up")
+        final = wait_for(lambda: (d := decision(cluster)).draft_replicas == 2 and d, what="draft pool scale-up")
     finally:
         reporter.stop()
-    assert final["target_replicas"] == 1
-    assert set(final["num_draft_tokens"]) == {"greedy", "sampled"}
-    assert any("draft: busy" in reason for reason in final["reasons"])
+    assert final.target_replicas == 1
+    assert set(final.num_draft_tokens) == {"greedy", "sampled"}
+    assert any("draft: busy" in reason for reason in final.reasons)
 
 
 def test_a_killed_actor_comes_back_and_decides_again(cluster):
@@ -121,10 +119,10 @@ def test_a_killed_actor_comes_back_and_decides_again(cluster):
     reporter = Reporter(target_busy=0.95, draft_busy=0.5, active=4)
     try:
         wait_for(lambda: ray.get(cluster.load.remote(), timeout=10)["started_at"] != started, what="actor restart")
-        final = wait_for(lambda: (d := decision(cluster))["target_replicas"] == 2 and d, what="decision after restart")
+        final = wait_for(lambda: (d := decision(cluster)).target_replicas == 2 and d, what="decision after restart")
     finally:
         reporter.stop()
-    assert final["version"] >= 1
+    assert final.version >= 1
 
 
 def test_serve_scales_a_deployment_through_the_pool_policy(cluster):

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from cluster.messages import ClassReport, RouterReport
 from policies.acceptance import (count_round_positions, expected_tokens_by_position, expected_tokens_per_round,
                                  position_accept_rates)
 from policies.cost_curve import CostCurve
@@ -90,12 +91,10 @@ def test_the_same_totals_read_by_position_draft_deeper_when_acceptance_is_streak
 
 def test_the_load_view_reads_position_counters_over_the_window():
     tracker = LoadTracker(ttl_s=100.0)
-    before = {"rounds": 10, "drafted": 40, "accepted": 20, "reached": [10, 8, 6, 4], "accepted_at": [8, 6, 4, 2]}
-    after = {"rounds": 20, "drafted": 80, "accepted": 60, "reached": [20, 18, 16, 14], "accepted_at": [18, 16, 14, 12]}
-    tracker.add_router({"router": "r", "active_requests": 2, "active_by_class": {"greedy": 2},
-                        "by_class": {"greedy": before}}, now=0.0)
-    tracker.add_router({"router": "r", "active_requests": 2, "active_by_class": {"greedy": 2},
-                        "by_class": {"greedy": after}}, now=1.0)
+    before = ClassReport(10, 40, 20, reached=(10, 8, 6, 4), accepted_at=(8, 6, 4, 2))
+    after = ClassReport(20, 80, 60, reached=(20, 18, 16, 14), accepted_at=(18, 16, 14, 12))
+    tracker.add_router(RouterReport("r", 2, {"greedy": 2}, {"greedy": before}), now=0.0)
+    tracker.add_router(RouterReport("r", 2, {"greedy": 2}, {"greedy": after}), now=1.0)
     greedy = tracker.snapshot(1.0).classes["greedy"]
     assert len(greedy.accept_by_position) == MAX_POSITIONS
     alpha = accept_rate_from_rounds(10, 40, 40)             # the window: every drafted token taken
@@ -103,10 +102,9 @@ def test_the_load_view_reads_position_counters_over_the_window():
     assert greedy.accept_by_position[:4] == pytest.approx(position_accept_rates([10] * 4, [10] * 4, 4, alpha))
 
 
-def test_a_router_without_position_counters_leaves_the_geometric_model():
+def test_a_class_without_position_counters_leaves_the_geometric_model():
     tracker = LoadTracker()
-    tracker.add_router({"router": "old", "active_requests": 1,
-                        "by_class": {"greedy": {"rounds": 5, "drafted": 20, "accepted": 10}}}, now=0.0)
+    tracker.add_router(RouterReport("r", 1, {"greedy": 1}, {"greedy": ClassReport(5, 20, 10)}), now=0.0)
     greedy = tracker.snapshot(0.0).classes["greedy"]
     assert greedy.accept_by_position == ()
     assert greedy.expected_tokens(4) == pytest.approx(expected_tokens_per_round(greedy.accept_rate, 4))

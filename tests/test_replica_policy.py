@@ -2,7 +2,7 @@
 
 import pytest
 
-from cluster.messages import EngineStats
+from cluster.messages import ClassReport, EngineStats, RouterReport
 from policies.decision import Decider, PolicySettings
 from policies.depth import expected_tokens_per_round
 from policies.load import LoadTracker, accept_rate_from_rounds
@@ -110,11 +110,8 @@ def engine(pool: str, replica: str, busy_s: float, idle_s: float, queue_depth: i
 
 
 def router(name: str, active: int, rounds: int, drafted: int, accepted: int, active_by_class=None):
-    report = {"router": name, "active_requests": active,
-              "by_class": {"greedy": {"rounds": rounds, "drafted": drafted, "accepted": accepted}}}
-    if active_by_class is not None:
-        report["active_by_class"] = active_by_class
-    return report
+    return RouterReport(name, active, {"greedy": active} if active_by_class is None else active_by_class,
+                        {"greedy": ClassReport(rounds, drafted, accepted)})
 
 
 def test_busy_share_is_measured_between_reports_not_over_the_lifetime():
