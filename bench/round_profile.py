@@ -13,10 +13,13 @@ Serves the default pair, sends the third-party prompts one at a time over HTTP (
   calls the round waited on (those that left before the verify entered). It does not rely on the
   router's clock at all.
 
-With `--stages` (default on) the router records every round's stages (SPECSERVE_PROFILE_ROUNDS=1,
-deployments/round_stages.py): its own Python (policy, propose bookkeeping, launch, accept_round,
-record, chunk), each hop out and back, each engine's batching-loop wait and compute; the report
-gives median and mean per stage, pipelined rounds (block drafted ahead) apart from fresh ones.
+With `--stages` (default on) the cluster runs with the one profiling switch on
+(SPECSERVE_PROFILE_ROUNDS=1, deployments/round_stages.py), without which the served path keeps
+no benchmark instrumentation: the engines keep their call logs (the outside check), responses
+split the overhead into hops and router, and the router records every round's stages: its own
+Python (policy, propose bookkeeping, launch, accept_round, record, chunk), each hop out and back,
+each engine's batching-loop wait and compute; the report gives median and mean per stage,
+pipelined rounds (block drafted ahead) apart from fresh ones.
 It also reads the CPU seconds every process of the cluster (and this client) burned while the
 requests ran, per round: what the HTTP/SSE side (proxy, ingress) and Ray's own daemons take from
 the two cores the engines need.
@@ -138,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stream-interval-ms", type=float, default=None,
                         help="http.stream_interval_ms for the served app (default: the config's)")
     parser.add_argument("--no-stages", dest="stages", action="store_false",
-                        help="leave the router's per-stage profile off (SPECSERVE_PROFILE_ROUNDS)")
+                        help="leave the profiling switch off (SPECSERVE_PROFILE_ROUNDS): no stages, hops "
+                             "or outside check, only tok/s and the overhead")
     parser.add_argument("--name", default="round-profile-thirdparty")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)

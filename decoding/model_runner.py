@@ -93,13 +93,6 @@ class RunnerBase:
     # model_path: str, device: torch.device, max_sequences: int
 
     @classmethod
-    def from_spec(cls, spec: dict):
-        """From a model spec mapping (cluster.config.ModelSpec dumped: path, dtype, device,
-        torch_threads, max_sequences), as worker engines receive it."""
-        return cls(spec["path"], dtype=spec["dtype"], device=spec["device"],
-                   num_threads=spec["torch_threads"], max_sequences=spec["max_sequences"])
-
-    @classmethod
     def from_model(cls, model, max_sequences: int = 256):
         """Wrap an already-built model (tests build tiny random ones from a config)."""
         runner = cls.__new__(cls)

@@ -2,10 +2,13 @@
 
 The router always times each engine call (`EngineCall`: four moments on the one CLOCK_MONOTONIC
 every process of a machine shares, plus when the engine's forward began), which is what its
-`speculation.median_overhead_ms` / `median_hops_ms` come from. The finer split below (the router's
-Python between the calls, each hop, each engine's loop wait and compute) is recorded only when
-SPECSERVE_PROFILE_ROUNDS=1 is in the router's environment: off, `RoundStages.mark` is one attribute
-test, so the served path pays nothing for it.
+`speculation.median_overhead_ms` comes from and its depth choice learns from.
+
+SPECSERVE_PROFILE_ROUNDS=1 in the cluster's environment is the one switch for benchmark
+instrumentation on the served path (`profiling_enabled`): the finer split below (the router's
+Python between the calls, each hop, each engine's loop wait and compute), the response's
+`median_hops_ms` / `median_router_ms`, and the engines' call logs (deployments.engine_parts.CallLog).
+Off, `RoundStages.mark` is one attribute test and the engines log nothing.
 """
 
 from __future__ import annotations
