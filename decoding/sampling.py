@@ -12,7 +12,7 @@ import os
 from typing import Annotated
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 # The limits OpenAI's API documents; the HTTP models (deployments/openai_protocol.py) use these
 # very constants, so what the ingress admits and what a request may carry cannot disagree.
@@ -33,7 +33,31 @@ MIN_PRESENCE_PENALTY, MAX_PRESENCE_PENALTY = -2.0, 2.0
 MIN_FREQUENCY_PENALTY, MAX_FREQUENCY_PENALTY = -2.0, 2.0
 MIN_P_RANGE = (0.0, 1.0)
 
-# Field types shared with the HTTP request models.
+def stop_as_list(value: object) -> object:
+    """OpenAI's `stop` takes a single string, a list of strings, or null: as a list."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return value
+
+
+def check_stop_strings(value: list[str]) -> list[str]:
+    if len(value) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(value)}")
+    if any(s == "" for s in value):
+        raise ValueError("stop strings must be non-empty")
+    return value
+
+
+def check_min_tokens(min_tokens: int, max_tokens: int) -> None:
+    """The ingress checks it against the max_tokens it settles on (a default, or the request's)."""
+    if min_tokens > max_tokens:
+        raise ValueError(f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})")
+
+
+# Field types shared with the HTTP request models (theirs holds stop strings as checked Text).
+StopStrings = Annotated[list[str], BeforeValidator(stop_as_list), AfterValidator(check_stop_strings)]
 Temperature = Annotated[float, Field(ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
@@ -65,8 +89,7 @@ class SamplingParams(BaseModel):
     top_p: TopP = Field(default=1.0, description="nucleus: keep the smallest set with cumulative prob >= top_p")
     seed: Seed | None = Field(default=None, description="seed for a reproducible request")
     max_tokens: int = Field(default=16, ge=1, le=1_000_000, description="tokens to generate at most")
-    stop: list[str] = Field(default_factory=list,
-                            description=f"up to {MAX_STOP_STRINGS} non-empty stop strings")
+    stop: StopStrings = Field(default_factory=list, description=f"up to {MAX_STOP_STRINGS} non-empty stop strings")
     ignore_eos: bool = Field(default=False, description="EOS is an ordinary token: it does not end the request")
     min_tokens: int = Field(default=0, ge=0, description="EOS is masked for output positions below this")
     repetition_penalty: RepetitionPenalty = Field(
@@ -86,29 +109,9 @@ class SamplingParams(BaseModel):
                                  description="return the target's raw log-probability of every emitted token "
                                              "and this many most likely alternatives; None: none")
 
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop_as_list(cls, value: object) -> object:
-        # OpenAI's API takes a single string, a list of strings, or null.
-        if value is None:
-            return []
-        if isinstance(value, str):
-            return [value]
-        return value
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_bounded(cls, value: list[str]) -> list[str]:
-        if len(value) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(value)}")
-        if any(s == "" for s in value):
-            raise ValueError("stop strings must be non-empty")
-        return value
-
     @model_validator(mode="after")
     def _min_tokens_within_max(self) -> "SamplingParams":
-        if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        check_min_tokens(self.min_tokens, self.max_tokens)
         return self
 
     @property

@@ -34,7 +34,7 @@ from transformers import AutoTokenizer
 from cluster.config import SpecServeConfig
 from decoding.checkpoint import GENERATION_DEFAULT_FIELDS, generation_defaults, max_model_len
 from decoding.model_runner import output_width, served_vocab_size
-from decoding.sampling import MAX_SEED, SamplingParams
+from decoding.sampling import MAX_SEED, SamplingParams, check_min_tokens
 from deployments.admission import ServerOverloadedError
 from deployments.openai_protocol import (
     ChatCompletionRequest,
@@ -327,9 +327,10 @@ class Ingress:
         if unknown:
             raise OpenAIError(f"stop_token_ids {unknown} are not ids of this model's tokenizer "
                               f"({len(self.tokenizer)} ids)", param="stop_token_ids")
-        if body.min_tokens > max_tokens:
-            raise OpenAIError(f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})",
-                              param="min_tokens")
+        try:
+            check_min_tokens(body.min_tokens, max_tokens)
+        except ValueError as exc:
+            raise OpenAIError(str(exc), param="min_tokens") from None
         try:
             return SamplingParams(**self._sampling_fields(body), seed=body.seed, max_tokens=max_tokens,
                                   stop=body.stop, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,

@@ -37,12 +37,13 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt,
+                      field_validator, model_validator)
 
 from cluster.config import hash_key
 from decoding.sampling import (MAX_LOGPROBS, MAX_STOP_STRINGS, FrequencyPenalty, MinP, PresencePenalty,
-                               RepetitionPenalty, Seed, Temperature, TopP)
+                               RepetitionPenalty, Seed, Temperature, TopP, check_stop_strings,
+                               stop_as_list)
 
 
 class OpenAIError(Exception):
@@ -193,7 +194,8 @@ class _RequestFields(BaseModel):
     top_p: TopP = 1.0
     top_k: int = Field(0, ge=-1, description="extension (as in vLLM); 0 or -1 disables")
     seed: Seed | None = None
-    stop: list[Text] = Field(default_factory=list, description=f"a string or up to {MAX_STOP_STRINGS} strings")
+    stop: Annotated[list[Text], BeforeValidator(stop_as_list), AfterValidator(check_stop_strings)] = Field(
+        default_factory=list, description=f"a string or up to {MAX_STOP_STRINGS} strings")
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="vLLM extension: EOS does not end the request")
@@ -269,18 +271,6 @@ class _RequestFields(BaseModel):
     @classmethod
     def _neutral_only(cls, value: Any, info) -> Any:
         return _check_neutral(info.field_name, value, NEUTRAL_VALUES[info.field_name])
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop_as_list(cls, value: Any) -> Any:
-        return [value] if isinstance(value, str) else value
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_bounded(cls, value: list[str]) -> list[str]:
-        if len(value) > MAX_STOP_STRINGS or any(not stop for stop in value):
-            raise ValueError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
-        return value
 
     @field_validator("stream_options")
     @classmethod
