@@ -70,10 +70,10 @@ class DraftEngine(EngineCore):
         """Prefill what the cache lacks (prompts, or a replica's first sight of a request), then
         draft for every call in one batch of decode steps."""
         output = StepOutput()
-        if self.runner is not None:
+        if self.runner is not None:  # a block past the draft's context: none
             for index, call in enumerate(calls):
                 if len(call.history) + max(call.num_tokens - 1, 0) > self.runner.max_context:
-                    output.results[index] = None if call.num_tokens == 0 else empty_proposal()  # past the draft's context
+                    output.results[index] = None if call.num_tokens == 0 else empty_proposal()
         runnable = self._prefill(calls, schedule, output) + schedule.plan.steps
         to_draft = []
         for index in runnable:

@@ -168,11 +168,12 @@ class EngineCore:
         """Load and cost figures for the policy actor, metrics and `specserve status`."""
         for seq_id in self.idle.expired(time.monotonic()):
             self.loop.release(seq_id)
-        loop_stats = self.loop.stats
-        return EngineStats(self.pool, self.name, len(await self.active_sequences()), self.scheduler.free_slots,
-                           self.loop.queue_depth, loop_stats.iterations, loop_stats.rows_total, loop_stats.busy_s,
-                           loop_stats.idle_s, self.gpu_ids, self.node_id, tuple(self.reporter.recent),
-                           self._kv_usage())
+        loop = self.loop.stats
+        return EngineStats(self.pool, self.name, sequences=len(await self.active_sequences()),
+                           free_slots=self.scheduler.free_slots, queue_depth=self.loop.queue_depth,
+                           forwards=loop.iterations, batch_rows_total=loop.rows_total, busy_s=loop.busy_s,
+                           idle_s=loop.idle_s, gpu_ids=self.gpu_ids, node_id=self.node_id,
+                           cost_samples=tuple(self.reporter.recent), kv=self._kv_usage())
 
     def _kv_usage(self) -> KvUsage | None:
         if not self.scheduler.paged:
