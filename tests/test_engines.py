@@ -327,3 +327,23 @@ def test_a_held_sequence_that_cannot_grow_preempts_the_youngest_which_is_prefill
     grown, again = asyncio.run(scenario())
     assert grown == torch.argmax(reference.forward("o", older + [9, 9, 4], 4), dim=-1).tolist()
     assert again == torch.argmax(reference.forward("y", younger + [3, 3], 3), dim=-1).tolist()
+
+
+def test_the_call_log_is_kept_only_with_the_profiling_switch(pair, monkeypatch):
+    """bench.round_profile's outside check reads the engines' call logs; the served path keeps
+    none unless SPECSERVE_PROFILE_ROUNDS is on."""
+    from deployments.round_stages import PROFILE_ENV
+
+    target_path, _ = pair
+
+    async def logged_calls():
+        engine = TargetEngine(spec(target_path), options())
+        _, span = await engine.verify("a", HISTORIES[0], 1, GREEDY)
+        return span, await engine.call_times()
+
+    monkeypatch.delenv(PROFILE_ENV, raising=False)
+    assert asyncio.run(logged_calls())[1] == []
+    monkeypatch.setenv(PROFILE_ENV, "1")
+    span, calls = asyncio.run(logged_calls())
+    assert calls == [("verify", "a", span.entered_s, span.left_s)]
+    assert span.entered_s <= span.started_s <= span.left_s
