@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+RAY_NAMESPACE = "specserve"  # where the engines and the policy actor are named actors
 POOLS = ("target", "draft")
 REQUEST_CLASSES = ("greedy", "sampled")
 MAX_DRAFT_TOKENS = 32  # the deepest K a config allows (cluster.config bounds its depths by it)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 
-from cluster.messages import POOLS
+from cluster.messages import POOLS, RAY_NAMESPACE
 
-ENGINE_NAMESPACE = "specserve"
+ENGINE_NAMESPACE = RAY_NAMESPACE
 ENGINE_NAME_PREFIX = "engine"
 
 

@@ -19,13 +19,13 @@ from typing import Any
 
 import ray
 
-from cluster.messages import POOLS, EngineStats, PolicyDecision, RouterReport
+from cluster.messages import POOLS, RAY_NAMESPACE, EngineStats, PolicyDecision, RouterReport
 from policies.cost_curve import fit_cost_curve
 from policies.decision import Decider, PolicySettings, policy_actor_name
 from policies.load import LoadTracker
 
 POLICY_ACTOR_NAME = PolicySettings().actor_name   # the default application's (model "specserve-default")
-POLICY_NAMESPACE = "specserve"
+POLICY_NAMESPACE = RAY_NAMESPACE
 
 __all__ = ["POLICY_ACTOR_NAME", "POLICY_NAMESPACE", "PolicyActor", "get_or_create_policy_actor",
            "kill_policy_actor", "policy_actor_name"]
