@@ -2,10 +2,10 @@
 
 An engine actor is an asyncio actor. Calls (`submit`) queue up while the model runs in ONE worker
 thread (torch releases the GIL, so the event loop keeps accepting calls meanwhile); when the
-forward ends, the loop hands everything waiting to the engine's `iterate` function, which plans
-and runs one iteration (decoding.scheduler) and answers the calls it finished. Calls it did not
-finish (a prefill mid-chunk, a new sequence waiting for a KV slot) stay queued, in order. No timer:
-a lone call starts at once.
+forward ends, the loop hands everything waiting to the engine's `step` (`iterate` here), which
+plans and runs one iteration (decoding.scheduler) and answers the calls it finished. Calls it did
+not finish (a prefill mid-chunk, a new sequence waiting for a KV slot) stay queued, in order. No
+timer: a lone call starts at once.
 
 Releases never race a forward: they are applied between iterations, and drop any queued call of
 the released sequence (its request is gone), so a late call cannot resurrect freed state.
