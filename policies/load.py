@@ -5,8 +5,8 @@ cumulative, cost_samples the (batch_tokens, seconds) of forwards since the last 
 Routers send a `RouterReport`: active requests by class and, per class, cumulative round
 counters (`ClassReport`; by draft position too, policies.acceptance.count_round_positions). A
 source that stops reporting (dead replica, scaled down) expires after `ttl_s`, so the view only
-counts what is alive. Busy shares and acceptance
-come from differences between reports, i.e. the recent past, not the lifetime.
+counts what is alive. Busy shares and acceptance come from differences between reports, i.e. the
+recent past, not the lifetime.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _busy_share(previous: EngineStats | None, current: EngineStats) -> float:
 
 def _minus(last: Any, first: Any) -> Any:
     """Counter growth: numbers, or sequences element by element (one may have grown longer)."""
-    if isinstance(last, tuple):
+    if isinstance(last, (tuple, list)):
         return [float(v) - (float(first[i]) if i < len(first) else 0.0) for i, v in enumerate(last)]
     return float(last) - float(first)
 
