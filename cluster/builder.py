@@ -87,7 +87,8 @@ def served_model_specs(config: SpecServeConfig) -> tuple[dict[str, Any], dict[st
     """(target spec, draft spec) as the engines receive them: the configured ModelSpec plus what
     the pair decides, read from the checkpoint folders before anything starts: the ids served
     (the tokenizer's, checked against the draft: IncompatibleModelsError here, at start, names
-    the difference), the EOS set and max_model_len."""
+    the difference), the EOS set, max_model_len and the tokenizer's path (the engines build
+    structured outputs' grammar masks over it)."""
     from transformers import AutoTokenizer
 
     from decoding.checkpoint import context_length, eos_token_ids, max_model_len
@@ -101,7 +102,7 @@ def served_model_specs(config: SpecServeConfig) -> tuple[dict[str, Any], dict[st
         vocab_size = served_vocab_size(tokenizer, output_width(config.target.path))
     target_len = max_model_len(config.target.path, config.target.max_model_len)
     served = {"vocab_size": vocab_size, "eos_token_ids": sorted(eos_token_ids(config.target.path, tokenizer)),
-              "max_model_len": target_len}
+              "max_model_len": target_len, "tokenizer_path": str(tokenizer_path)}
     draft = None
     if config.draft is not None and config.speculation.proposer == "draft":
         draft = {**config.draft.model_dump(), **served,

@@ -9,6 +9,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from decoding.grammar import GrammarDeadEndError, GrammarMatchers
 from decoding.model_runner import ForwardCall, RunnerBase
 from decoding.row_processors import HistoryProcessor, history_processor
 from decoding.sampling import SamplingParams, logits_to_probs, sample_from_probs
@@ -54,17 +55,23 @@ class DraftModelProposer:
     """A small causal LM drafting autoregressively over a runner (KV cache reused across rounds).
 
     Over a BatchedModelRunner, every step of `propose_batch` is one draft forward for all the
-    requests still drafting; over a ModelRunner the same code runs one forward per request."""
+    requests still drafting; over a ModelRunner the same code runs one forward per request.
 
-    def __init__(self, runner: RunnerBase) -> None:
+    grammars: the matchers of structured-output requests (one per sequence); with them the draft
+    rows are masked as the target's will be, so the draft never proposes a token the grammar
+    forbids. None drafts such requests unmasked (still lossless: the target rejects what the
+    grammar forbids; bench.structured_outputs measures the difference)."""
+
+    def __init__(self, runner: RunnerBase, grammars: GrammarMatchers | None = None) -> None:
         self.runner = runner
+        self.grammars = grammars
 
     def propose(self, seq_id: str, history: Sequence[int], num_tokens: int, params: SamplingParams,
                 generator: torch.Generator | None = None, prompt_len: int | None = None) -> Proposal:
         """Draft up to num_tokens tokens, one draft forward each. Greedy drafts are the argmax chain
         (probs None); sampled drafts are drawn from logits_to_probs rows with `generator`, and those
-        processed q rows [K, V] are returned for rejection sampling. Penalties see history plus the
-        tokens drafted so far, as the target's verify rows will (decoding.row_processors).
+        processed q rows [K, V] are returned for rejection sampling. Penalties and grammar masks see
+        history plus the tokens drafted so far, as the target's verify rows will (decoding.row_processors).
 
         Fewer tokens are drafted when the draft model's context would overflow."""
         return self.propose_batch([ProposeCall(seq_id, history, num_tokens, params, generator, prompt_len)])[0]
@@ -83,6 +90,8 @@ class DraftModelProposer:
         drafted: list[list[int]] = [[] for _ in calls]
         q_rows: list[list[torch.Tensor]] = [[] for _ in calls]
         processors: list[HistoryProcessor | None] = [None] * len(calls)
+        matchers = [self._grammar(call) if budget > 0 else None for call, budget in zip(calls, budgets)]
+        budgets = [0 if matcher is False else budget for matcher, budget in zip(matchers, budgets)]
         drafting = [i for i, budget in enumerate(budgets) if budget > 0]
         while drafting:
             logits = self.runner.forward_batch([ForwardCall(calls[i].seq_id, histories[i], 1) for i in drafting])
@@ -90,11 +99,16 @@ class DraftModelProposer:
                 call = calls[i]
                 row = row_logits[0] if call.generator is None or call.params.is_greedy else (
                     row_logits[0].to(call.generator.device))  # sample where the generator lives
-                if call.params.uses_penalties:
+                if call.params.uses_history:
                     if processors[i] is None:
                         processors[i] = history_processor(call.params, call.history, call.prompt_len,
-                                                          row.shape[-1], row.device)
-                    row = processors[i].process(row.unsqueeze(0))[0]
+                                                          row.shape[-1], row.device, matchers[i])
+                    if processors[i] is not None:
+                        try:
+                            row = processors[i].process(row.unsqueeze(0))[0]
+                        except GrammarDeadEndError:  # the target will say so; the draft just stops
+                            budgets[i] = len(drafted[i])
+                            continue
                 token = self._draw(row, call, q_rows[i])
                 if processors[i] is not None:
                     processors[i].advance([token])
@@ -103,6 +117,18 @@ class DraftModelProposer:
             drafting = [i for i in drafting if len(drafted[i]) < budgets[i]]
         return [Proposal(token_ids=tokens, probs=None if call.params.is_greedy else torch.stack(rows))
                 if tokens else empty_proposal() for call, tokens, rows in zip(calls, drafted, q_rows)]
+
+    def _grammar(self, call: ProposeCall):
+        """The call's grammar matcher synced to its history, None (no grammar, or drafting
+        unmasked), or False: the history is speculative and the grammar refuses it (a block
+        drafted ahead past EOS), so there is nothing worth drafting."""
+        spec = call.params.structured
+        if spec is None or self.grammars is None:
+            return None
+        if call.prompt_len is None:
+            raise ValueError("a structured output needs the prompt's length to find its output")
+        matcher = self.grammars.synced(call.seq_id, spec, call.history[call.prompt_len:])
+        return False if matcher is None else matcher
 
     @staticmethod
     def _draw(logits: torch.Tensor, call: ProposeCall, q_rows: list[torch.Tensor]) -> int:
@@ -116,6 +142,8 @@ class DraftModelProposer:
 
     def release(self, seq_id: str) -> None:
         self.runner.release(seq_id)
+        if self.grammars is not None:
+            self.grammars.release(seq_id)
 
 
 class NgramProposer:

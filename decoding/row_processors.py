@@ -1,7 +1,7 @@
 """History-dependent row processing: logits changed by the tokens *before* each row.
 
 Temperature, min-p, top-k and top-p (decoding.sampling.logits_to_probs) look at one row alone.
-Penalties (and, later, structured-output grammar masks) also depend on the row's history, and in a
+Penalties and structured-output grammar masks also depend on the row's history, and in a
 speculative block that history differs row by row: target row i of a verify over [last, d1..dK]
 conditions on committed + d1..d_i, and draft step i conditions on the same tokens. Rejection
 sampling is lossless only if the q and p rows at each position are processed for that same prefix,
@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from decoding.grammar import GrammarMatcher, mask_logits
 from decoding.sampling import SamplingParams, apply_penalties
 
 
@@ -85,13 +86,65 @@ class Penalties:
         self._merge(torch.as_tensor(list(token_ids), dtype=torch.long, device=self.seen_ids.device), counted=True)
 
 
+class GrammarMask:
+    """A structured output's masks (decoding.grammar): row i keeps only the tokens the grammar
+    allows after the history + block[:i], every other logit -inf. The matcher holds the history
+    (the call's committed output, `GrammarMatchers.synced`); `advance` consumes drafted tokens
+    into it, and the engine's next sync rolls them back. As in `GrammarMatcher.block_masks`, a
+    forbidden token or EOS stops the walk and later rows repeat the last mask, so draft step i
+    and target row i are masked alike. A row that allows nothing raises GrammarDeadEndError."""
+
+    def __init__(self, matcher: GrammarMatcher) -> None:
+        self.matcher = matcher
+        self.stuck = False  # a token the grammar did not take was appended: the mask stays put
+
+    def process(self, logits: torch.Tensor, block: Sequence[int] = ()) -> torch.Tensor:
+        num_rows = logits.shape[0]
+        if self.stuck:
+            masks = self.matcher.allowed().expand(num_rows, -1)
+        else:
+            masks = self.matcher.block_masks(list(block[:num_rows - 1]))
+        self.matcher.check_alive(masks)
+        return mask_logits(logits, masks.to(logits.device))
+
+    def advance(self, token_ids: Sequence[int]) -> None:
+        for token in token_ids:
+            if self.stuck or not self.matcher.step(token):
+                self.stuck = True
+
+
+class Composed:
+    """Processors applied in order (penalties, then the grammar mask: a masked logit stays -inf
+    under any penalty, so the order does not change the result)."""
+
+    def __init__(self, processors: Sequence[HistoryProcessor]) -> None:
+        self.processors = list(processors)
+
+    def process(self, logits: torch.Tensor, block: Sequence[int] = ()) -> torch.Tensor:
+        for processor in self.processors:
+            logits = processor.process(logits, block)
+        return logits
+
+    def advance(self, token_ids: Sequence[int]) -> None:
+        for processor in self.processors:
+            processor.advance(token_ids)
+
+
 def history_processor(params: SamplingParams, token_ids: Sequence[int], prompt_len: int | None,
-                      vocab_size: int, device: torch.device | str = "cpu") -> HistoryProcessor | None:
+                      vocab_size: int, device: torch.device | str = "cpu",
+                      grammar: GrammarMatcher | None = None) -> HistoryProcessor | None:
     """The request's history-dependent processor for a call over token_ids (prompt + committed
     output; prompt_len tokens of prompt), or None when it has none, so that requests without
-    penalties pay nothing. Grammar masks will be a second processor composed here."""
-    if not params.uses_penalties:
-        return None
-    if prompt_len is None:
-        raise ValueError("penalties need the prompt's length to tell output tokens from prompt tokens")
-    return Penalties(params, token_ids, prompt_len, vocab_size, device)
+    penalties or a grammar pay nothing. grammar: the request's matcher synced to the committed
+    output (needed when params.structured is set; None there leaves the rows unmasked, which
+    only a draft may do: its proposals are then merely worse, verification stays lossless)."""
+    processors: list[HistoryProcessor] = []
+    if params.uses_penalties:
+        if prompt_len is None:
+            raise ValueError("penalties need the prompt's length to tell output tokens from prompt tokens")
+        processors.append(Penalties(params, token_ids, prompt_len, vocab_size, device))
+    if grammar is not None:
+        processors.append(GrammarMask(grammar))
+    if len(processors) > 1:
+        return Composed(processors)
+    return processors[0] if processors else None

@@ -14,6 +14,8 @@ from typing import Annotated
 import torch
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from decoding.grammar import GrammarSpec
+
 # The limits OpenAI's API documents; the HTTP models (deployments/openai_protocol.py) use these
 # very constants, so what the ingress admits and what a request may carry cannot disagree.
 MIN_TEMPERATURE = 0.0
@@ -80,6 +82,9 @@ class SamplingParams(BaseModel):
     send them): with `ignore_eos` EOS is committed as an ordinary token instead of ending the
     request; for output positions below `min_tokens` the target's EOS logit is masked
     (`decoding.speculation.target_rows`) and stop strings are not yet looked for.
+    `structured` constrains the output to a grammar (docs/structured-outputs.md): draft and target
+    rows are masked to what it allows after each row's history; it cannot go with ignore_eos
+    (the request ends when the grammar does).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -108,10 +113,15 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS,
                                  description="return the target's raw log-probability of every emitted token "
                                              "and this many most likely alternatives; None: none")
+    structured: GrammarSpec | None = Field(default=None, description="the grammar the output must follow "
+                                           "(response_format / structured_outputs); None: unconstrained")
 
     @model_validator(mode="after")
     def _min_tokens_within_max(self) -> "SamplingParams":
         check_min_tokens(self.min_tokens, self.max_tokens)
+        if self.structured is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with structured outputs: the request ends when "
+                             "its grammar does")
         return self
 
     @property
@@ -122,6 +132,11 @@ class SamplingParams(BaseModel):
     def uses_penalties(self) -> bool:
         """True when a row's logits depend on the tokens before it (repetition/presence/frequency)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def uses_history(self) -> bool:
+        """True when rows need a history processor (decoding.row_processors): penalties or a grammar."""
+        return self.uses_penalties or self.structured is not None
 
 
 def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor, seen: torch.Tensor,

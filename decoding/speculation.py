@@ -9,6 +9,7 @@ from collections.abc import Collection, Sequence
 import numpy as np
 import torch
 
+from decoding.grammar import GrammarMatcher
 from decoding.proposers import Proposal
 from decoding.rejection import PLACEHOLDER_TOKEN_ID, block_verify, greedy_verify, rejection_sample
 from decoding.row_processors import history_processor
@@ -18,32 +19,41 @@ from decoding.sequence import RequestState, stop_ids
 
 def target_rows(logits: torch.Tensor, params: SamplingParams,
                 eos_token_id: int | Collection[int] | None = None,
-                first_output_index: int | None = None, token_ids: Sequence[int] | None = None) -> torch.Tensor:
+                first_output_index: int | None = None, token_ids: Sequence[int] | None = None,
+                grammar: GrammarMatcher | None = None) -> torch.Tensor:
     """Target logits [n, V] -> argmax ids LongTensor [n] when greedy (small on the wire),
     else processed probabilities float32 [n, V].
 
     Row i scores output position first_output_index + i (`RequestState.next_output_index` at the
     time of the call). Where that position is below params.min_tokens, every EOS id (the served
     set, see decoding.checkpoint.eos_token_ids) and every stop token id gets logit -inf, so none
-    can be the argmax nor sampled, as in vLLM. Only target rows need it: rejection sampling turns
-    any draft into samples of the (masked) target distribution.
+    can be the argmax nor sampled, as in vLLM, unless nothing else is left in the row (a grammar
+    that is complete allows only EOS: the grammar wins over min_tokens). Only target rows need it:
+    rejection sampling turns any draft into samples of the (masked) target distribution.
 
     token_ids: the call's whole input (prompt + committed output + the n - 1 draft tokens), needed
-    when the request has penalties: row i is penalized for the committed history plus the block's
-    first i tokens (decoding.row_processors), exactly as the drafter penalized its step i."""
+    when the request has penalties or a grammar: row i is processed for the committed history plus
+    the block's first i tokens (decoding.row_processors), exactly as the drafter processed its step
+    i. grammar: the request's matcher holding the committed output (params.structured set)."""
+    if params.uses_history:
+        if token_ids is None or first_output_index is None:
+            raise ValueError("penalties and grammars need the call's token ids and its first output index")
+        if params.structured is not None and grammar is None:
+            raise ValueError("a structured output needs its grammar matcher")
+        committed = len(token_ids) - (logits.shape[0] - 1)
+        processor = history_processor(params, token_ids[:committed], committed - first_output_index,
+                                      logits.shape[-1], logits.device, grammar)
+        logits = processor.process(logits, token_ids[committed:])
     if params.min_tokens > 0 and first_output_index is not None:
         num_masked = min(max(params.min_tokens - first_output_index, 0), logits.shape[0])
         stopping = stop_ids(eos_token_id, params.stop_token_ids) if num_masked else []
         if stopping:
             logits = logits.clone()
-            logits[:num_masked, stopping] = float("-inf")
-    if params.uses_penalties:
-        if token_ids is None or first_output_index is None:
-            raise ValueError("penalties need the call's token ids and its first output index")
-        committed = len(token_ids) - (logits.shape[0] - 1)
-        processor = history_processor(params, token_ids[:committed], committed - first_output_index,
-                                      logits.shape[-1], logits.device)
-        logits = processor.process(logits, token_ids[committed:])
+            rows = logits[:num_masked]
+            others = rows.clone()
+            others[:, stopping] = float("-inf")
+            keeps_some = torch.isfinite(others).any(dim=-1, keepdim=True)
+            logits[:num_masked] = torch.where(keeps_some, others, rows)
     if params.is_greedy:
         return torch.argmax(logits, dim=-1)
     return logits_to_probs(logits, params)

@@ -12,6 +12,7 @@ from ray import serve
 
 from cluster.messages import CallSpan
 from decoding.batched_runner import ForwardCall, load_runner
+from decoding.grammar import GrammarMatchers
 from decoding.proposers import DraftModelProposer, NgramProposer, Proposal, ProposeCall, empty_proposal
 from decoding.sampling import SamplingParams, make_generator
 from decoding.scheduler import CallShape, Schedule
@@ -43,7 +44,8 @@ class DraftEngine(EngineCore):
             # The pair was checked before the app started (cluster.builder.served_model_specs): a
             # refusal here would only make Serve retry this deployment while the rest serves.
             runner = load_runner(model_spec)
-            self.proposer = DraftModelProposer(runner)
+            self.proposer = DraftModelProposer(runner, GrammarMatchers.for_runner(
+                runner, model_spec.get("tokenizer_path") or model_spec["path"]))
         self.generators: dict[str, torch.Generator] = {}
         super().__init__(runner, engine_options, name)
 
@@ -62,6 +64,8 @@ class DraftEngine(EngineCore):
     def forget(self, seq_id: str) -> None:
         super().forget(seq_id)
         self.generators.pop(seq_id, None)
+        if self.runner is not None:
+            self.proposer.grammars.release(seq_id)
 
     def shape(self, call: DraftCall) -> CallShape:
         return CallShape(call.seq_id, call.history, extra_tokens=max(call.num_tokens - 1, 0))

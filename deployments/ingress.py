@@ -32,7 +32,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
 from cluster.config import SpecServeConfig
-from decoding.checkpoint import GENERATION_DEFAULT_FIELDS, generation_defaults, max_model_len
+from decoding.checkpoint import GENERATION_DEFAULT_FIELDS, eos_token_ids, generation_defaults, max_model_len
+from decoding.grammar import GrammarCompiler, GrammarSpec, StructuredOutputError
 from decoding.model_runner import output_width, served_vocab_size
 from decoding.sampling import MAX_SEED, SamplingParams, check_min_tokens
 from deployments.admission import ServerOverloadedError
@@ -205,6 +206,7 @@ class Ingress:
         self.chat_template = self.config.resolved_chat_template
         # Ids a token-id prompt may hold: the tokenizer's (padding rows of the embedding are not tokens).
         self.vocab_size = served_vocab_size(self.tokenizer, output_width(self.config.target.path))
+        self._grammar_compiler: GrammarCompiler | None = None  # built on the first structured request
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
@@ -223,23 +225,44 @@ class Ingress:
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
+        structured = await self._structured(body)
         choices = []
         for prompt in body.prompts:  # as vLLM, the tokenizer decides BOS (Llama's and Mistral's add theirs)
             prompt_ids = self._encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else self._checked_ids(prompt)
             echo = "" if not body.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
-            choices += self._choices(body, prompt_ids, len(choices), echo)
+            choices += self._choices(body, prompt_ids, len(choices), echo, structured)
         return await self._respond(body, choices, kind="text_completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
+        structured = await self._structured(body)
         prompt = self._chat_prompt([{"role": m.template_role, "content": m.content} for m in body.messages],
                                    body.chat_template, body.chat_template_kwargs or {})
         # The rendered template holds its special tokens (Llama's writes bos_token): encoding it
         # with special tokens again would double the BOS. These ids go to draft and target alike.
         prompt_ids = self._encode(prompt, add_special_tokens=False)
-        return await self._respond(body, self._choices(body, prompt_ids, 0), kind="chat.completion")
+        return await self._respond(body, self._choices(body, prompt_ids, 0, structured=structured),
+                                   kind="chat.completion")
 
     # -- helpers ---------------------------------------------------------------------------
+    async def _structured(self, body: CompletionRequest | ChatCompletionRequest) -> GrammarSpec | None:
+        """The request's grammar, compiled once to check it (400 naming the field if it does not
+        compile). Compiling runs in a worker thread: a large schema must not stall every other
+        request on this replica's event loop; the compiler caches what it has checked."""
+        spec = body.structured_spec()
+        if spec is not None:
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self._validate_grammar, spec)
+            except StructuredOutputError as exc:
+                raise OpenAIError(str(exc), param=exc.param) from None
+        return spec
+
+    def _validate_grammar(self, spec: GrammarSpec) -> None:
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
+                                                     sorted(eos_token_ids(self.config.target.path, self.tokenizer)))
+        self._grammar_compiler.validate(spec)
+
     def _encode(self, prompt: str, add_special_tokens: bool) -> list[int]:
         if not prompt:
             raise OpenAIError("prompt must not be empty", param="prompt")
@@ -275,9 +298,9 @@ class Ingress:
         return list(prompt_ids)
 
     def _choices(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int], first_index: int,
-                 echo: str = "") -> list[Choice]:
+                 echo: str = "", structured: GrammarSpec | None = None) -> list[Choice]:
         """The body.n choices of one prompt, indexed from first_index (prompt i's are i*n .. i*n+n-1)."""
-        params = self._sampling_params(body, len(prompt_ids))
+        params = self._sampling_params(body, len(prompt_ids), structured)
         prompt_logprobs = getattr(body, "num_prompt_logprobs", None)
         return [Choice(first_index + j, first_index // body.n, prompt_ids,
                        params.model_copy(update={"seed": choice_seed(params.seed, j)}), echo, prompt_logprobs,
@@ -318,7 +341,8 @@ class Ingress:
                               "messages or completion.", param=param)
         return requested
 
-    def _sampling_params(self, body: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int) -> SamplingParams:
+    def _sampling_params(self, body: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int,
+                         structured: GrammarSpec | None = None) -> SamplingParams:
         if body.model != self.config.model_name:
             raise OpenAIError(f"The model '{body.model}' does not exist; this server serves "
                               f"'{self.config.model_name}'", param="model")
@@ -337,7 +361,7 @@ class Ingress:
                                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                   stop_token_ids=body.stop_token_ids,
                                   include_stop_str_in_output=body.include_stop_str_in_output,
-                                  logprobs=body.num_logprobs)
+                                  logprobs=body.num_logprobs, structured=structured)
         except ValidationError as exc:  # the request models share these limits: a bug if it happens
             raise OpenAIError(validation_error_body(exc.errors())["error"]["message"]) from None
 

@@ -13,14 +13,16 @@ fields, so a client never believes it got what it did not:
   prompt_logprobs, return_tokens_as_token_ids, stop_token_ids, include_stop_str_in_output and
   (chat) chat_template / chat_template_kwargs. Sampling fields a request leaves out take the
   target's generation_config.json defaults (deployments/ingress.py, as vLLM's --generation-config
-  auto). Limits come from decoding.sampling, the one source of truth the router's SamplingParams
+  auto). Structured outputs: OpenAI's response_format (text, json_object, json_schema) and vLLM's
+  structured_outputs (json, regex, choice, grammar, json_object); `structured_spec` turns them into
+  the request's GrammarSpec (docs/structured-outputs.md). Limits come from decoding.sampling, the one source of truth the router's SamplingParams
   also uses. Log-probabilities are served: `logprobs`
   (completions: how many alternatives, 0-20) and `logprobs` + `top_logprobs` (chat), the
   target's raw distribution; with echo (or prompt_logprobs) the prompt's too, from its prefill.
 - *accepted and ignored* (they change neither the tokens nor the response shape): ``IGNORED_FIELDS``.
 - *served only at their neutral value* (anything else changes semantics we do not serve, so 400
   naming the field): ``NEUTRAL_VALUES``, e.g. best_of=1, logit_bias={}, tools=[],
-  response_format={"type": "text"}, structured_outputs (none).
+  guided_json (vLLM's older names of structured_outputs: none).
 - *unknown*: 400 "Unrecognized request argument supplied: X", as OpenAI's own API answers. An
   unknown field cannot be known to be harmless, and silently dropping one is how a benchmark ends
   up measuring something else.
@@ -41,6 +43,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       field_validator, model_validator)
 
 from cluster.config import hash_key
+from decoding.grammar import GrammarSpec, StructuredOutputError
 from decoding.sampling import (MAX_LOGPROBS, MAX_STOP_STRINGS, FrequencyPenalty, MinP, PresencePenalty,
                                RepetitionPenalty, Seed, Temperature, TopP, check_stop_strings,
                                stop_as_list)
@@ -130,7 +133,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "functions": ([],),
     "tool_choice": ("none",),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "audio": (),
     "reasoning_effort": (),
@@ -144,7 +146,7 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "allowed_token_ids": (),
     "bad_words": ([],),
     "logits_processors": (),
-    "structured_outputs": (),           # constrained decoding: not served yet
+    # vLLM's older, deprecated names for structured_outputs: not served, send structured_outputs.
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "prompt_embeds": (),
     "logprob_token_ids": (),
@@ -180,6 +182,84 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
     include_obfuscation: Any = None                 # accepted, ignored: specserve sends no obfuscation
     continuous_usage_stats: bool | None = None      # vLLM: usage so far on every chunk
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema. `strict` is accepted: the schema is always enforced."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: Text = Field(max_length=64)
+    description: Text | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (unconstrained), json_object (any JSON object) or json_schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema', and only then")
+        return self
+
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one of json (a schema), regex, choice, grammar (Lark or
+    GBNF/EBNF) or json_object, plus whitespace options for the JSON kinds. vLLM's
+    disable_fallback is accepted (there is one backend, no fallback); structural_tag and
+    disable_additional_properties are not served."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_schema: dict[str, Any] | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: StrictBool | None = None
+    disable_any_whitespace: StrictBool = False
+    whitespace_pattern: Text | None = None
+    disable_fallback: StrictBool = False
+    disable_additional_properties: Any = None
+    structural_tag: Any = None
+
+    @field_validator("disable_additional_properties", "structural_tag")
+    @classmethod
+    def _not_served(cls, value: Any, info) -> Any:
+        neutral = (False,) if info.field_name == "disable_additional_properties" else ()
+        return _check_neutral(info.field_name, value, neutral)
+
+    @model_validator(mode="after")
+    def _exactly_one_kind(self) -> "StructuredOutputs":
+        given = [kind for kind, value in zip(STRUCTURED_KINDS, (self.json_schema, self.regex, self.choice,
+                                                                self.grammar, self.json_object or None))
+                 if value is not None]
+        if len(given) != 1:
+            raise ValueError(f"exactly one of {', '.join(STRUCTURED_KINDS)} must be set, got "
+                             f"{', '.join(given) or 'none'}")
+        return self
+
+    def spec(self) -> GrammarSpec:
+        """The GrammarSpec, param naming the field (StructuredOutputError for a malformed choice/schema)."""
+        options = {"whitespace_flexible": not self.disable_any_whitespace, "whitespace_pattern": self.whitespace_pattern}
+        if self.json_schema is not None:
+            return GrammarSpec.json_schema(self.json_schema, "structured_outputs.json", **options)
+        if self.json_object:
+            return GrammarSpec("json_object", "", "structured_outputs.json_object", **options)
+        if self.choice is not None:
+            return GrammarSpec.choice(self.choice, "structured_outputs.choice")
+        if self.regex is not None:
+            return GrammarSpec("regex", self.regex, "structured_outputs.regex")
+        return GrammarSpec("grammar", self.grammar, "structured_outputs.grammar")
 
 
 class _RequestFields(BaseModel):
@@ -224,6 +304,8 @@ class _RequestFields(BaseModel):
     include_reasoning: Any = None
 
     n: int = Field(1, ge=1, le=MAX_N, description="independent choices per prompt")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     return_tokens_as_token_ids: bool = Field(False, description="vLLM: logprob tokens as 'token_id:N'")
 
     # Served only at their neutral value (NEUTRAL_VALUES).
@@ -234,7 +316,6 @@ class _RequestFields(BaseModel):
     functions: Any = None
     tool_choice: Any = None
     function_call: Any = None
-    response_format: Any = None
     modalities: Any = None
     audio: Any = None
     reasoning_effort: Any = None
@@ -247,7 +328,6 @@ class _RequestFields(BaseModel):
     allowed_token_ids: Any = None
     bad_words: Any = None
     logits_processors: Any = None
-    structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -283,6 +363,30 @@ class _RequestFields(BaseModel):
     def requested_max_tokens(self) -> int | None:
         """max_completion_tokens (OpenAI's current name) wins over max_tokens, as in vLLM."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def structured_spec(self) -> GrammarSpec | None:
+        """The grammar the output must follow (response_format or structured_outputs), or None.
+        OpenAIError (400, naming the field) when both constrain it, or with ignore_eos. The spec is
+        only checked for shape here: compiling it is the ingress's (GrammarCompiler.validate)."""
+        spec = None
+        if self.response_format is not None and self.response_format.type != "text":
+            if self.response_format.type == "json_object":
+                spec = GrammarSpec("json_object", "", "response_format")
+            else:
+                spec = GrammarSpec.json_schema(self.response_format.json_schema.json_schema,
+                                               "response_format.json_schema.schema")
+        if self.structured_outputs is not None:
+            if spec is not None:
+                raise OpenAIError("response_format and structured_outputs cannot both constrain the output",
+                                  param="structured_outputs")
+            try:
+                spec = self.structured_outputs.spec()
+            except StructuredOutputError as exc:
+                raise OpenAIError(str(exc), param=exc.param) from None
+        if spec is not None and self.ignore_eos:
+            raise OpenAIError("ignore_eos cannot be combined with structured outputs: the request ends when its "
+                              "grammar does", param="ignore_eos")
+        return spec
 
     @property
     def include_usage(self) -> bool:

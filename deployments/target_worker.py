@@ -10,6 +10,7 @@ from ray import serve
 
 from cluster.messages import CallSpan
 from decoding.batched_runner import ForwardCall, load_runner
+from decoding.grammar import GrammarDeadEndError, GrammarMatcher, GrammarMatchers
 from decoding.model_runner import SequenceStateError
 from decoding.sampling import SamplingParams
 from decoding.scheduler import CallShape, Schedule
@@ -33,7 +34,13 @@ class TargetEngine(EngineCore):
     pool = "target"
 
     def __init__(self, model_spec: dict, engine_options: dict, name: str = "") -> None:
-        super().__init__(load_runner(model_spec), engine_options, name)
+        runner = load_runner(model_spec)
+        self.grammars = GrammarMatchers.for_runner(runner, model_spec.get("tokenizer_path") or model_spec["path"])
+        super().__init__(runner, engine_options, name)
+
+    def forget(self, seq_id: str) -> None:
+        super().forget(seq_id)
+        self.grammars.release(seq_id)
 
     async def verify(self, seq_id: str, token_ids: Sequence[int], num_rows: int, params: SamplingParams,
                      first_output_index: int | None = None, draft_block: list | None = None,
@@ -104,14 +111,31 @@ class TargetEngine(EngineCore):
             if call.prompt_logprobs is not None:
                 prompt_entries = prompt_logprob_entries(call.token_ids, rows[:-1], call.prompt_logprobs)
                 rows = rows[-1:]
-            processed = to_wire(target_rows(rows, call.params, self.runner.eos_token_ids, call.first_output_index,
-                                            call.token_ids))
+            try:
+                processed = to_wire(target_rows(rows, call.params, self.runner.eos_token_ids, call.first_output_index,
+                                                call.token_ids, self._grammar(call)))
+            except GrammarDeadEndError as exc:  # this request's alone: the rest of the batch goes on
+                results[index] = exc
+                continue
             if call.params.logprobs is None:
                 results[index] = processed
             else:  # the raw distribution's log-probabilities, for the tokens the router will emit
                 results[index] = (processed, to_wire(torch.log_softmax(rows.float(), dim=-1)))
             if prompt_entries is not None:
                 results[index] = (results[index], prompt_entries)
+
+    def _grammar(self, call: VerifyCall) -> GrammarMatcher | None:
+        """A structured output's matcher, synced to the call's committed output (its token ids
+        without the draft block, from the first output position on)."""
+        if call.params.structured is None:
+            return None
+        committed = len(call.token_ids) - (call.num_rows - 1 if call.prompt_logprobs is None else 0)
+        output = call.token_ids[committed - call.first_output_index:committed]
+        matcher = self.grammars.synced(call.seq_id, call.params.structured, output)
+        if matcher is None:
+            raise GrammarDeadEndError(f"{call.params.structured.param}: the output so far does not follow the "
+                                      "grammar", call.params.structured.param)
+        return matcher
 
 
 def prompt_logprob_entries(token_ids: Sequence[int], logits: torch.Tensor, num_alternatives: int) -> list[dict]:

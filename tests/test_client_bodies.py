@@ -9,9 +9,11 @@ prompt log-probabilities against Hugging Face's own forward of the target.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
@@ -215,3 +217,56 @@ def test_vllm_prompt_logprobs_field(server, target):
         assert own["logprob"] == pytest.approx(float(expected[position]), abs=1e-4) and own["rank"] >= 1
         assert any(item["rank"] == 1 for item in entry.values())
     assert choice["logprobs"] is None
+
+
+# --- structured outputs (response_format, vLLM's structured_outputs) ------------------------------
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "admin": {"type": "boolean"}},
+          "required": ["name", "admin"], "additionalProperties": False}
+
+
+def test_json_schema_response_format_output_parses_and_validates(server):
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    for temperature in (0.0, 1.0):
+        chat = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Who is the admin?"}], max_tokens=80,
+            temperature=temperature, seed=3,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+        assert chat.choices[0].finish_reason == "stop", chat.choices[0].message.content
+        jsonschema.validate(json.loads(chat.choices[0].message.content), PERSON)
+
+
+def test_choice_and_regex_structured_outputs_on_completions(server):
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    choices = ["red", "green", "blue"]
+    batch = client.completions.create(model=MODEL, prompt="Pick a colour:", max_tokens=10, n=4, temperature=1.0,
+                                      seed=1, extra_body={"structured_outputs": {"choice": choices}})
+    assert all(c.text in choices and c.finish_reason == "stop" for c in batch.choices)
+    regex = r"[0-9]{3}-[a-z]{2}"
+    stream = client.completions.create(model=MODEL, prompt="Code:", max_tokens=20, stream=True,
+                                       extra_body={"structured_outputs": {"regex": regex}})
+    chunks = list(stream)
+    assert re.fullmatch(regex, "".join(c.choices[0].text for c in chunks if c.choices))
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"structured_outputs": {"regex": "(a|b"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+])
+def test_bad_structured_outputs_are_400s_naming_the_field(server, extra, param):
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       extra_body=extra)
+    assert info.value.param == param, info.value.body

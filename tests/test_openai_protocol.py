@@ -13,6 +13,7 @@ from deployments.openai_protocol import (
     NEUTRAL_VALUES,
     ChatCompletionRequest,
     CompletionRequest,
+    OpenAIError,
     validation_error_body,
 )
 
@@ -35,9 +36,9 @@ def refusal(model, body) -> dict:
     ("logit_bias", {"50": 10}), ("best_of", 2),
     ("suffix", "return x"),
     ("n", 17), ("tools", [{"type": "function", "function": {"name": "f"}}]), ("functions", [{"name": "f"}]),
-    ("tool_choice", "auto"), ("response_format", {"type": "json_object"}),
+    ("tool_choice", "auto"),
     ("use_beam_search", True), ("include_stop_str_in_output", "yes"), ("audio", {"voice": "x"}),
-    ("skip_special_tokens", False), ("stop_token_ids", "5"), ("structured_outputs", {"choice": ["a", "b"]}),
+    ("skip_special_tokens", False), ("stop_token_ids", "5"),
     ("guided_regex", "a+"), ("priority", 1), ("truncate_prompt_tokens", 4), ("bad_words", ["x"]),
     ("return_token_ids", True), ("length_penalty", 0.5),
 ])
@@ -52,6 +53,44 @@ def test_unserved_fields_are_accepted_at_their_neutral_value_or_null(field):
     for value in NEUTRAL_VALUES[field] + (None,):
         CompletionRequest.model_validate({**COMPLETION, field: value})
         ChatCompletionRequest.model_validate({**CHAT, field: value})
+
+
+@pytest.mark.parametrize("fields, kind, param", [
+    ({"response_format": {"type": "json_object"}}, "json_object", "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"},
+                                                                 "strict": True}}},
+     "json_schema", "response_format.json_schema.schema"),
+    ({"structured_outputs": {"json": '{"type": "object"}', "disable_any_whitespace": True}}, "json_schema",
+     "structured_outputs.json"),
+    ({"structured_outputs": {"regex": "a+"}}, "regex", "structured_outputs.regex"),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, "choice", "structured_outputs.choice"),
+    ({"structured_outputs": {"grammar": "root ::= \"a\""}}, "grammar", "structured_outputs.grammar"),
+    ({"structured_outputs": {"json_object": True}}, "json_object", "structured_outputs.json_object"),
+    ({"response_format": {"type": "text"}}, None, None),
+])
+@pytest.mark.parametrize("model, base", [(CompletionRequest, COMPLETION), (ChatCompletionRequest, CHAT)])
+def test_structured_output_fields_become_grammar_specs_naming_their_field(model, base, fields, kind, param):
+    spec = model.model_validate({**base, **fields}).structured_spec()
+    assert (spec.kind, spec.param) == (kind, param) if kind else spec is None
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format.type"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
+    ({"structured_outputs": {"regex": "a", "frobnicate": 1}}, "structured_outputs.frobnicate"),
+])
+def test_malformed_structured_output_fields_are_refused_naming_the_field(fields, param):
+    try:
+        ChatCompletionRequest.model_validate({**CHAT, **fields}).structured_spec()
+    except ValidationError as exc:
+        assert validation_error_body(exc.errors())["error"]["param"] == param
+    except OpenAIError as exc:
+        assert exc.param == param
+    else:
+        pytest.fail(f"{fields} was accepted")
 
 
 def test_stop_token_ids_and_chat_template_fields_are_served():
