@@ -221,9 +221,12 @@ def test_vllm_prompt_logprobs_field(server, target):
 
 # --- structured outputs (response_format, vLLM's structured_outputs) ------------------------------
 
+# x-guidance (llguidance's schema options, docs/api.md): no free whitespace, which an untrained tiny
+# model would otherwise fill max_tokens with.
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
                                            "admin": {"type": "boolean"}},
-          "required": ["name", "admin"], "additionalProperties": False}
+          "required": ["name", "admin"], "additionalProperties": False,
+          "x-guidance": {"whitespace_flexible": False}}
 
 
 def test_json_schema_response_format_output_parses_and_validates(server):
