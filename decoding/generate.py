@@ -5,11 +5,11 @@ The oracle the distributed path is tested against, and the in-process row of the
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
-from decoding.grammar import GrammarMatchers
-from decoding.model_runner import ModelRunner
-from decoding.proposers import Proposer, empty_proposal
+from decoding.grammar import GrammarDeadEndError, GrammarMatcher, GrammarMatchers
+from decoding.model_runner import ForwardCall, ModelRunner, RunnerBase
+from decoding.proposers import ProposeCall, Proposer, empty_proposal
 from decoding.sequence import RequestState
 from decoding.speculation import accept_round, target_rows
 
@@ -38,11 +38,7 @@ def generate(target: ModelRunner, state: RequestState, proposer: Proposer | None
                         if num_tokens > 0 else empty_proposal())
             num_drafted = len(proposal.token_ids)
             logits = target.forward(state.request_id, history + proposal.token_ids, num_rows=num_drafted + 1)
-            grammar = None
-            if params.structured is not None:
-                if grammars is None:
-                    raise ValueError("a structured output needs the target's grammar matchers")
-                grammar = grammars.synced(state.request_id, params.structured, state.output_ids)
+            grammar = _target_grammar(state, grammars)
             rows = target_rows(logits, params, state.eos_token_id, state.next_output_index,
                                history + proposal.token_ids, grammar)
             committed = accept_round(state, proposal, rows, verification)
@@ -55,3 +51,52 @@ def generate(target: ModelRunner, state: RequestState, proposer: Proposer | None
             grammars.release(state.request_id)
         if proposer is not None:
             proposer.release(state.request_id)
+
+
+def _target_grammar(state: RequestState, grammars: GrammarMatchers | None) -> GrammarMatcher | None:
+    """The target's matcher for a structured output, holding the committed output."""
+    spec = state.params.structured
+    if spec is None:
+        return None
+    if grammars is None:
+        raise ValueError("a structured output needs the target's grammar matchers")
+    matcher = grammars.synced(state.request_id, spec, state.output_ids)
+    if matcher is None:
+        raise GrammarDeadEndError(f"{spec.param}: the output so far does not follow the grammar", spec.param)
+    return matcher
+
+
+def generate_batch(target: RunnerBase, states: Sequence[RequestState], proposer: Proposer | None = None,
+                   num_draft_tokens: int = 4, verification: str = "block",
+                   grammars: GrammarMatchers | None = None) -> None:
+    """`generate` for many requests at once, to completion: each round is one `propose_batch` and
+    one target `forward_batch` over every unfinished request (how the engines batch), so
+    statistical tests and benchmarks get thousands of requests through the real round path
+    quickly. A request whose grammar allows nothing (GrammarDeadEndError) finishes with
+    finish_reason "error" and the others go on, as on the engines. Sequences are released after."""
+    speculate = proposer is not None and num_draft_tokens > 0
+    prefilled: set[str] = set()
+    try:
+        while running := [state for state in states if not state.finished]:
+            calls = [ProposeCall(s.request_id, s.history, s.draft_budget(num_draft_tokens)
+                                 if speculate and s.request_id in prefilled else 0, s.params, s.draft_generator,
+                                 len(s.prompt_ids)) for s in running]
+            proposals = proposer.propose_batch(calls) if speculate else [empty_proposal() for _ in running]
+            logits = target.forward_batch([ForwardCall(s.request_id, s.history + p.token_ids, len(p.token_ids) + 1)
+                                           for s, p in zip(running, proposals)])
+            for state, proposal, rows in zip(running, proposals, logits):
+                try:
+                    rows = target_rows(rows, state.params, state.eos_token_id, state.next_output_index,
+                                       state.history + proposal.token_ids, _target_grammar(state, grammars))
+                except GrammarDeadEndError:
+                    state.finish_reason = "error"
+                    continue
+                accept_round(state, proposal, rows, verification)
+                prefilled.add(state.request_id)
+    finally:
+        for state in states:
+            target.release(state.request_id)
+            if grammars is not None:
+                grammars.release(state.request_id)
+            if proposer is not None:
+                proposer.release(state.request_id)

@@ -14,14 +14,14 @@ import torch
 from scipy import stats
 from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
-from decoding.generate import generate
+from decoding.generate import generate, generate_batch
 from decoding.grammar import GrammarCompiler, GrammarDeadEndError, GrammarMatcher, GrammarMatchers, GrammarSpec
 from decoding.model_runner import ForwardCall, ModelRunner
 from decoding.proposers import DraftModelProposer, ProposeCall
 from decoding.row_processors import GrammarMask, history_processor
 from decoding.sampling import SamplingParams
 from decoding.sequence import RequestState
-from decoding.speculation import accept_round, target_rows
+from decoding.speculation import target_rows
 from tests.tiny_pair import TOKENIZER_DIR, make_tiny_pair
 
 K = 3
@@ -120,29 +120,13 @@ def _speculative_samples(draft: TableModel, target: TableModel, draft_grammars: 
                          num_samples: int = NUM_SAMPLES) -> dict[tuple, int]:
     """num_samples seeded requests decoded to the end by speculative rounds of depth K, all through
     the real path (the prefill's first token is a round with no draft block, as on the router).
-    An output the grammar refuses (only a broken mask makes one) ends marked "refused"."""
-    proposer = DraftModelProposer(draft, draft_grammars)
+    An output the grammar refuses (only a broken mask makes one) ends with "error": marked "refused"."""
     params = [SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=i, structured=spec) for i in range(num_samples)]
     states = [RequestState(f"s{i}", PROMPT, params[i], eos, max_context=64) for i in range(num_samples)]
-    prefilled = False
-    while running := [state for state in states if not state.finished]:
-        calls = [ProposeCall(state.request_id, state.history, state.draft_budget(K) if prefilled else 0, state.params,
-                             state.draft_generator, len(PROMPT)) for state in running]
-        proposals = proposer.propose_batch(calls)
-        logits = target.forward_batch([ForwardCall(s.request_id, s.history + p.token_ids, len(p.token_ids) + 1)
-                                       for s, p in zip(running, proposals)])
-        for state, proposal, rows in zip(running, proposals, logits):
-            matcher = target_grammars.synced(state.request_id, spec, state.output_ids)
-            if matcher is None:
-                state.finish_reason = "refused"
-                continue
-            processed = target_rows(rows, state.params, eos, state.next_output_index,
-                                    state.history + proposal.token_ids, matcher)
-            accept_round(state, proposal, processed, verification="block")
-        prefilled = True
+    generate_batch(target, states, DraftModelProposer(draft, draft_grammars), K, "block", target_grammars)
     counts: dict[tuple, int] = {}
     for state in states:
-        output = tuple(state.output_ids) + {"stop": (eos,), "refused": ("refused",)}.get(state.finish_reason, ())
+        output = tuple(state.output_ids) + {"stop": (eos,), "error": ("refused",)}.get(state.finish_reason, ())
         counts[output] = counts.get(output, 0) + 1
     return counts
 
