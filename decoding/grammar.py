@@ -45,11 +45,15 @@ class StructuredOutputError(ValueError):
 
 
 class GrammarDeadEndError(RuntimeError):
-    """The grammar allows no token at all after the output so far (nothing can be generated)."""
+    """The grammar allows no token at all after the output so far (nothing can be generated).
+    Raised on an engine and carried by Ray to the ingress, which answers 400 naming `param`."""
 
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+    def __reduce__(self):  # pickled across processes: keep param (the default pickles args only)
+        return type(self), (str(self), self.param)
 
 
 @dataclass(frozen=True)

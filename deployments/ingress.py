@@ -33,7 +33,7 @@ from transformers import AutoTokenizer
 
 from cluster.config import SpecServeConfig
 from decoding.checkpoint import GENERATION_DEFAULT_FIELDS, eos_token_ids, generation_defaults, max_model_len
-from decoding.grammar import GrammarCompiler, GrammarSpec, StructuredOutputError
+from decoding.grammar import GrammarCompiler, GrammarDeadEndError, GrammarSpec, StructuredOutputError
 from decoding.model_runner import output_width, served_vocab_size
 from decoding.sampling import MAX_SEED, SamplingParams, check_min_tokens
 from deployments.admission import ServerOverloadedError
@@ -106,9 +106,21 @@ async def _first_chunk(chunks) -> dict:
         cause = getattr(exc, "cause", None) or exc  # Ray wraps the router's exception
         raise OpenAIError(str(cause), status_code=503, error_type="server_error", code="server_overloaded",
                           headers={"Retry-After": str(max(1, math.ceil(cause.retry_after_s)))}) from None
-    except BaseException:
+    except BaseException as exc:
         chunks.cancel()
+        dead_end = _cause(exc, GrammarDeadEndError)
+        if dead_end is not None:  # the request's grammar allows nothing: the client's to fix
+            raise OpenAIError(str(dead_end), param=dead_end.param) from None
         raise
+
+
+def _cause(exc: BaseException, kind: type) -> BaseException | None:
+    """exc or the error it wraps (Ray wraps an engine's error at each hop: engine, router) if it is a kind."""
+    while exc is not None:
+        if isinstance(exc, kind) and not hasattr(exc, "cause"):
+            return exc
+        exc = getattr(exc, "cause", None)
+    return None
 
 
 async def _first_chunks(streams: list) -> list[dict]:

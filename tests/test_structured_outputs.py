@@ -5,8 +5,8 @@ is caught); greedy output equals HF `generate` with the same llguidance mask as 
 
 from __future__ import annotations
 
-import itertools
 import json
+import pickle
 
 import numpy as np
 import pytest
@@ -189,8 +189,10 @@ def test_a_row_the_grammar_leaves_empty_raises_a_clear_error(tokenizer):
     compiler = GrammarCompiler(tokenizer, 50, [tokenizer.eos_token_id])
     spec = GrammarSpec("regex", "zzz", "structured_outputs.regex")
     params = SamplingParams(temperature=1.0, structured=spec)
-    with pytest.raises(GrammarDeadEndError, match="structured_outputs.regex"):
+    with pytest.raises(GrammarDeadEndError, match="structured_outputs.regex") as info:
         target_rows(torch.randn(1, 50), params, tokenizer.eos_token_id, 0, PROMPT, compiler.matcher(spec))
+    carried = pickle.loads(pickle.dumps(info.value))  # as Ray carries it from the engine to the ingress
+    assert (str(carried), carried.param) == (str(info.value), "structured_outputs.regex")
 
 
 def test_min_tokens_yields_to_a_finished_grammar(tokenizer):
@@ -272,3 +274,17 @@ def test_greedy_constrained_output_equals_hf_generate_with_the_same_mask(tokeniz
             assert state.output_ids == expected, (proposer, tokenizer.decode(state.output_ids))
         if spec.kind == "json_schema" and len(expected) < 30:
             assert set(json.loads(tokenizer.decode(expected))) == {"name", "ok"}
+
+
+def test_the_ingress_finds_a_dead_end_inside_rays_wrappers():
+    """Engine -> router -> ingress: Ray wraps the error at each hop; the ingress answers 400 with
+    the innermost error's message and field."""
+    from ray.exceptions import RayTaskError
+
+    from deployments.ingress import _cause
+
+    inner = GrammarDeadEndError("structured_outputs.regex: nothing allowed", "structured_outputs.regex")
+    wrapped = RayTaskError("generate", "", RayTaskError("verify", "", inner).as_instanceof_cause()).as_instanceof_cause()
+    found = _cause(wrapped, GrammarDeadEndError)
+    assert (str(found), found.param) == (str(inner), inner.param)
+    assert _cause(RayTaskError("verify", "", ValueError("x")).as_instanceof_cause(), GrammarDeadEndError) is None
