@@ -119,10 +119,11 @@ class GrammarCompiler:
         self._validated = functools.lru_cache(maxsize=256)(self._validate)
         self._initial = functools.lru_cache(maxsize=256)(self._build_initial)
 
-    def validate(self, spec: GrammarSpec) -> None:
-        """StructuredOutputError (naming spec.param) unless the spec compiles; cached per spec.
-        The ingress calls it in a worker thread so that compiling never blocks its event loop."""
-        self._validated(spec)
+    def validate(self, spec: GrammarSpec) -> str:
+        """The compiled grammar, or StructuredOutputError (naming spec.param) if the spec does not
+        compile; cached per spec (the same spec gets the same compiled grammar). The ingress calls
+        it in a worker thread so that compiling never blocks its event loop."""
+        return self._validated(spec)
 
     def _validate(self, spec: GrammarSpec) -> str:
         try:

@@ -75,6 +75,12 @@ def test_invalid_grammars_name_their_field(compiler, spec, param):
     assert info.value.param == param and param in str(info.value)
 
 
+def test_compilation_is_cached_per_spec(compiler):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    first = compiler.validate(GrammarSpec.json_schema(schema, "response_format"))
+    assert compiler.validate(GrammarSpec.json_schema(dict(schema), "response_format")) is first
+
+
 def test_choice_and_json_schema_walks_only_produce_valid_output(tokenizer, compiler):
     """Random walks through the allowed sets (uniform over allowed tokens, whitespace-only tokens
     avoided so JSON walks end) always end in text the grammar describes: the masks are the
