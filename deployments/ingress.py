@@ -108,10 +108,15 @@ async def _first_chunk(chunks) -> dict:
                           headers={"Retry-After": str(max(1, math.ceil(cause.retry_after_s)))}) from None
     except BaseException as exc:
         chunks.cancel()
-        dead_end = _cause(exc, GrammarDeadEndError)
-        if dead_end is not None:  # the request's grammar allows nothing: the client's to fix
-            raise OpenAIError(str(dead_end), param=dead_end.param) from None
+        _raise_client_error(exc)
         raise
+
+
+def _raise_client_error(exc: BaseException) -> None:
+    """An error generation hit that the client can fix, as a 400: a grammar that allows nothing."""
+    dead_end = _cause(exc, GrammarDeadEndError)
+    if dead_end is not None:
+        raise OpenAIError(str(dead_end), param=dead_end.param) from None
 
 
 def _cause(exc: BaseException, kind: type) -> BaseException | None:
@@ -387,7 +392,11 @@ class Ingress:
         if body.stream:
             return StreamingResponse(self._stream(body, choices, firsts, streams, request_id, kind),
                                      media_type="text/event-stream")
-        outputs = await asyncio.gather(*(_collect(first, stream) for first, stream in zip(firsts, streams)))
+        try:
+            outputs = await asyncio.gather(*(_collect(first, stream) for first, stream in zip(firsts, streams)))
+        except Exception as exc:
+            _raise_client_error(exc)
+            raise
         bodies = [self._choice_body(body, kind, choice, output) for choice, output in zip(choices, outputs)]
         if len(bodies) > 1:
             for choice_body, output in zip(bodies, outputs):
