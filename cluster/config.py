@@ -15,6 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, field_validator, model_validator
 
+from deployments.naming import draft_trainer_name
 from policies.decision import policy_actor_name
 from cluster.messages import MAX_DRAFT_TOKENS
 
@@ -205,6 +206,43 @@ class ObservabilitySpec(_Strict):
     metrics_report_interval_ms: int = Field(10_000, ge=100, description="how often workers push metrics to it")
 
 
+class DraftTrainingSpec(_Strict):
+    """The draft learns from served traffic (docs/online-learning.md): capture the target's
+    verify rows, distil a copy of the draft when the cluster has slack, canary, hot-swap.
+
+    Off by default. Nothing is written to disk unless capture_dir is set, except the trained
+    draft versions (the engines load them from disk), under versions_dir."""
+
+    enabled: bool = Field(False, description="capture verify rows and train the draft online")
+    capture_dir: str | None = Field(None, description="also persist captured rows here (users' traffic: "
+                                    "unset, nothing is written); `specserve distill-draft --from-capture` reads it")
+    versions_dir: str | None = Field(None, description="where trained draft versions are written before they "
+                                     "are offered; default: a fresh temporary directory")
+    max_positions: int = Field(200_000, ge=1, description="captured drafted positions kept in memory (oldest go first)")
+    sample_every: int = Field(4, ge=1, description="capture one verified round in this many")
+    top_k: int = Field(32, ge=1, le=4096, description="target log-probabilities kept per drafted position "
+                       "(the rest as one residual mass)")
+    min_new_positions: int = Field(2_000, ge=1, description="captured positions since the last training "
+                                   "before training again")
+    max_context: int = Field(256, ge=8, description="context tokens a training position keeps")
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate of distillation")
+    epochs: int = Field(4, ge=1)
+    batch_size: int = Field(32, ge=1, description="positions per optimizer step")
+    canary_margin: float = Field(0.01, ge=0, description="a candidate's held-back expected acceptance must "
+                                 "beat the serving draft's by this much")
+    rollback_margin: float = Field(0.05, ge=0, description="after a swap, live acceptance this much below the "
+                                   "previous version's rolls the swap back")
+    rollback_min_drafted: int = Field(500, ge=1, description="drafted tokens on a new version before it is judged")
+    slack_max_active_requests: int = Field(0, ge=0, description="the cluster has slack (training may run) "
+                                           "while at most this many requests are active ...")
+    slack_max_busy_share: float = Field(0.5, gt=0, le=1, description="... and the target pool is busy at most "
+                                        "this share of the time")
+    num_cpus: float = Field(1.0, ge=0, description="CPUs of the trainer actor")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs of the trainer actor")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources of the trainer "
+                                        "(e.g. to place it with the draft pool)")
+
+
 class SpecServeConfig(_Strict):
     """Everything a deployment needs; the single source of truth."""
 
@@ -224,11 +262,14 @@ class SpecServeConfig(_Strict):
     target_workers: WorkerResources = WorkerResources()
     draft_workers: WorkerResources = WorkerResources()
     observability: ObservabilitySpec = ObservabilitySpec()
+    draft_training: DraftTrainingSpec = DraftTrainingSpec()
 
     @model_validator(mode="after")
     def _draft_needed(self) -> "SpecServeConfig":
         if self.speculation.proposer == "draft" and self.draft is None:
             raise ValueError("speculation.proposer 'draft' needs a draft model (set draft.path)")
+        if self.draft_training.enabled and (self.draft is None or self.speculation.proposer != "draft"):
+            raise ValueError("draft_training.enabled needs a draft model (speculation.proposer 'draft')")
         return self
 
     @model_validator(mode="after")
@@ -267,7 +308,8 @@ class SpecServeConfig(_Strict):
         """What an engine's batching loop needs: the batching section plus the largest step a
         round can bring (a block drafted ahead carries its bonus guess: max depth + 2 tokens)."""
         return {**self.batching.model_dump(), "max_step_tokens": max(16, self.speculation.max_draft_tokens + 2),
-                "policy_actor": policy_actor_name(self.model_name)}
+                "policy_actor": policy_actor_name(self.model_name),
+                "draft_trainer": draft_trainer_name(self.model_name) if self.draft_training.enabled else None}
 
 
 def _set_nested(tree: dict[str, Any], dotted: list[str], value: Any) -> None:

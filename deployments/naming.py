@@ -41,3 +41,9 @@ def current_replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # not inside a Serve replica: RayServeException, or Serve not started
         return f"pid{os.getpid()}"
+
+
+def draft_trainer_name(model_name: str) -> str:
+    """The draft trainer actor of the application serving model_name (one per application, in
+    ENGINE_NAMESPACE, as its policy actor: two apps must not train each other's drafts)."""
+    return f"draft-trainer:{model_name}"
