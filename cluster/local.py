@@ -30,6 +30,8 @@ def logical_cpus_needed(config: SpecServeConfig) -> int:
     needed = sum(d.replica_bounds[1] * d.num_cpus for d in (config.ingress, config.router))
     for workers in (config.target_workers, config.draft_workers):
         needed += workers.replica_bounds[1] * (workers.num_cpus + 0.02)
+    if config.draft_training.enabled:
+        needed += config.draft_training.num_cpus
     return max(os.cpu_count() or 1, math.ceil(needed) + 1)
 
 
@@ -39,6 +41,9 @@ def custom_resources_needed(config: SpecServeConfig) -> dict[str, float]:
     for workers in (config.target_workers, config.draft_workers):
         for name, amount in workers.resources.items():
             needed[name] = needed.get(name, 0.0) + amount * workers.replica_bounds[1]
+    if config.draft_training.enabled:
+        for name, amount in config.draft_training.resources.items():
+            needed[name] = needed.get(name, 0.0) + amount
     return needed
 
 

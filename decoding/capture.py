@@ -54,13 +54,28 @@ class CapturedBlock:
 HELD_BACK_EVERY = 5  # one request in five is held back for the canary
 
 
+def top_rows(logits: torch.Tensor, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int32 [n, k], log-probabilities float32 [n, k]) of the k most likely tokens of each
+    row of logits (or log-probabilities) [n, V]: what a target worker sends back for a captured
+    round, k columns instead of V."""
+    top = torch.topk(torch.log_softmax(logits.float(), dim=-1), min(top_k, logits.shape[-1]), dim=-1)
+    return top.indices.to(torch.int32).cpu().numpy(), top.values.cpu().numpy()
+
+
 def capture_rows(request_id: str, context: Sequence[int], drafted: Sequence[int], accepted: int,
                  target_logprobs: torch.Tensor, top_k: int, draft_version: int = 0) -> CapturedBlock:
     """A CapturedBlock from the target's log-probability rows [>= K, V] of one verify."""
-    rows = target_logprobs[: len(drafted)].float()
-    top = torch.topk(rows, min(top_k, rows.shape[-1]), dim=-1)
+    top_ids, top_logprobs = top_rows(target_logprobs[: len(drafted)], top_k)
+    return captured_block(request_id, context, drafted, accepted, top_ids, top_logprobs, draft_version)
+
+
+def captured_block(request_id: str, context: Sequence[int], drafted: Sequence[int], accepted: int,
+                   top_ids: np.ndarray, top_logprobs: np.ndarray, draft_version: int = 0) -> CapturedBlock:
+    """A CapturedBlock from top_rows' answer for a verify's first len(drafted) rows."""
+    count = len(drafted)
     return CapturedBlock(request_id, tuple(int(t) for t in context), tuple(int(t) for t in drafted), int(accepted),
-                         top.indices.to(torch.int32).numpy(), top.values.numpy(), draft_version)
+                         np.asarray(top_ids[:count], np.int32), np.asarray(top_logprobs[:count], np.float32),
+                         draft_version)
 
 
 class CaptureBuffer:

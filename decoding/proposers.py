@@ -19,6 +19,7 @@ from decoding.sampling import SamplingParams, logits_to_probs, sample_from_probs
 class Proposal:
     token_ids: list[int]              # K proposed tokens (may be fewer than asked, even 0)
     probs: torch.Tensor | np.ndarray | None  # [K, V] processed q rows (numpy on the wire); None: greedy or deterministic
+    draft_version: int = 0            # the draft weights that drafted it (0: those the server started with)
 
 
 @dataclass

@@ -36,6 +36,7 @@ class SpecStats:
     num_discarded_ahead: int = 0  # draft tokens drafted ahead (pipelining) and thrown away unverified
     draft_failures: int = 0    # draft engines lost mid-request (it then went on target-only)
     target_failovers: int = 0  # target engines lost mid-request (it re-prefilled on another)
+    draft_version: int = 0     # the draft weights of the last verified block (docs/online-learning.md)
 
     @property
     def acceptance_rate(self) -> float:

@@ -104,6 +104,7 @@ def accept_round(state: RequestState, proposal: Proposal,
     stats = state.stats
     if num_drafted:
         stats.rounds += 1
+        stats.draft_version = proposal.draft_version
     stats.num_drafted += num_drafted
     stats.num_accepted += len(emitted) - 1  # everything but the one recovered or bonus token
     stats.num_emitted += len(committed)
@@ -139,7 +140,7 @@ def drafted_ahead(history: Sequence[int], ahead_of: Sequence[int], ahead: Propos
     if count <= 0:
         return None
     probs = None if ahead.probs is None else ahead.probs[1 : 1 + count]
-    return Proposal(token_ids=list(ahead.token_ids[1 : 1 + count]), probs=probs)
+    return Proposal(token_ids=list(ahead.token_ids[1 : 1 + count]), probs=probs, draft_version=ahead.draft_version)
 
 
 def discarded_ahead(ahead: Proposal, used: Proposal | None) -> int:

@@ -1,12 +1,24 @@
 """Draft worker: proposes K tokens (and their processed q rows when sampling) per round, for every
-request drafting now in K batched decode steps."""
+request drafting now in K batched decode steps.
+
+Its weights can change while it serves (`load_draft`, docs/online-learning.md): a new version is
+loaded beside the serving one and takes over between two forwards, every sequence's draft KV
+dropped (the next propose carries the full history, so it re-prefills). Each Proposal names the
+version that drafted it and carries that version's q rows, which the router verifies the block
+against, so a swap in the middle of a request changes speed, never the output distribution.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
+import ray
 import torch
 from ray import serve
 
@@ -17,6 +29,12 @@ from decoding.proposers import DraftModelProposer, NgramProposer, Proposal, Prop
 from decoding.sampling import SamplingParams, make_generator
 from decoding.scheduler import CallShape, Schedule
 from deployments.engine_host import EngineCore, EngineHost, StepOutput, timed_forward, to_wire
+from deployments.metrics import DraftVersionMetrics
+from deployments.naming import ENGINE_NAMESPACE
+
+REGISTER_INTERVAL_S = 5.0  # how often an engine tells the draft trainer its version (a new one learns the latest)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,7 +65,62 @@ class DraftEngine(EngineCore):
             self.proposer = DraftModelProposer(runner, GrammarMatchers.for_runner(
                 runner, model_spec.get("tokenizer_path") or model_spec["path"]))
         self.generators: dict[str, torch.Generator] = {}
+        self.model_spec = model_spec
+        self.draft_version, self.draft_path = 0, None if model_spec is None else model_spec["path"]
+        self._pending_swap: tuple[int, str, Any] | None = None  # (version, path, runner) loaded, not yet serving
+        self._swap_lock = threading.Lock()
+        self.trainer_name = engine_options.get("draft_trainer")
+        self._registered_at = 0.0
         super().__init__(runner, engine_options, name)
+        self.version_metrics = DraftVersionMetrics(name.rsplit(":", 1)[-1] if name else "local")
+        self.version_metrics.set_version(0)
+
+    async def load_draft(self, version: int, path: str) -> dict[str, Any]:
+        """Load the draft checkpoint at path as `version`; it serves from the next forward on.
+        A load that fails raises and changes nothing: the current weights go on serving."""
+        if self.runner is None:
+            raise ValueError("an n-gram proposer has no weights to load")
+        if (version, path) == (self.draft_version, self.draft_path):
+            return await self.version()
+        runner = await asyncio.to_thread(load_runner, {**self.model_spec, "path": path})
+        with self._swap_lock:
+            self._pending_swap = (version, path, runner)
+        logger.info("%s: draft version %d loaded from %s; it serves from the next forward",
+                    self.name or self.pool, version, path)
+        return {**(await self.version()), "pending": version}
+
+    async def version(self) -> dict[str, Any]:
+        """The draft version serving now and where its weights came from."""
+        return {"draft_version": self.draft_version, "draft_path": self.draft_path}
+
+    def step(self, calls: list[DraftCall]) -> dict[int, Any]:
+        """An iteration, on the loaded version if one waits: it takes over here, between forwards."""
+        self._apply_pending_swap()
+        return super().step(calls)
+
+    def _apply_pending_swap(self) -> None:
+        """The loaded version replaces the serving one; all draft KV goes with the old runner."""
+        with self._swap_lock:
+            pending, self._pending_swap = self._pending_swap, None
+        if pending is None:
+            return
+        self.draft_version, self.draft_path, self.runner = pending
+        self.scheduler.runner = self.runner
+        self.proposer = DraftModelProposer(self.runner, self.proposer.grammars)
+        self.version_metrics.set_version(self.draft_version)
+
+    async def ping(self) -> bool:
+        """Health check; with online training on, also tell the app's trainer this engine's
+        version every few seconds, so a new replica is given the current one."""
+        if self.trainer_name and time.monotonic() - self._registered_at > REGISTER_INTERVAL_S:
+            self._registered_at = time.monotonic()
+            try:
+                trainer = ray.get_actor(self.trainer_name, namespace=ENGINE_NAMESPACE)
+                trainer.register_engine.remote(self.name, ray.get_runtime_context().current_actor,
+                                               self.draft_version, self.draft_path)
+            except Exception:  # no trainer (yet, or it died): serving goes on untouched
+                pass
+        return await super().ping()
 
     async def prefill(self, seq_id: str, history: Sequence[int]) -> None:
         """Warm the draft's cache with the prompt while the target prefills it."""
@@ -115,11 +188,9 @@ class DraftEngine(EngineCore):
             generator = self.generators[call.seq_id] = make_generator(call.seed)
         return ProposeCall(call.seq_id, call.history, call.num_tokens, call.params, generator, call.prompt_len)
 
-    @staticmethod
-    def _to_wire(proposal: Proposal) -> Proposal:
-        if proposal.probs is None:
-            return proposal
-        return Proposal(proposal.token_ids, to_wire(proposal.probs))
+    def _to_wire(self, proposal: Proposal) -> Proposal:
+        return replace(proposal, probs=None if proposal.probs is None else to_wire(proposal.probs),
+                       draft_version=self.draft_version)
 
 
 @serve.deployment

@@ -101,6 +101,13 @@ METRICS: dict[str, MetricSpec] = {spec.name: spec for spec in (
     MetricSpec("specserve_engine_idle_seconds_total", "counter",
                "Seconds between this engine's forwards (pipeline bubbles)", ENGINE_TAGS),
     MetricSpec("specserve_kv_sequences", "gauge", "Sequences whose KV cache this engine holds", ENGINE_TAGS),
+    # Online draft training (docs/online-learning.md): which weights draft, and how well each does.
+    MetricSpec("specserve_draft_version", "gauge", "Draft weights version this draft engine serves "
+               "(0: those the server started with)", ("replica",)),
+    MetricSpec("specserve_draft_tokens_by_version_total", "counter",
+               "Draft tokens proposed for verification, by the draft version that drafted them", ("draft_version",)),
+    MetricSpec("specserve_accepted_tokens_by_version_total", "counter",
+               "Draft tokens the target accepted, by the draft version that drafted them", ("draft_version",)),
 )}
 
 # A finished request's `speculation` field -> the counter it adds to. Every field is an int.
@@ -150,6 +157,8 @@ class RouterMetrics:
         self.pipelined_rounds = _build("specserve_pipelined_rounds_total")
         self.time_to_first_token = _build("specserve_time_to_first_token_s")
         self.speculation_depth = _build("specserve_speculation_depth")
+        self.drafted_by_version = _build("specserve_draft_tokens_by_version_total")
+        self.accepted_by_version = _build("specserve_accepted_tokens_by_version_total")
         by_name = {metric.info["name"]: metric for metric in vars(self).values()}
         self._counters = {field: by_name[name] for field, name in REQUEST_COUNTER_FIELDS.items()}
 
@@ -157,6 +166,12 @@ class RouterMetrics:
         """One speculative round: its wall time and the K it verified (0 = a plain target step)."""
         self.round_latency.observe(round_wall_s)
         self.speculation_depth.observe(num_draft_tokens)
+
+    def record_version_round(self, draft_version: int, drafted: int, accepted: int) -> None:
+        """One verified block of draft_version: drafted tokens and how many the target kept."""
+        tags = {"draft_version": str(draft_version)}
+        _inc(self.drafted_by_version, drafted, tags)
+        _inc(self.accepted_by_version, accepted, tags)
 
     def record_first_token(self, time_to_first_token_s: float) -> None:
         self.time_to_first_token.observe(time_to_first_token_s)
@@ -191,6 +206,16 @@ class PolicyMetrics:
             self.num_draft_tokens.set(depth, tags={"request_class": request_class})
         for pool, replicas in target_replicas.items():
             self.target_replicas.set(replicas, tags={"pool": pool})
+
+
+class DraftVersionMetrics:
+    """The draft weights version a draft engine serves."""
+
+    def __init__(self, replica: str) -> None:
+        self.version = _build("specserve_draft_version", {"replica": replica})
+
+    def set_version(self, draft_version: int) -> None:
+        self.version.set(draft_version)
 
 
 class EngineMetrics:

@@ -10,6 +10,7 @@ from ray import serve
 
 from cluster.messages import CallSpan
 from decoding.batched_runner import ForwardCall, load_runner
+from decoding.capture import top_rows
 from decoding.grammar import GrammarDeadEndError, GrammarMatcher, GrammarMatchers
 from decoding.model_runner import SequenceStateError
 from decoding.sampling import SamplingParams
@@ -26,6 +27,7 @@ class VerifyCall:
     params: SamplingParams
     first_output_index: int | None = None  # output position of the first row (min_tokens EOS masking)
     prompt_logprobs: int | None = None     # a prefill whose rows span the prompt (see TargetEngine.verify)
+    capture_top_k: int | None = None       # also answer the raw rows' top-k (decoding.capture.top_rows)
 
 
 class TargetEngine(EngineCore):
@@ -44,7 +46,8 @@ class TargetEngine(EngineCore):
 
     async def verify(self, seq_id: str, token_ids: Sequence[int], num_rows: int, params: SamplingParams,
                      first_output_index: int | None = None, draft_block: list | None = None,
-                     prompt_logprobs: int | None = None) -> tuple[object, CallSpan]:
+                     prompt_logprobs: int | None = None, capture_top_k: int | None = None
+                     ) -> tuple[object, CallSpan]:
         """Rows for the last num_rows positions of token_ids (argmax ids when greedy, else probs),
         and the span (entered, forward started, left) the call spent in this engine (loop wait +
         forward). Prefill: num_rows=1. When params.logprobs is set the rows come as (rows, raw
@@ -57,7 +60,11 @@ class TargetEngine(EngineCore):
         it before sending the call: a caller's actor calls leave in order, so every later call
         from that router to this engine would wait behind the draft. If the draft engine failed,
         the call verifies no block (one row); the router, which sees the same failure, cancels it
-        and goes on target-only. The call enters this engine when its block is here."""
+        and goes on target-only. The call enters this engine when its block is here.
+
+        capture_top_k: a round sampled for the draft's online training (docs/online-learning.md):
+        the answer becomes (answer, (top ids, top log-probabilities)) of the raw distribution at
+        every row, k columns each. Only sampled rounds ask, so the others pay nothing."""
         if draft_block is not None:
             try:
                 proposal, _ = await draft_block[0]
@@ -68,7 +75,7 @@ class TargetEngine(EngineCore):
         if prompt_logprobs is not None:
             num_rows = len(token_ids)
         rows, span = await self.submit(VerifyCall(seq_id, list(token_ids), num_rows, params, first_output_index,
-                                                  prompt_logprobs))
+                                                  prompt_logprobs, capture_top_k))
         self.call_log.record("verify", seq_id, span)
         return rows, span
 
@@ -123,6 +130,8 @@ class TargetEngine(EngineCore):
                 results[index] = (processed, to_wire(torch.log_softmax(rows.float(), dim=-1)))
             if prompt_entries is not None:
                 results[index] = (results[index], prompt_entries)
+            if call.capture_top_k is not None:
+                results[index] = (results[index], top_rows(rows, call.capture_top_k))
 
     def _grammar(self, call: VerifyCall) -> GrammarMatcher | None:
         """A structured output's matcher, synced to the call's committed output (its token ids

@@ -23,6 +23,7 @@ from cluster.messages import POOLS, RAY_NAMESPACE, EngineStats, PolicyDecision, 
 from policies.cost_curve import fit_cost_curve
 from policies.decision import Decider, PolicySettings, policy_actor_name
 from policies.load import LoadTracker
+from policies.slack import has_slack
 
 POLICY_ACTOR_NAME = PolicySettings().actor_name   # the default application's (model "specserve-default")
 POLICY_NAMESPACE = RAY_NAMESPACE
@@ -78,6 +79,14 @@ class PolicyActor:
         """The latest decision."""
         self._ensure_loop()
         return self._decider.decision
+
+    async def slack(self, max_active_requests: int, max_busy_share: float) -> bool:
+        """Whether background work (the draft trainer) may run now (policies.slack.has_slack)."""
+        self._ensure_loop()
+        load = self._tracker.snapshot(time.monotonic())
+        target = load.pools.get("target")
+        return has_slack(load.active_requests, None if target is None else target.busy_share,
+                         max_active_requests, max_busy_share)
 
     async def load(self) -> dict[str, Any]:
         """The load the last decision saw, for `specserve status` and debugging."""

@@ -1,0 +1,170 @@
+"""The draft trainer actor: one per application when draft_training.enabled (docs/online-learning.md).
+
+Routers push captured blocks and per-version acceptance counts to it, fire-and-forget: a round
+never waits for it. When the policy actor reports slack it runs a training pass
+(training/online_trainer.py) in a worker thread, polling the load every quarter second and
+stopping within one optimizer step once load returns (any pushed block is load too). An accepted
+candidate is on disk before every draft engine is told to load it; an engine that fails to load
+keeps serving its weights and is offered the version again when it next registers. After a swap
+the trainer watches live acceptance and swaps back a version that does worse than its predecessor.
+
+Nothing on the data path depends on this actor: it is detached like the policy actor, created by
+the first router that needs it, and if it dies routers' pushes fail silently and the engines keep
+the draft they serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+import torch
+
+from cluster.config import SpecServeConfig
+from decoding.capture import CapturedBlock, save_blocks
+from deployments.naming import ENGINE_NAMESPACE, draft_trainer_name
+from policies.decision import policy_actor_name
+from training.online_trainer import OnlineTrainer
+
+LOOP_INTERVAL_S = 0.5      # how often the trainer looks for slack, captures and rollbacks
+LOAD_POLL_S = 0.25         # how often a running pass checks that the slack lasts
+CAPTURE_SHARD_BLOCKS = 256  # blocks per persisted shard (only with draft_training.capture_dir)
+
+logger = logging.getLogger(__name__)
+
+
+class DraftTrainer:
+    """push / register_engine in; status out; the training loop runs in the background."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = SpecServeConfig.model_validate(config)
+        spec = self.config.draft_training
+        torch.set_num_threads(max(1, int(spec.num_cpus)))
+        versions_dir = spec.versions_dir or tempfile.mkdtemp(prefix="specserve-draft-versions-")
+        self.core = OnlineTrainer(self.config.draft.path, spec.model_dump(), versions_dir)
+        self.engines: dict[str, Any] = {}          # engine name -> actor handle
+        self.engine_versions: dict[str, int] = {}  # what each engine last said it serves
+        self._unsaved: list[CapturedBlock] = []
+        self._shards = 0
+        self._stop = threading.Event()
+        self._training = False
+        self._loop_task: asyncio.Task | None = None
+        self.started_at = time.time()
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def push(self, blocks: Sequence[CapturedBlock], live_counts: Mapping[int, tuple[int, int]]) -> None:
+        """Captured blocks and (drafted, accepted) per draft version since the router's last push."""
+        self._ensure_loop()
+        if self.config.draft_training.slack_max_active_requests == 0:
+            self._stop.set()  # a block is a request in flight: yield at once
+        self.core.add(blocks)
+        self.core.record_live(live_counts)
+        if self.config.draft_training.capture_dir is not None:
+            self._unsaved.extend(blocks)
+            if len(self._unsaved) >= CAPTURE_SHARD_BLOCKS:
+                self.flush_captures()
+
+    def flush_captures(self) -> int:
+        """Write captured blocks not yet persisted (only with capture_dir); -> blocks written."""
+        blocks, self._unsaved = self._unsaved, []
+        if blocks and self.config.draft_training.capture_dir is not None:
+            save_blocks(blocks, self.config.draft_training.capture_dir,
+                        f"capture-{int(self.started_at)}-{self._shards:06d}")
+            self._shards += 1
+        return len(blocks)
+
+    async def register_engine(self, name: str, engine: Any, version: int, path: str) -> None:
+        """A draft engine says which version it serves; one behind is offered the serving version.
+        A version this trainer does not know (it was restarted) is adopted, not undone."""
+        self._ensure_loop()
+        self.engines[name] = engine
+        self.engine_versions[name] = version
+        self.core.adopt(version, path)
+        if version != self.core.serving.version:
+            await self._offer_one(name, engine, self.core.serving)
+
+    async def status(self) -> dict[str, Any]:
+        self._ensure_loop()
+        return {**self.core.status(), "training_now": self.training_now(),
+                "engines": dict(self.engine_versions)}
+
+    def training_now(self) -> bool:
+        return self._training
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self._step()
+            except Exception:  # a failed pass or offer is logged; serving is untouched
+                logger.exception("draft trainer step failed")
+            await asyncio.sleep(LOOP_INTERVAL_S)
+
+    async def _step(self) -> None:
+        back = self.core.rollback_to()
+        if back is not None:
+            logger.warning("draft version %d does worse live than its predecessor; back to %d",
+                           self.core.serving.version, back.version)
+            await self._offer_all(self.core.swap_to(back.version))
+        if self.core.ready() and await self._slack():
+            await self._train()
+
+    async def _slack(self) -> bool:
+        spec = self.config.draft_training
+        try:
+            policy = ray.get_actor(policy_actor_name(self.config.model_name), namespace="specserve")
+            return await policy.slack.remote(spec.slack_max_active_requests, spec.slack_max_busy_share)
+        except Exception:  # no policy actor: no view of the load, so no training
+            return False
+
+    async def _train(self) -> None:
+        self._stop.clear()
+        self._training = True
+        watcher = asyncio.get_running_loop().create_task(self._watch_load())
+        try:
+            result = await asyncio.to_thread(self.core.train_pass, self._stop.is_set)
+        finally:
+            watcher.cancel()
+            self._training = False
+        logger.info("draft training pass: %s", {k: v for k, v in result.items() if k != "steps"})
+        if result["outcome"] == "accepted":
+            await self._offer_all(self.core.swap_to(result["version"]))
+
+    async def _watch_load(self) -> None:
+        while not self._stop.is_set():
+            await asyncio.sleep(LOAD_POLL_S)
+            if not await self._slack():
+                self._stop.set()
+
+    async def _offer_all(self, version) -> None:
+        await asyncio.gather(*[self._offer_one(name, engine, version) for name, engine in list(self.engines.items())])
+
+    async def _offer_one(self, name: str, engine: Any, version) -> None:
+        try:
+            await engine.load_draft.remote(version.version, version.path)
+            self.engine_versions[name] = version.version
+        except ray.exceptions.RayActorError:
+            self.engines.pop(name, None)  # gone: a new replica registers itself
+            self.engine_versions.pop(name, None)
+        except Exception:
+            logger.exception("draft engine %s could not load version %d; it keeps its weights",
+                             name, version.version)
+
+
+def get_or_create_draft_trainer(config: SpecServeConfig) -> "ray.actor.ActorHandle":
+    """The application's trainer (detached, named draft_trainer_name), created if missing."""
+    spec = config.draft_training
+    options: dict[str, Any] = {"name": draft_trainer_name(config.model_name), "namespace": ENGINE_NAMESPACE,
+                               "lifetime": "detached", "get_if_exists": True, "max_restarts": 0,
+                               "max_concurrency": 64, "num_cpus": spec.num_cpus, "num_gpus": spec.num_gpus}
+    if spec.resources:
+        options["resources"] = spec.resources
+    return ray.remote(DraftTrainer).options(**options).remote(config.model_dump(mode="json"))

@@ -1,0 +1,230 @@
+"""Online draft training (issue 31), in-process: hot-swapping the draft engine's weights mid-request
+is lossless (greedy text identical; seeded sampled tokens follow the target, and verifying a block
+against the other version's q rows is caught), a failed load keeps the serving draft, the router's
+capture is off by default, and the trainer's pass writes a version only when the canary passes,
+rolls a worse one back and adopts what engines serve after a restart."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from cluster.config import SpecServeConfig
+from decoding.capture import top_rows
+from decoding.proposers import Proposal
+from decoding.sampling import SamplingParams
+from decoding.sequence import RequestState
+from decoding.speculation import accept_round
+from deployments.draft_worker import DraftEngine
+from deployments.metrics import RouterMetrics
+from deployments.round_capture import RoundCapture
+from deployments.target_worker import TargetEngine
+from tests.test_engines import options, spec
+from tests.test_rejection import assert_differs, assert_matches, total_variation
+from tests.tiny_pair import make_tiny_pair
+from training.online_trainer import OnlineTrainer, load_draft_model, rolls_back
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40)
+SAMPLED = SamplingParams(temperature=1.5, top_k=8, max_tokens=2)
+PROMPT = [5, 17, 42, 8, 3, 33, 61, 12]
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """(target, draft v0, draft v1 of the same target, an unrelated model's draft)."""
+    target, draft = make_tiny_pair(tmp_path_factory.mktemp("pair"))
+    _, closer = make_tiny_pair(tmp_path_factory.mktemp("closer"), noise=0.1)
+    _, unrelated = make_tiny_pair(tmp_path_factory.mktemp("unrelated"), seed=5)
+    return target, draft, closer, unrelated
+
+
+def engines(pairs, max_sequences: int = 8) -> tuple[DraftEngine, TargetEngine]:
+    target, draft, _, _ = pairs
+    batching = options(max_batch_rows=max_sequences, prefill_token_budget=16 * max_sequences)
+    return (DraftEngine("draft", spec(draft, max_sequences), str(target), batching),
+            TargetEngine(spec(target, max_sequences), batching))
+
+
+def new_state(request_id: str, params: SamplingParams) -> RequestState:
+    return RequestState(request_id=request_id, prompt_ids=list(PROMPT), params=params, eos_token_id=None,
+                        max_context=256)
+
+
+async def greedy_rounds(draft, target, state: RequestState, num_draft: int, swap=None) -> list[int]:
+    """Speculative rounds to the end; swap(round) runs before each round's propose. -> versions per round."""
+    versions, round_index = [], 0
+    while not state.finished:
+        if swap is not None:
+            await swap(round_index)
+        proposal = Proposal([], None)
+        if num_draft:
+            proposal, _ = await draft.propose(state.request_id, state.history, num_draft, state.params, None)
+        rows, _ = await target.verify(state.request_id, state.history + proposal.token_ids,
+                                      len(proposal.token_ids) + 1, state.params, state.next_output_index)
+        accept_round(state, proposal, rows)
+        versions.append(proposal.draft_version)
+        round_index += 1
+    return versions
+
+
+def test_a_swap_mid_request_keeps_greedy_text_and_a_failed_load_keeps_the_serving_draft(pairs):
+    _, _, closer, _ = pairs
+
+    async def scenario():
+        draft, target = engines(pairs)
+        reference = new_state("ref", GREEDY)
+        await greedy_rounds(draft, target, reference, 0)
+
+        async def swap(round_index):
+            if round_index == 3:
+                await draft.load_draft(1, str(closer))
+            if round_index == 6:
+                with pytest.raises(Exception):
+                    await draft.load_draft(2, "/nonexistent/draft")
+
+        state = new_state("swapped", GREEDY)
+        versions = await greedy_rounds(draft, target, state, 4, swap)
+        return reference, state, versions, await draft.version(), await draft.active_sequences()
+
+    reference, state, versions, version, held = asyncio.run(scenario())
+    assert state.output_ids == reference.output_ids
+    assert versions[:3] == [0, 0, 0] and set(versions[3:]) == {1}
+    assert version == {"draft_version": 1, "draft_path": str(closer)}
+    assert held == ["swapped"]  # re-prefilled on the new weights after the old KV was dropped
+    assert state.stats.draft_version == 1
+
+
+def _first_tokens_across_a_swap(pairs, samples: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded sampled requests whose draft KV was filled by version 0; the draft then swaps to an
+    unrelated model's weights and each request verifies one block (K=2). -> (first emitted
+    tokens, the same with each block verified against version 0's q rows for its request, as a
+    router that mixed versions would, the target's processed row)."""
+    _, _, _, unrelated = pairs
+
+    async def scenario():
+        draft, target = engines(pairs, max_sequences=samples + 1)
+        states = [new_state(f"s{n}", SAMPLED.model_copy(update={"seed": n})) for n in range(samples)]
+        old = await asyncio.gather(*[draft.propose(s.request_id, s.history, 2, s.params, n)
+                                     for n, s in enumerate(states)])
+        await draft.load_draft(1, str(unrelated))
+        new = await asyncio.gather(*[draft.propose(s.request_id, s.history, 2, s.params, n + samples)
+                                     for n, s in enumerate(states)])
+        rows = await asyncio.gather(*[target.verify(s.request_id, s.history + p.token_ids, 3, s.params, 0)
+                                      for s, (p, _) in zip(states, new)])
+        exact, _ = await target.verify("exact", PROMPT, 1, SAMPLED, 0)
+        return old, new, rows, torch.as_tensor(exact[0])
+
+    old, new, rows, exact = asyncio.run(scenario())
+    firsts = {False: [], True: []}
+    for n, ((proposal, _), (stale, _), (row, _)) in enumerate(zip(new, old, rows)):
+        assert proposal.draft_version == 1 and stale.draft_version == 0
+        for broken in (False, True):
+            state = new_state(f"s{n}", SAMPLED.model_copy(update={"seed": n}))
+            accept_round(state, Proposal(proposal.token_ids, stale.probs if broken else proposal.probs, 1), row)
+            firsts[broken].append(state.output_ids[0])
+    return torch.tensor(firsts[False]), torch.tensor(firsts[True]), exact
+
+
+SAMPLES = 400
+TV_BOUND = 0.09  # about three times the expected TV of 400 exact samples over this row's 8 cells
+
+
+def test_sampled_tokens_follow_the_target_across_a_swap_and_mixing_versions_is_caught(pairs):
+    """Chi-square (p > 1e-3) and TV (< TV_BOUND) against the target's processed row over SAMPLES
+    seeded requests; the broken variant must be rejected by the chi-square at 1e-3."""
+    samples, broken, exact = _first_tokens_across_a_swap(pairs, SAMPLES)
+    assert_matches(samples, exact, check_tv=False)
+    assert total_variation(samples, exact) < TV_BOUND
+    assert_differs(broken, exact)
+
+
+def test_capture_is_off_by_default_and_samples_its_rounds_when_on(monkeypatch):
+    off = RoundCapture(SpecServeConfig(), RouterMetrics())
+    assert SpecServeConfig().draft_training.enabled is False
+    assert SpecServeConfig().engine_options()["draft_trainer"] is None
+    assert [off.top_k_for_round() for _ in range(10)] == [None] * 10
+    off.observe("r", [1, 2, 3], Proposal([4, 5], None), 1, None)
+    assert off._trainer is None and not off._blocks  # nothing kept, nothing looked up
+    monkeypatch.setenv("SPECSERVE__DRAFT_TRAINING__ENABLED", "true")
+    monkeypatch.setenv("SPECSERVE__DRAFT_TRAINING__SAMPLE_EVERY", "3")
+    from cluster.config import load_config
+
+    on = RoundCapture(load_config(), RouterMetrics())
+    assert [on.top_k_for_round() for _ in range(6)] == [None, None, 32, None, None, 32]
+
+
+def _captures(target_path, draft_path, requests: int) -> list:
+    """Blocks as routers capture them: the draft's greedy 4 tokens, the target's top-k rows."""
+    target, draft = load_draft_model(target_path), load_draft_model(draft_path)
+    generator = torch.Generator().manual_seed(0)
+    from decoding.capture import captured_block
+
+    blocks = []
+    with torch.no_grad():
+        for n in range(requests):
+            context = torch.randint(10, 60, (8,), generator=generator).tolist()  # a small "domain": positions share tokens
+            drafted = []
+            for _ in range(4):
+                drafted.append(int(draft(torch.tensor([context + drafted])).logits[0, -1].argmax()))
+            logits = target(torch.tensor([context + drafted])).logits[0, len(context) - 1:]
+            accepted = 0
+            while accepted < 4 and int(logits[accepted].argmax()) == drafted[accepted]:
+                accepted += 1
+            blocks.append(captured_block(f"req-{n}", context, drafted, accepted, *top_rows(logits, 32)))
+    return blocks
+
+
+def settings(**overrides) -> dict:
+    return {**SpecServeConfig().draft_training.model_dump(), "min_new_positions": 100, "lr": 1e-3,
+            "epochs": 3, **overrides}
+
+
+def test_a_pass_writes_a_version_only_when_the_canary_passes(pairs, tmp_path):
+    target, draft, _, _ = pairs
+    blocks = _captures(target, draft, requests=120)
+    trainer = OnlineTrainer(str(draft), settings(), tmp_path / "versions")
+    trainer.add(blocks)
+    assert trainer.ready()
+    result = trainer.train_pass()
+    assert result["outcome"] == "accepted", result
+    assert result["expected_after"] > result["expected_before"] + 0.01
+    written = tmp_path / "versions" / "v1"
+    assert (written / "config.json").exists() and (written / "tokenizer.json").exists()
+    assert not trainer.ready()  # nothing new captured since
+    # The target itself as the serving draft: it is already matched, so the candidate is refused
+    # and nothing is written.
+    matched = OnlineTrainer(str(target), settings(), tmp_path / "matched")
+    matched.add(blocks)
+    assert matched.train_pass()["outcome"] == "refused"
+    assert not (tmp_path / "matched").exists() and matched.serving.version == 0
+
+
+def test_training_yields_when_load_returns(pairs, tmp_path):
+    target, draft, _, _ = pairs
+    trainer = OnlineTrainer(str(draft), settings(), tmp_path)
+    trainer.add(_captures(target, draft, requests=60))
+    calls = iter(range(10_000))
+    result = trainer.train_pass(should_stop=lambda: next(calls) >= 3)
+    assert result["outcome"] == "stopped" and result["steps"] == 3
+    assert trainer.ready()  # the captures are still there for the next slack
+
+
+def test_a_worse_version_live_is_rolled_back_and_a_restarted_trainer_adopts_what_engines_serve(tmp_path):
+    assert not rolls_back(0.6, drafted=100, accepted=10, min_drafted=500, margin=0.05)   # too few to judge
+    assert rolls_back(0.6, drafted=1000, accepted=500, min_drafted=500, margin=0.05)
+    assert not rolls_back(0.6, drafted=1000, accepted=580, min_drafted=500, margin=0.05)
+    trainer = OnlineTrainer("/draft/v0", settings(rollback_min_drafted=100), tmp_path)
+    trainer.record_live({0: (1000, 600)})
+    trainer.versions.append(type(trainer.serving)(1, "/draft/v1"))
+    trainer.swap_to(1)
+    assert trainer.serving.live_before == pytest.approx(0.6)
+    trainer.record_live({1: (200, 80)})
+    assert trainer.rollback_to().version == 0
+    assert trainer.rollback_to() is None  # judged once
+    restarted = OnlineTrainer("/draft/v0", settings(), tmp_path)
+    restarted.adopt(3, "/draft/v3")
+    assert restarted.serving.version == 3 and restarted.status()["draft_version"] == 3
+    assert np.isfinite(restarted.status()["captured_positions"])

@@ -1,0 +1,196 @@
+"""The draft trainer's state and one training pass, without Ray (issue 31, docs/online-learning.md).
+
+`OnlineTrainer` holds the captured blocks, the numbered draft versions and the live acceptance
+routers report per version. A pass distils a copy of the serving version on the training slice,
+scores both on the held-back slice (the canary) and, only if the candidate wins by the margin,
+writes it to disk as the next version: a version exists on disk before any engine is offered it.
+After a swap, `rollback_to` compares the new version's live acceptance with its predecessor's and
+names the version to go back to when the new one does worse. deployments/draft_trainer.py is the
+Ray actor around it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from decoding.capture import CaptureBuffer, CapturedBlock
+from training.online_distill import (DistillSettings, canary_accepts, distill_on_positions,
+                                     mean_expected_acceptance, position_batch)
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+@dataclass
+class DraftVersion:
+    """One set of draft weights the trainer can offer, and how it came to be."""
+
+    version: int
+    path: str
+    trained_at: float | None = None          # wall-clock time it was written (None: the start-up draft)
+    trained_positions: int = 0               # captured positions its training slice held
+    expected_before: float | None = None     # canary: the draft it replaced, on the held-back slice
+    expected_after: float | None = None      # canary: this version, on the same slice
+    live_before: float | None = None         # live acceptance of the version it replaced, when swapped in
+    rolled_back: bool = False                # it did worse live and its predecessor came back
+
+
+def rolls_back(live_before: float | None, drafted: int, accepted: int, min_drafted: int, margin: float) -> bool:
+    """A swapped-in version goes back when, over at least min_drafted of its drafted tokens, its
+    live acceptance is below its predecessor's by more than margin."""
+    if live_before is None or drafted < min_drafted:
+        return False
+    return accepted / drafted < live_before - margin
+
+
+def load_draft_model(path: str | Path) -> torch.nn.Module:
+    """A draft checkpoint as a float32 training copy (on CPU: the trainer's own actor)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def save_draft_version(model: torch.nn.Module, source: str | Path, destination: str | Path) -> Path:
+    """Write model as a draft folder `serve --draft` takes: the weights (in the source's dtype),
+    config, and every non-weight file of the source folder (tokenizer, generation config). Written
+    under a temporary name and renamed, so a folder that exists is complete."""
+    source, destination = Path(source), Path(destination)
+    partial = destination.with_name(destination.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    source_config = json.loads((source / "config.json").read_text())
+    dtype = getattr(torch, source_config.get("dtype") or source_config.get("torch_dtype") or "float32")
+    copy.deepcopy(model).to(dtype).save_pretrained(partial)
+    for item in source.iterdir():
+        if item.is_file() and not item.name.endswith(WEIGHT_SUFFIXES) and not (partial / item.name).exists():
+            shutil.copy2(item, partial / item.name)
+    shutil.rmtree(destination, ignore_errors=True)
+    partial.rename(destination)
+    return destination
+
+
+class OnlineTrainer:
+    """Captured blocks in, numbered draft versions out; `settings` is a DraftTrainingSpec dump."""
+
+    def __init__(self, draft_path: str, settings: Mapping[str, Any], versions_dir: str | Path) -> None:
+        self.settings = dict(settings)
+        self.buffer = CaptureBuffer(int(settings["max_positions"]))  # the routers sample rounds
+        self.versions_dir = Path(versions_dir)
+        self.versions = [DraftVersion(0, str(draft_path))]
+        self.serving = self.versions[0]
+        self.live: dict[int, list[int]] = {}     # version -> [drafted, accepted], as routers report
+        self.live_at_swap: dict[int, tuple[int, int]] = {}
+        self.positions_at_last_pass = 0
+        self.passes = {"accepted": 0, "refused": 0, "stopped": 0}
+        self.last_pass: dict[str, Any] | None = None
+
+    def add(self, blocks: Iterable[CapturedBlock]) -> None:
+        for block in blocks:
+            self.buffer.add(block)
+
+    def record_live(self, counts: Mapping[int, tuple[int, int]]) -> None:
+        """Add routers' (drafted, accepted) per draft version since their last report."""
+        for version, (drafted, accepted) in counts.items():
+            totals = self.live.setdefault(int(version), [0, 0])
+            totals[0] += int(drafted)
+            totals[1] += int(accepted)
+
+    def live_acceptance(self, version: int) -> float | None:
+        drafted, accepted = self.live.get(version, (0, 0))
+        return accepted / drafted if drafted else None
+
+    def ready(self) -> bool:
+        """Enough new captured positions since the last finished pass, and both slices non-empty."""
+        if self.buffer.total_positions - self.positions_at_last_pass < int(self.settings["min_new_positions"]):
+            return False
+        train, held = self.buffer.split()
+        return bool(train) and bool(held)
+
+    def train_pass(self, should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+        """Distil a copy of the serving version, canary it; -> {"outcome": "accepted" (with
+        "version"), "refused" or "stopped", and the figures}. Only an accepted candidate is written."""
+        started = time.perf_counter()
+        positions = self.buffer.total_positions
+        train, held = self.buffer.split()
+        max_context = int(self.settings["max_context"])
+        train_batch, held_batch = position_batch(train, max_context), position_batch(held, max_context)
+        candidate = load_draft_model(self.serving.path)
+        before = mean_expected_acceptance(candidate, held_batch)
+        distill = DistillSettings(lr=float(self.settings["lr"]), epochs=int(self.settings["epochs"]),
+                                  batch_size=int(self.settings["batch_size"]))
+        steps = distill_on_positions(candidate, train_batch, distill, should_stop)
+        result: dict[str, Any] = {"steps": steps, "train_positions": len(train_batch.last_index),
+                                  "held_positions": len(held_batch.last_index), "expected_before": before}
+        if should_stop():
+            return self._finish(result | {"outcome": "stopped"}, started)
+        after = mean_expected_acceptance(candidate, held_batch)
+        self.positions_at_last_pass = positions
+        result["expected_after"] = after
+        if not canary_accepts(before, after, float(self.settings["canary_margin"])):
+            return self._finish(result | {"outcome": "refused"}, started)
+        version = max(v.version for v in self.versions) + 1
+        path = save_draft_version(candidate, self.versions[0].path, self.versions_dir / f"v{version}")
+        self.versions.append(DraftVersion(version, str(path), time.time(), len(train_batch.last_index), before, after))
+        return self._finish(result | {"outcome": "accepted", "version": version}, started)
+
+    def _finish(self, result: dict[str, Any], started: float) -> dict[str, Any]:
+        result["seconds"] = time.perf_counter() - started
+        self.passes[result["outcome"]] += 1
+        self.last_pass = result
+        return result
+
+    def version(self, number: int) -> DraftVersion:
+        return next(v for v in self.versions if v.version == number)
+
+    def adopt(self, number: int, path: str) -> None:
+        """A version engines serve that this trainer did not make (it was restarted): the newest
+        such becomes the serving one, so a restarted trainer never takes engines back."""
+        if any(v.version == number for v in self.versions):
+            return
+        self.versions.append(DraftVersion(number, path))
+        self.versions.sort(key=lambda v: v.version)
+        if number > self.serving.version:
+            self.serving = self.version(number)
+
+    def swap_to(self, number: int) -> DraftVersion:
+        """Make version `number` the serving one (its engines are told by the caller)."""
+        chosen = self.version(number)
+        if chosen.version > self.serving.version:  # a new version: remember what it must beat live
+            chosen.live_before = self.live_acceptance(self.serving.version)
+        self.live_at_swap[chosen.version] = tuple(self.live.get(chosen.version, (0, 0)))
+        self.serving = chosen
+        return chosen
+
+    def rollback_to(self) -> DraftVersion | None:
+        """The version to go back to, if the serving one does worse live than its predecessor."""
+        current = self.serving
+        if current.version == 0 or current.rolled_back:
+            return None
+        drafted, accepted = self.live.get(current.version, (0, 0))
+        base_drafted, base_accepted = self.live_at_swap.get(current.version, (0, 0))
+        if not rolls_back(current.live_before, drafted - base_drafted, accepted - base_accepted,
+                          int(self.settings["rollback_min_drafted"]), float(self.settings["rollback_margin"])):
+            return None
+        current.rolled_back = True
+        earlier = [v for v in self.versions if v.version < current.version and not v.rolled_back]
+        return earlier[-1]
+
+    def status(self) -> dict[str, Any]:
+        """What `specserve status` shows about online training."""
+        serving = self.serving
+        return {"draft_version": serving.version, "trained_at": serving.trained_at,
+                "trained_positions": serving.trained_positions,
+                "expected_acceptance_before": serving.expected_before,
+                "expected_acceptance_after": serving.expected_after,
+                "live_acceptance_before": serving.live_before,
+                "live_acceptance_after": self.live_acceptance(serving.version),
+                "captured_positions": self.buffer.num_positions, "captured_total": self.buffer.total_positions,
+                "passes": dict(self.passes), "last_pass": self.last_pass,
+                "versions": [asdict(v) for v in self.versions]}
