@@ -8,14 +8,18 @@ view. `summarize` (pure) turns those into the JSON; `render_table` into the text
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from cluster.messages import POOLS, EngineStats
-from deployments.naming import ENGINE_NAMESPACE, parse_engine_actor_name
+from deployments.naming import DRAFT_TRAINER_PREFIX, ENGINE_NAMESPACE, parse_engine_actor_name
 
 POOL_DEPLOYMENTS = {"draft": "DraftWorker", "target": "TargetWorker"}
+TRAINING_FIELDS = ("draft_version", "trained_at", "trained_positions", "expected_acceptance_before",
+                   "expected_acceptance_after", "live_acceptance_before", "live_acceptance_after",
+                   "captured_positions", "captured_total", "passes", "training_now")
 STATS_TIMEOUT_S = 10.0
 
 
@@ -29,9 +33,10 @@ class UnreachableEngine:
 
 
 def summarize(engine_stats: Sequence[EngineStats | UnreachableEngine], router_status: Mapping[str, Any] | None,
-              running_replicas: Mapping[str, int]) -> dict[str, Any]:
+              running_replicas: Mapping[str, int], trainer_status: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The status document: per pool replicas, KV sequences, queue depth and engines; the policy's
-    depth; the load. An engine whose stats could not be read appears with "error"."""
+    depth; the load; online draft training when it runs (the draft trainer's status). An engine
+    whose stats could not be read appears with "error"."""
     pools: dict[str, dict[str, Any]] = {}
     for pool in POOLS:
         engines = [stats for stats in engine_stats if stats.pool == pool]
@@ -57,6 +62,8 @@ def summarize(engine_stats: Sequence[EngineStats | UnreachableEngine], router_st
         "policy": {"num_draft_tokens": router.get("num_draft_tokens"), "decision": decision or None},
         "load": {"active_requests": int(router.get("active_requests", 0)),
                  "queued_requests": int(router.get("queued_requests", 0))},
+        "draft_training": None if trainer_status is None else {
+            key: trainer_status.get(key) for key in TRAINING_FIELDS},
     }
 
 
@@ -80,6 +87,15 @@ def render_table(summary: Mapping[str, Any]) -> str:
     load, policy = summary["load"], summary["policy"]
     lines.append(f"requests: {load['active_requests']} active, {load['queued_requests']} queued; "
                  f"draft depth for a greedy request now: {fmt(policy['num_draft_tokens'])}")
+    training = summary.get("draft_training")
+    if training:
+        trained = "-" if training["trained_at"] is None else time.strftime(
+            "%Y-%m-%d %H:%M:%S", time.localtime(training["trained_at"]))
+        lines.append(f"draft version {training['draft_version']}: trained {trained} on "
+                     f"{training['trained_positions']} captured positions; expected acceptance "
+                     f"{fmt(training['expected_acceptance_before'])} -> {fmt(training['expected_acceptance_after'])}, "
+                     f"live {fmt(training['live_acceptance_before'])} -> {fmt(training['live_acceptance_after'])}; "
+                     f"{training['captured_positions']} positions held")
     for pool, info in summary["pools"].items():
         for engine in info["engines"]:
             if "error" in engine:
@@ -132,12 +148,26 @@ def router_status(timeout_s: float = STATS_TIMEOUT_S) -> dict[str, Any] | None:
         return None
 
 
+def trainer_status(timeout_s: float = STATS_TIMEOUT_S) -> dict[str, Any] | None:
+    """The draft trainer's status (docs/online-learning.md), or None when none runs."""
+    import ray
+
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] == ENGINE_NAMESPACE and entry["name"].startswith(DRAFT_TRAINER_PREFIX):
+            try:
+                return ray.get(ray.get_actor(entry["name"], namespace=ENGINE_NAMESPACE).status.remote(),
+                               timeout=timeout_s)
+            except Exception:
+                return None
+    return None
+
+
 def collect(address: str | None) -> dict[str, Any]:
     """Connect to the running cluster and gather the status document."""
     import ray
 
     ray.init(address=address or "auto", log_to_driver=False, configure_logging=False)
-    return summarize(read_engine_stats(), router_status(), running_replicas())
+    return summarize(read_engine_stats(), router_status(), running_replicas(), trainer_status())
 
 
 def main(address: str | None, as_json: bool) -> int:

@@ -126,6 +126,7 @@ class DraftTrainer:
             return False
 
     async def _train(self) -> None:
+        self.flush_captures()  # what a pass trains on is on disk first, when persistence is asked for
         self._stop.clear()
         self._training = True
         watcher = asyncio.get_running_loop().create_task(self._watch_load())

@@ -13,6 +13,7 @@ from cluster.messages import POOLS, RAY_NAMESPACE
 
 ENGINE_NAMESPACE = RAY_NAMESPACE
 ENGINE_NAME_PREFIX = "engine"
+DRAFT_TRAINER_PREFIX = "draft-trainer:"
 
 
 def engine_actor_name(pool: str, replica_id: str) -> str:
@@ -46,4 +47,4 @@ def current_replica_id() -> str:
 def draft_trainer_name(model_name: str) -> str:
     """The draft trainer actor of the application serving model_name (one per application, in
     ENGINE_NAMESPACE, as its policy actor: two apps must not train each other's drafts)."""
-    return f"draft-trainer:{model_name}"
+    return f"{DRAFT_TRAINER_PREFIX}{model_name}"

@@ -74,21 +74,23 @@ class RequestEngines:
                                          draft_seed(state.params.seed), len(state.prompt_ids))
 
     def send_verify(self, state: RequestState, proposal: Proposal | None = None, draft_answer: Any = None,
-                    prompt_logprobs: int | None = None) -> tuple[Any, float, Any]:
+                    prompt_logprobs: int | None = None, capture_top_k: int | None = None) -> tuple[Any, float, Any]:
         """Send one verify: of proposal's block, or of the block a draft engine is drafting
         (draft_answer: its propose ObjectRef, handed to the target unresolved). -> (ObjectRef of the
         answer, when it was sent, draft_answer). prompt_logprobs: a prefill that also returns the
-        prompt's log-probabilities (TargetEngine.verify)."""
+        prompt's log-probabilities; capture_top_k: a round captured for online training
+        (TargetEngine.verify)."""
         block = proposal.token_ids if proposal else []
         sent_s = time.perf_counter()
         answer = self.target.verify.remote(state.request_id, state.history + block, len(block) + 1, state.params,
                                            state.next_output_index,
-                                           None if draft_answer is None else [draft_answer], prompt_logprobs)
+                                           None if draft_answer is None else [draft_answer], prompt_logprobs,
+                                           capture_top_k)
         return answer, sent_s, draft_answer
 
     async def verify(self, state: RequestState, proposal: Proposal | None = None,
-                     sent: tuple[Any, float, Any] | None = None,
-                     prompt_logprobs: int | None = None) -> tuple[Any, EngineCall]:
+                     sent: tuple[Any, float, Any] | None = None, prompt_logprobs: int | None = None,
+                     capture_top_k: int | None = None) -> tuple[Any, EngineCall]:
         """One target forward -> (rows, the call's timing). sent: the verify already sent
         (`send_verify`), else it is sent now.
 
@@ -100,7 +102,7 @@ class RequestEngines:
         while True:
             try:
                 answer, sent_s, _ = sent if sent is not None else self.send_verify(
-                    state, proposal, prompt_logprobs=prompt_logprobs)
+                    state, proposal, prompt_logprobs=prompt_logprobs, capture_top_k=capture_top_k)
                 sent = None
                 rows, span = await answer
                 return rows, EngineCall.from_span(sent_s, span, time.perf_counter())

@@ -1,9 +1,9 @@
 """The router's side of online draft training (docs/online-learning.md): which rounds are
 captured, and what a verified round tells the trainer and the metrics.
 
-Per round the router asks `top_k_for_round()` before it sends the verify (None: this round is not
-captured and the target returns its usual answer; one round in sample_every is) and hands the
-verified round to `observe`. Every round's drafted and accepted counts go to the metrics by draft
+Per round the round loop asks `top_k_for_round()` before it sends the verify (None: this round is
+not captured and the target returns its usual answer; one round in sample_every is), and the
+round's observer (deployments/round_record.py) hands the verified round to `observe`. Every round's drafted and accepted counts go to the metrics by draft
 version; with training on, captured blocks and those counts are batched and pushed to the trainer
 about once a second, fire-and-forget: a slow or dead trainer never holds a round. With training
 off nothing is captured, pushed or written.
@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
-from typing import Any
+from dataclasses import replace
 
 from cluster.config import SpecServeConfig
-from decoding.capture import CaptureBuffer, CapturedBlock, captured_block
-from decoding.proposers import Proposal
+from decoding.capture import CaptureBuffer, CapturedBlock
 from deployments.metrics import RouterMetrics
 
 PUSH_INTERVAL_S = 1.0       # least time between two pushes of one router
@@ -47,23 +45,19 @@ class RoundCapture:
             return None
         return self.spec.top_k
 
-    def observe(self, request_id: str, context: Sequence[int], proposal: Proposal, accepted: int,
-                captured: tuple[Any, Any] | None = None) -> None:
-        """One verified round: context the history it continued, accepted how many of the block
-        were kept, captured the target's (top ids, top log-probabilities) if it was captured."""
-        drafted = len(proposal.token_ids)
+    def observe(self, draft_version: int, drafted: int, accepted: int, block: CapturedBlock | None = None) -> None:
+        """One verified round: drafted tokens of draft_version, how many were kept, and the
+        captured block if the round was captured."""
         if not drafted:
             return
-        self.metrics.record_version_round(proposal.draft_version, drafted, accepted)
+        self.metrics.record_version_round(draft_version, drafted, accepted)
         if self._sampler is None:
             return
-        counts = self._live.setdefault(proposal.draft_version, [0, 0])
+        counts = self._live.setdefault(draft_version, [0, 0])
         counts[0] += drafted
         counts[1] += accepted
-        if captured is not None:
-            top_ids, top_logprobs = captured
-            self._blocks.append(captured_block(request_id, context[-self.spec.max_context:], proposal.token_ids,
-                                               accepted, top_ids, top_logprobs, proposal.draft_version))
+        if block is not None:  # training keeps only the last max_context tokens of a context
+            self._blocks.append(replace(block, context=block.context[-self.spec.max_context:]))
         if len(self._blocks) >= PUSH_BLOCKS or time.monotonic() - self._pushed_at >= PUSH_INTERVAL_S:
             self._push()
 

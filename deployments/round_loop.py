@@ -20,6 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from cluster.config import SpeculationSpec
+from decoding.capture import captured_block
 from decoding.proposers import Proposal
 from decoding.sequence import RequestState
 from decoding.speculation import accept_round, discarded_ahead, drafted_ahead
@@ -81,11 +82,13 @@ class RoundLoop:
         stages = RoundStages(self.profile)
         stages.mark("start")
         num_draft = self.choose_depth(state) if engines.draft is not None else 0
+        capture_k = self.observer.capture_top_k() if num_draft > 0 else None  # online training's sample
         stages.mark("depth")
         proposal, draft_s, draft_hops_s, sent, draft_calls = Proposal([], None), 0.0, 0.0, None, []
         if num_draft > 0:
             try:
-                proposal, draft_s, draft_hops_s, sent = await self._propose(num_draft, ahead, stages, draft_calls)
+                proposal, draft_s, draft_hops_s, sent = await self._propose(num_draft, ahead, stages, draft_calls,
+                                                                            capture_k)
             except ENGINE_ERRORS:
                 logger.warning("draft engine lost for %s; continuing target-only", state.request_id)
                 self.observer.draft_lost()
@@ -93,13 +96,17 @@ class RoundLoop:
                 engines.lose_draft()
         stages.mark("proposed")
         if sent is None:  # the verify leaves before the block ahead is launched: it is on the round's path
-            sent = engines.send_verify(state, proposal)
+            sent = engines.send_verify(state, proposal, capture_top_k=capture_k)
         ahead = None
         if engines.draft is not None and proposal.token_ids and should_draft_ahead(
                 self.speculation.pipeline, state.params.is_greedy, self.num_active()):
             ahead_of = state.history + proposal.token_ids
             ahead = (ahead_of, engines.propose(state, ahead_of, num_draft + 1))
-        rows, verify = await engines.verify(state, proposal, sent)
+        rows, verify = await engines.verify(state, proposal, sent, capture_top_k=capture_k)
+        top, context = None, None
+        if capture_k is not None:  # the target also answered its top-k at the block's positions
+            rows, top = rows
+            context = state.history
         if stages.draft is not None and sent[2] is not None:  # the block went draft -> target
             verify = replace(verify, sent_s=stages.draft.left_s)
             stages.chained = True
@@ -110,12 +117,15 @@ class RoundLoop:
         num_accepted = state.stats.num_accepted - accepted_before
         if proposal.token_ids:
             count_round_positions(state.draft_reached, state.draft_accepted_at, len(proposal.token_ids), num_accepted)
+        captured = None if top is None or not proposal.token_ids else captured_block(
+            state.request_id, context, proposal.token_ids, num_accepted, *top, proposal.draft_version)
         stages.mark("accepted")
         self.observer.round(RoundRecord(
             request_class=request_class(state), num_drafted=len(proposal.token_ids), num_accepted=num_accepted,
             wall_s=time.perf_counter() - round_started, draft_s=draft_s, target_s=verify.engine_s,
             hops_s=draft_hops_s + verify.hops_s, alone=started_alone and self.num_active() == 1,
-            draft_calls=tuple(draft_calls)))
+            draft_calls=tuple(draft_calls), draft_version=proposal.draft_version,
+            captured=captured))
         stages.mark("recorded")
         self.emit(step_chunk(state, committed, logprob_rows))
         stages.mark("chunked")
@@ -123,8 +133,8 @@ class RoundLoop:
             self.observer.round_stages(stages.stages())
         return ahead
 
-    async def _propose(self, num_draft: int, ahead, stages: RoundStages,
-                       draft_calls: list[tuple[float, int]]) -> tuple[Proposal, float, float, Any]:
+    async def _propose(self, num_draft: int, ahead, stages: RoundStages, draft_calls: list[tuple[float, int]],
+                       capture_k: int | None = None) -> tuple[Proposal, float, float, Any]:
         """This round's draft block, the draft engine seconds and the RPC hop seconds the round
         waited on, and the verify already sent for it (or None). draft_calls gets (engine seconds,
         tokens) of every drafting call answered, for the draft's cost estimate: a block drafted
@@ -152,7 +162,7 @@ class RoundLoop:
             waited_s = time.perf_counter() - started
         sent_s = time.perf_counter()
         answer = engines.propose(state, state.history, num_draft)
-        sent = engines.send_verify(state, None, answer)
+        sent = engines.send_verify(state, None, answer, capture_top_k=capture_k)
         try:
             proposal, span = await answer
         except BaseException:  # a lost draft: the caller goes on target-only with a verify of its own

@@ -12,7 +12,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from decoding.capture import CapturedBlock
 from deployments.metrics import RouterMetrics
+from deployments.round_capture import RoundCapture
 from policies.depth_chooser import DepthChooser
 
 
@@ -30,6 +32,8 @@ class RoundRecord:
     hops_s: float
     alone: bool                    # the request was the router's only one from start to end
     draft_calls: tuple[tuple[float, int], ...] = ()  # (engine seconds, tokens) of drafting calls answered
+    draft_version: int = 0         # the draft weights that drafted the block
+    captured: CapturedBlock | None = None  # the target's top-k at the block, on a captured round
 
     @property
     def overhead_s(self) -> float:
@@ -74,10 +78,16 @@ class RoundTimings:
 class RoundObserver:
     """One request's rounds -> its timings, the router's depth chooser and metrics."""
 
-    def __init__(self, timings: RoundTimings, chooser: DepthChooser, metrics: RouterMetrics) -> None:
+    def __init__(self, timings: RoundTimings, chooser: DepthChooser, metrics: RouterMetrics,
+                 capture: RoundCapture | None = None) -> None:
         self.timings = timings
         self.chooser = chooser
         self.metrics = metrics
+        self.capture = capture
+
+    def capture_top_k(self) -> int | None:
+        """The top-k the next round's verify should also return for online training, or None."""
+        return None if self.capture is None else self.capture.top_k_for_round()
 
     def first_token(self, seconds: float) -> None:
         self.timings.first_token_s = seconds
@@ -93,6 +103,8 @@ class RoundObserver:
         self.chooser.observe_round(record.request_class, record.num_drafted, record.num_accepted, record.wall_s,
                                    record.target_s, record.overhead_s, record.alone)
         self.metrics.record_round(record.wall_s, record.num_drafted)
+        if self.capture is not None:
+            self.capture.observe(record.draft_version, record.num_drafted, record.num_accepted, record.captured)
 
     def round_stages(self, stages: dict[str, float]) -> None:
         """A profiled round's stages (deployments/round_stages.py), after its chunk went out."""

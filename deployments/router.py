@@ -31,6 +31,7 @@ from deployments.metrics import RouterMetrics
 from deployments.naming import current_replica_id
 from deployments.pool_health import PoolHealth
 from deployments.request_engines import RequestEngines
+from deployments.round_capture import RoundCapture
 from deployments.round_loop import RoundLoop
 from deployments.round_record import RoundObserver, RoundTimings
 from deployments.round_stages import profiling_enabled
@@ -59,6 +60,7 @@ class Router:
         limits = self.config.limits
         self.admission = Admission(limits.max_active_requests, limits.max_queued_requests, limits.queue_timeout_s)
         self.depth = DepthChooser(self.config.speculation)
+        self.capture = RoundCapture(self.config, self.metrics)  # online draft training's rounds (off by default)
         self._background: set[asyncio.Task] = set()  # releases retried on engines that were unreachable
         self._policy_task: asyncio.Task | None = None
         self.profile_rounds = profiling_enabled()
@@ -148,8 +150,9 @@ class Router:
         started = time.perf_counter()
         timings = RoundTimings(round_stages=[] if self.profile_rounds else None)
         engines = RequestEngines(self.target_workers, self.draft_workers, self.config.limits)
-        loop = RoundLoop(state, engines, RoundObserver(timings, self.depth, self.metrics), chunks.put_nowait,
-                         self._choose_depth, self.num_active_requests, self.config.speculation, self.profile_rounds)
+        observer = RoundObserver(timings, self.depth, self.metrics, self.capture)
+        loop = RoundLoop(state, engines, observer, chunks.put_nowait, self._choose_depth, self.num_active_requests,
+                         self.config.speculation, self.profile_rounds)
         try:
             async with self.admission.slot():
                 self.active_requests[request_id] = state

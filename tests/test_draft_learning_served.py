@@ -1,0 +1,65 @@
+"""Online draft training end to end on the tiny pair (issue 31): real Ray Serve, HTTP and the
+official openai client. Traffic comes in, the trainer distils the draft while the cluster is
+idle, the canary passes, every draft engine swaps, and the next responses carry draft_version 1
+with greedy texts still equal to the target's own; `specserve status` shows the version and the
+acceptance before and after, and the captured rows were persisted only because capture_dir asked."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import ray
+
+from cluster.status import render_table, summarize, trainer_status
+from decoding.capture import load_blocks
+from tests.local_server import greedy_reference, serve_tiny_pair
+
+pytestmark = pytest.mark.ray
+MODEL = "tiny-learning"
+PROMPTS = [f"def {name}(items):\n    " for name in ("total", "largest", "reverse", "flatten", "unique", "count",
+                                                    "merge", "window", "pairs", "chunks", "sorted_by", "first")]
+TRAIN_TIMEOUT_S = 90.0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("learning")
+    training = {"enabled": True, "sample_every": 1, "min_new_positions": 300, "lr": 1e-3, "epochs": 3,
+                "canary_margin": 0.002, "capture_dir": str(root / "captures"), "versions_dir": str(root / "versions"),
+                "num_cpus": 0.5}
+    yield from serve_tiny_pair(root / "pair", MODEL, draft_training=training)
+
+
+def complete(client: openai.OpenAI, prompt: str, temperature: float, seed: int | None = None):
+    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=temperature, seed=seed)
+
+
+def test_traffic_in_a_new_draft_version_out(server):
+    url, config = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    with ThreadPoolExecutor(4) as pool:
+        before = list(pool.map(lambda p: complete(client, p, 0.0), PROMPTS))
+        list(pool.map(lambda n: complete(client, PROMPTS[n % len(PROMPTS)], 0.8, seed=n), range(12)))
+    assert {r.model_extra["speculation"]["draft_version"] for r in before} == {0}
+    deadline, status = time.monotonic() + TRAIN_TIMEOUT_S, None
+    while time.monotonic() < deadline:  # the cluster is idle now: the trainer trains, canaries, swaps
+        status = trainer_status()
+        if status and status["draft_version"] >= 1 and set(status["engines"].values()) == {status["draft_version"]}:
+            break
+        time.sleep(0.5)
+    assert status and status["draft_version"] == 1, status
+    assert status["expected_acceptance_after"] > status["expected_acceptance_before"]
+    after = [complete(client, prompt, 0.0) for prompt in PROMPTS]
+    assert {r.model_extra["speculation"]["draft_version"] for r in after} == {1}
+    reference = greedy_reference(config.target.path)
+    assert [r.choices[0].text for r in after] == [r.choices[0].text for r in before]
+    assert after[0].choices[0].text == reference(PROMPTS[0], 32)
+    table = render_table(summarize([], None, {}, trainer_status()))
+    assert "draft version 1: trained" in table
+    captured = list(load_blocks(config.draft_training.capture_dir))
+    assert captured and all(b.top_ids.shape == (b.num_positions, config.draft_training.top_k) for b in captured)
+    print(f"live acceptance {status['live_acceptance_before']} -> {trainer_status()['live_acceptance_after']}; "
+          f"expected {status['expected_acceptance_before']:.3f} -> {status['expected_acceptance_after']:.3f}")
