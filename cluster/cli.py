@@ -20,7 +20,8 @@ DEMO_PROMPT = "class Stack:\n    def __init__(self):"
 # Subcommands whose module has its own argparse main(argv): name -> (module, help).
 FORWARDED_COMMANDS = {
     "train-default": ("training.default_pair", "train the default draft/target pair"),
-    "distill-draft": ("training.distill", "distil the draft further on the target's own generations"),
+    "distill-draft": ("training.distill", "distil the draft further on the target's own generations "
+                      "(--from-capture DIR --out DIR: on a server's captured traffic)"),
     "eval-pair": ("training.evaluate", "evaluate the default pair (acceptance, latency); --card writes its model card"),
     "bench": ("bench.run", "benchmark vs target-only and HF assisted generation"),
     "bench-load": ("bench.load_sweep", "throughput/latency under load: concurrency sweep of server variants"),

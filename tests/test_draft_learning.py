@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cluster.config import SpecServeConfig
-from decoding.capture import top_rows
+from decoding.capture import save_blocks, top_rows
 from decoding.proposers import Proposal
 from decoding.sampling import SamplingParams
 from decoding.sequence import RequestState
@@ -146,7 +146,7 @@ def test_capture_is_off_by_default_and_samples_its_rounds_when_on(monkeypatch):
     assert SpecServeConfig().draft_training.enabled is False
     assert SpecServeConfig().engine_options()["draft_trainer"] is None
     assert [off.top_k_for_round() for _ in range(10)] == [None] * 10
-    off.observe("r", [1, 2, 3], Proposal([4, 5], None), 1, None)
+    off.observe(0, 2, 1, None)
     assert off._trainer is None and not off._blocks  # nothing kept, nothing looked up
     monkeypatch.setenv("SPECSERVE__DRAFT_TRAINING__ENABLED", "true")
     monkeypatch.setenv("SPECSERVE__DRAFT_TRAINING__SAMPLE_EVERY", "3")
@@ -177,14 +177,20 @@ def _captures(target_path, draft_path, requests: int) -> list:
     return blocks
 
 
+@pytest.fixture(scope="module")
+def captures(pairs) -> list:
+    target, draft, _, _ = pairs
+    return _captures(target, draft, requests=120)
+
+
 def settings(**overrides) -> dict:
     return {**SpecServeConfig().draft_training.model_dump(), "min_new_positions": 100, "lr": 1e-3,
             "epochs": 3, **overrides}
 
 
-def test_a_pass_writes_a_version_only_when_the_canary_passes(pairs, tmp_path):
+def test_a_pass_writes_a_version_only_when_the_canary_passes(pairs, captures, tmp_path):
     target, draft, _, _ = pairs
-    blocks = _captures(target, draft, requests=120)
+    blocks = captures
     trainer = OnlineTrainer(str(draft), settings(), tmp_path / "versions")
     trainer.add(blocks)
     assert trainer.ready()
@@ -202,10 +208,25 @@ def test_a_pass_writes_a_version_only_when_the_canary_passes(pairs, tmp_path):
     assert not (tmp_path / "matched").exists() and matched.serving.version == 0
 
 
-def test_training_yields_when_load_returns(pairs, tmp_path):
+def test_distill_draft_from_capture_writes_a_draft_folder_serve_takes(pairs, captures, tmp_path):
+    from cluster.cli import main as specserve
+    from decoding.model_runner import check_compatible_paths
+
     target, draft, _, _ = pairs
+    save_blocks(captures, tmp_path / "captures", "shard-0")
+    specserve(["distill-draft", "--from-capture", str(tmp_path / "captures"), "--out", str(tmp_path / "new"),
+               "--draft", str(draft), "--lr", "1e-3", "--epochs", "3"])
+    assert check_compatible_paths(str(tmp_path / "new"), str(target), str(target)) > 0
+    with pytest.raises(SystemExit, match="nothing written"):  # the target itself cannot be beaten
+        specserve(["distill-draft", "--from-capture", str(tmp_path / "captures"), "--out", str(tmp_path / "none"),
+                   "--draft", str(target)])
+    assert not (tmp_path / "none").exists()
+
+
+def test_training_yields_when_load_returns(pairs, captures, tmp_path):
+    _, draft, _, _ = pairs
     trainer = OnlineTrainer(str(draft), settings(), tmp_path)
-    trainer.add(_captures(target, draft, requests=60))
+    trainer.add(captures)
     calls = iter(range(10_000))
     result = trainer.train_pass(should_stop=lambda: next(calls) >= 3)
     assert result["outcome"] == "stopped" and result["steps"] == 3

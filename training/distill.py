@@ -1,6 +1,7 @@
 """Distil the draft further against a fixed, trained target on the target's *own* generations.
 
     .venv/bin/specserve distill-draft                 # models/default/draft, in place; resumable
+    .venv/bin/specserve distill-draft --from-capture DIR --out NEW_DRAFT   # on a server's captures
 
 Speculative decoding accepts a draft token when it matches what the target would say *while the
 target is generating*, so the draft is best trained where that happens: on continuations the
@@ -20,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -164,6 +166,10 @@ def distill(draft, target, data: dict, cfg: DistillConfig, generator: torch.Gene
 
 
 def main(argv: list[str] | None = None) -> None:
+    if any(arg.startswith("--from-capture") for arg in (sys.argv[1:] if argv is None else argv)):  # served traffic's captures instead
+        from training.capture_distill import main as distill_captures
+
+        return distill_captures(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="models/default", help="folder with target/, draft/, training.json")
     parser.add_argument("--work-dir", default=".distill-work")
