@@ -112,3 +112,28 @@ def test_training_yields_when_asked():
     batch = position_batch([_block(f"r{n}", width=4) for n in range(40)], 16)
     calls = iter(range(1000))
     assert distill_on_positions(draft, batch, DistillSettings(batch_size=4), should_stop=lambda: next(calls) >= 2) == 2
+
+
+def test_a_blocks_positions_share_one_row_and_score_as_one_row_per_position_would():
+    """position_batch puts a block's K positions in one row (context + drafted[:-1]); each
+    position's logits must equal a forward of exactly its own context, cut to max_context."""
+    from training.online_distill import _position_logits
+
+    model = tiny_llama(seed=3)
+    blocks = [CapturedBlock(f"r{n}", tuple(range(2, 2 + 5 + n)), (7, 8, 9), 1, np.zeros((3, 4), np.int32),
+                            np.full((3, 4), -2.0, np.float32)) for n in range(3)]
+    batch = position_batch(blocks, max_context=6)
+    assert batch.num_rows == 3 and batch.num_positions == 9
+    with torch.no_grad():
+        shared = _position_logits(model, batch)
+        for n, block in enumerate(blocks):
+            for i in range(3):
+                context = (list(block.context) + list(block.drafted[:i]))[-6:]
+                alone = model(torch.tensor([context])).logits[0, -1]
+                # The shared row is cut once for the block, so a position before its last sees
+                # up to K - 1 - i tokens fewer at the front than max_context allows: compare with that.
+                row = (list(block.context) + list(block.drafted[:-1]))[-6:]
+                own = model(torch.tensor([row[: len(row) - 2 + i]])).logits[0, -1]
+                assert torch.allclose(shared[3 * n + i], own, atol=1e-5)
+                if i == 2:
+                    assert torch.allclose(shared[3 * n + i], alone, atol=1e-5)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -29,32 +30,53 @@ REJECTED_WEIGHT = 2.0  # a position at or after the block's first rejection coun
 
 @dataclass(frozen=True)
 class PositionBatch:
-    """Drafted positions as model inputs: each row is a context ending just before the position."""
+    """Drafted positions as model inputs. A block's K positions share one row, its context plus
+    all but its last drafted token, so one forward scores them all (a row per position would
+    repeat the context K times); position n's logits are row position_row[n] at position_index[n]."""
 
-    input_ids: torch.Tensor     # [N, T] right-padded with 0
-    last_index: torch.Tensor    # [N] index in each row whose logits score the position
-    top_ids: torch.Tensor       # [N, k]
-    top_logprobs: torch.Tensor  # [N, k]
-    weights: torch.Tensor       # [N]
+    input_ids: torch.Tensor       # [R, T] right-padded with 0
+    row_lengths: torch.Tensor     # [R]
+    position_row: torch.Tensor    # [N]
+    position_index: torch.Tensor  # [N]
+    top_ids: torch.Tensor         # [N, k]
+    top_logprobs: torch.Tensor    # [N, k]
+    weights: torch.Tensor         # [N]
+
+    @property
+    def num_positions(self) -> int:
+        return len(self.position_row)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_lengths)
 
 
 def position_batch(blocks: Sequence[CapturedBlock], max_context: int, rejected_weight: float = REJECTED_WEIGHT) -> PositionBatch:
-    """One row per drafted position of blocks, its context cut to the last max_context tokens."""
-    rows, last, top_ids, top_logprobs, weights = [], [], [], [], []
+    """One row per block, one entry per drafted position. A row keeps its last max_context
+    tokens, so when it is cut the block's earlier positions see up to K - 1 fewer leading tokens
+    than the last (a negligible loss at max_context in the hundreds)."""
+    rows, rows_of, indices, top_ids, top_logprobs, weights = [], [], [], [], [], []
     for block in blocks:
-        for i in range(block.num_positions):
-            context = (list(block.context) + list(block.drafted[:i]))[-max_context:]
-            rows.append(context)
-            last.append(len(context) - 1)
-            top_ids.append(torch.as_tensor(block.top_ids[i], dtype=torch.long))
-            top_logprobs.append(torch.as_tensor(block.top_logprobs[i], dtype=torch.float32))
+        count = block.num_positions
+        if count == 0:
+            continue
+        row = (list(block.context) + list(block.drafted[:-1]))[-max_context:]
+        first = len(row) - count  # index scoring drafted[0]
+        if first < 0:  # the block alone is longer than max_context: keep its positions that fit
+            continue
+        for i in range(count):
+            rows_of.append(len(rows))
+            indices.append(first + i)
             weights.append(rejected_weight if i >= block.accepted else 1.0)
+        rows.append(row)
+        top_ids.append(torch.as_tensor(np.asarray(block.top_ids), dtype=torch.long))
+        top_logprobs.append(torch.as_tensor(np.asarray(block.top_logprobs), dtype=torch.float32))
     width = max(len(row) for row in rows)
     input_ids = torch.zeros(len(rows), width, dtype=torch.long)
     for n, row in enumerate(rows):
         input_ids[n, : len(row)] = torch.tensor(row)
-    return PositionBatch(input_ids, torch.tensor(last), torch.stack(top_ids), torch.stack(top_logprobs),
-                         torch.tensor(weights))
+    return PositionBatch(input_ids, torch.tensor([len(row) for row in rows]), torch.tensor(rows_of),
+                         torch.tensor(indices), torch.cat(top_ids), torch.cat(top_logprobs), torch.tensor(weights))
 
 
 def topk_forward_kl(draft_logits: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor) -> torch.Tensor:
@@ -77,33 +99,42 @@ def expected_acceptance(draft_logits: torch.Tensor, top_ids: torch.Tensor, top_l
 
 
 def _position_logits(model: torch.nn.Module, batch: PositionBatch) -> torch.Tensor:
-    attention = (torch.arange(batch.input_ids.shape[1]) <= batch.last_index.unsqueeze(-1)).long()
+    """Draft logits [N, V] at every position of batch, one forward over its rows."""
+    attention = (torch.arange(batch.input_ids.shape[1]) < batch.row_lengths.unsqueeze(-1)).long()
     logits = model(input_ids=batch.input_ids, attention_mask=attention).logits
-    return logits[torch.arange(len(batch.last_index)), batch.last_index]
+    return logits[batch.position_row, batch.position_index]
 
 
 @torch.no_grad()
-def mean_expected_acceptance(model: torch.nn.Module, batch: PositionBatch, chunk: int = 64) -> float:
+def mean_expected_acceptance(model: torch.nn.Module, batch: PositionBatch, rows_per_chunk: int = 16) -> float:
     """The canary's figure for one draft on held-back positions."""
     model.eval()
-    total, count = 0.0, 0
-    for start in range(0, len(batch.last_index), chunk):
-        part = _slice(batch, slice(start, start + chunk))
-        total += float(expected_acceptance(_position_logits(model, part), part.top_ids, part.top_logprobs).sum())
-        count += len(part.last_index)
-    return total / max(count, 1)
+    total = 0.0
+    for chunk in _row_chunks(batch, torch.arange(batch.num_rows), rows_per_chunk):
+        total += float(expected_acceptance(_position_logits(model, chunk), chunk.top_ids, chunk.top_logprobs).sum())
+    return total / max(batch.num_positions, 1)
 
 
-def _slice(batch: PositionBatch, index) -> PositionBatch:
-    return PositionBatch(batch.input_ids[index], batch.last_index[index], batch.top_ids[index],
-                         batch.top_logprobs[index], batch.weights[index])
+def _rows(batch: PositionBatch, rows: torch.Tensor) -> PositionBatch:
+    """The sub-batch of these rows and all their positions."""
+    renumber = torch.full((batch.num_rows,), -1, dtype=torch.long)
+    renumber[rows] = torch.arange(len(rows))
+    kept = renumber[batch.position_row] >= 0
+    width = int(batch.row_lengths[rows].max())
+    return PositionBatch(batch.input_ids[rows, :width], batch.row_lengths[rows], renumber[batch.position_row[kept]],
+                         batch.position_index[kept], batch.top_ids[kept], batch.top_logprobs[kept], batch.weights[kept])
+
+
+def _row_chunks(batch: PositionBatch, order: torch.Tensor, rows_per_chunk: int):
+    for start in range(0, len(order), rows_per_chunk):
+        yield _rows(batch, order[start : start + rows_per_chunk])
 
 
 @dataclass(frozen=True)
 class DistillSettings:
     lr: float = 1e-4
     epochs: int = 4
-    batch_size: int = 32
+    batch_size: int = 32  # positions per optimizer step, in whole blocks (at least one)
     seed: int = 0
 
 
@@ -115,13 +146,13 @@ def distill_on_positions(model: torch.nn.Module, batch: PositionBatch, settings:
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr)
     model.train()
     steps = 0
+    positions_per_row = max(1, round(batch.num_positions / max(batch.num_rows, 1)))
+    rows_per_step = max(1, settings.batch_size // positions_per_row)
     for _ in range(settings.epochs):
-        order = torch.randperm(len(batch.last_index), generator=generator)
-        for start in range(0, len(order), settings.batch_size):
+        for part in _row_chunks(batch, torch.randperm(batch.num_rows, generator=generator), rows_per_step):
             if should_stop():
                 model.eval()
                 return steps
-            part = _slice(batch, order[start : start + settings.batch_size])
             losses = topk_forward_kl(_position_logits(model, part), part.top_ids, part.top_logprobs)
             loss = (losses * part.weights).sum() / part.weights.sum()
             optimizer.zero_grad()

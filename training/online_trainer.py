@@ -126,8 +126,8 @@ class OnlineTrainer:
         distill = DistillSettings(lr=float(self.settings["lr"]), epochs=int(self.settings["epochs"]),
                                   batch_size=int(self.settings["batch_size"]))
         steps = distill_on_positions(candidate, train_batch, distill, should_stop)
-        result: dict[str, Any] = {"steps": steps, "train_positions": len(train_batch.last_index),
-                                  "held_positions": len(held_batch.last_index), "expected_before": before}
+        result: dict[str, Any] = {"steps": steps, "train_positions": train_batch.num_positions,
+                                  "held_positions": held_batch.num_positions, "expected_before": before}
         if should_stop():
             return self._finish(result | {"outcome": "stopped"}, started)
         after = mean_expected_acceptance(candidate, held_batch)
@@ -137,7 +137,7 @@ class OnlineTrainer:
             return self._finish(result | {"outcome": "refused"}, started)
         version = max(v.version for v in self.versions) + 1
         path = save_draft_version(candidate, self.versions[0].path, self.versions_dir / f"v{version}")
-        self.versions.append(DraftVersion(version, str(path), time.time(), len(train_batch.last_index), before, after))
+        self.versions.append(DraftVersion(version, str(path), time.time(), train_batch.num_positions, before, after))
         return self._finish(result | {"outcome": "accepted", "version": version}, started)
 
     def _finish(self, result: dict[str, Any], started: float) -> dict[str, Any]:
