@@ -1,5 +1,5 @@
 """`specserve` command line: serve, generate, serve-config, k8s-manifest, train-default, distill-draft,
-eval-pair, bench."""
+eval-pair, bench, bench-adapt."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ FORWARDED_COMMANDS = {
     "bench": ("bench.run", "benchmark vs target-only and HF assisted generation"),
     "bench-load": ("bench.load_sweep", "throughput/latency under load: concurrency sweep of server variants"),
     "bench-load-step": ("bench.load_step", "a 1 -> N -> 1 stream load step against autoscaled pools, traced"),
+    "bench-adapt": ("bench.adapt", "the draft learns a domain its fine-tuned target knows: before/after, alpha curve"),
 }
 
 
