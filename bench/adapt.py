@@ -158,17 +158,17 @@ def learning_run(config: SpecServeConfig, prompts: list[list[int]], chunks: int,
                                         enumerate(part, start=chunk * size)))
             traffic_s = time.perf_counter() - started
             passes_before = sum(trainer_status()["passes"].values())
-            deadline = time.monotonic() + pass_timeout_s
-            while time.monotonic() < deadline:
-                status = trainer_status()
-                if sum(status["passes"].values()) > passes_before and not status["training_now"]:
-                    break
+            deadline, finished = time.monotonic() + pass_timeout_s, False
+            while time.monotonic() < deadline and not finished:
                 time.sleep(1.0)
+                status = trainer_status()
+                finished = sum(status["passes"].values()) > passes_before and not status["training_now"]
             phases.append({"requests": len(part), "traffic_s": traffic_s,
                            "traffic_median_latency_s": statistics.median(a["wall_s"] for a in answers),
                            "traffic_acceptance": sum(a["speculation"]["num_accepted"] for a in answers)
                            / max(1, sum(a["speculation"]["num_drafted"] for a in answers)),
-                           "last_pass": status["last_pass"], "draft_version": status["draft_version"],
+                           "last_pass": status["last_pass"] if finished else None,
+                           "draft_version": status["draft_version"],
                            "captured_total": status["captured_total"]})
         return {"phases": phases, "status": trainer_status()}
     finally:
@@ -225,10 +225,10 @@ def markdown(result: dict[str, Any]) -> str:
               "| chunk | requests | traffic p50 latency s | traffic acceptance | pass outcome | pass s | steps |",
               "|---|---|---|---|---|---|---|"]
     for n, phase in enumerate(result["learning"]["phases"]):
-        last = phase["last_pass"] or {}
+        last = phase["last_pass"] or {"outcome": "not finished within --pass-timeout-s", "seconds": None}
+        seconds = "-" if last["seconds"] is None else f"{last['seconds']:.1f}"
         lines.append(f"| {n + 1} | {phase['requests']} | {phase['traffic_median_latency_s']:.2f} | "
-                     f"{phase['traffic_acceptance']:.3f} | {last.get('outcome', '-')} | "
-                     f"{last.get('seconds', 0):.1f} | {last.get('steps', '-')} |")
+                     f"{phase['traffic_acceptance']:.3f} | {last['outcome']} | {seconds} | {last.get('steps', '-')} |")
     lines += ["", result.get("notes", ""), ""]
     return "\n".join(lines)
 

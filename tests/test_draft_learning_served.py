@@ -63,3 +63,14 @@ def test_traffic_in_a_new_draft_version_out(server):
     assert captured and all(b.top_ids.shape == (b.num_positions, config.draft_training.top_k) for b in captured)
     print(f"live acceptance {status['live_acceptance_before']} -> {trainer_status()['live_acceptance_after']}; "
           f"expected {status['expected_acceptance_before']:.3f} -> {status['expected_acceptance_after']:.3f}")
+    # A trainer that dies leaves serving untouched: the engines keep version 1, and the trainer the
+    # next captured rounds start adopts it instead of taking the engines back.
+    ray.kill(ray.get_actor(f"draft-trainer:{MODEL}", namespace="specserve"), no_restart=True)
+    again = [complete(client, prompt, 0.0) for prompt in PROMPTS[:4] * 2]
+    assert {r.model_extra["speculation"]["draft_version"] for r in again} == {1}
+    assert [r.choices[0].text for r in again[:4]] == [r.choices[0].text for r in before[:4]]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not ((status := trainer_status()) and status["draft_version"] == 1):
+        complete(client, PROMPTS[0], 0.0)  # captured rounds: their pushes find the trainer gone and start one
+        time.sleep(0.5)
+    assert status and status["draft_version"] == 1, status

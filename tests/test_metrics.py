@@ -139,3 +139,18 @@ def test_policy_decisions_are_gauges_per_class_and_pool(recorded):
     assert total(recorded, "specserve_policy_num_draft_tokens", request_class="greedy") == 2
     assert total(recorded, "specserve_policy_num_draft_tokens", request_class="sampled") == 3
     assert total(recorded, "specserve_policy_target_replicas", pool="target") == 2
+
+
+def test_rounds_count_by_draft_version_and_a_draft_engine_shows_its_version(recorded):
+    from deployments.metrics import DraftVersionMetrics
+
+    router = RouterMetrics()
+    router.record_version_round(0, drafted=5, accepted=3)
+    router.record_version_round(1, drafted=4, accepted=4)
+    router.record_version_round(1, drafted=2, accepted=0)
+    assert total(recorded, "specserve_draft_tokens_by_version_total", draft_version="1") == 6
+    assert total(recorded, "specserve_accepted_tokens_by_version_total", draft_version="0") == 3
+    engine = DraftVersionMetrics("d1")
+    engine.set_version(0)
+    engine.set_version(2)
+    assert total(recorded, "specserve_draft_version", replica="d1") == 2
