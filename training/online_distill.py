@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from decoding.capture import CapturedBlock
 
+PLAIN_HEAD_MODELS = {"llama", "qwen2", "mistral"}  # logits = output embedding of the base model's last hidden state
 REJECTED_WEIGHT = 2.0  # a position at or after the block's first rejection counts this much more
 
 
@@ -99,8 +100,15 @@ def expected_acceptance(draft_logits: torch.Tensor, top_ids: torch.Tensor, top_l
 
 
 def _position_logits(model: torch.nn.Module, batch: PositionBatch) -> torch.Tensor:
-    """Draft logits [N, V] at every position of batch, one forward over its rows."""
+    """Draft logits [N, V] at every position of batch, one forward over its rows. The output
+    head runs only at the captured positions (K of a row's T tokens): over a large vocabulary it
+    is most of a small draft's cost. Models whose head is not a plain output embedding (logit
+    scaling, soft-capping) get their full forward."""
     attention = (torch.arange(batch.input_ids.shape[1]) < batch.row_lengths.unsqueeze(-1)).long()
+    head = model.get_output_embeddings()
+    if getattr(model.config, "model_type", None) in PLAIN_HEAD_MODELS and head is not None:
+        hidden = model.base_model(input_ids=batch.input_ids, attention_mask=attention).last_hidden_state
+        return head(hidden[batch.position_row, batch.position_index])
     logits = model(input_ids=batch.input_ids, attention_mask=attention).logits
     return logits[batch.position_row, batch.position_index]
 
