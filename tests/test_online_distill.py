@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 
 import numpy as np
-import pytest
 import torch
 
 from decoding.capture import CaptureBuffer, CapturedBlock, capture_rows, load_blocks, save_blocks
