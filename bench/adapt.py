@@ -175,6 +175,37 @@ def learning_run(config: SpecServeConfig, prompts: list[list[int]], chunks: int,
         stop_local()
 
 
+def training_cost_run(config: SpecServeConfig, prompts: list[list[int]], batch: int, max_tokens: int,
+                      start_timeout_s: float) -> dict[str, Any]:
+    """p50 latency of `batch` requests at 4 streams with no training, then of another `batch`
+    while a training pass runs (the config lets training run under load): what training costs
+    serving when it is allowed to overlap it. The first batch stays under min_new_positions."""
+    from cluster.local import start_local, stop_local
+
+    def run_batch(part: list[list[int]], offset: int) -> list[float]:
+        with ThreadPoolExecutor(4) as pool:
+            return [a["wall_s"] for a in pool.map(
+                lambda item: complete(url, item[1], max_tokens, 0.8 * (item[0] % 2), item[0]),
+                enumerate(part, start=offset))]
+
+    url = start_local(config)
+    try:
+        quiet = run_batch(prompts[:batch], 0)
+        quiet_status = trainer_status()
+        offset, deadline = batch, time.monotonic() + start_timeout_s
+        while not trainer_status()["training_now"] and time.monotonic() < deadline:
+            run_batch(prompts[offset : offset + 4], offset)  # more captures until a pass starts
+            offset += 4
+        started_training = trainer_status()["training_now"]
+        busy = run_batch(prompts[offset : offset + batch], offset)
+        return {"quiet_p50_s": statistics.median(quiet), "training_p50_s": statistics.median(busy),
+                "ratio": statistics.median(busy) / statistics.median(quiet),
+                "quiet_training_passes": quiet_status["passes"], "training_at_start": started_training,
+                "training_at_end": trainer_status()["training_now"], "requests_per_batch": batch}
+    finally:
+        stop_local()
+
+
 @torch.no_grad()
 def greedy_agreement_curve(target_path: Path, versions: list[dict[str, Any]], prompts: list[list[int]],
                            max_tokens: int) -> list[dict[str, Any]]:
@@ -254,6 +285,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--name", default="adapt-c-headers")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--training-cost-only", action="store_true",
+                        help="only measure 4-stream p50 latency without and during a training pass")
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -269,6 +302,18 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(shipped_target)
     held_out = prompt_windows(tokenizer, roles["held_out"], args.held_out, args.prompt_tokens, args.seed)
     traffic = prompt_windows(tokenizer, roles["traffic"], args.traffic, args.prompt_tokens, args.seed + 1)
+    if args.training_cost_only:
+        overlap = {"enabled": True, "sample_every": 1, "min_new_positions": 3000, "lr": args.lr, "epochs": args.epochs,
+                   "batch_size": args.batch_size, "versions_dir": str(work / "versions-cost"), "num_cpus": 1.0,
+                   "slack_max_active_requests": 1000, "slack_max_busy_share": 1.0}
+        cost = training_cost_run(serve_config(target, shipped_draft, args.port, overlap), traffic, 16,
+                                 args.max_tokens, args.pass_timeout_s)
+        print(json.dumps(cost))
+        (RESULTS_DIR / f"{args.name}.json").write_text(json.dumps(
+            {"command": "specserve bench-adapt " + " ".join(argv or []), **cost, "streams": 4,
+             **{key: overlap[key] for key in ("slack_max_active_requests", "slack_max_busy_share")},
+             "issue_target_ratio": 1.1}, indent=1))
+        return
     before = measured_server(serve_config(target, shipped_draft, args.port, None), held_out, args.max_tokens)
     print("before:", {k: v for k, v in before.items() if k != "texts"}, flush=True)
     training = {"enabled": True, "sample_every": 1, "min_new_positions": args.min_new_positions, "lr": args.lr, "epochs": args.epochs,
