@@ -178,8 +178,9 @@ def learning_run(config: SpecServeConfig, prompts: list[list[int]], chunks: int,
 def training_cost_run(config: SpecServeConfig, prompts: list[list[int]], batch: int, max_tokens: int,
                       start_timeout_s: float) -> dict[str, Any]:
     """p50 latency of `batch` requests at 4 streams with no training, then of another `batch`
-    while a training pass runs (the config lets training run under load): what training costs
-    serving when it is allowed to overlap it. The first batch stays under min_new_positions."""
+    sent while a training pass runs: what training costs serving. If the config lets training run
+    under load, the pass overlaps the whole batch; by default (training only while idle) it must
+    yield as the batch arrives. The first batch stays under min_new_positions."""
     from cluster.local import start_local, stop_local
 
     def run_batch(part: list[list[int]], offset: int) -> list[float]:
@@ -196,12 +197,16 @@ def training_cost_run(config: SpecServeConfig, prompts: list[list[int]], batch: 
         while not trainer_status()["training_now"] and time.monotonic() < deadline:
             run_batch(prompts[offset : offset + 4], offset)  # more captures until a pass starts
             offset += 4
+            idle_until = time.monotonic() + 5.0  # idle, so a pass that waits for slack can start
+            while not trainer_status()["training_now"] and time.monotonic() < idle_until:
+                time.sleep(0.25)
         started_training = trainer_status()["training_now"]
         busy = run_batch(prompts[offset : offset + batch], offset)
         return {"quiet_p50_s": statistics.median(quiet), "training_p50_s": statistics.median(busy),
                 "ratio": statistics.median(busy) / statistics.median(quiet),
                 "quiet_training_passes": quiet_status["passes"], "training_at_start": started_training,
-                "training_at_end": trainer_status()["training_now"], "requests_per_batch": batch}
+                "training_at_end": trainer_status()["training_now"], "passes_after": trainer_status()["passes"],
+                "requests_per_batch": batch}
     finally:
         stop_local()
 
@@ -287,6 +292,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--training-cost-only", action="store_true",
                         help="only measure 4-stream p50 latency without and during a training pass")
+    parser.add_argument("--allow-overlap", action="store_true",
+                        help="with --training-cost-only: let training run under load (default: the served "
+                             "default, training only while idle, so the burst meets a pass that must yield)")
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -304,14 +312,17 @@ def main(argv: list[str] | None = None) -> None:
     traffic = prompt_windows(tokenizer, roles["traffic"], args.traffic, args.prompt_tokens, args.seed + 1)
     if args.training_cost_only:
         overlap = {"enabled": True, "sample_every": 1, "min_new_positions": 3000, "lr": args.lr, "epochs": args.epochs,
-                   "batch_size": args.batch_size, "versions_dir": str(work / "versions-cost"), "num_cpus": 1.0,
-                   "slack_max_active_requests": 1000, "slack_max_busy_share": 1.0}
+                   "batch_size": args.batch_size, "versions_dir": str(work / "versions-cost"), "num_cpus": 1.0}
+        if args.allow_overlap:
+            overlap.update(slack_max_active_requests=1000, slack_max_busy_share=1.0)
+        slack = SpecServeConfig(draft_training=overlap).draft_training
         cost = training_cost_run(serve_config(target, shipped_draft, args.port, overlap), traffic, 16,
                                  args.max_tokens, args.pass_timeout_s)
         print(json.dumps(cost))
         (RESULTS_DIR / f"{args.name}.json").write_text(json.dumps(
             {"command": "specserve bench-adapt " + " ".join(argv or []), **cost, "streams": 4,
-             **{key: overlap[key] for key in ("slack_max_active_requests", "slack_max_busy_share")},
+             "slack_max_active_requests": slack.slack_max_active_requests,
+             "slack_max_busy_share": slack.slack_max_busy_share,
              "issue_target_ratio": 1.1}, indent=1))
         return
     before = measured_server(serve_config(target, shipped_draft, args.port, None), held_out, args.max_tokens)
