@@ -1,6 +1,9 @@
 """The engine's iteration planner: which waiting calls share the next forward."""
 
-from decoding.scheduler import WaitingCall, plan_iteration
+from decoding.batched_runner import BatchedModelRunner, ForwardCall
+from decoding.model_runner import SequenceStateError
+from decoding.scheduler import CallShape, Scheduler, WaitingCall, plan_iteration
+from tests.tiny_pair import tiny_model
 
 PLAN = dict(max_step_tokens=10, prefill_token_budget=256, max_batch_rows=8)
 
@@ -62,3 +65,38 @@ def test_a_draft_call_reserves_blocks_for_its_later_decode_steps_and_a_chunk_onl
     # A 300-token prompt chunked to the 256 budget needs 64 blocks now, its decode steps later.
     prompt = WaitingCall("p", 300, False, extra_tokens=7)
     assert plan_iteration([prompt], free_slots=1, **PLAN, free_blocks=64, block_size=4).prefills == [(0, 256)]
+
+
+# The Scheduler: plan_iteration over an engine's runner state, with calls that cannot run answered
+# by their error (indices always into the engine's own call list).
+
+def scheduler_over_tiny_runner(max_step_tokens: int = 10) -> tuple[Scheduler, BatchedModelRunner]:
+    runner = BatchedModelRunner.from_model(tiny_model("llama"), max_sequences=3)
+    return Scheduler(runner, max_step_tokens, prefill_token_budget=64, max_batch_rows=8), runner
+
+
+def test_calls_that_cannot_run_get_their_error_and_the_rest_keep_their_indices():
+    scheduler, runner = scheduler_over_tiny_runner()
+    runner.forward_batch([ForwardCall("held", [3, 4, 5, 6])])
+    too_long = [7] * (runner.max_context + 1)
+    schedule = scheduler.schedule([CallShape("new", list(range(2, 22))), CallShape("long", too_long),
+                                   CallShape("held", [3, 4, 5, 6, 8, 9], num_rows=3),
+                                   CallShape("rows", [3, 4], num_rows=3)])
+    assert sorted(schedule.errors) == [1, 3]
+    assert all(isinstance(error, SequenceStateError) for error in schedule.errors.values())
+    assert "exceed the model's context" in str(schedule.errors[1]) and "num_rows=3" in str(schedule.errors[3])
+    assert schedule.plan.steps == [2] and schedule.plan.prefills == [(0, 20)] and schedule.plan.waiting == []
+    held = schedule.calls[2]
+    assert (held.holds_slot, held.num_cached, held.num_new_tokens) == (True, 4, 3)  # 2 new tokens, 3 rows
+
+
+def test_a_call_that_needs_a_slot_waits_while_none_is_free():
+    scheduler, runner = scheduler_over_tiny_runner()
+    runner.forward_batch([ForwardCall(name, [3, 4]) for name in ("a", "b", "c")])
+    schedule = scheduler.schedule([CallShape("d", [5, 6]), CallShape("a", [3, 4, 9])])
+    assert schedule.plan.steps == [1] and schedule.plan.prefills == [] and schedule.plan.waiting == [0]
+
+
+def test_a_model_free_proposer_runs_every_call_at_once():
+    schedule = Scheduler(None, 10, 64, 8).schedule([CallShape("a", [1, 2, 3]), CallShape("b", [4])])
+    assert schedule.plan.steps == [0, 1] and schedule.errors == {}
