@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from decoding.model_runner import NoFreeSlotError
-from decoding.paged_cache import positions_and_mask
+from decoding.paged_cache import LayerPools, positions_and_mask
 
 
 @dataclass(frozen=True)
@@ -72,8 +72,7 @@ def batch_layout(slot_ids: Sequence[int], starts: Sequence[int], num_new: Sequen
 class SlotKVCache:
     """Key/value storage for up to max_slots sequences, grown chunk_slots slots at a time.
 
-    Layer tensors are shaped lazily from the first keys a layer writes (kv heads and head size
-    differ between architectures), so the cache needs no model-specific configuration.
+    Its storage is decoding.paged_cache.LayerPools with a whole sequence's slot as the unit.
     """
 
     def __init__(self, num_layers: int, max_len: int, max_slots: int, chunk_slots: int = 8,
@@ -84,8 +83,7 @@ class SlotKVCache:
         self.max_slots = max_slots
         self.chunk_slots = chunk_slots
         self.device = torch.device(device)
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.pools = LayerPools(num_layers, max_len)
         self.lengths: list[int] = []           # tokens held, per slot (capacity entries)
         self._free: list[int] = []             # min-heap: the lowest free slot is reused first
         self._num_held = 0
@@ -119,22 +117,9 @@ class SlotKVCache:
         self._num_held -= 1
 
     def _grow(self, num_slots: int) -> None:
-        old = self.capacity
-        for layer, (keys, values) in enumerate(zip(self.keys, self.values)):
-            if keys is not None:
-                self.keys[layer] = torch.cat([keys, keys.new_zeros((num_slots, *keys.shape[1:]))])
-                self.values[layer] = torch.cat([values, values.new_zeros((num_slots, *values.shape[1:]))])
-        self.lengths.extend([0] * num_slots)
-        for slot in range(old, old + num_slots):
+        for slot in self.pools.grow(num_slots):
+            self.lengths.append(0)
             heapq.heappush(self._free, slot)
-
-    def _layer(self, layer_idx: int, like_keys: torch.Tensor, like_values: torch.Tensor):
-        if self.keys[layer_idx] is None:
-            _, kv_heads, _, head_dim = like_keys.shape
-            shape = (self.capacity, kv_heads, self.max_len, head_dim)
-            self.keys[layer_idx] = like_keys.new_zeros(shape)
-            self.values[layer_idx] = like_values.new_zeros((*shape[:3], like_values.shape[-1]))
-        return self.keys[layer_idx], self.values[layer_idx]
 
     def view(self, layout: BatchLayout) -> SlotBatchView:
         """The object to pass as `past_key_values` for one forward laid out by `layout`."""
@@ -155,7 +140,7 @@ class SlotBatchView:
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         layout = self.layout
-        keys, values = self.cache._layer(layer_idx, key_states, value_states)
+        keys, values = self.cache.pools.layer(layer_idx, key_states, value_states)
         if layout.single_write is not None:
             slot, start = layout.single_write   # one row, no padding: a slice copy
             keys[slot, :, start:start + key_states.shape[2]] = key_states[0]

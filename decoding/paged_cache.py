@@ -164,6 +164,45 @@ def paged_layout(tables: Sequence[Sequence[int]], starts: Sequence[int], num_new
                        position_ids=position_ids.to(device), attention_mask=attention_mask.to(device))
 
 
+class LayerPools:
+    """Keys and values per layer, each [units, kv heads, unit_len, head size]: the storage of a KV
+    cache whose unit is a block (PagedKVCache) or a whole sequence's slot (bench/slot_cache.py).
+
+    A layer's tensors are shaped lazily from the first keys it writes (kv heads and head size
+    differ between architectures), so they need no model configuration; `grow` adds units to
+    every layer at once."""
+
+    def __init__(self, num_layers: int, unit_len: int) -> None:
+        self.unit_len = unit_len
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.capacity = 0  # units every layer has room for so far
+
+    def grow(self, num_units: int) -> range:
+        """Room for num_units more units in every layer; -> the new units' ids."""
+        old = self.capacity
+        for layer, (keys, values) in enumerate(zip(self.keys, self.values)):
+            if keys is not None:
+                self.keys[layer] = torch.cat([keys, keys.new_zeros((num_units, *keys.shape[1:]))])
+                self.values[layer] = torch.cat([values, values.new_zeros((num_units, *values.shape[1:]))])
+        self.capacity = old + num_units
+        return range(old, self.capacity)
+
+    def layer(self, layer_idx: int, like_keys: torch.Tensor, like_values: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer layer_idx's keys and values, made on first use in like_keys' shape, dtype and device."""
+        if self.keys[layer_idx] is None:
+            _, kv_heads, _, head_dim = like_keys.shape
+            shape = (self.capacity, kv_heads, self.unit_len, head_dim)
+            self.keys[layer_idx] = like_keys.new_zeros(shape)
+            self.values[layer_idx] = like_values.new_zeros((*shape[:3], like_values.shape[-1]))
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def reserved_bytes(self) -> int:
+        """Bytes the layers hold now (allocated tensors, used or not)."""
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
+
+
 class PagedKVCache:
     """Block pools for every layer and the free list; sequences' block tables live with their owner.
 
@@ -177,12 +216,15 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = torch.device(device)
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.pools = LayerPools(num_layers, block_size)
         self._free: list[int] = []   # min-heap of allocated-but-unused block ids
-        self.capacity = 0            # blocks the pools have room for so far
         if self.device.type == "cuda" if preallocate is None else preallocate:
             self._grow(num_blocks)
+
+    @property
+    def capacity(self) -> int:
+        """Blocks the pools have room for so far."""
+        return self.pools.capacity
 
     @property
     def num_free(self) -> int:
@@ -210,25 +252,11 @@ class PagedKVCache:
 
     def reserved_bytes(self) -> int:
         """Bytes the pools hold now (allocated tensors, used or not)."""
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
+        return self.pools.reserved_bytes()
 
     def _grow(self, num_blocks: int) -> None:
-        old = self.capacity
-        for layer, (keys, values) in enumerate(zip(self.keys, self.values)):
-            if keys is not None:
-                self.keys[layer] = torch.cat([keys, keys.new_zeros((num_blocks, *keys.shape[1:]))])
-                self.values[layer] = torch.cat([values, values.new_zeros((num_blocks, *values.shape[1:]))])
-        self.capacity = old + num_blocks
-        for block in range(old, self.capacity):
+        for block in self.pools.grow(num_blocks):
             heapq.heappush(self._free, block)
-
-    def _layer(self, layer_idx: int, like_keys: torch.Tensor, like_values: torch.Tensor):
-        if self.keys[layer_idx] is None:
-            _, kv_heads, _, head_dim = like_keys.shape
-            shape = (self.capacity, kv_heads, self.block_size, head_dim)
-            self.keys[layer_idx] = like_keys.new_zeros(shape)
-            self.values[layer_idx] = like_values.new_zeros((*shape[:3], like_values.shape[-1]))
-        return self.keys[layer_idx], self.values[layer_idx]
 
     def view(self, layout: PagedLayout) -> PagedBatchView:
         """The object to pass as `past_key_values` for one forward laid out by `layout`."""
@@ -249,7 +277,7 @@ class PagedBatchView:
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         layout = self.layout
-        keys, values = self.cache._layer(layer_idx, key_states, value_states)
+        keys, values = self.cache.pools.layer(layer_idx, key_states, value_states)
         if layout.single_write is not None:
             block, offset = layout.single_write   # one row, no padding, one block
             keys[block, :, offset:offset + key_states.shape[2]] = key_states[0]
