@@ -311,18 +311,17 @@ def main(argv: list[str] | None = None) -> None:
     held_out = prompt_windows(tokenizer, roles["held_out"], args.held_out, args.prompt_tokens, args.seed)
     traffic = prompt_windows(tokenizer, roles["traffic"], args.traffic, args.prompt_tokens, args.seed + 1)
     if args.training_cost_only:
-        overlap = {"enabled": True, "sample_every": 1, "min_new_positions": 3000, "lr": args.lr, "epochs": args.epochs,
-                   "batch_size": args.batch_size, "versions_dir": str(work / "versions-cost"), "num_cpus": 1.0}
+        settings = {"enabled": True, "sample_every": 1, "min_new_positions": 3000, "lr": args.lr, "epochs": args.epochs,
+                    "batch_size": args.batch_size, "versions_dir": str(work / "versions-cost"), "num_cpus": 1.0}
         if args.allow_overlap:
-            overlap.update(slack_max_active_requests=1000, slack_max_busy_share=1.0)
-        slack = SpecServeConfig(draft_training=overlap).draft_training
-        cost = training_cost_run(serve_config(target, shipped_draft, args.port, overlap), traffic, 16,
-                                 args.max_tokens, args.pass_timeout_s)
+            settings.update(slack_max_active_requests=1000, slack_max_busy_share=1.0)
+        config = serve_config(target, shipped_draft, args.port, settings)
+        cost = training_cost_run(config, traffic, 16, args.max_tokens, args.pass_timeout_s)
         print(json.dumps(cost))
         (RESULTS_DIR / f"{args.name}.json").write_text(json.dumps(
             {"command": "specserve bench-adapt " + " ".join(argv or []), **cost, "streams": 4,
-             "slack_max_active_requests": slack.slack_max_active_requests,
-             "slack_max_busy_share": slack.slack_max_busy_share,
+             "slack_max_active_requests": config.draft_training.slack_max_active_requests,
+             "slack_max_busy_share": config.draft_training.slack_max_busy_share,
              "issue_target_ratio": 1.1}, indent=1))
         return
     before = measured_server(serve_config(target, shipped_draft, args.port, None), held_out, args.max_tokens)
