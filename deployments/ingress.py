@@ -103,7 +103,7 @@ async def _first_chunk(chunks) -> dict:
         return await chunks.__anext__()
     except ServerOverloadedError as exc:
         chunks.cancel()
-        cause = getattr(exc, "cause", None) or exc  # Ray wraps the router's exception
+        cause = _cause(exc, ServerOverloadedError) or exc
         raise OpenAIError(str(cause), status_code=503, error_type="server_error", code="server_overloaded",
                           headers={"Retry-After": str(max(1, math.ceil(cause.retry_after_s)))}) from None
     except BaseException as exc:
