@@ -83,7 +83,10 @@ class BatchedModelRunner(RunnerBase):
         if not supported:
             raise UnsupportedModelError(f"{model_path}: specserve's engine cannot serve this model: {reason}")
         super()._init_from_model(model, max_sequences, model_path, max_model_len)
-        model.set_attn_implementation(ATTENTION_NAME)
+        try:
+            model.set_attn_implementation(ATTENTION_NAME)
+        except (ValueError, KeyError) as error:   # transformers refuses a custom attention for it
+            raise UnsupportedModelError(f"{model_path}: its attention cannot be replaced: {error}") from error
         self._dtype = next(model.parameters()).dtype
         flash = flash_kernel_available(self.device)
         if flash:
