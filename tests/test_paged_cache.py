@@ -180,3 +180,23 @@ def test_max_model_len_caps_the_runner_and_cannot_exceed_the_model():
     with pytest.raises(ValueError, match="max_model_len=200"):
         paged_runner(model, max_model_len=200)
     assert runner_for_model(tiny_model("mistral", sliding_window=16), max_model_len=64).max_context == 64
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "qwen3_moe", "gemma3", "phi3"])
+def test_every_architecture_keeps_within_its_kv_budget_and_refuses_one_below_a_sequence(architecture):
+    """The budget bounds what the pools reserve, whatever the architecture (heads and head size
+    read from the config match the keys its layers store), and one that cannot hold a single
+    max_model_len sequence is refused at start."""
+    model = tiny_model(architecture, max_position_embeddings=64)
+    with pytest.raises(ValueError, match="kv_cache_memory_gb"):
+        paged_runner(model, block_size=16, budget_blocks=3)           # 48 tokens < max_model_len 64
+    runner = paged_runner(model, block_size=4, budget_blocks=40)
+    budget_bytes = 40 * 4 * kv_bytes_per_token(model.config, torch.float32)
+    histories = {f"r{i}": random_ids(70 + i, 20) for i in range(6)}
+    with pytest.raises(NoFreeBlocksError):
+        for _ in range(40):
+            rows = runner.forward_batch([ForwardCall(seq_id, history) for seq_id, history in histories.items()])
+            for history, row in zip(histories.values(), rows):
+                history.append(int(row[0].argmax()))
+    assert runner.kv_usage()["kv_blocks_used"] <= 40
+    assert 0 < runner.kv_usage()["kv_bytes_reserved"] <= budget_bytes
