@@ -61,8 +61,9 @@ class DraftTrainer:
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._loop())
 
-    async def push(self, blocks: Sequence[CapturedBlock], live_counts: Mapping[int, tuple[int, int]]) -> None:
-        """Captured blocks and (drafted, accepted) per draft version since the router's last push."""
+    async def push(self, blocks: Sequence[CapturedBlock],
+                   live_counts: Mapping[int, tuple[Sequence[int], Sequence[int]]]) -> None:
+        """Captured blocks and per-position (drafted, accepted) counts per draft version since the router's last push."""
         self._ensure_loop()
         if self.config.draft_training.slack_max_active_requests == 0:
             self._stop.set()  # a block is a request in flight: yield at once
