@@ -1,7 +1,8 @@
 """A model runner that serves many sequences in ONE forward, over a paged KV cache.
 
 Same full-history protocol as `ModelRunner` (each call names the whole history; the runner reuses
-the longest cached prefix, crops the rest and computes the remainder), but `forward_batch` runs
+the longest cached prefix, crops the rest and computes the remainder; with prefix caching that
+prefix may come from blocks other sequences computed, see `_reuse`), but `forward_batch` runs
 every call's remainder together: right-padded input ids, per-row position ids, a 4D additive mask
 and a boolean `logits_to_keep`, keys and values in blocks of a budgeted pool (decoding.paged_cache), so only the rows asked for reach the LM head.
 For Llama-shaped models the forward is decoding.lean_forward's (same arithmetic, bit-identical
@@ -16,8 +17,9 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,10 +40,12 @@ from decoding.paged_cache import (
     KVCapacity,
     NoFreeBlocksError,
     PagedKVCache,
+    block_key,
     blocks_for,
     cuda_kv_budget_bytes,
     kv_capacity,
     paged_layout,
+    salt_hash,
 )
 
 __all__ = ["BatchedModelRunner", "ForwardCall", "NoFreeBlocksError", "NoFreeSlotError", "SequenceStateError", "load_runner",
@@ -64,6 +68,19 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 class _PagedSequence:
     blocks: list[int]     # its block table: token i lives in blocks[i // block_size]
     token_ids: list[int]  # exactly the tokens whose keys/values the blocks hold
+    # With prefix caching: the chained hash of each full block of token_ids (paged_cache.block_key).
+    hashes: list[int] = field(default_factory=list)
+    cached_tokens: int = 0   # tokens it found in the prefix cache when the runner admitted it
+
+
+@dataclass
+class _Reuse:
+    """How one call of a batch starts: from `start` tokens already in its table, after sharing
+    `hits` (cached blocks found for the tokens after what it held)."""
+
+    start: int
+    hits: list[tuple[int, int]]   # (block, its chained hash), in table order
+    new: bool                     # the runner admits the sequence with this call
 
 
 class BatchedModelRunner(RunnerBase):
@@ -72,11 +89,16 @@ class BatchedModelRunner(RunnerBase):
     def _init_from_model(self, model, max_sequences: int, model_path: str, lean: bool = True,
                          max_model_len: int | None = None, kv_cache_memory_gb: float | None = None,
                          gpu_memory_utilization: float | None = None,
-                         block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+                         block_size: int = DEFAULT_BLOCK_SIZE, prefix_caching: bool = True,
+                         cache_salt: str | None = None) -> None:
         """lean: run decoding.lean_forward where the architecture has one (else transformers' forward).
         max_model_len: longest sequence served (default: the model's max_position_embeddings).
         kv_cache_memory_gb: the KV budget on CPU; on CUDA, gpu_memory_utilization decides it
-        (cuda_kv_budget_bytes), as vLLM's two settings do."""
+        (cuda_kv_budget_bytes), as vLLM's two settings do.
+        prefix_caching: full blocks stay findable by their tokens after their sequence lets go of
+        them, and a sequence starts from the longest cached prefix (docs/kv-memory.md).
+        cache_salt: what besides the tokens decides the keys and values (default: model_path; a
+        draft engine adds the version it serves), the root of every block's hash chain."""
         super()._init_from_model(model, max_sequences, model_path, max_model_len)
         supported, reason = slot_path_support(model)
         if not supported:
@@ -91,6 +113,11 @@ class BatchedModelRunner(RunnerBase):
         self.cache = PagedKVCache(num_layers=self.config.num_hidden_layers, num_blocks=self.kv_capacity.num_blocks,
                                   block_size=block_size, device=self.device)
         self._sequences: dict[str, _PagedSequence] = {}
+        self.prefix_caching = prefix_caching
+        self._salt = salt_hash(cache_salt or model_path)
+        # vLLM's counters: tokens of admitted sequences looked up in the prefix cache, and found there.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self.lean = LeanDecoder(model) if lean and lean_support(model)[0] else None
 
     def forward(self, seq_id: str, token_ids: Sequence[int], num_rows: int = 1) -> torch.Tensor:
@@ -108,24 +135,11 @@ class BatchedModelRunner(RunnerBase):
             return []
         histories = self._checked_batch(calls)
         held = [self._sequences.get(call.seq_id) for call in calls]
-        starts, num_new = [], []
-        for call, history, entry in zip(calls, histories, held):
-            reused = 0 if entry is None else _common_prefix_length(entry.token_ids, history,
-                                                                   len(history) - call.num_rows)
-            if entry is not None:
-                self._crop(entry, reused)   # a rollback: blocks past the reused prefix go back
-            starts.append(reused)
-            num_new.append(len(history) - reused)
-        needed = [blocks_for(len(history), self.block_size) - (0 if entry is None else len(entry.blocks))
-                  for history, entry in zip(histories, held)]
-        if sum(needed) > self.cache.num_free:
-            raise NoFreeBlocksError(f"this batch needs {sum(needed)} more KV blocks, {self.cache.num_free} of "
-                                    f"{self.cache.num_blocks} are free; wait for sequences to finish")
-        new_seq_ids = [call.seq_id for call, entry in zip(calls, held) if entry is None]
-        entries = [entry if entry is not None else self._sequences.setdefault(call.seq_id, _PagedSequence([], []))
-                   for call, entry in zip(calls, held)]
-        for entry, count in zip(entries, needed):
-            entry.blocks.extend(self.cache.allocate(count))
+        reuses = [self._reuse(history, call.num_rows, entry) for call, history, entry in zip(calls, histories, held)]
+        entries = self._take_blocks(calls, histories, held, reuses)
+        starts = [reuse.start for reuse in reuses]
+        num_new = [len(history) - start for history, start in zip(histories, starts)]
+        new_seq_ids = [call.seq_id for call, reuse in zip(calls, reuses) if reuse.new]
 
         layout = paged_layout([entry.blocks for entry in entries], starts, num_new, self.block_size,
                               dtype=self._dtype, device=self.device)
@@ -147,6 +161,8 @@ class BatchedModelRunner(RunnerBase):
             raise
         for entry, history in zip(entries, histories):
             entry.token_ids = history
+            if self.prefix_caching:
+                self._publish_full_blocks(entry)
         # The boolean keep mask flattens the kept rows in (row, column) order.
         logits = self._served_columns(logits.float())
         offsets = [0]
@@ -162,20 +178,132 @@ class BatchedModelRunner(RunnerBase):
         return self.model(input_ids=input_ids, position_ids=layout.position_ids, attention_mask=layout.attention_mask,
                           past_key_values=self.cache.view(layout), use_cache=True, logits_to_keep=keep).logits
 
+    def _reuse(self, history: list[int], num_rows: int, entry: _PagedSequence | None) -> _Reuse:
+        """Where a call starts: the longest prefix of history its own table holds (cropping the
+        rest: a rollback), extended by cached blocks that hold the next full blocks of history.
+        Only the crop changes state (as a rollback, it is valid whatever follows); num_rows
+        positions are always recomputed."""
+        limit = len(history) - num_rows
+        held = 0 if entry is None else _common_prefix_length(entry.token_ids, history, limit)
+        if entry is not None:
+            self._crop(entry, held)
+        hits = self._cached_blocks(history, held, limit, [] if entry is None else entry.hashes)
+        if not hits:
+            return _Reuse(held, [], entry is None)
+        aligned = held // self.block_size * self.block_size
+        if entry is not None:
+            self._crop(entry, aligned)   # its partly valid last block gives way to a cached full one
+        return _Reuse(aligned + len(hits) * self.block_size, hits, entry is None)
+
+    def _cached_blocks(self, history: list[int], held: int, limit: int, hashes: list[int]) -> list[tuple[int, int]]:
+        """(block, chained hash) of the cached blocks holding history's full blocks after the
+        first held tokens, up to the first one not cached, within the first limit tokens
+        (hashes: those of the held full blocks)."""
+        if not self.prefix_caching:
+            return []
+        size = self.block_size
+        first = held // size
+        parent = hashes[first - 1] if first else self._salt
+        hits = []
+        for index in range(first, limit // size):
+            key = block_key(parent, history[index * size:(index + 1) * size])
+            block = self.cache.find(key)
+            if block is None:
+                break
+            parent = hash(key)
+            hits.append((block, parent))
+        return hits
+
+    def _take_blocks(self, calls: Sequence[ForwardCall], histories: list[list[int]],
+                     held: list[_PagedSequence | None], reuses: list[_Reuse]) -> list[_PagedSequence]:
+        """Every call's table made to cover its history: cached blocks shared, a shared or
+        published last block the call writes into copied or unpublished, new blocks allocated.
+        NoFreeBlocksError, admitting nothing and taking no block, when the pool cannot cover them."""
+        size = self.block_size
+        writes_into_last = [reuse.start % size != 0 for reuse in reuses]   # then it is held and hit nothing
+        shares = Counter(block for reuse in reuses for block, _ in reuse.hits)
+        copies = sum(self.cache.refs(entry.blocks[-1]) + shares[entry.blocks[-1]] > 1
+                     for entry, partial in zip(held, writes_into_last) if partial)
+        needed = copies + sum(blocks_for(len(history), size) - len(reuse.hits) - (0 if entry is None else len(entry.blocks))
+                              for history, entry, reuse in zip(histories, held, reuses))
+        revived = len({block for reuse in reuses for block, _ in reuse.hits if self.cache.refs(block) == 0})
+        if needed + revived > self.cache.num_free:
+            raise NoFreeBlocksError(f"this batch needs {needed + revived} more KV blocks, {self.cache.num_free} of "
+                                    f"{self.cache.num_blocks} are free; wait for sequences to finish")
+        entries = []
+        for call, history, entry, reuse in zip(calls, histories, held, reuses):
+            if entry is None:
+                entry = self._sequences[call.seq_id] = _PagedSequence([], [], cached_tokens=reuse.start)
+                self.prefix_cache_queries += len(history)
+                self.prefix_cache_hits += reuse.start
+            for block, block_hash in reuse.hits:
+                self.cache.share(block)
+                entry.blocks.append(block)
+                entry.hashes.append(block_hash)
+            if reuse.hits:
+                entry.token_ids = history[:reuse.start]
+            entries.append(entry)
+        # After every share: a block another call of this batch just shared must be copied too.
+        for entry, partial in zip(entries, writes_into_last):
+            if partial:
+                self._make_last_block_writable(entry)
+        for entry, history in zip(entries, histories):
+            entry.blocks.extend(self.cache.allocate(blocks_for(len(history), size) - len(entry.blocks)))
+        return entries
+
+    def _make_last_block_writable(self, entry: _PagedSequence) -> None:
+        """The call writes into its table's last block after its first tokens: a block other
+        tables hold is copied first (copy-on-write), a block only it holds stops being findable
+        (its key no longer says what it holds)."""
+        block = entry.blocks[-1]
+        if self.cache.refs(block) > 1:
+            copy = self.cache.allocate(1)[0]
+            self.cache.copy_block(block, copy)
+            self.cache.free([block])
+            entry.blocks[-1] = copy
+        else:
+            self.cache.unpublish(block)
+
+    def _publish_full_blocks(self, entry: _PagedSequence) -> None:
+        """Make the blocks entry has just filled findable by their chained keys."""
+        size, tokens = self.block_size, entry.token_ids
+        parent = entry.hashes[-1] if entry.hashes else self._salt
+        for index in range(len(entry.hashes), len(tokens) // size):
+            key = block_key(parent, tokens[index * size:(index + 1) * size])
+            self.cache.publish(entry.blocks[index], key)
+            parent = hash(key)
+            entry.hashes.append(parent)
+
     def _crop(self, entry: _PagedSequence, length: int) -> None:
-        """Keep the first length tokens and the blocks they need; the rest go back to the pool."""
+        """Keep the first length tokens and the blocks they need; the rest are let go (tail first)."""
         if length < len(entry.token_ids):
             del entry.token_ids[length:]
+        del entry.hashes[length // self.block_size:]
         keep = blocks_for(length, self.block_size)
         if keep < len(entry.blocks):
-            self.cache.free(entry.blocks[keep:])
+            self.cache.free(entry.blocks[keep:][::-1])
             del entry.blocks[keep:]
 
     def release(self, seq_id: str) -> None:
-        """Forget seq_id and free its blocks (idempotent)."""
+        """Forget seq_id and let go of its blocks (idempotent); its full blocks stay cached."""
         entry = self._sequences.pop(seq_id, None)
         if entry is not None:
-            self.cache.free(entry.blocks)
+            self.cache.free(entry.blocks[::-1])
+
+    def cached_prefix_length(self, seq_id: str, token_ids: Sequence[int], num_rows: int = 1) -> int:
+        """Tokens of token_ids a call would not compute now: what seq_id holds of them, extended
+        by the prefix cache (what the scheduler plans a new sequence's prefill from)."""
+        history = list(token_ids)
+        entry = self._sequences.get(seq_id)
+        limit = len(history) - num_rows
+        held = 0 if entry is None else _common_prefix_length(entry.token_ids, history, limit)
+        hits = self._cached_blocks(history, held, limit, [] if entry is None else entry.hashes)
+        return held // self.block_size * self.block_size + len(hits) * self.block_size if hits else held
+
+    def prefix_cached_tokens(self, seq_id: str) -> int:
+        """Tokens seq_id found in the prefix cache when it was admitted (OpenAI's cached_tokens)."""
+        entry = self._sequences.get(seq_id)
+        return 0 if entry is None else entry.cached_tokens
 
     @property
     def block_size(self) -> int:
@@ -190,8 +318,11 @@ class BatchedModelRunner(RunnerBase):
         return 0 if entry is None else len(entry.blocks)
 
     def kv_usage(self) -> dict[str, int]:
-        """KV blocks used and free, tokens held and bytes reserved: for engine stats and metrics."""
+        """KV blocks used, free (cached ones among them), tokens held, bytes reserved and the
+        prefix cache's counters: for engine stats and metrics."""
         return {"kv_blocks_used": self.cache.num_used, "kv_blocks_free": self.cache.num_free,
+                "kv_blocks_cached": self.cache.num_cached,
+                "prefix_cache_queries": self.prefix_cache_queries, "prefix_cache_hits": self.prefix_cache_hits,
                 "kv_block_size": self.block_size,
                 "kv_tokens_held": sum(len(entry.token_ids) for entry in self._sequences.values()),
                 "kv_bytes_reserved": self.cache.reserved_bytes()}
