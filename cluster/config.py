@@ -47,6 +47,9 @@ class ModelSpec(_Strict):
                                       "the pool grows with use up to it (docs/kv-memory.md)")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="on CUDA: share of the device's memory "
                                           "weights + KV may use; KV gets what the weights leave (as vLLM)")
+    prefix_caching: bool = Field(True, description="keep finished sequences' full KV blocks findable by their "
+                                 "tokens, so a shared prefix (system prompt, n choices, a chat's earlier turns) is "
+                                 "not prefilled again; evicted LRU when the pool needs room (as vLLM; docs/kv-memory.md)")
 
 
 class WorkerResources(_Strict):

@@ -354,8 +354,8 @@ def slot_path_support(model) -> tuple[bool, str]:
 
 def runner_for_model(model, max_sequences: int = 256, model_path: str | None = None,
                      lean_forward: bool = True, max_model_len: int | None = None,
-                     kv_cache_memory_gb: float | None = None,
-                     gpu_memory_utilization: float | None = None) -> BatchedModelRunner | ModelRunner:
+                     kv_cache_memory_gb: float | None = None, gpu_memory_utilization: float | None = None,
+                     prefix_caching: bool = True, cache_salt: str | None = None) -> BatchedModelRunner | ModelRunner:
     """BatchedModelRunner over `model` when the paged path supports it (running the lean forward
     where the architecture has one and lean_forward is set), else ModelRunner; logs one line
     saying which and why, and the KV capacity (see BatchedModelRunner._init_from_model)."""
@@ -370,21 +370,24 @@ def runner_for_model(model, max_sequences: int = 256, model_path: str | None = N
     runner = BatchedModelRunner.__new__(BatchedModelRunner)
     runner._init_from_model(model, max_sequences=max_sequences, model_path=path, lean=lean,
                             max_model_len=max_model_len, kv_cache_memory_gb=kv_cache_memory_gb,
-                            gpu_memory_utilization=gpu_memory_utilization)
-    logger.info("%s: batched paged-KV runner (%s; %s); %s", path, reason,
-                lean_reason if lean else f"transformers forward: {lean_reason}", runner.kv_capacity.describe())
+                            gpu_memory_utilization=gpu_memory_utilization, prefix_caching=prefix_caching,
+                            cache_salt=cache_salt)
+    logger.info("%s: batched paged-KV runner (%s; %s); %s; prefix caching %s", path, reason,
+                lean_reason if lean else f"transformers forward: {lean_reason}", runner.kv_capacity.describe(),
+                "on" if prefix_caching else "off")
     return runner
 
 
 def load_runner(spec: dict) -> BatchedModelRunner | ModelRunner:
     """The runner for a model spec mapping (path, dtype, device, torch_threads, max_sequences,
-    lean_forward, and optionally max_model_len, kv_cache_memory_gb, gpu_memory_utilization),
-    batched when the architecture allows it (see runner_for_model)."""
+    lean_forward, and optionally max_model_len, kv_cache_memory_gb, gpu_memory_utilization,
+    prefix_caching, cache_salt), batched when the architecture allows it (see runner_for_model)."""
     model = load_causal_lm(spec["path"], dtype=spec["dtype"], device=spec["device"],
                            num_threads=spec["torch_threads"])
     runner = runner_for_model(model, max_sequences=spec["max_sequences"], model_path=spec["path"],
                               lean_forward=spec.get("lean_forward", True), max_model_len=spec.get("max_model_len"),
                               kv_cache_memory_gb=spec.get("kv_cache_memory_gb"),
-                              gpu_memory_utilization=spec.get("gpu_memory_utilization"))
+                              gpu_memory_utilization=spec.get("gpu_memory_utilization"),
+                              prefix_caching=spec.get("prefix_caching", True), cache_salt=spec.get("cache_salt"))
     runner.serve_as(spec.get("vocab_size"), spec.get("eos_token_ids"))
     return runner

@@ -147,6 +147,10 @@ class RunnerBase:
     # Per-sequence state, kept by subclasses: self._sequences maps seq_id -> an entry whose
     # token_ids are exactly the tokens its KV holds; self._crop(entry, length) cuts it back.
 
+    def prefix_cached_tokens(self, seq_id: str) -> int:
+        """Tokens seq_id found in a prefix cache when admitted: none here (BatchedModelRunner has one)."""
+        return 0
+
     def num_cached(self, seq_id: str) -> int:
         """Tokens of seq_id held in the KV cache (0 if unknown)."""
         entry = self._sequences.get(seq_id)
