@@ -118,6 +118,7 @@ class BatchedModelRunner(RunnerBase):
         # vLLM's counters: tokens of admitted sequences looked up in the prefix cache, and found there.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.last_num_new_tokens = 0   # tokens the last forward computed
         self.lean = LeanDecoder(model) if lean and lean_support(model)[0] else None
 
     def forward(self, seq_id: str, token_ids: Sequence[int], num_rows: int = 1) -> torch.Tensor:
@@ -139,6 +140,7 @@ class BatchedModelRunner(RunnerBase):
         entries = self._take_blocks(calls, histories, held, reuses)
         starts = [reuse.start for reuse in reuses]
         num_new = [len(history) - start for history, start in zip(histories, starts)]
+        self.last_num_new_tokens = sum(num_new)   # what this forward computes (engines' cost samples)
         new_seq_ids = [call.seq_id for call, reuse in zip(calls, reuses) if reuse.new]
 
         layout = paged_layout([entry.blocks for entry in entries], starts, num_new, self.block_size,

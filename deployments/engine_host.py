@@ -70,11 +70,12 @@ def to_wire(rows: torch.Tensor) -> list[int] | np.ndarray:
 
 
 def timed_forward(runner: Any, calls: list[ForwardCall]) -> tuple[list[torch.Tensor], CostSample]:
-    """runner.forward_batch, and its cost (new tokens, seconds) for the policy's cost curve."""
+    """runner.forward_batch, and its cost (new tokens, seconds) for the policy's cost curve: the
+    tokens it computed (a paged runner says, prefix-cache hits excluded)."""
     new_tokens = sum(max(call.num_rows, len(call.token_ids) - runner.num_cached(call.seq_id)) for call in calls)
     started = time.perf_counter()
     logits = runner.forward_batch(calls)
-    return logits, (new_tokens, time.perf_counter() - started)
+    return logits, (getattr(runner, "last_num_new_tokens", new_tokens), time.perf_counter() - started)
 
 
 @dataclass

@@ -91,6 +91,7 @@ def test_a_chats_next_turn_prefills_only_what_the_last_turn_did_not_hold():
     assert cached.cached_prefix_length("turn2", turn2) == 20
     assert_same_rows(trio, [ForwardCall("turn2", turn2, 2)])
     assert cached.prefix_cached_tokens("turn2") == 20 and cached.cache.num_cached == 0
+    assert cached.last_num_new_tokens == len(turn2) - 20      # what the engine's cost sample counts
     cached.release("turn2")
     assert_no_leak(cached)
 
