@@ -55,7 +55,7 @@ class KvUsage:
     bytes_reserved: int
     preemptions: int
     blocks_cached: int = 0           # unreferenced blocks kept for prefix caching (counted in blocks_free)
-    prefix_cache_queries: int = 0    # tokens of admitted sequences looked up in the prefix cache ...
+    prefix_cache_queries: int = 0    # tokens looked for in the prefix cache (new sequences, prefill chunks) ...
     prefix_cache_hits: int = 0       # ... and found there (vLLM's counters)
 
     @property

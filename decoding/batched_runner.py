@@ -70,7 +70,7 @@ class _PagedSequence:
     token_ids: list[int]  # exactly the tokens whose keys/values the blocks hold
     # With prefix caching: the chained hash of each full block of token_ids (paged_cache.block_key).
     hashes: list[int] = field(default_factory=list)
-    cached_tokens: int = 0   # tokens it found in the prefix cache when the runner admitted it
+    cached_tokens: int = 0   # tokens it has found in the prefix cache (at admission, or a later chunk's)
 
 
 @dataclass
@@ -81,6 +81,7 @@ class _Reuse:
     start: int
     hits: list[tuple[int, int]]   # (block, its chained hash), in table order
     new: bool                     # the runner admits the sequence with this call
+    looked_up: int = 0            # tokens it looked for in the prefix cache (from its first not fully held block)
 
 
 class BatchedModelRunner(RunnerBase):
@@ -115,7 +116,8 @@ class BatchedModelRunner(RunnerBase):
         self._sequences: dict[str, _PagedSequence] = {}
         self.prefix_caching = prefix_caching
         self._salt = salt_hash(cache_salt or model_path)
-        # vLLM's counters: tokens of admitted sequences looked up in the prefix cache, and found there.
+        # vLLM's counters: tokens calls looked for in the prefix cache (all a new sequence's but the
+        # rows it asks for; a held one's past what it holds, when it recomputes any), and found there.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.last_num_new_tokens = 0   # tokens the last forward computed
@@ -190,12 +192,13 @@ class BatchedModelRunner(RunnerBase):
         if entry is not None:
             self._crop(entry, held)
         hits = self._cached_blocks(history, held, limit, [] if entry is None else entry.hashes)
-        if not hits:
-            return _Reuse(held, [], entry is None)
         aligned = held // self.block_size * self.block_size
+        looked_up = limit - aligned if self.prefix_caching and held < limit else 0
+        if not hits:
+            return _Reuse(held, [], entry is None, looked_up)
         if entry is not None:
             self._crop(entry, aligned)   # its partly valid last block gives way to a cached full one
-        return _Reuse(aligned + len(hits) * self.block_size, hits, entry is None)
+        return _Reuse(aligned + len(hits) * self.block_size, hits, entry is None, looked_up)
 
     def _cached_blocks(self, history: list[int], held: int, limit: int, hashes: list[int]) -> list[tuple[int, int]]:
         """(block, chained hash) of the cached blocks holding history's full blocks after the
@@ -235,9 +238,10 @@ class BatchedModelRunner(RunnerBase):
         entries = []
         for call, history, entry, reuse in zip(calls, histories, held, reuses):
             if entry is None:
-                entry = self._sequences[call.seq_id] = _PagedSequence([], [], cached_tokens=reuse.start)
-                self.prefix_cache_queries += len(history)
-                self.prefix_cache_hits += reuse.start
+                entry = self._sequences[call.seq_id] = _PagedSequence([], [])
+            entry.cached_tokens += len(reuse.hits) * size
+            self.prefix_cache_queries += reuse.looked_up
+            self.prefix_cache_hits += len(reuse.hits) * size
             for block, block_hash in reuse.hits:
                 self.cache.share(block)
                 entry.blocks.append(block)
@@ -303,7 +307,9 @@ class BatchedModelRunner(RunnerBase):
         return held // self.block_size * self.block_size + len(hits) * self.block_size if hits else held
 
     def prefix_cached_tokens(self, seq_id: str) -> int:
-        """Tokens seq_id found in the prefix cache when it was admitted (OpenAI's cached_tokens)."""
+        """Tokens seq_id has found in the prefix cache (OpenAI's cached_tokens, read after its
+        prefill): at admission, and when a later chunk of its prefill found blocks that another
+        sequence finished meanwhile."""
         entry = self._sequences.get(seq_id)
         return 0 if entry is None else entry.cached_tokens
 

@@ -103,9 +103,10 @@ METRICS: dict[str, MetricSpec] = {spec.name: spec for spec in (
     MetricSpec("specserve_kv_sequences", "gauge", "Sequences whose KV cache this engine holds", ENGINE_TAGS),
     # vLLM's prefix-cache counters (vllm:prefix_cache_queries / _hits): hits / queries is the hit rate.
     MetricSpec("specserve_prefix_cache_queries_total", "counter",
-               "Tokens of sequences this engine admitted, looked up in its prefix cache", ENGINE_TAGS),
+               "Prompt tokens this engine looked for in its prefix cache (a new sequence's, a prefill chunk's)",
+               ENGINE_TAGS),
     MetricSpec("specserve_prefix_cache_hits_total", "counter",
-               "Tokens of sequences this engine admitted that its prefix cache held (not prefilled)", ENGINE_TAGS),
+               "Prompt tokens this engine found in its prefix cache (not prefilled)", ENGINE_TAGS),
     # Online draft training (docs/online-learning.md): which weights draft, and how well each does.
     MetricSpec("specserve_draft_version", "gauge", "Draft weights version this draft engine serves "
                "(0: those the server started with)", ("replica",)),
