@@ -127,7 +127,9 @@ def summary(results: list[Sample]) -> dict:
 def run(model_dir: Path, histories: list[list[int]], questions: list[list[int]], answers: list[int]
         ) -> dict[str, dict]:
     """Every pattern with prefix caching off and on, each pattern on fresh engines."""
-    options = SpecServeConfig().engine_options() | {"policy_actor": None}
+    # A prefill chunked over many iterations counts against the admission deadline (engine_loop):
+    # lift it, so a slow box measures slow prefills instead of failing them.
+    options = SpecServeConfig().engine_options() | {"policy_actor": None, "admission_timeout_s": 3600.0}
 
     async def fresh_engines() -> Engines:
         """Engines whose caches hold nothing of the prompts (one short warm-up request each)."""

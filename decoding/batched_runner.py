@@ -1,16 +1,19 @@
-"""A model runner that serves many sequences in ONE forward, over a paged KV cache.
+"""The engines' model runner: many sequences in ONE forward, over a paged KV cache, for any decoder.
 
-Same full-history protocol as `ModelRunner` (each call names the whole history; the runner reuses
-the longest cached prefix, crops the rest and computes the remainder; with prefix caching that
-prefix may come from blocks other sequences computed, see `_reuse`), but `forward_batch` runs
-every call's remainder together: right-padded input ids, per-row position ids, a 4D additive mask
-and a boolean `logits_to_keep`, keys and values in blocks of a budgeted pool (decoding.paged_cache), so only the rows asked for reach the LM head.
-For Llama-shaped models the forward is decoding.lean_forward's (same arithmetic, bit-identical
-logits on the default pair, less Python per step); other architectures run transformers' own
-forward and attention over the same cache.
+Full-history protocol (each call names the whole history; the runner reuses the longest cached
+prefix, crops the rest and computes the remainder; with prefix caching that prefix may come from
+blocks other sequences computed, see `_reuse`); `forward_batch` runs every call's remainder
+together: right-padded input ids, per-row position ids and a boolean `logits_to_keep`, keys and
+values in blocks of a budgeted pool (decoding.paged_cache), so only the rows asked for reach the
+LM head. The model runs its own forward, whatever its architecture (q/k norms, fused projections,
+MoE, soft-capping, sliding windows per layer): its attention is decoding.paged_attention's,
+registered in transformers' AttentionInterface, as vLLM's Transformers backend does. For
+full-attention Llama-shaped models decoding.lean_forward runs the same attention with less Python
+per step (docs/performance.md has the measurement that keeps it).
 
-`load_runner` / `runner_for_model` pick this path when the architecture allows it and fall back to
-the per-sequence ModelRunner otherwise, saying which in one log line.
+A model this path cannot serve (encoder-decoder, a layer that does not attend through the
+interface, e.g. recurrent or linear attention) is refused at load with UnsupportedModelError
+naming what is unsupported; there is no slower fallback.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ import torch
 
 from decoding.model_runner import (
     ForwardCall,
-    ModelRunner,
     NoFreeSlotError,
     RunnerBase,
     SequenceStateError,
@@ -34,6 +36,7 @@ from decoding.model_runner import (
     model_path_of,
 )
 from decoding.lean_forward import LeanDecoder, lean_support
+from decoding.paged_attention import ATTENTION_NAME, FLASH_BLOCK_SIZE, PagedAttentionError, flash_kernel_available
 from decoding.paged_cache import (
     DEFAULT_BLOCK_SIZE,
     GIB,
@@ -48,20 +51,19 @@ from decoding.paged_cache import (
     salt_hash,
 )
 
-__all__ = ["BatchedModelRunner", "ForwardCall", "NoFreeBlocksError", "NoFreeSlotError", "SequenceStateError", "load_runner",
-           "runner_for_model", "slot_path_support"]
+__all__ = ["BatchedModelRunner", "ForwardCall", "NoFreeBlocksError", "NoFreeSlotError", "SequenceStateError",
+           "UnsupportedModelError", "decoder_support", "load_runner", "runner_for_model"]
 
 logger = logging.getLogger(__name__)
-
-# Architectures whose attention, in transformers 5.23, takes a user 4D additive mask unchanged,
-# gets positions only from position_ids, and touches the cache only through update().
-SLOT_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral", "gpt2"})
-# Attention kernels that add a float mask to the scores (flash/flex take no 4D float mask).
-SLOT_ATTENTION = frozenset({"sdpa", "eager"})
 # KV budget per engine on CPU when none is given: vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE). The
 # pool grows with use, so an engine holding few tokens holds little of it.
 DEFAULT_KV_CACHE_MEMORY_GB = 4.0
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
+
+
+class UnsupportedModelError(ValueError):
+    """The model is not a decoder whose every layer attends through transformers' attention
+    interface, so the paged engine cannot serve it (raised at load, naming what is unsupported)."""
 
 
 @dataclass
@@ -100,19 +102,25 @@ class BatchedModelRunner(RunnerBase):
         them, and a sequence starts from the longest cached prefix (docs/kv-memory.md).
         cache_salt: what besides the tokens decides the keys and values (default: model_path; a
         draft engine adds the version it serves), the root of every block's hash chain."""
-        super()._init_from_model(model, max_sequences, model_path, max_model_len)
-        supported, reason = slot_path_support(model)
+        supported, reason = decoder_support(model)
         if not supported:
-            raise ValueError(f"{model_path}: the paged KV cache cannot serve this model ({reason}); "
-                             "use load_runner / runner_for_model to fall back to ModelRunner")
+            raise UnsupportedModelError(f"{model_path}: specserve's engine cannot serve this model: {reason}")
+        super()._init_from_model(model, max_sequences, model_path, max_model_len)
+        model.set_attn_implementation(ATTENTION_NAME)
         self._dtype = next(model.parameters()).dtype
+        flash = flash_kernel_available(self.device)
+        if flash:
+            block_size = FLASH_BLOCK_SIZE
+        elif self.device.type == "cuda":
+            logger.warning("%s: flash-attn with a paged kernel is not installed: attention gathers each sequence's "
+                           "blocks per layer (the CPU path); install flash-attn for the paged kernel", model_path)
         if self.device.type == "cuda":
             budget = cuda_kv_budget_bytes(self.device, gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION)
         else:
             budget = (kv_cache_memory_gb or DEFAULT_KV_CACHE_MEMORY_GB) * GIB
         self.kv_capacity: KVCapacity = kv_capacity(self.config, self._dtype, budget, self.max_context, block_size)
         self.cache = PagedKVCache(num_layers=self.config.num_hidden_layers, num_blocks=self.kv_capacity.num_blocks,
-                                  block_size=block_size, device=self.device)
+                                  block_size=block_size, device=self.device, flash=flash)
         self._sequences: dict[str, _PagedSequence] = {}
         self.prefix_caching = prefix_caching
         self._salt = salt_hash(cache_salt or model_path)
@@ -122,6 +130,29 @@ class BatchedModelRunner(RunnerBase):
         self.prefix_cache_hits = 0
         self.last_num_new_tokens = 0   # tokens the last forward computed
         self.lean = LeanDecoder(model) if lean and lean_support(model)[0] else None
+        self._check_every_layer_attends_through_the_cache()
+
+    def _check_every_layer_attends_through_the_cache(self) -> None:
+        """One 1-token forward at load: every layer must have stored its keys through the paged
+        attention, else the model keeps state of its own (recurrent or linear-attention layers)
+        that rollback and batching would silently get wrong."""
+        blocks = self.cache.allocate(1)
+        try:
+            layout = paged_layout([blocks], [0], [1], self.block_size, dtype=self._dtype, device=self.device)
+            view = self.cache.view(layout)
+            keep = torch.ones((1, 1), dtype=torch.bool, device=self.device)
+            try:
+                self._logits(torch.zeros((1, 1), dtype=torch.long, device=self.device), layout, keep, view)
+            except PagedAttentionError as error:
+                raise UnsupportedModelError(f"{self.model_path}: {error}") from error
+        finally:
+            self.cache.free(blocks)
+        missing = sorted(set(range(self.config.num_hidden_layers)) - view.layers_attended)
+        if missing:
+            raise UnsupportedModelError(
+                f"{self.model_path}: layers {missing} of {self.config.num_hidden_layers} do not attend through "
+                "transformers' attention interface (recurrent or linear-attention layers?); specserve's engine "
+                "cannot serve this model")
 
     def forward(self, seq_id: str, token_ids: Sequence[int], num_rows: int = 1) -> torch.Tensor:
         """Make seq_id's cache hold exactly token_ids; return float32 logits [num_rows, V] for the
@@ -175,12 +206,15 @@ class BatchedModelRunner(RunnerBase):
         return [logits[offsets[i]:offsets[i + 1]] for i in range(len(calls))]
 
     @torch.inference_mode()
-    def _logits(self, input_ids: torch.Tensor, layout, keep: torch.Tensor) -> torch.Tensor:
+    def _logits(self, input_ids: torch.Tensor, layout, keep: torch.Tensor, view=None) -> torch.Tensor:
         """The model's logits for the kept (row, column) positions, in that order: [kept, V]."""
+        view = self.cache.view(layout) if view is None else view
         if self.lean is not None:
-            return self.lean.forward(input_ids, layout.position_ids, layout.attention_mask, self.cache.view(layout), keep)
-        return self.model(input_ids=input_ids, position_ids=layout.position_ids, attention_mask=layout.attention_mask,
-                          past_key_values=self.cache.view(layout), use_cache=True, logits_to_keep=keep).logits
+            return self.lean.forward(input_ids, layout.position_ids, view, keep)
+        # The model keeps no cache of its own (use_cache=False): its attention stores keys and
+        # values in the paged view it receives as a keyword (decoding.paged_attention).
+        return self.model(input_ids=input_ids, position_ids=layout.position_ids, use_cache=False,
+                          logits_to_keep=keep, paged_batch=view).logits
 
     def _reuse(self, history: list[int], num_rows: int, entry: _PagedSequence | None) -> _Reuse:
         """Where a call starts: the longest prefix of history its own table holds (cropping the
@@ -336,60 +370,44 @@ class BatchedModelRunner(RunnerBase):
                 "kv_bytes_reserved": self.cache.reserved_bytes()}
 
 
-def slot_path_support(model) -> tuple[bool, str]:
-    """(True, why) when BatchedModelRunner computes exactly what the model computes alone, else
-    (False, why not). Decided from the config: model type, attention kernel, sliding windows."""
+def decoder_support(model) -> tuple[bool, str]:
+    """(True, why) when the model is a decoder the paged engine can run, else (False, why not),
+    from what can be read before a forward: a causal decoder whose forward takes logits_to_keep.
+    Whether every layer attends through the interface is checked by a forward at load."""
     config = model.config.get_text_config(decoder=True)
     model_type = getattr(config, "model_type", None)
-    attention = getattr(config, "_attn_implementation", None)
-    context = int(config.max_position_embeddings)
-    if model_type not in SLOT_MODEL_TYPES:
-        return False, (f"model type {model_type!r} is not one the batched KV path is proven on "
-                       f"({', '.join(sorted(SLOT_MODEL_TYPES))})")
-    if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
-        return False, "cross-attention needs an encoder-decoder cache"
+    if getattr(model.config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
+        return False, f"{model_type!r} is an encoder-decoder (cross-attention needs an encoder cache)"
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
-        return False, "its forward takes no logits_to_keep"
-    if attention not in SLOT_ATTENTION:
-        return False, f"attention kernel {attention!r} takes no 4D additive mask (need sdpa or eager)"
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    windowed_layers = layer_types is None or any(kind != "full_attention" for kind in layer_types)
-    if window is not None and window < context and windowed_layers:
-        return False, f"sliding window {window} is shorter than the context {context}"
-    return True, f"{model_type} with {attention} attention and full-context attention on every layer"
+        return False, f"{type(model).__name__}.forward takes no logits_to_keep"
+    return True, f"{model_type} decoder"
 
 
 def runner_for_model(model, max_sequences: int = 256, model_path: str | None = None,
                      lean_forward: bool = True, max_model_len: int | None = None,
                      kv_cache_memory_gb: float | None = None, gpu_memory_utilization: float | None = None,
-                     prefix_caching: bool = True, cache_salt: str | None = None) -> BatchedModelRunner | ModelRunner:
-    """BatchedModelRunner over `model` when the paged path supports it (running the lean forward
-    where the architecture has one and lean_forward is set), else ModelRunner; logs one line
-    saying which and why, and the KV capacity (see BatchedModelRunner._init_from_model)."""
+                     prefix_caching: bool = True, cache_salt: str | None = None) -> BatchedModelRunner:
+    """BatchedModelRunner over `model` (running the lean forward where the architecture has one and
+    lean_forward is set); logs one line saying which forward, the KV capacity and whether prefix
+    caching is on (see BatchedModelRunner._init_from_model). UnsupportedModelError for a model it
+    cannot serve."""
     path = model_path or model_path_of(model)
-    supported, reason = slot_path_support(model)
-    if not supported:
-        logger.info("%s: per-sequence runner (no batching) (%s)", path, reason)
-        runner = ModelRunner.__new__(ModelRunner)
-        runner._init_from_model(model, max_sequences=max_sequences, model_path=path, max_model_len=max_model_len)
-        return runner
     lean, lean_reason = lean_support(model) if lean_forward else (False, "lean_forward is off")
     runner = BatchedModelRunner.__new__(BatchedModelRunner)
     runner._init_from_model(model, max_sequences=max_sequences, model_path=path, lean=lean,
                             max_model_len=max_model_len, kv_cache_memory_gb=kv_cache_memory_gb,
                             gpu_memory_utilization=gpu_memory_utilization, prefix_caching=prefix_caching,
                             cache_salt=cache_salt)
-    logger.info("%s: batched paged-KV runner (%s; %s); %s; prefix caching %s", path, reason,
+    logger.info("%s: batched paged-KV runner (%s; %s); %s; prefix caching %s", path, decoder_support(model)[1],
                 lean_reason if lean else f"transformers forward: {lean_reason}", runner.kv_capacity.describe(),
                 "on" if prefix_caching else "off")
     return runner
 
 
-def load_runner(spec: dict) -> BatchedModelRunner | ModelRunner:
+def load_runner(spec: dict) -> BatchedModelRunner:
     """The runner for a model spec mapping (path, dtype, device, torch_threads, max_sequences,
     lean_forward, and optionally max_model_len, kv_cache_memory_gb, gpu_memory_utilization,
-    prefix_caching, cache_salt), batched when the architecture allows it (see runner_for_model)."""
+    prefix_caching, cache_salt)."""
     model = load_causal_lm(spec["path"], dtype=spec["dtype"], device=spec["device"],
                            num_threads=spec["torch_threads"])
     runner = runner_for_model(model, max_sequences=spec["max_sequences"], model_path=spec["path"],

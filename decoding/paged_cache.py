@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from decoding.model_runner import NoFreeSlotError
+from decoding.paged_attention import flash_paged_attention, sdpa_over_gathered
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per block (vLLM's default)
 FIRST_GROWTH_BLOCKS = 64  # blocks the pool starts with on first use (then doubles)
@@ -177,8 +178,9 @@ class LayerPools:
     differ between architectures), so they need no model configuration; `grow` adds units to
     every layer at once."""
 
-    def __init__(self, num_layers: int, unit_len: int) -> None:
+    def __init__(self, num_layers: int, unit_len: int, token_major: bool = False) -> None:
         self.unit_len = unit_len
+        self.token_major = token_major   # [units, unit_len, kv heads, D]: the layout flash-attn's paged kernel reads
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.capacity = 0  # units every layer has room for so far
@@ -198,9 +200,9 @@ class LayerPools:
         """Layer layer_idx's keys and values, made on first use in like_keys' shape, dtype and device."""
         if self.keys[layer_idx] is None:
             _, kv_heads, _, head_dim = like_keys.shape
-            shape = (self.capacity, kv_heads, self.unit_len, head_dim)
-            self.keys[layer_idx] = like_keys.new_zeros(shape)
-            self.values[layer_idx] = like_values.new_zeros((*shape[:3], like_values.shape[-1]))
+            middle = (self.unit_len, kv_heads) if self.token_major else (kv_heads, self.unit_len)
+            self.keys[layer_idx] = like_keys.new_zeros((self.capacity, *middle, head_dim))
+            self.values[layer_idx] = like_values.new_zeros((self.capacity, *middle, like_values.shape[-1]))
         return self.keys[layer_idx], self.values[layer_idx]
 
     def reserved_bytes(self) -> int:
@@ -241,13 +243,15 @@ class PagedKVCache:
     differ between architectures); num_blocks comes from the budget (kv_capacity)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
-                 device: torch.device | str = "cpu", preallocate: bool | None = None) -> None:
+                 device: torch.device | str = "cpu", preallocate: bool | None = None, flash: bool = False) -> None:
+        """flash: pools in flash-attn's layout, read in place by its paged kernel (CUDA only)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = torch.device(device)
-        self.pools = LayerPools(num_layers, block_size)
+        self.flash = flash
+        self.pools = LayerPools(num_layers, block_size, token_major=flash)
         self._free: list[int] = []   # min-heap of unreferenced blocks without a key
         self._cached: OrderedDict[int, None] = OrderedDict()   # unreferenced keyed blocks, least recent first
         self._refs: dict[int, int] = {}            # referenced blocks -> how many tables hold them
@@ -367,21 +371,60 @@ class PagedKVCache:
 
 
 class PagedBatchView:
-    """What an attention layer sees as `past_key_values` during one batched forward: `update`
-    stores the real new tokens in their blocks and returns each row's keys/values over
-    [0, kv_length), gathered from its blocks (Llama, Qwen2, Mistral and GPT-2 attention in
-    transformers 5.x call only this, given a 4D mask and explicit position_ids)."""
+    """One batched forward's access to the paged cache, handed to every attention layer
+    (decoding.paged_attention): `attend` stores the layer's new keys/values in their blocks and
+    attends over each row's blocks under the layer's sliding window and soft-cap; `update` is the
+    store-and-gather half, which the lean forward and bench/slot_cache.py share."""
 
     def __init__(self, cache: PagedKVCache, layout: PagedLayout) -> None:
         self.cache = cache
         self.layout = layout
         self._gather: torch.Tensor | None = None   # [B * H * nb]: (block, head) rows of the pool, in output order
+        self._window_masks: dict[int, torch.Tensor] = {}
+        self.layers_attended: set[int] = set()     # which layers came through attend (the start-up check)
+
+    def attend(self, layer_idx: int, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
+               scaling: float | None = None, sliding_window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        """query [B, H, T, D] and this forward's keys/values [B, kv heads, T, D] -> [B, H, T, D]."""
+        self.layers_attended.add(layer_idx)
+        if self.cache.flash:
+            keys, values = self._store(key_states, value_states, layer_idx)
+            return flash_paged_attention(query, keys, values, self.layout, scaling, sliding_window, softcap)
+        keys, values = self.update(key_states, value_states, layer_idx)
+        return sdpa_over_gathered(query, keys, values, self.mask(sliding_window), scaling, softcap)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """The additive mask [B, 1, T, kv_length] of a layer whose window is sliding_window tokens
+        (None: full attention). transformers' rule: a query at position q sees keys at positions
+        (q - window, q]. Built once per window and forward."""
+        layout = self.layout
+        if sliding_window is None or sliding_window >= layout.kv_length:
+            return layout.attention_mask
+        mask = self._window_masks.get(sliding_window)
+        if mask is None:
+            keys = torch.arange(layout.kv_length, device=layout.position_ids.device).view(1, 1, -1)
+            too_old = keys <= layout.position_ids.unsqueeze(2) - sliding_window           # [B, T, L]
+            mask = layout.attention_mask.masked_fill(too_old.unsqueeze(1), torch.finfo(layout.attention_mask.dtype).min)
+            self._window_masks[sliding_window] = mask
+        return mask
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens, then return each row's keys/values gathered: [B, H, kv_length, D]."""
+        keys, values = self._store(key_states, value_states, layer_idx)
+        return self._read(keys), self._read(values)
+
+    def _store(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the real new tokens [B, H, T, D] to their (block, offset); -> the layer's pools."""
         layout = self.layout
         keys, values = self.cache.pools.layer(layer_idx, key_states, value_states)
-        if layout.single_write is not None:
+        if self.cache.flash:   # pools [blocks, block_size, H, D]
+            rows, columns = layout.source_rows, layout.source_columns
+            keys[layout.write_blocks, layout.write_offsets] = key_states.transpose(1, 2)[rows, columns]
+            values[layout.write_blocks, layout.write_offsets] = value_states.transpose(1, 2)[rows, columns]
+        elif layout.single_write is not None:
             block, offset = layout.single_write   # one row, no padding, one block
             keys[block, :, offset:offset + key_states.shape[2]] = key_states[0]
             values[block, :, offset:offset + value_states.shape[2]] = value_states[0]
@@ -390,7 +433,7 @@ class PagedBatchView:
             rows, columns = layout.source_rows, layout.source_columns
             keys[layout.write_blocks, :, layout.write_offsets] = key_states.transpose(1, 2)[rows, columns]
             values[layout.write_blocks, :, layout.write_offsets] = value_states.transpose(1, 2)[rows, columns]
-        return self._read(keys), self._read(values)
+        return keys, values
 
     def _read(self, pool: torch.Tensor) -> torch.Tensor:
         """Rows' blocks as [B, H, kv_length, D] in one copy: the pool seen as [(block, head), bs, D]

@@ -18,10 +18,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from cluster.builder import build_app, served_model_specs
 from cluster.cli import add_model_args, config_from_args
 from cluster.config import SpecServeConfig
-from decoding.batched_runner import load_runner, runner_for_model
+from decoding.batched_runner import BatchedModelRunner, load_runner, runner_for_model
 from decoding.checkpoint import (check_weight_files, eos_token_ids, generation_defaults, max_model_len,
                                  resolve_dtype)
-from decoding.model_runner import IncompatibleModelsError, ModelRunner, load_causal_lm
+from decoding.model_runner import IncompatibleModelsError, load_causal_lm
 from decoding.rejection import rejection_sample
 from decoding.sampling import SamplingParams, logits_to_probs, make_generator
 from deployments.ingress import Ingress
@@ -212,8 +212,8 @@ def test_speculation_over_a_padded_pair_samples_the_targets_distribution_over_th
     processed distribution over the 32 ids (chi-square p > 1e-3, TV < 0.02), never a padding id;
     the uncut rows (a broken server) are rejected by the same test."""
     vocab, history = 32, [3, 1, 4, 1, 5]
-    target = ModelRunner.from_model(_padded_model(vocab, 48, seed=0))
-    draft = ModelRunner.from_model(_padded_model(vocab, 40, seed=1))
+    target = BatchedModelRunner.from_model(_padded_model(vocab, 48, seed=0))
+    draft = BatchedModelRunner.from_model(_padded_model(vocab, 40, seed=1))
     uncut_target_logits = target.forward("s", history)[0]
     for runner in (target, draft):
         runner.serve_as(vocab_size=vocab)

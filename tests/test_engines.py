@@ -8,7 +8,7 @@ import torch
 
 from cluster.config import SpecServeConfig
 from cluster.messages import CallSpan
-from decoding.model_runner import ModelRunner
+from decoding.batched_runner import BatchedModelRunner
 from decoding.sampling import SamplingParams, make_generator
 from decoding.proposers import DraftModelProposer, Proposal
 from deployments.draft_worker import DraftEngine
@@ -37,7 +37,7 @@ def options(**overrides) -> dict:
 
 def test_concurrent_verifies_share_a_forward_and_match_unbatched_rows(pair):
     target_path, _ = pair
-    reference = ModelRunner(str(target_path))
+    reference = BatchedModelRunner(str(target_path))
 
     async def scenario():
         engine = TargetEngine(spec(target_path), options())
@@ -121,7 +121,7 @@ def test_draft_calls_that_arrive_after_their_release_hold_nothing(pair):
 
 def test_sampled_rows_are_the_processed_target_distribution(pair):
     target_path, _ = pair
-    reference = ModelRunner(str(target_path))
+    reference = BatchedModelRunner(str(target_path))
 
     async def scenario():
         engine = TargetEngine(spec(target_path), options())
@@ -135,7 +135,7 @@ def test_sampled_rows_are_the_processed_target_distribution(pair):
 
 def test_a_long_prompt_is_prefilled_in_chunks_beside_running_verifies(pair):
     target_path, _ = pair
-    reference = ModelRunner(str(target_path))
+    reference = BatchedModelRunner(str(target_path))
     long_prompt = [(7 * i) % 90 + 3 for i in range(100)]
 
     async def scenario():
@@ -231,7 +231,7 @@ def test_a_call_past_the_context_fails_alone(pair):
 
 def test_batched_drafts_equal_drafts_made_alone(pair):
     target_path, draft_path = pair
-    alone = DraftModelProposer(ModelRunner(str(draft_path)))
+    alone = DraftModelProposer(BatchedModelRunner(str(draft_path)))
 
     async def scenario():
         engine = DraftEngine("draft", spec(draft_path), str(target_path), options())
@@ -308,7 +308,7 @@ def test_a_held_sequence_that_cannot_grow_preempts_the_youngest_which_is_prefill
     both waiting out the deadline, the younger one's KV is freed (recompute preemption): the older
     verifies now, the younger's next call is prefilled again once blocks free up, rows unchanged."""
     target_path, _ = pair
-    reference = ModelRunner(str(target_path))
+    reference = BatchedModelRunner(str(target_path))
     older, younger = [5 + i % 80 for i in range(160)], [7 + i % 80 for i in range(160)]
 
     async def scenario():

@@ -12,7 +12,8 @@ import torch
 from transformers import GPT2Config, LlamaConfig
 
 from decoding.batched_runner import BatchedModelRunner, ForwardCall, NoFreeBlocksError, runner_for_model
-from decoding.model_runner import ModelRunner, NoFreeSlotError
+from decoding.model_runner import NoFreeSlotError
+from tests.reference_runner import ReferenceRunner
 from decoding.paged_cache import GIB, PagedKVCache, kv_bytes_per_token, kv_capacity
 from tests.test_batched_runner import ATOL, assert_rows_match, random_ids, ragged_rounds
 from tests.tiny_pair import tiny_model
@@ -74,7 +75,7 @@ def test_ragged_rounds_across_many_small_blocks_give_the_unbatched_rows(architec
     are handed to a new sequence (which must not see the old keys). Prefix caching off, so the
     freed blocks are the free ones (with it on they would stay cached: tests/test_prefix_cache.py)."""
     model = tiny_model(architecture)
-    batched, reference = paged_runner(model, block_size=4, prefix_caching=False), ModelRunner.from_model(model)
+    batched, reference = paged_runner(model, block_size=4, prefix_caching=False), ReferenceRunner.from_model(model)
     for calls in ragged_rounds():
         assert_rows_match(batched, reference, calls)
     freed = batched._sequences["b"].blocks
@@ -135,7 +136,7 @@ def test_a_batch_past_the_budget_is_refused_whole_and_fits_once_blocks_are_freed
     runner.forward("b", random_ids(51, 20))                         # 2 blocks: fits alone
     runner.release("a")
     torch.testing.assert_close(runner.forward("c", random_ids(52, 45), 2),
-                               ModelRunner.from_model(model).forward("c", random_ids(52, 45), 2), atol=ATOL, rtol=0)
+                               ReferenceRunner.from_model(model).forward("c", random_ids(52, 45), 2), atol=ATOL, rtol=0)
 
 
 def test_a_failed_forward_gives_back_the_blocks_it_took(monkeypatch):
@@ -168,7 +169,7 @@ def test_a_long_max_model_len_and_a_small_budget_run_many_short_sequences_at_onc
             history.append(int(row[0].argmax()))
     assert runner.kv_usage()["kv_tokens_held"] == sum(map(len, histories.values())) - 16   # last token not fed yet
     for seq_id in ("r0", "r15"):
-        alone, ids = ModelRunner.from_model(model), list(prompts[seq_id])
+        alone, ids = ReferenceRunner.from_model(model), list(prompts[seq_id])
         for _ in range(12):
             ids.append(int(alone.forward("s", ids)[0].argmax()))
         assert histories[seq_id] == ids

@@ -2,8 +2,8 @@
 blocks stay findable by their chained hash after their sequence lets go of them, a new or diverging
 sequence starts from its longest cached block-aligned prefix, blocks other sequences hold are never
 written (copy-on-write), cached blocks are evicted LRU only when the pool needs the room, and every
-reference is given back. Rows with the cache on must equal rows with it off and the per-sequence
-ModelRunner's (tiny random models, fp32, CPU)."""
+reference is given back. Rows with the cache on must equal rows with it off and the cache-free
+reference runner's (tiny random models, fp32, CPU)."""
 
 import random
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from decoding.batched_runner import BatchedModelRunner, ForwardCall, NoFreeBlocksError
-from decoding.model_runner import ModelRunner
 from decoding.paged_cache import PagedKVCache, block_key, salt_hash
+from tests.reference_runner import ReferenceRunner
 from tests.test_batched_runner import ATOL, assert_rows_match, random_ids
 from tests.test_paged_cache import paged_runner
 from tests.tiny_pair import tiny_model
@@ -21,13 +21,13 @@ BLOCK = 4
 
 
 def runners(architecture: str = "llama", budget_blocks: int | None = None, **model_options
-            ) -> tuple[BatchedModelRunner, BatchedModelRunner, ModelRunner]:
-    """(cache on, cache off, per-sequence reference) over one tiny model, blocks of 4 tokens; the
+            ) -> tuple[BatchedModelRunner, BatchedModelRunner, ReferenceRunner]:
+    """(cache on, cache off, cache-free reference) over one tiny model, blocks of 4 tokens; the
     cache on gets budget_blocks (the others need more: they share nothing)."""
     model = tiny_model(architecture, **model_options)
     return (paged_runner(model, block_size=BLOCK, budget_blocks=budget_blocks),
             paged_runner(model, block_size=BLOCK, prefix_caching=False),
-            ModelRunner.from_model(model))
+            ReferenceRunner.from_model(model))
 
 
 def assert_same_rows(runners_: tuple, calls: list[ForwardCall]) -> list[torch.Tensor]:
@@ -213,7 +213,7 @@ def test_eviction_under_pressure_takes_only_unreferenced_blocks_least_recently_f
 
 def test_many_requests_sharing_prefixes_with_rollbacks_and_evictions_stay_exact_and_leak_nothing():
     """A random workload over a small pool: requests share a few system prompts, verify blocks,
-    keep part of each, finish; rows match the per-sequence runner; references are never negative
+    keep part of each, finish; rows match the reference runner; references are never negative
     nor left behind."""
     rng = random.Random(0)
     cached, _, reference = runners(budget_blocks=40, max_position_embeddings=96)

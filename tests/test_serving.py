@@ -23,7 +23,7 @@ from cluster.builder import APP_NAME
 from cluster.config import SpecServeConfig
 from cluster.local import start_local, stop_local
 from decoding.generate import generate
-from decoding.model_runner import ModelRunner
+from decoding.batched_runner import BatchedModelRunner
 from decoding.sampling import SamplingParams
 from decoding.sequence import RequestState
 from tests.local_server import greedy_reference
@@ -342,7 +342,7 @@ def test_logprobs_are_the_targets_raw_log_probabilities(server, client):
     (what verification already computed), and its 3 most likely alternatives; chat and streaming
     carry the same numbers in their own shapes."""
     _, config = server
-    runner = ModelRunner(config.target.path)
+    runner = BatchedModelRunner(config.target.path)
     tokenizer = AutoTokenizer.from_pretrained(config.target.path)
     prompt_ids = tokenizer.encode(PROMPTS[0], add_special_tokens=False)
     state = RequestState(request_id="lp", prompt_ids=prompt_ids, params=SamplingParams(temperature=0, max_tokens=16),

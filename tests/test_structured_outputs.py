@@ -16,7 +16,8 @@ from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
 from decoding.generate import generate, generate_batch
 from decoding.grammar import GrammarCompiler, GrammarDeadEndError, GrammarMatcher, GrammarMatchers, GrammarSpec
-from decoding.model_runner import ForwardCall, ModelRunner
+from decoding.model_runner import ForwardCall
+from decoding.batched_runner import BatchedModelRunner
 from decoding.proposers import DraftModelProposer, ProposeCall
 from decoding.row_processors import GrammarMask, history_processor
 from decoding.sampling import SamplingParams
@@ -243,7 +244,7 @@ class LLGuidanceProcessor(LogitsProcessor):
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
     target_path, draft_path = make_tiny_pair(tmp_path_factory.mktemp("structured-pair"))
-    return ModelRunner(str(target_path)), ModelRunner(str(draft_path))
+    return BatchedModelRunner(str(target_path)), BatchedModelRunner(str(draft_path))
 
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
