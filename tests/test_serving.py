@@ -135,7 +135,7 @@ def test_metrics_counters_agree_with_the_responses_and_engines_export_both_pools
     assert expected["ray_specserve_draft_tokens_total"] > 0
     for metric in ("ray_specserve_engine_batch_size_count", "ray_specserve_engine_queue_depth",
                    "ray_specserve_engine_busy_seconds_total", "ray_specserve_engine_idle_seconds_total",
-                   "ray_specserve_kv_sequences"):
+                   "ray_specserve_kv_sequences", "ray_specserve_prefix_cache_queries_total"):
         pools = {dict(labels).get("pool") for name, labels in after if name == metric}
         assert {"draft", "target"} <= pools, (metric, pools)
 
