@@ -45,8 +45,9 @@ class ModelSpec(_Strict):
                                                  "(false: transformers' own forward)")
     kv_cache_memory_gb: float = Field(4.0, gt=0, description="KV cache budget (GiB) per engine replica on CPU; "
                                       "the pool grows with use up to it (docs/kv-memory.md)")
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="on CUDA: share of the device's memory "
-                                          "weights + KV may use; KV gets what the weights leave (as vLLM)")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="on CUDA: share of the engine's part "
+                                          "of the device (num_gpus) that weights, activations and KV may use; "
+                                          "KV gets the rest (as vLLM)")
     prefix_caching: bool = Field(True, description="keep finished sequences' full KV blocks findable by their "
                                  "tokens, so a shared prefix (system prompt, n choices, a chat's earlier turns) is "
                                  "not prefilled again; evicted LRU when the pool needs room (as vLLM; docs/kv-memory.md)")

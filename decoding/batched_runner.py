@@ -45,7 +45,7 @@ from decoding.paged_cache import (
     PagedKVCache,
     block_key,
     blocks_for,
-    cuda_kv_budget_bytes,
+    gpu_kv_budget_bytes,
     kv_capacity,
     paged_layout,
     salt_hash,
@@ -59,6 +59,9 @@ logger = logging.getLogger(__name__)
 # pool grows with use, so an engine holding few tokens holds little of it.
 DEFAULT_KV_CACHE_MEMORY_GB = 4.0
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
+# The largest forwards an engine plans with the default batching settings: a step batch of
+# max_batch_rows rows of up to max_step_tokens, and one prefill chunk of prefill_token_budget.
+DEFAULT_PROFILE_BATCHES = ((64, 16), (1, 256))
 
 
 class UnsupportedModelError(ValueError):
@@ -92,12 +95,15 @@ class BatchedModelRunner(RunnerBase):
     def _init_from_model(self, model, max_sequences: int, model_path: str, lean: bool = True,
                          max_model_len: int | None = None, kv_cache_memory_gb: float | None = None,
                          gpu_memory_utilization: float | None = None,
-                         block_size: int = DEFAULT_BLOCK_SIZE, prefix_caching: bool = True,
-                         cache_salt: str | None = None) -> None:
+                         block_size: int = DEFAULT_BLOCK_SIZE, gpu_share: float = 1.0,
+                         profile_batches: Sequence[tuple[int, int]] = DEFAULT_PROFILE_BATCHES,
+                         prefix_caching: bool = True, cache_salt: str | None = None) -> None:
         """lean: run decoding.lean_forward where the architecture has one (else transformers' forward).
         max_model_len: longest sequence served (default: the model's max_position_embeddings).
-        kv_cache_memory_gb: the KV budget on CPU; on CUDA, gpu_memory_utilization decides it
-        (cuda_kv_budget_bytes), as vLLM's two settings do.
+        kv_cache_memory_gb: the KV budget on CPU; on CUDA, gpu_memory_utilization of the engine's
+        gpu_share of the device, less the weights and the peak activations of the largest forwards
+        (profile_batches: (rows, new tokens) the scheduler can plan) decide it (gpu_kv_budget_bytes),
+        as vLLM's two settings do.
         prefix_caching: full blocks stay findable by their tokens after their sequence lets go of
         them, and a sequence starts from the longest cached prefix (docs/kv-memory.md).
         cache_salt: what besides the tokens decides the keys and values (default: model_path; a
@@ -106,7 +112,10 @@ class BatchedModelRunner(RunnerBase):
         if not supported:
             raise UnsupportedModelError(f"{model_path}: specserve's engine cannot serve this model: {reason}")
         super()._init_from_model(model, max_sequences, model_path, max_model_len)
-        model.set_attn_implementation(ATTENTION_NAME)
+        try:
+            model.set_attn_implementation(ATTENTION_NAME)
+        except (ValueError, KeyError) as error:   # transformers refuses a custom attention for it
+            raise UnsupportedModelError(f"{model_path}: its attention cannot be replaced: {error}") from error
         self._dtype = next(model.parameters()).dtype
         flash = flash_kernel_available(self.device)
         if flash:
@@ -114,8 +123,13 @@ class BatchedModelRunner(RunnerBase):
         elif self.device.type == "cuda":
             logger.warning("%s: flash-attn with a paged kernel is not installed: attention gathers each sequence's "
                            "blocks per layer (the CPU path); install flash-attn for the paged kernel", model_path)
+        self.lean = LeanDecoder(model) if lean and lean_support(model)[0] else None
         if self.device.type == "cuda":
-            budget = cuda_kv_budget_bytes(self.device, gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION)
+            budget = gpu_kv_budget_bytes(torch.cuda.get_device_properties(self.device).total_memory,
+                                         gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION, gpu_share,
+                                         torch.cuda.memory_allocated(self.device),
+                                         max(self._peak_activation_bytes(rows, tokens, block_size, flash)
+                                             for rows, tokens in profile_batches))
         else:
             budget = (kv_cache_memory_gb or DEFAULT_KV_CACHE_MEMORY_GB) * GIB
         self.kv_capacity: KVCapacity = kv_capacity(self.config, self._dtype, budget, self.max_context, block_size)
@@ -129,8 +143,30 @@ class BatchedModelRunner(RunnerBase):
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.last_num_new_tokens = 0   # tokens the last forward computed
-        self.lean = LeanDecoder(model) if lean and lean_support(model)[0] else None
+        # Its forward also shapes every layer's pool: on CUDA the whole budget is allocated here,
+        # so an out-of-memory shows at start, not on the first request.
         self._check_every_layer_attends_through_the_cache()
+
+    def _peak_activation_bytes(self, rows: int, tokens: int, block_size: int, flash: bool) -> int:
+        """CUDA only (never run here: no GPU): device memory a forward of rows x tokens new tokens
+        takes beyond its keys and values, measured on a throw-away cache, as vLLM profiles a dummy
+        batch before sizing its KV cache."""
+        per_row = blocks_for(tokens, block_size)
+        scratch = PagedKVCache(num_layers=self.config.num_hidden_layers, num_blocks=rows * per_row,
+                               block_size=block_size, device=self.device, flash=flash)
+        tables = [scratch.allocate(per_row) for _ in range(rows)]
+        layout = paged_layout(tables, [0] * rows, [tokens] * rows, block_size, dtype=self._dtype, device=self.device)
+        keep = torch.zeros((rows, tokens), dtype=torch.bool, device=self.device)
+        keep[:, -1] = True
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self._logits(torch.zeros((rows, tokens), dtype=torch.long, device=self.device), layout, keep,
+                     scratch.view(layout))
+        peak = torch.cuda.max_memory_allocated(self.device) - before - scratch.reserved_bytes()
+        del scratch
+        torch.cuda.empty_cache()
+        return max(0, peak)
 
     def _check_every_layer_attends_through_the_cache(self) -> None:
         """One 1-token forward at load: every layer must have stored its keys through the paged
@@ -385,7 +421,9 @@ def decoder_support(model) -> tuple[bool, str]:
 
 def runner_for_model(model, max_sequences: int = 256, model_path: str | None = None,
                      lean_forward: bool = True, max_model_len: int | None = None,
-                     kv_cache_memory_gb: float | None = None, gpu_memory_utilization: float | None = None,
+                     kv_cache_memory_gb: float | None = None,
+                     gpu_memory_utilization: float | None = None, gpu_share: float = 1.0,
+                     profile_batches: Sequence[tuple[int, int]] = DEFAULT_PROFILE_BATCHES,
                      prefix_caching: bool = True, cache_salt: str | None = None) -> BatchedModelRunner:
     """BatchedModelRunner over `model` (running the lean forward where the architecture has one and
     lean_forward is set); logs one line saying which forward, the KV capacity and whether prefix
@@ -396,8 +434,8 @@ def runner_for_model(model, max_sequences: int = 256, model_path: str | None = N
     runner = BatchedModelRunner.__new__(BatchedModelRunner)
     runner._init_from_model(model, max_sequences=max_sequences, model_path=path, lean=lean,
                             max_model_len=max_model_len, kv_cache_memory_gb=kv_cache_memory_gb,
-                            gpu_memory_utilization=gpu_memory_utilization, prefix_caching=prefix_caching,
-                            cache_salt=cache_salt)
+                            gpu_memory_utilization=gpu_memory_utilization, gpu_share=gpu_share,
+                            profile_batches=profile_batches, prefix_caching=prefix_caching, cache_salt=cache_salt)
     logger.info("%s: batched paged-KV runner (%s; %s); %s; prefix caching %s", path, decoder_support(model)[1],
                 lean_reason if lean else f"transformers forward: {lean_reason}", runner.kv_capacity.describe(),
                 "on" if prefix_caching else "off")
@@ -407,13 +445,16 @@ def runner_for_model(model, max_sequences: int = 256, model_path: str | None = N
 def load_runner(spec: dict) -> BatchedModelRunner:
     """The runner for a model spec mapping (path, dtype, device, torch_threads, max_sequences,
     lean_forward, and optionally max_model_len, kv_cache_memory_gb, gpu_memory_utilization,
-    prefix_caching, cache_salt)."""
+    prefix_caching, cache_salt, and the builder's gpu_share and profile_batches: see
+    BatchedModelRunner._init_from_model)."""
     model = load_causal_lm(spec["path"], dtype=spec["dtype"], device=spec["device"],
                            num_threads=spec["torch_threads"])
     runner = runner_for_model(model, max_sequences=spec["max_sequences"], model_path=spec["path"],
                               lean_forward=spec.get("lean_forward", True), max_model_len=spec.get("max_model_len"),
                               kv_cache_memory_gb=spec.get("kv_cache_memory_gb"),
                               gpu_memory_utilization=spec.get("gpu_memory_utilization"),
+                              gpu_share=spec.get("gpu_share", 1.0),
+                              profile_batches=[tuple(batch) for batch in spec.get("profile_batches", DEFAULT_PROFILE_BATCHES)],
                               prefix_caching=spec.get("prefix_caching", True), cache_salt=spec.get("cache_salt"))
     runner.serve_as(spec.get("vocab_size"), spec.get("eos_token_ids"))
     return runner

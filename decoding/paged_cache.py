@@ -100,12 +100,14 @@ def kv_capacity(config, dtype: torch.dtype, budget_bytes: float, max_model_len: 
     return capacity
 
 
-def cuda_kv_budget_bytes(device: torch.device, gpu_memory_utilization: float) -> int:
-    """vLLM's rule: weights + KV may use gpu_memory_utilization of the device's total memory; KV
-    gets what is left of that after the memory allocated so far (the weights, once loaded).
-    Untested here (no GPU on this project's machines)."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    return max(0, int(total * gpu_memory_utilization) - torch.cuda.memory_allocated(device))
+def gpu_kv_budget_bytes(total_bytes: int, gpu_memory_utilization: float, device_share: float, in_use_bytes: int,
+                        activation_bytes: int) -> int:
+    """vLLM's rule, per engine: the engine may use gpu_memory_utilization of ITS share of the device
+    (Ray's num_gpus: two engines at 0.5 on one GPU get half each, not 90% each); the KV cache gets
+    what is left of that after what the process already holds (the weights) and the peak
+    activations of the largest forward the scheduler can plan (profiled at start)."""
+    allowed = int(total_bytes * gpu_memory_utilization * min(1.0, device_share))
+    return max(0, allowed - in_use_bytes - activation_bytes)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

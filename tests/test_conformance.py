@@ -54,7 +54,8 @@ def family_config(family, port: int):
 def served(checkpoint_families):
     """{family name: (openai client, family)}: three apps on one cluster."""
     port = free_port()
-    ray.init(num_cpus=8, include_dashboard=False, configure_logging=False, log_to_driver=False,
+    # Seven apps of four replicas each: logical CPUs, not cores (the replicas idle between requests).
+    ray.init(num_cpus=32, include_dashboard=False, configure_logging=False, log_to_driver=False,
              _system_config=RAY_SYSTEM_CONFIG)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

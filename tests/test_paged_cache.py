@@ -14,7 +14,7 @@ from transformers import GPT2Config, LlamaConfig
 from decoding.batched_runner import BatchedModelRunner, ForwardCall, NoFreeBlocksError, runner_for_model
 from decoding.model_runner import NoFreeSlotError
 from tests.reference_runner import ReferenceRunner
-from decoding.paged_cache import GIB, PagedKVCache, kv_bytes_per_token, kv_capacity
+from decoding.paged_cache import GIB, PagedKVCache, gpu_kv_budget_bytes, kv_bytes_per_token, kv_capacity
 from tests.test_batched_runner import ATOL, assert_rows_match, random_ids, ragged_rounds
 from tests.tiny_pair import tiny_model
 
@@ -181,3 +181,46 @@ def test_max_model_len_caps_the_runner_and_cannot_exceed_the_model():
     with pytest.raises(ValueError, match="max_model_len=200"):
         paged_runner(model, max_model_len=200)
     assert runner_for_model(tiny_model("mistral", sliding_window=16), max_model_len=64).max_context == 64
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "qwen3_moe", "gemma3", "phi3"])
+def test_every_architecture_keeps_within_its_kv_budget_and_refuses_one_below_a_sequence(architecture):
+    """The budget bounds what the pools reserve, whatever the architecture (heads and head size
+    read from the config match the keys its layers store), and one that cannot hold a single
+    max_model_len sequence is refused at start."""
+    model = tiny_model(architecture, max_position_embeddings=64)
+    with pytest.raises(ValueError, match="kv_cache_memory_gb"):
+        paged_runner(model, block_size=16, budget_blocks=3)           # 48 tokens < max_model_len 64
+    runner = paged_runner(model, block_size=4, budget_blocks=40)
+    budget_bytes = 40 * 4 * kv_bytes_per_token(model.config, torch.float32)
+    histories = {f"r{i}": random_ids(70 + i, 20) for i in range(6)}
+    with pytest.raises(NoFreeBlocksError):
+        for _ in range(40):
+            rows = runner.forward_batch([ForwardCall(seq_id, history) for seq_id, history in histories.items()])
+            for history, row in zip(histories.values(), rows):
+                history.append(int(row[0].argmax()))
+    assert runner.kv_usage()["kv_blocks_used"] <= 40
+    assert 0 < runner.kv_usage()["kv_bytes_reserved"] <= budget_bytes
+
+
+def test_a_gpu_kv_budget_is_the_engines_share_less_weights_and_peak_activations():
+    """Two engines at num_gpus 0.5 on an 80 GiB device each get 0.9 x 40 GiB, less their weights
+    and their profiled activations (not 0.9 x 80 GiB each, which would run the device out)."""
+    total = 80 * GIB
+    assert gpu_kv_budget_bytes(total, 0.9, 0.5, in_use_bytes=16 * GIB, activation_bytes=2 * GIB) == int(18 * GIB)
+    assert gpu_kv_budget_bytes(total, 0.9, 1.0, 16 * GIB, 2 * GIB) == int(54 * GIB)
+    assert gpu_kv_budget_bytes(total, 0.9, 2.0, 16 * GIB, 2 * GIB) == int(54 * GIB)   # a group's rank: its device
+    assert gpu_kv_budget_bytes(total, 0.9, 0.25, 16 * GIB, 8 * GIB) == 0               # nothing left: refused later
+
+
+def test_engine_specs_carry_their_gpu_share_and_the_largest_planned_forwards(tmp_path):
+    from cluster.builder import gpu_share, served_model_specs
+    from tests.tiny_pair import tiny_pair_config
+
+    assert (gpu_share(0.5), gpu_share(1), gpu_share(0)) == (0.5, 1.0, 1.0)
+    config = tiny_pair_config(tmp_path, "tiny", 8000)
+    target, draft = served_model_specs(config)
+    engine = config.engine_options()
+    assert target["profile_batches"] == [[engine["max_batch_rows"], engine["max_step_tokens"]],
+                                         [1, engine["prefill_token_budget"]]]
+    assert target["gpu_share"] == draft["gpu_share"] == 1.0
