@@ -179,7 +179,7 @@ def cmd_serve_config(args: argparse.Namespace) -> None:
 def cmd_k8s_manifest(args: argparse.Namespace) -> None:
     from cluster.kuberay import DEFAULT_IMAGE, rayservice_yaml
 
-    text = rayservice_yaml(_config(args), image=args.image or DEFAULT_IMAGE)
+    text = rayservice_yaml(_config(args), image=args.image or DEFAULT_IMAGE, models_claim=args.models_claim or None)
     if args.output:
         with open(args.output, "w") as handle:
             handle.write(text)
@@ -231,6 +231,9 @@ def main(argv: list[str] | None = None) -> None:
     k8s_parser = sub.add_parser("k8s-manifest", help="print a KubeRay RayService manifest")
     k8s_parser.add_argument("--config", default="k8s/specserve-gpu.yaml")
     k8s_parser.add_argument("--image")
+    k8s_parser.add_argument("--models-claim", default="specserve-models",
+                            help="PersistentVolumeClaim with the checkpoints, mounted read-only at /models in every "
+                                 "pod ('' for none: checkpoints inside the image)")
     add_model_args(k8s_parser)
     k8s_parser.add_argument("-o", "--output")
     k8s_parser.set_defaults(func=cmd_k8s_manifest)

@@ -66,6 +66,8 @@ class WorkerResources(_Strict):
     max_replicas: int | None = Field(None, ge=1)
     upscale_delay_s: float = Field(10.0, ge=0, description="Serve waits this long before adding a replica")
     downscale_delay_s: float = Field(60.0, ge=0, description="Serve waits this long before removing one")
+    node_memory_gb: float = Field(16.0, gt=0, description="KubeRay: memory of this pool's pods; on a GPU node "
+                                  "at least the checkpoint's size (weights are read through host memory)")
 
     @model_validator(mode="after")
     def _replica_bounds(self) -> "WorkerResources":

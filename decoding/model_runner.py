@@ -69,9 +69,27 @@ def load_causal_lm(model_path: str, dtype: str = "auto", device: str = "auto",
         # Process-wide: a worker process owns one runner, so this is its thread budget.
         torch.set_num_threads(num_threads)
     on_gpu = device.startswith("cuda")
-    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch_dtype,
-                                                 **({"device_map": device} if on_gpu else {}))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch_dtype,
+                                                     **({"device_map": device} if on_gpu else {}))
+    except Exception as error:
+        method = quantization_method(model_path)
+        if method is None:
+            raise
+        # Quantized weights run through transformers' own quantized modules (torchao runs on CPU
+        # and GPU); a method whose kernels this device or install lacks is refused, named.
+        raise ValueError(f"{model_path}: a checkpoint quantized with quantization_config.quant_method={method!r} "
+                         f"cannot be served on {device}: {error}") from error
     return (model if on_gpu else model.to(torch.device(device))).eval()
+
+
+def quantization_method(model_path: str) -> str | None:
+    """config.json's quantization_config.quant_method, or None for an unquantized checkpoint."""
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return (config.get("quantization_config") or {}).get("quant_method")
 
 
 class RunnerBase:

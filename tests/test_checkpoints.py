@@ -365,3 +365,43 @@ def test_fixture_target_emits_the_list_only_eos(checkpoint_families):
         ids = tokenizer(EOS_PROMPT, return_tensors="pt").input_ids
         out = model.generate(ids, do_sample=False, max_new_tokens=10)[0, ids.shape[1]:].tolist()
         assert out[EOS_AFTER] == family.list_only_eos and len(out) == EOS_AFTER + 1
+
+
+@pytest.mark.parametrize("lean_forward", [True, False])
+def test_a_torchao_int8_checkpoint_is_served_through_its_own_quantized_weights(tmp_path, lean_forward):
+    """An int8 weight-only torchao checkpoint (saved as safetensors, reloaded from disk) runs on
+    CPU through transformers' quantized weights on both forwards: its rows equal the quantized
+    model's own forward, not the float model's."""
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import TorchAoConfig
+
+    from tests.tiny_pair import tiny_model
+
+    float_model = tiny_model("llama")
+    float_model.save_pretrained(tmp_path / "float")
+    quantized = AutoModelForCausalLM.from_pretrained(tmp_path / "float", dtype=torch.float32,
+                                                     quantization_config=TorchAoConfig(Int8WeightOnlyConfig()))
+    quantized.save_pretrained(tmp_path / "int8")
+    runner = load_runner({"path": str(tmp_path / "int8"), "dtype": "float32", "device": "cpu", "torch_threads": 1,
+                          "max_sequences": 4, "lean_forward": lean_forward})
+    assert (runner.lean is not None) == lean_forward
+    history = list(range(3, 40))
+    rows = runner.forward("s", history, num_rows=3)
+    with torch.no_grad():
+        own = AutoModelForCausalLM.from_pretrained(tmp_path / "int8")(torch.tensor([history])).logits[0, -3:]
+        unquantized = float_model(torch.tensor([history])).logits[0, -3:]
+    torch.testing.assert_close(rows, own, atol=1e-4, rtol=0)
+    assert float((rows - unquantized).abs().max()) > 1e-3      # the int8 weights were used
+
+
+def test_a_quantization_method_the_device_cannot_run_is_refused_naming_it(tmp_path):
+    from tests.tiny_pair import tiny_model
+
+    tiny_model("llama").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm",
+                                     "zero_point": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quant_method='awq' cannot be served on cpu"):
+        load_causal_lm(str(tmp_path), dtype="float32", device="cpu")
