@@ -48,6 +48,9 @@ class ModelSpec(_Strict):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="on CUDA: share of the engine's part "
                                           "of the device (num_gpus) that weights, activations and KV may use; "
                                           "KV gets the rest (as vLLM)")
+    prefix_caching: bool = Field(True, description="keep finished sequences' full KV blocks findable by their "
+                                 "tokens, so a shared prefix (system prompt, n choices, a chat's earlier turns) is "
+                                 "not prefilled again; evicted LRU when the pool needs room (as vLLM; docs/kv-memory.md)")
 
 
 class WorkerResources(_Strict):

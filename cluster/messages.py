@@ -37,6 +37,7 @@ class CallSpan:
     entered_s: float
     started_s: float
     left_s: float
+    cached_tokens: int = 0   # tokens of the sequence the engine found in its prefix cache when it admitted it
 
     @property
     def engine_s(self) -> float:
@@ -53,6 +54,13 @@ class KvUsage:
     tokens_held: int
     bytes_reserved: int
     preemptions: int
+    blocks_cached: int = 0           # unreferenced blocks kept for prefix caching (counted in blocks_free)
+    prefix_cache_queries: int = 0    # tokens looked for in the prefix cache (new sequences, prefill chunks) ...
+    prefix_cache_hits: int = 0       # ... and found there (vLLM's counters)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else None
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,11 @@ sequence, so a long-context model (131,072 tokens) cannot hold even one short re
 budget. Here memory follows the tokens sequences actually hold, as vLLM's PagedAttention and
 nano-vllm's BlockManager do: per layer, keys and values live in [num_blocks, kv_heads, block_size,
 head_dim] pools, a sequence owns a list of blocks (its block table), gets a new block when it
-grows past its last one and gives blocks back when it is cropped (rollback) or released.
+grows past its last one and gives blocks back when it is cropped (rollback) or released. With
+prefix caching (on by default, as in vLLM) a full block given back stays findable by a hash chained
+over its tokens until the pool needs its room, so a later sequence with the same prefix (a shared
+system prompt, n choices, a chat's next turn) shares it instead of computing it again
+(PagedKVCache's allocator; the runner's side is decoding.batched_runner).
 
 Attention reads a sequence's keys through its table. There is no paged-attention kernel on CPU,
 so `PagedBatchView.update` (the `past_key_values.update` that transformers' attention and
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -207,8 +212,34 @@ class LayerPools:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
 
 
+BlockKey = tuple[int, tuple[int, ...]]  # (the previous block's hash, this block's tokens)
+
+
+def block_key(parent_hash: int, tokens: Sequence[int]) -> BlockKey:
+    """What identifies a full block's keys and values: its tokens and, through the parent's hash,
+    every token before them (and the cache salt at the chain's root). hash(key) is the next
+    block's parent hash. The key itself, not only its hash, is what the cache is looked up by,
+    so a hash collision can never hand out another prefix's keys."""
+    return parent_hash, tuple(tokens)
+
+
+def salt_hash(salt: str) -> int:
+    """Root of every hash chain: whatever changes the keys and values besides the tokens (the
+    model and its weights' version), so a block computed by other weights is never found."""
+    return hash(("specserve-prefix-cache", salt))
+
+
 class PagedKVCache:
-    """Block pools for every layer and the free list; sequences' block tables live with their owner.
+    """Block pools for every layer and the block allocator; sequences' block tables live with their owner.
+
+    The allocator is nano-vllm's BlockManager idea (prefix caching): a block has a reference
+    count (the sequences whose table holds it) and, once a sequence has filled it, a key
+    (block_key) by which `find` hands it to any later sequence with the same prefix. A block
+    nobody references but that still has a key stays findable, in LRU order, and is evicted
+    (its key dropped) only when `allocate` finds no never-keyed free block and the pool cannot
+    grow. So `num_free` counts those cached blocks as free: they are memory on loan.
+    A block referenced by several sequences is never written: the runner copies it first
+    (`copy_block`) or drops its key (`unpublish`) when only its one owner will write into it.
 
     Layer pools are shaped lazily from the first keys a layer writes (kv heads and head size
     differ between architectures); num_blocks comes from the budget (kv_capacity)."""
@@ -223,7 +254,11 @@ class PagedKVCache:
         self.device = torch.device(device)
         self.flash = flash
         self.pools = LayerPools(num_layers, block_size, token_major=flash)
-        self._free: list[int] = []   # min-heap of allocated-but-unused block ids
+        self._free: list[int] = []   # min-heap of unreferenced blocks without a key
+        self._cached: OrderedDict[int, None] = OrderedDict()   # unreferenced keyed blocks, least recent first
+        self._refs: dict[int, int] = {}            # referenced blocks -> how many tables hold them
+        self._key_of: dict[int, BlockKey] = {}     # keyed blocks (referenced or cached) -> their key
+        self._block_of: dict[BlockKey, int] = {}   # ... and back
         if self.device.type == "cuda" if preallocate is None else preallocate:
             self._grow(num_blocks)
 
@@ -234,27 +269,95 @@ class PagedKVCache:
 
     @property
     def num_free(self) -> int:
-        """Blocks that can still be handed out, counting those the pools have not grown to yet."""
-        return len(self._free) + self.num_blocks - self.capacity
+        """Blocks that can still be handed out: never-keyed free ones, cached ones nobody
+        references (evicted on demand), and those the pools have not grown to yet."""
+        return len(self._free) + len(self._cached) + self.num_blocks - self.capacity
 
     @property
     def num_used(self) -> int:
+        """Blocks some sequence references."""
         return self.num_blocks - self.num_free
 
+    @property
+    def num_cached(self) -> int:
+        """Unreferenced blocks still findable by their key (counted in num_free)."""
+        return len(self._cached)
+
     def allocate(self, count: int) -> list[int]:
-        """count blocks (lowest ids first); NoFreeBlocksError, taking none, if fewer are free."""
+        """count blocks, each referenced once: never-keyed free blocks first (lowest ids), then
+        new room in the pool, then the least recently used cached blocks (their keys dropped).
+        NoFreeBlocksError, taking none, if fewer are free."""
         if count > self.num_free:
             raise NoFreeBlocksError(f"need {count} KV blocks, {self.num_free} of {self.num_blocks} are free; "
                                     "wait for sequences to finish")
-        if count > len(self._free):
-            want = max(count - len(self._free) + self.capacity, self.capacity * 3 // 2, FIRST_GROWTH_BLOCKS)
+        short = count - len(self._free)
+        if short > 0 and self.capacity < self.num_blocks:
+            want = max(short + self.capacity, self.capacity * 3 // 2, FIRST_GROWTH_BLOCKS)
             self._grow(min(self.num_blocks, want) - self.capacity)
-        return [heapq.heappop(self._free) for _ in range(count)]
+        while len(self._free) < count:   # evict: the pool is at its budget
+            block, _ = self._cached.popitem(last=False)
+            del self._block_of[self._key_of.pop(block)]
+            heapq.heappush(self._free, block)
+        blocks = [heapq.heappop(self._free) for _ in range(count)]
+        for block in blocks:
+            self._refs[block] = 1
+        return blocks
 
     def free(self, blocks: Sequence[int]) -> None:
-        """Give blocks back (their stale keys stay, never visible: no table points at them)."""
+        """Drop one reference to each block. A block nobody references any more stays findable
+        if it has a key (most recently freed last in the eviction order: free a table's blocks
+        tail first, so a shared prefix outlives the tails), else it is simply free (its stale
+        keys never visible: no table points at it)."""
         for block in blocks:
-            heapq.heappush(self._free, block)
+            refs = self._refs[block] - 1
+            if refs:
+                self._refs[block] = refs
+                continue
+            del self._refs[block]
+            if block in self._key_of:
+                self._cached[block] = None
+            else:
+                heapq.heappush(self._free, block)
+
+    def find(self, key: BlockKey) -> int | None:
+        """The block holding key's tokens' keys and values, or None."""
+        return self._block_of.get(key)
+
+    def share(self, block: int) -> None:
+        """One more reference to a found block (taken out of the eviction order if it was cached)."""
+        if block in self._refs:
+            self._refs[block] += 1
+        else:
+            del self._cached[block]
+            self._refs[block] = 1
+
+    def refs(self, block: int) -> int:
+        return self._refs.get(block, 0)
+
+    def publish(self, block: int, key: BlockKey) -> None:
+        """Make a referenced block, just filled with key's tokens, findable. A key already held by
+        another block (two sequences computed the same block at once) keeps that block; this one
+        stays private."""
+        if key not in self._block_of and block not in self._key_of:
+            self._block_of[key] = block
+            self._key_of[block] = key
+
+    def unpublish(self, block: int) -> None:
+        """Its one owner is about to overwrite part of the block (a rollback into it): it is no
+        longer what its key says."""
+        key = self._key_of.pop(block, None)
+        if key is not None:
+            del self._block_of[key]
+
+    def is_published(self, block: int) -> bool:
+        return block in self._key_of
+
+    @torch.inference_mode()   # the pools are inference tensors (made in the forward)
+    def copy_block(self, source: int, destination: int) -> None:
+        """Copy-on-write: destination gets source's keys and values in every layer."""
+        for pool in self.pools.keys + self.pools.values:
+            if pool is not None:
+                pool[destination] = pool[source]
 
     def reserved_bytes(self) -> int:
         """Bytes the pools hold now (allocated tensors, used or not)."""

@@ -70,11 +70,12 @@ def to_wire(rows: torch.Tensor) -> list[int] | np.ndarray:
 
 
 def timed_forward(runner: Any, calls: list[ForwardCall]) -> tuple[list[torch.Tensor], CostSample]:
-    """runner.forward_batch, and its cost (new tokens, seconds) for the policy's cost curve."""
+    """runner.forward_batch, and its cost (new tokens, seconds) for the policy's cost curve: the
+    tokens it computed (a paged runner says, prefix-cache hits excluded)."""
     new_tokens = sum(max(call.num_rows, len(call.token_ids) - runner.num_cached(call.seq_id)) for call in calls)
     started = time.perf_counter()
     logits = runner.forward_batch(calls)
-    return logits, (new_tokens, time.perf_counter() - started)
+    return logits, (getattr(runner, "last_num_new_tokens", new_tokens), time.perf_counter() - started)
 
 
 @dataclass
@@ -106,6 +107,7 @@ class EngineCore:
         self.reporter = LoadReporter(engine_options.get("policy_actor"))
         self.call_log = CallLog(profiling_enabled())
         self.metrics = EngineMetrics(self.pool, name.rsplit(":", 1)[-1] if name else "local")
+        self._prefix_cache_recorded: tuple[int, int, Any] = (0, 0, runner)   # (queries, hits) sent to metrics
         self.gpu_ids = tuple(str(gpu) for gpu in ray.get_gpu_ids()) if ray.is_initialized() else ()
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
@@ -145,6 +147,13 @@ class EngineCore:
         self.metrics.record_forward(rows, busy_s, idle_s)
         held = 0 if self.runner is None else len(self.runner.active_sequences())
         self.metrics.set_load(self.loop.queue_depth, held)
+        if self.scheduler.paged:
+            counted = (self.runner.prefix_cache_queries, self.runner.prefix_cache_hits)
+            if self._prefix_cache_recorded[2] is not self.runner:   # a new runner (a draft swap) counts from 0
+                self._prefix_cache_recorded = (0, 0, self.runner)
+            self.metrics.record_prefix_cache(counted[0] - self._prefix_cache_recorded[0],
+                                             counted[1] - self._prefix_cache_recorded[1])
+            self._prefix_cache_recorded = (*counted, self.runner)
 
     async def ping(self) -> bool:
         """Health check (the replica calls it every few seconds); also keeps load reports going."""
@@ -180,7 +189,8 @@ class EngineCore:
             return None
         usage = self.runner.kv_usage()
         return KvUsage(usage["kv_blocks_used"], usage["kv_blocks_free"], usage["kv_block_size"],
-                       usage["kv_tokens_held"], usage["kv_bytes_reserved"], self.scheduler.preemptions)
+                       usage["kv_tokens_held"], usage["kv_bytes_reserved"], self.scheduler.preemptions,
+                       usage["kv_blocks_cached"], usage["prefix_cache_queries"], usage["prefix_cache_hits"])
 
 
 class EngineHost:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from ray import serve
@@ -76,6 +76,7 @@ class TargetEngine(EngineCore):
             num_rows = len(token_ids)
         rows, span = await self.submit(VerifyCall(seq_id, list(token_ids), num_rows, params, first_output_index,
                                                   prompt_logprobs, capture_top_k))
+        span = replace(span, cached_tokens=self.runner.prefix_cached_tokens(seq_id))
         self.call_log.record("verify", seq_id, span)
         return rows, span
 

@@ -4,6 +4,7 @@ cache-free, one sequence at a time."""
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,18 +54,20 @@ class ReferenceRunner(RunnerBase):
         self._sequences.pop(seq_id, None)
 
 
-_copies: dict[int, torch.nn.Module] = {}
+# Keyed by the model itself (weakly): an id() key outlives its model, and a later model given the
+# same id would get the dead one's copy as its reference.
+_copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def reference_model(model) -> torch.nn.Module:
     """A private copy of model running transformers' own sdpa attention (made once per model):
     the engine's runner switches the original's attention to the paged one."""
-    copy_ = _copies.get(id(model))
+    copy_ = _copies.get(model)
     if copy_ is None:
         copy_ = copy.deepcopy(model)
         copy_.set_attn_implementation("sdpa" if copy_.config.get_text_config(decoder=True).model_type != "gemma2"
                                       else "eager")
-        _copies[id(model)] = copy_
+        _copies[model] = copy_
     return copy_
 
 
