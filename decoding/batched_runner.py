@@ -37,6 +37,7 @@ from decoding.model_runner import (
 )
 from decoding.lean_forward import LeanDecoder, lean_support
 from decoding.paged_attention import ATTENTION_NAME, FLASH_BLOCK_SIZE, PagedAttentionError, flash_kernel_available
+from decoding.paged_attention import register as register_paged_attention
 from decoding.paged_cache import (
     DEFAULT_BLOCK_SIZE,
     GIB,
@@ -112,6 +113,7 @@ class BatchedModelRunner(RunnerBase):
         if not supported:
             raise UnsupportedModelError(f"{model_path}: specserve's engine cannot serve this model: {reason}")
         super()._init_from_model(model, max_sequences, model_path, max_model_len)
+        register_paged_attention()
         try:
             model.set_attn_implementation(ATTENTION_NAME)
         except (ValueError, KeyError) as error:   # transformers refuses a custom attention for it

@@ -6,15 +6,15 @@ per-head norms, rotary of any kind, MoE blocks around it) in its own modules and
 `ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, q, k, v, mask, scaling=...,
 sliding_window=..., softcap=..., **kwargs)`, where kwargs are whatever the caller passed to the
 model's forward. vLLM's Transformers backend and transformers' own continuous batching ride this
-hook; so does this module: the runner sets the model's implementation to ATTENTION_NAME and passes
-the batch's `PagedBatchView` as the `paged_batch` keyword. The function stores the new keys and
+hook; so does this module: the runner registers it (`register`), sets the model's implementation to
+ATTENTION_NAME and passes the batch's `PagedBatchView` as the `paged_batch` keyword. The function stores the new keys and
 values in the sequence's blocks (nothing is kept by the model: it runs with use_cache=False) and
 attends over each row's blocks under that layer's own sliding window and logit soft-cap.
 
 On CPU a row's blocks are gathered into a padded tensor and SDPA runs with an additive mask (there
 is no paged kernel for CPU); with a soft-cap, the same arithmetic runs eagerly. On CUDA with
 flash-attn installed, `flash_attn_varlen_func` reads the blocks through the block table and nothing
-is gathered (decoding.paged_cache.PagedBatchView.flash_attention; never run here: no GPU).
+is gathered (`flash_paged_attention`; never run here: no GPU).
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ import inspect
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 ATTENTION_NAME = "specserve_paged"
 
@@ -123,5 +121,12 @@ def flash_paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_poo
     return padded.transpose(1, 2)
 
 
-AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
-AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)
+def register() -> None:
+    """Make ATTENTION_NAME an attention implementation transformers knows (idempotent). Called by
+    the runner, not at import: transformers' modeling module is heavy, and processes that only
+    build configs (the CLI, the Serve controller) never need it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)
