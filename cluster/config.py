@@ -141,8 +141,8 @@ class BatchingSpec(_Strict):
     max_batch_rows: int = Field(64, ge=1, description="most sequences in one forward")
     prefill_token_budget: int = Field(256, ge=1, description="prompt tokens prefilled per engine iteration "
                                       "(chunked prefill: a long prompt never stalls running rounds for long)")
-    admission_timeout_s: float = Field(30.0, gt=0, description="how long a new sequence waits for a free KV "
-                                       "slot before the request gets 503")
+    admission_timeout_s: float = Field(30.0, gt=0, description="how long a new sequence waits to be admitted "
+                                       "(a free KV slot and blocks) before the request gets 503")
     idle_sequence_ttl_s: float = Field(900.0, gt=0, description="a KV slot untouched this long is freed "
                                        "(a safety net for routers that died)")
 
