@@ -36,7 +36,8 @@ class ModelSpec(_Strict):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="auto: the checkpoint's torch_dtype on a GPU, float32 on CPU (docs/real-checkpoints.md)")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
-                        description="auto: cuda when the worker has a GPU (num_gpus > 0), else cpu")
+                        description="auto: cuda when the worker has a GPU (num_gpus > 0), else cpu; "
+                        "cuda is the engine's own GPU (Ray shows it as cuda:0; other indices are refused)")
     max_model_len: int | None = Field(None, ge=2, description="longest prompt + completion served; "
                                       "default: the model's context (max_position_embeddings)")
     torch_threads: int = Field(1, ge=1, description="intra-op threads per worker on CPU")
@@ -47,6 +48,17 @@ class ModelSpec(_Strict):
                                       "the pool grows with use up to it (docs/kv-memory.md)")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="on CUDA: share of the device's memory "
                                           "weights + KV may use; KV gets what the weights leave (as vLLM)")
+
+    @field_validator("device")
+    @classmethod
+    def _one_visible_gpu(cls, device: str) -> str:
+        """Ray shows each engine only the GPU it was given, as cuda:0: any other index names a
+        device the engine cannot see (or, outside Ray, one it was not given)."""
+        if device.startswith("cuda:") and device != "cuda:0":
+            raise ValueError(f"device {device!r}: Ray gives each engine its own GPU and shows it as cuda:0, so "
+                             "another index names a GPU the engine cannot see. Set device: cuda (or auto) and "
+                             "choose GPUs with num_gpus / resources (or CUDA_VISIBLE_DEVICES on the node)")
+        return device
 
 
 class WorkerResources(_Strict):
