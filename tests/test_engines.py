@@ -353,8 +353,6 @@ def test_the_call_log_is_kept_only_with_the_profiling_switch(pair, monkeypatch):
 def test_a_call_that_breaks_the_forward_fails_alone_and_its_neighbours_get_their_rows(pair):
     """A token id past the vocabulary makes the shared forward raise (as an out-of-memory prompt
     would): the batch's calls are run again alone, so only that call fails, with its own error."""
-    from decoding.batched_runner import BatchedModelRunner
-
     target_path, _ = pair
     reference = BatchedModelRunner(str(target_path))
 
@@ -376,8 +374,6 @@ def test_a_call_that_breaks_the_forward_fails_alone_and_its_neighbours_get_their
 def test_a_prompt_prefilled_in_chunks_for_longer_than_the_admission_deadline_is_not_expired(pair):
     """The admission deadline is for waiting to be admitted: a prompt that is admitted and makes
     progress chunk by chunk finishes however long its chunks take together."""
-    from decoding.batched_runner import BatchedModelRunner
-
     target_path, _ = pair
     reference = BatchedModelRunner(str(target_path))
     prompt = [5 + i % 80 for i in range(240)]
