@@ -101,7 +101,7 @@ class EngineCore:
                                    int(engine_options["prefill_token_budget"]), int(engine_options["max_batch_rows"]),
                                    name or self.pool)
         self.loop = EngineLoop(self.step, self.forget, engine_options["admission_timeout_s"],
-                               on_iteration=self._record_iteration)
+                               on_iteration=self._record_iteration, admitted=self._holds)
         self.released = ReleasedIds()
         self.idle = IdleSequences(float(engine_options["idle_sequence_ttl_s"]))
         self.reporter = LoadReporter(engine_options.get("policy_actor"))
@@ -137,6 +137,10 @@ class EngineCore:
         result, started_s = await self.loop.submit_timed(call)
         return result, CallSpan(entered_s, started_s, time.perf_counter())
 
+    def _holds(self, seq_id: str) -> bool:
+        """The runner holds seq_id's KV (between iterations: the loop asks then)."""
+        return self.runner is not None and self.runner.num_cached(seq_id) > 0
+
     def forget(self, seq_id: str) -> None:
         """Free seq_id's state (the loop calls it between iterations)."""
         self.idle.forget(seq_id)
@@ -171,14 +175,18 @@ class EngineCore:
 
     async def active_sequences(self) -> list[str]:
         """Ids whose KV caches this engine holds (what a leak check must see)."""
+        await self.loop.between_iterations()
         return [] if self.runner is None else sorted(self.runner.active_sequences())
 
     async def stats(self) -> EngineStats:
-        """Load and cost figures for the policy actor, metrics and `specserve status`."""
+        """Load and cost figures for the policy actor, metrics and `specserve status`. Read between
+        iterations: the worker thread changes the runner's sequences while one runs."""
+        await self.loop.between_iterations()
         for seq_id in self.idle.expired(time.monotonic()):
             self.loop.release(seq_id)
         loop = self.loop.stats
-        return EngineStats(self.pool, self.name, sequences=len(await self.active_sequences()),
+        held = 0 if self.runner is None else len(self.runner.active_sequences())
+        return EngineStats(self.pool, self.name, sequences=held,
                            free_slots=self.scheduler.free_slots, queue_depth=self.loop.queue_depth,
                            forwards=loop.iterations, batch_rows_total=loop.rows_total, busy_s=loop.busy_s,
                            idle_s=loop.idle_s, gpu_ids=self.gpu_ids, node_id=self.node_id,

@@ -112,7 +112,7 @@ def test_dtype_and_device_auto(checkpoint_families):
 @pytest.mark.parametrize("overrides, message", [
     ({"target": {"path": "t", "device": "cuda"}}, "target_workers.num_gpus is 0"),
     ({"target": {"path": "t", "device": "cpu"}, "target_workers": {"num_gpus": 1}}, "GPU would sit idle"),
-    ({"draft": {"path": "d", "device": "cuda:1"}, "speculation": {"proposer": "draft"}}, "draft_workers.num_gpus"),
+    ({"draft": {"path": "d", "device": "cuda:0"}, "speculation": {"proposer": "draft"}}, "draft_workers.num_gpus"),
     ({"target": {"path": "t", "device": "tpu"}}, "device"),
 ])
 def test_device_and_gpu_contradictions_fail_validation(overrides, message):
