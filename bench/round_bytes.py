@@ -7,8 +7,8 @@ No Ray and no model: the router's own message-building code (deployments.request
 driven against stand-in engine handles that keep what each `.remote` call was given, and the
 engines' replies are built by the functions the engines build them with, from random logits of
 the vocabulary's width. One steady-state round of a request whose engines already hold it:
-the draft proposes K tokens, the verify is chained to the draft's answer (the block goes
-draft -> target directly), the target answers. Ray pickles arguments and results with
+the round before committed K + 1 tokens, the draft proposes K tokens, the verify is chained to
+the draft's answer (the block goes draft -> target directly), the target answers. Ray pickles arguments and results with
 (cloud)pickle protocol 5; an ObjectRef inside the arguments is counted as its 28-byte id.
 """
 
@@ -93,11 +93,14 @@ def round_bytes(context_len: int, vocab_size: int, params: SamplingParams) -> di
     prompt_len = context_len // 2
     history = torch.randint(0, vocab_size, (context_len,)).tolist()
     state = RequestState("cmpl-bench", history[:prompt_len], params, eos_token_id=None, max_context=1 << 20)
-    state.output_ids = history[prompt_len:]
     engines = RequestEngines(None, None, LimitsSpec())
     engines.draft, engines.target = RecordingHandle(), RecordingHandle()
+    # The round before: it left the engines holding all but the K + 1 tokens it committed.
+    state.output_ids = history[prompt_len:-(NUM_DRAFT_TOKENS + 1)]
+    engines.send_verify(state, None, engines.propose(state, [], NUM_DRAFT_TOKENS))
+    state.output_ids = history[prompt_len:]
     proposal_answer = draft_reply(torch.randn(NUM_DRAFT_TOKENS, vocab_size), params)
-    answer = engines.propose(state, state.history, NUM_DRAFT_TOKENS)
+    answer = engines.propose(state, [], NUM_DRAFT_TOKENS)
     engines.send_verify(state, None, answer)
     verify_answer = target_reply(torch.randn(NUM_DRAFT_TOKENS + 1, vocab_size), params)
     proposal_bytes = pickled_size(proposal_answer)

@@ -3,7 +3,7 @@ request drafting now in K batched decode steps.
 
 Its weights can change while it serves (`load_draft`, docs/online-learning.md): a new version is
 loaded beside the serving one and takes over between two forwards, every sequence's draft KV
-dropped (the next propose carries the full history, so it re-prefills). Each Proposal names the
+dropped (the engine keeps each request's committed history, so the next propose re-prefills from it). Each Proposal names the
 version that drafted it and carries that version's q rows, which the router verifies the block
 against, so a swap in the middle of a request changes speed, never the output distribution.
 """
@@ -22,7 +22,7 @@ import ray
 import torch
 from ray import serve
 
-from cluster.messages import CallSpan
+from cluster.messages import CallSpan, HistoryUpdate, UnknownHistory
 from decoding.batched_runner import ForwardCall, load_runner
 from decoding.grammar import GrammarMatchers
 from decoding.proposers import DraftModelProposer, NgramProposer, Proposal, ProposeCall, empty_proposal
@@ -122,15 +122,27 @@ class DraftEngine(EngineCore):
                 pass
         return await super().ping()
 
-    async def prefill(self, seq_id: str, history: Sequence[int]) -> None:
+    async def prefill(self, seq_id: str, history: HistoryUpdate) -> UnknownHistory | None:
         """Warm the draft's cache with the prompt while the target prefills it."""
-        await self.submit(DraftCall(seq_id, list(history), 0))
+        committed = self.committed(seq_id, history)
+        if isinstance(committed, UnknownHistory):
+            return committed
+        await self.submit(DraftCall(seq_id, committed, 0))
+        return None
 
-    async def propose(self, seq_id: str, history: Sequence[int], num_tokens: int, params: SamplingParams,
-                      seed: int | None, prompt_len: int | None = None) -> tuple[Proposal, CallSpan]:
-        """Up to num_tokens draft tokens continuing history (its first prompt_len tokens the
-        prompt), and the span it spent in this engine."""
-        proposal, span = await self.submit(DraftCall(seq_id, list(history), num_tokens, params, seed, prompt_len))
+    async def propose(self, seq_id: str, history: HistoryUpdate, tail: Sequence[int], num_tokens: int,
+                      params: SamplingParams, seed: int | None, prompt_len: int | None = None
+                      ) -> tuple[Proposal, CallSpan] | UnknownHistory:
+        """Up to num_tokens draft tokens continuing the committed history (its update since this
+        engine's last call for seq_id, deployments.committed_history) followed by tail (tokens
+        not committed: a block being verified, when drafting ahead), its first prompt_len tokens
+        the prompt; and the span it spent in this engine. UnknownHistory when this engine does not
+        hold the history the update continues: the caller sends all of it again."""
+        committed = self.committed(seq_id, history)
+        if isinstance(committed, UnknownHistory):
+            return committed
+        proposal, span = await self.submit(DraftCall(seq_id, committed + list(tail), num_tokens, params, seed,
+                                                     prompt_len))
         self.call_log.record("propose", seq_id, span)
         return proposal, span
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from ray import serve
 
-from cluster.messages import CallSpan
+from cluster.messages import CallSpan, HistoryUpdate, UnknownHistory
 from decoding.batched_runner import ForwardCall, load_runner
 from decoding.capture import top_rows
 from decoding.grammar import GrammarDeadEndError, GrammarMatcher, GrammarMatchers
@@ -22,7 +22,7 @@ from deployments.engine_host import EngineCore, EngineHost, StepOutput, timed_fo
 @dataclass(frozen=True)
 class VerifyCall:
     seq_id: str
-    token_ids: Sequence[int]  # the full history: prompt + committed output + draft block
+    token_ids: Sequence[int]  # the full history: prompt + committed output + draft block (kept by the engine)
     num_rows: int             # rows wanted: K + 1 (1 for a prefill)
     params: SamplingParams
     first_output_index: int | None = None  # output position of the first row (min_tokens EOS masking)
@@ -44,37 +44,43 @@ class TargetEngine(EngineCore):
         super().forget(seq_id)
         self.grammars.release(seq_id)
 
-    async def verify(self, seq_id: str, token_ids: Sequence[int], num_rows: int, params: SamplingParams,
+    async def verify(self, seq_id: str, history: HistoryUpdate, block: Sequence[int], params: SamplingParams,
                      first_output_index: int | None = None, draft_block: list | None = None,
                      prompt_logprobs: int | None = None, capture_top_k: int | None = None
-                     ) -> tuple[object, CallSpan]:
-        """Rows for the last num_rows positions of token_ids (argmax ids when greedy, else probs),
-        and the span (entered, forward started, left) the call spent in this engine (loop wait +
-        forward). Prefill: num_rows=1. When params.logprobs is set the rows come as (rows, raw
-        log-probability rows [num_rows, V]).
+                     ) -> tuple[object, CallSpan] | UnknownHistory:
+        """Rows for [last committed token, *block] (argmax ids when greedy, else probs), and the
+        span (entered, forward started, left) the call spent in this engine (loop wait +
+        forward). history: the committed history's update since this engine's last call for
+        seq_id (deployments.committed_history); UnknownHistory answers instead when this engine
+        cannot rebuild it, and the caller sends all of it again. A prefill has an empty block (one
+        row). When params.logprobs is set the rows come as (rows, raw log-probability rows
+        [num_rows, V]).
 
-        draft_block: [ObjectRef of a draft engine's `propose` answer]; then token_ids is the
-        history without the block, which is appended here, and num_rows is len(block) + 1. The
-        block goes draft -> target without the router's Python in between, while the router awaits
-        the same answer for rejection sampling. It is nested in a list so that Ray does not resolve
-        it before sending the call: a caller's actor calls leave in order, so every later call
-        from that router to this engine would wait behind the draft. If the draft engine failed,
-        the call verifies no block (one row); the router, which sees the same failure, cancels it
-        and goes on target-only. The call enters this engine when its block is here.
+        draft_block: [ObjectRef of a draft engine's `propose` answer]; then block is empty and the
+        drafted block is used. The block goes draft -> target without the router's Python in
+        between, while the router awaits the same answer for rejection sampling. It is nested in a
+        list so that Ray does not resolve it before sending the call: a caller's actor calls leave
+        in order, so every later call from that router to this engine would wait behind the draft.
+        If the draft engine failed (or did not hold the history), the call verifies no block (one
+        row); the router, which sees the same answer, cancels it. The call enters this engine when
+        its block is here.
 
+        prompt_logprobs: a prefill whose rows span the whole prompt (its log-probabilities).
         capture_top_k: a round sampled for the draft's online training (docs/online-learning.md):
         the answer becomes (answer, (top ids, top log-probabilities)) of the raw distribution at
         every row, k columns each. Only sampled rounds ask, so the others pay nothing."""
         if draft_block is not None:
             try:
-                proposal, _ = await draft_block[0]
-                block = list(proposal.token_ids)
+                drafted = await draft_block[0]
+                block = [] if isinstance(drafted, UnknownHistory) else list(drafted[0].token_ids)
             except Exception:  # the router sees the same failure: it continues target-only
                 block = []
-            token_ids, num_rows = list(token_ids) + block, len(block) + 1
-        if prompt_logprobs is not None:
-            num_rows = len(token_ids)
-        rows, span = await self.submit(VerifyCall(seq_id, list(token_ids), num_rows, params, first_output_index,
+        committed = self.committed(seq_id, history)
+        if isinstance(committed, UnknownHistory):
+            return committed
+        token_ids = committed + list(block)
+        num_rows = len(token_ids) if prompt_logprobs is not None else len(block) + 1
+        rows, span = await self.submit(VerifyCall(seq_id, token_ids, num_rows, params, first_output_index,
                                                   prompt_logprobs, capture_top_k))
         self.call_log.record("verify", seq_id, span)
         return rows, span
