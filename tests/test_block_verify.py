@@ -67,10 +67,14 @@ def emitted_sequences(verifier, target_tables, draft_tables, seed: int, draft_id
     """One verification per sample, its output continued with the target to K+1 tokens [B, K+1]."""
     generator = make_generator(seed)
     inputs = draft_and_rows(target_tables, draft_tables, batch_size, generator, draft_ids)
-    sequences = verifier(*inputs, generator=generator)
+    return continued_with_target(verifier(*inputs, generator=generator), target_tables, generator)
+
+
+def continued_with_target(sequences: torch.Tensor, target_tables, generator: torch.Generator) -> torch.Tensor:
+    """A verifier's output [B, K+1] with its -1 slots filled by sampling the target tables."""
     for position, table in enumerate(target_tables):
         continuation = sample_from_probs(rows_given_prefix(table, list(sequences[:, :position].unbind(1)),
-                                                           batch_size), generator)
+                                                           sequences.shape[0]), generator)
         sequences[:, position] = torch.where(sequences[:, position] == PLACEHOLDER_TOKEN_ID, continuation,
                                              sequences[:, position])
     return sequences

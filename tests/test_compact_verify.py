@@ -14,9 +14,8 @@ import torch
 
 from decoding.compact_verify import (DraftSupport, compact_block_verify, compact_rejection_sample, draft_support,
                                      target_numbers)
-from decoding.rejection import PLACEHOLDER_TOKEN_ID
 from decoding.sampling import make_generator, sample_from_probs
-from tests.test_block_verify import P_VALUE_THRESHOLD, joint_fit, toy_models
+from tests.test_block_verify import P_VALUE_THRESHOLD, continued_with_target, joint_fit, toy_models
 from tests.test_rejection import rows_given_prefix
 
 MAX_CANDIDATES = 2  # of the toy vocabulary's 4 tokens (3 supported per draft row)
@@ -45,12 +44,7 @@ def compact_sequences(target_tables, draft_tables, verification: str, seed: int,
         [rows_given_prefix(table, prefix[:i], batch_size) for i, table in enumerate(target_tables)], dim=1)
     numbers = target_numbers(draft_ids, support, target_probs, target_generator, block=verification == "block")
     sequences = VERIFIERS[verification](draft_ids, support.probs_of(draft_ids), numbers, owner_generator)
-    for position, table in enumerate(target_tables):
-        continuation = sample_from_probs(rows_given_prefix(table, list(sequences[:, :position].unbind(1)),
-                                                           batch_size), owner_generator)
-        sequences[:, position] = torch.where(sequences[:, position] == PLACEHOLDER_TOKEN_ID, continuation,
-                                             sequences[:, position])
-    return sequences
+    return continued_with_target(sequences, target_tables, owner_generator)
 
 
 @pytest.mark.parametrize("verification", ["token", "block"])
