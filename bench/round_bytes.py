@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
-from cluster.config import LimitsSpec
+from cluster.config import LimitsSpec, SpeculationSpec
 from cluster.messages import CallSpan
+from decoding.compact_verify import DraftSupport, draft_support, sample_from_support
 from decoding.proposers import Proposal
-from decoding.sampling import SamplingParams, logits_to_probs, make_generator, sample_from_probs
+from decoding.sampling import SamplingParams, logits_to_probs, make_generator
 from decoding.sequence import RequestState
-from decoding.speculation import target_rows
-from deployments.engine_host import to_wire
+from decoding.speculation import target_rows, verify_answer
 from deployments.request_engines import RequestEngines
 
 NUM_DRAFT_TOKENS = 4
@@ -71,20 +71,23 @@ def pickled_size(obj) -> int:
 
 def draft_reply(logits: torch.Tensor, params: SamplingParams) -> tuple[Proposal, CallSpan]:
     """A draft engine's propose answer for K rows of draft logits, built as
-    DraftModelProposer.propose_batch and DraftEngine._to_wire build it."""
+    DraftModelProposer.propose_batch (q cut to speculation.draft_top_k) and DraftEngine._to_wire
+    build it."""
     generator = make_generator(params.seed)
     if params.is_greedy:
         proposal = Proposal(torch.argmax(logits, dim=-1).tolist(), None)
     else:
-        q_rows = [logits_to_probs(row, params) for row in logits]
-        tokens = [int(sample_from_probs(q, generator)) for q in q_rows]
-        proposal = Proposal(tokens, to_wire(torch.stack(q_rows)))
+        supports = [draft_support(logits_to_probs(row, params), SpeculationSpec().draft_top_k) for row in logits]
+        tokens = [int(sample_from_support(q, generator)) for q in supports]
+        proposal = Proposal(tokens, DraftSupport.stack(supports).wire())
     return proposal, CallSpan(0.0, 0.0, 0.0)
 
 
-def target_reply(logits: torch.Tensor, params: SamplingParams) -> tuple[object, CallSpan]:
+def target_reply(logits: torch.Tensor, params: SamplingParams, proposal: Proposal) -> tuple[object, CallSpan]:
     """A target engine's verify answer for K + 1 rows of logits (TargetEngine._forward_rows)."""
-    return to_wire(target_rows(logits, params)), CallSpan(0.0, 0.0, 0.0)
+    answer = verify_answer(target_rows(logits, params), proposal, make_generator(params.seed),
+                           SpeculationSpec().verification)
+    return answer, CallSpan(0.0, 0.0, 0.0)
 
 
 def round_bytes(context_len: int, vocab_size: int, params: SamplingParams) -> dict[str, int]:
@@ -102,7 +105,7 @@ def round_bytes(context_len: int, vocab_size: int, params: SamplingParams) -> di
     proposal_answer = draft_reply(torch.randn(NUM_DRAFT_TOKENS, vocab_size), params)
     answer = engines.propose(state, [], NUM_DRAFT_TOKENS)
     engines.send_verify(state, None, answer)
-    verify_answer = target_reply(torch.randn(NUM_DRAFT_TOKENS + 1, vocab_size), params)
+    verify_answer = target_reply(torch.randn(NUM_DRAFT_TOKENS + 1, vocab_size), params, proposal_answer[0])
     proposal_bytes = pickled_size(proposal_answer)
     return {"router->draft propose": engines.draft.sent["propose"], "draft->router proposal": proposal_bytes,
             "draft->target proposal": proposal_bytes, "router->target verify": engines.target.sent["verify"],
@@ -133,8 +136,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    spec = SpeculationSpec()
     report = "\n".join([f"Pickled bytes per request-round (K={NUM_DRAFT_TOKENS}, the verify chained to the draft's "
-                        "answer; sampled: temperature 0.8, no top-k/top-p), `python -m bench.round_bytes`", "",
+                        "answer; sampled: temperature 0.8, no top-k/top-p, "
+                        f"speculation.draft_top_k={spec.draft_top_k}, verification={spec.verification!r}), "
+                        "`python -m bench.round_bytes`", "",
                         *table(), ""])
     print(report)
     if args.out is not None:

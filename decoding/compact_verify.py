@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from decoding.rejection import _assemble, _block_weights, stop_probabilities_from_mass
@@ -36,11 +37,31 @@ from decoding.sampling import sample_from_probs
 
 @dataclass(frozen=True)
 class DraftSupport:
-    """A draft block's q as (ids, probs) per position: ids [..., m] long, probs [..., m] float32,
-    each row summing to 1 over its ids (entries past the row's support have probability 0)."""
+    """A draft block's q as (ids, probs) per position: ids [..., m], probs [..., m], each row
+    summing to 1 over its ids (entries past the row's support have probability 0). Tensors in a
+    process; numpy arrays (int32, float32) on the wire (`wire`), read back with `tensors`."""
 
-    ids: torch.Tensor
-    probs: torch.Tensor
+    ids: torch.Tensor | np.ndarray
+    probs: torch.Tensor | np.ndarray
+
+    @staticmethod
+    def stack(rows: "list[DraftSupport]") -> "DraftSupport":
+        """Per-position supports [m] -> one block's [K, m]."""
+        return DraftSupport(torch.stack([row.ids for row in rows]), torch.stack([row.probs for row in rows]))
+
+    def wire(self) -> "DraftSupport":
+        return DraftSupport(np.asarray(torch.as_tensor(self.ids).cpu(), dtype=np.int32),
+                            np.asarray(torch.as_tensor(self.probs).cpu(), dtype=np.float32))
+
+    def tensors(self, device: torch.device | str = "cpu") -> "DraftSupport":
+        return DraftSupport(torch.as_tensor(np.array(self.ids) if isinstance(self.ids, np.ndarray) else self.ids,
+                                            device=device).long(),
+                            torch.as_tensor(np.array(self.probs) if isinstance(self.probs, np.ndarray)
+                                            else self.probs, device=device).float())
+
+    def rows(self, start: int, stop: int) -> "DraftSupport":
+        """Positions start..stop - 1 of a block."""
+        return DraftSupport(self.ids[start:stop], self.probs[start:stop])
 
     def dense(self, vocab_size: int) -> torch.Tensor:
         """The rows as [..., V] (zeros off the support)."""
@@ -53,11 +74,14 @@ class DraftSupport:
         return (hits * self.probs.float()).sum(-1)
 
 
-def draft_support(probs: torch.Tensor, max_candidates: int) -> DraftSupport:
+def draft_support(probs: torch.Tensor, max_candidates: int | None) -> DraftSupport:
     """The draft's sampling distribution from processed rows probs [..., V]: their top
-    min(max_candidates, V) entries renormalised. Rows already truncated to fewer tokens (top-k,
-    top-p, min-p, a grammar mask) keep exactly their distribution."""
-    top = torch.topk(probs.float(), min(max_candidates, probs.shape[-1]), dim=-1)
+    min(max_candidates, V) entries renormalised (None: the whole row). Rows already truncated to
+    fewer tokens (top-k, top-p, min-p, a grammar mask) keep exactly their distribution."""
+    probs = probs.float()
+    if max_candidates is None or max_candidates >= probs.shape[-1]:  # the whole row: no sort needed
+        return DraftSupport(torch.arange(probs.shape[-1], device=probs.device).expand_as(probs), probs)
+    top = torch.topk(probs, max_candidates, dim=-1)
     return DraftSupport(top.indices, top.values / top.values.sum(-1, keepdim=True))
 
 
@@ -72,6 +96,18 @@ class TargetNumbers:
     residual_mass: torch.Tensor
     recovered: torch.Tensor
     bonus: torch.Tensor
+
+    def wire(self) -> "TargetNumbers":
+        """A batch of one as plain lists (and the bonus an int): what a verify answer carries."""
+        return TargetNumbers(self.target_of_draft[0].tolist(), self.residual_mass[0].tolist(),
+                             self.recovered[0].tolist(), int(self.bonus[0]))
+
+    def tensors(self, device: torch.device | str = "cpu") -> "TargetNumbers":
+        """`wire`'s lists back as a batch of one."""
+        return TargetNumbers(torch.tensor([self.target_of_draft], dtype=torch.float64, device=device),
+                             torch.tensor([self.residual_mass], dtype=torch.float64, device=device),
+                             torch.tensor([self.recovered], dtype=torch.long, device=device).reshape(1, -1),
+                             torch.tensor([self.bonus], dtype=torch.long, device=device))
 
 
 def log_ratios(target_of_draft: torch.Tensor, draft_of_draft: torch.Tensor) -> torch.Tensor:
@@ -96,7 +132,7 @@ def target_numbers(draft_token_ids: torch.Tensor, support: DraftSupport | None, 
         draft = torch.zeros(batch_size, num_draft_tokens, vocab_size, device=target.device).scatter_(
             -1, draft_ids.unsqueeze(-1), 1.0)
     else:
-        draft = support.dense(vocab_size)
+        draft = support.tensors(target.device).dense(vocab_size)
     target_of_draft = target[:, :num_draft_tokens].gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)
     if block and num_draft_tokens:
         draft_of_draft = draft.gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)
@@ -106,7 +142,8 @@ def target_numbers(draft_token_ids: torch.Tensor, support: DraftSupport | None, 
     rows = target[:, :num_draft_tokens]
     residual = (weights.float().unsqueeze(-1) * rows - draft).clamp_(min=0.0)
     mass = residual.sum(-1)
-    recovered = sample_from_probs(torch.where((mass <= 0).unsqueeze(-1), rows, residual), generator)
+    recovered = sample_from_probs(torch.where((mass <= 0).unsqueeze(-1), rows, residual), generator).reshape(
+        batch_size, num_draft_tokens)
     bonus = sample_from_probs(target[:, num_draft_tokens], generator)
     return TargetNumbers(target_of_draft.double(), mass.double(), recovered, bonus)
 
@@ -144,3 +181,9 @@ def _emitted(numbers: TargetNumbers, num_accepted: torch.Tensor) -> torch.Tensor
         return numbers.bonus.long()
     at_cut = numbers.recovered.long().gather(1, num_accepted.clamp(max=num_draft_tokens - 1).unsqueeze(1)).squeeze(1)
     return torch.where(num_accepted == num_draft_tokens, numbers.bonus.long(), at_cut)
+
+
+def sample_from_support(support: DraftSupport, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token id per row of support [..., m] -> LongTensor [...], drawn from its probs."""
+    pick = sample_from_probs(support.probs, generator)
+    return support.ids.long().gather(-1, pick.unsqueeze(-1)).squeeze(-1)

@@ -40,7 +40,10 @@ class RequestEngines:
     """A request's target engine and, while it has one, its draft engine."""
 
     def __init__(self, target_workers: DeploymentHandle, draft_workers: DeploymentHandle | None,
-                 limits: LimitsSpec) -> None:
+                 limits: LimitsSpec, verification: str = "block") -> None:
+        """verification: how sampled blocks are verified (speculation.verification); the target's
+        answers are computed for it."""
+        self.verification = verification
         self.target_workers = target_workers
         self.draft_workers = draft_workers
         self.limits = limits
@@ -93,17 +96,17 @@ class RequestEngines:
 
     def send_verify(self, state: RequestState, proposal: Proposal | None = None, draft_answer: Any = None,
                     prompt_logprobs: int | None = None, capture_top_k: int | None = None) -> tuple[Any, float, Any]:
-        """Send one verify: of proposal's block, or of the block a draft engine is drafting
-        (draft_answer: its propose ObjectRef, handed to the target unresolved). -> (ObjectRef of the
-        answer, when it was sent, draft_answer). prompt_logprobs: a prefill that also returns the
-        prompt's log-probabilities; capture_top_k: a round captured for online training
+        """Send one verify: of proposal's block (and its q), or of the block a draft engine is
+        drafting (draft_answer: its propose ObjectRef, handed to the target unresolved). -> (ObjectRef
+        of the answer, when it was sent, draft_answer). prompt_logprobs: a prefill that also returns
+        the prompt's log-probabilities; capture_top_k: a round captured for online training
         (TargetEngine.verify)."""
-        block = proposal.token_ids if proposal else []
         sent_s = time.perf_counter()
-        answer = self.target.verify.remote(state.request_id, self.target_history.update(state), block, state.params,
+        answer = self.target.verify.remote(state.request_id, self.target_history.update(state),
+                                           proposal if proposal and proposal.token_ids else None, state.params,
                                            state.next_output_index,
                                            None if draft_answer is None else [draft_answer], prompt_logprobs,
-                                           capture_top_k)
+                                           capture_top_k, self.verification)
         return answer, sent_s, draft_answer
 
     async def verify(self, state: RequestState, proposal: Proposal | None = None,

@@ -44,7 +44,8 @@ def whole(token_ids) -> HistoryUpdate:
 async def verify(engine: TargetEngine, seq_id: str, token_ids, num_rows: int, params, *args, **kwargs):
     """engine.verify of token_ids' last num_rows - 1 tokens as the block, the rest sent whole."""
     committed = len(token_ids) - (num_rows - 1)
-    return await engine.verify(seq_id, whole(token_ids[:committed]), token_ids[committed:], params, *args, **kwargs)
+    return await engine.verify(seq_id, whole(token_ids[:committed]), Proposal(list(token_ids[committed:]), None),
+                               params, *args, **kwargs)
 
 
 def test_concurrent_verifies_share_a_forward_and_match_unbatched_rows(pair):
@@ -131,7 +132,9 @@ def test_draft_calls_that_arrive_after_their_release_hold_nothing(pair):
     assert asyncio.run(scenario()) == []
 
 
-def test_sampled_rows_are_the_processed_target_distribution(pair):
+def test_a_sampled_answer_holds_the_processed_target_rows_numbers(pair):
+    """A sampled verify answers O(K) numbers (decoding.compact_verify.TargetNumbers): p(x) of the
+    block's token under the processed target row, and draws from the rows' support."""
     target_path, _ = pair
     reference = ModelRunner(str(target_path))
 
@@ -140,9 +143,10 @@ def test_sampled_rows_are_the_processed_target_distribution(pair):
         return await asyncio.gather(*[verify(engine, f"s{i}", h, 2, SAMPLED) for i, h in enumerate(HISTORIES)])
 
     from decoding.sampling import logits_to_probs
-    for i, (rows, _) in enumerate(asyncio.run(scenario())):
+    for i, (numbers, _) in enumerate(asyncio.run(scenario())):
         expected = logits_to_probs(reference.forward(f"s{i}", HISTORIES[i], 2), SAMPLED)
-        torch.testing.assert_close(torch.as_tensor(rows), expected, atol=1e-4, rtol=0)
+        assert numbers.target_of_draft == pytest.approx([expected[0, HISTORIES[i][-1]].item()], abs=1e-5)
+        assert expected[0, numbers.recovered[0]] > 0 and expected[1, numbers.bonus] > 0
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_beside_running_verifies(pair):
@@ -243,7 +247,7 @@ def test_a_call_past_the_context_fails_alone(pair):
 
 def test_batched_drafts_equal_drafts_made_alone(pair):
     target_path, draft_path = pair
-    alone = DraftModelProposer(ModelRunner(str(draft_path)))
+    alone = DraftModelProposer(ModelRunner(str(draft_path)), max_candidates=options()["draft_top_k"])
 
     async def scenario():
         engine = DraftEngine("draft", spec(draft_path), str(target_path), options())
@@ -261,7 +265,8 @@ def test_batched_drafts_equal_drafts_made_alone(pair):
         assert greedy[i][0].token_ids == alone.propose(f"g{i}", history, 2 + i, GREEDY).token_ids
         expected = alone.propose(f"x{i}", history, 3, SAMPLED, make_generator(100 + i))
         assert sampled[i][0].token_ids == expected.token_ids
-        torch.testing.assert_close(torch.as_tensor(sampled[i][0].probs), expected.probs, atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.as_tensor(sampled[i][0].support.probs), expected.support.probs, atol=1e-4,
+                                   rtol=0)
     assert stats.pool == "draft" and stats.sequences == 2 * len(HISTORIES)
     assert stats.batch_rows_total > stats.forwards  # drafting was batched
 
@@ -334,7 +339,7 @@ def test_a_held_sequence_that_cannot_grow_preempts_the_youngest_which_is_prefill
         assert engine.scheduler.preemptions == 1 and await engine.active_sequences() == ["old"]
         # the engine kept young's committed history: the call carries no token of it
         held = HistoryUpdate(len(younger), (), history_digest(younger))
-        again = asyncio.create_task(engine.verify("young", held, [3, 3], GREEDY))
+        again = asyncio.create_task(engine.verify("young", held, Proposal([3, 3], None), GREEDY))
         await asyncio.sleep(0.1)
         assert not again.done()        # 10 blocks to prefill again, 9 free
         await engine.release("old")
