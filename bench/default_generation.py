@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 from cluster.cli import DEMO_PROMPT
 from cluster.config import DEFAULT_MODELS_DIR
 from decoding.generate import generate
-from decoding.model_runner import ModelRunner
+from decoding.batched_runner import BatchedModelRunner
 from decoding.sampling import SamplingParams
 from decoding.sequence import RequestState
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     path = DEFAULT_MODELS_DIR / "target"
     tokenizer = AutoTokenizer.from_pretrained(path)
-    runner = ModelRunner(str(path), dtype="float32", device="cpu")
+    runner = BatchedModelRunner(str(path), dtype="float32", device="cpu")
     held_out = json.loads(Path("bench/prompts_thirdparty_v1.json").read_text())["prompts"][:args.prompts]
     prompts = [DEMO_PROMPT] + [p["text"] for p in held_out]
     results = []

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from decoding.batched_runner import BatchedModelRunner
-from decoding.model_runner import ForwardCall, ModelRunner, load_causal_lm
+from decoding.model_runner import ForwardCall, load_causal_lm
 from decoding.proposers import DraftModelProposer, ProposeCall
 from decoding.sampling import SamplingParams
 
@@ -89,7 +89,7 @@ def main() -> None:
 
     model = load_causal_lm(args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
     batched = BatchedModelRunner.from_model(model, max_sequences=max(ROWS))
-    per_sequence = ModelRunner.from_model(model, max_sequences=max(ROWS))
+    per_sequence = BatchedModelRunner.from_model(model, max_sequences=max(ROWS))
     generator = torch.Generator().manual_seed(0)
     vocab_size = batched.vocab_size
 
@@ -122,7 +122,7 @@ def main() -> None:
     if args.draft:
         draft = load_causal_lm(args.draft, dtype=args.dtype, device=args.device)
         proposers = {"slot": DraftModelProposer(BatchedModelRunner.from_model(draft, max_sequences=max(ROWS))),
-                     "per_sequence_loop": DraftModelProposer(ModelRunner.from_model(draft, max_sequences=max(ROWS)))}
+                     "per_sequence_loop": DraftModelProposer(BatchedModelRunner.from_model(draft, max_sequences=max(ROWS)))}
         print(f"\n| draft rows (K={args.draft_tokens}, greedy) | slot propose_batch ms (min) "
               "| per-sequence loop ms (min) |\n|---|---|---|")
         for num_rows in DRAFT_ROWS:

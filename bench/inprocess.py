@@ -22,7 +22,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from bench.records import RequestRecord, StepLatency
 from decoding.generate import generate
-from decoding.model_runner import ModelRunner
+from decoding.batched_runner import BatchedModelRunner
 from decoding.proposers import DraftModelProposer
 from decoding.sampling import SamplingParams
 from decoding.sequence import RequestState
@@ -72,20 +72,20 @@ class LoadedPair:
 
     target_model: torch.nn.Module
     draft_model: torch.nn.Module
-    target: ModelRunner
-    draft: ModelRunner
+    target: BatchedModelRunner
+    draft: BatchedModelRunner
     clock: ForwardClock
 
 
 def load_pair(target_path: str, draft_path: str, device: str = "cpu", dtype: str = "float32") -> LoadedPair:
-    """Load both models once; ModelRunner.from_model wraps them so every row uses the same weights."""
+    """Load both models once; BatchedModelRunner.from_model wraps them so every row uses the same weights."""
     models = []
     for path in (target_path, draft_path):
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=_DTYPES[dtype])
         models.append(model.to(torch.device(device)).eval())
     target_model, draft_model = models
-    return LoadedPair(target_model, draft_model, ModelRunner.from_model(target_model),
-                      ModelRunner.from_model(draft_model), ForwardClock(models))
+    return LoadedPair(target_model, draft_model, BatchedModelRunner.from_model(target_model),
+                      BatchedModelRunner.from_model(draft_model), ForwardClock(models))
 
 
 # -- step latencies -----------------------------------------------------------------------------

@@ -75,7 +75,7 @@ class _Filled:
         keep = torch.zeros(input_ids.shape, dtype=torch.bool)
         keep[:, -1] = True
         with torch.inference_mode():
-            return self.lean.forward(input_ids, layout.position_ids, layout.attention_mask, self.cache.view(layout), keep)
+            return self.lean.forward(input_ids, layout.position_ids, self.cache.view(layout), keep)
 
 
 def forward_times(model, reps: int) -> list[dict]:

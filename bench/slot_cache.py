@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from decoding.model_runner import NoFreeSlotError
+from decoding.paged_attention import sdpa_over_gathered
 from decoding.paged_cache import LayerPools, positions_and_mask
 
 
@@ -127,15 +128,19 @@ class SlotKVCache:
 
 
 class SlotBatchView:
-    """What a transformers attention layer sees as `past_key_values` during one batched forward.
-
-    With a 4D mask and explicit position_ids, Llama, Qwen2, Mistral and GPT-2 attention in
-    transformers 5.x only call `update(key_states, value_states, layer_idx)`: it stores the real
-    new tokens and returns each row's keys/values over [0, kv_length)."""
+    """The slot cache's side of one batched forward, as decoding.paged_cache.PagedBatchView's:
+    `update(key_states, value_states, layer_idx)` stores the real new tokens and returns each
+    row's keys/values over [0, kv_length); `attend` runs the lean forward's attention over them
+    (full attention only: the baseline serves the default pair)."""
 
     def __init__(self, cache: SlotKVCache, layout: BatchLayout) -> None:
         self.cache = cache
         self.layout = layout
+
+    def attend(self, layer_idx: int, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
+               scaling: float | None = None) -> torch.Tensor:
+        keys, values = self.update(key_states, value_states, layer_idx)
+        return sdpa_over_gathered(query, keys, values, self.layout.attention_mask, scaling, softcap=None)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:

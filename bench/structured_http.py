@@ -36,8 +36,8 @@ FORMS = {
         lambda name, schema: {"response_format": {"type": "json_schema", "json_schema": {
             "name": name, "schema": {**schema, "x-guidance": {"whitespace_flexible": False}}, "strict": True}}},
     "response_format json_schema, free whitespace (vLLM's default)":
-        lambda name, schema: {"response_format": {"type": "json_schema",
-                                                  "json_schema": {"name": name, "schema": schema, "strict": True}}},
+        lambda name, schema: {"response_format": {"type": "json_schema", "json_schema": {
+            "name": name, "schema": {**schema, "x-guidance": {"whitespace_flexible": True}}, "strict": True}}},
 }
 COMPACT_FORMS = list(FORMS)[:2]
 FLEXIBLE_FORM = list(FORMS)[2]

@@ -37,7 +37,6 @@ from decoding import row_processors
 from decoding.batched_runner import BatchedModelRunner
 from decoding.generate import generate, generate_batch
 from decoding.grammar import GrammarCompiler, GrammarMatchers, GrammarSpec
-from decoding.model_runner import ModelRunner
 from decoding.proposers import DraftModelProposer
 from decoding.sampling import SamplingParams
 from decoding.sequence import RequestState
@@ -91,7 +90,7 @@ class GrammarClock:
         return timed
 
 
-def run_one(variant: str, target: ModelRunner, draft: ModelRunner, compiler: GrammarCompiler, prompt: list[int],
+def run_one(variant: str, target: BatchedModelRunner, draft: BatchedModelRunner, compiler: GrammarCompiler, prompt: list[int],
             params: SamplingParams, spec: GrammarSpec, eos, clock: GrammarClock, request_id: str) -> dict:
     constrained = "schema" in variant
     params = params.model_copy(update={"structured": spec if constrained else None})
@@ -184,8 +183,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODELS_DIR / "tokenizer")
-    target = ModelRunner(str(DEFAULT_MODELS_DIR / "target"))
-    draft = ModelRunner(str(DEFAULT_MODELS_DIR / "draft"))
+    target = BatchedModelRunner(str(DEFAULT_MODELS_DIR / "target"))
+    draft = BatchedModelRunner(str(DEFAULT_MODELS_DIR / "draft"))
     eos = sorted(target.eos_token_ids)
     compiler = GrammarCompiler(tokenizer, target.vocab_size, eos)
     clock = GrammarClock()

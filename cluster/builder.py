@@ -101,13 +101,23 @@ def served_model_specs(config: SpecServeConfig) -> tuple[dict[str, Any], dict[st
     else:
         vocab_size = served_vocab_size(tokenizer, output_width(config.target.path))
     target_len = max_model_len(config.target.path, config.target.max_model_len)
+    engine = config.engine_options()
     served = {"vocab_size": vocab_size, "eos_token_ids": sorted(eos_token_ids(config.target.path, tokenizer)),
-              "max_model_len": target_len, "tokenizer_path": str(tokenizer_path)}
+              "max_model_len": target_len, "tokenizer_path": str(tokenizer_path),
+              # The largest forwards the engine's scheduler plans: profiled on a GPU before sizing the KV cache.
+              "profile_batches": [[engine["max_batch_rows"], engine["max_step_tokens"]],
+                                  [1, engine["prefill_token_budget"]]]}
     draft = None
     if config.draft is not None and config.speculation.proposer == "draft":
-        draft = {**config.draft.model_dump(), **served,
+        draft = {**config.draft.model_dump(), **served, "gpu_share": gpu_share(config.draft_workers.num_gpus),
                  "max_model_len": min(target_len, context_length(config.draft.path))}
-    return {**config.target.model_dump(), **served}, draft
+    return {**config.target.model_dump(), **served, "gpu_share": gpu_share(config.target_workers.num_gpus)}, draft
+
+
+def gpu_share(num_gpus: float) -> float:
+    """The share of one device an engine's gpu_memory_utilization applies to: Ray's fractional
+    num_gpus (two engines at 0.5 share one GPU); a whole GPU or more is the whole device."""
+    return num_gpus if 0 < num_gpus < 1 else 1.0
 
 
 def build_app(config: SpecServeConfig) -> Application:

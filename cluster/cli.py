@@ -124,11 +124,22 @@ def _config(args: argparse.Namespace):
                                      for name, spec in (("target", config.target), ("draft", config.draft)) if spec})
 
 
+def _start(config, dashboard: bool = False) -> str:
+    """start_local; a start-up that fails ends the command with its cause (a replica's own error,
+    or what Serve says of deployments that did not start in time), not a traceback through Ray."""
+    from cluster.local import StartupError, start_local
+
+    try:
+        return start_local(config, dashboard=dashboard)
+    except (StartupError, TimeoutError) as exc:
+        raise SystemExit(f"specserve: {exc}") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
-    from cluster.local import drain_local, metrics_url, start_local, stop_local
+    from cluster.local import drain_local, metrics_url, stop_local
 
     config = _config(args)
-    url = start_local(config, dashboard=args.dashboard)
+    url = _start(config, dashboard=args.dashboard)
     # SIGTERM is how docker stop, systemd and Kubernetes ask a server to stop. Ray's driver
     # handler (installed by ray.init) dumps a stack and exits without a drain; replace it after
     # start-up so SIGTERM takes the same path as Ctrl-C: stop_local drains and stops everything.
@@ -155,10 +166,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from cluster.local import start_local, stop_local
+    from cluster.local import stop_local
 
     config = _config(args)
-    url = start_local(config)
+    url = _start(config)
     try:
         _demo(url, config.model_name, args.prompt, args.max_tokens, args.temperature)
     finally:
@@ -179,7 +190,7 @@ def cmd_serve_config(args: argparse.Namespace) -> None:
 def cmd_k8s_manifest(args: argparse.Namespace) -> None:
     from cluster.kuberay import DEFAULT_IMAGE, rayservice_yaml
 
-    text = rayservice_yaml(_config(args), image=args.image or DEFAULT_IMAGE)
+    text = rayservice_yaml(_config(args), image=args.image or DEFAULT_IMAGE, models_claim=args.models_claim or None)
     if args.output:
         with open(args.output, "w") as handle:
             handle.write(text)
@@ -231,6 +242,9 @@ def main(argv: list[str] | None = None) -> None:
     k8s_parser = sub.add_parser("k8s-manifest", help="print a KubeRay RayService manifest")
     k8s_parser.add_argument("--config", default="k8s/specserve-gpu.yaml")
     k8s_parser.add_argument("--image")
+    k8s_parser.add_argument("--models-claim", default="specserve-models",
+                            help="PersistentVolumeClaim with the checkpoints, mounted read-only at /models in every "
+                                 "pod ('' for none: checkpoints inside the image)")
     add_model_args(k8s_parser)
     k8s_parser.add_argument("-o", "--output")
     k8s_parser.set_defaults(func=cmd_k8s_manifest)

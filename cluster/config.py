@@ -36,7 +36,8 @@ class ModelSpec(_Strict):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="auto: the checkpoint's torch_dtype on a GPU, float32 on CPU (docs/real-checkpoints.md)")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
-                        description="auto: cuda when the worker has a GPU (num_gpus > 0), else cpu")
+                        description="auto: cuda when the worker has a GPU (num_gpus > 0), else cpu; "
+                        "cuda is the engine's own GPU (Ray shows it as cuda:0; other indices are refused)")
     max_model_len: int | None = Field(None, ge=2, description="longest prompt + completion served; "
                                       "default: the model's context (max_position_embeddings)")
     torch_threads: int = Field(1, ge=1, description="intra-op threads per worker on CPU")
@@ -45,8 +46,23 @@ class ModelSpec(_Strict):
                                                  "(false: transformers' own forward)")
     kv_cache_memory_gb: float = Field(4.0, gt=0, description="KV cache budget (GiB) per engine replica on CPU; "
                                       "the pool grows with use up to it (docs/kv-memory.md)")
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="on CUDA: share of the device's memory "
-                                          "weights + KV may use; KV gets what the weights leave (as vLLM)")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="on CUDA: share of the engine's part "
+                                          "of the device (num_gpus) that weights, activations and KV may use; "
+                                          "KV gets the rest (as vLLM)")
+    prefix_caching: bool = Field(True, description="keep finished sequences' full KV blocks findable by their "
+                                 "tokens, so a shared prefix (system prompt, n choices, a chat's earlier turns) is "
+                                 "not prefilled again; evicted LRU when the pool needs room (as vLLM; docs/kv-memory.md)")
+
+    @field_validator("device")
+    @classmethod
+    def _one_visible_gpu(cls, device: str) -> str:
+        """Ray shows each engine only the GPU it was given, as cuda:0: any other index names a
+        device the engine cannot see (or, outside Ray, one it was not given)."""
+        if device.startswith("cuda:") and device != "cuda:0":
+            raise ValueError(f"device {device!r}: Ray gives each engine its own GPU and shows it as cuda:0, so "
+                             "another index names a GPU the engine cannot see. Set device: cuda (or auto) and "
+                             "choose GPUs with num_gpus / resources (or CUDA_VISIBLE_DEVICES on the node)")
+        return device
 
 
 class WorkerResources(_Strict):
@@ -62,6 +78,8 @@ class WorkerResources(_Strict):
     max_replicas: int | None = Field(None, ge=1)
     upscale_delay_s: float = Field(10.0, ge=0, description="Serve waits this long before adding a replica")
     downscale_delay_s: float = Field(60.0, ge=0, description="Serve waits this long before removing one")
+    node_memory_gb: float = Field(16.0, gt=0, description="KubeRay: memory of this pool's pods; on a GPU node "
+                                  "at least the checkpoint's size (weights are read through host memory)")
 
     @model_validator(mode="after")
     def _replica_bounds(self) -> "WorkerResources":
@@ -145,8 +163,8 @@ class BatchingSpec(_Strict):
     max_batch_rows: int = Field(64, ge=1, description="most sequences in one forward")
     prefill_token_budget: int = Field(256, ge=1, description="prompt tokens prefilled per engine iteration "
                                       "(chunked prefill: a long prompt never stalls running rounds for long)")
-    admission_timeout_s: float = Field(30.0, gt=0, description="how long a new sequence waits for a free KV "
-                                       "slot before the request gets 503")
+    admission_timeout_s: float = Field(30.0, gt=0, description="how long a new sequence waits to be admitted "
+                                       "(a free KV slot and blocks) before the request gets 503")
     idle_sequence_ttl_s: float = Field(900.0, gt=0, description="a KV slot untouched this long is freed "
                                        "(a safety net for routers that died)")
 

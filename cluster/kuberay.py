@@ -1,5 +1,10 @@
 """Config -> KubeRay ``RayService`` manifest: a CPU head, a draft group, a target GPU group.
 
+Every pod mounts the checkpoints' volume read-only at /models (a PersistentVolumeClaim, by default
+``specserve-models``; point `target.path` / `draft.path` into it) and a memory-backed /dev/shm (Ray's
+object store lives there; without it Ray falls back to disk). Each pool's pod memory is its
+``node_memory_gb``.
+
 Draft and target engines are pinned to their own worker groups with custom Ray resources
 (``specserve_draft`` / ``specserve_target``), so each lands on its own node (a GPU node, or a
 CPU node for a draft with num_gpus 0); the Serve config inside is the same one
@@ -21,11 +26,23 @@ DEFAULT_IMAGE = "specserve:0.1.0-gpu"  # built from k8s/Dockerfile
 RAY_VERSION = "2.60.0"
 
 
-def _container(image: str, cpus: float, gpus: float, memory: str) -> dict[str, Any]:
-    limits: dict[str, Any] = {"cpu": str(cpus), "memory": memory}
+DEFAULT_MODELS_CLAIM = "specserve-models"
+MODELS_MOUNT = "/models"
+
+
+def _pod(image: str, cpus: float, gpus: float, memory_gb: float, models_claim: str | None) -> dict[str, Any]:
+    """A Ray pod spec: the container, /dev/shm in memory, the checkpoints' volume read-only."""
+    limits: dict[str, Any] = {"cpu": str(cpus), "memory": f"{memory_gb:g}Gi"}
     if gpus:
         limits["nvidia.com/gpu"] = str(int(gpus))
-    return {"name": "ray", "image": image, "resources": {"limits": limits, "requests": dict(limits)}}
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    if models_claim:
+        mounts.append({"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True})
+        volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": models_claim, "readOnly": True}})
+    container = {"name": "ray", "image": image, "resources": {"limits": limits, "requests": dict(limits)},
+                 "volumeMounts": mounts}
+    return {"containers": [container], "volumes": volumes}
 
 
 # The Ray autoscaler adds a node when a pending replica's engine does not fit, and removes one
@@ -35,7 +52,7 @@ AUTOSCALER_OPTIONS = {"upscalingMode": "Default", "idleTimeoutSeconds": 120,
                                     "requests": {"cpu": "500m", "memory": "512Mi"}}}
 
 
-def _worker_group(pool: str, workers: WorkerResources, image: str) -> dict[str, Any]:
+def _worker_group(pool: str, workers: WorkerResources, image: str, models_claim: str | None) -> dict[str, Any]:
     """One node per engine: node counts follow the pool's replica bounds. A draft pool with
     num_gpus 0 becomes a CPU group (heterogeneous placement: small drafts need no GPU)."""
     gpus_per_node = max(1, int(workers.num_gpus)) if workers.num_gpus else 0
@@ -46,15 +63,19 @@ def _worker_group(pool: str, workers: WorkerResources, image: str) -> dict[str, 
         "minReplicas": low,
         "maxReplicas": high,
         "rayStartParams": {"resources": json.dumps(workers.resources)} if workers.resources else {},
-        "template": {"spec": {"containers": [_container(image, max(2.0, workers.num_cpus + 1), gpus_per_node, "16Gi")]}},
+        "template": {"spec": _pod(image, max(2.0, workers.num_cpus + 1), gpus_per_node, workers.node_memory_gb,
+                                  models_claim)},
     }
 
 
-def rayservice_manifest(config: SpecServeConfig, image: str = DEFAULT_IMAGE, name: str = "specserve") -> dict[str, Any]:
+def rayservice_manifest(config: SpecServeConfig, image: str = DEFAULT_IMAGE, name: str = "specserve",
+                        models_claim: str | None = DEFAULT_MODELS_CLAIM) -> dict[str, Any]:
+    """models_claim: the PVC holding the checkpoints, mounted at /models everywhere (the head reads
+    the tokenizer and configs when it builds the app); None mounts nothing (models in the image)."""
     head_port_config = [{"containerPort": 6379, "name": "gcs"}, {"containerPort": 8265, "name": "dashboard"},
                         {"containerPort": 8000, "name": "serve"}, {"containerPort": 8080, "name": "metrics"}]
-    head = _container(image, 4, 0, "8Gi")
-    head["ports"] = head_port_config
+    head = _pod(image, 4, 0, 8, models_claim)
+    head["containers"][0]["ports"] = head_port_config
     serve_yaml = serve_config_yaml(config.model_copy(update={"http": config.http.model_copy(update={"host": "0.0.0.0"})}))
     return {
         "apiVersion": "ray.io/v1",
@@ -67,9 +88,9 @@ def rayservice_manifest(config: SpecServeConfig, image: str = DEFAULT_IMAGE, nam
                 "enableInTreeAutoscaling": True,
                 "autoscalerOptions": AUTOSCALER_OPTIONS,
                 "headGroupSpec": {"rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0"},
-                                  "template": {"spec": {"containers": [head]}}},
-                "workerGroupSpecs": [_worker_group("draft", config.draft_workers, image),
-                                     _worker_group("target", config.target_workers, image)],
+                                  "template": {"spec": head}},
+                "workerGroupSpecs": [_worker_group("draft", config.draft_workers, image, models_claim),
+                                     _worker_group("target", config.target_workers, image, models_claim)],
             },
         },
     }
@@ -84,6 +105,8 @@ _BlockStringDumper.add_representer(
                                                        style="|" if "\n" in value else None))
 
 
-def rayservice_yaml(config: SpecServeConfig, image: str = DEFAULT_IMAGE) -> str:
+def rayservice_yaml(config: SpecServeConfig, image: str = DEFAULT_IMAGE,
+                    models_claim: str | None = DEFAULT_MODELS_CLAIM) -> str:
     return "# Generated by `specserve k8s-manifest`; do not edit by hand.\n" + \
-        yaml.dump(rayservice_manifest(config, image), Dumper=_BlockStringDumper, sort_keys=False, width=120)
+        yaml.dump(rayservice_manifest(config, image, models_claim=models_claim), Dumper=_BlockStringDumper,
+                  sort_keys=False, width=120)

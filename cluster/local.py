@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import httpx
 import ray
 from ray import serve
+from ray.serve.schema import ApplicationStatus, DeploymentStatus
 
 from cluster.builder import APP_NAME, build_app
 from cluster.config import SpecServeConfig
@@ -22,6 +24,12 @@ logger = logging.getLogger(__name__)
 # RPC reply rather than in the object store, which costs an extra round trip per round.
 RAY_SYSTEM_CONFIG = {"max_direct_call_object_size": 4 * 1024 * 1024}
 DRAIN_FLUSH_S = 0.5  # after the routers are empty, time for the ingress to send the last chunks
+STATUS_POLL_S = 0.25  # how often a start-up looks at the application's status
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class StartupError(RuntimeError):
+    """A deployment could not start: the message is its replica's own exception (the CLI prints it)."""
 
 
 def logical_cpus_needed(config: SpecServeConfig) -> int:
@@ -119,20 +127,61 @@ def start_local(config: SpecServeConfig, dashboard: bool = False, timeout_s: flo
     check_port_free(config.http.host, config.http.port)
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(num_cpus=logical_cpus_needed(config), resources=custom_resources_needed(config),
-                 include_dashboard=dashboard, _metrics_export_port=metrics_export_port(config),
-                 _system_config={**RAY_SYSTEM_CONFIG, **metrics_system_config(config)},
-                 configure_logging=False, log_to_driver=False)
+        try:
+            ray.init(num_cpus=logical_cpus_needed(config), resources=custom_resources_needed(config),
+                     include_dashboard=dashboard, _metrics_export_port=metrics_export_port(config),
+                     _system_config={**RAY_SYSTEM_CONFIG, **metrics_system_config(config)},
+                     configure_logging=False, log_to_driver=False)
+        except Exception as exc:  # Ray raises a bare Exception when its node does not come up
+            raise StartupError(f"Ray did not start on this machine: {exc}") from exc
     try:
         serve.start(http_options={"host": config.http.host, "port": config.http.port})
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        deadline = time.monotonic() + timeout_s
+        deploy_and_wait(config, timeout_s)
         url = f"http://{config.http.host}:{config.http.port}"
-        wait_healthy(url, timeout_s)
+        wait_healthy(url, max(deadline - time.monotonic(), 1.0))
     except BaseException:
         if started_ray:
             stop_local()
         raise
     return url
+
+
+def deploy_and_wait(config: SpecServeConfig, timeout_s: float) -> None:
+    """Deploy the application and wait until it runs. StartupError, with the replica's own
+    exception, as soon as a replica fails to start: a local replica fails again the same way (a
+    KV budget too small, a missing file, a wrong dtype), so Serve's retries, each loading the
+    model, would only delay the message, and Serve's own error names only the deployments.
+    TimeoutError, with what Serve says of each deployment, if it does not run within timeout_s
+    (e.g. replicas that cannot be placed)."""
+    serve.run_many([serve.RunTarget(target=build_app(config), name=APP_NAME, route_prefix="/")],
+                   wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        app = serve.status().applications.get(APP_NAME)
+        if app is not None:
+            if app.status == ApplicationStatus.RUNNING:
+                return
+            for name, deployment in app.deployments.items():
+                if deployment.status == DeploymentStatus.DEPLOY_FAILED or "failed to start" in deployment.message:
+                    raise StartupError(f"{name} failed to start: {replica_cause(deployment.message)}")
+            if app.status == ApplicationStatus.DEPLOY_FAILED:
+                raise StartupError(f"the application failed to deploy: {replica_cause(app.message)}")
+        if time.monotonic() > deadline:
+            waiting = "" if app is None else "".join(f"\n  {name}: {d.message or d.status}"
+                                                     for name, d in app.deployments.items())
+            raise TimeoutError(f"specserve did not start within {timeout_s:.0f} s{waiting}")
+        time.sleep(STATUS_POLL_S)
+
+
+def replica_cause(message: str) -> str:
+    """The innermost exception of a Serve status message, which nests the replica's traceback, the
+    engine actor's and the exception the engine raised: the lines from the last exception line
+    (one at column 0 right after a traceback frame) to the end; the whole message if it holds none."""
+    lines = _ANSI_ESCAPE.sub("", message).strip().splitlines()
+    starts = [index for index in range(1, len(lines))
+              if lines[index][:1].strip() and lines[index - 1].startswith(" ")]
+    return "\n".join(lines[starts[-1]:]) if starts else "\n".join(lines)
 
 
 def wait_healthy(url: str, timeout_s: float) -> None:

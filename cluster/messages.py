@@ -37,6 +37,7 @@ class CallSpan:
     entered_s: float
     started_s: float
     left_s: float
+    cached_tokens: int = 0   # tokens of the sequence the engine found in its prefix cache when it admitted it
 
     @property
     def engine_s(self) -> float:
@@ -81,6 +82,13 @@ class KvUsage:
     tokens_held: int
     bytes_reserved: int
     preemptions: int
+    blocks_cached: int = 0           # unreferenced blocks kept for prefix caching (counted in blocks_free)
+    prefix_cache_queries: int = 0    # tokens looked for in the prefix cache (new sequences, prefill chunks) ...
+    prefix_cache_hits: int = 0       # ... and found there (vLLM's counters)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else None
 
 
 @dataclass(frozen=True)
@@ -158,3 +166,36 @@ class PolicyDecision:
     def same_choice(self, other: "PolicyDecision") -> bool:
         return (self.num_draft_tokens, self.target_replicas, self.draft_replicas) == \
             (other.num_draft_tokens, other.target_replicas, other.draft_replicas)
+
+
+@dataclass
+class PositionCounts:
+    """Per draft position j (0 = the block's first token): rounds that drafted it and rounds that
+    kept it. A round drafting K tokens and keeping a adds 1 to drafted[0..K-1] and accepted[0..a-1]."""
+
+    drafted: list[int]
+    accepted: list[int]
+
+    @classmethod
+    def of_round(cls, drafted: int, accepted: int) -> "PositionCounts":
+        return cls([1] * drafted, [1] * accepted + [0] * (drafted - accepted))
+
+    def add(self, other: "PositionCounts") -> None:
+        width = max(len(self.drafted), len(other.drafted))
+        for counts, more in ((self.drafted, other.drafted), (self.accepted, other.accepted)):
+            counts.extend([0] * (width - len(counts)))
+            for j, count in enumerate(more):
+                counts[j] += count
+
+    def minus(self, earlier: "PositionCounts") -> "PositionCounts":
+        pad = [0] * len(self.drafted)
+        return PositionCounts([a - b for a, b in zip(self.drafted, earlier.drafted + pad)],
+                              [a - b for a, b in zip(self.accepted, earlier.accepted + pad)])
+
+    @property
+    def total_drafted(self) -> int:
+        return sum(self.drafted)
+
+    def acceptance(self) -> float | None:
+        """Accepted / drafted over all positions (what `specserve status` shows)."""
+        return sum(self.accepted) / self.total_drafted if self.total_drafted else None

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from cluster.messages import POOLS, EngineStats
+from cluster.messages import POOLS, EngineStats, KvUsage
 from deployments.naming import DRAFT_TRAINER_PREFIX, ENGINE_NAMESPACE, parse_engine_actor_name
 
 POOL_DEPLOYMENTS = {"draft": "DraftWorker", "target": "TargetWorker"}
@@ -51,6 +51,9 @@ def summarize(engine_stats: Sequence[EngineStats | UnreachableEngine], router_st
             # Paged KV (decoding.paged_cache): blocks in use and free over the pool's engines.
             "kv_blocks_used": sum(e.kv.blocks_used for e in alive if e.kv is not None),
             "kv_blocks_free": sum(e.kv.blocks_free for e in alive if e.kv is not None),
+            "kv_blocks_cached": sum(e.kv.blocks_cached for e in alive if e.kv is not None),
+            # Prefix caching: the share of admitted sequences' tokens found in the cache (vLLM's hit rate).
+            "prefix_cache_hit_rate": _hit_rate([e.kv for e in alive if e.kv is not None]),
             "mean_batch_size": sum(e.batch_rows_total for e in alive) / forwards if forwards else None,
             "utilisation": busy / (busy + idle) if busy + idle > 0 else None,
             "engines": [_engine_row(e) for e in engines],
@@ -67,6 +70,11 @@ def summarize(engine_stats: Sequence[EngineStats | UnreachableEngine], router_st
     }
 
 
+def _hit_rate(usages: Sequence[KvUsage]) -> float | None:
+    queries = sum(usage.prefix_cache_queries for usage in usages)
+    return sum(usage.prefix_cache_hits for usage in usages) / queries if queries else None
+
+
 def _engine_row(engine: EngineStats | UnreachableEngine) -> dict[str, Any]:
     if isinstance(engine, UnreachableEngine):
         return asdict(engine)
@@ -78,10 +86,10 @@ def render_table(summary: Mapping[str, Any]) -> str:
     def fmt(value: Any, digits: int = 2) -> str:
         return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
-    rows = [("pool", "replicas", "sequences", "queue", "batch", "busy")]
+    rows = [("pool", "replicas", "sequences", "queue", "batch", "busy", "cache-hit")]
     for pool, info in summary["pools"].items():
         rows.append((pool, fmt(info["replicas"]), fmt(info["sequences"]), fmt(info["queue_depth"]),
-                     fmt(info["mean_batch_size"]), fmt(info["utilisation"])))
+                     fmt(info["mean_batch_size"]), fmt(info["utilisation"]), fmt(info["prefix_cache_hit_rate"])))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     load, policy = summary["load"], summary["policy"]

@@ -1,29 +1,33 @@
-"""A model runner that serves many sequences in ONE forward, over a paged KV cache.
+"""The engines' model runner: many sequences in ONE forward, over a paged KV cache, for any decoder.
 
-Same full-history protocol as `ModelRunner` (each call names the whole history; the runner reuses
-the longest cached prefix, crops the rest and computes the remainder), but `forward_batch` runs
-every call's remainder together: right-padded input ids, per-row position ids, a 4D additive mask
-and a boolean `logits_to_keep`, keys and values in blocks of a budgeted pool (decoding.paged_cache), so only the rows asked for reach the LM head.
-For Llama-shaped models the forward is decoding.lean_forward's (same arithmetic, bit-identical
-logits on the default pair, less Python per step); other architectures run transformers' own
-forward and attention over the same cache.
+Full-history protocol (each call names the whole history; the runner reuses the longest cached
+prefix, crops the rest and computes the remainder; with prefix caching that prefix may come from
+blocks other sequences computed, see `_reuse`); `forward_batch` runs every call's remainder
+together: right-padded input ids, per-row position ids and a boolean `logits_to_keep`, keys and
+values in blocks of a budgeted pool (decoding.paged_cache), so only the rows asked for reach the
+LM head. The model runs its own forward, whatever its architecture (q/k norms, fused projections,
+MoE, soft-capping, sliding windows per layer): its attention is decoding.paged_attention's,
+registered in transformers' AttentionInterface, as vLLM's Transformers backend does. For
+full-attention Llama-shaped models decoding.lean_forward runs the same attention with less Python
+per step (docs/performance.md has the measurement that keeps it).
 
-`load_runner` / `runner_for_model` pick this path when the architecture allows it and fall back to
-the per-sequence ModelRunner otherwise, saying which in one log line.
+A model this path cannot serve (encoder-decoder, a layer that does not attend through the
+interface, e.g. recurrent or linear attention) is refused at load with UnsupportedModelError
+naming what is unsupported; there is no slower fallback.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from decoding.model_runner import (
     ForwardCall,
-    ModelRunner,
     NoFreeSlotError,
     RunnerBase,
     SequenceStateError,
@@ -32,38 +36,58 @@ from decoding.model_runner import (
     model_path_of,
 )
 from decoding.lean_forward import LeanDecoder, lean_support
+from decoding.paged_attention import ATTENTION_NAME, FLASH_BLOCK_SIZE, PagedAttentionError, flash_kernel_available
+from decoding.paged_attention import register as register_paged_attention
 from decoding.paged_cache import (
     DEFAULT_BLOCK_SIZE,
     GIB,
     KVCapacity,
     NoFreeBlocksError,
     PagedKVCache,
+    block_key,
     blocks_for,
-    cuda_kv_budget_bytes,
+    gpu_kv_budget_bytes,
     kv_capacity,
     paged_layout,
+    salt_hash,
 )
 
-__all__ = ["BatchedModelRunner", "ForwardCall", "NoFreeBlocksError", "NoFreeSlotError", "SequenceStateError", "load_runner",
-           "runner_for_model", "slot_path_support"]
+__all__ = ["BatchedModelRunner", "ForwardCall", "NoFreeBlocksError", "NoFreeSlotError", "SequenceStateError",
+           "UnsupportedModelError", "decoder_support", "load_runner", "runner_for_model"]
 
 logger = logging.getLogger(__name__)
-
-# Architectures whose attention, in transformers 5.23, takes a user 4D additive mask unchanged,
-# gets positions only from position_ids, and touches the cache only through update().
-SLOT_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral", "gpt2"})
-# Attention kernels that add a float mask to the scores (flash/flex take no 4D float mask).
-SLOT_ATTENTION = frozenset({"sdpa", "eager"})
 # KV budget per engine on CPU when none is given: vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE). The
 # pool grows with use, so an engine holding few tokens holds little of it.
 DEFAULT_KV_CACHE_MEMORY_GB = 4.0
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
+# The largest forwards an engine plans with the default batching settings: a step batch of
+# max_batch_rows rows of up to max_step_tokens, and one prefill chunk of prefill_token_budget.
+DEFAULT_PROFILE_BATCHES = ((64, 16), (1, 256))
+
+
+class UnsupportedModelError(ValueError):
+    """The model is not a decoder whose every layer attends through transformers' attention
+    interface, so the paged engine cannot serve it (raised at load, naming what is unsupported)."""
 
 
 @dataclass
 class _PagedSequence:
     blocks: list[int]     # its block table: token i lives in blocks[i // block_size]
     token_ids: list[int]  # exactly the tokens whose keys/values the blocks hold
+    # With prefix caching: the chained hash of each full block of token_ids (paged_cache.block_key).
+    hashes: list[int] = field(default_factory=list)
+    cached_tokens: int = 0   # tokens it has found in the prefix cache (at admission, or a later chunk's)
+
+
+@dataclass
+class _Reuse:
+    """How one call of a batch starts: from `start` tokens already in its table, after sharing
+    `hits` (cached blocks found for the tokens after what it held)."""
+
+    start: int
+    hits: list[tuple[int, int]]   # (block, its chained hash), in table order
+    new: bool                     # the runner admits the sequence with this call
+    looked_up: int = 0            # tokens it looked for in the prefix cache (from its first not fully held block)
 
 
 class BatchedModelRunner(RunnerBase):
@@ -72,26 +96,101 @@ class BatchedModelRunner(RunnerBase):
     def _init_from_model(self, model, max_sequences: int, model_path: str, lean: bool = True,
                          max_model_len: int | None = None, kv_cache_memory_gb: float | None = None,
                          gpu_memory_utilization: float | None = None,
-                         block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+                         block_size: int = DEFAULT_BLOCK_SIZE, gpu_share: float = 1.0,
+                         profile_batches: Sequence[tuple[int, int]] = DEFAULT_PROFILE_BATCHES,
+                         prefix_caching: bool = True, cache_salt: str | None = None) -> None:
         """lean: run decoding.lean_forward where the architecture has one (else transformers' forward).
         max_model_len: longest sequence served (default: the model's max_position_embeddings).
-        kv_cache_memory_gb: the KV budget on CPU; on CUDA, gpu_memory_utilization decides it
-        (cuda_kv_budget_bytes), as vLLM's two settings do."""
-        super()._init_from_model(model, max_sequences, model_path, max_model_len)
-        supported, reason = slot_path_support(model)
+        kv_cache_memory_gb: the KV budget on CPU; on CUDA, gpu_memory_utilization of the engine's
+        gpu_share of the device, less the weights and the peak activations of the largest forwards
+        (profile_batches: (rows, new tokens) the scheduler can plan) decide it (gpu_kv_budget_bytes),
+        as vLLM's two settings do.
+        prefix_caching: full blocks stay findable by their tokens after their sequence lets go of
+        them, and a sequence starts from the longest cached prefix (docs/kv-memory.md).
+        cache_salt: what besides the tokens decides the keys and values (default: model_path; a
+        draft engine adds the version it serves), the root of every block's hash chain."""
+        supported, reason = decoder_support(model)
         if not supported:
-            raise ValueError(f"{model_path}: the paged KV cache cannot serve this model ({reason}); "
-                             "use load_runner / runner_for_model to fall back to ModelRunner")
+            raise UnsupportedModelError(f"{model_path}: specserve's engine cannot serve this model: {reason}")
+        super()._init_from_model(model, max_sequences, model_path, max_model_len)
+        register_paged_attention()
+        try:
+            model.set_attn_implementation(ATTENTION_NAME)
+        except (ValueError, KeyError) as error:   # transformers refuses a custom attention for it
+            raise UnsupportedModelError(f"{model_path}: its attention cannot be replaced: {error}") from error
         self._dtype = next(model.parameters()).dtype
+        flash = flash_kernel_available(self.device)
+        if flash:
+            block_size = FLASH_BLOCK_SIZE
+        elif self.device.type == "cuda":
+            logger.warning("%s: flash-attn with a paged kernel is not installed: attention gathers each sequence's "
+                           "blocks per layer (the CPU path); install flash-attn for the paged kernel", model_path)
+        self.lean = LeanDecoder(model) if lean and lean_support(model)[0] else None
         if self.device.type == "cuda":
-            budget = cuda_kv_budget_bytes(self.device, gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION)
+            budget = gpu_kv_budget_bytes(torch.cuda.get_device_properties(self.device).total_memory,
+                                         gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION, gpu_share,
+                                         torch.cuda.memory_allocated(self.device),
+                                         max(self._peak_activation_bytes(rows, tokens, block_size, flash)
+                                             for rows, tokens in profile_batches))
         else:
             budget = (kv_cache_memory_gb or DEFAULT_KV_CACHE_MEMORY_GB) * GIB
         self.kv_capacity: KVCapacity = kv_capacity(self.config, self._dtype, budget, self.max_context, block_size)
         self.cache = PagedKVCache(num_layers=self.config.num_hidden_layers, num_blocks=self.kv_capacity.num_blocks,
-                                  block_size=block_size, device=self.device)
+                                  block_size=block_size, device=self.device, flash=flash)
         self._sequences: dict[str, _PagedSequence] = {}
-        self.lean = LeanDecoder(model) if lean and lean_support(model)[0] else None
+        self.prefix_caching = prefix_caching
+        self._salt = salt_hash(cache_salt or model_path)
+        # vLLM's counters: tokens calls looked for in the prefix cache (all a new sequence's but the
+        # rows it asks for; a held one's past what it holds, when it recomputes any), and found there.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.last_num_new_tokens = 0   # tokens the last forward computed
+        # Its forward also shapes every layer's pool: on CUDA the whole budget is allocated here,
+        # so an out-of-memory shows at start, not on the first request.
+        self._check_every_layer_attends_through_the_cache()
+
+    def _peak_activation_bytes(self, rows: int, tokens: int, block_size: int, flash: bool) -> int:
+        """CUDA only (never run here: no GPU): device memory a forward of rows x tokens new tokens
+        takes beyond its keys and values, measured on a throw-away cache, as vLLM profiles a dummy
+        batch before sizing its KV cache."""
+        per_row = blocks_for(tokens, block_size)
+        scratch = PagedKVCache(num_layers=self.config.num_hidden_layers, num_blocks=rows * per_row,
+                               block_size=block_size, device=self.device, flash=flash)
+        tables = [scratch.allocate(per_row) for _ in range(rows)]
+        layout = paged_layout(tables, [0] * rows, [tokens] * rows, block_size, dtype=self._dtype, device=self.device)
+        keep = torch.zeros((rows, tokens), dtype=torch.bool, device=self.device)
+        keep[:, -1] = True
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self._logits(torch.zeros((rows, tokens), dtype=torch.long, device=self.device), layout, keep,
+                     scratch.view(layout))
+        peak = torch.cuda.max_memory_allocated(self.device) - before - scratch.reserved_bytes()
+        del scratch
+        torch.cuda.empty_cache()
+        return max(0, peak)
+
+    def _check_every_layer_attends_through_the_cache(self) -> None:
+        """One 1-token forward at load: every layer must have stored its keys through the paged
+        attention, else the model keeps state of its own (recurrent or linear-attention layers)
+        that rollback and batching would silently get wrong."""
+        blocks = self.cache.allocate(1)
+        try:
+            layout = paged_layout([blocks], [0], [1], self.block_size, dtype=self._dtype, device=self.device)
+            view = self.cache.view(layout)
+            keep = torch.ones((1, 1), dtype=torch.bool, device=self.device)
+            try:
+                self._logits(torch.zeros((1, 1), dtype=torch.long, device=self.device), layout, keep, view)
+            except PagedAttentionError as error:
+                raise UnsupportedModelError(f"{self.model_path}: {error}") from error
+        finally:
+            self.cache.free(blocks)
+        missing = sorted(set(range(self.config.num_hidden_layers)) - view.layers_attended)
+        if missing:
+            raise UnsupportedModelError(
+                f"{self.model_path}: layers {missing} of {self.config.num_hidden_layers} do not attend through "
+                "transformers' attention interface (recurrent or linear-attention layers?); specserve's engine "
+                "cannot serve this model")
 
     def forward(self, seq_id: str, token_ids: Sequence[int], num_rows: int = 1) -> torch.Tensor:
         """Make seq_id's cache hold exactly token_ids; return float32 logits [num_rows, V] for the
@@ -108,24 +207,12 @@ class BatchedModelRunner(RunnerBase):
             return []
         histories = self._checked_batch(calls)
         held = [self._sequences.get(call.seq_id) for call in calls]
-        starts, num_new = [], []
-        for call, history, entry in zip(calls, histories, held):
-            reused = 0 if entry is None else _common_prefix_length(entry.token_ids, history,
-                                                                   len(history) - call.num_rows)
-            if entry is not None:
-                self._crop(entry, reused)   # a rollback: blocks past the reused prefix go back
-            starts.append(reused)
-            num_new.append(len(history) - reused)
-        needed = [blocks_for(len(history), self.block_size) - (0 if entry is None else len(entry.blocks))
-                  for history, entry in zip(histories, held)]
-        if sum(needed) > self.cache.num_free:
-            raise NoFreeBlocksError(f"this batch needs {sum(needed)} more KV blocks, {self.cache.num_free} of "
-                                    f"{self.cache.num_blocks} are free; wait for sequences to finish")
-        new_seq_ids = [call.seq_id for call, entry in zip(calls, held) if entry is None]
-        entries = [entry if entry is not None else self._sequences.setdefault(call.seq_id, _PagedSequence([], []))
-                   for call, entry in zip(calls, held)]
-        for entry, count in zip(entries, needed):
-            entry.blocks.extend(self.cache.allocate(count))
+        reuses = [self._reuse(history, call.num_rows, entry) for call, history, entry in zip(calls, histories, held)]
+        entries = self._take_blocks(calls, histories, held, reuses)
+        starts = [reuse.start for reuse in reuses]
+        num_new = [len(history) - start for history, start in zip(histories, starts)]
+        self.last_num_new_tokens = sum(num_new)   # what this forward computes (engines' cost samples)
+        new_seq_ids = [call.seq_id for call, reuse in zip(calls, reuses) if reuse.new]
 
         layout = paged_layout([entry.blocks for entry in entries], starts, num_new, self.block_size,
                               dtype=self._dtype, device=self.device)
@@ -147,6 +234,8 @@ class BatchedModelRunner(RunnerBase):
             raise
         for entry, history in zip(entries, histories):
             entry.token_ids = history
+            if self.prefix_caching:
+                self._publish_full_blocks(entry)
         # The boolean keep mask flattens the kept rows in (row, column) order.
         logits = self._served_columns(logits.float())
         offsets = [0]
@@ -155,27 +244,146 @@ class BatchedModelRunner(RunnerBase):
         return [logits[offsets[i]:offsets[i + 1]] for i in range(len(calls))]
 
     @torch.inference_mode()
-    def _logits(self, input_ids: torch.Tensor, layout, keep: torch.Tensor) -> torch.Tensor:
+    def _logits(self, input_ids: torch.Tensor, layout, keep: torch.Tensor, view=None) -> torch.Tensor:
         """The model's logits for the kept (row, column) positions, in that order: [kept, V]."""
+        view = self.cache.view(layout) if view is None else view
         if self.lean is not None:
-            return self.lean.forward(input_ids, layout.position_ids, layout.attention_mask, self.cache.view(layout), keep)
-        return self.model(input_ids=input_ids, position_ids=layout.position_ids, attention_mask=layout.attention_mask,
-                          past_key_values=self.cache.view(layout), use_cache=True, logits_to_keep=keep).logits
+            return self.lean.forward(input_ids, layout.position_ids, view, keep)
+        # The model keeps no cache of its own (use_cache=False): its attention stores keys and
+        # values in the paged view it receives as a keyword (decoding.paged_attention).
+        return self.model(input_ids=input_ids, position_ids=layout.position_ids, use_cache=False,
+                          logits_to_keep=keep, paged_batch=view).logits
+
+    def _reuse(self, history: list[int], num_rows: int, entry: _PagedSequence | None) -> _Reuse:
+        """Where a call starts: the longest prefix of history its own table holds (cropping the
+        rest: a rollback), extended by cached blocks that hold the next full blocks of history.
+        Only the crop changes state (as a rollback, it is valid whatever follows); num_rows
+        positions are always recomputed."""
+        limit = len(history) - num_rows
+        held = 0 if entry is None else _common_prefix_length(entry.token_ids, history, limit)
+        if entry is not None:
+            self._crop(entry, held)
+        hits = self._cached_blocks(history, held, limit, [] if entry is None else entry.hashes)
+        aligned = held // self.block_size * self.block_size
+        looked_up = limit - aligned if self.prefix_caching and held < limit else 0
+        if not hits:
+            return _Reuse(held, [], entry is None, looked_up)
+        if entry is not None:
+            self._crop(entry, aligned)   # its partly valid last block gives way to a cached full one
+        return _Reuse(aligned + len(hits) * self.block_size, hits, entry is None, looked_up)
+
+    def _cached_blocks(self, history: list[int], held: int, limit: int, hashes: list[int]) -> list[tuple[int, int]]:
+        """(block, chained hash) of the cached blocks holding history's full blocks after the
+        first held tokens, up to the first one not cached, within the first limit tokens
+        (hashes: those of the held full blocks)."""
+        if not self.prefix_caching:
+            return []
+        size = self.block_size
+        first = held // size
+        parent = hashes[first - 1] if first else self._salt
+        hits = []
+        for index in range(first, limit // size):
+            key = block_key(parent, history[index * size:(index + 1) * size])
+            block = self.cache.find(key)
+            if block is None:
+                break
+            parent = hash(key)
+            hits.append((block, parent))
+        return hits
+
+    def _take_blocks(self, calls: Sequence[ForwardCall], histories: list[list[int]],
+                     held: list[_PagedSequence | None], reuses: list[_Reuse]) -> list[_PagedSequence]:
+        """Every call's table made to cover its history: cached blocks shared, a shared or
+        published last block the call writes into copied or unpublished, new blocks allocated.
+        NoFreeBlocksError, admitting nothing and taking no block, when the pool cannot cover them."""
+        size = self.block_size
+        writes_into_last = [reuse.start % size != 0 for reuse in reuses]   # then it is held and hit nothing
+        shares = Counter(block for reuse in reuses for block, _ in reuse.hits)
+        copies = sum(self.cache.refs(entry.blocks[-1]) + shares[entry.blocks[-1]] > 1
+                     for entry, partial in zip(held, writes_into_last) if partial)
+        needed = copies + sum(blocks_for(len(history), size) - len(reuse.hits) - (0 if entry is None else len(entry.blocks))
+                              for history, entry, reuse in zip(histories, held, reuses))
+        revived = len({block for reuse in reuses for block, _ in reuse.hits if self.cache.refs(block) == 0})
+        if needed + revived > self.cache.num_free:
+            raise NoFreeBlocksError(f"this batch needs {needed + revived} more KV blocks, {self.cache.num_free} of "
+                                    f"{self.cache.num_blocks} are free; wait for sequences to finish")
+        entries = []
+        for call, history, entry, reuse in zip(calls, histories, held, reuses):
+            if entry is None:
+                entry = self._sequences[call.seq_id] = _PagedSequence([], [])
+            entry.cached_tokens += len(reuse.hits) * size
+            self.prefix_cache_queries += reuse.looked_up
+            self.prefix_cache_hits += len(reuse.hits) * size
+            for block, block_hash in reuse.hits:
+                self.cache.share(block)
+                entry.blocks.append(block)
+                entry.hashes.append(block_hash)
+            if reuse.hits:
+                entry.token_ids = history[:reuse.start]
+            entries.append(entry)
+        # After every share: a block another call of this batch just shared must be copied too.
+        for entry, partial in zip(entries, writes_into_last):
+            if partial:
+                self._make_last_block_writable(entry)
+        for entry, history in zip(entries, histories):
+            entry.blocks.extend(self.cache.allocate(blocks_for(len(history), size) - len(entry.blocks)))
+        return entries
+
+    def _make_last_block_writable(self, entry: _PagedSequence) -> None:
+        """The call writes into its table's last block after its first tokens: a block other
+        tables hold is copied first (copy-on-write), a block only it holds stops being findable
+        (its key no longer says what it holds)."""
+        block = entry.blocks[-1]
+        if self.cache.refs(block) > 1:
+            copy = self.cache.allocate(1)[0]
+            self.cache.copy_block(block, copy)
+            self.cache.free([block])
+            entry.blocks[-1] = copy
+        else:
+            self.cache.unpublish(block)
+
+    def _publish_full_blocks(self, entry: _PagedSequence) -> None:
+        """Make the blocks entry has just filled findable by their chained keys."""
+        size, tokens = self.block_size, entry.token_ids
+        parent = entry.hashes[-1] if entry.hashes else self._salt
+        for index in range(len(entry.hashes), len(tokens) // size):
+            key = block_key(parent, tokens[index * size:(index + 1) * size])
+            self.cache.publish(entry.blocks[index], key)
+            parent = hash(key)
+            entry.hashes.append(parent)
 
     def _crop(self, entry: _PagedSequence, length: int) -> None:
-        """Keep the first length tokens and the blocks they need; the rest go back to the pool."""
+        """Keep the first length tokens and the blocks they need; the rest are let go (tail first)."""
         if length < len(entry.token_ids):
             del entry.token_ids[length:]
+        del entry.hashes[length // self.block_size:]
         keep = blocks_for(length, self.block_size)
         if keep < len(entry.blocks):
-            self.cache.free(entry.blocks[keep:])
+            self.cache.free(entry.blocks[keep:][::-1])
             del entry.blocks[keep:]
 
     def release(self, seq_id: str) -> None:
-        """Forget seq_id and free its blocks (idempotent)."""
+        """Forget seq_id and let go of its blocks (idempotent); its full blocks stay cached."""
         entry = self._sequences.pop(seq_id, None)
         if entry is not None:
-            self.cache.free(entry.blocks)
+            self.cache.free(entry.blocks[::-1])
+
+    def cached_prefix_length(self, seq_id: str, token_ids: Sequence[int], num_rows: int = 1) -> int:
+        """Tokens of token_ids a call would not compute now: what seq_id holds of them, extended
+        by the prefix cache (what the scheduler plans a new sequence's prefill from)."""
+        history = list(token_ids)
+        entry = self._sequences.get(seq_id)
+        limit = len(history) - num_rows
+        held = 0 if entry is None else _common_prefix_length(entry.token_ids, history, limit)
+        hits = self._cached_blocks(history, held, limit, [] if entry is None else entry.hashes)
+        return held // self.block_size * self.block_size + len(hits) * self.block_size if hits else held
+
+    def prefix_cached_tokens(self, seq_id: str) -> int:
+        """Tokens seq_id has found in the prefix cache (OpenAI's cached_tokens, read after its
+        prefill): at admission, and when a later chunk of its prefill found blocks that another
+        sequence finished meanwhile."""
+        entry = self._sequences.get(seq_id)
+        return 0 if entry is None else entry.cached_tokens
 
     @property
     def block_size(self) -> int:
@@ -190,70 +398,65 @@ class BatchedModelRunner(RunnerBase):
         return 0 if entry is None else len(entry.blocks)
 
     def kv_usage(self) -> dict[str, int]:
-        """KV blocks used and free, tokens held and bytes reserved: for engine stats and metrics."""
+        """KV blocks used, free (cached ones among them), tokens held, bytes reserved and the
+        prefix cache's counters: for engine stats and metrics."""
         return {"kv_blocks_used": self.cache.num_used, "kv_blocks_free": self.cache.num_free,
+                "kv_blocks_cached": self.cache.num_cached,
+                "prefix_cache_queries": self.prefix_cache_queries, "prefix_cache_hits": self.prefix_cache_hits,
                 "kv_block_size": self.block_size,
                 "kv_tokens_held": sum(len(entry.token_ids) for entry in self._sequences.values()),
                 "kv_bytes_reserved": self.cache.reserved_bytes()}
 
 
-def slot_path_support(model) -> tuple[bool, str]:
-    """(True, why) when BatchedModelRunner computes exactly what the model computes alone, else
-    (False, why not). Decided from the config: model type, attention kernel, sliding windows."""
+def decoder_support(model) -> tuple[bool, str]:
+    """(True, why) when the model is a decoder the paged engine can run, else (False, why not),
+    from what can be read before a forward: a causal decoder whose forward takes logits_to_keep.
+    Whether every layer attends through the interface is checked by a forward at load."""
     config = model.config.get_text_config(decoder=True)
     model_type = getattr(config, "model_type", None)
-    attention = getattr(config, "_attn_implementation", None)
-    context = int(config.max_position_embeddings)
-    if model_type not in SLOT_MODEL_TYPES:
-        return False, (f"model type {model_type!r} is not one the batched KV path is proven on "
-                       f"({', '.join(sorted(SLOT_MODEL_TYPES))})")
-    if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
-        return False, "cross-attention needs an encoder-decoder cache"
+    if getattr(model.config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
+        return False, f"{model_type!r} is an encoder-decoder (cross-attention needs an encoder cache)"
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
-        return False, "its forward takes no logits_to_keep"
-    if attention not in SLOT_ATTENTION:
-        return False, f"attention kernel {attention!r} takes no 4D additive mask (need sdpa or eager)"
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    windowed_layers = layer_types is None or any(kind != "full_attention" for kind in layer_types)
-    if window is not None and window < context and windowed_layers:
-        return False, f"sliding window {window} is shorter than the context {context}"
-    return True, f"{model_type} with {attention} attention and full-context attention on every layer"
+        return False, f"{type(model).__name__}.forward takes no logits_to_keep"
+    return True, f"{model_type} decoder"
 
 
 def runner_for_model(model, max_sequences: int = 256, model_path: str | None = None,
                      lean_forward: bool = True, max_model_len: int | None = None,
                      kv_cache_memory_gb: float | None = None,
-                     gpu_memory_utilization: float | None = None) -> BatchedModelRunner | ModelRunner:
-    """BatchedModelRunner over `model` when the paged path supports it (running the lean forward
-    where the architecture has one and lean_forward is set), else ModelRunner; logs one line
-    saying which and why, and the KV capacity (see BatchedModelRunner._init_from_model)."""
+                     gpu_memory_utilization: float | None = None, gpu_share: float = 1.0,
+                     profile_batches: Sequence[tuple[int, int]] = DEFAULT_PROFILE_BATCHES,
+                     prefix_caching: bool = True, cache_salt: str | None = None) -> BatchedModelRunner:
+    """BatchedModelRunner over `model` (running the lean forward where the architecture has one and
+    lean_forward is set); logs one line saying which forward, the KV capacity and whether prefix
+    caching is on (see BatchedModelRunner._init_from_model). UnsupportedModelError for a model it
+    cannot serve."""
     path = model_path or model_path_of(model)
-    supported, reason = slot_path_support(model)
-    if not supported:
-        logger.info("%s: per-sequence runner (no batching) (%s)", path, reason)
-        runner = ModelRunner.__new__(ModelRunner)
-        runner._init_from_model(model, max_sequences=max_sequences, model_path=path, max_model_len=max_model_len)
-        return runner
     lean, lean_reason = lean_support(model) if lean_forward else (False, "lean_forward is off")
     runner = BatchedModelRunner.__new__(BatchedModelRunner)
     runner._init_from_model(model, max_sequences=max_sequences, model_path=path, lean=lean,
                             max_model_len=max_model_len, kv_cache_memory_gb=kv_cache_memory_gb,
-                            gpu_memory_utilization=gpu_memory_utilization)
-    logger.info("%s: batched paged-KV runner (%s; %s); %s", path, reason,
-                lean_reason if lean else f"transformers forward: {lean_reason}", runner.kv_capacity.describe())
+                            gpu_memory_utilization=gpu_memory_utilization, gpu_share=gpu_share,
+                            profile_batches=profile_batches, prefix_caching=prefix_caching, cache_salt=cache_salt)
+    logger.info("%s: batched paged-KV runner (%s; %s); %s; prefix caching %s", path, decoder_support(model)[1],
+                lean_reason if lean else f"transformers forward: {lean_reason}", runner.kv_capacity.describe(),
+                "on" if prefix_caching else "off")
     return runner
 
 
-def load_runner(spec: dict) -> BatchedModelRunner | ModelRunner:
+def load_runner(spec: dict) -> BatchedModelRunner:
     """The runner for a model spec mapping (path, dtype, device, torch_threads, max_sequences,
-    lean_forward, and optionally max_model_len, kv_cache_memory_gb, gpu_memory_utilization),
-    batched when the architecture allows it (see runner_for_model)."""
+    lean_forward, and optionally max_model_len, kv_cache_memory_gb, gpu_memory_utilization,
+    prefix_caching, cache_salt, and the builder's gpu_share and profile_batches: see
+    BatchedModelRunner._init_from_model)."""
     model = load_causal_lm(spec["path"], dtype=spec["dtype"], device=spec["device"],
                            num_threads=spec["torch_threads"])
     runner = runner_for_model(model, max_sequences=spec["max_sequences"], model_path=spec["path"],
                               lean_forward=spec.get("lean_forward", True), max_model_len=spec.get("max_model_len"),
                               kv_cache_memory_gb=spec.get("kv_cache_memory_gb"),
-                              gpu_memory_utilization=spec.get("gpu_memory_utilization"))
+                              gpu_memory_utilization=spec.get("gpu_memory_utilization"),
+                              gpu_share=spec.get("gpu_share", 1.0),
+                              profile_batches=[tuple(batch) for batch in spec.get("profile_batches", DEFAULT_PROFILE_BATCHES)],
+                              prefix_caching=spec.get("prefix_caching", True), cache_salt=spec.get("cache_salt"))
     runner.serve_as(spec.get("vocab_size"), spec.get("eos_token_ids"))
     return runner

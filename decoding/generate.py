@@ -8,13 +8,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from decoding.grammar import GrammarDeadEndError, GrammarMatcher, GrammarMatchers
-from decoding.model_runner import ForwardCall, ModelRunner, RunnerBase
+from decoding.model_runner import ForwardCall, RunnerBase
 from decoding.proposers import ProposeCall, Proposer, empty_proposal
 from decoding.sequence import RequestState
 from decoding.speculation import accept_round, target_rows, verify_answer
 
 
-def generate(target: ModelRunner, state: RequestState, proposer: Proposer | None = None,
+def generate(target: RunnerBase, state: RequestState, proposer: Proposer | None = None,
              num_draft_tokens: int = 4, verification: str = "block",
              grammars: GrammarMatchers | None = None) -> Iterator[list[int]]:
     """Decode state to completion, yielding the (non-empty) tokens committed at each target pass.

@@ -62,12 +62,17 @@ class GrammarSpec:
 
     kind: json_schema (source: the schema as JSON), json_object, regex, choice (source: a JSON list
     of strings), grammar (source: a Lark grammar, llguidance's dialect). param: the request field
-    it came from, named in errors."""
+    it came from, named in errors.
+
+    JSON kinds are compact by default (no whitespace between tokens): with free whitespace a small
+    model, masked to JSON, puts much of its mass on newlines and spends max_tokens on them
+    (docs/structured-outputs.md), so the default must be one users get valid output from. Free
+    whitespace is opt-in: whitespace_flexible (or a schema's own "x-guidance"), or a pattern."""
 
     kind: GrammarKind
     source: str = ""
     param: str = "structured_outputs"
-    whitespace_flexible: bool = True   # JSON kinds: whitespace allowed between tokens (vLLM's default)
+    whitespace_flexible: bool = False  # JSON kinds: any whitespace between tokens (vLLM's default; opt-in here)
     whitespace_pattern: str | None = None
 
     @classmethod

@@ -5,7 +5,9 @@ kernels (module calls, keyword plumbing, output objects), and on this project's 
 time is paid every draft step and every verify. This forward runs the same arithmetic with the
 model's own modules' weights in the fewest calls: `F.linear` on each projection, `F.rms_norm`,
 the rotary embedding from the model's own module (so every rope type it knows is computed its
-way), SDPA with the KV cache's additive mask, and the LM head only over the rows asked for.
+way), the same paged attention every model's attention interface calls (`PagedBatchView.attend`),
+and the LM head only over the rows asked for. It is a faster implementation of the engine's one
+path, not a second engine: it is kept only while it measures faster (docs/performance.md).
 vLLM and gpt-fast likewise run their own model code rather than the reference implementation.
 
 On the default pair its logits are bit-identical to the transformers forward over the same slot
@@ -14,8 +16,8 @@ Fusing q/k/v and gate/up into one product each was tried and was slower on a CPU
 worse kernel for the wider matrix), so the projections stay separate.
 
 Supported when the decoder is Llama-shaped (`lean_support`): llama, mistral and qwen2 layers of
-pre-norm attention plus a gated MLP, biases allowed, no per-head q/k norms; anything else runs
-the transformers forward.
+pre-norm attention plus a gated MLP, biases allowed, no per-head q/k norms, full attention on every
+layer; anything else runs the model's own forward over the same attention.
 """
 
 from __future__ import annotations
@@ -46,14 +48,21 @@ def lean_support(model) -> tuple[bool, str]:
             return False, "MLP is not gated (gate/up/down)"
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
         return False, "pretraining_tp > 1"
+    window = getattr(config, "sliding_window", None)
+    if window is not None and window < config.max_position_embeddings and (
+            model_type == "mistral" or any(getattr(layer.self_attn, "sliding_window", None) for layer in layers)):
+        return False, f"sliding window {window} (the model's own forward passes it per layer)"
+    weight_types = {type(getattr(layer.self_attn, name)) for layer in layers for name in ("q_proj", "o_proj")}
+    if weight_types != {torch.nn.Linear}:
+        return False, "projections are not plain nn.Linear (quantized?)"
     return True, f"{model_type}: lean decoder forward"
 
 
 class LeanDecoder:
-    """`forward(input_ids, position_ids, attention_mask, cache, keep) -> logits [kept rows, V]`,
-    taking the arguments BatchedModelRunner builds for the transformers forward (cache: any
-    object whose `update(k, v, layer)` stores new keys and returns those to attend over, the paged
-    or the slot cache's view). It holds references to the model's modules, no copies."""
+    """`forward(input_ids, position_ids, cache, keep) -> logits [kept rows, V]`, taking the
+    arguments BatchedModelRunner builds for the model's forward (cache: the paged or the slot
+    cache's view, whose `attend(layer, q, k, v)` stores the new keys and attends). It holds
+    references to the model's modules, no copies."""
 
     def __init__(self, model) -> None:
         supported, reason = lean_support(model)
@@ -73,15 +82,14 @@ class LeanDecoder:
         self.scaling = float(first.scaling)
         self.layers = list(decoder.layers)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-                cache: PagedBatchView, keep: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: PagedBatchView,
+                keep: torch.Tensor) -> torch.Tensor:
         batch, length = input_ids.shape
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         hidden = self.embed(input_ids)
         cos, sin = self.rotary(hidden, position_ids)            # [B, T, D]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         width = hidden.shape[-1]
-        gqa = heads != kv_heads
         for index, layer in enumerate(self.layers):
             attention, mlp = layer.self_attn, layer.mlp
             x = F.rms_norm(hidden, (width,), layer.input_layernorm.weight, self.eps)
@@ -89,9 +97,7 @@ class LeanDecoder:
             k = _linear(x, attention.k_proj).view(batch, length, kv_heads, head_dim).transpose(1, 2)
             v = _linear(x, attention.v_proj).view(batch, length, kv_heads, head_dim).transpose(1, 2)
             q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-            keys, values = cache.update(k, v, index)
-            attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=attention_mask,
-                                                      scale=self.scaling, enable_gqa=gqa)
+            attended = cache.attend(index, q, k, v, scaling=self.scaling)
             attended = attended.transpose(1, 2).reshape(batch, length, heads * head_dim)
             hidden = hidden + _linear(attended, attention.o_proj)
             x = F.rms_norm(hidden, (width,), layer.post_attention_layernorm.weight, self.eps)

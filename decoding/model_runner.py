@@ -1,4 +1,5 @@
-"""A Hugging Face causal LM with per-sequence KV caches that can be rolled back.
+"""What every model runner shares: loading a local Hugging Face causal LM, the pair checks, and the
+full-history protocol (decoding.batched_runner.BatchedModelRunner is the runner engines use).
 
 Protocol: every call names the FULL token history it wants the cache to hold. The runner reuses
 the longest common prefix of that history with what it already cached (cropping the rest: that
@@ -13,8 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers import AutoModelForCausalLM
 
 from decoding.checkpoint import check_weight_files, resolve_device, resolve_dtype
 
@@ -38,17 +38,11 @@ class IncompatibleModelsError(ValueError):
 @dataclass
 class ForwardCall:
     """One sequence's share of a batched forward: make seq_id's cache hold exactly token_ids and
-    return logits for the last num_rows positions (the protocol of `ModelRunner.forward`)."""
+    return logits for the last num_rows positions (the protocol of `BatchedModelRunner.forward`)."""
 
     seq_id: str
     token_ids: Sequence[int]
     num_rows: int = 1
-
-
-@dataclass
-class _CachedSequence:
-    cache: DynamicCache
-    token_ids: list[int]  # exactly the tokens whose keys/values the cache holds
 
 
 def _common_prefix_length(cached: list[int], wanted: list[int], limit: int) -> int:
@@ -75,9 +69,27 @@ def load_causal_lm(model_path: str, dtype: str = "auto", device: str = "auto",
         # Process-wide: a worker process owns one runner, so this is its thread budget.
         torch.set_num_threads(num_threads)
     on_gpu = device.startswith("cuda")
-    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch_dtype,
-                                                 **({"device_map": device} if on_gpu else {}))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch_dtype,
+                                                     **({"device_map": device} if on_gpu else {}))
+    except Exception as error:
+        method = quantization_method(model_path)
+        if method is None:
+            raise
+        # Quantized weights run through transformers' own quantized modules (torchao runs on CPU
+        # and GPU); a method whose kernels this device or install lacks is refused, named.
+        raise ValueError(f"{model_path}: a checkpoint quantized with quantization_config.quant_method={method!r} "
+                         f"cannot be served on {device}: {error}") from error
     return (model if on_gpu else model.to(torch.device(device))).eval()
+
+
+def quantization_method(model_path: str) -> str | None:
+    """config.json's quantization_config.quant_method, or None for an unquantized checkpoint."""
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return (config.get("quantization_config") or {}).get("quant_method")
 
 
 class RunnerBase:
@@ -204,72 +216,7 @@ def model_path_of(model) -> str:
     return getattr(model.config, "_name_or_path", "") or "<in-memory>"
 
 
-class ModelRunner(RunnerBase):
-    """Owns one model and a KV cache per sequence id; one forward per sequence."""
-
-    def _init_from_model(self, model, max_sequences: int, model_path: str, max_model_len: int | None = None) -> None:
-        super()._init_from_model(model, max_sequences, model_path, max_model_len)
-        self._sequences: dict[str, _CachedSequence] = {}
-
-    def _new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
-
-    def forward(self, seq_id: str, token_ids: Sequence[int], num_rows: int = 1) -> torch.Tensor:
-        """Make seq_id's cache hold exactly token_ids; return float32 logits [num_rows, V] for the
-        last num_rows positions (row i predicts the token after token_ids[len - num_rows + i]).
-        Reuses the cached common prefix, but always recomputes at least num_rows positions."""
-        wanted = self._checked_history(ForwardCall(seq_id, token_ids, num_rows))
-        length = len(wanted)
-        entry = self._sequences.get(seq_id)
-        if entry is None:
-            if len(self._sequences) >= self.max_sequences:
-                raise self._no_free_slot(f"sequence {seq_id!r}")
-            entry = _CachedSequence(self._new_cache(), [])
-            self._sequences[seq_id] = entry
-
-        reused = _common_prefix_length(entry.token_ids, wanted, length - num_rows)
-        self._crop(entry, reused)
-
-        input_ids = torch.tensor([wanted[reused:]], dtype=torch.long, device=self.device)
-        position_ids = torch.arange(reused, length, dtype=torch.long, device=self.device).unsqueeze(0)
-        kwargs = {"logits_to_keep": num_rows} if self._takes_logits_to_keep else {}
-        try:
-            with torch.inference_mode():
-                out = self.model(input_ids=input_ids, position_ids=position_ids,
-                                 past_key_values=entry.cache, use_cache=True, **kwargs)
-        except BaseException:
-            # The cache may hold a partial update: forget it rather than serve from it.
-            self.release(seq_id)
-            raise
-        entry.token_ids = wanted
-        return self._served_columns(out.logits[0, -num_rows:].float())
-
-    def forward_batch(self, calls: Sequence[ForwardCall]) -> list[torch.Tensor]:
-        """`forward` for each call in turn (this runner has no batched path); the same checks as
-        BatchedModelRunner.forward_batch, made before any call runs."""
-        histories = self._checked_batch(calls)
-        return [self.forward(call.seq_id, history, call.num_rows) for call, history in zip(calls, histories)]
-
-    def _crop(self, entry: _CachedSequence, length: int) -> None:
-        num_remove = len(entry.token_ids) - length
-        if num_remove <= 0:
-            return
-        croppable = all(type(layer) is DynamicLayer for layer in entry.cache.layers)
-        if length == 0 or not croppable:
-            # Sliding-window / recurrent layers cannot always be cut back: re-prefill instead.
-            entry.cache = self._new_cache()
-            entry.token_ids = []
-            return
-        # transformers 5.x: crop(-n) removes the last n tokens (a positive argument is rejected).
-        entry.cache.crop(-num_remove)
-        del entry.token_ids[length:]
-
-    def release(self, seq_id: str) -> None:
-        """Forget seq_id (idempotent)."""
-        self._sequences.pop(seq_id, None)
-
-
-def check_compatible(draft: ModelRunner, target: ModelRunner, draft_tokenizer, target_tokenizer) -> int:
+def check_compatible(draft: RunnerBase, target: RunnerBase, draft_tokenizer, target_tokenizer) -> int:
     """served_vocab_size of two loaded runners (IncompatibleModelsError if they cannot be paired)."""
     return _check_pair(draft.model_path, draft.vocab_size, draft_tokenizer,
                        target.model_path, target.vocab_size, target_tokenizer)

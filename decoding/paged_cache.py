@@ -5,7 +5,11 @@ sequence, so a long-context model (131,072 tokens) cannot hold even one short re
 budget. Here memory follows the tokens sequences actually hold, as vLLM's PagedAttention and
 nano-vllm's BlockManager do: per layer, keys and values live in [num_blocks, kv_heads, block_size,
 head_dim] pools, a sequence owns a list of blocks (its block table), gets a new block when it
-grows past its last one and gives blocks back when it is cropped (rollback) or released.
+grows past its last one and gives blocks back when it is cropped (rollback) or released. With
+prefix caching (on by default, as in vLLM) a full block given back stays findable by a hash chained
+over its tokens until the pool needs its room, so a later sequence with the same prefix (a shared
+system prompt, n choices, a chat's next turn) shares it instead of computing it again
+(PagedKVCache's allocator; the runner's side is decoding.batched_runner).
 
 Attention reads a sequence's keys through its table. There is no paged-attention kernel on CPU,
 so `PagedBatchView.update` (the `past_key_values.update` that transformers' attention and
@@ -24,12 +28,14 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from decoding.model_runner import NoFreeSlotError
+from decoding.paged_attention import flash_paged_attention, sdpa_over_gathered
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per block (vLLM's default)
 FIRST_GROWTH_BLOCKS = 64  # blocks the pool starts with on first use (then doubles)
@@ -94,12 +100,14 @@ def kv_capacity(config, dtype: torch.dtype, budget_bytes: float, max_model_len: 
     return capacity
 
 
-def cuda_kv_budget_bytes(device: torch.device, gpu_memory_utilization: float) -> int:
-    """vLLM's rule: weights + KV may use gpu_memory_utilization of the device's total memory; KV
-    gets what is left of that after the memory allocated so far (the weights, once loaded).
-    Untested here (no GPU on this project's machines)."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    return max(0, int(total * gpu_memory_utilization) - torch.cuda.memory_allocated(device))
+def gpu_kv_budget_bytes(total_bytes: int, gpu_memory_utilization: float, device_share: float, in_use_bytes: int,
+                        activation_bytes: int) -> int:
+    """vLLM's rule, per engine: the engine may use gpu_memory_utilization of ITS share of the device
+    (Ray's num_gpus: two engines at 0.5 on one GPU get half each, not 90% each); the KV cache gets
+    what is left of that after what the process already holds (the weights) and the peak
+    activations of the largest forward the scheduler can plan (profiled at start)."""
+    allowed = int(total_bytes * gpu_memory_utilization * min(1.0, device_share))
+    return max(0, allowed - in_use_bytes - activation_bytes)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -172,8 +180,9 @@ class LayerPools:
     differ between architectures), so they need no model configuration; `grow` adds units to
     every layer at once."""
 
-    def __init__(self, num_layers: int, unit_len: int) -> None:
+    def __init__(self, num_layers: int, unit_len: int, token_major: bool = False) -> None:
         self.unit_len = unit_len
+        self.token_major = token_major   # [units, unit_len, kv heads, D]: the layout flash-attn's paged kernel reads
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.capacity = 0  # units every layer has room for so far
@@ -193,9 +202,9 @@ class LayerPools:
         """Layer layer_idx's keys and values, made on first use in like_keys' shape, dtype and device."""
         if self.keys[layer_idx] is None:
             _, kv_heads, _, head_dim = like_keys.shape
-            shape = (self.capacity, kv_heads, self.unit_len, head_dim)
-            self.keys[layer_idx] = like_keys.new_zeros(shape)
-            self.values[layer_idx] = like_values.new_zeros((*shape[:3], like_values.shape[-1]))
+            middle = (self.unit_len, kv_heads) if self.token_major else (kv_heads, self.unit_len)
+            self.keys[layer_idx] = like_keys.new_zeros((self.capacity, *middle, head_dim))
+            self.values[layer_idx] = like_values.new_zeros((self.capacity, *middle, like_values.shape[-1]))
         return self.keys[layer_idx], self.values[layer_idx]
 
     def reserved_bytes(self) -> int:
@@ -203,21 +212,53 @@ class LayerPools:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
 
 
+BlockKey = tuple[int, tuple[int, ...]]  # (the previous block's hash, this block's tokens)
+
+
+def block_key(parent_hash: int, tokens: Sequence[int]) -> BlockKey:
+    """What identifies a full block's keys and values: its tokens and, through the parent's hash,
+    every token before them (and the cache salt at the chain's root). hash(key) is the next
+    block's parent hash. The key itself, not only its hash, is what the cache is looked up by,
+    so a hash collision can never hand out another prefix's keys."""
+    return parent_hash, tuple(tokens)
+
+
+def salt_hash(salt: str) -> int:
+    """Root of every hash chain: whatever changes the keys and values besides the tokens (the
+    model and its weights' version), so a block computed by other weights is never found."""
+    return hash(("specserve-prefix-cache", salt))
+
+
 class PagedKVCache:
-    """Block pools for every layer and the free list; sequences' block tables live with their owner.
+    """Block pools for every layer and the block allocator; sequences' block tables live with their owner.
+
+    The allocator is nano-vllm's BlockManager idea (prefix caching): a block has a reference
+    count (the sequences whose table holds it) and, once a sequence has filled it, a key
+    (block_key) by which `find` hands it to any later sequence with the same prefix. A block
+    nobody references but that still has a key stays findable, in LRU order, and is evicted
+    (its key dropped) only when `allocate` finds no never-keyed free block and the pool cannot
+    grow. So `num_free` counts those cached blocks as free: they are memory on loan.
+    A block referenced by several sequences is never written: the runner copies it first
+    (`copy_block`) or drops its key (`unpublish`) when only its one owner will write into it.
 
     Layer pools are shaped lazily from the first keys a layer writes (kv heads and head size
     differ between architectures); num_blocks comes from the budget (kv_capacity)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
-                 device: torch.device | str = "cpu", preallocate: bool | None = None) -> None:
+                 device: torch.device | str = "cpu", preallocate: bool | None = None, flash: bool = False) -> None:
+        """flash: pools in flash-attn's layout, read in place by its paged kernel (CUDA only)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = torch.device(device)
-        self.pools = LayerPools(num_layers, block_size)
-        self._free: list[int] = []   # min-heap of allocated-but-unused block ids
+        self.flash = flash
+        self.pools = LayerPools(num_layers, block_size, token_major=flash)
+        self._free: list[int] = []   # min-heap of unreferenced blocks without a key
+        self._cached: OrderedDict[int, None] = OrderedDict()   # unreferenced keyed blocks, least recent first
+        self._refs: dict[int, int] = {}            # referenced blocks -> how many tables hold them
+        self._key_of: dict[int, BlockKey] = {}     # keyed blocks (referenced or cached) -> their key
+        self._block_of: dict[BlockKey, int] = {}   # ... and back
         if self.device.type == "cuda" if preallocate is None else preallocate:
             self._grow(num_blocks)
 
@@ -228,27 +269,95 @@ class PagedKVCache:
 
     @property
     def num_free(self) -> int:
-        """Blocks that can still be handed out, counting those the pools have not grown to yet."""
-        return len(self._free) + self.num_blocks - self.capacity
+        """Blocks that can still be handed out: never-keyed free ones, cached ones nobody
+        references (evicted on demand), and those the pools have not grown to yet."""
+        return len(self._free) + len(self._cached) + self.num_blocks - self.capacity
 
     @property
     def num_used(self) -> int:
+        """Blocks some sequence references."""
         return self.num_blocks - self.num_free
 
+    @property
+    def num_cached(self) -> int:
+        """Unreferenced blocks still findable by their key (counted in num_free)."""
+        return len(self._cached)
+
     def allocate(self, count: int) -> list[int]:
-        """count blocks (lowest ids first); NoFreeBlocksError, taking none, if fewer are free."""
+        """count blocks, each referenced once: never-keyed free blocks first (lowest ids), then
+        new room in the pool, then the least recently used cached blocks (their keys dropped).
+        NoFreeBlocksError, taking none, if fewer are free."""
         if count > self.num_free:
             raise NoFreeBlocksError(f"need {count} KV blocks, {self.num_free} of {self.num_blocks} are free; "
                                     "wait for sequences to finish")
-        if count > len(self._free):
-            want = max(count - len(self._free) + self.capacity, self.capacity * 3 // 2, FIRST_GROWTH_BLOCKS)
+        short = count - len(self._free)
+        if short > 0 and self.capacity < self.num_blocks:
+            want = max(short + self.capacity, self.capacity * 3 // 2, FIRST_GROWTH_BLOCKS)
             self._grow(min(self.num_blocks, want) - self.capacity)
-        return [heapq.heappop(self._free) for _ in range(count)]
+        while len(self._free) < count:   # evict: the pool is at its budget
+            block, _ = self._cached.popitem(last=False)
+            del self._block_of[self._key_of.pop(block)]
+            heapq.heappush(self._free, block)
+        blocks = [heapq.heappop(self._free) for _ in range(count)]
+        for block in blocks:
+            self._refs[block] = 1
+        return blocks
 
     def free(self, blocks: Sequence[int]) -> None:
-        """Give blocks back (their stale keys stay, never visible: no table points at them)."""
+        """Drop one reference to each block. A block nobody references any more stays findable
+        if it has a key (most recently freed last in the eviction order: free a table's blocks
+        tail first, so a shared prefix outlives the tails), else it is simply free (its stale
+        keys never visible: no table points at it)."""
         for block in blocks:
-            heapq.heappush(self._free, block)
+            refs = self._refs[block] - 1
+            if refs:
+                self._refs[block] = refs
+                continue
+            del self._refs[block]
+            if block in self._key_of:
+                self._cached[block] = None
+            else:
+                heapq.heappush(self._free, block)
+
+    def find(self, key: BlockKey) -> int | None:
+        """The block holding key's tokens' keys and values, or None."""
+        return self._block_of.get(key)
+
+    def share(self, block: int) -> None:
+        """One more reference to a found block (taken out of the eviction order if it was cached)."""
+        if block in self._refs:
+            self._refs[block] += 1
+        else:
+            del self._cached[block]
+            self._refs[block] = 1
+
+    def refs(self, block: int) -> int:
+        return self._refs.get(block, 0)
+
+    def publish(self, block: int, key: BlockKey) -> None:
+        """Make a referenced block, just filled with key's tokens, findable. A key already held by
+        another block (two sequences computed the same block at once) keeps that block; this one
+        stays private."""
+        if key not in self._block_of and block not in self._key_of:
+            self._block_of[key] = block
+            self._key_of[block] = key
+
+    def unpublish(self, block: int) -> None:
+        """Its one owner is about to overwrite part of the block (a rollback into it): it is no
+        longer what its key says."""
+        key = self._key_of.pop(block, None)
+        if key is not None:
+            del self._block_of[key]
+
+    def is_published(self, block: int) -> bool:
+        return block in self._key_of
+
+    @torch.inference_mode()   # the pools are inference tensors (made in the forward)
+    def copy_block(self, source: int, destination: int) -> None:
+        """Copy-on-write: destination gets source's keys and values in every layer."""
+        for pool in self.pools.keys + self.pools.values:
+            if pool is not None:
+                pool[destination] = pool[source]
 
     def reserved_bytes(self) -> int:
         """Bytes the pools hold now (allocated tensors, used or not)."""
@@ -264,21 +373,60 @@ class PagedKVCache:
 
 
 class PagedBatchView:
-    """What an attention layer sees as `past_key_values` during one batched forward: `update`
-    stores the real new tokens in their blocks and returns each row's keys/values over
-    [0, kv_length), gathered from its blocks (Llama, Qwen2, Mistral and GPT-2 attention in
-    transformers 5.x call only this, given a 4D mask and explicit position_ids)."""
+    """One batched forward's access to the paged cache, handed to every attention layer
+    (decoding.paged_attention): `attend` stores the layer's new keys/values in their blocks and
+    attends over each row's blocks under the layer's sliding window and soft-cap; `update` is the
+    store-and-gather half, which the lean forward and bench/slot_cache.py share."""
 
     def __init__(self, cache: PagedKVCache, layout: PagedLayout) -> None:
         self.cache = cache
         self.layout = layout
         self._gather: torch.Tensor | None = None   # [B * H * nb]: (block, head) rows of the pool, in output order
+        self._window_masks: dict[int, torch.Tensor] = {}
+        self.layers_attended: set[int] = set()     # which layers came through attend (the start-up check)
+
+    def attend(self, layer_idx: int, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
+               scaling: float | None = None, sliding_window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        """query [B, H, T, D] and this forward's keys/values [B, kv heads, T, D] -> [B, H, T, D]."""
+        self.layers_attended.add(layer_idx)
+        if self.cache.flash:
+            keys, values = self._store(key_states, value_states, layer_idx)
+            return flash_paged_attention(query, keys, values, self.layout, scaling, sliding_window, softcap)
+        keys, values = self.update(key_states, value_states, layer_idx)
+        return sdpa_over_gathered(query, keys, values, self.mask(sliding_window), scaling, softcap)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """The additive mask [B, 1, T, kv_length] of a layer whose window is sliding_window tokens
+        (None: full attention). transformers' rule: a query at position q sees keys at positions
+        (q - window, q]. Built once per window and forward."""
+        layout = self.layout
+        if sliding_window is None or sliding_window >= layout.kv_length:
+            return layout.attention_mask
+        mask = self._window_masks.get(sliding_window)
+        if mask is None:
+            keys = torch.arange(layout.kv_length, device=layout.position_ids.device).view(1, 1, -1)
+            too_old = keys <= layout.position_ids.unsqueeze(2) - sliding_window           # [B, T, L]
+            mask = layout.attention_mask.masked_fill(too_old.unsqueeze(1), torch.finfo(layout.attention_mask.dtype).min)
+            self._window_masks[sliding_window] = mask
+        return mask
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens, then return each row's keys/values gathered: [B, H, kv_length, D]."""
+        keys, values = self._store(key_states, value_states, layer_idx)
+        return self._read(keys), self._read(values)
+
+    def _store(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the real new tokens [B, H, T, D] to their (block, offset); -> the layer's pools."""
         layout = self.layout
         keys, values = self.cache.pools.layer(layer_idx, key_states, value_states)
-        if layout.single_write is not None:
+        if self.cache.flash:   # pools [blocks, block_size, H, D]
+            rows, columns = layout.source_rows, layout.source_columns
+            keys[layout.write_blocks, layout.write_offsets] = key_states.transpose(1, 2)[rows, columns]
+            values[layout.write_blocks, layout.write_offsets] = value_states.transpose(1, 2)[rows, columns]
+        elif layout.single_write is not None:
             block, offset = layout.single_write   # one row, no padding, one block
             keys[block, :, offset:offset + key_states.shape[2]] = key_states[0]
             values[block, :, offset:offset + value_states.shape[2]] = value_states[0]
@@ -287,7 +435,7 @@ class PagedBatchView:
             rows, columns = layout.source_rows, layout.source_columns
             keys[layout.write_blocks, :, layout.write_offsets] = key_states.transpose(1, 2)[rows, columns]
             values[layout.write_blocks, :, layout.write_offsets] = value_states.transpose(1, 2)[rows, columns]
-        return self._read(keys), self._read(values)
+        return keys, values
 
     def _read(self, pool: torch.Tensor) -> torch.Tensor:
         """Rows' blocks as [B, H, kv_length, D] in one copy: the pool seen as [(block, head), bs, D]

@@ -192,7 +192,12 @@ class Scheduler:
     def _waiting_call(self, shape: CallShape) -> WaitingCall:
         cached = self.runner.num_cached(shape.seq_id) if self.runner is not None else 0
         blocks_held = self.runner.blocks_held(shape.seq_id) if self.paged else 0
-        return WaitingCall(shape.seq_id, max(shape.num_rows, len(shape.token_ids) - cached), holds_slot=cached > 0,
+        holds_slot = cached > 0
+        if not holds_slot and self.paged:
+            # A new sequence starts from what the prefix cache holds of it: its prefill chunks
+            # count from there (its cached blocks still count as blocks needed: an upper bound).
+            cached = self.runner.cached_prefix_length(shape.seq_id, shape.token_ids, shape.num_rows)
+        return WaitingCall(shape.seq_id, max(shape.num_rows, len(shape.token_ids) - cached), holds_slot=holds_slot,
                            num_cached=cached, blocks_held=blocks_held, extra_tokens=shape.extra_tokens)
 
     def _preempt_youngest(self) -> None:

@@ -80,6 +80,7 @@ class RequestState:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None   # "stop" (EOS or stop string) | "length" | None while running
     stats: SpecStats = field(default_factory=SpecStats)
+    num_cached_tokens: int = 0   # prompt tokens the target found in its prefix cache (usage's cached_tokens)
     # Rounds by draft position (policies.acceptance.count_round_positions), for this request's depth.
     draft_reached: list[int] = field(default_factory=list)
     draft_accepted_at: list[int] = field(default_factory=list)

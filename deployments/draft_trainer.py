@@ -10,7 +10,10 @@ the trainer watches live acceptance and swaps back a version that does worse tha
 
 Nothing on the data path depends on this actor: it is detached like the policy actor, created by
 the first router that needs it, and if it dies routers' pushes fail silently and the engines keep
-the draft they serve.
+the draft they serve. Being detached, it outlives a redeploy: every lookup hands it the caller's
+config (`configure`), and a trainer whose draft or training settings a redeploy changed exits, so
+the next push starts one for the new config (its CPUs and GPUs are the actor's own and cannot
+change in place; an old trainer would offer versions of the old draft).
 """
 
 from __future__ import annotations
@@ -57,12 +60,25 @@ class DraftTrainer:
         self._loop_task: asyncio.Task | None = None
         self.started_at = time.time()
 
+    async def configure(self, config: dict[str, Any]) -> bool:
+        """A config from a lookup: the same for this trainer (-> False), or a redeploy changed what
+        it trains or runs on, and it exits (a running pass dies with it) so the next lookup starts
+        a trainer for the new config."""
+        if trainer_settings(SpecServeConfig.model_validate(config)) == trainer_settings(self.config):
+            return False
+        logger.warning("draft trainer %s: a redeploy changed the draft or its training; exiting so that a "
+                       "trainer for the new config takes over", draft_trainer_name(self.config.model_name))
+        self._stop.set()
+        ray.actor.exit_actor()
+        return True  # not reached: exit_actor ends the actor
+
     def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._loop())
 
-    async def push(self, blocks: Sequence[CapturedBlock], live_counts: Mapping[int, tuple[int, int]]) -> None:
-        """Captured blocks and (drafted, accepted) per draft version since the router's last push."""
+    async def push(self, blocks: Sequence[CapturedBlock],
+                   live_counts: Mapping[int, tuple[Sequence[int], Sequence[int]]]) -> None:
+        """Captured blocks and per-position (drafted, accepted) counts per draft version since the router's last push."""
         self._ensure_loop()
         if self.config.draft_training.slack_max_active_requests == 0:
             self._stop.set()  # a block is a request in flight: yield at once
@@ -160,12 +176,22 @@ class DraftTrainer:
                              name, version.version)
 
 
+def trainer_settings(config: SpecServeConfig) -> dict[str, Any]:
+    """What a trainer is built from: the draft it trains and its training settings."""
+    return config.model_dump(mode="json", include={"model_name", "draft", "draft_training"})
+
+
 def get_or_create_draft_trainer(config: SpecServeConfig) -> "ray.actor.ActorHandle":
-    """The application's trainer (detached, named draft_trainer_name), created if missing."""
+    """The application's trainer (detached, named draft_trainer_name), created if missing; a
+    running one is sent this config (`configure`, not waited for: routers call this on their
+    round path) and exits if it was built from another (a redeploy), so that a later lookup
+    creates the trainer of this config."""
     spec = config.draft_training
     options: dict[str, Any] = {"name": draft_trainer_name(config.model_name), "namespace": ENGINE_NAMESPACE,
                                "lifetime": "detached", "get_if_exists": True, "max_restarts": 0,
                                "max_concurrency": 64, "num_cpus": spec.num_cpus, "num_gpus": spec.num_gpus}
     if spec.resources:
         options["resources"] = spec.resources
-    return ray.remote(DraftTrainer).options(**options).remote(config.model_dump(mode="json"))
+    trainer = ray.remote(DraftTrainer).options(**options).remote(config.model_dump(mode="json"))
+    trainer.configure.remote(config.model_dump(mode="json"))
+    return trainer

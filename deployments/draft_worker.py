@@ -82,7 +82,9 @@ class DraftEngine(EngineCore):
             raise ValueError("an n-gram proposer has no weights to load")
         if (version, path) == (self.draft_version, self.draft_path):
             return await self.version()
-        runner = await asyncio.to_thread(load_runner, {**self.model_spec, "path": path})
+        # Its prefix cache starts empty and is salted with the version: no block of other weights is found.
+        runner = await asyncio.to_thread(load_runner, {**self.model_spec, "path": path,
+                                                       "cache_salt": f"{path}@draft-v{version}"})
         with self._swap_lock:
             self._pending_swap = (version, path, runner)
         logger.info("%s: draft version %d loaded from %s; it serves from the next forward",

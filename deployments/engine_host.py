@@ -71,11 +71,12 @@ def to_wire(rows: torch.Tensor) -> list[int] | np.ndarray:
 
 
 def timed_forward(runner: Any, calls: list[ForwardCall]) -> tuple[list[torch.Tensor], CostSample]:
-    """runner.forward_batch, and its cost (new tokens, seconds) for the policy's cost curve."""
+    """runner.forward_batch, and its cost (new tokens, seconds) for the policy's cost curve: the
+    tokens it computed (a paged runner says, prefix-cache hits excluded)."""
     new_tokens = sum(max(call.num_rows, len(call.token_ids) - runner.num_cached(call.seq_id)) for call in calls)
     started = time.perf_counter()
     logits = runner.forward_batch(calls)
-    return logits, (new_tokens, time.perf_counter() - started)
+    return logits, (getattr(runner, "last_num_new_tokens", new_tokens), time.perf_counter() - started)
 
 
 @dataclass
@@ -101,13 +102,14 @@ class EngineCore:
                                    int(engine_options["prefill_token_budget"]), int(engine_options["max_batch_rows"]),
                                    name or self.pool)
         self.loop = EngineLoop(self.step, self.forget, engine_options["admission_timeout_s"],
-                               on_iteration=self._record_iteration)
+                               on_iteration=self._record_iteration, admitted=self._holds)
         self.released = ReleasedIds()
         self.histories = CommittedHistories()
         self.idle = IdleSequences(float(engine_options["idle_sequence_ttl_s"]))
         self.reporter = LoadReporter(engine_options.get("policy_actor"))
         self.call_log = CallLog(profiling_enabled())
         self.metrics = EngineMetrics(self.pool, name.rsplit(":", 1)[-1] if name else "local")
+        self._prefix_cache_recorded: tuple[int, int, Any] = (0, 0, runner)   # (queries, hits) sent to metrics
         self.gpu_ids = tuple(str(gpu) for gpu in ray.get_gpu_ids()) if ray.is_initialized() else ()
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
@@ -147,6 +149,10 @@ class EngineCore:
         history = self.histories.apply(seq_id, update)
         return UnknownHistory(seq_id) if history is None else list(history)
 
+    def _holds(self, seq_id: str) -> bool:
+        """The runner holds seq_id's KV (between iterations: the loop asks then)."""
+        return self.runner is not None and self.runner.num_cached(seq_id) > 0
+
     def forget(self, seq_id: str) -> None:
         """Free seq_id's state (the loop calls it between iterations)."""
         self.idle.forget(seq_id)
@@ -158,6 +164,13 @@ class EngineCore:
         self.metrics.record_forward(rows, busy_s, idle_s)
         held = 0 if self.runner is None else len(self.runner.active_sequences())
         self.metrics.set_load(self.loop.queue_depth, held)
+        if self.scheduler.paged:
+            counted = (self.runner.prefix_cache_queries, self.runner.prefix_cache_hits)
+            if self._prefix_cache_recorded[2] is not self.runner:   # a new runner (a draft swap) counts from 0
+                self._prefix_cache_recorded = (0, 0, self.runner)
+            self.metrics.record_prefix_cache(counted[0] - self._prefix_cache_recorded[0],
+                                             counted[1] - self._prefix_cache_recorded[1])
+            self._prefix_cache_recorded = (*counted, self.runner)
 
     async def ping(self) -> bool:
         """Health check (the replica calls it every few seconds); also keeps load reports going."""
@@ -175,14 +188,18 @@ class EngineCore:
 
     async def active_sequences(self) -> list[str]:
         """Ids whose KV caches this engine holds (what a leak check must see)."""
+        await self.loop.between_iterations()
         return [] if self.runner is None else sorted(self.runner.active_sequences())
 
     async def stats(self) -> EngineStats:
-        """Load and cost figures for the policy actor, metrics and `specserve status`."""
+        """Load and cost figures for the policy actor, metrics and `specserve status`. Read between
+        iterations: the worker thread changes the runner's sequences while one runs."""
+        await self.loop.between_iterations()
         for seq_id in self.idle.expired(time.monotonic()):
             self.loop.release(seq_id)
         loop = self.loop.stats
-        return EngineStats(self.pool, self.name, sequences=len(await self.active_sequences()),
+        held = 0 if self.runner is None else len(self.runner.active_sequences())
+        return EngineStats(self.pool, self.name, sequences=held,
                            free_slots=self.scheduler.free_slots, queue_depth=self.loop.queue_depth,
                            forwards=loop.iterations, batch_rows_total=loop.rows_total, busy_s=loop.busy_s,
                            idle_s=loop.idle_s, gpu_ids=self.gpu_ids, node_id=self.node_id,
@@ -193,7 +210,8 @@ class EngineCore:
             return None
         usage = self.runner.kv_usage()
         return KvUsage(usage["kv_blocks_used"], usage["kv_blocks_free"], usage["kv_block_size"],
-                       usage["kv_tokens_held"], usage["kv_bytes_reserved"], self.scheduler.preemptions)
+                       usage["kv_tokens_held"], usage["kv_bytes_reserved"], self.scheduler.preemptions,
+                       usage["kv_blocks_cached"], usage["prefix_cache_queries"], usage["prefix_cache_hits"])
 
 
 class EngineHost:

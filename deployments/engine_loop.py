@@ -5,27 +5,40 @@ thread (torch releases the GIL, so the event loop keeps accepting calls meanwhil
 forward ends, the loop hands everything waiting to the engine's `step` (`iterate` here), which
 plans and runs one iteration (decoding.scheduler) and answers the calls it finished. Calls it did
 not finish (a prefill mid-chunk, a new sequence waiting for a KV slot) stay queued, in order. No
-timer: a lone call starts at once.
+timer: a lone call starts at once. Every iteration, a lone call's too, runs in the worker thread:
+one on the event loop would hold up pings, releases and stats for as long as its forward takes.
 
-Releases never race a forward: they are applied between iterations, and drop any queued call of
-the released sequence (its request is gone), so a late call cannot resurrect freed state.
+Only the worker thread touches the engine's state while an iteration runs. Releases are applied
+between iterations, and drop any queued call of the released sequence (its request is gone), so
+a late call cannot resurrect freed state; readers on the event loop (stats) wait for a moment
+between iterations (`between_iterations`).
+
+Faults stay with the call that caused them: when an iteration fails as a whole (one prompt runs
+the device out of memory, one call's tokens break the forward), each of its calls is run again
+alone, so only the call that cannot run gets the error and its neighbours get their answers.
+The admission deadline is for waiting to be admitted: a call whose sequence the engine holds
+(mid chunked prefill, waiting to grow) is making progress and does not expire; a preempted
+sequence's call waits for admission again from the moment it was let go.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
 WAIT_FOR_SLOT_POLL_S = 0.02  # how often calls that wait for a KV slot look again
 LET_ARRIVALS_IN = 3  # event-loop turns between iterations: a delivered call needs a few to reach the queue
 
 
 class EngineOverloadedError(RuntimeError):
-    """No KV slot freed up for a new sequence within the engine's admission deadline."""
+    """A new sequence was not admitted (no KV slot or blocks freed up) within the engine's admission deadline."""
 
 
 class SequenceReleasedError(RuntimeError):
@@ -46,7 +59,7 @@ class LoopStats:
 class _Queued:
     call: Any
     future: asyncio.Future
-    arrived_s: float = field(default_factory=time.monotonic)
+    waiting_since_s: float = field(default_factory=time.monotonic)  # arrival, or last seen admitted
     started_s: float | None = None  # perf_counter when the iteration that answered it began
 
 
@@ -56,9 +69,13 @@ class EngineLoop:
 
     def __init__(self, iterate: Callable[[list[Any]], dict[int, Any]], release: Callable[[str], None],
                  admission_timeout_s: float = 30.0,
-                 on_iteration: Callable[[int, float, float], None] | None = None) -> None:
-        """on_iteration(rows answered, busy seconds, idle seconds before it), after each iteration."""
+                 on_iteration: Callable[[int, float, float], None] | None = None,
+                 admitted: Callable[[str], bool] | None = None) -> None:
+        """on_iteration(rows answered, busy seconds, idle seconds before it), after each iteration.
+        admitted(seq_id): the engine holds seq_id's state, so its calls are past admission (called
+        between iterations); None: no call is ever admitted ahead of running (no KV to wait for)."""
         self._iterate = iterate
+        self._admitted = admitted
         self._on_iteration = on_iteration
         self._idle_before_s = 0.0
         self._release = release
@@ -66,6 +83,7 @@ class EngineLoop:
         self._queue: list[_Queued] = []
         self._pending_releases: list[str] = []
         self._running = False
+        self._iteration_ended: asyncio.Future | None = None  # resolved when the running iteration ends
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-forward")
         self._task: asyncio.Task | None = None
@@ -104,6 +122,12 @@ class EngineLoop:
         result = await queued.future
         return result, queued.started_s
 
+    async def between_iterations(self) -> None:
+        """Return at a moment no iteration runs (the worker thread is not touching the engine's
+        state), so the caller may read that state on the event loop until its next await."""
+        while self._running:
+            await asyncio.shield(self._iteration_ended)
+
     def release(self, seq_id: str) -> None:
         """Forget seq_id once no forward is running: drop its queued calls, free its state."""
         self._pending_releases.append(seq_id)
@@ -141,21 +165,16 @@ class EngineLoop:
                 self._idle_before_s += idle_s
             batch = list(self._queue)
             self._running = True
+            self._iteration_ended = loop.create_future()
             busy_from = self._busy_since = time.perf_counter()
             for queued in batch:  # a call left waiting is stamped again by the next iteration
                 queued.started_s = busy_from
             try:
-                if len(batch) == 1:
-                    # A lone call runs right here: handing it to the worker thread and back costs a
-                    # lone stream two thread switches per call, paid every round.
-                    results = self._iterate([batch[0].call])
-                else:
-                    results = await loop.run_in_executor(self._executor, self._iterate, [q.call for q in batch])
-            except Exception as exc:  # the iteration as a whole failed: answer every call in it
-                results = {index: exc for index in range(len(batch))}
+                results = await loop.run_in_executor(self._executor, self._iterate_isolating, [q.call for q in batch])
             finally:
                 self._running = False
                 self._busy_since = None
+                self._iteration_ended.set_result(None)
             busy_s = time.perf_counter() - busy_from
             self._stats.busy_s += busy_s
             if results:
@@ -185,14 +204,37 @@ class EngineLoop:
                 except asyncio.TimeoutError:
                     pass
 
+    def _iterate_isolating(self, calls: list[Any]) -> dict[int, Any]:
+        """iterate(calls); if it fails as a whole, each call again alone (in the worker thread), so
+        a failure is answered to the call that cannot run, not to every call that shared its batch."""
+        try:
+            return self._iterate(calls)
+        except Exception as exc:
+            if len(calls) == 1:
+                return {0: exc}
+            logger.warning("an iteration over %d calls failed (%s: %s); running each call alone",
+                           len(calls), type(exc).__name__, exc)
+        results: dict[int, Any] = {}
+        for index, call in enumerate(calls):
+            try:
+                alone = self._iterate([call])
+            except Exception as exc:
+                alone = {0: exc}
+            if 0 in alone:  # left out: it waits in the queue, as it would have in the batch
+                results[index] = alone[0]
+        return results
+
     def _expire_waiting(self) -> None:
-        """Calls that waited past the admission deadline get EngineOverloadedError."""
+        """Calls that waited to be admitted past the admission deadline get EngineOverloadedError;
+        a call whose sequence the engine holds is past admission, and its clock starts again."""
         now = time.monotonic()
         kept = []
         for queued in self._queue:
-            if now - queued.arrived_s > self._admission_timeout_s:
+            if self._admitted is not None and self._admitted(queued.call.seq_id):
+                queued.waiting_since_s = now
+            if now - queued.waiting_since_s > self._admission_timeout_s:
                 queued.future.set_exception(EngineOverloadedError(
-                    f"no KV slot became free within {self._admission_timeout_s:.0f} s"))
+                    f"not admitted within {self._admission_timeout_s:.0f} s: no KV slot or blocks became free"))
             else:
                 kept.append(queued)
         self._queue = kept

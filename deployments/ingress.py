@@ -181,13 +181,20 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
     return None if seed is None else (seed + choice) % (MAX_SEED + 1)
 
 
-def _usage(choices: list[Choice], usages: list[dict | None]) -> dict[str, int]:
-    """Usage summed as vLLM sums it: each prompt's tokens once, every choice's completion tokens."""
+def _usage(choices: list[Choice], usages: list[dict | None]) -> dict[str, Any]:
+    """Usage summed as vLLM sums it: each prompt's tokens once, every choice's completion tokens;
+    cached_tokens (prompt tokens the target's prefix cache held) once per prompt too, its first
+    choice's."""
     prompt_tokens = sum(len(ids) for ids in {c.prompt_index: c.prompt_ids for c in choices}.values())
     completion_tokens = sum(0 if choice.prompt_only or usage is None else usage["completion_tokens"]
                             for choice, usage in zip(choices, usages))
+    cached = {}
+    for choice, usage in zip(choices, usages):
+        if usage is not None:
+            cached.setdefault(choice.prompt_index, usage.get("prompt_tokens_details", {}).get("cached_tokens", 0))
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
 async def _collect(first: dict, chunks) -> ChoiceOutput:

@@ -101,6 +101,12 @@ METRICS: dict[str, MetricSpec] = {spec.name: spec for spec in (
     MetricSpec("specserve_engine_idle_seconds_total", "counter",
                "Seconds between this engine's forwards (pipeline bubbles)", ENGINE_TAGS),
     MetricSpec("specserve_kv_sequences", "gauge", "Sequences whose KV cache this engine holds", ENGINE_TAGS),
+    # vLLM's prefix-cache counters (vllm:prefix_cache_queries / _hits): hits / queries is the hit rate.
+    MetricSpec("specserve_prefix_cache_queries_total", "counter",
+               "Prompt tokens this engine looked for in its prefix cache (a new sequence's, a prefill chunk's)",
+               ENGINE_TAGS),
+    MetricSpec("specserve_prefix_cache_hits_total", "counter",
+               "Prompt tokens this engine found in its prefix cache (not prefilled)", ENGINE_TAGS),
     # Online draft training (docs/online-learning.md): which weights draft, and how well each does.
     MetricSpec("specserve_draft_version", "gauge", "Draft weights version this draft engine serves "
                "(0: those the server started with)", ("replica",)),
@@ -228,6 +234,8 @@ class EngineMetrics:
         self.busy_seconds = _build("specserve_engine_busy_seconds_total", tags)
         self.idle_seconds = _build("specserve_engine_idle_seconds_total", tags)
         self.kv_sequences = _build("specserve_kv_sequences", tags)
+        self.prefix_cache_queries = _build("specserve_prefix_cache_queries_total", tags)
+        self.prefix_cache_hits = _build("specserve_prefix_cache_hits_total", tags)
 
     def record_forward(self, batch_rows: int, busy_s: float, idle_s: float) -> None:
         """One forward over batch_rows sequences, busy_s long, after idle_s without a forward."""
@@ -240,3 +248,7 @@ class EngineMetrics:
         self.queue_depth.set(queue_depth)
         self.kv_sequences.set(sequences)
 
+    def record_prefix_cache(self, queries: int, hits: int) -> None:
+        """Tokens looked up in the prefix cache and found there since the last call."""
+        _inc(self.prefix_cache_queries, queries)
+        _inc(self.prefix_cache_hits, hits)

@@ -215,9 +215,11 @@ STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 class StructuredOutputs(BaseModel):
     """vLLM's structured_outputs: exactly one of json (a schema), regex, choice, grammar (Lark or
-    GBNF/EBNF) or json_object, plus whitespace options for the JSON kinds. vLLM's
-    disable_fallback is accepted (there is one backend, no fallback); structural_tag and
-    disable_additional_properties are not served."""
+    GBNF/EBNF) or json_object, plus whitespace options for the JSON kinds. JSON is compact unless
+    the request opts into free whitespace with disable_any_whitespace: false (vLLM's field, whose
+    default here is the other way round) or gives a whitespace_pattern. vLLM's disable_fallback is
+    accepted (there is one backend, no fallback); structural_tag and disable_additional_properties
+    are not served."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -226,7 +228,7 @@ class StructuredOutputs(BaseModel):
     choice: list[Text] | None = None
     grammar: Text | None = None
     json_object: StrictBool | None = None
-    disable_any_whitespace: StrictBool = False
+    disable_any_whitespace: StrictBool | None = None  # None: compact, unless whitespace_pattern is given
     whitespace_pattern: Text | None = None
     disable_fallback: StrictBool = False
     disable_additional_properties: Any = None
@@ -250,7 +252,11 @@ class StructuredOutputs(BaseModel):
 
     def spec(self) -> GrammarSpec:
         """The GrammarSpec, param naming the field (StructuredOutputError for a malformed choice/schema)."""
-        options = {"whitespace_flexible": not self.disable_any_whitespace, "whitespace_pattern": self.whitespace_pattern}
+        if self.disable_any_whitespace is None:
+            flexible = self.whitespace_pattern is not None
+        else:
+            flexible = not self.disable_any_whitespace
+        options = {"whitespace_flexible": flexible, "whitespace_pattern": self.whitespace_pattern}
         if self.json_schema is not None:
             return GrammarSpec.json_schema(self.json_schema, "structured_outputs.json", **options)
         if self.json_object:

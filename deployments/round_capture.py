@@ -16,6 +16,7 @@ import time
 from dataclasses import replace
 
 from cluster.config import SpecServeConfig
+from cluster.messages import PositionCounts
 from decoding.capture import CaptureBuffer, CapturedBlock
 from deployments.metrics import RouterMetrics
 
@@ -33,7 +34,7 @@ class RoundCapture:
         self.metrics = metrics
         self._sampler = CaptureBuffer(1, self.spec.sample_every) if self.spec.enabled else None
         self._blocks: list[CapturedBlock] = []
-        self._live: dict[int, list[int]] = {}
+        self._live: dict[int, PositionCounts] = {}   # per draft version, since the last push
         self._pushed_at = time.monotonic()
         self._trainer = None
         self._last_push = None
@@ -53,16 +54,15 @@ class RoundCapture:
         self.metrics.record_version_round(draft_version, drafted, accepted)
         if self._sampler is None:
             return
-        counts = self._live.setdefault(draft_version, [0, 0])
-        counts[0] += drafted
-        counts[1] += accepted
+        self._live.setdefault(draft_version, PositionCounts([], [])).add(PositionCounts.of_round(drafted, accepted))
         if block is not None:  # training keeps only the last max_context tokens of a context
             self._blocks.append(replace(block, context=block.context[-self.spec.max_context:]))
         if len(self._blocks) >= PUSH_BLOCKS or time.monotonic() - self._pushed_at >= PUSH_INTERVAL_S:
             self._push()
 
     def _push(self) -> None:
-        blocks, live = self._blocks, {version: tuple(counts) for version, counts in self._live.items()}
+        blocks = self._blocks
+        live = {version: (tuple(counts.drafted), tuple(counts.accepted)) for version, counts in self._live.items()}
         self._blocks, self._live, self._pushed_at = [], {}, time.monotonic()
         if self._last_push is not None and _failed(self._last_push):
             self._trainer = None  # it died: look it up (or start a new one) again

@@ -56,7 +56,8 @@ class RoundLoop:
         state = self.state
         if not await self.engines.acquire(state):
             self.observer.draft_lost()
-        rows, _ = await self.engines.verify(state, prompt_logprobs=prompt_logprobs)
+        rows, prefill = await self.engines.verify(state, prompt_logprobs=prompt_logprobs)
+        state.num_cached_tokens = prefill.cached_tokens
         prompt_entries = None
         if prompt_logprobs is not None:  # the prefill answered (its usual answer, the prompt's entries)
             rows, prompt_entries = rows

@@ -36,10 +36,11 @@ class EngineCall:
     started_s: float
     left_s: float
     answered_s: float
+    cached_tokens: int = 0   # the span's: what the engine's prefix cache held of the sequence
 
     @classmethod
     def from_span(cls, sent_s: float, span: CallSpan, answered_s: float) -> "EngineCall":
-        return cls(sent_s, span.entered_s, span.started_s, span.left_s, answered_s)
+        return cls(sent_s, span.entered_s, span.started_s, span.left_s, answered_s, span.cached_tokens)
 
     @property
     def engine_s(self) -> float:

@@ -26,7 +26,8 @@ def step_chunk(state: RequestState, committed: list[int], logprob_rows=None) -> 
 def final_chunk(state: RequestState, speculation: dict[str, Any]) -> dict:
     """The last chunk: any text left, usage and the `speculation` object."""
     usage = {"prompt_tokens": len(state.prompt_ids), "completion_tokens": len(state.output_ids),
-             "total_tokens": len(state.prompt_ids) + len(state.output_ids)}
+             "total_tokens": len(state.prompt_ids) + len(state.output_ids),
+             "prompt_tokens_details": {"cached_tokens": state.num_cached_tokens}}
     return {"text": state.take_text_delta(), "token_ids": [], "finish_reason": state.finish_reason,
             "usage": usage, "speculation": speculation}
 

@@ -4,7 +4,7 @@ answers each with what its verification needs (decoding.speculation.verify_answe
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from ray import serve
@@ -91,6 +91,7 @@ class TargetEngine(EngineCore):
         num_rows = len(token_ids) if prompt_logprobs is not None else len(proposal.token_ids) + 1
         rows, span = await self.submit(VerifyCall(seq_id, token_ids, num_rows, params, first_output_index,
                                                   prompt_logprobs, capture_top_k, proposal, verification))
+        span = replace(span, cached_tokens=self.runner.prefix_cached_tokens(seq_id))
         self.call_log.record("verify", seq_id, span)
         return rows, span
 

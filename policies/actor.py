@@ -6,7 +6,11 @@ pure. It decides about once a second in a background task. It keeps no state wor
 persisting: after a crash Ray restarts it (max_restarts=-1), it answers "no opinion" on replicas
 until reports arrive again, and routers keep their last decision meanwhile. It is detached
 (owned by no process) because whoever creates it first — a router replica, the Serve
-controller's autoscaling policy, a test — may go away before the application does.
+controller's autoscaling policy, a test — may go away before the application does. Being
+detached, it outlives a redeploy: every `get_or_create_policy_actor` hands it the caller's
+settings (`configure`), so a redeployed application's routers and autoscaling policy bring their
+new config to it, and after a restart (Ray rebuilds it from its first settings) the next lookup
+does again.
 """
 
 from __future__ import annotations
@@ -47,6 +51,22 @@ class PolicyActor:
         from deployments.metrics import PolicyMetrics  # the one place metric names live
 
         self._metrics = PolicyMetrics()
+
+    async def configure(self, settings: dict[str, Any]) -> bool:
+        """Take these settings if they differ from the current ones (-> True): the decider starts
+        afresh under them; the load reports it holds stay. Idempotent."""
+        new = PolicySettings.from_dict(settings)
+        if new == self._settings:
+            return False
+        logger.info("policy actor %s: new settings from a redeploy", new.actor_name)
+        self._settings = new
+        self._tracker.ttl_s = new.report_ttl_s
+        self._decider = Decider(new)
+        return True
+
+    async def settings(self) -> dict[str, Any]:
+        """The settings it decides under (what the last configure gave it)."""
+        return self._settings.to_dict()
 
     def _ensure_loop(self) -> None:
         # Started from the first call: __init__ does not run inside the actor's event loop.
@@ -107,14 +127,17 @@ def get_or_create_policy_actor(settings: PolicySettings | Any) -> ray.actor.Acto
     """The application's policy actor (`settings.actor_name`), created if missing (idempotent,
     safe against a creation race).
 
-    settings: a PolicySettings or a specserve config (see PolicySettings.from_config). The first
-    creator's settings win; later callers get the running actor."""
+    settings: a PolicySettings or a specserve config (see PolicySettings.from_config). A running
+    actor is sent these settings (`configure`, not waited for: the Serve controller's autoscaling
+    policy calls this and must not block), so a redeploy with a new config reaches it."""
     if not isinstance(settings, PolicySettings):
         settings = PolicySettings.from_config(settings)
     # get_if_exists looks the name up, creates on a miss, and on ActorAlreadyExistsError (another
     # creator won the race) looks it up again: Ray 2.60's own get-or-create.
-    return PolicyActor.options(name=settings.actor_name, namespace=POLICY_NAMESPACE, lifetime="detached",
-                               get_if_exists=True).remote(settings.to_dict())
+    actor = PolicyActor.options(name=settings.actor_name, namespace=POLICY_NAMESPACE, lifetime="detached",
+                                get_if_exists=True).remote(settings.to_dict())
+    actor.configure.remote(settings.to_dict())
+    return actor
 
 
 def kill_policy_actor(actor_name: str = POLICY_ACTOR_NAME) -> bool:

@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 from tokenizers.processors import TemplateProcessing
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedModel,
-                          Qwen2Config, Qwen2ForCausalLM)
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Phi3Config, Phi3ForCausalLM, PreTrainedModel, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from cluster.config import DEFAULT_MODELS_DIR
 
@@ -285,9 +286,107 @@ def _drop_key(path: Path, key: str) -> None:
     path.write_text(json.dumps(config, indent=2))
 
 
+QWEN3_TEMPLATE = QWEN25_TEMPLATE.replace(
+    "{%- else %}\n    {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+    "assistant.<|im_end|>\\n' }}\n", "")
+GEMMA3_TEMPLATE = (
+    "{{- bos_token }}\n"
+    "{%- for message in messages %}\n"
+    "    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}\n"
+    "    {{- '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}\n")
+PHI3_TEMPLATE = (
+    "{%- for message in messages %}\n"
+    "    {{- '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- else %}{{- eos_token }}{%- endif %}\n")
+# The any-decoder families' windows are shorter than the test prompts (tests/test_conformance.py).
+FIXTURE_WINDOW = 8
+
+
+def _decoder_pair(root: Path, name: str, specials: list[str], tokenizer_config: dict, bos: str | None,
+                  template: str, target: tuple, draft: tuple, eos: list[str], generation: dict) -> Family:
+    """A target (sharded) and draft (one file) of any architecture, saved as transformers writes
+    them (config.json in today's key names), sharing one tokenizer; generation_config.json lists
+    the eos tokens named."""
+    target_dir, draft_dir = root / f"{name}-target", root / f"{name}-draft"
+    for folder in (target_dir, draft_dir):
+        ids = _tokenizer(folder, specials, tokenizer_config, bos, template)
+    eos_ids = [ids[token] for token in eos]
+    size = 8192 + len(specials)
+    common = dict(vocab_size=size, max_position_embeddings=1024, eos_token_id=eos_ids, initializer_range=0.2,
+                  bos_token_id=ids[bos] if bos else None, pad_token_id=None)
+    for folder, (cls, config_cls, shape, seed), sharded in ((target_dir, target, True), (draft_dir, draft, False)):
+        model = _random(cls, config_cls(**common, **shape), seed)
+        model.to(torch.bfloat16).save_pretrained(folder, max_shard_size=SHARD_SIZE if sharded else "1GB")
+        (folder / "generation_config.json").write_text(json.dumps(
+            {**generation, "eos_token_id": eos_ids, "transformers_version": "4.51.0"}, indent=2))
+    return Family(name, target_dir, draft_dir, tuple(sorted(set(eos_ids))), None, size)
+
+
+QWEN3_SPECIALS = ["<|im_start|>", "<|im_end|>"]
+QWEN3_TOKENIZER = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+QWEN3_GENERATION = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
+QWEN3_DRAFT = (Qwen3ForCausalLM, Qwen3Config, dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                   num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                                   tie_word_embeddings=True), 6)
+
+
+def build_qwen3(root: Path) -> Family:
+    """Qwen3-32B + Qwen3-0.6B look-alikes: per-head q/k norms, explicit head_dim, tied draft."""
+    target = (Qwen3ForCausalLM, Qwen3Config, dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                  tie_word_embeddings=False), 5)
+    return _decoder_pair(root, "qwen3", QWEN3_SPECIALS, QWEN3_TOKENIZER, None, QWEN3_TEMPLATE, target, QWEN3_DRAFT,
+                         ["<|im_end|>", "<|endoftext|>"], QWEN3_GENERATION)
+
+
+def build_qwen3_moe(root: Path) -> Family:
+    """Qwen3-30B-A3B + Qwen3-0.6B look-alikes: a routed-experts target, a dense draft."""
+    target = (Qwen3MoeForCausalLM, Qwen3MoeConfig,
+              dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                   moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=False), 7)
+    return _decoder_pair(root, "qwen3_moe", QWEN3_SPECIALS, QWEN3_TOKENIZER, None, QWEN3_TEMPLATE, target,
+                         QWEN3_DRAFT, ["<|im_end|>", "<|endoftext|>"], QWEN3_GENERATION)
+
+
+def build_gemma3(root: Path) -> Family:
+    """Gemma 3 text look-alikes (target + draft): sliding-window layers (shorter than the test
+    prompts) beside global ones, scaled embeddings, query_pre_attn_scalar, <bos> prepended."""
+    layers = dict(sliding_window=FIXTURE_WINDOW, query_pre_attn_scalar=16, head_dim=16)
+    target = (Gemma3ForCausalLM, Gemma3TextConfig,
+              dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=2, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                   **layers), 8)
+    draft = (Gemma3ForCausalLM, Gemma3TextConfig,
+             dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, layer_types=["sliding_attention", "full_attention"], **layers), 9)
+    return _decoder_pair(root, "gemma3", ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"],
+                         {"bos_token": "<bos>", "eos_token": "<eos>"}, "<bos>", GEMMA3_TEMPLATE, target, draft,
+                         ["<eos>", "<end_of_turn>"], {"top_k": 64, "top_p": 0.95})
+
+
+def build_phi3(root: Path) -> Family:
+    """Phi-3 look-alikes (target + draft): fused qkv and gate_up projections, a window on every
+    layer (Phi-3-mini-4k's is 2047 of 4096; here shorter than the test prompts)."""
+    target = (Phi3ForCausalLM, Phi3Config, dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                num_attention_heads=4, num_key_value_heads=4,
+                                                sliding_window=FIXTURE_WINDOW, tie_word_embeddings=False), 10)
+    draft = (Phi3ForCausalLM, Phi3Config, dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=2,
+                                               sliding_window=FIXTURE_WINDOW, tie_word_embeddings=False), 11)
+    return _decoder_pair(root, "phi3", ["<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
+                         {"bos_token": "<s>", "eos_token": "<|endoftext|>"}, "<s>", PHI3_TEMPLATE, target, draft,
+                         ["<|endoftext|>", "<|end|>"], {})
+
+
 BUILDERS = {"llama3": build_llama3, "qwen25": build_qwen25, "mistral": build_mistral}
+# Architectures beyond the Llama family, served through the same engine (issue: any decoder).
+DECODER_BUILDERS = {"qwen3": build_qwen3, "qwen3_moe": build_qwen3_moe, "gemma3": build_gemma3, "phi3": build_phi3}
 
 
 def build_all(root: Path) -> dict[str, Family]:
-    """Every family under root (about a second on this box)."""
-    return {name: build(root) for name, build in BUILDERS.items()}
+    """Every family under root (a few seconds on this box)."""
+    return {name: build(root) for name, build in {**BUILDERS, **DECODER_BUILDERS}.items()}

@@ -19,11 +19,11 @@ def greedy_reference(target_path: str):
     from transformers import AutoTokenizer
 
     from decoding.generate import generate
-    from decoding.model_runner import ModelRunner
+    from decoding.batched_runner import BatchedModelRunner
     from decoding.sampling import SamplingParams
     from decoding.sequence import RequestState
 
-    runner = ModelRunner(target_path)
+    runner = BatchedModelRunner(target_path)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
 
     def greedy_text(prompt: str, max_tokens: int) -> str:

@@ -110,6 +110,28 @@ def test_kuberay_draft_group_may_be_cpu_nodes():
     assert groups["target-gpu"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
 
 
+def test_kuberay_pods_mount_shm_and_the_checkpoints_and_size_memory_per_pool():
+    """Every pod gets a memory-backed /dev/shm (Ray's object store) and the checkpoints' claim
+    read-only at /models; pool pods take their node_memory_gb; without a claim nothing is mounted."""
+    from cluster.kuberay import rayservice_manifest
+
+    config = load_config(PROJECT_ROOT / "k8s" / "specserve-gpu.yaml", environ={})
+    cluster = rayservice_manifest(config, models_claim="my-models")["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in cluster["workerGroupSpecs"]]
+    for pod in pods:
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["dshm"]["emptyDir"] == {"medium": "Memory"}
+        assert volumes["models"]["persistentVolumeClaim"] == {"claimName": "my-models", "readOnly": True}
+        mounts = {m["mountPath"]: m for m in pod["containers"][0]["volumeMounts"]}
+        assert "/dev/shm" in mounts and mounts["/models"]["readOnly"] is True
+    groups = {g["groupName"]: g["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"]
+              for g in cluster["workerGroupSpecs"]}
+    assert groups == {"draft-gpu": f"{config.draft_workers.node_memory_gb:g}Gi",
+                      "target-gpu": f"{config.target_workers.node_memory_gb:g}Gi"}
+    bare = rayservice_manifest(config, models_claim=None)["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert [v["name"] for v in bare["template"]["spec"]["volumes"]] == ["dshm"]
+
+
 def test_build_app_binds_autoscaled_pools():
     from cluster.builder import build_app
 

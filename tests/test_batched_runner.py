@@ -1,5 +1,5 @@
 """BatchedModelRunner: ragged full-history calls in one forward over a paged KV cache must give the
-rows the per-sequence ModelRunner gives, on tiny random Llama, Qwen2, Mistral and GPT-2 (fp32, CPU).
+rows the per-sequence ReferenceRunner gives, on tiny random Llama, Qwen2, Mistral and GPT-2 (fp32, CPU).
 (Paged-specific checks: block accounting, budgets, capacity: tests/test_paged_cache.py.)"""
 
 import logging
@@ -13,14 +13,16 @@ from decoding.batched_runner import (
     ForwardCall,
     NoFreeSlotError,
     load_runner,
+    UnsupportedModelError,
     runner_for_model,
 )
 from decoding.generate import generate
-from decoding.model_runner import ModelRunner, SequenceStateError
+from decoding.model_runner import SequenceStateError
 from decoding.proposers import DraftModelProposer
 from decoding.sampling import SamplingParams
 from decoding.sequence import RequestState
-from decoding.paged_cache import paged_layout
+from decoding.paged_cache import PagedBatchView, paged_layout
+from tests.reference_runner import ReferenceRunner, full_logits
 from tests.tiny_pair import ARCHITECTURES, tiny_model
 
 # Batched and unbatched matmuls round differently (~1e-6 here); logits are O(1), so a wrong
@@ -52,19 +54,13 @@ def ragged_rounds() -> list[list[ForwardCall]]:
     ]
 
 
-def assert_rows_match(batched: BatchedModelRunner, reference: ModelRunner, calls: list[ForwardCall]) -> None:
+def assert_rows_match(batched: BatchedModelRunner, reference: ReferenceRunner, calls: list[ForwardCall]) -> None:
     rows = batched.forward_batch(calls)
     for call, got in zip(calls, rows):
         expected = reference.forward(call.seq_id, call.token_ids, call.num_rows)
         assert got.dtype == torch.float32
         assert got.shape == (call.num_rows, batched.vocab_size)
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0, msg=lambda m: f"{call.seq_id}: {m}")
-
-
-def full_logits(model, token_ids: list[int]) -> torch.Tensor:
-    """Oracle: every position's logits from one cache-free forward."""
-    with torch.no_grad():
-        return model(torch.tensor([token_ids])).logits[0].float()
 
 
 def test_paged_layout_numbers_new_tokens_after_each_rows_cache_and_masks_causally():
@@ -83,15 +79,13 @@ def test_paged_layout_numbers_new_tokens_after_each_rows_cache_and_masks_causall
     assert layout.read_blocks.tolist() == [[5, 9], [2, 0]]
 
 
-@pytest.mark.parametrize("lean_forward", [True, False])
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
-def test_ragged_batches_give_the_unbatched_rows(monkeypatch, architecture, attention, lean_forward):
-    # eager adds the mask to the scores, so it also catches a boolean mask (sdpa reads bools right);
-    # the lean forward (decoding.lean_forward) always runs SDPA, so both kernels are checked through
-    # transformers' forward too.
-    model = tiny_model(architecture, attn_implementation=attention)
-    batched, reference = runner_for_model(model, max_sequences=256, lean_forward=lean_forward), ModelRunner.from_model(model)
+@pytest.mark.parametrize("architecture, lean_forward", [(architecture, False) for architecture in ARCHITECTURES]
+                         + [(architecture, True) for architecture in ("llama", "qwen2", "mistral")])
+def test_ragged_batches_give_the_unbatched_rows(monkeypatch, architecture, lean_forward):
+    # Whatever attention the model was built with, the runner runs decoding.paged_attention;
+    # the lean forward (Llama-shaped models only) runs the same attention with its own layers.
+    model = tiny_model(architecture)
+    batched, reference = runner_for_model(model, max_sequences=256, lean_forward=lean_forward), ReferenceRunner.from_model(model)
     assert isinstance(batched, BatchedModelRunner)
     for calls in ragged_rounds():
         assert_rows_match(batched, reference, calls)
@@ -124,21 +118,13 @@ def positions_without_the_cached_length(layout_fn):
     return layout
 
 
-def boolean_mask(layout_fn):
-    def layout(*args, **kwargs):
-        good = layout_fn(*args, **kwargs)
-        return type(good)(**{**good.__dict__, "attention_mask": good.attention_mask == 0})
-    return layout
-
-
-@pytest.mark.parametrize("break_layout", [positions_without_the_cached_length, boolean_mask])
-@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
-def test_the_tolerance_catches_a_wrong_position_or_a_boolean_mask(monkeypatch, architecture, break_layout):
-    """The equality tests above can fail: wrong position ids or a bool mask (under transformers'
-    eager attention) move rows by orders of magnitude more than ATOL."""
-    model = tiny_model(architecture, attn_implementation="eager")
-    reference = ModelRunner.from_model(model)
-    monkeypatch.setattr(batched_runner_module, "paged_layout", break_layout(paged_layout))
+@pytest.mark.parametrize("architecture", ["llama", "gpt2", "gemma2"])
+def test_the_tolerance_catches_wrong_positions(monkeypatch, architecture):
+    """The equality tests above can fail: wrong position ids (rotary, learned positions, the
+    soft-capped path) move rows by orders of magnitude more than ATOL."""
+    model = tiny_model(architecture)
+    reference = ReferenceRunner.from_model(model)
+    monkeypatch.setattr(batched_runner_module, "paged_layout", positions_without_the_cached_length(paged_layout))
     broken = runner_for_model(model, lean_forward=False)
     worst = 0.0
     for calls in ragged_rounds():
@@ -162,7 +148,7 @@ def test_greedy_generation_through_the_batched_runner_equals_model_runner(archit
 
     for seed, length in [(10, 5), (11, 23), (12, 1)]:
         prompt = random_ids(seed, length)
-        assert decode(BatchedModelRunner.from_model(model), prompt) == decode(ModelRunner.from_model(model), prompt)
+        assert decode(BatchedModelRunner.from_model(model), prompt) == decode(ReferenceRunner.from_model(model), prompt)
 
 
 def test_speculative_greedy_over_batched_target_and_draft_equals_target_only():
@@ -190,7 +176,7 @@ def test_lockstep_greedy_decoding_of_many_requests_equals_each_alone():
         for seq_id, row in zip(live, rows):
             histories[seq_id].append(int(row[0].argmax()))
     for seq_id, prompt in prompts.items():
-        alone, ids = ModelRunner.from_model(model), list(prompt)
+        alone, ids = ReferenceRunner.from_model(model), list(prompt)
         for _ in range(num_new[seq_id]):
             ids.append(int(alone.forward("s", ids)[0].argmax()))
         assert histories[seq_id] == ids
@@ -252,7 +238,7 @@ def test_slots_run_out_at_max_sequences_and_release_frees_one():
 
 def test_a_failed_forward_leaves_held_sequences_valid_and_admits_nothing(monkeypatch):
     model = tiny_model("llama")
-    runner, reference = BatchedModelRunner.from_model(model), ModelRunner.from_model(model)
+    runner, reference = BatchedModelRunner.from_model(model), ReferenceRunner.from_model(model)
     history = random_ids(33, 15)
     runner.forward("a", history)
 
@@ -267,7 +253,7 @@ def test_a_failed_forward_leaves_held_sequences_valid_and_admits_nothing(monkeyp
                                atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("runner_class", [BatchedModelRunner, ModelRunner])
+@pytest.mark.parametrize("runner_class", [BatchedModelRunner, ReferenceRunner])
 def test_forward_batch_rejects_bad_batches_before_changing_anything(runner_class):
     runner = runner_class.from_model(tiny_model("llama", max_position_embeddings=16))
     runner.forward("a", [3, 4, 5])
@@ -281,49 +267,45 @@ def test_forward_batch_rejects_bad_batches_before_changing_anything(runner_class
     assert runner.forward_batch([]) == []
 
 
-def test_model_runner_forward_batch_is_a_loop_over_forward():
-    model = tiny_model("qwen2")
-    calls = [ForwardCall("x", random_ids(34, 9), 2), ForwardCall("y", random_ids(35, 4), 1)]
-    batched = ModelRunner.from_model(model).forward_batch(calls)
-    reference = ModelRunner.from_model(model)
-    for call, rows in zip(calls, batched):
-        torch.testing.assert_close(rows, reference.forward(call.seq_id, call.token_ids, call.num_rows),
-                                   atol=0, rtol=0)
+def test_every_layer_honours_its_own_sliding_window(monkeypatch):
+    """Gemma 3's windowed layers see only their last SHORT_WINDOW keys and its global layer all of
+    them: the rows equal the model's own. Ignoring the window (every layer global) is caught."""
+    model = tiny_model("gemma3")
+    histories = {"x": random_ids(9, 40), "y": random_ids(10, 23)}
+    runner = runner_for_model(model)
+    rows = runner.forward_batch([ForwardCall(seq_id, history, 4) for seq_id, history in histories.items()])
+    for history, got in zip(histories.values(), rows):
+        torch.testing.assert_close(got, full_logits(model, history)[-4:], atol=ATOL, rtol=0)
+    monkeypatch.setattr(PagedBatchView, "mask", lambda view, sliding_window: view.layout.attention_mask)
+    broken = runner_for_model(tiny_model("gemma3"))
+    got = broken.forward_batch([ForwardCall("x", histories["x"], 4)])[0]
+    assert float((got - full_logits(model, histories["x"])[-4:]).abs().max()) > 100 * ATOL
 
 
-def test_runner_for_model_falls_back_for_a_short_sliding_window(caplog):
-    windowed = tiny_model("mistral", sliding_window=16)
-    with caplog.at_level(logging.INFO, logger="decoding.batched_runner"):
-        runner = runner_for_model(windowed)
-    assert type(runner) is ModelRunner
-    assert len(caplog.records) == 1 and "sliding window 16" in caplog.records[0].getMessage()
-    with pytest.raises(ValueError, match="sliding window"):
-        BatchedModelRunner.from_model(windowed)
-
-
-def test_runner_for_model_batches_a_window_as_long_as_the_context(caplog):
-    with caplog.at_level(logging.INFO, logger="decoding.batched_runner"):
-        runner = runner_for_model(tiny_model("mistral", sliding_window=128), max_sequences=5)
-    assert type(runner) is BatchedModelRunner and runner.max_sequences == 5
-    assert len(caplog.records) == 1 and "batched" in caplog.records[0].getMessage()
-
-
-@pytest.mark.parametrize("max_window_layers, expected", [(1, ModelRunner), (2, BatchedModelRunner)])
-def test_qwen2_batches_unless_a_layer_uses_its_sliding_window(max_window_layers, expected):
-    # Qwen2 windows only the layers from max_window_layers on (of 2 here).
-    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=max_window_layers)
-    assert type(runner_for_model(model)) is expected
-
-
-def test_runner_for_model_falls_back_for_an_attention_kernel_without_4d_masks(caplog):
+def test_a_model_with_a_layer_outside_the_attention_interface_is_refused_at_load():
+    """A layer whose attention never reaches the paged cache (here: one that drops the forward's
+    keyword arguments) is refused at load with the reason, not served wrongly."""
     model = tiny_model("llama")
-    model.config._attn_implementation = "flash_attention_2"
-    with caplog.at_level(logging.INFO, logger="decoding.batched_runner"):
-        assert type(runner_for_model(model)) is ModelRunner
-    assert "flash_attention_2" in caplog.records[0].getMessage()
+    attention = model.model.layers[1].self_attn
+    original = attention.forward
+
+    def forward_without_the_interface(*args, **kwargs):
+        kwargs.pop("paged_batch", None)
+        return original(*args, **kwargs)
+
+    attention.forward = forward_without_the_interface
+    with pytest.raises(UnsupportedModelError, match=r"layers \[1\] of 2 do not attend through"):
+        runner_for_model(model, lean_forward=False)
 
 
-def test_load_runner_loads_a_saved_model_on_the_slot_path(tmp_path):
+def test_an_encoder_decoder_is_refused_naming_why():
+    model = tiny_model("llama")
+    model.config.is_encoder_decoder = True
+    with pytest.raises(UnsupportedModelError, match="encoder-decoder"):
+        runner_for_model(model)
+
+
+def test_load_runner_loads_a_saved_model(tmp_path):
     model = tiny_model("gpt2")
     model.save_pretrained(tmp_path)
     runner = load_runner({"path": str(tmp_path), "dtype": "float32", "device": "cpu", "torch_threads": 1,

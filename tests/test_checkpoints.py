@@ -18,10 +18,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from cluster.builder import build_app, served_model_specs
 from cluster.cli import add_model_args, config_from_args
 from cluster.config import SpecServeConfig
-from decoding.batched_runner import load_runner, runner_for_model
+from decoding.batched_runner import BatchedModelRunner, load_runner, runner_for_model
 from decoding.checkpoint import (check_weight_files, eos_token_ids, generation_defaults, max_model_len,
                                  resolve_dtype)
-from decoding.model_runner import IncompatibleModelsError, ModelRunner, load_causal_lm
+from decoding.model_runner import IncompatibleModelsError, load_causal_lm
 from decoding.rejection import rejection_sample
 from decoding.sampling import SamplingParams, logits_to_probs, make_generator
 from deployments.ingress import Ingress
@@ -112,7 +112,7 @@ def test_dtype_and_device_auto(checkpoint_families):
 @pytest.mark.parametrize("overrides, message", [
     ({"target": {"path": "t", "device": "cuda"}}, "target_workers.num_gpus is 0"),
     ({"target": {"path": "t", "device": "cpu"}, "target_workers": {"num_gpus": 1}}, "GPU would sit idle"),
-    ({"draft": {"path": "d", "device": "cuda:1"}, "speculation": {"proposer": "draft"}}, "draft_workers.num_gpus"),
+    ({"draft": {"path": "d", "device": "cuda:0"}, "speculation": {"proposer": "draft"}}, "draft_workers.num_gpus"),
     ({"target": {"path": "t", "device": "tpu"}}, "device"),
 ])
 def test_device_and_gpu_contradictions_fail_validation(overrides, message):
@@ -212,8 +212,8 @@ def test_speculation_over_a_padded_pair_samples_the_targets_distribution_over_th
     processed distribution over the 32 ids (chi-square p > 1e-3, TV < 0.02), never a padding id;
     the uncut rows (a broken server) are rejected by the same test."""
     vocab, history = 32, [3, 1, 4, 1, 5]
-    target = ModelRunner.from_model(_padded_model(vocab, 48, seed=0))
-    draft = ModelRunner.from_model(_padded_model(vocab, 40, seed=1))
+    target = BatchedModelRunner.from_model(_padded_model(vocab, 48, seed=0))
+    draft = BatchedModelRunner.from_model(_padded_model(vocab, 40, seed=1))
     uncut_target_logits = target.forward("s", history)[0]
     for runner in (target, draft):
         runner.serve_as(vocab_size=vocab)
@@ -365,3 +365,43 @@ def test_fixture_target_emits_the_list_only_eos(checkpoint_families):
         ids = tokenizer(EOS_PROMPT, return_tensors="pt").input_ids
         out = model.generate(ids, do_sample=False, max_new_tokens=10)[0, ids.shape[1]:].tolist()
         assert out[EOS_AFTER] == family.list_only_eos and len(out) == EOS_AFTER + 1
+
+
+@pytest.mark.parametrize("lean_forward", [True, False])
+def test_a_torchao_int8_checkpoint_is_served_through_its_own_quantized_weights(tmp_path, lean_forward):
+    """An int8 weight-only torchao checkpoint (saved as safetensors, reloaded from disk) runs on
+    CPU through transformers' quantized weights on both forwards: its rows equal the quantized
+    model's own forward, not the float model's."""
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import TorchAoConfig
+
+    from tests.tiny_pair import tiny_model
+
+    float_model = tiny_model("llama")
+    float_model.save_pretrained(tmp_path / "float")
+    quantized = AutoModelForCausalLM.from_pretrained(tmp_path / "float", dtype=torch.float32,
+                                                     quantization_config=TorchAoConfig(Int8WeightOnlyConfig()))
+    quantized.save_pretrained(tmp_path / "int8")
+    runner = load_runner({"path": str(tmp_path / "int8"), "dtype": "float32", "device": "cpu", "torch_threads": 1,
+                          "max_sequences": 4, "lean_forward": lean_forward})
+    assert (runner.lean is not None) == lean_forward
+    history = list(range(3, 40))
+    rows = runner.forward("s", history, num_rows=3)
+    with torch.no_grad():
+        own = AutoModelForCausalLM.from_pretrained(tmp_path / "int8")(torch.tensor([history])).logits[0, -3:]
+        unquantized = float_model(torch.tensor([history])).logits[0, -3:]
+    torch.testing.assert_close(rows, own, atol=1e-4, rtol=0)
+    assert float((rows - unquantized).abs().max()) > 1e-3      # the int8 weights were used
+
+
+def test_a_quantization_method_the_device_cannot_run_is_refused_naming_it(tmp_path):
+    from tests.tiny_pair import tiny_model
+
+    tiny_model("llama").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm",
+                                     "zero_point": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quant_method='awq' cannot be served on cpu"):
+        load_causal_lm(str(tmp_path), dtype="float32", device="cpu")

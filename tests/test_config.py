@@ -40,6 +40,18 @@ def test_invalid_config_is_rejected(bad):
         SpecServeConfig.model_validate(bad)
 
 
+@pytest.mark.parametrize("device", ["cuda:1", "cuda:3"])
+def test_a_cuda_index_other_than_0_is_refused_as_ray_shows_each_engine_one_gpu(device):
+    with pytest.raises(ValidationError, match=f"device '{device}'.*shows it as cuda:0"):
+        SpecServeConfig.model_validate({"target": {"path": "t", "device": device}, "target_workers": {"num_gpus": 1}})
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "auto"])
+def test_bare_cuda_and_cuda_0_are_accepted(device):
+    config = SpecServeConfig.model_validate({"target": {"path": "t", "device": device}, "target_workers": {"num_gpus": 1}})
+    assert config.target.device == device
+
+
 def test_ngram_needs_no_draft_model():
     config = SpecServeConfig.model_validate({"draft": None, "speculation": {"proposer": "ngram"}})
     assert config.uses_draft_workers

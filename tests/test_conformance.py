@@ -1,12 +1,16 @@
 """Conformance on the checkpoint look-alikes, served: one Ray cluster, one Serve app per family
-(Llama-3 pair, Qwen2.5 padded pair, Mistral target-only), each configured from the launch flags,
-over real HTTP with the official `openai` client. For each: greedy equals Hugging Face `generate`
-with the folder's generation config (greedy forced; near-ties told apart), chat prompts are the
-tokenizer's apply_chat_template ids, and requests stop on the EOS list and on stop_token_ids."""
+(Llama-3 pair, Qwen2.5 padded pair, Mistral target-only, and the any-decoder pairs: Qwen3, Qwen3-MoE
++ Qwen3, Gemma 3 and Phi-3 with sliding windows shorter than the prompts), each configured from the
+launch flags, over real HTTP with the official `openai` client. For each: greedy equals Hugging Face
+`generate` with the folder's generation config (greedy forced; near-ties told apart), chat prompts
+are the tokenizer's apply_chat_template ids, and requests stop on the EOS list and on
+stop_token_ids; the any-decoder pairs batch concurrent requests into one forward, each answered as
+it would be alone."""
 
 from __future__ import annotations
 
 import argparse
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -19,13 +23,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from cluster.builder import build_app
 from cluster.cli import add_model_args, config_from_args
 from cluster.local import RAY_SYSTEM_CONFIG, stop_local, wait_healthy
-from tests.checkpoint_fixtures import EOS_AFTER, EOS_PROMPT
+from cluster.status import read_engine_stats
+from tests.checkpoint_fixtures import DECODER_BUILDERS, EOS_AFTER, EOS_PROMPT, FIXTURE_WINDOW
 from tests.local_server import free_port
 
 pytestmark = pytest.mark.ray
 PROMPTS = ["import numpy as np\n", "class Stack:\n    def push(self, x):"]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write a loop."}]
 MAX_TOKENS = 12
+# Longer than every fixture's sliding window (FIXTURE_WINDOW tokens): windowed layers must drop keys.
+LONG_PROMPT = ("def merge_sorted(left, right):\n    result = []\n    i = j = 0\n    while i < len(left) and "
+               "j < len(right):\n        if left[i] <= right[j]:\n")
+DECODERS = list(DECODER_BUILDERS)
 NEAR_TIE_LOGIT_GAP = 1e-3
 
 
@@ -45,7 +54,8 @@ def family_config(family, port: int):
 def served(checkpoint_families):
     """{family name: (openai client, family)}: three apps on one cluster."""
     port = free_port()
-    ray.init(num_cpus=8, include_dashboard=False, configure_logging=False, log_to_driver=False,
+    # Seven apps of four replicas each: logical CPUs, not cores (the replicas idle between requests).
+    ray.init(num_cpus=32, include_dashboard=False, configure_logging=False, log_to_driver=False,
              _system_config=RAY_SYSTEM_CONFIG)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -107,18 +117,19 @@ def assert_equal_or_near_tie(oracle: Oracle, prompt_ids: list[int], ids: list[in
     assert served == oracle.text(ids) or oracle.near_tie_at_divergence(prompt_ids, ids, served), (served, ids)
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen25", "mistral"])
+@pytest.mark.parametrize("name", ["llama3", "qwen25", "mistral", *DECODERS])
 def test_greedy_completions_equal_hf_generate(served, oracles, name):
     client, family = served[name]
     oracle = oracles[name]
-    for prompt in PROMPTS:
+    assert len(oracle.tokenizer.encode(LONG_PROMPT)) > FIXTURE_WINDOW
+    for prompt in PROMPTS + [LONG_PROMPT]:
         prompt_ids = oracle.tokenizer.encode(prompt)      # the tokenizer decides BOS, as the server
         response = client.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
         assert response.usage.prompt_tokens == len(prompt_ids)
         assert_equal_or_near_tie(oracle, prompt_ids, oracle.greedy(prompt_ids, MAX_TOKENS), response.choices[0].text)
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen25", "mistral"])
+@pytest.mark.parametrize("name", ["llama3", "qwen25", "mistral", *DECODERS])
 def test_chat_prompt_is_apply_chat_template_and_greedy_equals_hf(served, oracles, name):
     client, family = served[name]
     oracle = oracles[name]
@@ -129,6 +140,31 @@ def test_chat_prompt_is_apply_chat_template_and_greedy_equals_hf(served, oracles
     assert response.usage.prompt_tokens == len(prompt_ids)
     assert_equal_or_near_tie(oracle, prompt_ids, oracle.greedy(prompt_ids, MAX_TOKENS),
                              response.choices[0].message.content)
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_concurrent_requests_share_forwards_and_equal_each_alone(served, oracles, name):
+    """Four greedy requests at once on an any-decoder pair: the target engine's forwards carried
+    more than one row on average (batched), and each answer is HF `generate`'s for its prompt."""
+    client, family = served[name]
+    oracle = oracles[name]
+    prompts = [LONG_PROMPT, PROMPTS[1], LONG_PROMPT + "            result.append(left[i])\n", PROMPTS[0] * 3]
+
+    def target_counters() -> dict[str, tuple[int, int]]:
+        return {stats.replica: (stats.forwards, stats.batch_rows_total) for stats in read_engine_stats()
+                if getattr(stats, "pool", None) == "target" and hasattr(stats, "forwards")}
+
+    before = target_counters()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        responses = list(pool.map(lambda prompt: client.completions.create(
+            model=name, prompt=prompt, max_tokens=24, temperature=0), prompts))
+    after = target_counters()
+    forwards, rows = max(((after[r][0] - before.get(r, (0, 0))[0], after[r][1] - before.get(r, (0, 0))[1])
+                          for r in after), key=lambda delta: delta[0])
+    assert forwards > 0 and rows > forwards, (forwards, rows)
+    for prompt, response in zip(prompts, responses):
+        prompt_ids = oracle.tokenizer.encode(prompt)
+        assert_equal_or_near_tie(oracle, prompt_ids, oracle.greedy(prompt_ids, 24), response.choices[0].text)
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen25"])

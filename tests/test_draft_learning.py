@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from cluster.config import SpecServeConfig
+from cluster.messages import PositionCounts
 from decoding.capture import save_blocks, top_rows
 from decoding.proposers import Proposal
 from decoding.sampling import SamplingParams
@@ -241,16 +242,38 @@ def test_training_yields_when_load_returns(pairs, captures, tmp_path):
     assert trainer.ready()  # the captures are still there for the next slack
 
 
+def live_rounds(alpha: float, depth: int, rounds: int, seed: int) -> tuple[list[int], list[int]]:
+    """Per-position (drafted, accepted) of `rounds` rounds drafting `depth` tokens, each kept with
+    probability alpha until the first rejection: what a router reports for one version."""
+    generator = torch.Generator().manual_seed(seed)
+    counts = PositionCounts([], [])
+    for _ in range(rounds):
+        keeps = (torch.rand(depth, generator=generator) < alpha).tolist()
+        accepted = keeps.index(False) if False in keeps else depth
+        counts.add(PositionCounts.of_round(depth, accepted))
+    return counts.drafted, counts.accepted
+
+
+def test_rollback_compares_like_with_like_so_a_better_draft_at_a_larger_k_is_kept():
+    """alpha 0.8 at K 8 has a lower accepted/drafted (about 0.44) than alpha 0.75 at K 4 (0.51),
+    yet is better at every position: it is kept. alpha 0.5 at K 4 is worse everywhere: rolled back.
+    Too few drafted tokens are not judged."""
+    before = PositionCounts(*live_rounds(0.75, 4, 2000, seed=1))
+    better_deeper = PositionCounts(*live_rounds(0.8, 8, 1000, seed=2))
+    worse = PositionCounts(*live_rounds(0.5, 4, 1000, seed=3))
+    assert better_deeper.acceptance() < before.acceptance() - 0.05     # the old rule would roll it back
+    assert not rolls_back(before, better_deeper, min_drafted=500, margin=0.05)
+    assert rolls_back(before, worse, min_drafted=500, margin=0.05)
+    assert not rolls_back(before, PositionCounts(*live_rounds(0.5, 4, 50, seed=4)), min_drafted=500, margin=0.05)
+
+
 def test_a_worse_version_live_is_rolled_back_and_a_restarted_trainer_adopts_what_engines_serve(tmp_path):
-    assert not rolls_back(0.6, drafted=100, accepted=10, min_drafted=500, margin=0.05)   # too few to judge
-    assert rolls_back(0.6, drafted=1000, accepted=500, min_drafted=500, margin=0.05)
-    assert not rolls_back(0.6, drafted=1000, accepted=580, min_drafted=500, margin=0.05)
     trainer = OnlineTrainer("/draft/v0", settings(rollback_min_drafted=100), tmp_path)
-    trainer.record_live({0: (1000, 600)})
+    trainer.record_live({0: live_rounds(0.7, 4, 500, seed=5)})
     trainer.versions.append(type(trainer.serving)(1, "/draft/v1"))
     trainer.swap_to(1)
-    assert trainer.serving.live_before == pytest.approx(0.6)
-    trainer.record_live({1: (200, 80)})
+    assert trainer.serving.live_before == pytest.approx(trainer.live_acceptance(0))
+    trainer.record_live({1: live_rounds(0.4, 4, 200, seed=6)})
     assert trainer.rollback_to().version == 0
     assert trainer.rollback_to() is None  # judged once
     restarted = OnlineTrainer("/draft/v0", settings(), tmp_path)

@@ -2,13 +2,14 @@
 answers equal unbatched ones, releases and full slots behave."""
 
 import asyncio
+import time
 
 import pytest
 import torch
 
 from cluster.config import SpecServeConfig
 from cluster.messages import CallSpan, HistoryUpdate
-from decoding.model_runner import ModelRunner
+from decoding.batched_runner import BatchedModelRunner
 from decoding.sampling import SamplingParams, make_generator
 from decoding.proposers import DraftModelProposer, Proposal
 from deployments.committed_history import history_digest
@@ -50,7 +51,7 @@ async def verify(engine: TargetEngine, seq_id: str, token_ids, num_rows: int, pa
 
 def test_concurrent_verifies_share_a_forward_and_match_unbatched_rows(pair):
     target_path, _ = pair
-    reference = ModelRunner(str(target_path))
+    reference = BatchedModelRunner(str(target_path))
 
     async def scenario():
         engine = TargetEngine(spec(target_path), options())
@@ -136,7 +137,7 @@ def test_a_sampled_answer_holds_the_processed_target_rows_numbers(pair):
     """A sampled verify answers O(K) numbers (decoding.compact_verify.TargetNumbers): p(x) of the
     block's token under the processed target row, and draws from the rows' support."""
     target_path, _ = pair
-    reference = ModelRunner(str(target_path))
+    reference = BatchedModelRunner(str(target_path))
 
     async def scenario():
         engine = TargetEngine(spec(target_path), options())
@@ -151,7 +152,7 @@ def test_a_sampled_answer_holds_the_processed_target_rows_numbers(pair):
 
 def test_a_long_prompt_is_prefilled_in_chunks_beside_running_verifies(pair):
     target_path, _ = pair
-    reference = ModelRunner(str(target_path))
+    reference = BatchedModelRunner(str(target_path))
     long_prompt = [(7 * i) % 90 + 3 for i in range(100)]
 
     async def scenario():
@@ -247,7 +248,7 @@ def test_a_call_past_the_context_fails_alone(pair):
 
 def test_batched_drafts_equal_drafts_made_alone(pair):
     target_path, draft_path = pair
-    alone = DraftModelProposer(ModelRunner(str(draft_path)), max_candidates=options()["draft_top_k"])
+    alone = DraftModelProposer(BatchedModelRunner(str(draft_path)), max_candidates=options()["draft_top_k"])
 
     async def scenario():
         engine = DraftEngine("draft", spec(draft_path), str(target_path), options())
@@ -327,7 +328,7 @@ def test_a_held_sequence_that_cannot_grow_preempts_the_youngest_which_is_prefill
     verifies now, the younger's next call is prefilled again once blocks free up, from the committed
     history the engine kept (the router need not know), rows unchanged."""
     target_path, _ = pair
-    reference = ModelRunner(str(target_path))
+    reference = BatchedModelRunner(str(target_path))
     older, younger = [5 + i % 80 for i in range(160)], [7 + i % 80 for i in range(160)]
 
     async def scenario():
@@ -368,3 +369,110 @@ def test_the_call_log_is_kept_only_with_the_profiling_switch(pair, monkeypatch):
     span, calls = asyncio.run(logged_calls())
     assert calls == [("verify", "a", span.entered_s, span.left_s)]
     assert span.entered_s <= span.started_s <= span.left_s
+
+
+def test_a_call_that_breaks_the_forward_fails_alone_and_its_neighbours_get_their_rows(pair):
+    """A token id past the vocabulary makes the shared forward raise (as an out-of-memory prompt
+    would): the batch's calls are run again alone, so only that call fails, with its own error."""
+    target_path, _ = pair
+    reference = BatchedModelRunner(str(target_path))
+
+    async def scenario():
+        engine = TargetEngine(spec(target_path), options())
+        broken = HISTORIES[0][:-1] + [10**6]
+        answers = await asyncio.gather(verify(engine, "ok0", HISTORIES[1], 2, GREEDY),
+                                       verify(engine, "bad", broken, 1, GREEDY),
+                                       verify(engine, "ok1", HISTORIES[2], 1, GREEDY), return_exceptions=True)
+        return answers, await engine.active_sequences()
+
+    (ok0, bad, ok1), held = asyncio.run(scenario())
+    assert isinstance(bad, IndexError)
+    assert ok0[0] == torch.argmax(reference.forward("r0", HISTORIES[1], 2), dim=-1).tolist()
+    assert ok1[0] == torch.argmax(reference.forward("r1", HISTORIES[2], 1), dim=-1).tolist()
+    assert held == ["ok0", "ok1"]
+
+
+def test_a_prompt_prefilled_in_chunks_for_longer_than_the_admission_deadline_is_not_expired(pair):
+    """The admission deadline is for waiting to be admitted: a prompt that is admitted and makes
+    progress chunk by chunk finishes however long its chunks take together."""
+    target_path, _ = pair
+    reference = BatchedModelRunner(str(target_path))
+    prompt = [5 + i % 80 for i in range(240)]
+    deadline_s = 0.05
+
+    async def scenario():
+        engine = TargetEngine(spec(target_path), options(admission_timeout_s=deadline_s, prefill_token_budget=4))
+        started = asyncio.get_running_loop().time()
+        rows, _ = await verify(engine, "long", prompt, 1, GREEDY)
+        return rows, asyncio.get_running_loop().time() - started
+
+    rows, elapsed_s = asyncio.run(scenario())
+    assert elapsed_s > 2 * deadline_s  # the deadline passed mid-prefill (56 chunks of 4 tokens)
+    assert rows == torch.argmax(reference.forward("r", prompt, 1), dim=-1).tolist()
+
+
+def test_a_preempted_sequences_waiting_call_gets_the_full_deadline_again():
+    """A call whose sequence is held waits without a deadline (it is past admission); once its
+    sequence is let go (preempted), it waits for admission again, its clock started then, not
+    when it arrived."""
+    from types import SimpleNamespace
+
+    from deployments.engine_loop import EngineLoop
+
+    held, iterations = {"a"}, []
+
+    def iterate(calls):  # held for 15 iterations (each waits 20 ms for a slot), answered 2 after
+        iterations.append(len(calls))
+        if len(iterations) == 15:
+            held.discard("a")
+        return {0: "done"} if len(iterations) == 17 else {}
+
+    async def scenario():
+        loop = EngineLoop(iterate, lambda seq_id: None, admission_timeout_s=0.25,
+                          admitted=lambda seq_id: seq_id in held)
+        started = time.monotonic()
+        answer = await loop.submit(SimpleNamespace(seq_id="a"))
+        return answer, time.monotonic() - started
+
+    answer, waited_s = asyncio.run(scenario())
+    assert answer == "done" and waited_s > 0.25   # it waited longer than the deadline in all
+
+
+def test_stats_are_read_between_iterations_and_a_lone_forward_leaves_the_event_loop_free(pair):
+    """While a lone call's forward runs (held up here inside the model), a ping answers at once and
+    stats wait for the iteration to end: the worker thread changes the runner's sequences meanwhile."""
+    import threading
+
+    target_path, _ = pair
+
+    async def scenario():
+        engine = TargetEngine(spec(target_path), options())
+        in_forward, go_on = threading.Event(), threading.Event()
+        read_during_forward = []
+
+        def hold(module, args):
+            in_forward.set()
+            go_on.wait(5)
+
+        engine.runner.model.get_input_embeddings().register_forward_pre_hook(hold)
+        active_sequences = engine.runner.active_sequences
+
+        def spy():
+            read_during_forward.append(in_forward.is_set() and not go_on.is_set())
+            return active_sequences()
+
+        engine.runner.active_sequences = spy
+        running = asyncio.create_task(verify(engine, "a", HISTORIES[0], 1, GREEDY))
+        while not in_forward.is_set():
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(engine.ping(), 1)   # the event loop is free mid-forward
+        assert not running.done()
+        stats = asyncio.create_task(engine.stats())
+        await asyncio.sleep(0.05)
+        assert not stats.done()                     # it waits for the iteration to end
+        go_on.set()
+        await running
+        return (await stats).sequences, read_during_forward
+
+    sequences, read_during_forward = asyncio.run(scenario())
+    assert sequences == 1 and read_during_forward and not any(read_during_forward)

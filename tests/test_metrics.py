@@ -123,6 +123,8 @@ def test_engine_points_carry_pool_and_replica(recorded):
     engine.record_forward(batch_rows=8, busy_s=0.05, idle_s=0.0)
     engine.record_forward(batch_rows=2, busy_s=0.02, idle_s=0.01)
     engine.set_load(queue_depth=3, sequences=5)
+    engine.record_prefix_cache(queries=40, hits=16)
+    engine.record_prefix_cache(queries=10, hits=0)
     for (name, labels), _ in recorded.items():
         assert {("pool", "target"), ("replica", "t1")} <= labels, name
     assert total(recorded, "specserve_engine_busy_seconds_total") == pytest.approx(0.07)
@@ -130,6 +132,8 @@ def test_engine_points_carry_pool_and_replica(recorded):
     assert total(recorded, "specserve_engine_batch_size") == 10
     assert total(recorded, "specserve_kv_sequences") == 5
     assert total(recorded, "specserve_engine_queue_depth") == 3
+    assert total(recorded, "specserve_prefix_cache_queries_total") == 50
+    assert total(recorded, "specserve_prefix_cache_hits_total") == 16
 
 
 def test_policy_decisions_are_gauges_per_class_and_pool(recorded):

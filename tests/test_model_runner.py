@@ -1,4 +1,4 @@
-"""ModelRunner: full-history protocol over per-sequence KV caches, on tiny random Llamas (fp32, CPU)."""
+"""BatchedModelRunner: the full-history protocol (reuse, rollback, release, errors) and the pair checks, on tiny random Llamas (fp32, CPU)."""
 
 import shutil
 
@@ -9,25 +9,20 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
+from decoding.batched_runner import BatchedModelRunner
 from decoding.model_runner import (
     IncompatibleModelsError,
-    ModelRunner,
     SequenceStateError,
     check_compatible,
     check_compatible_paths,
 )
+from tests.reference_runner import full_logits
 from tests.tiny_pair import make_tiny_pair, tiny_config, tiny_llama
 
 ATOL = 1e-4
 
 
-def full_logits(model: LlamaForCausalLM, token_ids: list[int]) -> torch.Tensor:
-    """Reference: logits of every position from one cache-free forward."""
-    with torch.no_grad():
-        return model(torch.tensor([token_ids])).logits[0].float()
-
-
-def count_processed_tokens(runner: ModelRunner) -> list[int]:
+def count_processed_tokens(runner: BatchedModelRunner) -> list[int]:
     """Record how many tokens each forward feeds through the model."""
     counts: list[int] = []
     runner.model.model.embed_tokens.register_forward_hook(
@@ -42,8 +37,8 @@ def model() -> LlamaForCausalLM:
 
 def test_verify_block_rows_equal_step_by_step_decode_rows(model):
     history = [5, 17, 42, 8, 3, 77, 12, 30, 64, 9, 11, 2]
-    block_runner = ModelRunner.from_model(model)
-    step_runner = ModelRunner.from_model(model)
+    block_runner = BatchedModelRunner.from_model(model)
+    step_runner = BatchedModelRunner.from_model(model)
     prefix_length = 7
     block_rows = block_runner.forward("s", history, num_rows=len(history) - prefix_length + 1)
     step_rows = [step_runner.forward("s", history[:end], num_rows=1)[0]
@@ -56,19 +51,19 @@ def test_verify_block_rows_equal_step_by_step_decode_rows(model):
 
 def test_rollback_then_redecode_equals_runner_that_never_speculated(model):
     committed = [4, 8, 15, 16, 23, 42]
-    speculative = ModelRunner.from_model(model)
+    speculative = BatchedModelRunner.from_model(model)
     speculative.forward("s", committed + [70, 71, 72], num_rows=4)   # a rejected speculative tail
     speculative.rollback("s", len(committed))
     assert speculative.num_cached("s") == len(committed)
     after_rollback = speculative.forward("s", committed + [33], num_rows=1)
 
-    plain = ModelRunner.from_model(model)
+    plain = BatchedModelRunner.from_model(model)
     reference = plain.forward("s", committed + [33], num_rows=1)
     torch.testing.assert_close(after_rollback, reference, atol=ATOL, rtol=0)
 
 
 def test_forward_reuses_the_cached_prefix(model):
-    runner = ModelRunner.from_model(model)
+    runner = BatchedModelRunner.from_model(model)
     processed = count_processed_tokens(runner)
     prompt = list(range(10, 30))
     runner.forward("s", prompt, num_rows=1)
@@ -78,7 +73,7 @@ def test_forward_reuses_the_cached_prefix(model):
 
 
 def test_forward_crops_a_diverged_tail(model):
-    runner = ModelRunner.from_model(model)
+    runner = BatchedModelRunner.from_model(model)
     processed = count_processed_tokens(runner)
     shared = list(range(10, 30))
     runner.forward("s", shared + [50, 51, 52, 53], num_rows=5)
@@ -89,7 +84,7 @@ def test_forward_crops_a_diverged_tail(model):
 
 
 def test_forward_recomputes_at_least_num_rows_of_a_cached_history(model):
-    runner = ModelRunner.from_model(model)
+    runner = BatchedModelRunner.from_model(model)
     processed = count_processed_tokens(runner)
     history = list(range(10, 25))
     runner.forward("s", history, num_rows=1)
@@ -99,7 +94,7 @@ def test_forward_recomputes_at_least_num_rows_of_a_cached_history(model):
 
 
 def test_release_is_idempotent_and_frees_the_sequence(model):
-    runner = ModelRunner.from_model(model)
+    runner = BatchedModelRunner.from_model(model)
     runner.forward("a", [3, 4, 5], num_rows=1)
     runner.forward("b", [3, 4], num_rows=1)
     assert sorted(runner.active_sequences()) == ["a", "b"]
@@ -111,20 +106,20 @@ def test_release_is_idempotent_and_frees_the_sequence(model):
 
 
 def test_forward_rejects_a_history_longer_than_the_context():
-    runner = ModelRunner.from_model(tiny_llama(max_position_embeddings=16))
+    runner = BatchedModelRunner.from_model(tiny_llama(max_position_embeddings=16))
     runner.forward("s", list(range(16)), num_rows=1)  # exactly the context is fine
     with pytest.raises(SequenceStateError, match="context"):
         runner.forward("s", list(range(17)), num_rows=1)
 
 
 def test_forward_rejects_more_rows_than_tokens(model):
-    runner = ModelRunner.from_model(model)
+    runner = BatchedModelRunner.from_model(model)
     with pytest.raises(SequenceStateError, match="num_rows"):
         runner.forward("s", [3, 4], num_rows=3)
 
 
 def test_forward_rejects_more_than_max_sequences(model):
-    runner = ModelRunner.from_model(model, max_sequences=2)
+    runner = BatchedModelRunner.from_model(model, max_sequences=2)
     runner.forward("a", [3], num_rows=1)
     runner.forward("b", [3], num_rows=1)
     with pytest.raises(SequenceStateError, match="max_sequences"):
@@ -146,33 +141,33 @@ PROBE_WORDS = ["def", "fibonacci", "(", "n", "):", "return"]
 
 
 def test_check_compatible_passes_for_a_matching_pair(model):
-    check_compatible(ModelRunner.from_model(tiny_llama(seed=1)), ModelRunner.from_model(model),
+    check_compatible(BatchedModelRunner.from_model(tiny_llama(seed=1)), BatchedModelRunner.from_model(model),
                      word_tokenizer(PROBE_WORDS), word_tokenizer(PROBE_WORDS))
 
 
 def test_check_compatible_accepts_padded_widths_and_serves_the_tokenizers_ids(model):
     """Qwen2.5's case: one tokenizer, two embedding widths (both padded past it)."""
-    draft = ModelRunner.from_model(tiny_llama(vocab_size=64, seed=1))
+    draft = BatchedModelRunner.from_model(tiny_llama(vocab_size=64, seed=1))
     tokenizer = word_tokenizer(PROBE_WORDS)
-    assert check_compatible(draft, ModelRunner.from_model(model), tokenizer, tokenizer) == len(tokenizer)
+    assert check_compatible(draft, BatchedModelRunner.from_model(model), tokenizer, tokenizer) == len(tokenizer)
 
 
 def test_check_compatible_rejects_a_draft_narrower_than_the_tokenizer(model):
-    draft = ModelRunner.from_model(tiny_llama(vocab_size=64, seed=1))
+    draft = BatchedModelRunner.from_model(tiny_llama(vocab_size=64, seed=1))
     tokenizer = word_tokenizer([f"w{i}" for i in range(80)])
     with pytest.raises(IncompatibleModelsError, match="scores 64 ids.*proposer: none"):
-        check_compatible(draft, ModelRunner.from_model(model), tokenizer, tokenizer)
+        check_compatible(draft, BatchedModelRunner.from_model(model), tokenizer, tokenizer)
 
 
 def test_check_compatible_rejects_differing_tokenization(model):
     with pytest.raises(IncompatibleModelsError, match="split .* differently"):
-        check_compatible(ModelRunner.from_model(tiny_llama(seed=1)), ModelRunner.from_model(model),
+        check_compatible(BatchedModelRunner.from_model(tiny_llama(seed=1)), BatchedModelRunner.from_model(model),
                          word_tokenizer(PROBE_WORDS), word_tokenizer(list(reversed(PROBE_WORDS))))
 
 
 def test_runner_loads_a_saved_model_from_a_local_directory(model, tmp_path):
     model.save_pretrained(tmp_path)
-    runner = ModelRunner(str(tmp_path), dtype="float32", device="cpu")
+    runner = BatchedModelRunner(str(tmp_path), dtype="float32", device="cpu")
     assert (runner.vocab_size, runner.max_context, runner.eos_token_id) == (96, 128, 1)
     assert runner.model_path == str(tmp_path)
     history = [5, 6, 7, 8]

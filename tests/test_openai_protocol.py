@@ -74,6 +74,19 @@ def test_structured_output_fields_become_grammar_specs_naming_their_field(model,
     assert (spec.kind, spec.param) == (kind, param) if kind else spec is None
 
 
+@pytest.mark.parametrize("fields, flexible", [
+    ({"response_format": {"type": "json_object"}}, False),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}}, False),
+    ({"structured_outputs": {"json": {"type": "object"}}}, False),
+    ({"structured_outputs": {"json_object": True}}, False),
+    ({"structured_outputs": {"json": {"type": "object"}, "disable_any_whitespace": True}}, False),
+    ({"structured_outputs": {"json": {"type": "object"}, "disable_any_whitespace": False}}, True),
+    ({"structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": "[ ]?"}}, True),
+])
+def test_json_is_compact_by_default_and_free_whitespace_is_opt_in(fields, flexible):
+    assert CompletionRequest.model_validate({**COMPLETION, **fields}).structured_spec().whitespace_flexible is flexible
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "structural_tag"}}, "response_format.type"),

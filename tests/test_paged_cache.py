@@ -12,8 +12,9 @@ import torch
 from transformers import GPT2Config, LlamaConfig
 
 from decoding.batched_runner import BatchedModelRunner, ForwardCall, NoFreeBlocksError, runner_for_model
-from decoding.model_runner import ModelRunner, NoFreeSlotError
-from decoding.paged_cache import GIB, PagedKVCache, kv_bytes_per_token, kv_capacity
+from decoding.model_runner import NoFreeSlotError
+from tests.reference_runner import ReferenceRunner
+from decoding.paged_cache import GIB, PagedKVCache, gpu_kv_budget_bytes, kv_bytes_per_token, kv_capacity
 from tests.test_batched_runner import ATOL, assert_rows_match, random_ids, ragged_rounds
 from tests.tiny_pair import tiny_model
 
@@ -23,14 +24,14 @@ LLAMA_31_8B = LlamaConfig(num_hidden_layers=32, num_attention_heads=32, num_key_
 
 
 def paged_runner(model, block_size: int = 16, budget_blocks: int | None = None, max_model_len: int | None = None,
-                 max_sequences: int = 256) -> BatchedModelRunner:
+                 max_sequences: int = 256, prefix_caching: bool = True) -> BatchedModelRunner:
     """A runner whose KV budget is exactly budget_blocks blocks (default: the 4 GiB default)."""
     gb = None
     if budget_blocks is not None:
         gb = budget_blocks * block_size * kv_bytes_per_token(model.config, torch.float32) / GIB
     runner = BatchedModelRunner.__new__(BatchedModelRunner)
     runner._init_from_model(model, max_sequences=max_sequences, model_path="tiny", max_model_len=max_model_len,
-                            kv_cache_memory_gb=gb, block_size=block_size)
+                            kv_cache_memory_gb=gb, block_size=block_size, prefix_caching=prefix_caching)
     return runner
 
 
@@ -71,9 +72,10 @@ def test_the_pool_grows_by_half_again_up_to_its_budget_and_hands_out_lowest_bloc
 @pytest.mark.parametrize("architecture", ["llama", "gpt2"])
 def test_ragged_rounds_across_many_small_blocks_give_the_unbatched_rows(architecture):
     """Blocks of 4 tokens: every row spans many blocks, rollbacks cut mid-block, released blocks
-    are handed to a new sequence (which must not see the old keys)."""
+    are handed to a new sequence (which must not see the old keys). Prefix caching off, so the
+    freed blocks are the free ones (with it on they would stay cached: tests/test_prefix_cache.py)."""
     model = tiny_model(architecture)
-    batched, reference = paged_runner(model, block_size=4), ModelRunner.from_model(model)
+    batched, reference = paged_runner(model, block_size=4, prefix_caching=False), ReferenceRunner.from_model(model)
     for calls in ragged_rounds():
         assert_rows_match(batched, reference, calls)
     freed = batched._sequences["b"].blocks
@@ -134,7 +136,7 @@ def test_a_batch_past_the_budget_is_refused_whole_and_fits_once_blocks_are_freed
     runner.forward("b", random_ids(51, 20))                         # 2 blocks: fits alone
     runner.release("a")
     torch.testing.assert_close(runner.forward("c", random_ids(52, 45), 2),
-                               ModelRunner.from_model(model).forward("c", random_ids(52, 45), 2), atol=ATOL, rtol=0)
+                               ReferenceRunner.from_model(model).forward("c", random_ids(52, 45), 2), atol=ATOL, rtol=0)
 
 
 def test_a_failed_forward_gives_back_the_blocks_it_took(monkeypatch):
@@ -167,7 +169,7 @@ def test_a_long_max_model_len_and_a_small_budget_run_many_short_sequences_at_onc
             history.append(int(row[0].argmax()))
     assert runner.kv_usage()["kv_tokens_held"] == sum(map(len, histories.values())) - 16   # last token not fed yet
     for seq_id in ("r0", "r15"):
-        alone, ids = ModelRunner.from_model(model), list(prompts[seq_id])
+        alone, ids = ReferenceRunner.from_model(model), list(prompts[seq_id])
         for _ in range(12):
             ids.append(int(alone.forward("s", ids)[0].argmax()))
         assert histories[seq_id] == ids
@@ -179,3 +181,46 @@ def test_max_model_len_caps_the_runner_and_cannot_exceed_the_model():
     with pytest.raises(ValueError, match="max_model_len=200"):
         paged_runner(model, max_model_len=200)
     assert runner_for_model(tiny_model("mistral", sliding_window=16), max_model_len=64).max_context == 64
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "qwen3_moe", "gemma3", "phi3"])
+def test_every_architecture_keeps_within_its_kv_budget_and_refuses_one_below_a_sequence(architecture):
+    """The budget bounds what the pools reserve, whatever the architecture (heads and head size
+    read from the config match the keys its layers store), and one that cannot hold a single
+    max_model_len sequence is refused at start."""
+    model = tiny_model(architecture, max_position_embeddings=64)
+    with pytest.raises(ValueError, match="kv_cache_memory_gb"):
+        paged_runner(model, block_size=16, budget_blocks=3)           # 48 tokens < max_model_len 64
+    runner = paged_runner(model, block_size=4, budget_blocks=40)
+    budget_bytes = 40 * 4 * kv_bytes_per_token(model.config, torch.float32)
+    histories = {f"r{i}": random_ids(70 + i, 20) for i in range(6)}
+    with pytest.raises(NoFreeBlocksError):
+        for _ in range(40):
+            rows = runner.forward_batch([ForwardCall(seq_id, history) for seq_id, history in histories.items()])
+            for history, row in zip(histories.values(), rows):
+                history.append(int(row[0].argmax()))
+    assert runner.kv_usage()["kv_blocks_used"] <= 40
+    assert 0 < runner.kv_usage()["kv_bytes_reserved"] <= budget_bytes
+
+
+def test_a_gpu_kv_budget_is_the_engines_share_less_weights_and_peak_activations():
+    """Two engines at num_gpus 0.5 on an 80 GiB device each get 0.9 x 40 GiB, less their weights
+    and their profiled activations (not 0.9 x 80 GiB each, which would run the device out)."""
+    total = 80 * GIB
+    assert gpu_kv_budget_bytes(total, 0.9, 0.5, in_use_bytes=16 * GIB, activation_bytes=2 * GIB) == int(18 * GIB)
+    assert gpu_kv_budget_bytes(total, 0.9, 1.0, 16 * GIB, 2 * GIB) == int(54 * GIB)
+    assert gpu_kv_budget_bytes(total, 0.9, 2.0, 16 * GIB, 2 * GIB) == int(54 * GIB)   # a group's rank: its device
+    assert gpu_kv_budget_bytes(total, 0.9, 0.25, 16 * GIB, 8 * GIB) == 0               # nothing left: refused later
+
+
+def test_engine_specs_carry_their_gpu_share_and_the_largest_planned_forwards(tmp_path):
+    from cluster.builder import gpu_share, served_model_specs
+    from tests.tiny_pair import tiny_pair_config
+
+    assert (gpu_share(0.5), gpu_share(1), gpu_share(0)) == (0.5, 1.0, 1.0)
+    config = tiny_pair_config(tmp_path, "tiny", 8000)
+    target, draft = served_model_specs(config)
+    engine = config.engine_options()
+    assert target["profile_batches"] == [[engine["max_batch_rows"], engine["max_step_tokens"]],
+                                         [1, engine["prefill_token_budget"]]]
+    assert target["gpu_share"] == draft["gpu_share"] == 1.0

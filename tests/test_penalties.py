@@ -20,7 +20,8 @@ from transformers import LogitsProcessor, LogitsProcessorList, MinPLogitsWarper,
 
 from decoding.batched_runner import runner_for_model
 from decoding.generate import generate
-from decoding.model_runner import ForwardCall, ModelRunner
+from decoding.model_runner import ForwardCall
+from decoding.batched_runner import BatchedModelRunner
 from decoding.proposers import DraftModelProposer, ProposeCall, empty_proposal
 from decoding.row_processors import Penalties, history_processor
 from decoding.sampling import SamplingParams, apply_penalties, logits_to_probs
@@ -117,8 +118,8 @@ def test_requests_without_penalties_get_no_processor():
 def ours_greedy(target_model, prompt: list[int], max_tokens: int, penalties: dict, draft_model=None) -> list[int]:
     state = RequestState("g", prompt, SamplingParams(temperature=0, max_tokens=max_tokens, **penalties),
                          eos_token_id=target_model.config.eos_token_id, max_context=128)
-    proposer = None if draft_model is None else DraftModelProposer(ModelRunner.from_model(draft_model))
-    for _ in generate(ModelRunner.from_model(target_model), state, proposer, num_draft_tokens=4):
+    proposer = None if draft_model is None else DraftModelProposer(BatchedModelRunner.from_model(draft_model))
+    for _ in generate(BatchedModelRunner.from_model(target_model), state, proposer, num_draft_tokens=4):
         pass
     return state.output_ids
 

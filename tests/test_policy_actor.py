@@ -1,5 +1,6 @@
 """The policy actor on a small local Ray cluster: reports become decisions, it survives being
-killed, and Serve scales a deployment through `policies.autoscaling.PoolPolicy`."""
+killed, and Serve scales a deployment through `policies.autoscaling.PoolPolicy`. Both detached
+actors (the policy actor, the draft trainer) follow a redeploy's new config."""
 
 import threading
 import time
@@ -100,6 +101,53 @@ def test_each_application_has_its_own_policy_actor(cluster):
         assert ray.get(cluster.load.remote(), timeout=10)["active_requests"] != 5
     finally:
         kill_policy_actor(other_settings.actor_name)
+
+
+def test_a_redeploy_with_new_settings_reaches_the_running_policy_actor(cluster):
+    """The actor outlives `serve deploy`; the redeployed routers' lookup brings the new settings."""
+    from dataclasses import replace
+
+    first = replace(SETTINGS, actor_name=policy_actor_name("redeployed-model"), default_k=3)
+    actor = get_or_create_policy_actor(first)
+    try:
+        wait_for(lambda: set(decision(actor).num_draft_tokens.values()) == {3}, what="the first settings' K")
+        again = get_or_create_policy_actor(replace(first, default_k=5))
+        assert again._actor_id == actor._actor_id
+        wait_for(lambda: set(decision(actor).num_draft_tokens.values()) == {5}, timeout_s=20,
+                 what="the redeployed settings' K")
+    finally:
+        kill_policy_actor(first.actor_name)
+
+
+def test_a_redeploy_with_a_new_draft_replaces_the_draft_trainer(cluster):
+    """A trainer built for the old draft would offer versions of it to engines serving the new
+    one: the lookup with the new config makes the old trainer exit and a new one take over; the
+    same config keeps the running trainer."""
+    from cluster.config import SpecServeConfig
+    from deployments.draft_trainer import get_or_create_draft_trainer
+    from deployments.naming import ENGINE_NAMESPACE, draft_trainer_name
+
+    def config(draft_path: str) -> SpecServeConfig:
+        return SpecServeConfig.model_validate({"model_name": "redeployed-trainer", "draft": {"path": draft_path},
+                                               "draft_training": {"enabled": True, "num_cpus": 0.1}})
+
+    def serving_path() -> str:
+        return ray.get(get_or_create_draft_trainer(new).status.remote(), timeout=10)["versions"][0]["path"]
+
+    old, new = config("/models/draft-a"), config("/models/draft-b")
+    first = get_or_create_draft_trainer(old)
+    try:
+        assert ray.get(first.status.remote(), timeout=30)["versions"][0]["path"] == "/models/draft-a"
+        assert get_or_create_draft_trainer(old)._actor_id == first._actor_id
+        wait_for(lambda: serving_path() == "/models/draft-b", timeout_s=30, what="a trainer for the new draft")
+        assert get_or_create_draft_trainer(new)._actor_id != first._actor_id
+    finally:
+        for _ in range(2):
+            try:
+                ray.kill(ray.get_actor(draft_trainer_name("redeployed-trainer"), namespace=ENGINE_NAMESPACE),
+                         no_restart=True)
+            except ValueError:
+                break
 
 
 def test_reports_become_a_decision_that_scales_the_bottleneck(cluster):

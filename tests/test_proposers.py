@@ -1,11 +1,11 @@
-"""Proposers: n-gram prompt lookup and a draft model drafting over a ModelRunner."""
+"""Proposers: n-gram prompt lookup and a draft model drafting over a ReferenceRunner."""
 
 import pytest
 import torch
 from transformers import LlamaForCausalLM
 
 from decoding.batched_runner import BatchedModelRunner
-from decoding.model_runner import ModelRunner
+from tests.reference_runner import ReferenceRunner
 from decoding.proposers import DraftModelProposer, NgramProposer, ProposeCall
 from decoding.sampling import SamplingParams, logits_to_probs, make_generator, sample_from_probs
 from tests.tiny_pair import tiny_llama
@@ -64,7 +64,7 @@ def test_ngram_respects_num_tokens():
 
 def test_greedy_draft_is_the_argmax_chain_of_its_model(model):
     history = [3, 14, 15, 92, 65, 35]
-    proposal = DraftModelProposer(ModelRunner.from_model(model)).propose("s", history, 5, GREEDY)
+    proposal = DraftModelProposer(ReferenceRunner.from_model(model)).propose("s", history, 5, GREEDY)
     expected, ids = [], list(history)
     for _ in range(5):
         token = int(torch.argmax(last_logits(model, ids)))
@@ -76,7 +76,7 @@ def test_greedy_draft_is_the_argmax_chain_of_its_model(model):
 
 def test_sampled_draft_returns_normalised_q_rows_for_its_tokens(model):
     history = [3, 14, 15, 92, 65, 35]
-    proposal = DraftModelProposer(ModelRunner.from_model(model)).propose(
+    proposal = DraftModelProposer(ReferenceRunner.from_model(model)).propose(
         "s", history, 4, SAMPLED, make_generator(123))
     q = proposal.support.dense(96)
     assert q.shape == (4, 96) and q.dtype == torch.float32
@@ -97,7 +97,7 @@ def test_a_capped_draft_samples_from_its_rows_top_candidates_renormalised(model)
 
 def test_sampled_draft_follows_the_generator_seed(model):
     history = [3, 14, 15, 92, 65, 35]
-    proposer = DraftModelProposer(ModelRunner.from_model(model))
+    proposer = DraftModelProposer(ReferenceRunner.from_model(model))
     first = proposer.propose("a", history, 6, SAMPLED, make_generator(7))
     again = proposer.propose("b", history, 6, SAMPLED, make_generator(7))
     # The same draws as sampling the chain by hand with the same seed.
@@ -113,7 +113,7 @@ def test_sampled_draft_follows_the_generator_seed(model):
 
 
 def test_draft_keeps_its_cache_between_rounds_and_releases_it(model):
-    runner = ModelRunner.from_model(model)
+    runner = ReferenceRunner.from_model(model)
     proposer = DraftModelProposer(runner)
     history = [3, 14, 15, 92, 65, 35]
     proposal = proposer.propose("s", history, 4, GREEDY)
@@ -128,7 +128,7 @@ def test_draft_keeps_its_cache_between_rounds_and_releases_it(model):
 
 
 def test_draft_proposes_fewer_tokens_near_the_end_of_its_context():
-    proposer = DraftModelProposer(ModelRunner.from_model(tiny_llama(max_position_embeddings=16)))
+    proposer = DraftModelProposer(ReferenceRunner.from_model(tiny_llama(max_position_embeddings=16)))
     assert len(proposer.propose("s", list(range(2, 15)), 8, GREEDY).token_ids) == 4
     assert proposer.propose("s", list(range(2, 20)), 8, GREEDY).token_ids == []
 
@@ -143,11 +143,11 @@ def ragged_propose_calls(params: SamplingParams, seed: int = 0) -> list[ProposeC
             for i, (history, budget) in enumerate(zip(histories, budgets))]
 
 
-@pytest.mark.parametrize("runner_class", [BatchedModelRunner, ModelRunner])
+@pytest.mark.parametrize("runner_class", [BatchedModelRunner, ReferenceRunner])
 def test_greedy_propose_batch_equals_propose_call_by_call(model, runner_class):
     calls = ragged_propose_calls(GREEDY)
     batched = DraftModelProposer(runner_class.from_model(model)).propose_batch(calls)
-    alone = DraftModelProposer(ModelRunner.from_model(model))
+    alone = DraftModelProposer(ReferenceRunner.from_model(model))
     for call, proposal in zip(calls, batched):
         expected = alone.propose(call.seq_id, call.history, call.num_tokens, GREEDY)
         assert proposal.token_ids == expected.token_ids
@@ -172,7 +172,7 @@ def test_propose_batch_continues_each_cache_and_rows_drop_out_when_done(model):
     # Next round: histories that accepted a prefix plus a bonus token reuse the cache.
     follow = [ProposeCall(call.seq_id, list(call.history) + proposal.token_ids[:1] + [11], 3, GREEDY)
               for call, proposal in zip(calls[:2], proposals[:2])]
-    alone = DraftModelProposer(ModelRunner.from_model(model))
+    alone = DraftModelProposer(ReferenceRunner.from_model(model))
     for call, proposal in zip(follow, proposer.propose_batch(follow)):
         assert proposal.token_ids == alone.propose(call.seq_id, call.history, 3, GREEDY).token_ids
 
@@ -189,7 +189,7 @@ def test_a_seeded_sampled_draft_does_not_depend_on_what_shares_its_batch(model):
     assert shared.token_ids == alone.token_ids
     torch.testing.assert_close(shared.support.probs, alone.support.probs, atol=1e-5, rtol=0)
     # And both equal the single-call path over the per-sequence runner.
-    single = DraftModelProposer(ModelRunner.from_model(model)).propose(
+    single = DraftModelProposer(ReferenceRunner.from_model(model)).propose(
         "mine", mine.history, 6, SAMPLED, make_generator(7))
     assert single.token_ids == alone.token_ids
 

@@ -100,3 +100,18 @@ def test_a_call_that_needs_a_slot_waits_while_none_is_free():
 def test_a_model_free_proposer_runs_every_call_at_once():
     schedule = Scheduler(None, 10, 64, 8).schedule([CallShape("a", [1, 2, 3]), CallShape("b", [4])])
     assert schedule.plan.steps == [0, 1] and schedule.errors == {}
+
+
+def test_a_new_sequence_whose_prefix_is_cached_plans_its_prefill_from_there():
+    """A second request with the same 40-token prompt: the prefix cache holds its first 32
+    tokens (2 full blocks of 16; the last block is recomputed for its row), so one chunk of the
+    8 others completes it, where the first request needed chunks of the whole prompt."""
+    scheduler, runner = scheduler_over_tiny_runner(max_step_tokens=4)
+    scheduler.prefill_token_budget = 16
+    prompt = list(range(2, 42))
+    assert scheduler.schedule([CallShape("first", prompt)]).plan.prefills == [(0, 16)]
+    runner.forward_batch([ForwardCall("first", prompt)])
+    runner.release("first")
+    schedule = scheduler.schedule([CallShape("second", prompt)])
+    assert schedule.plan.prefills == [(0, 8)] and schedule.calls[0].chunk_end(8) is None
+    assert (schedule.calls[0].holds_slot, schedule.calls[0].num_cached) == (False, 32)

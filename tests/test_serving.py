@@ -23,7 +23,7 @@ from cluster.builder import APP_NAME
 from cluster.config import SpecServeConfig
 from cluster.local import start_local, stop_local
 from decoding.generate import generate
-from decoding.model_runner import ModelRunner
+from decoding.batched_runner import BatchedModelRunner
 from decoding.sampling import SamplingParams
 from decoding.sequence import RequestState
 from tests.local_server import greedy_reference
@@ -135,7 +135,7 @@ def test_metrics_counters_agree_with_the_responses_and_engines_export_both_pools
     assert expected["ray_specserve_draft_tokens_total"] > 0
     for metric in ("ray_specserve_engine_batch_size_count", "ray_specserve_engine_queue_depth",
                    "ray_specserve_engine_busy_seconds_total", "ray_specserve_engine_idle_seconds_total",
-                   "ray_specserve_kv_sequences"):
+                   "ray_specserve_kv_sequences", "ray_specserve_prefix_cache_queries_total"):
         pools = {dict(labels).get("pool") for name, labels in after if name == metric}
         assert {"draft", "target"} <= pools, (metric, pools)
 
@@ -157,6 +157,24 @@ def test_greedy_completion_equals_target_only_greedy(client, reference, prompt):
     # This pair agrees with its target on these prompts, so blocks drafted during verification
     # (pipelining, on by default) get used; the first round never has one.
     assert 0 < speculation["pipelined_rounds"] < speculation["rounds"]
+    _assert_no_leftovers()
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens_and_the_same_greedy_text(client, reference):
+    """Prefix caching (on by default): the second time a prompt comes, the target finds its full
+    blocks (16 tokens each, all but the one holding the last prompt token) and usage says so, as
+    OpenAI's prompt_tokens_details.cached_tokens; the text is the target-only greedy text."""
+    prompt = "# a shared system prompt\n" + "".join(PROMPTS) * 3
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    prompt_tokens = first.usage.prompt_tokens
+    assert prompt_tokens > 32 and first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // 16 * 16
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // 16 * 16
+    assert first.choices[0].text == again.choices[0].text == reference(prompt, 24)
+    assert "".join(chunk.choices[0].text for chunk in streamed[:-1]) == first.choices[0].text
     _assert_no_leftovers()
 
 
@@ -324,7 +342,7 @@ def test_logprobs_are_the_targets_raw_log_probabilities(server, client):
     (what verification already computed), and its 3 most likely alternatives; chat and streaming
     carry the same numbers in their own shapes."""
     _, config = server
-    runner = ModelRunner(config.target.path)
+    runner = BatchedModelRunner(config.target.path)
     tokenizer = AutoTokenizer.from_pretrained(config.target.path)
     prompt_ids = tokenizer.encode(PROMPTS[0], add_special_tokens=False)
     state = RequestState(request_id="lp", prompt_ids=prompt_ids, params=SamplingParams(temperature=0, max_tokens=16),

@@ -5,7 +5,7 @@ import socket
 import pytest
 import ray
 
-from cluster.config import SpecServeConfig
+from cluster.config import DEFAULT_MODELS_DIR, SpecServeConfig
 from cluster.local import PortInUseError, check_port_free, start_local
 
 
@@ -40,3 +40,48 @@ def test_the_cli_prints_the_busy_port_without_a_traceback(busy_port, monkeypatch
     assert info.value.code == 2
     assert f"port {busy_port} is already in use" in capsys.readouterr().err
     assert not ray.is_initialized()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_replica_cause_is_the_innermost_exception_of_a_serve_status_message():
+    from cluster.local import replica_cause
+
+    message = ("A replica failed to start with exception. Retrying 2 more time(s). Error:\n"
+               "\x1b[36mray::ServeReplica:specserve:TargetWorker.initialize_and_get_metadata()\x1b[39m (pid=1)\n"
+               "  File \"replica.py\", line 3521, in initialize_and_get_metadata\n"
+               "RuntimeError: Traceback (most recent call last):\n"
+               "  File \"engine_host.py\", line 205, in __init__\n"
+               "    ray.get(self.engine.ping.remote())\n"
+               "ray.exceptions.ActorDiedError: The actor died because of an error raised in its creation task\n"
+               "  File \"paged_cache.py\", line 90, in kv_capacity\n"
+               "ValueError: the budget holds 16 tokens\n"
+               "fewer than max_model_len\n")
+    assert replica_cause(message) == "ValueError: the budget holds 16 tokens\nfewer than max_model_len"
+    assert replica_cause("no traceback here") == "no traceback here"
+
+
+@pytest.mark.ray
+def test_a_replica_that_cannot_start_ends_the_cli_with_its_own_error_and_no_ray_traceback():
+    """A KV budget too small for one sequence: the engine's own message is the CLI's last line,
+    at the first failed replica (not after Serve's retries), with no traceback through Ray. The
+    shipped target alone (no draft): one engine to start, the same failure path."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "SPECSERVE__HTTP__PORT": str(_free_port()), "PYTHONPATH": str(repo)}
+    command = [sys.executable, "-m", "cluster.cli", "serve", "--target", str(DEFAULT_MODELS_DIR / "target"),
+               "--kv-cache-memory-gb", "0.0005"]
+    done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stderr[-2000:]
+    last_line = done.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("specserve: TargetWorker failed to start: ValueError: the KV cache budget"), last_line
+    assert "kv_cache_memory_gb" in last_line and "max_model_len=512" in last_line
+    assert "Traceback" not in done.stderr and "Deploying application" not in done.stderr

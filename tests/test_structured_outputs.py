@@ -16,7 +16,8 @@ from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
 from decoding.generate import generate, generate_batch
 from decoding.grammar import GrammarCompiler, GrammarDeadEndError, GrammarMatcher, GrammarMatchers, GrammarSpec
-from decoding.model_runner import ForwardCall, ModelRunner
+from decoding.model_runner import ForwardCall
+from decoding.batched_runner import BatchedModelRunner
 from decoding.proposers import DraftModelProposer, ProposeCall
 from decoding.row_processors import GrammarMask, history_processor
 from decoding.sampling import SamplingParams
@@ -243,7 +244,7 @@ class LLGuidanceProcessor(LogitsProcessor):
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
     target_path, draft_path = make_tiny_pair(tmp_path_factory.mktemp("structured-pair"))
-    return ModelRunner(str(target_path)), ModelRunner(str(draft_path))
+    return BatchedModelRunner(str(target_path)), BatchedModelRunner(str(draft_path))
 
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -288,3 +289,48 @@ def test_the_ingress_finds_a_dead_end_inside_rays_wrappers():
     found = _cause(wrapped, GrammarDeadEndError)
     assert (str(found), found.param) == (str(inner), inner.param)
     assert _cause(RayTaskError("verify", "", ValueError("x")).as_instanceof_cause(), GrammarDeadEndError) is None
+
+
+# --- the default: what a user gets from the shipped pair ---------------------------------------------
+
+TICKET_SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["bug", "feature", "question"]},
+                                                  "urgent": {"type": "boolean"},
+                                                  "votes": {"type": "integer", "minimum": 0, "maximum": 1000}},
+                 "required": ["kind", "urgent", "votes"], "additionalProperties": False}
+TICKET_PROMPTS = ["ticket = ", "# the issue as JSON\nissue = ", "def to_dict(self):\n    return "]
+
+
+@pytest.fixture(scope="module")
+def default_pair():
+    from cluster.config import DEFAULT_MODELS_DIR
+    from decoding.batched_runner import BatchedModelRunner
+
+    return tuple(BatchedModelRunner(str(DEFAULT_MODELS_DIR / role), max_sequences=16) for role in ("target", "draft"))
+
+
+def test_json_schema_requests_to_the_default_pair_parse_and_validate_at_ordinary_max_tokens(tokenizer, default_pair):
+    """response_format json_schema as a user sends it, no whitespace option: greedy and sampled
+    outputs of the shipped pair, speculation on, all end with EOS within 96 tokens and validate.
+    (With free whitespace, the default before, every one ran to max_tokens on newlines.)"""
+    import jsonschema
+
+    from deployments.openai_protocol import CompletionRequest
+
+    target, draft = default_pair
+    eos = sorted(target.eos_token_ids)
+    compiler = GrammarCompiler(tokenizer, target.vocab_size, eos)
+    states = []
+    for index in range(12):
+        request = CompletionRequest.model_validate({
+            "model": "m", "prompt": TICKET_PROMPTS[index % len(TICKET_PROMPTS)], "max_tokens": 96,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "ticket", "schema": TICKET_SCHEMA}}})
+        greedy = index < len(TICKET_PROMPTS)
+        params = SamplingParams(temperature=0 if greedy else 1.0, max_tokens=request.requested_max_tokens,
+                                seed=None if greedy else index, structured=request.structured_spec())
+        states.append(RequestState(f"t{index}", tokenizer.encode(request.prompt), params, eos, target.max_context))
+    generate_batch(target, states, DraftModelProposer(draft, GrammarMatchers(compiler)), 4,
+                   grammars=GrammarMatchers(compiler))
+    for state in states:
+        text = tokenizer.decode(state.output_ids)
+        assert state.finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), TICKET_SCHEMA)

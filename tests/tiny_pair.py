@@ -11,6 +11,10 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoTokenizer,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -18,8 +22,14 @@ from transformers import (
     MistralConfig,
     MistralForCausalLM,
     PreTrainedModel,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from cluster.config import DEFAULT_MODELS_DIR, SpecServeConfig
@@ -43,7 +53,9 @@ def tiny_llama(vocab_size: int = 96, seed: int = 0, max_position_embeddings: int
     return LlamaForCausalLM(config).eval()
 
 
-ARCHITECTURES = ("llama", "qwen2", "mistral", "gpt2")
+ARCHITECTURES = ("llama", "qwen2", "mistral", "gpt2", "qwen3", "qwen3_moe", "gemma3", "gemma2", "phi3")
+# Windows shorter than the test prompts, so a layer that ignored its window would be caught.
+SHORT_WINDOW = 8
 
 
 def tiny_model(architecture: str, seed: int = 0, vocab_size: int = 96, max_position_embeddings: int = 128,
@@ -59,13 +71,32 @@ def tiny_model(architecture: str, seed: int = 0, vocab_size: int = 96, max_posit
         config, cls = Qwen2Config(**rope, **overrides), Qwen2ForCausalLM
     elif architecture == "mistral":
         config, cls = MistralConfig(**{"sliding_window": None, **rope, **overrides}), MistralForCausalLM
+    elif architecture == "qwen3":   # per-head q/k norms
+        config, cls = Qwen3Config(**rope, head_dim=8, **overrides), Qwen3ForCausalLM
+    elif architecture == "qwen3_moe":   # q/k norms and a routed-experts MLP
+        config = Qwen3MoeConfig(**rope, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                **overrides)
+        cls = Qwen3MoeForCausalLM
+    elif architecture == "gemma3":   # sliding-window layers beside a global one, scaled embeddings
+        config = Gemma3TextConfig(**{**rope, "num_hidden_layers": 3}, head_dim=8, query_pre_attn_scalar=8,
+                                  sliding_window=SHORT_WINDOW, **{"layer_types": ["sliding_attention",
+                                                                                  "sliding_attention",
+                                                                                  "full_attention"], **overrides})
+        cls = Gemma3ForCausalLM
+    elif architecture == "gemma2":   # attention logit soft-capping and windows on alternate layers
+        config = Gemma2Config(**rope, head_dim=8, query_pre_attn_scalar=8, sliding_window=SHORT_WINDOW,
+                              attn_logit_softcapping=5.0, final_logit_softcapping=10.0, **overrides)
+        cls = Gemma2ForCausalLM
+    elif architecture == "phi3":   # fused qkv and gate_up projections, a window on every layer
+        config, cls = Phi3Config(**{"sliding_window": 12, **rope, **overrides}), Phi3ForCausalLM
     elif architecture == "gpt2":
         config = GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=max_position_embeddings, **shared,
                             **overrides)
         cls = GPT2LMHeadModel
     else:
         raise ValueError(f"unknown architecture {architecture!r}")
-    config._attn_implementation = attn_implementation
+    # Gemma 2 soft-caps attention logits, which transformers' sdpa cannot.
+    config._attn_implementation = "eager" if architecture == "gemma2" else attn_implementation
     torch.manual_seed(seed)
     return cls(config).eval()
 

@@ -4,7 +4,8 @@
 routers report per version. A pass distils a copy of the serving version on the training slice,
 scores both on the held-back slice (the canary) and, only if the candidate wins by the margin,
 writes it to disk as the next version: a version exists on disk before any engine is offered it.
-After a swap, `rollback_to` compares the new version's live acceptance with its predecessor's and
+After a swap, `rollback_to` compares the new version's live acceptance with its predecessor's, like
+with like (per-position acceptance at the depths both ran, over recent windows: `rolls_back`), and
 names the version to go back to when the new one does worse. deployments/draft_trainer.py is the
 Ray actor around it.
 """
@@ -15,13 +16,14 @@ import copy
 import json
 import shutil
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from cluster.messages import PositionCounts
 from decoding.capture import CaptureBuffer, CapturedBlock
 from training.online_distill import (DistillSettings, canary_accepts, distill_on_positions,
                                      mean_expected_acceptance, position_batch)
@@ -40,15 +42,51 @@ class DraftVersion:
     expected_before: float | None = None     # canary: the draft it replaced, on the held-back slice
     expected_after: float | None = None      # canary: this version, on the same slice
     live_before: float | None = None         # live acceptance of the version it replaced, when swapped in
+    baseline: PositionCounts | None = None   # that version's recent per-position counts, judged against
     rolled_back: bool = False                # it did worse live and its predecessor came back
 
 
-def rolls_back(live_before: float | None, drafted: int, accepted: int, min_drafted: int, margin: float) -> bool:
+# A position is compared only where both versions drafted it this often.
+MIN_ROUNDS_PER_POSITION = 20
+
+
+def rolls_back(before: PositionCounts | None, after: PositionCounts, min_drafted: int, margin: float) -> bool:
     """A swapped-in version goes back when, over at least min_drafted of its drafted tokens, its
-    live acceptance is below its predecessor's by more than margin."""
-    if live_before is None or drafted < min_drafted:
+    acceptance is below its predecessor's by more than margin, like with like: at each position
+    both drafted (MIN_ROUNDS_PER_POSITION rounds each), weighted by how often the new version
+    drafted it. Accepted/drafted over all positions would punish a better draft, because adaptive
+    K drafts deeper, lower-acceptance positions once the draft improves."""
+    if before is None or after.total_drafted < min_drafted:
         return False
-    return accepted / drafted < live_before - margin
+    shared = [j for j in range(min(len(before.drafted), len(after.drafted)))
+              if min(before.drafted[j], after.drafted[j]) >= MIN_ROUNDS_PER_POSITION]
+    weight = sum(after.drafted[j] for j in shared)
+    if not weight:
+        return False
+    new = sum(after.accepted[j] for j in shared) / weight
+    old = sum(after.drafted[j] * before.accepted[j] / before.drafted[j] for j in shared) / weight
+    return new < old - margin
+
+
+class RecentCounts:
+    """A version's PositionCounts over its most recent pushes, about `window` drafted first
+    positions (rounds) at most: the baseline a successor is judged against is what the version did
+    lately, not a lifetime average mixing traffic from before a domain shift."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.pushes: list[PositionCounts] = []
+
+    def add(self, counts: PositionCounts) -> None:
+        self.pushes.append(counts)
+        while len(self.pushes) > 1 and sum(p.drafted[0] for p in self.pushes[1:] if p.drafted) >= self.window:
+            self.pushes.pop(0)
+
+    def total(self) -> PositionCounts:
+        total = PositionCounts([], [])
+        for counts in self.pushes:
+            total.add(counts)
+        return total
 
 
 def load_draft_model(path: str | Path) -> torch.nn.Module:
@@ -85,8 +123,9 @@ class OnlineTrainer:
         self.versions_dir = Path(versions_dir)
         self.versions = [DraftVersion(0, str(draft_path))]
         self.serving = self.versions[0]
-        self.live: dict[int, list[int]] = {}     # version -> [drafted, accepted], as routers report
-        self.live_at_swap: dict[int, tuple[int, int]] = {}
+        self.live: dict[int, PositionCounts] = {}   # version -> all its counts, as routers report
+        self.recent: dict[int, RecentCounts] = {}    # version -> its recent counts (a successor's baseline)
+        self.live_at_swap: dict[int, PositionCounts] = {}
         self.positions_at_last_pass = 0
         self.passes = {"accepted": 0, "refused": 0, "stopped": 0}
         self.last_pass: dict[str, Any] | None = None
@@ -95,16 +134,17 @@ class OnlineTrainer:
         for block in blocks:
             self.buffer.add(block)
 
-    def record_live(self, counts: Mapping[int, tuple[int, int]]) -> None:
-        """Add routers' (drafted, accepted) per draft version since their last report."""
+    def record_live(self, counts: Mapping[int, tuple[Sequence[int], Sequence[int]]]) -> None:
+        """Add routers' per-position (drafted, accepted) counts per draft version since their last report."""
+        window = 4 * int(self.settings["rollback_min_drafted"])
         for version, (drafted, accepted) in counts.items():
-            totals = self.live.setdefault(int(version), [0, 0])
-            totals[0] += int(drafted)
-            totals[1] += int(accepted)
+            pushed = PositionCounts(list(drafted), list(accepted))
+            self.live.setdefault(int(version), PositionCounts([], [])).add(pushed)
+            self.recent.setdefault(int(version), RecentCounts(window)).add(pushed)
 
     def live_acceptance(self, version: int) -> float | None:
-        drafted, accepted = self.live.get(version, (0, 0))
-        return accepted / drafted if drafted else None
+        counts = self.live.get(version)
+        return None if counts is None else counts.acceptance()
 
     def ready(self) -> bool:
         """Enough new captured positions since the last finished pass, and both slices non-empty."""
@@ -164,7 +204,10 @@ class OnlineTrainer:
         chosen = self.version(number)
         if chosen.version > self.serving.version:  # a new version: remember what it must beat live
             chosen.live_before = self.live_acceptance(self.serving.version)
-        self.live_at_swap[chosen.version] = tuple(self.live.get(chosen.version, (0, 0)))
+            recent = self.recent.get(self.serving.version)
+            chosen.baseline = None if recent is None else recent.total()
+        now = self.live.get(chosen.version, PositionCounts([], []))
+        self.live_at_swap[chosen.version] = PositionCounts(list(now.drafted), list(now.accepted))
         self.serving = chosen
         return chosen
 
@@ -173,10 +216,10 @@ class OnlineTrainer:
         current = self.serving
         if current.version == 0 or current.rolled_back:
             return None
-        drafted, accepted = self.live.get(current.version, (0, 0))
-        base_drafted, base_accepted = self.live_at_swap.get(current.version, (0, 0))
-        if not rolls_back(current.live_before, drafted - base_drafted, accepted - base_accepted,
-                          int(self.settings["rollback_min_drafted"]), float(self.settings["rollback_margin"])):
+        since_swap = self.live.get(current.version, PositionCounts([], [])).minus(
+            self.live_at_swap.get(current.version, PositionCounts([], [])))
+        if not rolls_back(current.baseline, since_swap, int(self.settings["rollback_min_drafted"]),
+                          float(self.settings["rollback_margin"])):
             return None
         current.rolled_back = True
         earlier = [v for v in self.versions if v.version < current.version and not v.rolled_back]
@@ -193,4 +236,4 @@ class OnlineTrainer:
                 "live_acceptance_after": self.live_acceptance(serving.version),
                 "captured_positions": self.buffer.num_positions, "captured_total": self.buffer.total_positions,
                 "passes": dict(self.passes), "last_pass": self.last_pass,
-                "versions": [asdict(v) for v in self.versions]}
+                "versions": [{k: value for k, value in asdict(v).items() if k != "baseline"} for v in self.versions]}

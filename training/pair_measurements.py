@@ -20,10 +20,11 @@ def load_runners(models: Path, threads: int):
     """(target, draft, tokenizer) from models/{target,draft}, fp32 on CPU, checked compatible."""
     from transformers import AutoTokenizer
 
-    from decoding.model_runner import ModelRunner, check_compatible
+    from decoding.model_runner import check_compatible
+from decoding.batched_runner import BatchedModelRunner
 
-    target = ModelRunner(str(models / "target"), dtype="float32", device="cpu", num_threads=threads)
-    draft = ModelRunner(str(models / "draft"), dtype="float32", device="cpu", num_threads=threads)
+    target = BatchedModelRunner(str(models / "target"), dtype="float32", device="cpu", num_threads=threads)
+    draft = BatchedModelRunner(str(models / "draft"), dtype="float32", device="cpu", num_threads=threads)
     tokenizer = AutoTokenizer.from_pretrained(str(models / "target"))
     draft_tokenizer = AutoTokenizer.from_pretrained(str(models / "draft"))
     check_compatible(draft, target, draft_tokenizer, tokenizer)

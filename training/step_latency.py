@@ -8,10 +8,10 @@ from __future__ import annotations
 import statistics
 import time
 
-from decoding.model_runner import ModelRunner
+from decoding.batched_runner import BatchedModelRunner
 
 
-def step_latency_samples(runner: ModelRunner, context_ids: list[int], num_new_tokens: int, reps: int = 15,
+def step_latency_samples(runner: BatchedModelRunner, context_ids: list[int], num_new_tokens: int, reps: int = 15,
                          warmup: int = 3) -> list[float]:
     """Seconds of each of `reps` forwards over num_new_tokens new tokens on a warm cache holding
     context_ids (the runner crops back to the context before every repetition)."""
@@ -31,7 +31,7 @@ def step_latency_samples(runner: ModelRunner, context_ids: list[int], num_new_to
     return samples
 
 
-def step_latency_s(runner: ModelRunner, context_ids: list[int], num_new_tokens: int, reps: int = 15,
+def step_latency_s(runner: BatchedModelRunner, context_ids: list[int], num_new_tokens: int, reps: int = 15,
                    warmup: int = 3) -> float:
     """Median of step_latency_samples."""
     return statistics.median(step_latency_samples(runner, context_ids, num_new_tokens, reps, warmup))
