@@ -86,7 +86,7 @@ def test_sampled_draft_returns_normalised_q_rows_for_its_tokens(model):
 
 def test_a_capped_draft_samples_from_its_rows_top_candidates_renormalised(model):
     history = [3, 14, 15, 92, 65, 35]
-    proposal = DraftModelProposer(ModelRunner.from_model(model), max_candidates=5).propose(
+    proposal = DraftModelProposer(ReferenceRunner.from_model(model), max_candidates=5).propose(
         "s", history, 4, SAMPLED, make_generator(123))
     assert tuple(proposal.support.ids.shape) == (4, 5)
     torch.testing.assert_close(proposal.support.probs.sum(dim=-1), torch.ones(4), atol=1e-5, rtol=0)
