@@ -48,36 +48,37 @@ TIMING_REPEATS = 5
 
 
 class RoundRecorder:
-    """Wraps accept_round as generate() calls it: per verify round with draft rows, both
-    verifiers' exact expected accepted counts on its rows, and the first TIMED_ROUNDS rows per K."""
+    """Wraps verify_answer as generate() calls it (the target's processed rows and the proposal, in
+    process): per verify round with draft rows, both verifiers' exact expected accepted counts on
+    its rows, and the first TIMED_ROUNDS rows per K."""
 
     def __init__(self) -> None:
         self.expected: dict[tuple, list[tuple[float, float]]] = {}
         self.timed_rows: dict[int, list[tuple]] = {}
         self.cell: tuple | None = None
 
-    def wrap(self, accept_round):
-        def recorded(state, proposal, rows, verification="block"):
-            if proposal.token_ids and proposal.probs is not None:
-                inputs = (torch.tensor([proposal.token_ids]), as_tensor(proposal.probs).unsqueeze(0),
-                          as_tensor(rows).unsqueeze(0))
+    def wrap(self, verify_answer):
+        def recorded(rows, proposal, generator, verification="block"):
+            if proposal.token_ids and proposal.support is not None:
+                inputs = (torch.tensor([proposal.token_ids]),
+                          proposal.support.tensors().dense(rows.shape[-1]).unsqueeze(0), as_tensor(rows).unsqueeze(0))
                 token_wise, block = expected_num_accepted(*inputs)
                 self.expected.setdefault(self.cell, []).append((token_wise.item(), block.item()))
                 timed = self.timed_rows.setdefault(len(proposal.token_ids), [])
                 if len(timed) < TIMED_ROUNDS:
                     timed.append(inputs)
-            return accept_round(state, proposal, rows, verification)
+            return verify_answer(rows, proposal, generator, verification)
         return recorded
 
 
 @contextmanager
 def recording(recorder: RoundRecorder):
-    original = decoding.generate.accept_round
-    decoding.generate.accept_round = recorder.wrap(original)
+    original = decoding.generate.verify_answer
+    decoding.generate.verify_answer = recorder.wrap(original)
     try:
         yield recorder
     finally:
-        decoding.generate.accept_round = original
+        decoding.generate.verify_answer = original
 
 
 def verify_cost_us(rounds: list[tuple]) -> dict[str, float]:

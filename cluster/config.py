@@ -122,6 +122,10 @@ class SpeculationSpec(_Strict):
     adaptive: bool = True
     draft_cost_ratio: float = Field(0.15, gt=0, le=1, description="draft step / target pass latency until measured")
     pipeline: bool = Field(True, description="draft the next block while the target verifies (lone greedy requests)")
+    draft_top_k: int = Field(64, ge=1, description="a sampled draft token is drawn from at most this many of its "
+                             "row's most likely tokens (fewer where the request's top-k / top-p cut it shorter); "
+                             "that q goes to the target as (ids, probs), so a round moves O(K) numbers, not [K, V] "
+                             "rows. Exact for any value; a larger one accepts a little more and moves more bytes")
     verification: Literal["block", "token"] = Field(
         "block", description="how a sampled request's draft-model block is verified: jointly (block verification, "
         "docs/block-verification.md) or token by token; greedy requests and n-gram drafts are always token-wise")
@@ -326,7 +330,7 @@ class SpecServeConfig(_Strict):
         """What an engine's batching loop needs: the batching section plus the largest step a
         round can bring (a block drafted ahead carries its bonus guess: max depth + 2 tokens)."""
         return {**self.batching.model_dump(), "max_step_tokens": max(16, self.speculation.max_draft_tokens + 2),
-                "policy_actor": policy_actor_name(self.model_name),
+                "policy_actor": policy_actor_name(self.model_name), "draft_top_k": self.speculation.draft_top_k,
                 "draft_trainer": draft_trainer_name(self.model_name) if self.draft_training.enabled else None}
 
 

@@ -45,6 +45,34 @@ class CallSpan:
 
 
 @dataclass(frozen=True)
+class HistoryUpdate:
+    """What an engine call carries of a request's committed history (prompt + committed output):
+    the tokens from `start` on, `start` being how many the sender last told this engine (0: the
+    whole history, as to an engine that never saw the request), and a digest of the whole
+    committed history (deployments.committed_history.history_digest) that the engine checks the
+    history it builds against. A round so carries the few tokens committed since the last one,
+    not the context. Speculative tokens (a draft block) never go in it: the calls carry them apart."""
+
+    start: int
+    new_tokens: tuple[int, ...]
+    digest: int
+
+    @property
+    def length(self) -> int:
+        return self.start + len(self.new_tokens)
+
+
+@dataclass(frozen=True)
+class UnknownHistory:
+    """An engine's answer instead of a result when it cannot rebuild the committed history an
+    update describes: it never saw the request (a replacement after failover, a restarted
+    engine), forgot it (an idle sequence), or holds fewer tokens than the update starts from, or
+    the digest disagrees. The sender re-sends the whole history once (an update from 0)."""
+
+    seq_id: str
+
+
+@dataclass(frozen=True)
 class KvUsage:
     """A paged engine's KV blocks (decoding.paged_cache) and the sequences it preempted."""
 

@@ -11,7 +11,7 @@ from decoding.grammar import GrammarDeadEndError, GrammarMatcher, GrammarMatcher
 from decoding.model_runner import ForwardCall, RunnerBase
 from decoding.proposers import ProposeCall, Proposer, empty_proposal
 from decoding.sequence import RequestState
-from decoding.speculation import accept_round, target_rows
+from decoding.speculation import accept_round, target_rows, verify_answer
 
 
 def generate(target: RunnerBase, state: RequestState, proposer: Proposer | None = None,
@@ -41,7 +41,8 @@ def generate(target: RunnerBase, state: RequestState, proposer: Proposer | None 
             grammar = _target_grammar(state, grammars)
             rows = target_rows(logits, params, state.eos_token_id, state.next_output_index,
                                history + proposal.token_ids, grammar)
-            committed = accept_round(state, proposal, rows, verification)
+            answer = verify_answer(rows, proposal, state.verify_generator, verification)
+            committed = accept_round(state, proposal, answer, verification)
             prefilled = True
             if committed:
                 yield committed
@@ -91,7 +92,8 @@ def generate_batch(target: RunnerBase, states: Sequence[RequestState], proposer:
                 except GrammarDeadEndError:
                     state.finish_reason = "error"
                     continue
-                accept_round(state, proposal, rows, verification)
+                accept_round(state, proposal, verify_answer(rows, proposal, state.verify_generator, verification),
+                             verification)
                 prefilled.add(state.request_id)
     finally:
         for state in states:

@@ -6,19 +6,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from decoding.grammar import GrammarDeadEndError, GrammarMatchers
 from decoding.model_runner import ForwardCall, RunnerBase
 from decoding.row_processors import HistoryProcessor, history_processor
-from decoding.sampling import SamplingParams, logits_to_probs, sample_from_probs
+from decoding.compact_verify import DraftSupport, draft_support, sample_from_support
+from decoding.sampling import SamplingParams, logits_to_probs
 
 
 @dataclass
 class Proposal:
     token_ids: list[int]              # K proposed tokens (may be fewer than asked, even 0)
-    probs: torch.Tensor | np.ndarray | None  # [K, V] processed q rows (numpy on the wire); None: greedy or deterministic
+    # The q each token was sampled from, as (ids, probs) [K, m] (decoding.compact_verify; numpy on
+    # the wire); None: greedy or deterministic (q one-hot at the token).
+    support: DraftSupport | None
     draft_version: int = 0            # the draft weights that drafted it (0: those the server started with)
 
 
@@ -36,7 +38,7 @@ class ProposeCall:
 
 def empty_proposal() -> Proposal:
     """No draft tokens: the round degenerates to one plain target step."""
-    return Proposal(token_ids=[], probs=None)
+    return Proposal(token_ids=[], support=None)
 
 
 class Proposer(Protocol):
@@ -63,15 +65,20 @@ class DraftModelProposer:
     forbids. None drafts such requests unmasked (still lossless: the target rejects what the
     grammar forbids; bench.structured_outputs measures the difference)."""
 
-    def __init__(self, runner: RunnerBase, grammars: GrammarMatchers | None = None) -> None:
+    def __init__(self, runner: RunnerBase, grammars: GrammarMatchers | None = None,
+                 max_candidates: int | None = None) -> None:
+        """max_candidates: a sampled draft token is drawn from its processed row's top
+        max_candidates tokens renormalised (decoding.compact_verify.draft_support), which is the q
+        verified against; None: the whole row (`speculation.draft_top_k` on the served path)."""
         self.runner = runner
         self.grammars = grammars
+        self.max_candidates = max_candidates
 
     def propose(self, seq_id: str, history: Sequence[int], num_tokens: int, params: SamplingParams,
                 generator: torch.Generator | None = None, prompt_len: int | None = None) -> Proposal:
         """Draft up to num_tokens tokens, one draft forward each. Greedy drafts are the argmax chain
-        (probs None); sampled drafts are drawn from logits_to_probs rows with `generator`, and those
-        processed q rows [K, V] are returned for rejection sampling. Penalties and grammar masks see
+        (support None); sampled drafts are drawn with `generator` from the logits_to_probs rows cut
+        to max_candidates tokens, and those q rows are returned as (ids, probs) [K, m] for verification. Penalties and grammar masks see
         history plus the tokens drafted so far, as the target's verify rows will (decoding.row_processors).
 
         Fewer tokens are drafted when the draft model's context would overflow."""
@@ -89,7 +96,7 @@ class DraftModelProposer:
                    for call in calls]
         histories = [list(call.history) for call in calls]
         drafted: list[list[int]] = [[] for _ in calls]
-        q_rows: list[list[torch.Tensor]] = [[] for _ in calls]
+        q_rows: list[list[DraftSupport]] = [[] for _ in calls]
         processors: list[HistoryProcessor | None] = [None] * len(calls)
         matchers = [self._grammar(call) if budget > 0 else None for call, budget in zip(calls, budgets)]
         budgets = [0 if matcher is False else budget for matcher, budget in zip(matchers, budgets)]
@@ -116,7 +123,7 @@ class DraftModelProposer:
                 drafted[i].append(token)
                 histories[i].append(token)
             drafting = [i for i in drafting if len(drafted[i]) < budgets[i]]
-        return [Proposal(token_ids=tokens, probs=None if call.params.is_greedy else torch.stack(rows))
+        return [Proposal(token_ids=tokens, support=None if call.params.is_greedy else DraftSupport.stack(rows))
                 if tokens else empty_proposal() for call, tokens, rows in zip(calls, drafted, q_rows)]
 
     def _grammar(self, call: ProposeCall):
@@ -131,15 +138,14 @@ class DraftModelProposer:
         matcher = self.grammars.synced(call.seq_id, spec, call.history[call.prompt_len:])
         return False if matcher is None else matcher
 
-    @staticmethod
-    def _draw(logits: torch.Tensor, call: ProposeCall, q_rows: list[torch.Tensor]) -> int:
+    def _draw(self, logits: torch.Tensor, call: ProposeCall, q_rows: list[DraftSupport]) -> int:
         """The next draft token from one row of logits [V] (on the generator's device when sampling,
         so q rows travel in the same host place); a sampled row's q is kept in q_rows."""
         if call.params.is_greedy:
             return int(torch.argmax(logits))
-        q = logits_to_probs(logits, call.params)
+        q = draft_support(logits_to_probs(logits, call.params), self.max_candidates)
         q_rows.append(q)
-        return int(sample_from_probs(q, call.generator))
+        return int(sample_from_support(q, call.generator))
 
     def release(self, seq_id: str) -> None:
         self.runner.release(seq_id)
@@ -171,7 +177,7 @@ class NgramProposer:
             matches = (windows == ids[-n:]).all(dim=1).nonzero()
             if matches.numel() > 0:
                 start = int(matches[-1]) + n
-                return Proposal(token_ids=ids[start:start + num_tokens].tolist(), probs=None)
+                return Proposal(token_ids=ids[start:start + num_tokens].tolist(), support=None)
         return empty_proposal()
 
     def propose_batch(self, calls: Sequence[ProposeCall]) -> list[Proposal]:

@@ -203,6 +203,16 @@ def _stop_probabilities(weights: torch.Tensor, target: torch.Tensor, draft: torc
     num_draft_tokens = draft.shape[1]
     inner = weights[:, 1:num_draft_tokens]
     mass = _weighted_residual(inner, target[:, 1:num_draft_tokens], draft[:, 1:num_draft_tokens]).sum(-1).double()
+    return stop_probabilities_from_mass(weights, mass)
+
+
+def stop_probabilities_from_mass(weights: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """h_1..h_K [B, K] (float64) from P_0..P_K [B, K+1] and the weighted residual masses r_1..r_{K-1}
+    [B, K-1]: h_i = r_i / (r_i + 1 - P_i), 0 where r_i = 0; h_K = P_K. Shared with the compact
+    verifier (decoding.compact_verify), which gets the masses from the target engine."""
+    num_draft_tokens = weights.shape[1] - 1
+    inner = weights[:, 1:num_draft_tokens]
+    mass = mass.double()
     stop = torch.where(mass > 0, mass / (mass + 1.0 - inner).clamp(min=1e-300), torch.zeros_like(mass))
     return torch.cat([stop, weights[:, num_draft_tokens:]], dim=1)
 

@@ -28,6 +28,7 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_SEED = 2**63 - 1
 DRAFT_SEED_MULTIPLIER = 0x9E3779B97F4A7C15  # odd: the golden-ratio constant of splitmix64
 DRAFT_SEED_OFFSET = 0x632BE59BD9B4E019
+VERIFY_SEED_OFFSET = 0x2545F4914F6CDD1D  # the target's residual draws: a third stream (verify_seed)
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (vLLM's default cap)
 # Presence and frequency penalties: OpenAI's documented range. repetition_penalty (HF/vLLM) must be
 # positive; 1 is neutral. min_p (vLLM/HF) is a fraction of the most likely token's probability.
@@ -221,6 +222,14 @@ def draft_seed(seed: int | None) -> int | None:
     bijection on seeds) put the draft stream far from seed + j. If draft and target drew the same
     numbers, acceptance would correlate with the draft's choice and the output would be biased."""
     return None if seed is None else (seed * DRAFT_SEED_MULTIPLIER + DRAFT_SEED_OFFSET) % (MAX_SEED + 1)
+
+
+def verify_seed(seed: int | None) -> int | None:
+    """The target's stream of a seeded request (its residual and bonus draws,
+    decoding.compact_verify.target_numbers): reproducible, and unlike the draft's stream and the
+    request's own (the acceptance uniforms), which it must not correlate with. draft_seed's
+    bijection with another offset."""
+    return None if seed is None else (seed * DRAFT_SEED_MULTIPLIER + VERIFY_SEED_OFFSET) % (MAX_SEED + 1)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

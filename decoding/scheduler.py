@@ -203,8 +203,8 @@ class Scheduler:
     def _preempt_youngest(self) -> None:
         """Nothing can run and a sequence the engine holds waits for KV blocks to grow: free the
         most recently admitted sequence's KV (vLLM's recompute preemption). Its request goes on:
-        its next call names the full history, so it is prefilled again once blocks are free, and
-        the older sequences finish first. Without this, sequences that all wait to grow would
+        its engine keeps its history and names all of it to the runner, so it is prefilled again
+        once blocks are free, and the older sequences finish first. Without this, sequences that all wait to grow would
         wait each other out until the admission deadline failed them."""
         victim = self.runner.active_sequences()[-1]
         logger.warning("%s: KV blocks exhausted; preempting %s (it will be prefilled again)", self.name, victim)

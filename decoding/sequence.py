@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from decoding.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from decoding.sampling import SamplingParams, draft_seed, make_generator
+from decoding.sampling import SamplingParams, draft_seed, make_generator, verify_seed
 
 
 def stop_ids(eos_token_id: int | Collection[int] | None, stop_token_ids: Sequence[int] = ()) -> list[int]:
@@ -86,6 +86,7 @@ class RequestState:
     draft_accepted_at: list[int] = field(default_factory=list)
     generator: torch.Generator | None = field(init=False, repr=False)
     draft_generator: torch.Generator | None = field(init=False, repr=False)
+    verify_generator: torch.Generator | None = field(init=False, repr=False)  # the target's draws, in-process
 
     def __post_init__(self) -> None:
         self.prompt_ids = list(self.prompt_ids)
@@ -104,6 +105,7 @@ class RequestState:
         self.generator = make_generator(seed)
         # The draft gets its own stream so the target's accept/reject draws do not depend on K.
         self.draft_generator = make_generator(draft_seed(seed))
+        self.verify_generator = make_generator(verify_seed(seed))
         self._detokenizer = None if self.detokenize is None else IncrementalDetokenizer(self.detokenize)
         self._tail_chars = max((len(stop) for stop in self.params.stop), default=1) - 1
         self._text_pieces: list[str] = []    # emitted text: complete characters only, while running

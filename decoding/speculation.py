@@ -1,6 +1,9 @@
-"""One speculative round, split where the wire is: what a target worker returns (`target_rows`)
-and what the request's owner does with it (`accept_round`). The router and the in-process
-generator both call these, so the distributed path and the reference share the math."""
+"""One speculative round, split where the wire is: what a target worker returns (`target_rows`,
+then `verify_answer`) and what the request's owner does with it (`accept_round`). The router and
+the in-process generator both call these, so the distributed path and the reference share the math.
+A greedy answer is the target's argmax ids; a sampled one is O(K) numbers
+(decoding.compact_verify.TargetNumbers), never [K, V] rows.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +14,9 @@ import torch
 
 from decoding.grammar import GrammarMatcher
 from decoding.proposers import Proposal
-from decoding.rejection import PLACEHOLDER_TOKEN_ID, block_verify, greedy_verify, rejection_sample
+from decoding.compact_verify import (DraftSupport, TargetNumbers, compact_block_verify, compact_rejection_sample,
+                                     target_numbers)
+from decoding.rejection import PLACEHOLDER_TOKEN_ID
 from decoding.row_processors import history_processor
 from decoding.sampling import SamplingParams, logits_to_probs
 from decoding.sequence import RequestState, stop_ids
@@ -59,6 +64,23 @@ def target_rows(logits: torch.Tensor, params: SamplingParams,
     return logits_to_probs(logits, params)
 
 
+def verify_answer(rows: torch.Tensor, proposal: Proposal, generator: torch.Generator | None,
+                  verification: str = "block") -> list[int] | TargetNumbers:
+    """What a verify answers for one request, from `target_rows`' output: the argmax ids (greedy),
+    or the numbers the owner verifies the proposal's block on (sampled: p(x_i), residual draws and
+    masses, a bonus draw, drawn with generator, the target's own stream; decoding.compact_verify).
+    verification as accept_round's: the residuals are block-weighted when the owner will verify
+    the block jointly, which it does for a sampled block with draft rows."""
+    if not rows.dtype.is_floating_point:
+        return rows.tolist()
+    draft_ids = torch.tensor([proposal.token_ids], dtype=torch.long, device=rows.device).reshape(1, -1)
+    support = None if proposal.support is None else DraftSupport(*(torch.as_tensor(
+        np.array(part) if isinstance(part, np.ndarray) else part).unsqueeze(0) for part in
+        (proposal.support.ids, proposal.support.probs)))
+    block = verification == "block" and support is not None
+    return target_numbers(draft_ids, support, rows.unsqueeze(0), generator, block).wire()
+
+
 def as_tensor(rows: torch.Tensor | np.ndarray | Sequence[int]) -> torch.Tensor:
     """Rows as they come off the wire (ids as a list, probabilities as a numpy array: both far
     cheaper to serialise than torch tensors) -> a tensor. Arrays Ray hands back are read-only."""
@@ -68,36 +90,40 @@ def as_tensor(rows: torch.Tensor | np.ndarray | Sequence[int]) -> torch.Tensor:
 
 
 def accept_round(state: RequestState, proposal: Proposal,
-                 rows: torch.Tensor | np.ndarray | Sequence[int], verification: str = "block") -> list[int]:
-    """Verify proposal against the target's K+1 rows, commit the emitted tokens to state and
-    update its stats; return the tokens committed. An empty proposal is a plain target step
-    (one token from row 0), e.g. the first token after prefill.
+                 answer: TargetNumbers | torch.Tensor | Sequence[int], verification: str = "block") -> list[int]:
+    """Verify proposal against the target's answer to it (`verify_answer`: argmax ids [K+1] when
+    greedy, TargetNumbers when sampled), commit the emitted tokens to state and update its stats;
+    return the tokens committed. An empty proposal is a plain target step (one token from row 0),
+    e.g. the first token after prefill.
 
-    verification "block" verifies a sampled request's block with draft rows jointly
-    (`block_verify`); "token" token by token. Greedy requests and blocks without draft rows (n-gram)
-    are token-wise either way: there block verification has token-wise's distribution and costs more."""
+    verification "block" verifies a sampled request's block with draft rows jointly (block
+    verification on the target's weighted residuals); "token" token by token. It must be the
+    verification the answer was computed for. Greedy requests and blocks without draft rows
+    (n-gram) are token-wise either way: there block verification has token-wise's distribution and
+    costs more. The acceptance uniforms come from the request's own generator."""
     if state.finished:
         raise ValueError(f"request {state.request_id!r} already finished ({state.finish_reason})")
     num_drafted = len(proposal.token_ids)
-    if len(rows) != num_drafted + 1:
-        raise ValueError(f"expected {num_drafted + 1} target rows for {num_drafted} draft tokens, "
-                         f"got {len(rows)}")
-    if state.params.is_greedy and isinstance(rows, list):
+    if state.params.is_greedy:
+        if len(answer) != num_drafted + 1:
+            raise ValueError(f"expected {num_drafted + 1} target ids for {num_drafted} draft tokens, "
+                             f"got {len(answer)}")
         # Argmax ids off the wire: the same answer as greedy_verify, without building tensors (a
         # third of a millisecond per round on the router's loop, measured by bench.round_profile).
-        emitted = greedy_emitted(proposal.token_ids, rows)
+        emitted = greedy_emitted(proposal.token_ids, answer if isinstance(answer, list) else as_tensor(answer).tolist())
     else:
-        rows = as_tensor(rows)
-        draft_ids = torch.tensor([proposal.token_ids], dtype=torch.long).reshape(1, num_drafted)
-        # Verification runs where the request's generator lives (the router's CPU), whatever device
-        # produced the rows.
-        device = state.generator.device
-        if state.params.is_greedy:
-            output = greedy_verify(draft_ids, rows.to(device).unsqueeze(0))
+        if len(answer.recovered) != num_drafted:
+            raise ValueError(f"expected numbers for {num_drafted} draft tokens, got {len(answer.recovered)}")
+        device = state.generator.device  # the uniforms are drawn where the request's generator lives
+        numbers = answer.tensors(device)
+        draft_ids = torch.tensor([proposal.token_ids], dtype=torch.long, device=device).reshape(1, num_drafted)
+        if proposal.support is None:
+            draft_of_draft = torch.ones(1, num_drafted, dtype=torch.float64, device=device)
         else:
-            draft_probs = None if proposal.probs is None else as_tensor(proposal.probs).to(device).unsqueeze(0)
-            verify = block_verify if verification == "block" and draft_probs is not None else rejection_sample
-            output = verify(draft_ids, draft_probs, rows.to(device).unsqueeze(0), state.generator)
+            draft_of_draft = proposal.support.tensors(device).probs_of(draft_ids[0]).unsqueeze(0)
+        block = verification == "block" and proposal.support is not None
+        verify = compact_block_verify if block else compact_rejection_sample
+        output = verify(draft_ids, draft_of_draft, numbers, state.generator)
         emitted = [token for token in output[0].tolist() if token != PLACEHOLDER_TOKEN_ID]
     committed = state.commit(emitted)
 
@@ -139,8 +165,9 @@ def drafted_ahead(history: Sequence[int], ahead_of: Sequence[int], ahead: Propos
     count = min(num_tokens, len(ahead.token_ids) - 1)
     if count <= 0:
         return None
-    probs = None if ahead.probs is None else ahead.probs[1 : 1 + count]
-    return Proposal(token_ids=list(ahead.token_ids[1 : 1 + count]), probs=probs, draft_version=ahead.draft_version)
+    support = None if ahead.support is None else ahead.support.rows(1, 1 + count)
+    return Proposal(token_ids=list(ahead.token_ids[1 : 1 + count]), support=support,
+                    draft_version=ahead.draft_version)
 
 
 def discarded_ahead(ahead: Proposal, used: Proposal | None) -> int:

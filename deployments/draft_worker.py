@@ -1,10 +1,10 @@
-"""Draft worker: proposes K tokens (and their processed q rows when sampling) per round, for every
-request drafting now in K batched decode steps.
+"""Draft worker: proposes K tokens (and, when sampling, the q each was drawn from as (ids, probs))
+per round, for every request drafting now in K batched decode steps.
 
 Its weights can change while it serves (`load_draft`, docs/online-learning.md): a new version is
 loaded beside the serving one and takes over between two forwards, every sequence's draft KV
-dropped (the next propose carries the full history, so it re-prefills). Each Proposal names the
-version that drafted it and carries that version's q rows, which the router verifies the block
+dropped (the engine keeps each request's committed history, so the next propose re-prefills from it). Each Proposal names the
+version that drafted it and carries that version's q, which the router verifies the block
 against, so a swap in the middle of a request changes speed, never the output distribution.
 """
 
@@ -22,13 +22,13 @@ import ray
 import torch
 from ray import serve
 
-from cluster.messages import CallSpan
+from cluster.messages import CallSpan, HistoryUpdate, UnknownHistory
 from decoding.batched_runner import ForwardCall, load_runner
 from decoding.grammar import GrammarMatchers
 from decoding.proposers import DraftModelProposer, NgramProposer, Proposal, ProposeCall, empty_proposal
 from decoding.sampling import SamplingParams, make_generator
 from decoding.scheduler import CallShape, Schedule
-from deployments.engine_host import EngineCore, EngineHost, StepOutput, timed_forward, to_wire
+from deployments.engine_host import EngineCore, EngineHost, StepOutput, timed_forward
 from deployments.metrics import DraftVersionMetrics
 from deployments.naming import ENGINE_NAMESPACE
 
@@ -63,7 +63,7 @@ class DraftEngine(EngineCore):
             # refusal here would only make Serve retry this deployment while the rest serves.
             runner = load_runner(model_spec)
             self.proposer = DraftModelProposer(runner, GrammarMatchers.for_runner(
-                runner, model_spec.get("tokenizer_path") or model_spec["path"]))
+                runner, model_spec.get("tokenizer_path") or model_spec["path"]), engine_options.get("draft_top_k"))
         self.generators: dict[str, torch.Generator] = {}
         self.model_spec = model_spec
         self.draft_version, self.draft_path = 0, None if model_spec is None else model_spec["path"]
@@ -108,7 +108,7 @@ class DraftEngine(EngineCore):
             return
         self.draft_version, self.draft_path, self.runner = pending
         self.scheduler.runner = self.runner
-        self.proposer = DraftModelProposer(self.runner, self.proposer.grammars)
+        self.proposer = DraftModelProposer(self.runner, self.proposer.grammars, self.proposer.max_candidates)
         self.version_metrics.set_version(self.draft_version)
 
     async def ping(self) -> bool:
@@ -124,15 +124,27 @@ class DraftEngine(EngineCore):
                 pass
         return await super().ping()
 
-    async def prefill(self, seq_id: str, history: Sequence[int]) -> None:
+    async def prefill(self, seq_id: str, history: HistoryUpdate) -> UnknownHistory | None:
         """Warm the draft's cache with the prompt while the target prefills it."""
-        await self.submit(DraftCall(seq_id, list(history), 0))
+        committed = self.committed(seq_id, history)
+        if isinstance(committed, UnknownHistory):
+            return committed
+        await self.submit(DraftCall(seq_id, committed, 0))
+        return None
 
-    async def propose(self, seq_id: str, history: Sequence[int], num_tokens: int, params: SamplingParams,
-                      seed: int | None, prompt_len: int | None = None) -> tuple[Proposal, CallSpan]:
-        """Up to num_tokens draft tokens continuing history (its first prompt_len tokens the
-        prompt), and the span it spent in this engine."""
-        proposal, span = await self.submit(DraftCall(seq_id, list(history), num_tokens, params, seed, prompt_len))
+    async def propose(self, seq_id: str, history: HistoryUpdate, tail: Sequence[int], num_tokens: int,
+                      params: SamplingParams, seed: int | None, prompt_len: int | None = None
+                      ) -> tuple[Proposal, CallSpan] | UnknownHistory:
+        """Up to num_tokens draft tokens continuing the committed history (its update since this
+        engine's last call for seq_id, deployments.committed_history) followed by tail (tokens
+        not committed: a block being verified, when drafting ahead), its first prompt_len tokens
+        the prompt; and the span it spent in this engine. UnknownHistory when this engine does not
+        hold the history the update continues: the caller sends all of it again."""
+        committed = self.committed(seq_id, history)
+        if isinstance(committed, UnknownHistory):
+            return committed
+        proposal, span = await self.submit(DraftCall(seq_id, committed + list(tail), num_tokens, params, seed,
+                                                     prompt_len))
         self.call_log.record("propose", seq_id, span)
         return proposal, span
 
@@ -191,7 +203,7 @@ class DraftEngine(EngineCore):
         return ProposeCall(call.seq_id, call.history, call.num_tokens, call.params, generator, call.prompt_len)
 
     def _to_wire(self, proposal: Proposal) -> Proposal:
-        return replace(proposal, probs=None if proposal.probs is None else to_wire(proposal.probs),
+        return replace(proposal, support=None if proposal.support is None else proposal.support.wire(),
                        draft_version=self.draft_version)
 
 

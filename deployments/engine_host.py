@@ -27,9 +27,10 @@ import torch
 from ray.util import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.messages import CallSpan, CostSample, EngineStats, KvUsage
+from cluster.messages import CallSpan, CostSample, EngineStats, HistoryUpdate, KvUsage, UnknownHistory
 from decoding.batched_runner import ForwardCall
 from decoding.scheduler import CallShape, Schedule, Scheduler
+from deployments.committed_history import CommittedHistories
 from deployments.engine_loop import EngineLoop
 from deployments.engine_parts import CallLog, IdleSequences, LoadReporter, ReleasedIds
 from deployments.metrics import EngineMetrics
@@ -103,6 +104,7 @@ class EngineCore:
         self.loop = EngineLoop(self.step, self.forget, engine_options["admission_timeout_s"],
                                on_iteration=self._record_iteration, admitted=self._holds)
         self.released = ReleasedIds()
+        self.histories = CommittedHistories()
         self.idle = IdleSequences(float(engine_options["idle_sequence_ttl_s"]))
         self.reporter = LoadReporter(engine_options.get("policy_actor"))
         self.call_log = CallLog(profiling_enabled())
@@ -123,9 +125,8 @@ class EngineCore:
         schedule = self.scheduler.schedule([self.shape(call) for call in calls])
         output = self.run(calls, schedule)
         self.reporter.record(output.costs)
-        if self.runner is not None:
-            ran = schedule.plan.steps + [index for index, _ in schedule.plan.prefills]
-            self.idle.touch((calls[index].seq_id for index in ran), time.monotonic())
+        ran = schedule.plan.steps + [index for index, _ in schedule.plan.prefills]
+        self.idle.touch((calls[index].seq_id for index in ran), time.monotonic())
         return {**output.results, **schedule.errors}
 
     async def submit(self, call: Any) -> tuple[Any, CallSpan]:
@@ -137,6 +138,17 @@ class EngineCore:
         result, started_s = await self.loop.submit_timed(call)
         return result, CallSpan(entered_s, started_s, time.perf_counter())
 
+    def committed(self, seq_id: str, update: HistoryUpdate) -> list[int] | UnknownHistory:
+        """seq_id's committed history with update applied (a new list, the caller's to extend),
+        or UnknownHistory when this engine cannot rebuild it (deployments.committed_history).
+        A released sequence raises SequenceReleasedError, so none is remembered after its release.
+
+        The history outlives the sequence's KV: a preempted sequence, or every sequence after a
+        draft weight swap, is prefilled again from it without the router's help."""
+        self.released.check(seq_id)
+        history = self.histories.apply(seq_id, update)
+        return UnknownHistory(seq_id) if history is None else list(history)
+
     def _holds(self, seq_id: str) -> bool:
         """The runner holds seq_id's KV (between iterations: the loop asks then)."""
         return self.runner is not None and self.runner.num_cached(seq_id) > 0
@@ -144,6 +156,7 @@ class EngineCore:
     def forget(self, seq_id: str) -> None:
         """Free seq_id's state (the loop calls it between iterations)."""
         self.idle.forget(seq_id)
+        self.histories.forget(seq_id)
         if self.runner is not None:
             self.runner.release(seq_id)
 

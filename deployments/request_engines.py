@@ -1,10 +1,13 @@
 """The engines one request talks to, and what happens when one of them is lost.
 
 Engines are plain Ray actors reached directly (deployments/engine_host.py); Serve picks which
-replica's engine a request uses, once, at its start. Every engine call carries the full history,
-so a replacement engine re-prefills by itself: a dead target is swapped for another replica's
-engine, a dead draft makes the request continue target-only. Nothing committed is lost.
-`touched` lists every engine the request used, so the router can release it on all of them.
+replica's engine a request uses, once, at its start. Engines keep each request's committed
+history; a call carries only what was committed since that engine's last call, and an engine
+that does not hold the history answers UnknownHistory, which makes this side send all of it once
+(deployments/committed_history.py). So a replacement engine re-prefills from the router's
+history: a dead target is swapped for another replica's engine, a dead draft makes the request
+continue target-only. Nothing committed is lost. `touched` lists every engine the request used,
+so the router can release it on all of them.
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from cluster.config import LimitsSpec
+from cluster.messages import UnknownHistory
 from decoding.proposers import Proposal
 from decoding.sampling import draft_seed
 from decoding.sequence import RequestState
 from deployments.admission import ServerOverloadedError
+from deployments.committed_history import HistorySender, RunningDigest
 from deployments.engine_loop import EngineOverloadedError
 from deployments.round_stages import EngineCall
 
@@ -35,13 +40,19 @@ class RequestEngines:
     """A request's target engine and, while it has one, its draft engine."""
 
     def __init__(self, target_workers: DeploymentHandle, draft_workers: DeploymentHandle | None,
-                 limits: LimitsSpec) -> None:
+                 limits: LimitsSpec, verification: str = "block") -> None:
+        """verification: how sampled blocks are verified (speculation.verification); the target's
+        answers are computed for it."""
+        self.verification = verification
         self.target_workers = target_workers
         self.draft_workers = draft_workers
         self.limits = limits
         self.target: Any = None
         self.draft: Any = None
         self.touched: list[Any] = []
+        digest = RunningDigest()
+        self.target_history = HistorySender(digest)  # what the target engine was told of the committed history
+        self.draft_history = HistorySender(digest)
 
     async def acquire(self, state: RequestState) -> bool:
         """A target engine (503 when no target replica answers in time) and a draft engine if one
@@ -62,30 +73,40 @@ class RequestEngines:
             logger.warning("no draft engine available; serving target-only", exc_info=True)
             return False
         self.touched.append(self.draft)
-        self.draft.prefill.remote(state.request_id, state.history)
+        self.draft.prefill.remote(state.request_id, self.draft_history.update(state))
         return True
 
     def lose_draft(self) -> None:
         self.draft = None
 
-    def propose(self, state: RequestState, history: list[int], num_tokens: int):
-        """ObjectRef of the draft engine's (proposal, span) for num_tokens continuing history."""
-        return self.draft.propose.remote(state.request_id, history, num_tokens, state.params,
-                                         draft_seed(state.params.seed), len(state.prompt_ids))
+    def propose(self, state: RequestState, tail: list[int], num_tokens: int):
+        """ObjectRef of the draft engine's (proposal, span) for num_tokens continuing the committed
+        history + tail (uncommitted tokens: the block being verified, when drafting ahead), or of
+        its UnknownHistory (`draft_reply`)."""
+        return self.draft.propose.remote(state.request_id, self.draft_history.update(state), tail, num_tokens,
+                                         state.params, draft_seed(state.params.seed), len(state.prompt_ids))
+
+    def draft_reply(self, reply: Any) -> tuple[Proposal, Any] | None:
+        """A propose's answer, or None when the draft engine did not hold the history: the next
+        propose then carries all of it."""
+        if isinstance(reply, UnknownHistory):
+            self.draft_history.forget()
+            return None
+        return reply
 
     def send_verify(self, state: RequestState, proposal: Proposal | None = None, draft_answer: Any = None,
                     prompt_logprobs: int | None = None, capture_top_k: int | None = None) -> tuple[Any, float, Any]:
-        """Send one verify: of proposal's block, or of the block a draft engine is drafting
-        (draft_answer: its propose ObjectRef, handed to the target unresolved). -> (ObjectRef of the
-        answer, when it was sent, draft_answer). prompt_logprobs: a prefill that also returns the
-        prompt's log-probabilities; capture_top_k: a round captured for online training
+        """Send one verify: of proposal's block (and its q), or of the block a draft engine is
+        drafting (draft_answer: its propose ObjectRef, handed to the target unresolved). -> (ObjectRef
+        of the answer, when it was sent, draft_answer). prompt_logprobs: a prefill that also returns
+        the prompt's log-probabilities; capture_top_k: a round captured for online training
         (TargetEngine.verify)."""
-        block = proposal.token_ids if proposal else []
         sent_s = time.perf_counter()
-        answer = self.target.verify.remote(state.request_id, state.history + block, len(block) + 1, state.params,
+        answer = self.target.verify.remote(state.request_id, self.target_history.update(state),
+                                           proposal if proposal and proposal.token_ids else None, state.params,
                                            state.next_output_index,
                                            None if draft_answer is None else [draft_answer], prompt_logprobs,
-                                           capture_top_k)
+                                           capture_top_k, self.verification)
         return answer, sent_s, draft_answer
 
     async def verify(self, state: RequestState, proposal: Proposal | None = None,
@@ -96,15 +117,25 @@ class RequestEngines:
 
         On a lost engine, ask Serve for one again until TARGET_RECOVERY_S passes: another
         replica's engine, or the replacement Serve starts once the dead replica fails its health
-        check. The full history makes the new engine re-prefill, so nothing committed is lost.
-        A full engine (no KV slot within its admission deadline) makes the request fail with 503."""
+        check. The new engine answers UnknownHistory and is sent the whole history, which it
+        re-prefills, so nothing committed is lost. (A chained verify's block is re-sent from
+        proposal.) A full engine (no KV slot within its admission deadline) makes the request fail
+        with 503."""
         deadline = time.monotonic() + TARGET_RECOVERY_S
+        resent_history = False
         while True:
             try:
                 answer, sent_s, _ = sent if sent is not None else self.send_verify(
                     state, proposal, prompt_logprobs=prompt_logprobs, capture_top_k=capture_top_k)
                 sent = None
-                rows, span = await answer
+                reply = await answer
+                if isinstance(reply, UnknownHistory):
+                    if resent_history:
+                        raise RuntimeError(f"target engine refused {state.request_id}'s whole history")
+                    resent_history = True
+                    self.target_history.forget()
+                    continue
+                rows, span = reply
                 return rows, EngineCall.from_span(sent_s, span, time.perf_counter())
             except EngineOverloadedError as exc:
                 raise ServerOverloadedError(str(exc), retry_after_s=2.0) from None
@@ -116,6 +147,7 @@ class RequestEngines:
                 await asyncio.sleep(0.5)
                 try:
                     self.target = await self.target_workers.get_engine.remote()
+                    self.target_history.forget()
                     self.touched.append(self.target)
                 except Exception:  # the replica itself may be going down: try again shortly
                     logger.warning("no target replica reachable yet for %s", state.request_id)

@@ -102,7 +102,7 @@ class RoundLoop:
         if engines.draft is not None and proposal.token_ids and should_draft_ahead(
                 self.speculation.pipeline, state.params.is_greedy, self.num_active()):
             ahead_of = state.history + proposal.token_ids
-            ahead = (ahead_of, engines.propose(state, ahead_of, num_draft + 1))
+            ahead = (ahead_of, engines.propose(state, proposal.token_ids, num_draft + 1))
         rows, verify = await engines.verify(state, proposal, sent, capture_top_k=capture_k)
         top, context = None, None
         if capture_k is not None:  # the target also answered its top-k at the block's positions
@@ -152,22 +152,32 @@ class RoundLoop:
         if ahead is not None:
             ahead_of, pending = ahead
             started = time.perf_counter()
-            drafted, span = await pending
+            reply = engines.draft_reply(await pending)
             stages.ahead_wait_s = time.perf_counter() - started
-            draft_calls.append((span.engine_s, len(drafted.token_ids)))
-            proposal = drafted_ahead(state.history, ahead_of, drafted, num_draft)
-            state.stats.num_discarded_ahead += discarded_ahead(drafted, proposal)
-            if proposal is not None:
-                state.stats.pipelined_rounds += 1
-                return proposal, 0.0, 0.0, None
+            if reply is not None:
+                drafted, span = reply
+                draft_calls.append((span.engine_s, len(drafted.token_ids)))
+                proposal = drafted_ahead(state.history, ahead_of, drafted, num_draft)
+                state.stats.num_discarded_ahead += discarded_ahead(drafted, proposal)
+                if proposal is not None:
+                    state.stats.pipelined_rounds += 1
+                    return proposal, 0.0, 0.0, None
             waited_s = time.perf_counter() - started
         sent_s = time.perf_counter()
-        answer = engines.propose(state, state.history, num_draft)
+        answer = engines.propose(state, [], num_draft)
         sent = engines.send_verify(state, None, answer, capture_top_k=capture_k)
         try:
-            proposal, span = await answer
+            reply = engines.draft_reply(await answer)
+            if reply is None:  # the draft did not hold the history: it drafts again from all of it
+                discard(sent[0])
+                sent, sent_s = None, time.perf_counter()
+                reply = engines.draft_reply(await engines.propose(state, [], num_draft))
+                if reply is None:
+                    raise RuntimeError(f"draft engine refused {state.request_id}'s whole history")
+            proposal, span = reply
         except BaseException:  # a lost draft: the caller goes on target-only with a verify of its own
-            discard(sent[0])
+            if sent is not None:
+                discard(sent[0])
             raise
         call = stages.draft = EngineCall.from_span(sent_s, span, time.perf_counter())
         draft_calls.append((call.engine_s, len(proposal.token_ids)))

@@ -149,7 +149,8 @@ class Router:
         request_id = state.request_id
         started = time.perf_counter()
         timings = RoundTimings(round_stages=[] if self.profile_rounds else None)
-        engines = RequestEngines(self.target_workers, self.draft_workers, self.config.limits)
+        engines = RequestEngines(self.target_workers, self.draft_workers, self.config.limits,
+                                 self.config.speculation.verification)
         observer = RoundObserver(timings, self.depth, self.metrics, self.capture)
         loop = RoundLoop(state, engines, observer, chunks.put_nowait, self._choose_depth, self.num_active_requests,
                          self.config.speculation, self.profile_rounds)

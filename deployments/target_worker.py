@@ -1,4 +1,5 @@
-"""Target worker: scores draft blocks, every request waiting on it in ONE batched forward."""
+"""Target worker: scores draft blocks, every request waiting on it in ONE batched forward, and
+answers each with what its verification needs (decoding.speculation.verify_answer): O(K) numbers."""
 
 from __future__ import annotations
 
@@ -8,26 +9,29 @@ from dataclasses import dataclass, replace
 import torch
 from ray import serve
 
-from cluster.messages import CallSpan
+from cluster.messages import CallSpan, HistoryUpdate, UnknownHistory
 from decoding.batched_runner import ForwardCall, load_runner
 from decoding.capture import top_rows
 from decoding.grammar import GrammarDeadEndError, GrammarMatcher, GrammarMatchers
 from decoding.model_runner import SequenceStateError
-from decoding.sampling import SamplingParams
+from decoding.proposers import Proposal, empty_proposal
+from decoding.sampling import SamplingParams, make_generator, verify_seed
 from decoding.scheduler import CallShape, Schedule
-from decoding.speculation import target_rows, token_logprobs
+from decoding.speculation import target_rows, token_logprobs, verify_answer
 from deployments.engine_host import EngineCore, EngineHost, StepOutput, timed_forward, to_wire
 
 
 @dataclass(frozen=True)
 class VerifyCall:
     seq_id: str
-    token_ids: Sequence[int]  # the full history: prompt + committed output + draft block
+    token_ids: Sequence[int]  # the full history: prompt + committed output + draft block (kept by the engine)
     num_rows: int             # rows wanted: K + 1 (1 for a prefill)
     params: SamplingParams
     first_output_index: int | None = None  # output position of the first row (min_tokens EOS masking)
     prompt_logprobs: int | None = None     # a prefill whose rows span the prompt (see TargetEngine.verify)
     capture_top_k: int | None = None       # also answer the raw rows' top-k (decoding.capture.top_rows)
+    proposal: Proposal | None = None       # the block verified (its q, for a sampled answer); None: a prefill
+    verification: str = "block"            # how the owner verifies a sampled block (speculation.verification)
 
 
 class TargetEngine(EngineCore):
@@ -38,44 +42,55 @@ class TargetEngine(EngineCore):
     def __init__(self, model_spec: dict, engine_options: dict, name: str = "") -> None:
         runner = load_runner(model_spec)
         self.grammars = GrammarMatchers.for_runner(runner, model_spec.get("tokenizer_path") or model_spec["path"])
+        self.generators: dict[str, torch.Generator] = {}
         super().__init__(runner, engine_options, name)
 
     def forget(self, seq_id: str) -> None:
         super().forget(seq_id)
         self.grammars.release(seq_id)
+        self.generators.pop(seq_id, None)
 
-    async def verify(self, seq_id: str, token_ids: Sequence[int], num_rows: int, params: SamplingParams,
+    async def verify(self, seq_id: str, history: HistoryUpdate, proposal: Proposal | None, params: SamplingParams,
                      first_output_index: int | None = None, draft_block: list | None = None,
-                     prompt_logprobs: int | None = None, capture_top_k: int | None = None
-                     ) -> tuple[object, CallSpan]:
-        """Rows for the last num_rows positions of token_ids (argmax ids when greedy, else probs),
-        and the span (entered, forward started, left) the call spent in this engine (loop wait +
-        forward). Prefill: num_rows=1. When params.logprobs is set the rows come as (rows, raw
-        log-probability rows [num_rows, V]).
+                     prompt_logprobs: int | None = None, capture_top_k: int | None = None,
+                     verification: str = "block") -> tuple[object, CallSpan] | UnknownHistory:
+        """The target's answer for [last committed token, *proposal's block] (decoding.speculation.
+        verify_answer: argmax ids when greedy, else the O(K) numbers the owner verifies the block on,
+        drawn with this sequence's own seeded generator), and the span (entered, forward started,
+        left) the call spent in this engine (loop wait + forward). history: the committed history's
+        update since this engine's last call for seq_id (deployments.committed_history);
+        UnknownHistory answers instead when this engine cannot rebuild it, and the caller sends all
+        of it again. A prefill has no proposal (one row). When params.logprobs is set the answer
+        comes as (answer, raw log-probability rows [num_rows, V]).
 
-        draft_block: [ObjectRef of a draft engine's `propose` answer]; then token_ids is the
-        history without the block, which is appended here, and num_rows is len(block) + 1. The
-        block goes draft -> target without the router's Python in between, while the router awaits
-        the same answer for rejection sampling. It is nested in a list so that Ray does not resolve
-        it before sending the call: a caller's actor calls leave in order, so every later call
-        from that router to this engine would wait behind the draft. If the draft engine failed,
-        the call verifies no block (one row); the router, which sees the same failure, cancels it
-        and goes on target-only. The call enters this engine when its block is here.
+        draft_block: [ObjectRef of a draft engine's `propose` answer]; then proposal is None and the
+        drafted one is used. The block and its q go draft -> target without the router's Python in
+        between, while the router awaits the same answer for verification. It is nested in a list
+        so that Ray does not resolve it before sending the call: a caller's actor calls leave in
+        order, so every later call from that router to this engine would wait behind the draft.
+        If the draft engine failed (or did not hold the history), the call verifies no block (one
+        row); the router, which sees the same answer, cancels it. The call enters this engine when
+        its block is here.
 
+        prompt_logprobs: a prefill whose rows span the whole prompt (its log-probabilities).
         capture_top_k: a round sampled for the draft's online training (docs/online-learning.md):
         the answer becomes (answer, (top ids, top log-probabilities)) of the raw distribution at
-        every row, k columns each. Only sampled rounds ask, so the others pay nothing."""
+        every row, k columns each. Only sampled rounds ask, so the others pay nothing.
+        verification: the owner's ("block" or "token"), which a sampled answer's residuals follow."""
         if draft_block is not None:
             try:
-                proposal, _ = await draft_block[0]
-                block = list(proposal.token_ids)
+                drafted = await draft_block[0]
+                proposal = None if isinstance(drafted, UnknownHistory) else drafted[0]
             except Exception:  # the router sees the same failure: it continues target-only
-                block = []
-            token_ids, num_rows = list(token_ids) + block, len(block) + 1
-        if prompt_logprobs is not None:
-            num_rows = len(token_ids)
-        rows, span = await self.submit(VerifyCall(seq_id, list(token_ids), num_rows, params, first_output_index,
-                                                  prompt_logprobs, capture_top_k))
+                proposal = None
+        proposal = proposal or empty_proposal()
+        committed = self.committed(seq_id, history)
+        if isinstance(committed, UnknownHistory):
+            return committed
+        token_ids = committed + list(proposal.token_ids)
+        num_rows = len(token_ids) if prompt_logprobs is not None else len(proposal.token_ids) + 1
+        rows, span = await self.submit(VerifyCall(seq_id, token_ids, num_rows, params, first_output_index,
+                                                  prompt_logprobs, capture_top_k, proposal, verification))
         span = replace(span, cached_tokens=self.runner.prefix_cached_tokens(seq_id))
         self.call_log.record("verify", seq_id, span)
         return rows, span
@@ -120,11 +135,12 @@ class TargetEngine(EngineCore):
                 prompt_entries = prompt_logprob_entries(call.token_ids, rows[:-1], call.prompt_logprobs)
                 rows = rows[-1:]
             try:
-                processed = to_wire(target_rows(rows, call.params, self.runner.eos_token_ids, call.first_output_index,
-                                                call.token_ids, self._grammar(call)))
+                processed = target_rows(rows, call.params, self.runner.eos_token_ids, call.first_output_index,
+                                        call.token_ids, self._grammar(call))
             except GrammarDeadEndError as exc:  # this request's alone: the rest of the batch goes on
                 results[index] = exc
                 continue
+            processed = verify_answer(processed, call.proposal, self._generator(call), call.verification)
             if call.params.logprobs is None:
                 results[index] = processed
             else:  # the raw distribution's log-probabilities, for the tokens the router will emit
@@ -133,6 +149,15 @@ class TargetEngine(EngineCore):
                 results[index] = (results[index], prompt_entries)
             if call.capture_top_k is not None:
                 results[index] = (results[index], top_rows(rows, call.capture_top_k))
+
+    def _generator(self, call: VerifyCall) -> torch.Generator | None:
+        """The sequence's own stream for its residual and bonus draws (seeded requests reproduce)."""
+        if call.params.is_greedy:
+            return None
+        generator = self.generators.get(call.seq_id)
+        if generator is None:
+            generator = self.generators[call.seq_id] = make_generator(verify_seed(call.params.seed), self.runner.device)
+        return generator
 
     def _grammar(self, call: VerifyCall) -> GrammarMatcher | None:
         """A structured output's matcher, synced to the call's committed output (its token ids

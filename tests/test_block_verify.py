@@ -22,7 +22,8 @@ from decoding.sampling import SamplingParams, make_generator, sample_from_probs
 from decoding.sequence import RequestState
 from decoding.generate import generate
 from decoding.proposers import DraftModelProposer, Proposal
-from decoding.speculation import accept_round
+from decoding.compact_verify import draft_support
+from decoding.speculation import accept_round, verify_answer
 from tests.test_generate import (PROMPTS, SAMPLED, VOCAB_SIZE, TableRunner, chi_square_p_value, logit_table,
                                  new_state, position_marginals, target_model, total_variation,
                                  unrelated_draft_model)
@@ -67,10 +68,14 @@ def emitted_sequences(verifier, target_tables, draft_tables, seed: int, draft_id
     """One verification per sample, its output continued with the target to K+1 tokens [B, K+1]."""
     generator = make_generator(seed)
     inputs = draft_and_rows(target_tables, draft_tables, batch_size, generator, draft_ids)
-    sequences = verifier(*inputs, generator=generator)
+    return continued_with_target(verifier(*inputs, generator=generator), target_tables, generator)
+
+
+def continued_with_target(sequences: torch.Tensor, target_tables, generator: torch.Generator) -> torch.Tensor:
+    """A verifier's output [B, K+1] with its -1 slots filled by sampling the target tables."""
     for position, table in enumerate(target_tables):
         continuation = sample_from_probs(rows_given_prefix(table, list(sequences[:, :position].unbind(1)),
-                                                           batch_size), generator)
+                                                           sequences.shape[0]), generator)
         sequences[:, position] = torch.where(sequences[:, position] == PLACEHOLDER_TOKEN_ID, continuation,
                                              sequences[:, position])
     return sequences
@@ -287,8 +292,10 @@ def paper_round(verification: str, seed: int, with_draft_rows: bool = True) -> t
     Returns (committed tokens, accepted count in the request's stats)."""
     state = RequestState(request_id=f"r{seed}", prompt_ids=[0], params=SamplingParams(seed=seed, max_tokens=8),
                          eos_token_id=None, max_context=64)
-    draft_rows = torch.tensor([[2 / 3, 1 / 3]] * 2) if with_draft_rows else None
-    committed = accept_round(state, Proposal([0, 1], draft_rows), torch.tensor([[1 / 3, 2 / 3]] * 3), verification)
+    support = draft_support(torch.tensor([[2 / 3, 1 / 3]] * 2), None) if with_draft_rows else None
+    proposal = Proposal([0, 1], support)
+    answer = verify_answer(torch.tensor([[1 / 3, 2 / 3]] * 3), proposal, state.verify_generator, verification)
+    committed = accept_round(state, proposal, answer, verification)
     return committed, state.stats.num_accepted
 
 

@@ -18,12 +18,14 @@ from decoding.capture import save_blocks, top_rows
 from decoding.proposers import Proposal
 from decoding.sampling import SamplingParams
 from decoding.sequence import RequestState
-from decoding.speculation import accept_round
+from decoding.batched_runner import ForwardCall
+from decoding.speculation import accept_round, target_rows
+from deployments.committed_history import HistorySender, RunningDigest
 from deployments.draft_worker import DraftEngine
 from deployments.metrics import RouterMetrics
 from deployments.round_capture import RoundCapture
 from deployments.target_worker import TargetEngine
-from tests.test_engines import options, spec
+from tests.test_engines import options, spec, whole
 from tests.test_rejection import assert_differs, assert_matches, total_variation
 from tests.tiny_pair import make_tiny_pair
 from training.online_trainer import OnlineTrainer, load_draft_model, rolls_back
@@ -57,14 +59,17 @@ def new_state(request_id: str, params: SamplingParams) -> RequestState:
 async def greedy_rounds(draft, target, state: RequestState, num_draft: int, swap=None) -> list[int]:
     """Speculative rounds to the end; swap(round) runs before each round's propose. -> versions per round."""
     versions, round_index = [], 0
+    digest = RunningDigest()  # each call carries what was committed since, as the router's do
+    to_draft, to_target = HistorySender(digest), HistorySender(digest)
     while not state.finished:
         if swap is not None:
             await swap(round_index)
         proposal = Proposal([], None)
         if num_draft:
-            proposal, _ = await draft.propose(state.request_id, state.history, num_draft, state.params, None)
-        rows, _ = await target.verify(state.request_id, state.history + proposal.token_ids,
-                                      len(proposal.token_ids) + 1, state.params, state.next_output_index)
+            proposal, _ = await draft.propose(state.request_id, to_draft.update(state), [], num_draft, state.params,
+                                              None)
+        rows, _ = await target.verify(state.request_id, to_target.update(state), proposal, state.params,
+                                      state.next_output_index)
         accept_round(state, proposal, rows)
         versions.append(proposal.draft_version)
         round_index += 1
@@ -108,23 +113,26 @@ def _first_tokens_across_a_swap(pairs, samples: int) -> tuple[torch.Tensor, torc
     async def scenario():
         draft, target = engines(pairs, max_sequences=samples + 1)
         states = [new_state(f"s{n}", SAMPLED.model_copy(update={"seed": n})) for n in range(samples)]
-        old = await asyncio.gather(*[draft.propose(s.request_id, s.history, 2, s.params, n)
+        old = await asyncio.gather(*[draft.propose(s.request_id, whole(s.history), [], 2, s.params, n)
                                      for n, s in enumerate(states)])
         await draft.load_draft(1, str(unrelated))
-        new = await asyncio.gather(*[draft.propose(s.request_id, s.history, 2, s.params, n + samples)
+        new = await asyncio.gather(*[draft.propose(s.request_id, whole(s.history), [], 2, s.params, n + samples)
                                      for n, s in enumerate(states)])
-        rows = await asyncio.gather(*[target.verify(s.request_id, s.history + p.token_ids, 3, s.params, 0)
+        rows = await asyncio.gather(*[target.verify(s.request_id, whole(s.history), p, s.params, 0)
                                       for s, (p, _) in zip(states, new)])
-        exact, _ = await target.verify("exact", PROMPT, 1, SAMPLED, 0)
-        return old, new, rows, torch.as_tensor(exact[0])
+        mixed = [Proposal(p.token_ids, q.support, 1) for (p, _), (q, _) in zip(new, old)]  # verified against v0's q
+        mixed_rows = await asyncio.gather(*[target.verify(s.request_id, whole(s.history), p, s.params, 0)
+                                            for s, p in zip(states, mixed)])
+        logits = target.runner.forward_batch([ForwardCall("exact", PROMPT, 1)])[0]
+        return old, new, (rows, mixed_rows), mixed, target_rows(logits, SAMPLED)[0]
 
-    old, new, rows, exact = asyncio.run(scenario())
+    old, new, rows, mixed, exact = asyncio.run(scenario())
     firsts = {False: [], True: []}
-    for n, ((proposal, _), (stale, _), (row, _)) in enumerate(zip(new, old, rows)):
+    for n, ((proposal, _), (stale, _)) in enumerate(zip(new, old)):
         assert proposal.draft_version == 1 and stale.draft_version == 0
-        for broken in (False, True):
+        for broken, verified in ((False, proposal), (True, mixed[n])):
             state = new_state(f"s{n}", SAMPLED.model_copy(update={"seed": n}))
-            accept_round(state, Proposal(proposal.token_ids, stale.probs if broken else proposal.probs, 1), row)
+            accept_round(state, verified, rows[broken][n][0])
             firsts[broken].append(state.output_ids[0])
     return torch.tensor(firsts[False]), torch.tensor(firsts[True]), exact
 

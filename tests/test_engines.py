@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from cluster.config import SpecServeConfig
-from cluster.messages import CallSpan
+from cluster.messages import CallSpan, HistoryUpdate
 from decoding.batched_runner import BatchedModelRunner
 from decoding.sampling import SamplingParams, make_generator
 from decoding.proposers import DraftModelProposer, Proposal
+from deployments.committed_history import history_digest
 from deployments.draft_worker import DraftEngine
 from deployments.engine_loop import EngineOverloadedError, SequenceReleasedError
 from deployments.target_worker import TargetEngine
@@ -36,13 +37,25 @@ def options(**overrides) -> dict:
     return {**SpecServeConfig().engine_options(), **overrides}
 
 
+def whole(token_ids) -> HistoryUpdate:
+    """A committed history sent whole, as to an engine that never saw the request."""
+    return HistoryUpdate(0, tuple(token_ids), history_digest(token_ids))
+
+
+async def verify(engine: TargetEngine, seq_id: str, token_ids, num_rows: int, params, *args, **kwargs):
+    """engine.verify of token_ids' last num_rows - 1 tokens as the block, the rest sent whole."""
+    committed = len(token_ids) - (num_rows - 1)
+    return await engine.verify(seq_id, whole(token_ids[:committed]), Proposal(list(token_ids[committed:]), None),
+                               params, *args, **kwargs)
+
+
 def test_concurrent_verifies_share_a_forward_and_match_unbatched_rows(pair):
     target_path, _ = pair
     reference = BatchedModelRunner(str(target_path))
 
     async def scenario():
         engine = TargetEngine(spec(target_path), options())
-        answers = await asyncio.gather(*[engine.verify(f"s{i}", history, 3, GREEDY)
+        answers = await asyncio.gather(*[verify(engine, f"s{i}", history, 3, GREEDY)
                                          for i, history in enumerate(HISTORIES)])
         return engine, [rows for rows, _ in answers]
 
@@ -69,11 +82,11 @@ def test_a_verify_handed_the_drafts_answer_verifies_its_block_or_none_if_the_dra
     async def scenario():
         engine = TargetEngine(spec(target_path), options())
         history = HISTORIES[0]
-        chained, _ = await engine.verify("a", history, 1, GREEDY, 0, [asyncio.ensure_future(answer([9, 4]))])
-        direct, _ = await engine.verify("b", history + [9, 4], 3, GREEDY, 0)
-        lost, _ = await engine.verify("c", history, 1, GREEDY, 0,
+        chained, _ = await verify(engine, "a", history, 1, GREEDY, 0, [asyncio.ensure_future(answer([9, 4]))])
+        direct, _ = await verify(engine, "b", history + [9, 4], 3, GREEDY, 0)
+        lost, _ = await verify(engine, "c", history, 1, GREEDY, 0,
                                       [asyncio.ensure_future(answer(error=ConnectionError("draft engine died")))])
-        direct_lost, _ = await engine.verify("d", history, 1, GREEDY, 0)
+        direct_lost, _ = await verify(engine, "d", history, 1, GREEDY, 0)
         return chained, direct, lost, direct_lost
 
     chained, direct, lost, direct_lost = asyncio.run(scenario())
@@ -90,12 +103,12 @@ def test_a_verify_whose_request_ended_while_its_block_was_drafted_holds_nothing(
     async def scenario():
         engine = TargetEngine(spec(target_path), options())
         block = asyncio.get_running_loop().create_future()
-        verify = asyncio.ensure_future(engine.verify("gone", HISTORIES[0], 1, GREEDY, 0, [block]))
+        waiting = asyncio.ensure_future(verify(engine, "gone", HISTORIES[0], 1, GREEDY, 0, [block]))
         await asyncio.sleep(0.01)
         await engine.release("gone")
         block.set_result((Proposal([9, 4], None), CallSpan(0.0, 0.0, 0.0)))
         with pytest.raises(SequenceReleasedError):
-            await verify
+            await waiting
         return await engine.active_sequences()
 
     assert asyncio.run(scenario()) == []
@@ -112,26 +125,29 @@ def test_draft_calls_that_arrive_after_their_release_hold_nothing(pair):
         engine = DraftEngine("draft", spec(draft_path), str(target_path), options())
         await engine.release("gone")
         with pytest.raises(SequenceReleasedError):
-            await engine.propose("gone", HISTORIES[0], 3, GREEDY, None)
+            await engine.propose("gone", whole(HISTORIES[0]), [], 3, GREEDY, None)
         with pytest.raises(SequenceReleasedError):
-            await engine.prefill("gone", HISTORIES[0])
+            await engine.prefill("gone", whole(HISTORIES[0]))
         return await engine.active_sequences()
 
     assert asyncio.run(scenario()) == []
 
 
-def test_sampled_rows_are_the_processed_target_distribution(pair):
+def test_a_sampled_answer_holds_the_processed_target_rows_numbers(pair):
+    """A sampled verify answers O(K) numbers (decoding.compact_verify.TargetNumbers): p(x) of the
+    block's token under the processed target row, and draws from the rows' support."""
     target_path, _ = pair
     reference = BatchedModelRunner(str(target_path))
 
     async def scenario():
         engine = TargetEngine(spec(target_path), options())
-        return await asyncio.gather(*[engine.verify(f"s{i}", h, 2, SAMPLED) for i, h in enumerate(HISTORIES)])
+        return await asyncio.gather(*[verify(engine, f"s{i}", h, 2, SAMPLED) for i, h in enumerate(HISTORIES)])
 
     from decoding.sampling import logits_to_probs
-    for i, (rows, _) in enumerate(asyncio.run(scenario())):
+    for i, (numbers, _) in enumerate(asyncio.run(scenario())):
         expected = logits_to_probs(reference.forward(f"s{i}", HISTORIES[i], 2), SAMPLED)
-        torch.testing.assert_close(torch.as_tensor(rows), expected, atol=1e-4, rtol=0)
+        assert numbers.target_of_draft == pytest.approx([expected[0, HISTORIES[i][-1]].item()], abs=1e-5)
+        assert expected[0, numbers.recovered[0]] > 0 and expected[1, numbers.bonus] > 0
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_beside_running_verifies(pair):
@@ -141,9 +157,9 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_running_verifies(pair):
 
     async def scenario():
         engine = TargetEngine(spec(target_path), options(prefill_token_budget=32))
-        await engine.verify("running", HISTORIES[0], 1, GREEDY)
-        prefill = asyncio.create_task(engine.verify("prompt", long_prompt, 1, GREEDY))
-        steps = [await engine.verify("running", HISTORIES[0] + [9] * k, 2, GREEDY) for k in range(1, 4)]
+        await verify(engine, "running", HISTORIES[0], 1, GREEDY)
+        prefill = asyncio.create_task(verify(engine, "prompt", long_prompt, 1, GREEDY))
+        steps = [await verify(engine, "running", HISTORIES[0] + [9] * k, 2, GREEDY) for k in range(1, 4)]
         return engine, await prefill, steps
 
     engine, (rows, _), steps = asyncio.run(scenario())
@@ -164,8 +180,8 @@ def test_prompt_logprobs_come_from_one_prefill_even_past_the_chunk_budget(pair):
 
     async def scenario():
         engine = TargetEngine(spec(target_path), options(prefill_token_budget=32))
-        plain, _ = await engine.verify("plain", long_prompt, 1, GREEDY)
-        with_prompt, _ = await asyncio.wait_for(engine.verify("echo", long_prompt, 1, GREEDY, prompt_logprobs=2), 60)
+        plain, _ = await verify(engine, "plain", long_prompt, 1, GREEDY)
+        with_prompt, _ = await asyncio.wait_for(verify(engine, "echo", long_prompt, 1, GREEDY, prompt_logprobs=2), 60)
         return engine, plain, with_prompt
 
     engine, plain, (rows, entries) = asyncio.run(scenario())
@@ -187,9 +203,9 @@ def test_release_frees_the_slot_and_drops_queued_calls(pair):
 
     async def scenario():
         engine = TargetEngine(spec(target_path, max_sequences=1), options(admission_timeout_s=5))
-        await engine.verify("a", HISTORIES[0], 1, GREEDY)
-        waiting = asyncio.create_task(engine.verify("b", HISTORIES[1], 1, GREEDY))  # no slot: waits
-        doomed = asyncio.create_task(engine.verify("c", HISTORIES[2], 1, GREEDY))
+        await verify(engine, "a", HISTORIES[0], 1, GREEDY)
+        waiting = asyncio.create_task(verify(engine, "b", HISTORIES[1], 1, GREEDY))  # no slot: waits
+        doomed = asyncio.create_task(verify(engine, "c", HISTORIES[2], 1, GREEDY))
         await asyncio.sleep(0.1)
         assert not waiting.done() and engine.loop.queue_depth == 2
         await engine.release("c")            # c's request went away while it waited
@@ -207,10 +223,10 @@ def test_a_new_sequence_gets_overloaded_when_no_slot_frees_in_time(pair):
 
     async def scenario():
         engine = TargetEngine(spec(target_path, max_sequences=1), options(admission_timeout_s=0.2))
-        await engine.verify("a", HISTORIES[0], 1, GREEDY)
+        await verify(engine, "a", HISTORIES[0], 1, GREEDY)
         with pytest.raises(EngineOverloadedError):
-            await engine.verify("b", HISTORIES[1], 1, GREEDY)
-        rows, _ = await engine.verify("a", HISTORIES[0] + [4], 1, GREEDY)  # the admitted one is unaffected
+            await verify(engine, "b", HISTORIES[1], 1, GREEDY)
+        rows, _ = await verify(engine, "a", HISTORIES[0] + [4], 1, GREEDY)  # the admitted one is unaffected
         return rows
 
     assert len(asyncio.run(scenario())) == 1
@@ -222,8 +238,8 @@ def test_a_call_past_the_context_fails_alone(pair):
     async def scenario():
         engine = TargetEngine(spec(target_path), options())
         too_long = [3] * (engine.runner.max_context + 1)
-        return await asyncio.gather(engine.verify("ok", HISTORIES[0], 1, GREEDY),
-                                    engine.verify("bad", too_long, 1, GREEDY), return_exceptions=True)
+        return await asyncio.gather(verify(engine, "ok", HISTORIES[0], 1, GREEDY),
+                                    verify(engine, "bad", too_long, 1, GREEDY), return_exceptions=True)
 
     ok, bad = asyncio.run(scenario())
     assert isinstance(bad, Exception) and "context" in str(bad)
@@ -232,14 +248,15 @@ def test_a_call_past_the_context_fails_alone(pair):
 
 def test_batched_drafts_equal_drafts_made_alone(pair):
     target_path, draft_path = pair
-    alone = DraftModelProposer(BatchedModelRunner(str(draft_path)))
+    alone = DraftModelProposer(BatchedModelRunner(str(draft_path)), max_candidates=options()["draft_top_k"])
 
     async def scenario():
         engine = DraftEngine("draft", spec(draft_path), str(target_path), options())
-        await asyncio.gather(*[engine.prefill(f"s{i}", h) for i, h in enumerate(HISTORIES)])
-        greedy = await asyncio.gather(*[engine.propose(f"s{i}", h, 2 + i, GREEDY, None)
+        await asyncio.gather(*[engine.prefill(f"s{i}", whole(h)) for i, h in enumerate(HISTORIES)])
+        held = [HistoryUpdate(len(h), (), history_digest(h)) for h in HISTORIES]  # nothing new since the prefill
+        greedy = await asyncio.gather(*[engine.propose(f"s{i}", held[i], [], 2 + i, GREEDY, None)
                                         for i, h in enumerate(HISTORIES)])
-        sampled = await asyncio.gather(*[engine.propose(f"t{i}", h, 3, SAMPLED, 100 + i)
+        sampled = await asyncio.gather(*[engine.propose(f"t{i}", whole(h), [], 3, SAMPLED, 100 + i)
                                          for i, h in enumerate(HISTORIES)])
         stats = await engine.stats()
         return greedy, sampled, stats
@@ -249,7 +266,8 @@ def test_batched_drafts_equal_drafts_made_alone(pair):
         assert greedy[i][0].token_ids == alone.propose(f"g{i}", history, 2 + i, GREEDY).token_ids
         expected = alone.propose(f"x{i}", history, 3, SAMPLED, make_generator(100 + i))
         assert sampled[i][0].token_ids == expected.token_ids
-        torch.testing.assert_close(torch.as_tensor(sampled[i][0].probs), expected.probs, atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.as_tensor(sampled[i][0].support.probs), expected.support.probs, atol=1e-4,
+                                   rtol=0)
     assert stats.pool == "draft" and stats.sequences == 2 * len(HISTORIES)
     assert stats.batch_rows_total > stats.forwards  # drafting was batched
 
@@ -288,8 +306,8 @@ def test_a_call_waits_for_kv_blocks_then_runs_or_gets_overloaded(pair):
     async def scenario():
         engine = TargetEngine({**spec(target_path), "kv_cache_memory_gb": budget_gb}, options(admission_timeout_s=1))
         assert engine.runner.kv_capacity.num_blocks == 20
-        await engine.verify("a", [5 + i % 80 for i in range(200)], 1, GREEDY)
-        waiting = asyncio.create_task(engine.verify("b", [7 + i % 80 for i in range(120)], 1, GREEDY))
+        await verify(engine, "a", [5 + i % 80 for i in range(200)], 1, GREEDY)
+        waiting = asyncio.create_task(verify(engine, "b", [7 + i % 80 for i in range(120)], 1, GREEDY))
         await asyncio.sleep(0.1)
         assert not waiting.done() and engine.loop.queue_depth == 1
         stats = await engine.stats()
@@ -297,7 +315,7 @@ def test_a_call_waits_for_kv_blocks_then_runs_or_gets_overloaded(pair):
         await engine.release("a")
         await waiting
         with pytest.raises(EngineOverloadedError):
-            await engine.verify("c", [9 + i % 80 for i in range(200)], 1, GREEDY)
+            await verify(engine, "c", [9 + i % 80 for i in range(200)], 1, GREEDY)
         return await engine.stats()
 
     stats = asyncio.run(scenario())
@@ -307,7 +325,8 @@ def test_a_call_waits_for_kv_blocks_then_runs_or_gets_overloaded(pair):
 def test_a_held_sequence_that_cannot_grow_preempts_the_youngest_which_is_prefilled_again(pair):
     """Two sequences fill a 20-block budget; the older one's verify needs one more block. Rather than
     both waiting out the deadline, the younger one's KV is freed (recompute preemption): the older
-    verifies now, the younger's next call is prefilled again once blocks free up, rows unchanged."""
+    verifies now, the younger's next call is prefilled again once blocks free up, from the committed
+    history the engine kept (the router need not know), rows unchanged."""
     target_path, _ = pair
     reference = BatchedModelRunner(str(target_path))
     older, younger = [5 + i % 80 for i in range(160)], [7 + i % 80 for i in range(160)]
@@ -315,11 +334,13 @@ def test_a_held_sequence_that_cannot_grow_preempts_the_youngest_which_is_prefill
     async def scenario():
         engine = TargetEngine({**spec(target_path), "kv_cache_memory_gb": 20 * 16 * 512 / 2**30},
                               options(admission_timeout_s=5))
-        await engine.verify("old", older, 1, GREEDY)
-        await engine.verify("young", younger, 1, GREEDY)
-        grown, _ = await engine.verify("old", older + [9, 9, 4], 4, GREEDY)
+        await verify(engine, "old", older, 1, GREEDY)
+        await verify(engine, "young", younger, 1, GREEDY)
+        grown, _ = await verify(engine, "old", older + [9, 9, 4], 4, GREEDY)
         assert engine.scheduler.preemptions == 1 and await engine.active_sequences() == ["old"]
-        again = asyncio.create_task(engine.verify("young", younger + [3, 3], 3, GREEDY))
+        # the engine kept young's committed history: the call carries no token of it
+        held = HistoryUpdate(len(younger), (), history_digest(younger))
+        again = asyncio.create_task(engine.verify("young", held, Proposal([3, 3], None), GREEDY))
         await asyncio.sleep(0.1)
         assert not again.done()        # 10 blocks to prefill again, 9 free
         await engine.release("old")
@@ -339,7 +360,7 @@ def test_the_call_log_is_kept_only_with_the_profiling_switch(pair, monkeypatch):
 
     async def logged_calls():
         engine = TargetEngine(spec(target_path), options())
-        _, span = await engine.verify("a", HISTORIES[0], 1, GREEDY)
+        _, span = await verify(engine, "a", HISTORIES[0], 1, GREEDY)
         return span, await engine.call_times()
 
     monkeypatch.delenv(PROFILE_ENV, raising=False)
@@ -359,9 +380,9 @@ def test_a_call_that_breaks_the_forward_fails_alone_and_its_neighbours_get_their
     async def scenario():
         engine = TargetEngine(spec(target_path), options())
         broken = HISTORIES[0][:-1] + [10**6]
-        answers = await asyncio.gather(engine.verify("ok0", HISTORIES[1], 2, GREEDY),
-                                       engine.verify("bad", broken, 1, GREEDY),
-                                       engine.verify("ok1", HISTORIES[2], 1, GREEDY), return_exceptions=True)
+        answers = await asyncio.gather(verify(engine, "ok0", HISTORIES[1], 2, GREEDY),
+                                       verify(engine, "bad", broken, 1, GREEDY),
+                                       verify(engine, "ok1", HISTORIES[2], 1, GREEDY), return_exceptions=True)
         return answers, await engine.active_sequences()
 
     (ok0, bad, ok1), held = asyncio.run(scenario())
@@ -382,7 +403,7 @@ def test_a_prompt_prefilled_in_chunks_for_longer_than_the_admission_deadline_is_
     async def scenario():
         engine = TargetEngine(spec(target_path), options(admission_timeout_s=deadline_s, prefill_token_budget=4))
         started = asyncio.get_running_loop().time()
-        rows, _ = await engine.verify("long", prompt, 1, GREEDY)
+        rows, _ = await verify(engine, "long", prompt, 1, GREEDY)
         return rows, asyncio.get_running_loop().time() - started
 
     rows, elapsed_s = asyncio.run(scenario())
@@ -441,16 +462,16 @@ def test_stats_are_read_between_iterations_and_a_lone_forward_leaves_the_event_l
             return active_sequences()
 
         engine.runner.active_sequences = spy
-        verify = asyncio.create_task(engine.verify("a", HISTORIES[0], 1, GREEDY))
+        running = asyncio.create_task(verify(engine, "a", HISTORIES[0], 1, GREEDY))
         while not in_forward.is_set():
             await asyncio.sleep(0.01)
         await asyncio.wait_for(engine.ping(), 1)   # the event loop is free mid-forward
-        assert not verify.done()
+        assert not running.done()
         stats = asyncio.create_task(engine.stats())
         await asyncio.sleep(0.05)
         assert not stats.done()                     # it waits for the iteration to end
         go_on.set()
-        await verify
+        await running
         return (await stats).sequences, read_during_forward
 
     sequences, read_during_forward = asyncio.run(scenario())

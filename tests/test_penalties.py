@@ -26,7 +26,7 @@ from decoding.proposers import DraftModelProposer, ProposeCall, empty_proposal
 from decoding.row_processors import Penalties, history_processor
 from decoding.sampling import SamplingParams, apply_penalties, logits_to_probs
 from decoding.sequence import RequestState
-from decoding.speculation import accept_round, target_rows
+from decoding.speculation import accept_round, target_rows, verify_answer
 from tests.test_generate import perturbed_copy
 from tests.tiny_pair import tiny_llama
 
@@ -199,8 +199,8 @@ def speculative_samples(target_model, draft_model, prompt: list[int], num_sample
             logits = target.forward_batch([ForwardCall(s.request_id, s.history + b.token_ids, len(b.token_ids) + 1)
                                            for s, b in zip(live, blocks)])
             for state, block, row in zip(live, blocks, logits):
-                accept_round(state, block, rows(row, SAMPLED, None, state.next_output_index,
-                                                state.history + block.token_ids))
+                processed = rows(row, SAMPLED, None, state.next_output_index, state.history + block.token_ids)
+                accept_round(state, block, verify_answer(processed, block, state.verify_generator))
             live = [s for s in live if len(s.output_ids) < NUM_EMITTED]
             blocks = proposer.propose_batch([ProposeCall(s.request_id, s.history, s.draft_budget(NUM_DRAFT_TOKENS),
                                                          s.params, s.draft_generator, len(prompt)) for s in live])

@@ -32,7 +32,7 @@ def test_ngram_continues_the_longest_matching_suffix():
     history = [1, 2, 3, 4, 5, 9, 3, 6, 1, 2, 3]
     proposal = NgramProposer(max_ngram=4).propose("s", history, 3, GREEDY)
     assert proposal.token_ids == [4, 5, 9]
-    assert proposal.probs is None
+    assert proposal.support is None
 
 
 def test_ngram_uses_the_most_recent_earlier_occurrence():
@@ -71,17 +71,28 @@ def test_greedy_draft_is_the_argmax_chain_of_its_model(model):
         expected.append(token)
         ids.append(token)
     assert proposal.token_ids == expected
-    assert proposal.probs is None
+    assert proposal.support is None
 
 
 def test_sampled_draft_returns_normalised_q_rows_for_its_tokens(model):
     history = [3, 14, 15, 92, 65, 35]
     proposal = DraftModelProposer(ReferenceRunner.from_model(model)).propose(
         "s", history, 4, SAMPLED, make_generator(123))
-    assert proposal.probs.shape == (4, 96)
-    assert proposal.probs.dtype == torch.float32
-    torch.testing.assert_close(proposal.probs.sum(dim=-1), torch.ones(4), atol=1e-5, rtol=0)
-    assert all(proposal.probs[i, token] > 0 for i, token in enumerate(proposal.token_ids))
+    q = proposal.support.dense(96)
+    assert q.shape == (4, 96) and q.dtype == torch.float32
+    torch.testing.assert_close(q.sum(dim=-1), torch.ones(4), atol=1e-5, rtol=0)
+    assert all(q[i, token] > 0 for i, token in enumerate(proposal.token_ids))
+
+
+def test_a_capped_draft_samples_from_its_rows_top_candidates_renormalised(model):
+    history = [3, 14, 15, 92, 65, 35]
+    proposal = DraftModelProposer(ReferenceRunner.from_model(model), max_candidates=5).propose(
+        "s", history, 4, SAMPLED, make_generator(123))
+    assert tuple(proposal.support.ids.shape) == (4, 5)
+    torch.testing.assert_close(proposal.support.probs.sum(dim=-1), torch.ones(4), atol=1e-5, rtol=0)
+    assert all(token in proposal.support.ids[i].tolist() for i, token in enumerate(proposal.token_ids))
+    first = logits_to_probs(last_logits(model, history), SAMPLED)
+    assert proposal.support.ids[0].tolist() == torch.topk(first, 5).indices.tolist()
 
 
 def test_sampled_draft_follows_the_generator_seed(model):
@@ -98,7 +109,7 @@ def test_sampled_draft_follows_the_generator_seed(model):
         rows.append(q)
         ids.append(token)
     assert first.token_ids == again.token_ids == expected
-    torch.testing.assert_close(first.probs, torch.stack(rows), atol=1e-5, rtol=0)
+    torch.testing.assert_close(first.support.dense(96), torch.stack(rows), atol=1e-5, rtol=0)
 
 
 def test_draft_keeps_its_cache_between_rounds_and_releases_it(model):
@@ -140,7 +151,7 @@ def test_greedy_propose_batch_equals_propose_call_by_call(model, runner_class):
     for call, proposal in zip(calls, batched):
         expected = alone.propose(call.seq_id, call.history, call.num_tokens, GREEDY)
         assert proposal.token_ids == expected.token_ids
-        assert len(proposal.token_ids) == call.num_tokens and proposal.probs is None
+        assert len(proposal.token_ids) == call.num_tokens and proposal.support is None
 
 
 def test_propose_batch_continues_each_cache_and_rows_drop_out_when_done(model):
@@ -176,7 +187,7 @@ def test_a_seeded_sampled_draft_does_not_depend_on_what_shares_its_batch(model):
     shared = DraftModelProposer(BatchedModelRunner.from_model(model)).propose_batch(others[:2] + [mine_again]
                                                                                     + others[2:])[2]
     assert shared.token_ids == alone.token_ids
-    torch.testing.assert_close(shared.probs, alone.probs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared.support.probs, alone.support.probs, atol=1e-5, rtol=0)
     # And both equal the single-call path over the per-sequence runner.
     single = DraftModelProposer(ReferenceRunner.from_model(model)).propose(
         "mine", mine.history, 6, SAMPLED, make_generator(7))

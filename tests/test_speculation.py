@@ -10,6 +10,7 @@ import torch
 from decoding.proposers import Proposal
 from decoding.sampling import SamplingParams
 from decoding.rejection import PLACEHOLDER_TOKEN_ID, greedy_verify
+from decoding.compact_verify import DraftSupport
 from decoding.speculation import drafted_ahead, greedy_emitted, target_rows
 
 AHEAD_OF = [5, 6, 7, 10, 11]          # history 5 6 7 + proposal 10 11
@@ -22,10 +23,11 @@ def test_usable_when_everything_was_accepted_and_the_bonus_guessed():
 
 
 def test_probability_rows_follow_their_tokens():
-    probs = np.arange(4 * 3, dtype=np.float32).reshape(4, 3)
-    proposal = drafted_ahead(AHEAD_OF + [12], AHEAD_OF, Proposal([12, 13, 14, 15], probs), 2)
+    ids, probs = np.arange(4 * 3).reshape(4, 3), np.arange(4 * 3, dtype=np.float32).reshape(4, 3)
+    proposal = drafted_ahead(AHEAD_OF + [12], AHEAD_OF, Proposal([12, 13, 14, 15], DraftSupport(ids, probs)), 2)
     assert proposal.token_ids == [13, 14]
-    np.testing.assert_array_equal(proposal.probs, probs[1:3])
+    np.testing.assert_array_equal(proposal.support.probs, probs[1:3])
+    np.testing.assert_array_equal(proposal.support.ids, ids[1:3])
 
 
 def test_unusable_after_a_rejection_a_wrong_guess_or_another_history():

@@ -1,0 +1,97 @@
+"""Verification on O(K) numbers (decoding/compact_verify.py): the draft samples from a truncated
+support, the target computes p(x_i), residual draws and masses, the owner decides.
+
+The joint test is tests/test_block_verify.py's: prefix-dependent toy target and draft models over
+a small vocabulary, 200k seeded rounds, each output continued with the target to K+1 tokens; the
+emitted sequences' distribution over all V^(K+1) sequences must be the target's (chi-square with
+small cells pooled does not reject at 1e-3, total variation below 0.01 at 400k rounds). The draft keeps
+MAX_CANDIDATES of its V tokens, so its truncated q differs from its processed row; a verifier
+handed the untruncated row instead of the q the draft sampled from is rejected by the same test.
+"""
+
+import pytest
+import torch
+
+from decoding.compact_verify import (DraftSupport, compact_block_verify, compact_rejection_sample, draft_support,
+                                     target_numbers)
+from decoding.sampling import make_generator, sample_from_probs
+from tests.test_block_verify import P_VALUE_THRESHOLD, continued_with_target, joint_fit, toy_models
+from tests.test_rejection import rows_given_prefix
+
+MAX_CANDIDATES = 2  # of the toy vocabulary's 4 tokens (3 supported per draft row)
+NUM_SAMPLES = 400_000  # over 256 cells: sampling noise in total variation ~0.006
+TV_TOLERANCE = 0.01
+VERIFIERS = {"token": compact_rejection_sample, "block": compact_block_verify}
+
+
+def compact_sequences(target_tables, draft_tables, verification: str, seed: int, use_untruncated_q: bool = False,
+                      batch_size: int = NUM_SAMPLES) -> torch.Tensor:
+    """One compact round per sample (draft, target and owner each with its own generator), the
+    output continued with the target to K+1 tokens [B, K+1]."""
+    draft_generator, target_generator, owner_generator = (make_generator(seed + i) for i in range(3))
+    prefix, supports, rows = [], [], []
+    for table in draft_tables:
+        rows.append(rows_given_prefix(table, prefix, batch_size))
+        supports.append(draft_support(rows[-1], MAX_CANDIDATES))
+        pick = sample_from_probs(supports[-1].probs, draft_generator)
+        prefix.append(supports[-1].ids.gather(-1, pick.unsqueeze(-1)).squeeze(-1))
+    draft_ids = torch.stack(prefix, dim=1)
+    support = DraftSupport(torch.stack([s.ids for s in supports], 1), torch.stack([s.probs for s in supports], 1))
+    if use_untruncated_q:  # broken: the processed rows, not the q the draft sampled from
+        full = torch.stack(rows, dim=1)
+        support = DraftSupport(torch.arange(full.shape[-1]).expand_as(full), full)
+    target_probs = torch.stack(
+        [rows_given_prefix(table, prefix[:i], batch_size) for i, table in enumerate(target_tables)], dim=1)
+    numbers = target_numbers(draft_ids, support, target_probs, target_generator, block=verification == "block")
+    sequences = VERIFIERS[verification](draft_ids, support.probs_of(draft_ids), numbers, owner_generator)
+    return continued_with_target(sequences, target_tables, owner_generator)
+
+
+@pytest.mark.parametrize("verification", ["token", "block"])
+def test_emitted_sequences_from_a_truncated_draft_follow_the_targets_joint_distribution(verification):
+    target_tables, draft_tables = toy_models(seed=1)
+    pvalue, tv = joint_fit(compact_sequences(target_tables, draft_tables, verification, seed=2), target_tables)
+    assert pvalue > P_VALUE_THRESHOLD, f"chi-square rejects the target's joint distribution (p-value {pvalue:.2e})"
+    assert tv < TV_TOLERANCE, f"total variation {tv:.4f} >= {TV_TOLERANCE}"
+
+
+@pytest.mark.parametrize("verification", ["token", "block"])
+def test_the_joint_test_rejects_verifying_against_another_q_than_the_one_sampled_from(verification):
+    target_tables, draft_tables = toy_models(seed=1)
+    sequences = compact_sequences(target_tables, draft_tables, verification, seed=2, use_untruncated_q=True)
+    pvalue, _ = joint_fit(sequences, target_tables)
+    assert pvalue < P_VALUE_THRESHOLD, f"the joint test cannot tell the wrong q (p-value {pvalue:.2e})"
+
+
+def test_a_support_wider_than_the_row_keeps_the_processed_distribution_exactly():
+    row = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0]])  # e.g. top-k 3 already applied
+    support = draft_support(row, max_candidates=4)
+    torch.testing.assert_close(support.dense(6), row)
+    assert support.probs_of(torch.tensor([3])).item() == pytest.approx(0.3)
+    assert support.probs_of(torch.tensor([0])).item() == 0.0
+    narrower = draft_support(row, max_candidates=2)
+    torch.testing.assert_close(narrower.dense(6), torch.tensor([[0.0, 0.625, 0.0, 0.375, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("verification", ["token", "block"])
+def test_identical_rows_accept_every_draft_token_and_emit_the_bonus(verification):
+    rows = torch.tensor([[[0.2, 0.8, 0.0], [0.5, 0.0, 0.5], [0.1, 0.1, 0.8]]])
+    draft_ids = torch.tensor([[1, 2]])
+    support = draft_support(rows[:, :2], 3)
+    numbers = target_numbers(draft_ids, support, rows, make_generator(0), block=verification == "block")
+    output = VERIFIERS[verification](draft_ids, support.probs_of(draft_ids), numbers, make_generator(1))
+    assert output[0, :2].tolist() == [1, 2] and output[0, 2].item() == numbers.bonus.item()
+
+
+def test_zero_draft_tokens_emit_one_token_from_target_row_zero():
+    rows = torch.tensor([[[0.0, 1.0, 0.0]]]).expand(5, 1, 3)
+    numbers = target_numbers(torch.zeros(5, 0, dtype=torch.long), None, rows, make_generator(0))
+    output = compact_rejection_sample(torch.zeros(5, 0, dtype=torch.long), torch.zeros(5, 0), numbers)
+    assert output.tolist() == [[1]] * 5
+
+
+def test_the_same_seeds_give_the_same_output():
+    target_tables, draft_tables = toy_models(seed=3)
+    first = compact_sequences(target_tables, draft_tables, "block", seed=4, batch_size=1000)
+    again = compact_sequences(target_tables, draft_tables, "block", seed=4, batch_size=1000)
+    assert torch.equal(first, again)

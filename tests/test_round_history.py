@@ -1,0 +1,112 @@
+"""A request's rounds send each engine only what was committed since its last call, and an engine
+that lost the request is sent the whole history once: the router's round loop (RoundLoop,
+RequestEngines) over real draft and target engines, in-process (no Ray: an engine's
+`method.remote(...)` runs its coroutine as a task on this event loop, an awaitable as Ray's
+ObjectRef is)."""
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from cluster.config import LimitsSpec, SpeculationSpec
+from cluster.messages import HistoryUpdate, UnknownHistory
+from decoding.sampling import SamplingParams
+from decoding.sequence import RequestState
+from deployments.draft_worker import DraftEngine
+from deployments.metrics import RouterMetrics
+from deployments.request_engines import RequestEngines
+from deployments.round_loop import RoundLoop
+from deployments.round_record import RoundObserver, RoundTimings
+from deployments.target_worker import TargetEngine
+from policies.depth_chooser import DepthChooser
+from tests.test_engines import options, spec
+from tests.tiny_pair import make_tiny_pair
+
+NUM_DRAFT = 4
+PROMPT = [5, 17, 42, 8, 3, 33, 60, 2, 2, 9, 14, 27]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_tiny_pair(tmp_path_factory.mktemp("pair"))
+
+
+class InProcessHandle:
+    """An engine as the router holds it; keeps every HistoryUpdate it was sent and its answers."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.updates: list[HistoryUpdate] = []
+        self.unknown = 0
+
+    def __getattr__(self, name: str):
+        method = getattr(self.engine, name)
+
+        def remote(*args, **kwargs):
+            self.updates.extend(arg for arg in args if isinstance(arg, HistoryUpdate))
+            return asyncio.ensure_future(self._answer(method(*args, **kwargs)))
+
+        return SimpleNamespace(remote=remote)
+
+    async def _answer(self, call):
+        answer = await call
+        self.unknown += isinstance(answer, UnknownHistory)
+        return answer
+
+
+class InProcessWorkers:
+    def __init__(self, handle: InProcessHandle) -> None:
+        self.get_engine = SimpleNamespace(remote=lambda: asyncio.sleep(0, handle))
+
+
+def run_request(pair, forget_at: dict[str, int]) -> tuple[RequestState, InProcessHandle, InProcessHandle]:
+    """One greedy request (drafting ahead, as a lone greedy request does) to the end; at round
+    forget_at[pool] that engine forgets the request, as its idle-sequence expiry would."""
+    target_path, draft_path = pair
+
+    async def scenario():
+        target = InProcessHandle(TargetEngine(spec(target_path), options()))
+        draft = InProcessHandle(DraftEngine("draft", spec(draft_path), str(target_path), options()))
+        state = RequestState("r", PROMPT, SamplingParams(temperature=0, max_tokens=48), None, 256,
+                             detokenize=lambda ids: " ".join(map(str, ids)))
+        engines = RequestEngines(InProcessWorkers(target), InProcessWorkers(draft), LimitsSpec())
+        rounds = 0
+
+        def choose_depth(state: RequestState) -> int:
+            nonlocal rounds
+            rounds += 1
+            for pool, handle in (("target", target), ("draft", draft)):
+                if forget_at.get(pool) == rounds:
+                    handle.engine.loop.release(state.request_id)
+            return state.draft_budget(NUM_DRAFT)
+
+        speculation = SpeculationSpec(num_draft_tokens=NUM_DRAFT, adaptive=False)
+        observer = RoundObserver(RoundTimings(), DepthChooser(speculation), RouterMetrics())
+        loop = RoundLoop(state, engines, observer, lambda chunk: None, choose_depth, lambda: 1, speculation)
+        await loop.run(0.0, float("inf"))
+        await asyncio.sleep(0.05)  # let calls drafted ahead and then left unused finish
+        return state, target, draft
+
+    return asyncio.run(scenario())
+
+
+def test_rounds_carry_only_the_tokens_committed_since_the_last_call(pair):
+    state, target, draft = run_request(pair, {})
+    assert state.finish_reason == "length" and state.stats.rounds > 5
+    for handle in (target, draft):
+        assert handle.updates[0].start == 0 and list(handle.updates[0].new_tokens) == PROMPT
+        assert all(0 < update.start and len(update.new_tokens) <= NUM_DRAFT + 1 for update in handle.updates[1:])
+        assert handle.unknown == 0
+    # the target holds what it was last told: the history before the last round's tokens
+    assert target.engine.histories.held_length("r") == target.updates[-1].length < len(state.history)
+
+
+def test_an_engine_that_forgot_the_request_gets_the_whole_history_once_and_the_output_is_unchanged(pair):
+    reference, _, _ = run_request(pair, {})
+    state, target, draft = run_request(pair, {"draft": 3, "target": 5})
+    assert state.output_ids == reference.output_ids
+    for handle in (target, draft):
+        assert handle.unknown == 1
+        whole = [update for update in handle.updates[1:] if update.start == 0]
+        assert len(whole) == 1 and len(whole[0].new_tokens) > len(PROMPT)
