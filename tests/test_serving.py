@@ -1,13 +1,13 @@
 """End to end on a real local Ray cluster, over real HTTP, with the official `openai` client.
 
 One Serve application (ingress -> router -> draft/target workers) on a tiny random pair is shared
-by the tests in this module; each test checks that no per-request state is left behind.
+by the tests in this module (and the other modules using `tiny_pair_server`); each test checks that
+no per-request state is left behind.
 """
 
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
@@ -20,40 +20,23 @@ from ray import serve
 from transformers import AutoTokenizer
 
 from cluster.builder import APP_NAME
-from cluster.config import SpecServeConfig
-from cluster.local import start_local, stop_local
 from decoding.generate import generate
 from decoding.model_runner import ModelRunner
 from decoding.sampling import SamplingParams
 from decoding.sequence import RequestState
-from tests.local_server import greedy_reference
-from tests.tiny_pair import make_tiny_pair
+from tests.local_server import SHARED_MODEL, free_port, greedy_reference
 
 pytestmark = pytest.mark.ray
-MODEL = "tiny-pair"
+MODEL = SHARED_MODEL
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\nclass Config:\n", "x = [i * i for i in"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+_free_port = free_port  # the name other modules import
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    target_path, draft_path = make_tiny_pair(tmp_path_factory.mktemp("pair"))
-    config = SpecServeConfig.model_validate({
-        "model_name": MODEL,
-        "target": {"path": str(target_path)},
-        "draft": {"path": str(draft_path)},
-        "http": {"port": _free_port()},
-        "limits": {"max_tokens": 200},
-        "observability": {"metrics_export_port": 0, "metrics_report_interval_ms": 500},
-    })
-    url = start_local(config)
-    yield url, config
-    stop_local()
+def server(tiny_pair_server):
+    """The shared served tiny pair (tests/conftest.py); the engine-killing tests at the end of this
+    module leave it with replaced, healthy engines, as they assert."""
+    return tiny_pair_server
 
 
 @pytest.fixture(scope="module")
