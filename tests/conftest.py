@@ -18,7 +18,7 @@ def pytest_collection_modifyitems(items):
     start once for all of them instead of once per module."""
     modules: dict = {}
     for item in items:
-        modules.setdefault(item.module, []).append(item)
+        modules.setdefault(getattr(item, "module", None), []).append(item)
     sharing = [group for group in modules.values() if _shares_the_server(group)]
     if len(sharing) < 2:
         return
@@ -32,11 +32,11 @@ def pytest_collection_modifyitems(items):
 
 def _next_module_shares_the_server(request) -> bool:
     items = request.session.items
-    indices = [i for i, item in enumerate(items) if item.module is request.module]
+    indices = [i for i, item in enumerate(items) if getattr(item, "module", None) is request.module]
     if not indices or indices[-1] + 1 >= len(items):
         return False
-    following = items[indices[-1] + 1].module
-    return _shares_the_server([item for item in items if item.module is following])
+    following = getattr(items[indices[-1] + 1], "module", None)
+    return _shares_the_server([item for item in items if getattr(item, "module", None) is following])
 
 
 @pytest.fixture(autouse=True, scope="module")

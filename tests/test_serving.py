@@ -93,13 +93,30 @@ def _total(samples: dict, name: str, **labels: str) -> float:
                if sample_name == name and all((k, v) in sample_labels for k, v in labels.items()))
 
 
-def test_metrics_counters_agree_with_the_responses_and_engines_export_both_pools(client):
+def _settled_scrape(names: list[str], report_interval_s: float, timeout_s: float = 30.0) -> dict:
+    """A scrape once earlier requests' counts have all been exported: the totals of `names` read the
+    same over three report intervals (the server is shared, and the module before this one may
+    have sent requests whose counts are still on their way)."""
+    deadline = time.monotonic() + timeout_s
+    samples = _scrape()
+    while True:
+        time.sleep(3 * report_interval_s)
+        again = _scrape()
+        if all(_total(again, name) == _total(samples, name) for name in names):
+            return again
+        if time.monotonic() > deadline:
+            raise AssertionError("the counters kept moving with no request running")
+        samples = again
+
+
+def test_metrics_counters_agree_with_the_responses_and_engines_export_both_pools(server, client):
     """Counter deltas over a few requests equal the sums of those responses' speculation fields
     exactly; every engine metric is there for the draft and the target pool."""
     fields = {"ray_specserve_draft_tokens_total": "num_drafted", "ray_specserve_accepted_tokens_total": "num_accepted",
               "ray_specserve_output_tokens_total": "num_emitted", "ray_specserve_target_passes_total": "target_passes"}
     _assert_no_leftovers()
-    before = _scrape()
+    before = _settled_scrape([*fields, "ray_specserve_wasted_draft_tokens_total"],
+                             server[1].observability.metrics_report_interval_ms / 1000)
     responses = [client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=t, seed=3)
                  for p in PROMPTS for t in (0, 0.8)]
     expected = {name: sum(r.model_extra["speculation"][field] for r in responses) for name, field in fields.items()}
