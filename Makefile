@@ -6,7 +6,7 @@ CONSTRAINTS ?= constraints-cpu.txt
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve generate test fuzz soak reliability bench serve-config
+.PHONY: install serve generate test fuzz soak reliability stat-full bench serve-config
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,3 +39,8 @@ reliability: $(STAMP)
 
 serve-config: $(STAMP)
 	$(VENV)/bin/specserve serve-config
+
+# The full-size statistical runs (marker stat_full) whose CI-sized versions `make test` runs:
+# 20,000 sampled requests through generate(), 3,000 structured-output requests, 1,500 penalized ones.
+stat-full: $(STAMP)
+	$(PY) -m pytest -q -m stat_full

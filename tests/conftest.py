@@ -5,13 +5,52 @@ import torch
 
 torch.set_num_threads(1)
 
+SHARED_SERVER = "tiny_pair_server"  # the fixture of the one served default tiny pair modules share
+
+
+def _shares_the_server(module_items: list) -> bool:
+    return any(SHARED_SERVER in item.fixturenames for item in module_items)
+
+
+def pytest_collection_modifyitems(items):
+    """Run the modules that use the shared served tiny pair one after another (each module whole,
+    in collection order, at the place of the first of them), so its Ray cluster and Serve app
+    start once for all of them instead of once per module."""
+    modules: dict = {}
+    for item in items:
+        modules.setdefault(getattr(item, "module", None), []).append(item)
+    sharing = [group for group in modules.values() if _shares_the_server(group)]
+    if len(sharing) < 2:
+        return
+    position = {id(item): i for i, item in enumerate(items)}
+    first = position[id(sharing[0][0])]
+    grouped = [item for group in sharing for item in group]
+    rest = [item for group in modules.values() if not _shares_the_server(group) for item in group]
+    before = [item for item in rest if position[id(item)] < first]
+    items[:] = before + grouped + rest[len(before):]
+
+
+def _next_module_shares_the_server(request) -> bool:
+    items = request.session.items
+    indices = [i for i, item in enumerate(items) if getattr(item, "module", None) is request.module]
+    if not indices or indices[-1] + 1 >= len(items):
+        return False
+    following = getattr(items[indices[-1] + 1], "module", None)
+    return _shares_the_server([item for item in items if getattr(item, "module", None) is following])
+
 
 @pytest.fixture(autouse=True, scope="module")
-def no_ray_left_behind():
+def no_ray_left_behind(request):
     """A module that fails half-way (an assertion between start and stop, a timeout) must not leave
     its Ray cluster to the next module, whose own ray.init would then fail: one real failure,
-    not a cascade of errors."""
+    not a cascade of errors. The one exception is the shared served tiny pair, kept up while the
+    next module uses it too."""
     yield
+    from tests import local_server
+
+    if local_server.shared_server_running() and _next_module_shares_the_server(request):
+        return
+    local_server.forget_shared_server()
     import ray
 
     if ray.is_initialized():
@@ -21,6 +60,16 @@ def no_ray_left_behind():
             serve.shutdown()
         finally:
             ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_pair_server(tmp_path_factory):
+    """(base URL, config) of the default tiny pair served on a local Ray cluster, started once for
+    the consecutive modules that use it (tests/local_server.py says what it serves). A module using
+    it must leave it as it found it: no request or sequence held, every deployment healthy."""
+    from tests.local_server import shared_server
+
+    return shared_server(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

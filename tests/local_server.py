@@ -1,6 +1,9 @@
 """A local Ray Serve app on a tiny random pair, for end-to-end test modules (free port, no downloads).
 
-tests/test_serving.py still carries its own copy of this fixture; it can switch to this helper."""
+Each start (Ray cluster, Serve, four deployments loading their models) costs tens of seconds on a
+2-core box, so the modules that can share one server use the `tiny_pair_server` fixture
+(tests/conftest.py), served once here; modules needing other settings start their own with
+serve_tiny_pair."""
 
 from __future__ import annotations
 
@@ -9,8 +12,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from cluster.config import SpecServeConfig
-from cluster.local import start_local, stop_local
-from tests.tiny_pair import make_tiny_pair
+from cluster.local import start_local, stop_local, wait_healthy
+from tests.tiny_pair import make_tiny_pair, tiny_pair_config
+
+SHARED_MODEL = "tiny-pair"
+# What the shared server's users need: max_tokens capped (test_serving's 400 matrix) and metrics
+# pushed often enough for a test to read its own requests' counters; port 0: any free port.
+SHARED_OVERRIDES = {"limits": {"max_tokens": 200},
+                    "observability": {"metrics_export_port": 0, "metrics_report_interval_ms": 500}}
+HEALTHY_WITHIN_S = 120.0  # the last user may have killed an engine; Serve replaces it
 
 
 def greedy_reference(target_path: str):
@@ -59,3 +69,26 @@ def serve_tiny_pair(root: Path, model_name: str, **overrides) -> Iterator[tuple[
         yield url, config
     finally:
         stop_local()
+
+
+_shared: dict = {}  # "server": the running (url, config), while up
+
+
+def shared_server(tmp_path_factory) -> tuple[str, SpecServeConfig]:
+    """(url, config) of the shared default tiny pair: started on first use, reused while it runs."""
+    if "server" not in _shared:
+        config = tiny_pair_config(tmp_path_factory.mktemp("shared-pair"), SHARED_MODEL, free_port(),
+                                  **SHARED_OVERRIDES)
+        _shared["server"] = start_local(config), config
+    else:
+        wait_healthy(_shared["server"][0], HEALTHY_WITHIN_S)
+    return _shared["server"]
+
+
+def shared_server_running() -> bool:
+    return "server" in _shared
+
+
+def forget_shared_server() -> None:
+    """The caller is about to stop Ray (and with it the shared server): the next use starts one."""
+    _shared.pop("server", None)

@@ -19,15 +19,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.local_server import serve_tiny_pair
+from tests.local_server import SHARED_MODEL
 
-MODEL = "tiny-pair"
+MODEL = SHARED_MODEL
 BODIES = Path(__file__).parent / "client_bodies"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    yield from serve_tiny_pair(tmp_path_factory.mktemp("clients"), MODEL)
+def server(tiny_pair_server):
+    return tiny_pair_server
 
 
 @pytest.fixture(scope="module")

@@ -210,21 +210,23 @@ def logit_table(model: LlamaForCausalLM, prompt: list[int], depth: int) -> dict[
 
 
 SAMPLED = SamplingParams(temperature=0.9, top_k=16, top_p=0.95, max_tokens=3)
-NUM_SAMPLED_RUNS = 20_000
+NUM_SAMPLED_RUNS = 20_000   # the full run: `make stat-full` (marker stat_full)
+CI_SAMPLED_RUNS = 5_000     # what `make test` runs: the draft is still rejected by far (docs/testing.md)
 
 
-@pytest.fixture(scope="module")
-def sampled_outputs(target_model, unrelated_draft_model):
-    """NUM_SAMPLED_RUNS seeded requests, 3 tokens each, K=1 from an unrelated draft: token 0 comes
+@pytest.fixture(scope="module", params=[CI_SAMPLED_RUNS, pytest.param(NUM_SAMPLED_RUNS, marks=pytest.mark.stat_full)])
+def sampled_outputs(request, target_model, unrelated_draft_model):
+    """num_runs seeded requests, 3 tokens each, K=1 from an unrelated draft: token 0 comes
     from the prefill, token 1 is the first speculative position (accepted draft or recovered
     token), token 2 the bonus token after an acceptance, else a plain target step."""
+    num_runs = request.param
     prompt = PROMPTS[2]
     target = TableRunner(logit_table(target_model, prompt, depth=2))
     draft = TableRunner(logit_table(unrelated_draft_model, prompt, depth=2))
     proposer = DraftModelProposer(draft)
-    outputs = torch.empty(NUM_SAMPLED_RUNS, 3, dtype=torch.long)
-    accepted = torch.empty(NUM_SAMPLED_RUNS)
-    for seed in range(NUM_SAMPLED_RUNS):
+    outputs = torch.empty(num_runs, 3, dtype=torch.long)
+    accepted = torch.empty(num_runs)
+    for seed in range(num_runs):
         state = new_state(prompt, SamplingParams(**{**SAMPLED.__dict__, "seed": seed}), request_id=f"r{seed}")
         for _ in generate(target, state, proposer, num_draft_tokens=1):
             pass
@@ -266,8 +268,6 @@ def total_variation(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return 0.5 * float((counts / counts.sum() - probs).abs().sum())
 
 
-TV_BOUND = 0.02  # E[TV] of 20k samples over <= 16 live tokens is about 0.01
-
 
 def null_tv_bound(probs: torch.Tensor, num_samples: int, quantile: float = 0.999, draws: int = 1000) -> float:
     """The TV distance that exact sampling of num_samples from probs stays under with probability
@@ -291,18 +291,18 @@ def test_the_logit_table_is_the_model(target_model):
 
 @pytest.mark.parametrize("position", [1, 2])
 def test_sampled_speculation_preserves_the_target_distribution(sampled_outputs, position):
-    """20,000 seeded requests (temperature 0.9, top-k 16, top-p 0.95, K=1, an unrelated draft).
-    At the first speculative position and at the next one (each sample given its own history,
-    pooled: the exact marginal), a chi-square test against the target's distribution must not
-    reject at 1e-3 and the total-variation distance must stay under 0.02, while the same test
-    rejects the draft's distribution (and its TV is far above the bound). The pooled marginal has
-    more live tokens than the first position, so its TV bound is exact sampling's 99.9% quantile
-    for this marginal, not a fixed figure."""
+    """5,000 seeded requests (20,000 under stat_full; temperature 0.9, top-k 16, top-p 0.95, K=1,
+    an unrelated draft). At the first speculative position and at the next one (each sample given
+    its own history, pooled: the exact marginal), a chi-square test against the target's
+    distribution must not reject at 1e-3 and the total-variation distance must stay under exact
+    sampling's 99.9% quantile for this marginal and sample count (about 0.05 at 5,000, 0.025 at
+    20,000), while the same test rejects the draft's distribution and its TV is over 5 times that
+    bound (docs/testing.md gives the margins at both sizes)."""
     prompt, target, draft, outputs, _ = sampled_outputs
     counts = torch.bincount(outputs[:, position], minlength=VOCAB_SIZE).double()
     target_marginal = position_marginals(target, target, prompt)[position - 1]
     draft_marginal = position_marginals(draft, target, prompt)[position - 1]
-    bound = null_tv_bound(target_marginal, NUM_SAMPLED_RUNS)
+    bound = null_tv_bound(target_marginal, len(outputs))
     assert chi_square_p_value(counts, target_marginal) > 1e-3
     assert total_variation(counts, target_marginal) < bound
     assert chi_square_p_value(counts, draft_marginal) < 1e-3
@@ -313,7 +313,7 @@ def test_the_first_token_is_the_targets_prefill_sample(sampled_outputs):
     prompt, target, _, outputs, _ = sampled_outputs
     counts = torch.bincount(outputs[:, 0], minlength=VOCAB_SIZE).double()
     p0 = processed(target, [prompt])[0]
-    assert chi_square_p_value(counts, p0) > 1e-3 and total_variation(counts, p0) < TV_BOUND
+    assert chi_square_p_value(counts, p0) > 1e-3 and total_variation(counts, p0) < null_tv_bound(p0, len(outputs))
 
 
 def test_sampled_runs_exercised_both_acceptance_and_rejection(sampled_outputs):

@@ -1,13 +1,13 @@
 """End to end on a real local Ray cluster, over real HTTP, with the official `openai` client.
 
 One Serve application (ingress -> router -> draft/target workers) on a tiny random pair is shared
-by the tests in this module; each test checks that no per-request state is left behind.
+by the tests in this module (and the other modules using `tiny_pair_server`); each test checks that
+no per-request state is left behind.
 """
 
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
@@ -20,40 +20,23 @@ from ray import serve
 from transformers import AutoTokenizer
 
 from cluster.builder import APP_NAME
-from cluster.config import SpecServeConfig
-from cluster.local import start_local, stop_local
 from decoding.generate import generate
 from decoding.batched_runner import BatchedModelRunner
 from decoding.sampling import SamplingParams
 from decoding.sequence import RequestState
-from tests.local_server import greedy_reference
-from tests.tiny_pair import make_tiny_pair
+from tests.local_server import SHARED_MODEL, free_port, greedy_reference
 
 pytestmark = pytest.mark.ray
-MODEL = "tiny-pair"
+MODEL = SHARED_MODEL
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\nclass Config:\n", "x = [i * i for i in"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+_free_port = free_port  # the name other modules import
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    target_path, draft_path = make_tiny_pair(tmp_path_factory.mktemp("pair"))
-    config = SpecServeConfig.model_validate({
-        "model_name": MODEL,
-        "target": {"path": str(target_path)},
-        "draft": {"path": str(draft_path)},
-        "http": {"port": _free_port()},
-        "limits": {"max_tokens": 200},
-        "observability": {"metrics_export_port": 0, "metrics_report_interval_ms": 500},
-    })
-    url = start_local(config)
-    yield url, config
-    stop_local()
+def server(tiny_pair_server):
+    """The shared served tiny pair (tests/conftest.py); the engine-killing tests at the end of this
+    module leave it with replaced, healthy engines, as they assert."""
+    return tiny_pair_server
 
 
 @pytest.fixture(scope="module")
@@ -110,13 +93,30 @@ def _total(samples: dict, name: str, **labels: str) -> float:
                if sample_name == name and all((k, v) in sample_labels for k, v in labels.items()))
 
 
-def test_metrics_counters_agree_with_the_responses_and_engines_export_both_pools(client):
+def _settled_scrape(names: list[str], report_interval_s: float, timeout_s: float = 30.0) -> dict:
+    """A scrape once earlier requests' counts have all been exported: the totals of `names` read the
+    same over three report intervals (the server is shared, and the module before this one may
+    have sent requests whose counts are still on their way)."""
+    deadline = time.monotonic() + timeout_s
+    samples = _scrape()
+    while True:
+        time.sleep(3 * report_interval_s)
+        again = _scrape()
+        if all(_total(again, name) == _total(samples, name) for name in names):
+            return again
+        if time.monotonic() > deadline:
+            raise AssertionError("the counters kept moving with no request running")
+        samples = again
+
+
+def test_metrics_counters_agree_with_the_responses_and_engines_export_both_pools(server, client):
     """Counter deltas over a few requests equal the sums of those responses' speculation fields
     exactly; every engine metric is there for the draft and the target pool."""
     fields = {"ray_specserve_draft_tokens_total": "num_drafted", "ray_specserve_accepted_tokens_total": "num_accepted",
               "ray_specserve_output_tokens_total": "num_emitted", "ray_specserve_target_passes_total": "target_passes"}
     _assert_no_leftovers()
-    before = _scrape()
+    before = _settled_scrape([*fields, "ray_specserve_wasted_draft_tokens_total"],
+                             server[1].observability.metrics_report_interval_ms / 1000)
     responses = [client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=t, seed=3)
                  for p in PROMPTS for t in (0, 0.8)]
     expected = {name: sum(r.model_extra["speculation"][field] for r in responses) for name, field in fields.items()}

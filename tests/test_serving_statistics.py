@@ -35,11 +35,11 @@ import openai
 
 from decoding.row_processors import history_processor
 from decoding.sampling import SamplingParams, logits_to_probs
-from tests.local_server import serve_tiny_pair
+from tests.local_server import SHARED_MODEL
 from tests.test_penalties import hf_processors
 
 pytestmark = pytest.mark.ray
-MODEL = "tiny-pair"
+MODEL = SHARED_MODEL
 PROMPT = "def fibonacci(n):\n"
 NUM_REQUESTS = 200
 CONCURRENCY = 8
@@ -56,8 +56,8 @@ NEUTRAL_PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "freque
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    yield from serve_tiny_pair(tmp_path_factory.mktemp("pair"), MODEL)
+def server(tiny_pair_server):
+    return tiny_pair_server
 
 
 @pytest.fixture(scope="module")
