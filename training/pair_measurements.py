@@ -20,8 +20,8 @@ def load_runners(models: Path, threads: int):
     """(target, draft, tokenizer) from models/{target,draft}, fp32 on CPU, checked compatible."""
     from transformers import AutoTokenizer
 
+    from decoding.batched_runner import BatchedModelRunner
     from decoding.model_runner import check_compatible
-from decoding.batched_runner import BatchedModelRunner
 
     target = BatchedModelRunner(str(models / "target"), dtype="float32", device="cpu", num_threads=threads)
     draft = BatchedModelRunner(str(models / "draft"), dtype="float32", device="cpu", num_threads=threads)
