@@ -53,6 +53,7 @@ class TinyEngine:
         engine.record_forward(batch_rows=3, busy_s=0.25, idle_s=0.5)
         engine.record_forward(batch_rows=5, busy_s=0.25, idle_s=0.25)
         engine.set_load(queue_depth=2, sequences=7)
+        engine.record_prefix_cache(queries=32, hits=16)
         self.router = router = RouterMetrics(replica=f"router-{pool}")
         router.set_active_requests(1)
         router.record_request("length", {"num_emitted": 11, "num_drafted": 12, "num_accepted": 9,
