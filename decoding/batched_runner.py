@@ -153,18 +153,13 @@ class BatchedModelRunner(RunnerBase):
         """CUDA only (never run here: no GPU): device memory a forward of rows x tokens new tokens
         takes beyond its keys and values, measured on a throw-away cache, as vLLM profiles a dummy
         batch before sizing its KV cache."""
-        per_row = blocks_for(tokens, block_size)
-        scratch = PagedKVCache(num_layers=self.config.num_hidden_layers, num_blocks=rows * per_row,
-                               block_size=block_size, device=self.device, flash=flash)
-        tables = [scratch.allocate(per_row) for _ in range(rows)]
-        layout = paged_layout(tables, [0] * rows, [tokens] * rows, block_size, dtype=self._dtype, device=self.device)
-        keep = torch.zeros((rows, tokens), dtype=torch.bool, device=self.device)
-        keep[:, -1] = True
+        scratch = PagedKVCache(num_layers=self.config.num_hidden_layers,
+                               num_blocks=rows * blocks_for(tokens, block_size), block_size=block_size,
+                               device=self.device, flash=flash)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        self._logits(torch.zeros((rows, tokens), dtype=torch.long, device=self.device), layout, keep,
-                     scratch.view(layout))
+        self._dummy_forward(scratch, rows, tokens)
         peak = torch.cuda.max_memory_allocated(self.device) - before - scratch.reserved_bytes()
         del scratch
         torch.cuda.empty_cache()
@@ -174,23 +169,31 @@ class BatchedModelRunner(RunnerBase):
         """One 1-token forward at load: every layer must have stored its keys through the paged
         attention, else the model keeps state of its own (recurrent or linear-attention layers)
         that rollback and batching would silently get wrong."""
-        blocks = self.cache.allocate(1)
         try:
-            layout = paged_layout([blocks], [0], [1], self.block_size, dtype=self._dtype, device=self.device)
-            view = self.cache.view(layout)
-            keep = torch.ones((1, 1), dtype=torch.bool, device=self.device)
-            try:
-                self._logits(torch.zeros((1, 1), dtype=torch.long, device=self.device), layout, keep, view)
-            except PagedAttentionError as error:
-                raise UnsupportedModelError(f"{self.model_path}: {error}") from error
-        finally:
-            self.cache.free(blocks)
+            view = self._dummy_forward(self.cache, rows=1, tokens=1)
+        except PagedAttentionError as error:
+            raise UnsupportedModelError(f"{self.model_path}: {error}") from error
         missing = sorted(set(range(self.config.num_hidden_layers)) - view.layers_attended)
         if missing:
             raise UnsupportedModelError(
                 f"{self.model_path}: layers {missing} of {self.config.num_hidden_layers} do not attend through "
                 "transformers' attention interface (recurrent or linear-attention layers?); specserve's engine "
                 "cannot serve this model")
+
+    def _dummy_forward(self, cache: PagedKVCache, rows: int, tokens: int):
+        """One forward of rows new sequences of `tokens` tokens over blocks of `cache`, given back
+        after; -> its PagedBatchView (which layers attended through it)."""
+        tables = [cache.allocate(blocks_for(tokens, cache.block_size)) for _ in range(rows)]
+        try:
+            layout = paged_layout(tables, [0] * rows, [tokens] * rows, cache.block_size, dtype=self._dtype,
+                                  device=self.device)
+            view = cache.view(layout)
+            keep = torch.zeros((rows, tokens), dtype=torch.bool, device=self.device)
+            keep[:, -1] = True
+            self._logits(torch.zeros((rows, tokens), dtype=torch.long, device=self.device), layout, keep, view)
+        finally:
+            cache.free([block for table in tables for block in table])
+        return view
 
     def forward(self, seq_id: str, token_ids: Sequence[int], num_rows: int = 1) -> torch.Tensor:
         """Make seq_id's cache hold exactly token_ids; return float32 logits [num_rows, V] for the
