@@ -349,9 +349,6 @@ class PagedKVCache:
         if key is not None:
             del self._block_of[key]
 
-    def is_published(self, block: int) -> bool:
-        return block in self._key_of
-
     @torch.inference_mode()   # the pools are inference tensors (made in the forward)
     def copy_block(self, source: int, destination: int) -> None:
         """Copy-on-write: destination gets source's keys and values in every layer."""
