@@ -37,6 +37,11 @@ def _text_config(folder: str | Path) -> dict[str, Any]:
     return config.get("text_config") or config
 
 
+def quantization_method(model_path: str | Path) -> str | None:
+    """config.json's quantization_config.quant_method, or None for an unquantized checkpoint."""
+    return (_json(Path(model_path) / "config.json").get("quantization_config") or {}).get("quant_method")
+
+
 def _ids(value: Any) -> set[int]:
     if value is None:
         return set()

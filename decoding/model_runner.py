@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM
 
-from decoding.checkpoint import check_weight_files, resolve_device, resolve_dtype
+from decoding.checkpoint import check_weight_files, quantization_method, resolve_device, resolve_dtype
 
 # Draft and target must split text into the same ids; code-like text exercises merges and spaces.
 _PROBE_TEXT = "def fibonacci(n):\n    return n"
@@ -81,15 +81,6 @@ def load_causal_lm(model_path: str, dtype: str = "auto", device: str = "auto",
         raise ValueError(f"{model_path}: a checkpoint quantized with quantization_config.quant_method={method!r} "
                          f"cannot be served on {device}: {error}") from error
     return (model if on_gpu else model.to(torch.device(device))).eval()
-
-
-def quantization_method(model_path: str) -> str | None:
-    """config.json's quantization_config.quant_method, or None for an unquantized checkpoint."""
-    import json
-    from pathlib import Path
-
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    return (config.get("quantization_config") or {}).get("quant_method")
 
 
 class RunnerBase:
