@@ -1,0 +1,174 @@
+"""Tensor parallelism for one engine: N processes, one per rank, each holding its slice of every
+layer, joined by torch.distributed (gloo on CPU, NCCL on CUDA). Ray-free: deployments/engine_group.py
+places the ranks; this module joins them, loads each rank's shards and keeps the ranks in step.
+
+Sharding is transformers' own tensor-parallel plan (`DistributedConfig(tp_size=N)`, the plan each
+architecture's config carries as `base_model_tp_plan`): q/k/v and gate/up split by columns (heads),
+o/down by rows followed by an all-reduce, the embedding and LM head split by vocabulary with the
+logits gathered whole on every rank. Each rank reads only its slices of the safetensors files. Why
+not our own column/row split: the plan already exists for every architecture transformers serves
+with TP (Llama, Qwen2/3, Mistral, Gemma, MoE), and it runs with gloo on CPU, so a second copy of it
+would only be a second thing to keep right (docs/tensor-parallel.md).
+
+Keeping ranks in step: rank 0 holds the engine; its runner is a `MirroredRunner` that broadcasts
+every call that changes KV state (forward_batch, release, rollback: name and arguments) to the
+followers before running it, and each follower (`follow`) runs the same call on its own runner
+and drops the outputs. The paged cache's block allocation is deterministic given the same calls,
+so every rank's block tables and prefix cache equal rank 0's, and the collectives inside the
+forward meet. A rank's pool holds its own heads only (BatchedModelRunner sizes it per rank).
+
+Failure: the calls go over a control group whose timeout is long (an idle follower waits there
+between calls), the forward's collectives over the default group whose timeout is short, so rank 0
+never waits forever on a dead or stuck follower: the failed collective raises GroupBrokenError, and
+the engine ends its process (deployments.engine_group) so the router fails over as for a lost engine.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# A collective inside a forward waits at most this long for the other ranks (a forward of the
+# largest planned batch takes well under a second on this box; a GPU takes less).
+COLLECTIVE_TIMEOUT_S = 60.0
+# An idle follower waits this long for rank 0's next call (effectively forever; a dead rank 0
+# closes the connection, which ends the wait at once).
+IDLE_TIMEOUT_S = 7 * 24 * 3600.0
+# The runner calls that change KV state; everything else only reads it, so followers need only these.
+MIRRORED_CALLS = ("forward_batch", "release", "rollback")
+_STOP = "stop"
+
+
+class GroupBrokenError(RuntimeError):
+    """A collective of the tensor-parallel group failed (a rank died or stopped answering): the
+    group cannot serve anymore and must be replaced."""
+
+
+@dataclass(frozen=True)
+class TensorParallelRank:
+    """One process's place in a group: rank, group size, and where the group meets
+    (a `tcp://host:port` torch.distributed init method)."""
+
+    rank: int
+    size: int
+    init_method: str
+
+
+def backend_for(device: str) -> str:
+    """NCCL on CUDA (written with care, never run here: no GPU), gloo otherwise."""
+    return "nccl" if str(device).startswith("cuda") else "gloo"
+
+
+def join_group(member: TensorParallelRank, device: str = "cpu") -> Any:
+    """Join the group (blocks until every rank has joined); -> the control group the runner calls
+    travel over. The default process group carries the model's collectives."""
+    dist.init_process_group(backend_for(device), init_method=member.init_method, rank=member.rank,
+                            world_size=member.size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=IDLE_TIMEOUT_S))
+
+
+def check_divisible(config, size: int) -> None:
+    """ValueError unless the attention and KV heads split evenly over size ranks (the plan splits
+    heads, never a head)."""
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    if heads % size or kv_heads % size:
+        raise ValueError(f"tensor_parallel_size={size} must divide the model's {heads} attention heads and "
+                         f"{kv_heads} key/value heads")
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters this rank holds (its shards: a DTensor's local part)."""
+    total = 0
+    for param in model.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        total += local.numel() * local.element_size()
+    return total
+
+
+class MirroredRunner:
+    """Rank 0's runner: the local runner, plus each state-changing call sent to the followers
+    first. Every other attribute is the local runner's (the engine reads it as before)."""
+
+    def __init__(self, runner: Any, control_group: Any) -> None:
+        self.runner = runner
+        self.control_group = control_group
+        # Calls may come from the loop's worker thread and from the event loop (release between
+        # iterations); a call's broadcast and its local run must not interleave with another's.
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
+
+    def _mirrored(self, name: str, *args: Any) -> Any:
+        with self._lock:
+            try:
+                dist.broadcast_object_list([(name, args)], src=0, group=self.control_group)
+                return getattr(self.runner, name)(*args)
+            except _refusals():
+                raise   # the followers refused it alike: the ranks are still in step
+            except Exception as error:
+                # Whatever else failed (a collective, or anything between two of them), the
+                # followers cannot be known to be where rank 0 is: the group is done.
+                raise GroupBrokenError(f"tensor-parallel group broken in {name}: {error}") from error
+
+    def forward_batch(self, calls: Sequence[Any]) -> list[torch.Tensor]:
+        return self._mirrored("forward_batch", list(calls))
+
+    def forward(self, seq_id: str, token_ids: Sequence[int], num_rows: int = 1) -> torch.Tensor:
+        from decoding.model_runner import ForwardCall
+
+        return self.forward_batch([ForwardCall(seq_id, list(token_ids), num_rows)])[0]
+
+    def release(self, seq_id: str) -> None:
+        self._mirrored("release", seq_id)
+
+    def rollback(self, seq_id: str, length: int) -> None:
+        self._mirrored("rollback", seq_id, length)
+
+    def stop_followers(self) -> None:
+        """Let the followers' `follow` return (a clean shutdown)."""
+        with self._lock:
+            dist.broadcast_object_list([(_STOP, ())], src=0, group=self.control_group)
+
+
+def _refusals() -> tuple[type[BaseException], ...]:
+    """What a runner's own checks raise before anything changes: every rank raises it alike."""
+    from decoding.model_runner import SequenceStateError
+    from decoding.paged_cache import NoFreeBlocksError
+
+    return SequenceStateError, NoFreeBlocksError, ValueError
+
+
+def follow(runner: Any, control_group: Any) -> int:
+    """A follower's loop: run each call rank 0 sends on this rank's runner, until rank 0 stops the
+    group (-> the number of calls run) or a collective fails (GroupBrokenError). A call that rank 0's
+    own checks refuse (a bad batch, no free blocks) is refused here alike and changes no state."""
+    calls = 0
+    while True:
+        message: list[Any] = [None]
+        try:
+            dist.broadcast_object_list(message, src=0, group=control_group)
+        except RuntimeError as error:
+            raise GroupBrokenError(f"tensor-parallel group lost rank 0: {error}") from error
+        name, args = message[0]
+        if name == _STOP:
+            return calls
+        if name not in MIRRORED_CALLS:
+            raise GroupBrokenError(f"rank 0 sent an unknown call {name!r}")
+        try:
+            getattr(runner, name)(*args)
+        except _refusals():
+            pass   # rank 0 saw the same error, raised by the same checks on the same state
+        except Exception as error:
+            raise GroupBrokenError(f"tensor-parallel group lost a rank (in {name}): {error}") from error
+        calls += 1
