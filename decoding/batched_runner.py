@@ -36,7 +36,8 @@ from decoding.model_runner import (
     model_path_of,
 )
 from decoding.lean_forward import LeanDecoder, lean_support
-from decoding.tensor_parallel import weight_bytes
+from decoding.checkpoint import resolve_device
+from decoding.tensor_parallel import TensorParallelRank, in_group, join_group, weight_bytes
 from decoding.paged_attention import ATTENTION_NAME, FLASH_BLOCK_SIZE, PagedAttentionError, flash_kernel_available
 from decoding.paged_attention import register as register_paged_attention
 from decoding.paged_cache import (
@@ -454,14 +455,20 @@ def runner_for_model(model, max_sequences: int = 256, model_path: str | None = N
     return runner
 
 
-def load_runner(spec: dict) -> BatchedModelRunner:
+def load_runner(spec: dict):
     """The runner for a model spec mapping (path, dtype, device, torch_threads, max_sequences,
-    lean_forward, and optionally tensor_parallel_size (this process being one rank of a joined group),
-    max_model_len, kv_cache_memory_gb, gpu_memory_utilization,
+    lean_forward, and optionally max_model_len, kv_cache_memory_gb, gpu_memory_utilization,
     prefix_caching, cache_salt, and the builder's gpu_share and profile_batches: see
-    BatchedModelRunner._init_from_model)."""
+    BatchedModelRunner._init_from_model).
+
+    With `tensor_parallel` ({rank, size, init_method}: this process is one rank of a group) it
+    joins the group and loads this rank's shards; rank 0 gets the MirroredRunner the engine
+    drives, a follower the Follower that replays its calls (decoding.tensor_parallel)."""
+    member = spec.get("tensor_parallel")
+    group = None if member is None else TensorParallelRank(**member)
+    control = None if group is None else join_group(group, resolve_device(spec["device"]))
     model = load_causal_lm(spec["path"], dtype=spec["dtype"], device=spec["device"],
-                           num_threads=spec["torch_threads"], tensor_parallel_size=spec.get("tensor_parallel_size", 1))
+                           num_threads=spec["torch_threads"], tensor_parallel_size=group.size if group else 1)
     runner = runner_for_model(model, max_sequences=spec["max_sequences"], model_path=spec["path"],
                               lean_forward=spec.get("lean_forward", True), max_model_len=spec.get("max_model_len"),
                               kv_cache_memory_gb=spec.get("kv_cache_memory_gb"),
@@ -470,4 +477,4 @@ def load_runner(spec: dict) -> BatchedModelRunner:
                               profile_batches=[tuple(batch) for batch in spec.get("profile_batches", DEFAULT_PROFILE_BATCHES)],
                               prefix_caching=spec.get("prefix_caching", True), cache_salt=spec.get("cache_salt"))
     runner.serve_as(spec.get("vocab_size"), spec.get("eos_token_ids"))
-    return runner
+    return runner if group is None else in_group(runner, group.rank, control)

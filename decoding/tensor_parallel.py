@@ -28,7 +28,7 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +102,8 @@ class MirroredRunner:
     def __init__(self, runner: Any, control_group: Any) -> None:
         self.runner = runner
         self.control_group = control_group
+        # Called with the GroupBrokenError before it is raised (the engine ends its process).
+        self.on_broken: Callable[[GroupBrokenError], None] | None = None
         # Calls may come from the loop's worker thread and from the event loop (release between
         # iterations); a call's broadcast and its local run must not interleave with another's.
         self._lock = threading.Lock()
@@ -119,7 +121,10 @@ class MirroredRunner:
             except Exception as error:
                 # Whatever else failed (a collective, or anything between two of them), the
                 # followers cannot be known to be where rank 0 is: the group is done.
-                raise GroupBrokenError(f"tensor-parallel group broken in {name}: {error}") from error
+                broken = GroupBrokenError(f"tensor-parallel group broken in {name}: {error}")
+                if self.on_broken is not None:
+                    self.on_broken(broken)
+                raise broken from error
 
     def forward_batch(self, calls: Sequence[Any]) -> list[torch.Tensor]:
         return self._mirrored("forward_batch", list(calls))
@@ -147,6 +152,22 @@ def _refusals() -> tuple[type[BaseException], ...]:
     from decoding.paged_cache import NoFreeBlocksError
 
     return SequenceStateError, NoFreeBlocksError, ValueError
+
+
+class Follower:
+    """A follower rank's runner and the loop that keeps it in step with rank 0's."""
+
+    def __init__(self, runner: Any, control_group: Any) -> None:
+        self.runner = runner
+        self.control_group = control_group
+
+    def follow(self) -> int:
+        return follow(self.runner, self.control_group)
+
+
+def in_group(runner: Any, rank: int, control_group: Any) -> "MirroredRunner | Follower":
+    """Rank 0's runner mirrors its calls; any other rank's follows them."""
+    return MirroredRunner(runner, control_group) if rank == 0 else Follower(runner, control_group)
 
 
 def follow(runner: Any, control_group: Any) -> int:

@@ -210,3 +210,4 @@ class DraftEngine(EngineCore):
 @serve.deployment
 class DraftWorker(EngineHost):
     engine_class = DraftEngine
+    model_spec_arg = 1

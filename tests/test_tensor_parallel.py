@@ -45,27 +45,26 @@ def engine_calls(runner) -> list[torch.Tensor]:
     return rows
 
 
-def _spec(path: Path, size: int) -> dict:
+def _spec(path: Path, member: dict | None = None) -> dict:
     return {"path": str(path), "dtype": "float32", "device": "cpu", "torch_threads": 1, "max_sequences": 8,
-            "lean_forward": True, "kv_cache_memory_gb": 0.01, "tensor_parallel_size": size}
+            "lean_forward": True, "kv_cache_memory_gb": 0.01, **({"tensor_parallel": member} if member else {})}
 
 
 def _rank_main(rank: int, size: int, init_method: str, path: str, results) -> None:
-    from decoding.tensor_parallel import MirroredRunner, TensorParallelRank, follow, join_group, weight_bytes
+    from decoding.tensor_parallel import weight_bytes
 
     torch.set_num_threads(1)
-    control = join_group(TensorParallelRank(rank, size, init_method))
-    runner = load_runner(_spec(Path(path), size))
+    in_group = load_runner(_spec(Path(path), {"rank": rank, "size": size, "init_method": init_method}))
+    runner = in_group.runner
     facts = {"weight_bytes": weight_bytes(runner.model), "kv_bytes_per_token": runner.kv_capacity.bytes_per_token,
              "lean": runner.lean is not None}
     if rank == 0:
-        mirrored = MirroredRunner(runner, control)
-        rows = engine_calls(mirrored)
-        mirrored.stop_followers()
+        rows = engine_calls(in_group)
+        in_group.stop_followers()
         # numpy: a torch tensor would cross in shared memory that dies with this process
         results.put((rank, facts, [row.numpy() for row in rows]))
     else:
-        facts["calls"] = follow(runner, control)
+        facts["calls"] = in_group.follow()
         results.put((rank, facts, None))
 
 
@@ -94,7 +93,7 @@ def run_group(path: Path, size: int = 2) -> dict[int, tuple[dict, list | None]]:
 def family(request, tmp_path_factory):
     build = {"llama3": build_llama3, "qwen3": build_qwen3}[request.param]
     target = build(tmp_path_factory.mktemp(request.param)).target
-    whole = load_runner(_spec(target, 1))
+    whole = load_runner(_spec(target))
     return target, whole, engine_calls(whole), run_group(target)
 
 
