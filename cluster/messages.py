@@ -94,7 +94,8 @@ class KvUsage:
 @dataclass(frozen=True)
 class RankStats:
     """One rank of a tensor-parallel engine (docs/tensor-parallel.md): where it runs and what it
-    holds: its weight shards, its KV pool's capacity (its heads only) and its process's RSS."""
+    holds: its weight shards, its KV pool's capacity (its heads only) and its process's own
+    resident memory (RssAnon: without the mapped checkpoint's page cache)."""
 
     rank: int
     node_id: str | None
@@ -102,7 +103,7 @@ class RankStats:
     weight_bytes: int
     kv_tokens: int
     kv_bytes_per_token: int
-    rss_bytes: int
+    private_rss_bytes: int
     error: str | None = None   # the rank could not be read (dead or stuck): its group is failing
 
 

@@ -121,7 +121,7 @@ def _rank_line(rank: Mapping[str, Any]) -> str:
     mib = 2 ** 20
     gpus = ",".join(rank["gpu_ids"]) or "none"
     return (f"rank {rank['rank']}: node {str(rank['node_id'])[:8]} gpu {gpus}; weights {rank['weight_bytes'] / mib:,.1f} "
-            f"MiB, KV {rank['kv_tokens']:,} tokens, RSS {rank['rss_bytes'] / mib:,.0f} MiB")
+            f"MiB, KV {rank['kv_tokens']:,} tokens, own RSS {rank['private_rss_bytes'] / mib:,.0f} MiB")
 
 
 def read_engine_stats(timeout_s: float = STATS_TIMEOUT_S) -> list[EngineStats | UnreachableEngine]:

@@ -40,15 +40,20 @@ def rank_spec(model_spec: dict, rank: int, size: int, init_method: str) -> dict:
     return {**model_spec, "tensor_parallel": {"rank": rank, "size": size, "init_method": init_method}}
 
 
-def rss_bytes() -> int:
-    """This process's resident set size (Linux's /proc; elsewhere its peak)."""
+def private_rss_bytes() -> int:
+    """This process's own resident memory (Linux's RssAnon: its heap, weights and KV), without the
+    pages of files it maps (a safetensors checkpoint read through mmap: page cache, shared by the
+    ranks and given back under pressure). Elsewhere, the peak resident size."""
     try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
     except OSError:
-        import resource
+        pass
+    import resource
 
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def rank_stats(runner: Any, rank: int, error: str | None = None) -> RankStats:
@@ -58,7 +63,7 @@ def rank_stats(runner: Any, rank: int, error: str | None = None) -> RankStats:
     gpu_ids = tuple(str(gpu) for gpu in ray.get_gpu_ids()) if ray.is_initialized() else ()
     node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
     return RankStats(rank, node_id, gpu_ids, weight_bytes(runner.model), runner.kv_capacity.tokens,
-                     runner.kv_capacity.bytes_per_token, rss_bytes(), error)
+                     runner.kv_capacity.bytes_per_token, private_rss_bytes(), error)
 
 
 def end_process(error: GroupBrokenError) -> None:

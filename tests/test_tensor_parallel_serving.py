@@ -2,13 +2,15 @@
 tensor_parallel_size 2 and two target groups (four rank actors joined by gloo), over real HTTP
 with the official `openai` client. Greedy output equals HF generate on the whole target;
 concurrent requests share forwards; `specserve status` shows each group and its ranks (each
-holding about half the weights); a killed follower rank takes its group down and the request
+holding about half the weights); sampled text follows the whole target's exact distribution; a
+killed follower rank takes its group down and the request
 completes on the other group, its text unchanged."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 
 import openai
 import pytest
@@ -19,7 +21,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from cluster.status import read_engine_stats, summarize
 from deployments.naming import ENGINE_NAMESPACE, RANK_NAME_PREFIX
 from tests.local_server import serve_tiny_pair
+from decoding.sampling import SamplingParams
 from tests.test_serving import stream_killing_midway
+from tests.test_serving_statistics import (NUM_REQUESTS, P_VALUE_FLOOR, PROMPT, TV_BOUND, chi_square_p_value,
+                                           sample_texts, text_distribution, total_variation)
 
 pytestmark = pytest.mark.ray
 MODEL = "tiny-pair-tp"
@@ -84,9 +89,26 @@ def test_concurrent_requests_share_forwards_and_status_shows_each_group(server, 
         assert [rank["rank"] for rank in ranks] == [0, 1]
         assert len({rank["node_id"] for rank in ranks}) == 1   # STRICT_PACK: one node
         for rank in ranks:
-            assert rank["error"] is None and rank["kv_tokens"] > 0 and rank["rss_bytes"] > 0
+            assert rank["error"] is None and rank["kv_tokens"] > 0 and rank["private_rss_bytes"] > 0
             assert 0.4 * whole < rank["weight_bytes"] < 0.6 * whole
     assert summary["pools"]["draft"]["engines"][0]["ranks"] == []   # the draft is one process
+
+
+def test_sampled_text_follows_the_targets_distribution(server):
+    """tests/test_serving_statistics.py's test at one case: 200 seeded 2-token completions against
+    the whole target's exact text distribution (chi-square not rejecting at 1e-3, TV < 0.2), and
+    the target at half the temperature rejected by the same test."""
+    sampling = {"temperature": 1.5, "top_k": 8}
+    params = SamplingParams(max_tokens=2, **sampling)
+    observed = Counter(sample_texts(server[0], sampling, range(NUM_REQUESTS), model=MODEL))
+    path = server[1].target.path
+    target = (AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32).eval(),
+              AutoTokenizer.from_pretrained(path))
+    expected = text_distribution(*target, PROMPT, params)
+    assert chi_square_p_value(observed, expected) > P_VALUE_FLOOR, (observed.most_common(8), expected)
+    assert total_variation(observed, expected) < TV_BOUND
+    colder = params.model_copy(update={"temperature": sampling["temperature"] / 2})
+    assert chi_square_p_value(observed, text_distribution(*target, PROMPT, colder)) < P_VALUE_FLOOR
 
 
 def _engine_holding_a_sequence() -> str:
