@@ -44,7 +44,8 @@ class ModelSpec(_Strict):
     max_sequences: int = Field(256, ge=1, description="KV caches a worker holds at once")
     lean_forward: bool = Field(True, description="run decoding.lean_forward for Llama-shaped models "
                                                  "(false: transformers' own forward)")
-    kv_cache_memory_gb: float = Field(4.0, gt=0, description="KV cache budget (GiB) per engine replica on CPU; "
+    kv_cache_memory_gb: float = Field(4.0, gt=0, description="KV cache budget (GiB) per engine replica on CPU "
+                                      "(per rank of a tensor-parallel engine, whose pool holds its heads only); "
                                       "the pool grows with use up to it (docs/kv-memory.md)")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="on CUDA: share of the engine's part "
                                           "of the device (num_gpus) that weights, activations and KV may use; "

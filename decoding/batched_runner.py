@@ -22,7 +22,7 @@ import inspect
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -37,7 +37,7 @@ from decoding.model_runner import (
 )
 from decoding.lean_forward import LeanDecoder, lean_support
 from decoding.checkpoint import resolve_device
-from decoding.tensor_parallel import TensorParallelRank, in_group, join_group, weight_bytes
+from decoding.tensor_parallel import TensorParallelRank, agreed_minimum, in_group, join_group, weight_bytes
 from decoding.paged_attention import ATTENTION_NAME, FLASH_BLOCK_SIZE, PagedAttentionError, flash_kernel_available
 from decoding.paged_attention import register as register_paged_attention
 from decoding.paged_cache import (
@@ -140,6 +140,8 @@ class BatchedModelRunner(RunnerBase):
             budget = (kv_cache_memory_gb or DEFAULT_KV_CACHE_MEMORY_GB) * GIB
         self.kv_capacity: KVCapacity = kv_capacity(self.config, self._dtype, budget, self.max_context, block_size,
                                                    self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1:   # every rank's pool must hold the same blocks
+            self.kv_capacity = replace(self.kv_capacity, num_blocks=agreed_minimum(self.kv_capacity.num_blocks))
         self.cache = PagedKVCache(num_layers=self.config.num_hidden_layers, num_blocks=self.kv_capacity.num_blocks,
                                   block_size=block_size, device=self.device, flash=flash)
         self._sequences: dict[str, _PagedSequence] = {}

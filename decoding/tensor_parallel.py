@@ -95,6 +95,15 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def agreed_minimum(value: int) -> int:
+    """The smallest of every rank's value (each rank calls it at the same point of its load).
+    Used for the KV pool's block count: a GPU rank sizes its budget from its own device, and a
+    follower with fewer blocks than rank 0 would refuse a call rank 0 runs."""
+    agreed = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    return int(agreed.item())
+
+
 class MirroredRunner:
     """Rank 0's runner: the local runner, plus each state-changing call sent to the followers
     first. Every other attribute is the local runner's (the engine reads it as before)."""
