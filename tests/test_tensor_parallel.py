@@ -5,6 +5,7 @@ logits must equal one unsharded runner's, greedy must equal HF generate, and eac
 about half the weights."""
 
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -50,11 +51,14 @@ def _spec(path: Path, member: dict | None = None) -> dict:
             "lean_forward": True, "kv_cache_memory_gb": 0.01, **({"tensor_parallel": member} if member else {})}
 
 
-def _rank_main(rank: int, size: int, init_method: str, path: str, results) -> None:
+def _rank_main(rank: int, size: int, init_method: str, path: str, results, scenario: str = "calls") -> None:
     from decoding.tensor_parallel import weight_bytes
 
     torch.set_num_threads(1)
     in_group = load_runner(_spec(Path(path), {"rank": rank, "size": size, "init_method": init_method}))
+    if scenario == "follower_dies":
+        _follower_dies(rank, in_group, results)
+        return
     runner = in_group.runner
     facts = {"weight_bytes": weight_bytes(runner.model), "kv_bytes_per_token": runner.kv_capacity.bytes_per_token,
              "lean": runner.lean is not None}
@@ -68,20 +72,43 @@ def _rank_main(rank: int, size: int, init_method: str, path: str, results) -> No
         results.put((rank, facts, None))
 
 
-def run_group(path: Path, size: int = 2) -> dict[int, tuple[dict, list | None]]:
-    """Run engine_calls on a TP group of size processes; -> rank: (facts, rows of rank 0)."""
+def _follower_dies(rank: int, in_group, results) -> None:
+    """Rank 1 ends its process once loaded; rank 0 then calls: it must fail, not wait."""
+    import os
+
+    from decoding.tensor_parallel import GroupBrokenError
+
+    if rank == 1:
+        os._exit(0)
+    broken = []
+    in_group.on_broken = broken.append
+    started = time.monotonic()
+    outcome = "no error"
+    for _ in range(3):   # the first send may still be buffered by the closing socket
+        try:
+            engine_calls(in_group)
+        except GroupBrokenError:
+            outcome = "GroupBrokenError"
+            break
+    results.put((rank, {"outcome": outcome, "hook_called": len(broken) == 1,
+                        "seconds": time.monotonic() - started}, None))
+
+
+def run_group(path: Path, size: int = 2, scenario: str = "calls") -> dict[int, tuple[dict, list | None]]:
+    """Run a scenario on a TP group of size processes: engine_calls by default; -> rank: (facts,
+    rows of rank 0), for the ranks that report."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     context = mp.get_context("spawn")
     results = context.Queue()
-    processes = [context.Process(target=_rank_main, args=(rank, size, f"tcp://127.0.0.1:{port}", str(path), results))
-                 for rank in range(size)]
+    processes = [context.Process(target=_rank_main, args=(rank, size, f"tcp://127.0.0.1:{port}", str(path), results,
+                                                          scenario)) for rank in range(size)]
     for process in processes:
         process.start()
     gathered = {}
-    for _ in range(size):
-        rank, facts, rows = results.get(timeout=180)
+    for _ in range(size if scenario == "calls" else 1):
+        rank, facts, rows = results.get(timeout=600)   # generous: a loaded 2-core box imports slowly
         gathered[rank] = (facts, rows and [torch.from_numpy(row) for row in rows])
     for process in processes:
         process.join(timeout=60)
@@ -135,3 +162,15 @@ def test_each_rank_holds_half_the_weights_and_half_the_kv(family):
         assert facts["kv_bytes_per_token"] * 2 == whole.kv_capacity.bytes_per_token
         assert not facts["lean"]   # the sharded model runs its own forward (the plan's collectives)
     assert group[1][0]["calls"] == 7 + GREEDY_TOKENS   # every state-changing call, mirrored
+
+
+def test_a_dead_follower_breaks_the_group_at_rank_0s_next_call_without_waiting(family):
+    """Rank 0 must not hang in a collective when a rank dies: the broken connection ends the call
+    with GroupBrokenError (and the engine's hook: deployments.engine_group.end_process) within
+    seconds, well inside the collective timeout."""
+    from decoding.tensor_parallel import COLLECTIVE_TIMEOUT_S
+
+    target, _, _, _ = family
+    facts = run_group(target, scenario="follower_dies")[0][0]
+    assert facts["outcome"] == "GroupBrokenError" and facts["hook_called"]
+    assert facts["seconds"] < COLLECTIVE_TIMEOUT_S / 2
