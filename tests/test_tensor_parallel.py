@@ -116,10 +116,15 @@ def run_group(path: Path, size: int = 2, scenario: str = "calls") -> dict[int, t
     return gathered
 
 
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory) -> dict[str, Path]:
+    return {name: build(tmp_path_factory.mktemp(name)).target
+            for name, build in (("llama3", build_llama3), ("qwen3", build_qwen3))}
+
+
 @pytest.fixture(scope="module", params=["llama3", "qwen3"])
-def family(request, tmp_path_factory):
-    build = {"llama3": build_llama3, "qwen3": build_qwen3}[request.param]
-    target = build(tmp_path_factory.mktemp(request.param)).target
+def family(request, targets):
+    target = targets[request.param]
     whole = load_runner(_spec(target))
     return target, whole, engine_calls(whole), run_group(target)
 
@@ -164,13 +169,12 @@ def test_each_rank_holds_half_the_weights_and_half_the_kv(family):
     assert group[1][0]["calls"] == 7 + GREEDY_TOKENS   # every state-changing call, mirrored
 
 
-def test_a_dead_follower_breaks_the_group_at_rank_0s_next_call_without_waiting(family):
+def test_a_dead_follower_breaks_the_group_at_rank_0s_next_call_without_waiting(targets):
     """Rank 0 must not hang in a collective when a rank dies: the broken connection ends the call
     with GroupBrokenError (and the engine's hook: deployments.engine_group.end_process) within
     seconds, well inside the collective timeout."""
     from decoding.tensor_parallel import COLLECTIVE_TIMEOUT_S
 
-    target, _, _, _ = family
-    facts = run_group(target, scenario="follower_dies")[0][0]
+    facts = run_group(targets["llama3"], scenario="follower_dies")[0][0]
     assert facts["outcome"] == "GroupBrokenError" and facts["hook_called"]
     assert facts["seconds"] < COLLECTIVE_TIMEOUT_S / 2
