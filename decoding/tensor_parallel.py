@@ -68,12 +68,20 @@ def backend_for(device: str) -> str:
     return "nccl" if str(device).startswith("cuda") else "gloo"
 
 
+# This process's control group, once joined: torch.distributed's groups are process-wide, and a
+# process is one rank of one group at most.
+_control_group: list[Any] = []
+
+
 def join_group(member: TensorParallelRank, device: str = "cpu") -> Any:
-    """Join the group (blocks until every rank has joined); -> the control group the runner calls
-    travel over. The default process group carries the model's collectives."""
+    """Join the group (blocks until every rank has joined); -> the control group (gloo, on CPU
+    whatever the device) the runner calls and load-time agreements travel over. The default
+    process group carries the model's collectives (NCCL on CUDA)."""
     dist.init_process_group(backend_for(device), init_method=member.init_method, rank=member.rank,
                             world_size=member.size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=IDLE_TIMEOUT_S))
+    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=IDLE_TIMEOUT_S))
+    _control_group[:] = [control]
+    return control
 
 
 def check_divisible(config, size: int) -> None:
@@ -100,7 +108,7 @@ def agreed_minimum(value: int) -> int:
     Used for the KV pool's block count: a GPU rank sizes its budget from its own device, and a
     follower with fewer blocks than rank 0 would refuse a call rank 0 runs."""
     agreed = torch.tensor([value], dtype=torch.long)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=_control_group[0])
     return int(agreed.item())
 
 
