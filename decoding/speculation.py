@@ -149,33 +149,6 @@ def greedy_emitted(draft_token_ids: Sequence[int], target_token_ids: Sequence[in
     return [int(token) for token in target_token_ids[: num_accepted + 1]]
 
 
-def drafted_ahead(history: Sequence[int], ahead_of: Sequence[int], ahead: Proposal,
-                  num_tokens: int) -> Proposal | None:
-    """The next round's proposal out of a block drafted *while the target verified* (pipelining).
-
-    `ahead` continued `ahead_of` (the previous history plus its whole proposal): its first token
-    guesses the target's bonus token, the rest draft past it. It is usable only when the target
-    accepted every draft token and its bonus equals that guess, i.e. the history is now exactly
-    ahead_of + [guess]; then the rest, cut to num_tokens, is a draft block sampled from q given
-    the true history, as good as one drafted now, so verification stays lossless. None otherwise.
-    """
-    if (len(ahead.token_ids) < 2 or len(history) != len(ahead_of) + 1
-            or history[-1] != ahead.token_ids[0] or list(history[:-1]) != list(ahead_of)):
-        return None
-    count = min(num_tokens, len(ahead.token_ids) - 1)
-    if count <= 0:
-        return None
-    support = None if ahead.support is None else ahead.support.rows(1, 1 + count)
-    return Proposal(token_ids=list(ahead.token_ids[1 : 1 + count]), support=support,
-                    draft_version=ahead.draft_version)
-
-
-def discarded_ahead(ahead: Proposal, used: Proposal | None) -> int:
-    """Draft tokens of a block drafted ahead that are thrown away unverified: past the part used
-    (its first token, the bonus guess, came true and is not drafted work), or all of it if unused."""
-    return len(ahead.token_ids) if used is None else len(ahead.token_ids) - 1 - len(used.token_ids)
-
-
 def token_logprobs(token_ids: Sequence[int], logprob_rows: torch.Tensor | np.ndarray,
                    num_alternatives: int) -> list[dict]:
     """Per committed token: its log-probability under the target's raw distribution and the

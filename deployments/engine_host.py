@@ -93,6 +93,7 @@ class EngineCore:
     `shape(call)` (what the call asks of the runner) and `run(calls, schedule)`."""
 
     pool: str
+    speculative_s = 0.0   # seconds of forwards that only did optional work (the draft's pre-drafts)
 
     def __init__(self, runner: Any, engine_options: dict, name: str = "") -> None:
         """runner: a decoding runner, or None for a model-free proposer."""
@@ -202,7 +203,7 @@ class EngineCore:
         return EngineStats(self.pool, self.name, sequences=held,
                            free_slots=self.scheduler.free_slots, queue_depth=self.loop.queue_depth,
                            forwards=loop.iterations, batch_rows_total=loop.rows_total, busy_s=loop.busy_s,
-                           idle_s=loop.idle_s, gpu_ids=self.gpu_ids, node_id=self.node_id,
+                           idle_s=loop.idle_s, speculative_s=self.speculative_s, gpu_ids=self.gpu_ids, node_id=self.node_id,
                            cost_samples=tuple(self.reporter.recent), kv=self._kv_usage())
 
     def _kv_usage(self) -> KvUsage | None:

@@ -79,12 +79,12 @@ class RequestEngines:
     def lose_draft(self) -> None:
         self.draft = None
 
-    def propose(self, state: RequestState, tail: list[int], num_tokens: int):
+    def propose(self, state: RequestState, num_tokens: int, fan_out: tuple[int, ...] = ()):
         """ObjectRef of the draft engine's (proposal, span) for num_tokens continuing the committed
-        history + tail (uncommitted tokens: the block being verified, when drafting ahead), or of
-        its UnknownHistory (`draft_reply`)."""
-        return self.draft.propose.remote(state.request_id, self.draft_history.update(state), tail, num_tokens,
-                                         state.params, draft_seed(state.params.seed), len(state.prompt_ids))
+        history, or of its UnknownHistory (`draft_reply`); fan_out: the blocks it then pre-drafts
+        per outcome of verifying this one (DraftEngine.propose)."""
+        return self.draft.propose.remote(state.request_id, self.draft_history.update(state), num_tokens,
+                                         state.params, draft_seed(state.params.seed), len(state.prompt_ids), fan_out)
 
     def draft_reply(self, reply: Any) -> tuple[Proposal, Any] | None:
         """A propose's answer, or None when the draft engine did not hold the history: the next

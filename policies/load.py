@@ -62,9 +62,13 @@ class _RouterSeen:
 
 
 def _busy_share(previous: EngineStats | None, current: EngineStats) -> float:
-    busy, idle = current.busy_s, current.idle_s
+    """Share of wall time in forwards the rounds wait on: a draft engine's pre-drafts (optional
+    work, dropped first under load) count as idle, so they neither scale the pool nor throttle
+    themselves."""
+    busy, idle = current.busy_s - current.speculative_s, current.idle_s + current.speculative_s
     if previous is not None:
-        d_busy, d_idle = busy - previous.busy_s, idle - previous.idle_s
+        d_busy = busy - (previous.busy_s - previous.speculative_s)
+        d_idle = idle - (previous.idle_s + previous.speculative_s)
         if d_busy >= 0 and d_idle >= 0 and d_busy + d_idle > 0:  # same engine, counters moved
             return d_busy / (d_busy + d_idle)
     return busy / (busy + idle) if busy + idle > 0 else 0.0

@@ -154,9 +154,11 @@ def test_greedy_completion_equals_target_only_greedy(client, reference, prompt):
     speculation = response.model_extra["speculation"]
     assert speculation["num_drafted"] > 0
     assert 0.0 <= speculation["acceptance_rate"] <= 1.0
-    # This pair agrees with its target on these prompts, so blocks drafted during verification
-    # (pipelining, on by default) get used; the first round never has one.
-    assert 0 < speculation["pipelined_rounds"] < speculation["rounds"]
+    # This pair agrees with its target on these prompts, so blocks pre-drafted during verification
+    # (the speculation cache, on by default) get used; the first round never has one.
+    assert 0 < speculation["pipelined_rounds"] < speculation["rounds"], speculation
+    assert speculation["pipelined_rounds"] + speculation["speculation_cache_misses"] == speculation["rounds"] - 1, \
+        speculation
     _assert_no_leftovers()
 
 
