@@ -100,10 +100,10 @@ def round_bytes(context_len: int, vocab_size: int, params: SamplingParams) -> di
     engines.draft, engines.target = RecordingHandle(), RecordingHandle()
     # The round before: it left the engines holding all but the K + 1 tokens it committed.
     state.output_ids = history[prompt_len:-(NUM_DRAFT_TOKENS + 1)]
-    engines.send_verify(state, None, engines.propose(state, [], NUM_DRAFT_TOKENS))
+    engines.send_verify(state, None, engines.propose(state, NUM_DRAFT_TOKENS))
     state.output_ids = history[prompt_len:]
     proposal_answer = draft_reply(torch.randn(NUM_DRAFT_TOKENS, vocab_size), params)
-    answer = engines.propose(state, [], NUM_DRAFT_TOKENS)
+    answer = engines.propose(state, NUM_DRAFT_TOKENS)
     engines.send_verify(state, None, answer)
     verify_answer = target_reply(torch.randn(NUM_DRAFT_TOKENS + 1, vocab_size), params, proposal_answer[0])
     proposal_bytes = pickled_size(proposal_answer)

@@ -82,7 +82,7 @@ def outside_overheads(logs: dict[str, list], sequences: set[str]) -> list[float]
 
 
 STAGE_ORDER = ["wall", "policy", "draft_hop_out", "draft_loop_wait", "draft_compute", "draft_hop_back",
-               "ahead_wait", "router_propose", "launch", "target_hop_out", "target_loop_wait", "target_compute",
+               "router_propose", "launch", "target_hop_out", "target_loop_wait", "target_compute",
                "target_hop_back", "accept", "record", "chunk"]
 
 

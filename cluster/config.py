@@ -19,6 +19,8 @@ from deployments.naming import draft_trainer_name
 from policies.decision import policy_actor_name
 from cluster.messages import MAX_DRAFT_TOKENS
 
+MAX_FAN_OUT = 16  # pre-drafted blocks per request per round: past this the pre-drafts crowd out the rounds
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODELS_DIR = PROJECT_ROOT / "models" / "default"
 ENV_PREFIX = "SPECSERVE__"
@@ -126,7 +128,10 @@ class SpeculationSpec(_Strict):
     max_draft_tokens: int = Field(8, ge=0, le=MAX_DRAFT_TOKENS)
     adaptive: bool = True
     draft_cost_ratio: float = Field(0.15, gt=0, le=1, description="draft step / target pass latency until measured")
-    pipeline: bool = Field(True, description="draft the next block while the target verifies (lone greedy requests)")
+    fan_out: int = Field(3, ge=0, le=MAX_FAN_OUT, description="blocks the draft engine pre-drafts per request "
+                         "while the target verifies a round, for the verification's likely outcomes (the speculation "
+                         "cache, docs/speculation-cache.md); the policy actor lowers it as the draft pool fills. "
+                         "0: plain rounds")
     draft_top_k: int = Field(64, ge=1, description="a sampled draft token is drawn from at most this many of its "
                              "row's most likely tokens (fewer where the request's top-k / top-p cut it shorter); "
                              "that q goes to the target as (ids, probs), so a round moves O(K) numbers, not [K, V] "

@@ -123,6 +123,7 @@ class EngineStats:
     busy_s: float
     idle_s: float
     gpu_ids: tuple[str, ...] = ()
+    speculative_s: float = 0.0  # of busy_s: forwards of optional work only (the draft's pre-drafts)
     node_id: str | None = None
     cost_samples: tuple[CostSample, ...] = ()
     kv: KvUsage | None = None  # None: the runner keeps no block pool
@@ -174,6 +175,7 @@ class PolicyDecision:
     version: int
     reasons: list[str] = field(default_factory=list)
     goodput_tokens_per_s: float | None = None   # the model's estimate for the chosen depths
+    fan_out: int | None = None   # pre-drafted blocks per request per round (policies.fan_out); None: no opinion
 
     def replicas(self, pool: str) -> int | None:
         return self.target_replicas if pool == "target" else self.draft_replicas
@@ -182,8 +184,8 @@ class PolicyDecision:
         return asdict(self)
 
     def same_choice(self, other: "PolicyDecision") -> bool:
-        return (self.num_draft_tokens, self.target_replicas, self.draft_replicas) == \
-            (other.num_draft_tokens, other.target_replicas, other.draft_replicas)
+        return (self.num_draft_tokens, self.target_replicas, self.draft_replicas, self.fan_out) == \
+            (other.num_draft_tokens, other.target_replicas, other.draft_replicas, other.fan_out)
 
 
 @dataclass

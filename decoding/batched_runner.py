@@ -378,6 +378,28 @@ class BatchedModelRunner(RunnerBase):
         if entry is not None:
             self.cache.free(entry.blocks[::-1])
 
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """child_id starts holding what parent_id holds, sharing its blocks (the speculation
+        cache's branches, decoding.speculation_cache): its first call crops to the history it
+        shares, and a write into a shared block copies it first (`_make_last_block_writable`), so
+        neither sequence ever sees the other's tokens. Nothing happens if parent_id holds nothing."""
+        parent = self._sequences.get(parent_id)
+        if parent is None or child_id == parent_id:
+            return
+        self.release(child_id)
+        for block in parent.blocks:
+            self.cache.share(block)
+        self._sequences[child_id] = _PagedSequence(list(parent.blocks), list(parent.token_ids), list(parent.hashes))
+
+    def adopt(self, seq_id: str, branch_id: str) -> None:
+        """seq_id takes over branch_id's KV (the branch whose block was used), letting go of its
+        own; branch_id is forgotten. If branch_id holds nothing, seq_id keeps what it holds."""
+        branch = self._sequences.pop(branch_id, None)
+        if branch is None:
+            return
+        self.release(seq_id)
+        self._sequences[seq_id] = branch
+
     def cached_prefix_length(self, seq_id: str, token_ids: Sequence[int], num_rows: int = 1) -> int:
         """Tokens of token_ids a call would not compute now: what seq_id holds of them, extended
         by the prefix cache (what the scheduler plans a new sequence's prefill from)."""

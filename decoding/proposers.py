@@ -22,6 +22,15 @@ class Proposal:
     # the wire); None: greedy or deterministic (q one-hot at the token).
     support: DraftSupport | None
     draft_version: int = 0            # the draft weights that drafted it (0: those the server started with)
+    # The draft's most likely tokens at each drafted position, best first (asked for with
+    # ProposeCall.num_candidates): where the speculation cache looks for the target's token. The
+    # draft engine keeps them; they never leave it.
+    candidates: list[list[int]] | None = None
+    # Set by the draft engine: the block was pre-drafted during the last verify (a speculation
+    # cache hit, decoding.speculation_cache), and the pre-drafted tokens thrown away when this
+    # round's outcome was known.
+    cached: bool = False
+    predrafted_thrown_away: int = 0
 
 
 @dataclass
@@ -34,6 +43,7 @@ class ProposeCall:
     params: SamplingParams
     generator: torch.Generator | None = None
     prompt_len: int | None = None  # tokens of history that are prompt (penalties count the rest as output)
+    num_candidates: int = 0        # also return the draft's top tokens at each position (Proposal.candidates)
 
 
 def empty_proposal() -> Proposal:
@@ -96,6 +106,7 @@ class DraftModelProposer:
                    for call in calls]
         histories = [list(call.history) for call in calls]
         drafted: list[list[int]] = [[] for _ in calls]
+        ranked: list[list[list[int]]] = [[] for _ in calls]
         q_rows: list[list[DraftSupport]] = [[] for _ in calls]
         processors: list[HistoryProcessor | None] = [None] * len(calls)
         matchers = [self._grammar(call) if budget > 0 else None for call, budget in zip(calls, budgets)]
@@ -117,14 +128,17 @@ class DraftModelProposer:
                         except GrammarDeadEndError:  # the target will say so; the draft just stops
                             budgets[i] = len(drafted[i])
                             continue
+                if call.num_candidates:
+                    ranked[i].append(torch.topk(row, min(call.num_candidates, row.shape[-1])).indices.tolist())
                 token = self._draw(row, call, q_rows[i])
                 if processors[i] is not None:
                     processors[i].advance([token])
                 drafted[i].append(token)
                 histories[i].append(token)
             drafting = [i for i in drafting if len(drafted[i]) < budgets[i]]
-        return [Proposal(token_ids=tokens, support=None if call.params.is_greedy else DraftSupport.stack(rows))
-                if tokens else empty_proposal() for call, tokens, rows in zip(calls, drafted, q_rows)]
+        return [Proposal(token_ids=tokens, support=None if call.params.is_greedy else DraftSupport.stack(rows),
+                         candidates=top or None)
+                if tokens else empty_proposal() for call, tokens, rows, top in zip(calls, drafted, q_rows, ranked)]
 
     def _grammar(self, call: ProposeCall):
         """The call's grammar matcher synced to its history, None (no grammar, or drafting

@@ -32,8 +32,9 @@ class SpecStats:
     num_accepted: int = 0      # draft tokens the target accepted
     num_emitted: int = 0       # tokens committed to the output
     target_passes: int = 0     # target forwards, the prefill pass included
-    pipelined_rounds: int = 0  # rounds whose block was drafted during the previous verification
-    num_discarded_ahead: int = 0  # draft tokens drafted ahead (pipelining) and thrown away unverified
+    pipelined_rounds: int = 0  # rounds whose block was ready when the verify answered (speculation cache hits)
+    speculation_cache_misses: int = 0  # rounds drafted just in time although the last verify pre-drafted
+    num_discarded_ahead: int = 0  # pre-drafted draft tokens thrown away unverified (decoding.speculation_cache)
     draft_failures: int = 0    # draft engines lost mid-request (it then went on target-only)
     target_failovers: int = 0  # target engines lost mid-request (it re-prefilled on another)
     draft_version: int = 0     # the draft weights of the last verified block (docs/online-learning.md)

@@ -1,6 +1,12 @@
 """Draft worker: proposes K tokens (and, when sampling, the q each was drawn from as (ids, probs))
 per round, for every request drafting now in K batched decode steps.
 
+While the target verifies a block, the engine pre-drafts the next block for the verification's
+likely outcomes into its speculation cache (speculative speculative decoding,
+decoding/speculation_cache.py, docs/speculation-cache.md): the next propose is answered at once
+when its history is one of them. Disaggregation's edge: the draft has its own device, idle during
+the verify otherwise.
+
 Its weights can change while it serves (`load_draft`, docs/online-learning.md): a new version is
 loaded beside the serving one and takes over between two forwards, every sequence's draft KV
 dropped (the engine keeps each request's committed history, so the next propose re-prefills from it). Each Proposal names the
@@ -26,7 +32,8 @@ from cluster.messages import CallSpan, HistoryUpdate, UnknownHistory
 from decoding.batched_runner import ForwardCall, load_runner
 from decoding.grammar import GrammarMatchers
 from decoding.proposers import DraftModelProposer, NgramProposer, Proposal, ProposeCall, empty_proposal
-from decoding.sampling import SamplingParams, make_generator
+from decoding.sampling import MAX_SEED, SamplingParams, make_generator
+from decoding.speculation_cache import Predraft, block_of, continues, may_continue, predrafts, tokens_thrown_away
 from decoding.scheduler import CallShape, Schedule
 from deployments.engine_host import EngineCore, EngineHost, StepOutput, timed_forward
 from deployments.metrics import DraftVersionMetrics
@@ -45,6 +52,23 @@ class DraftCall:
     params: SamplingParams | None = None
     seed: int | None = None
     prompt_len: int | None = None    # history's prompt tokens (penalties count the rest as output)
+    num_candidates: int = 0          # also rank the draft's top tokens per position (Proposal.candidates)
+    fork_of: str | None = None       # a pre-draft: its sequence starts from this one's KV (shared blocks)
+
+
+@dataclass
+class _Branch:
+    """A block being pre-drafted for one verification outcome (decoding.speculation_cache)."""
+
+    seq_id: str                      # its own sequence in this engine
+    predraft: Predraft
+    answer: asyncio.Future           # -> (Proposal, CallSpan)
+
+    def drafted(self) -> Proposal | None:
+        """Its block if it finished drafting one, else None."""
+        if not self.answer.done() or self.answer.cancelled() or self.answer.exception() is not None:
+            return None
+        return self.answer.result()[0]   # None: dropped for want of a sequence slot
 
 
 class DraftEngine(EngineCore):
@@ -71,6 +95,9 @@ class DraftEngine(EngineCore):
         self._swap_lock = threading.Lock()
         self.trainer_name = engine_options.get("draft_trainer")
         self._registered_at = 0.0
+        self.speculation: dict[str, list[_Branch]] = {}   # per request: its pre-drafts for the verify running now
+        self._branch_count = 0
+        self.speculative_s = 0.0
         super().__init__(runner, engine_options, name)
         self.version_metrics = DraftVersionMetrics(name.rsplit(":", 1)[-1] if name else "local")
         self.version_metrics.set_version(0)
@@ -96,9 +123,41 @@ class DraftEngine(EngineCore):
         return {"draft_version": self.draft_version, "draft_path": self.draft_path}
 
     def step(self, calls: list[DraftCall]) -> dict[int, Any]:
-        """An iteration, on the loaded version if one waits: it takes over here, between forwards."""
+        """An iteration, on the loaded version if one waits: it takes over here, between forwards.
+        A pre-draft's sequence is forked from its request's here, in the worker thread. An
+        iteration of pre-drafts only is speculative work: its seconds are counted apart
+        (EngineStats.speculative_s), so the policy sees what the rounds wait on."""
         self._apply_pending_swap()
-        return super().step(calls)
+        started = time.perf_counter()
+        dropped = self._fork_predrafts(calls)
+        if dropped:
+            kept = [index for index in range(len(calls)) if index not in dropped]
+            results = {kept[index]: result for index, result in super().step([calls[i] for i in kept]).items()}
+            results.update(dropped)
+        else:
+            results = super().step(calls)
+        if calls and all(call.fork_of is not None for call in calls):
+            self.speculative_s += time.perf_counter() - started
+        return results
+
+    def _fork_predrafts(self, calls: list[DraftCall]) -> dict[int, None]:
+        """Fork each new pre-draft's sequence from its request's while a sequence slot is free
+        beyond those this iteration's new requests need; the rest are answered None (no block:
+        the round drafts just in time). Pre-drafts are optional: they never take a request's slot."""
+        dropped: dict[int, None] = {}
+        if self.runner is None:
+            return dropped
+        free = self.runner.num_free_slots - sum(
+            1 for call in calls if call.fork_of is None and not self.runner.num_cached(call.seq_id))
+        for index, call in enumerate(calls):
+            if call.fork_of is None or self.runner.num_cached(call.seq_id):
+                continue
+            if free <= 0:
+                dropped[index] = None
+                continue
+            self.runner.fork(call.fork_of, call.seq_id)
+            free -= 1
+        return dropped
 
     def _apply_pending_swap(self) -> None:
         """The loaded version replaces the serving one; all draft KV goes with the old runner."""
@@ -132,24 +191,101 @@ class DraftEngine(EngineCore):
         await self.submit(DraftCall(seq_id, committed, 0))
         return None
 
-    async def propose(self, seq_id: str, history: HistoryUpdate, tail: Sequence[int], num_tokens: int,
-                      params: SamplingParams, seed: int | None, prompt_len: int | None = None
+    async def propose(self, seq_id: str, history: HistoryUpdate, num_tokens: int, params: SamplingParams,
+                      seed: int | None, prompt_len: int | None = None, fan_out: Sequence[int] = ()
                       ) -> tuple[Proposal, CallSpan] | UnknownHistory:
         """Up to num_tokens draft tokens continuing the committed history (its update since this
-        engine's last call for seq_id, deployments.committed_history) followed by tail (tokens
-        not committed: a block being verified, when drafting ahead), its first prompt_len tokens
+        engine's last call for seq_id, deployments.committed_history), its first prompt_len tokens
         the prompt; and the span it spent in this engine. UnknownHistory when this engine does not
-        hold the history the update continues: the caller sends all of it again."""
+        hold the history the update continues: the caller sends all of it again.
+
+        This is the one place a round's block is found in the speculation cache or drafted: the
+        block pre-drafted for the history the round now has is answered at once (a hit,
+        Proposal.cached), else one is drafted just in time; the other pre-drafts are dropped.
+        fan_out[a]: blocks to pre-draft, once this one is answered, for the outcomes that keep a
+        of its tokens (policies.fan_out; empty: none)."""
         committed = self.committed(seq_id, history)
         if isinstance(committed, UnknownHistory):
+            self._drop_predrafts(seq_id)
             return committed
-        proposal, span = await self.submit(DraftCall(seq_id, committed + list(tail), num_tokens, params, seed,
-                                                     prompt_len))
+        entered_s = time.perf_counter()
+        num_candidates = sum(fan_out) + 1 if any(fan_out) and self.runner is not None else 0
+        proposal, thrown_away = await self._take_predraft(seq_id, committed, num_tokens)
+        if proposal is not None:
+            span = CallSpan(entered_s, time.perf_counter(), time.perf_counter())
+        else:
+            proposal, span = await self.submit(DraftCall(seq_id, committed, num_tokens, params, seed, prompt_len,
+                                                         num_candidates))
         self.call_log.record("propose", seq_id, span)
-        return proposal, span
+        if num_candidates and proposal.token_ids:
+            self._start_predrafts(seq_id, committed, proposal, fan_out, DraftCall(
+                seq_id, (), num_tokens, params, None, prompt_len, num_candidates, fork_of=seq_id))
+        return replace(proposal, candidates=None, predrafted_thrown_away=thrown_away), span
+
+    async def _take_predraft(self, seq_id: str, history: list[int], num_tokens: int) -> tuple[Proposal | None, int]:
+        """(the block pre-drafted for history, cut to num_tokens, or None; pre-drafted tokens thrown
+        away). The pre-draft that may continue history is waited for if still drafting; every other
+        one is dropped at once, so it stops taking draft forwards."""
+        branches = self.speculation.pop(seq_id, [])
+        maybe = next((branch for branch in branches if may_continue(branch.predraft, history)), None)
+        thrown_away = self._drop(branch for branch in branches if branch is not maybe)
+        if maybe is None:
+            return None, thrown_away
+        try:
+            await maybe.answer
+        except Exception:   # released, overloaded or failed: drafting now is the fallback
+            pass
+        drafted = maybe.drafted()
+        if drafted is None or not continues(maybe.predraft, drafted, history):
+            return None, thrown_away + self._drop([maybe])
+        used = replace(block_of(maybe.predraft, drafted, num_tokens), cached=True)
+        await self.loop.between_iterations()
+        try:
+            self.released.check(seq_id)   # released while it waited: no KV may be adopted for it
+        except Exception:
+            self._drop([maybe])
+            raise
+        self.runner.adopt(seq_id, maybe.seq_id)   # its KV holds history and the block: the next pre-drafts fork it
+        self.generators.pop(maybe.seq_id, None)
+        self.idle.forget(maybe.seq_id)
+        if self.proposer.grammars is not None:
+            self.proposer.grammars.release(maybe.seq_id)
+        return used, thrown_away + tokens_thrown_away(maybe.predraft, drafted, used)
+
+    def _start_predrafts(self, seq_id: str, history: list[int], proposal: Proposal, fan_out: Sequence[int],
+                         like: DraftCall) -> None:
+        """Queue the pre-drafts of proposal's likely outcomes (decoding.speculation_cache.predrafts)
+        as calls of their own, forked from seq_id's KV: they batch with each other and with other
+        requests' calls. A sampled pre-draft draws with a stream seeded from the request's draft
+        stream, in an order the verification does not influence (so each block is a fresh draft
+        sample given the history it continues)."""
+        stream = self.generators.get(seq_id)
+        branches = []
+        for predraft in predrafts(history, proposal.token_ids, proposal.candidates, fan_out):
+            self._branch_count += 1
+            seed = None if stream is None or like.params.is_greedy else predraft_seed(stream)
+            call = replace(like, seq_id=f"{seq_id}#predraft{self._branch_count}", history=list(predraft.history),
+                           num_tokens=like.num_tokens + predraft.guesses_next, seed=seed)
+            answer = asyncio.ensure_future(self.submit(call))
+            answer.add_done_callback(_observed)
+            branches.append(_Branch(call.seq_id, predraft, answer))
+        self.speculation[seq_id] = branches
+
+    def _drop(self, branches) -> int:
+        """Let go of pre-drafts not used: queued calls dropped, KV freed between forwards. -> the
+        pre-drafted tokens thrown away (of those already drafted)."""
+        thrown_away = 0
+        for branch in branches:
+            thrown_away += tokens_thrown_away(branch.predraft, branch.drafted(), None)
+            self.loop.release(branch.seq_id)
+        return thrown_away
+
+    def _drop_predrafts(self, seq_id: str) -> None:
+        self._drop(self.speculation.pop(seq_id, []))
 
     def forget(self, seq_id: str) -> None:
         super().forget(seq_id)
+        self._drop_predrafts(seq_id)
         self.generators.pop(seq_id, None)
         if self.runner is not None:
             self.proposer.grammars.release(seq_id)
@@ -200,7 +336,8 @@ class DraftEngine(EngineCore):
         generator = self.generators.get(call.seq_id)
         if generator is None:
             generator = self.generators[call.seq_id] = make_generator(call.seed)
-        return ProposeCall(call.seq_id, call.history, call.num_tokens, call.params, generator, call.prompt_len)
+        return ProposeCall(call.seq_id, call.history, call.num_tokens, call.params, generator, call.prompt_len,
+                           call.num_candidates)
 
     def _to_wire(self, proposal: Proposal) -> Proposal:
         return replace(proposal, support=None if proposal.support is None else proposal.support.wire(),
@@ -211,3 +348,16 @@ class DraftEngine(EngineCore):
 class DraftWorker(EngineHost):
     engine_class = DraftEngine
     model_spec_arg = 1
+
+
+def predraft_seed(stream: torch.Generator) -> int:
+    """A pre-draft's seed, drawn from its request's draft stream: each block gets uniforms of its
+    own. Restarting the request's stream instead (its seed) would replay the uniforms its earlier
+    blocks were drawn with, which the verification has seen: biased (tests/test_predrafting.py)."""
+    return int(torch.randint(0, MAX_SEED, (1,), generator=stream))
+
+
+def _observed(answer: asyncio.Future) -> None:
+    """A dropped pre-draft's failure (its release, most often) is expected: mark it seen."""
+    if not answer.cancelled():
+        answer.exception()

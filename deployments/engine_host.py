@@ -21,7 +21,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import ray
 import torch
 from ray.util import get_current_placement_group
@@ -67,14 +66,6 @@ def spawn_engine(engine_class: type, num_cpus: float, num_gpus: float, resources
     return ray.remote(engine_class).options(**options).remote(*args)
 
 
-def to_wire(rows: torch.Tensor) -> list[int] | np.ndarray:
-    """Ids as a list, probability rows as a numpy array: a torch tensor costs far more to pickle
-    and unpickle than either (docs/transport.md), paid every round."""
-    if rows.dtype.is_floating_point:
-        return rows.cpu().numpy()
-    return rows.tolist()
-
-
 def timed_forward(runner: Any, calls: list[ForwardCall]) -> tuple[list[torch.Tensor], CostSample]:
     """runner.forward_batch, and its cost (new tokens, seconds) for the policy's cost curve: the
     tokens it computed (a paged runner says, prefix-cache hits excluded)."""
@@ -98,6 +89,7 @@ class EngineCore:
     `shape(call)` (what the call asks of the runner) and `run(calls, schedule)`."""
 
     pool: str
+    speculative_s = 0.0   # seconds of forwards that only did optional work (the draft's pre-drafts)
 
     def __init__(self, runner: Any, engine_options: dict, name: str = "") -> None:
         """runner: a decoding runner, or None for a model-free proposer."""
@@ -227,8 +219,8 @@ class EngineCore:
         return EngineStats(self.pool, self.name, sequences=held,
                            free_slots=self.scheduler.free_slots, queue_depth=self.loop.queue_depth,
                            forwards=loop.iterations, batch_rows_total=loop.rows_total, busy_s=loop.busy_s,
-                           idle_s=loop.idle_s, gpu_ids=self.gpu_ids, node_id=self.node_id,
-                           cost_samples=tuple(self.reporter.recent), kv=self._kv_usage(),
+                           idle_s=loop.idle_s, speculative_s=self.speculative_s, gpu_ids=self.gpu_ids,
+                           node_id=self.node_id, cost_samples=tuple(self.reporter.recent), kv=self._kv_usage(),
                            ranks=await self._rank_stats())
 
     def _kv_usage(self) -> KvUsage | None:
@@ -275,8 +267,14 @@ class EngineHost:
         engine_args[self.model_spec_arg] = rank_spec(spec, 0, size, address)
         return engine_args, followers
 
-    def get_engine(self) -> "ray.actor.ActorHandle":
+    def get_engine(self, affinity_key: str | None = None) -> "ray.actor.ActorHandle":
+        """This replica's engine. affinity_key: what Serve's request router chose the replica by
+        (the target pool's deployments.prefix_router); the replica itself has no use for it."""
         return self.engine
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """What Serve's request router balances on (it polls this): the engine's sequences."""
+        return {"sequences": (await self.engine.stats.remote()).sequences}
 
     async def check_health(self) -> None:
         """Every rank answers, or the replica (the whole group) is replaced."""

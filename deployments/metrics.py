@@ -70,12 +70,17 @@ METRICS: dict[str, MetricSpec] = {spec.name: spec for spec in (
     MetricSpec("specserve_draft_tokens_total", "counter", "Draft tokens proposed for verification"),
     MetricSpec("specserve_accepted_tokens_total", "counter", "Draft tokens the target accepted"),
     MetricSpec("specserve_wasted_draft_tokens_total", "counter",
-               "Draft tokens computed for nothing: rejected by the target, or drafted ahead and dropped",
+               "Draft tokens computed for nothing: rejected by the target, or pre-drafted and dropped",
                ("reason",)),
     MetricSpec("specserve_target_passes_total", "counter",
                "Target forwards on behalf of requests, prefill included (output tokens / passes = tokens per pass)"),
     MetricSpec("specserve_pipelined_rounds_total", "counter",
-               "Rounds whose block was drafted while the previous block was verified"),
+               "Rounds whose block was ready when the verify answered: speculation cache hits"),
+    MetricSpec("specserve_speculation_cache_misses_total", "counter",
+               "Rounds drafted just in time although blocks were pre-drafted for the verification's outcomes"),
+    MetricSpec("specserve_speculation_fan_out", "histogram",
+               "Blocks pre-drafted per round for the verification's likely outcomes (0: plain rounds)",
+               boundaries=(0.5, 1, 2, 3, 4, 6, 8, 12, 16)),
     MetricSpec("specserve_round_latency_s", "histogram", "Wall time of one speculative round",
                boundaries=_SECONDS_BUCKETS),
     MetricSpec("specserve_time_to_first_token_s", "histogram",
@@ -124,6 +129,7 @@ REQUEST_COUNTER_FIELDS: dict[str, str] = {
     "num_accepted": "specserve_accepted_tokens_total",
     "target_passes": "specserve_target_passes_total",
     "pipelined_rounds": "specserve_pipelined_rounds_total",
+    "speculation_cache_misses": "specserve_speculation_cache_misses_total",
 }
 DISCARDED_AHEAD_FIELD = "num_discarded_ahead"  # -> wasted_draft_tokens_total{reason="discarded_ahead"}
 WASTE_REASONS = ("rejected", "discarded_ahead")
@@ -161,6 +167,8 @@ class RouterMetrics:
         self.wasted = _build("specserve_wasted_draft_tokens_total")
         self.target_passes = _build("specserve_target_passes_total")
         self.pipelined_rounds = _build("specserve_pipelined_rounds_total")
+        self.speculation_cache_misses = _build("specserve_speculation_cache_misses_total")
+        self.fan_out = _build("specserve_speculation_fan_out")
         self.time_to_first_token = _build("specserve_time_to_first_token_s")
         self.speculation_depth = _build("specserve_speculation_depth")
         self.drafted_by_version = _build("specserve_draft_tokens_by_version_total")
@@ -172,6 +180,10 @@ class RouterMetrics:
         """One speculative round: its wall time and the K it verified (0 = a plain target step)."""
         self.round_latency.observe(round_wall_s)
         self.speculation_depth.observe(num_draft_tokens)
+
+    def record_fan_out(self, num_blocks: int) -> None:
+        """Blocks a round's draft engine was asked to pre-draft for its outcomes."""
+        self.fan_out.observe(num_blocks)
 
     def record_version_round(self, draft_version: int, drafted: int, accepted: int) -> None:
         """One verified block of draft_version: drafted tokens and how many the target kept."""

@@ -30,6 +30,7 @@ from deployments.admission import ServerOverloadedError
 from deployments.committed_history import HistorySender, RunningDigest
 from deployments.engine_loop import EngineOverloadedError
 from deployments.round_stages import EngineCall
+from policies.prefix_routing import prefix_key
 
 logger = logging.getLogger("ray.serve")
 TARGET_RECOVERY_S = 60.0  # how long a request waits for a replacement target engine
@@ -49,18 +50,22 @@ class RequestEngines:
         self.limits = limits
         self.target: Any = None
         self.draft: Any = None
+        self.affinity_key: str | None = None   # the prompt's prefix key (set by acquire)
         self.touched: list[Any] = []
         digest = RunningDigest()
         self.target_history = HistorySender(digest)  # what the target engine was told of the committed history
         self.draft_history = HistorySender(digest)
 
     async def acquire(self, state: RequestState) -> bool:
-        """A target engine (503 when no target replica answers in time) and a draft engine if one
+        """A target engine, preferably the one likely to hold the prompt's prefix
+        (policies.prefix_routing; 503 when no target replica answers in time) and a draft engine if one
         answers within limits.draft_wait_s: speculation is an optimisation, so a request serves
         target-only rather than wait. The draft prefills while the target does.
         -> False when there is a draft pool but none of its engines answered."""
+        self.affinity_key = prefix_key(state.prompt_ids)
         try:
-            self.target = await asyncio.wait_for(self.target_workers.get_engine.remote(), self.limits.engine_wait_s)
+            self.target = await asyncio.wait_for(self.target_workers.get_engine.remote(self.affinity_key),
+                                                 self.limits.engine_wait_s)
         except asyncio.TimeoutError:
             raise ServerOverloadedError(f"no target replica became available within "
                                         f"{self.limits.engine_wait_s:.0f} s", retry_after_s=5.0) from None
@@ -79,12 +84,12 @@ class RequestEngines:
     def lose_draft(self) -> None:
         self.draft = None
 
-    def propose(self, state: RequestState, tail: list[int], num_tokens: int):
+    def propose(self, state: RequestState, num_tokens: int, fan_out: tuple[int, ...] = ()):
         """ObjectRef of the draft engine's (proposal, span) for num_tokens continuing the committed
-        history + tail (uncommitted tokens: the block being verified, when drafting ahead), or of
-        its UnknownHistory (`draft_reply`)."""
-        return self.draft.propose.remote(state.request_id, self.draft_history.update(state), tail, num_tokens,
-                                         state.params, draft_seed(state.params.seed), len(state.prompt_ids))
+        history, or of its UnknownHistory (`draft_reply`); fan_out: the blocks it then pre-drafts
+        per outcome of verifying this one (DraftEngine.propose)."""
+        return self.draft.propose.remote(state.request_id, self.draft_history.update(state), num_tokens,
+                                         state.params, draft_seed(state.params.seed), len(state.prompt_ids), fan_out)
 
     def draft_reply(self, reply: Any) -> tuple[Proposal, Any] | None:
         """A propose's answer, or None when the draft engine did not hold the history: the next
@@ -146,7 +151,7 @@ class RequestEngines:
                 state.stats.target_failovers += 1
                 await asyncio.sleep(0.5)
                 try:
-                    self.target = await self.target_workers.get_engine.remote()
+                    self.target = await self.target_workers.get_engine.remote(self.affinity_key)
                     self.target_history.forget()
                     self.touched.append(self.target)
                 except Exception:  # the replica itself may be going down: try again shortly

@@ -7,8 +7,10 @@ go out as a chunk. Each round ends with one `RoundRecord` handed to the observer
 
 Two things make a round cheaper than its three steps in a row. The verify is sent before the
 draft's answer is back, carrying the draft's ObjectRef, so the block goes draft -> target without
-this process in between. And a greedy request alone drafts its next block during the verify,
-guessing the bonus token (`should_draft_ahead`); the block is used when the guess held.
+this process in between. And while the target verifies, the draft engine pre-drafts the next block
+for the verification's likely outcomes (the speculation cache, decoding/speculation_cache.py); the
+next propose finds the block of the actual outcome ready (a hit) or drafts it just in time. The
+draft engine decides hit or miss; this loop only says how many blocks to pre-draft (`choose_fan_out`).
 """
 
 from __future__ import annotations
@@ -23,30 +25,33 @@ from cluster.config import SpeculationSpec
 from decoding.capture import captured_block
 from decoding.proposers import Proposal
 from decoding.sequence import RequestState
-from decoding.speculation import accept_round, discarded_ahead, drafted_ahead
+from decoding.speculation import accept_round
 from deployments.request_engines import ENGINE_ERRORS, RequestEngines, discard
 from deployments.round_record import RoundObserver, RoundRecord
 from deployments.round_stages import EngineCall, RoundStages
 from deployments.streaming import step_chunk
 from policies.acceptance import count_round_positions
-from policies.depth import should_draft_ahead
 from policies.depth_chooser import request_class
 
 logger = logging.getLogger("ray.serve")
 
 
 class RoundLoop:
-    """Drives one request. choose_depth(state) -> K for the next round; num_active() -> the
-    router's active requests now; emit(chunk) streams a chunk out."""
+    """Drives one request. choose_depth(state) -> K for the next round; choose_fan_out(state, K)
+    -> blocks to pre-draft per outcome of it (DepthChooser.fan_out); num_active() -> the router's
+    active requests now; emit(chunk) streams a chunk out."""
 
     def __init__(self, state: RequestState, engines: RequestEngines, observer: RoundObserver,
                  emit: Callable[[dict], None], choose_depth: Callable[[RequestState], int],
-                 num_active: Callable[[], int], speculation: SpeculationSpec, profile: bool = False) -> None:
+                 num_active: Callable[[], int], speculation: SpeculationSpec, profile: bool = False,
+                 choose_fan_out: Callable[[RequestState, int], tuple[int, ...]] = lambda state, k: ()) -> None:
         self.state = state
         self.engines = engines
         self.observer = observer
         self.emit = emit
         self.choose_depth = choose_depth
+        self.choose_fan_out = choose_fan_out
+        self.predrafted = False   # the last round's block was given outcomes to pre-draft
         self.num_active = num_active
         self.speculation = speculation
         self.profile = profile
@@ -68,15 +73,14 @@ class RoundLoop:
         if prompt_entries is not None:
             chunk["prompt_logprobs"] = prompt_entries
         self.emit(chunk)
-        ahead = None  # (history it continued, its in-flight draft) while the target verifies
         while not state.finished:
             if time.perf_counter() > deadline_s:
                 state.finish_reason = "timeout"
                 break
-            ahead = await self._round(ahead)
+            await self._round()
 
-    async def _round(self, ahead) -> Any:
-        """One round; -> the block being drafted ahead for the next one, or None."""
+    async def _round(self) -> None:
+        """One round."""
         state, engines = self.state, self.engines
         round_started = time.perf_counter()
         started_alone = self.num_active() == 1
@@ -88,21 +92,15 @@ class RoundLoop:
         proposal, draft_s, draft_hops_s, sent, draft_calls = Proposal([], None), 0.0, 0.0, None, []
         if num_draft > 0:
             try:
-                proposal, draft_s, draft_hops_s, sent = await self._propose(num_draft, ahead, stages, draft_calls,
-                                                                            capture_k)
+                proposal, draft_s, draft_hops_s, sent = await self._propose(num_draft, stages, draft_calls, capture_k)
             except ENGINE_ERRORS:
                 logger.warning("draft engine lost for %s; continuing target-only", state.request_id)
                 self.observer.draft_lost()
                 state.stats.draft_failures += 1
                 engines.lose_draft()
         stages.mark("proposed")
-        if sent is None:  # the verify leaves before the block ahead is launched: it is on the round's path
+        if sent is None:  # target-only, or the draft was lost
             sent = engines.send_verify(state, proposal, capture_top_k=capture_k)
-        ahead = None
-        if engines.draft is not None and proposal.token_ids and should_draft_ahead(
-                self.speculation.pipeline, state.params.is_greedy, self.num_active()):
-            ahead_of = state.history + proposal.token_ids
-            ahead = (ahead_of, engines.propose(state, proposal.token_ids, num_draft + 1))
         rows, verify = await engines.verify(state, proposal, sent, capture_top_k=capture_k)
         top, context = None, None
         if capture_k is not None:  # the target also answered its top-k at the block's positions
@@ -132,46 +130,28 @@ class RoundLoop:
         stages.mark("chunked")
         if stages.enabled:
             self.observer.round_stages(stages.stages())
-        return ahead
 
-    async def _propose(self, num_draft: int, ahead, stages: RoundStages, draft_calls: list[tuple[float, int]],
+    async def _propose(self, num_draft: int, stages: RoundStages, draft_calls: list[tuple[float, int]],
                        capture_k: int | None = None) -> tuple[Proposal, float, float, Any]:
         """This round's draft block, the draft engine seconds and the RPC hop seconds the round
-        waited on, and the verify already sent for it (or None). draft_calls gets (engine seconds,
-        tokens) of every drafting call answered, for the draft's cost estimate: a block drafted
-        ahead counts its own call's engine time, so pipelined rounds do not drag it towards 0.
+        waited on, and the verify sent for it. draft_calls gets (engine seconds, tokens) of a block
+        drafted now, for the draft's cost estimate (a pre-drafted block cost the round nothing).
 
-        A block drafted ahead, during the last verification, is used when the target took it all
-        and its bonus guess (decoding.speculation.drafted_ahead): no draft time, no hops, and the
-        caller sends the verify. Otherwise a fresh block is drafted and its verify is sent at once,
-        carrying the draft's answer as an ObjectRef (TargetEngine.verify's draft_block): the block
-        goes draft -> target while this router awaits the same answer. A fresh call first waits
-        for a missed block ahead."""
+        The verify is sent at once, carrying the draft's answer as an ObjectRef
+        (TargetEngine.verify's draft_block): the block goes draft -> target while this router
+        awaits the same answer. The draft engine answers from its speculation cache (a hit:
+        Proposal.cached) or drafts now, and pre-drafts this block's outcomes while it is verified."""
         state, engines = self.state, self.engines
-        waited_s = 0.0
-        if ahead is not None:
-            ahead_of, pending = ahead
-            started = time.perf_counter()
-            reply = engines.draft_reply(await pending)
-            stages.ahead_wait_s = time.perf_counter() - started
-            if reply is not None:
-                drafted, span = reply
-                draft_calls.append((span.engine_s, len(drafted.token_ids)))
-                proposal = drafted_ahead(state.history, ahead_of, drafted, num_draft)
-                state.stats.num_discarded_ahead += discarded_ahead(drafted, proposal)
-                if proposal is not None:
-                    state.stats.pipelined_rounds += 1
-                    return proposal, 0.0, 0.0, None
-            waited_s = time.perf_counter() - started
         sent_s = time.perf_counter()
-        answer = engines.propose(state, [], num_draft)
+        fan_out = self.choose_fan_out(state, num_draft)
+        answer = engines.propose(state, num_draft, fan_out)
         sent = engines.send_verify(state, None, answer, capture_top_k=capture_k)
         try:
             reply = engines.draft_reply(await answer)
             if reply is None:  # the draft did not hold the history: it drafts again from all of it
                 discard(sent[0])
                 sent, sent_s = None, time.perf_counter()
-                reply = engines.draft_reply(await engines.propose(state, [], num_draft))
+                reply = engines.draft_reply(await engines.propose(state, num_draft, fan_out))
                 if reply is None:
                     raise RuntimeError(f"draft engine refused {state.request_id}'s whole history")
             proposal, span = reply
@@ -179,9 +159,16 @@ class RoundLoop:
             if sent is not None:
                 discard(sent[0])
             raise
+        state.stats.num_discarded_ahead += proposal.predrafted_thrown_away
+        self.observer.fan_out(sum(fan_out))
         call = stages.draft = EngineCall.from_span(sent_s, span, time.perf_counter())
+        predrafted, self.predrafted = self.predrafted, bool(fan_out) and bool(proposal.token_ids)
+        if proposal.cached:
+            state.stats.pipelined_rounds += 1
+            return proposal, 0.0, call.entered_s - call.sent_s, sent
+        state.stats.speculation_cache_misses += predrafted
         draft_calls.append((call.engine_s, len(proposal.token_ids)))
-        return proposal, waited_s + call.engine_s, call.entered_s - call.sent_s, sent
+        return proposal, call.engine_s, call.entered_s - call.sent_s, sent
 
 
 def split_logprobs(state: RequestState, rows):

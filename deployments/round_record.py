@@ -106,6 +106,10 @@ class RoundObserver:
         if self.capture is not None:
             self.capture.observe(record.draft_version, record.num_drafted, record.num_accepted, record.captured)
 
+    def fan_out(self, num_blocks: int) -> None:
+        """Blocks the round asked the draft engine to pre-draft for its outcomes."""
+        self.metrics.record_fan_out(num_blocks)
+
     def round_stages(self, stages: dict[str, float]) -> None:
         """A profiled round's stages (deployments/round_stages.py), after its chunk went out."""
         if self.timings.round_stages is not None:

@@ -64,7 +64,7 @@ class RoundStages:
     counters done), recorded (timings and metrics), chunked (the chunk queued for the stream).
     `chained`: the verify carried the draft's answer as an ObjectRef, so the block went draft ->
     target directly (`target_hop_out` is then that relay) while the router's receipt of the block
-    and its launch of the next block ahead ran beside the target's work, off the round's path."""
+    ran beside the target's work, off the round's path."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
@@ -72,7 +72,6 @@ class RoundStages:
         self.draft: EngineCall | None = None
         self.target: EngineCall | None = None
         self.chained = False
-        self.ahead_wait_s = 0.0
 
     def mark(self, name: str) -> None:
         if self.enabled:
@@ -83,15 +82,14 @@ class RoundStages:
         the router's Python (policy, propose, launch, accept, record, chunk), the hops and the
         engine time of the calls it waited on."""
         m = self.marks
-        out = {"wall": m["chunked"] - m["start"], "policy": m["depth"] - m["start"],
-               "ahead_wait": self.ahead_wait_s}
+        out = {"wall": m["chunked"] - m["start"], "policy": m["depth"] - m["start"]}
         if self.draft is not None:
             out.update(self.draft.stages("draft"))
         if self.chained:
             out.pop("draft_hop_back")  # the router's copy of the block: beside the target's work
         else:
             draft_total = 0.0 if self.draft is None else self.draft.answered_s - self.draft.sent_s
-            out["router_propose"] = m["proposed"] - m["depth"] - draft_total - self.ahead_wait_s
+            out["router_propose"] = m["proposed"] - m["depth"] - draft_total
         if self.target is not None:
             out.update(self.target.stages("target"))
             if not self.chained:

@@ -153,7 +153,7 @@ class Router:
                                  self.config.speculation.verification)
         observer = RoundObserver(timings, self.depth, self.metrics, self.capture)
         loop = RoundLoop(state, engines, observer, chunks.put_nowait, self._choose_depth, self.num_active_requests,
-                         self.config.speculation, self.profile_rounds)
+                         self.config.speculation, self.profile_rounds, self._choose_fan_out)
         try:
             async with self.admission.slot():
                 self.active_requests[request_id] = state
@@ -173,6 +173,9 @@ class Router:
 
     def _choose_depth(self, state: RequestState) -> int:
         return self.depth.choose(state, len(self.active_requests), time.monotonic())
+
+    def _choose_fan_out(self, state: RequestState, num_draft: int) -> tuple[int, ...]:
+        return self.depth.fan_out(state, num_draft, len(self.active_requests), time.monotonic())
 
     def _spawn(self, coroutine) -> None:
         """Run coroutine in the background, kept referenced until it ends."""

@@ -13,6 +13,7 @@ from typing import Any
 
 from cluster.messages import POOLS, REQUEST_CLASSES, PolicyDecision
 from policies.cost_curve import fit_cost_curve
+from policies.fan_out import fan_out_under_load
 from policies.goodput import choose_depths
 from policies.load import ClusterLoad
 from policies.replicas import ScalingThresholds, decide_replicas
@@ -35,6 +36,7 @@ class PolicySettings:
     min_k: int = 1
     max_k: int = 8
     default_k: int = 4
+    fan_out: int = 0                    # speculation.fan_out: pre-drafted blocks per request per round
     allow_target_only: bool = True
     target_bounds: tuple[int, int] = (1, 1)
     draft_bounds: tuple[int, int] | None = (1, 1)   # None: no draft pool (n-gram or target-only)
@@ -49,6 +51,7 @@ class PolicySettings:
         spec = config.speculation
         draft = config.draft_workers.replica_bounds if config.uses_draft_workers else None
         return cls(min_k=spec.min_draft_tokens, max_k=spec.max_draft_tokens, default_k=spec.num_draft_tokens,
+                   fan_out=spec.fan_out if config.uses_draft_workers else 0,
                    target_bounds=config.target_workers.replica_bounds, draft_bounds=draft,
                    actor_name=policy_actor_name(config.model_name))
 
@@ -104,8 +107,12 @@ class Decider:
         for pool in POOLS:
             if wanted.get(pool) is not None and wanted[pool] != getattr(previous, f"{pool}_replicas"):
                 self._changed_at[pool] = now
+        fan_out = fan_out_under_load(self.settings.fan_out, load.pools.get("draft"), self.settings.thresholds)
+        if fan_out != self.settings.fan_out:
+            reasons.append(f"fan-out {fan_out} of {self.settings.fan_out}: draft pool busy "
+                           f"{load.pools['draft'].busy_share_all:.0%} with pre-drafts")
         candidate = PolicyDecision(depths, wanted.get("target"), wanted.get("draft"), previous.version,
-                                   reasons + replica_reasons, goodput)
+                                   reasons + replica_reasons, goodput, fan_out)
         if not candidate.same_choice(previous):
             candidate = replace(candidate, version=previous.version + 1)
         self.decision = candidate

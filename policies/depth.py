@@ -19,8 +19,7 @@ from dataclasses import dataclass
 
 from policies.acceptance import estimate_acceptance_rate, expected_tokens_by_position, expected_tokens_per_round
 
-__all__ = ["RoundCosts", "RoundWallFit", "choose_draft_depth", "expected_speedup", "expected_tokens_per_round",
-           "should_draft_ahead"]
+__all__ = ["RoundCosts", "RoundWallFit", "choose_draft_depth", "expected_speedup", "expected_tokens_per_round"]
 
 
 def expected_speedup(accept_rate: float, num_draft_tokens: int, draft_cost_ratio: float,
@@ -101,11 +100,10 @@ class RoundCosts:
 class RoundWallFit:
     """What a lone request's round of depth K costs on the wall clock: a line a + b*K, fitted.
 
-    Why not the engines' own seconds (RoundCosts): alone, a request drafts its next block while
-    the target verifies (should_draft_ahead), so a round's draft time hides behind the verify when
-    the guess holds and is paid twice when it does not; the block drafted ahead shares the CPU with
-    the verify; the verify itself grows with K. None of that is in "K draft steps + one target
-    pass", and on a CPU box a wall-clock draft token costs several times its engine seconds
+    Why not the engines' own seconds (RoundCosts): the draft engine pre-drafts the next block
+    while the target verifies (decoding.speculation_cache), so a round's draft time hides behind
+    the verify on a hit and is paid on a miss; pre-drafts share the CPU with the verify; the
+    verify itself grows with K. None of that is in "K draft steps + one target pass", and on a CPU box a wall-clock draft token costs several times its engine seconds
     (docs/depth-and-autoscaling.md has the measurements and the A/B against engine seconds).
     Least squares with exponential forgetting follows the box as it drifts; until
     K has varied enough to tell a slope from noise (`min_k_spread`, the weighted standard deviation
@@ -149,13 +147,3 @@ class RoundWallFit:
             return None
         intercept, slope = self._line
         return slope / intercept, 0.0
-
-
-def should_draft_ahead(enabled: bool, is_greedy: bool, active_requests: int) -> bool:
-    """Pipeline this request's rounds (draft block n+1 while the target verifies block n)?
-
-    Only a greedy request alone on its router: a sampled bonus token rarely equals the sampled
-    guess, and with company the draft engine is already busy drafting for another request while
-    the target verifies, so blocks drafted ahead only add load. The gate was chosen by measuring
-    all three ways over HTTP (docs/depth-and-autoscaling.md)."""
-    return enabled and is_greedy and active_requests <= 1

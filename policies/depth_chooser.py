@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from cluster.config import SpeculationSpec
 from cluster.messages import REQUEST_CLASSES, ClassReport, PolicyDecision
 from decoding.sequence import RequestState
+from decoding.speculation_cache import allocate_fan_out
 from policies.acceptance import count_round_positions, position_accept_rates, request_position_rates
 from policies.depth import RoundCosts, RoundWallFit, best_depth_by_position, choose_draft_depth
 from policies.load import accept_rate_from_rounds
@@ -97,6 +98,25 @@ class DepthChooser:
             return state.draft_budget(min(spec.max_draft_tokens, policy_depth))
         return state.draft_budget(self._lone(klass, state.draft_reached, state.draft_accepted_at, policy_depth,
                                              num_active))
+
+    def fan_out(self, state: RequestState, num_draft: int, num_active: int, now: float) -> tuple[int, ...]:
+        """Blocks to pre-draft for each outcome of this round (a = 0..K kept draft tokens,
+        decoding.speculation_cache.allocate_fan_out), from the request's acceptance by position.
+        The fan-out is the configured one alone, the policy's (lowered as the draft pool fills)
+        beside other requests. A seeded request's must not depend on load or on other requests
+        (its draft stream seeds its pre-drafts): the configured fan-out, its own acceptance."""
+        budget = self.spec.fan_out
+        seeded = state.params.seed is not None
+        if not seeded and num_active > 1 and self.policy_decision is not None \
+                and now - self.policy_decision_at <= POLICY_STALE_S and self.policy_decision.fan_out is not None:
+            budget = min(budget, self.policy_decision.fan_out)
+        if budget <= 0 or num_draft <= 0:
+            return ()
+        klass = request_class(state)
+        prior = position_accept_rates([], [], num_draft) if seeded else \
+            self.class_counters[klass].position_rates(num_draft)
+        rates = request_position_rates(state.draft_reached, state.draft_accepted_at, prior)
+        return allocate_fan_out(rates, num_draft, budget)
 
     def typical_depth(self, num_active: int, now: float) -> int:
         """The depth a fresh greedy, unseeded request would get now (`specserve status`): the

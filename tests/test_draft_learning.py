@@ -66,7 +66,7 @@ async def greedy_rounds(draft, target, state: RequestState, num_draft: int, swap
             await swap(round_index)
         proposal = Proposal([], None)
         if num_draft:
-            proposal, _ = await draft.propose(state.request_id, to_draft.update(state), [], num_draft, state.params,
+            proposal, _ = await draft.propose(state.request_id, to_draft.update(state), num_draft, state.params,
                                               None)
         rows, _ = await target.verify(state.request_id, to_target.update(state), proposal, state.params,
                                       state.next_output_index)
@@ -113,10 +113,10 @@ def _first_tokens_across_a_swap(pairs, samples: int) -> tuple[torch.Tensor, torc
     async def scenario():
         draft, target = engines(pairs, max_sequences=samples + 1)
         states = [new_state(f"s{n}", SAMPLED.model_copy(update={"seed": n})) for n in range(samples)]
-        old = await asyncio.gather(*[draft.propose(s.request_id, whole(s.history), [], 2, s.params, n)
+        old = await asyncio.gather(*[draft.propose(s.request_id, whole(s.history), 2, s.params, n)
                                      for n, s in enumerate(states)])
         await draft.load_draft(1, str(unrelated))
-        new = await asyncio.gather(*[draft.propose(s.request_id, whole(s.history), [], 2, s.params, n + samples)
+        new = await asyncio.gather(*[draft.propose(s.request_id, whole(s.history), 2, s.params, n + samples)
                                      for n, s in enumerate(states)])
         rows = await asyncio.gather(*[target.verify(s.request_id, whole(s.history), p, s.params, 0)
                                       for s, (p, _) in zip(states, new)])

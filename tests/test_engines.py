@@ -125,7 +125,7 @@ def test_draft_calls_that_arrive_after_their_release_hold_nothing(pair):
         engine = DraftEngine("draft", spec(draft_path), str(target_path), options())
         await engine.release("gone")
         with pytest.raises(SequenceReleasedError):
-            await engine.propose("gone", whole(HISTORIES[0]), [], 3, GREEDY, None)
+            await engine.propose("gone", whole(HISTORIES[0]), 3, GREEDY, None)
         with pytest.raises(SequenceReleasedError):
             await engine.prefill("gone", whole(HISTORIES[0]))
         return await engine.active_sequences()
@@ -254,9 +254,9 @@ def test_batched_drafts_equal_drafts_made_alone(pair):
         engine = DraftEngine("draft", spec(draft_path), str(target_path), options())
         await asyncio.gather(*[engine.prefill(f"s{i}", whole(h)) for i, h in enumerate(HISTORIES)])
         held = [HistoryUpdate(len(h), (), history_digest(h)) for h in HISTORIES]  # nothing new since the prefill
-        greedy = await asyncio.gather(*[engine.propose(f"s{i}", held[i], [], 2 + i, GREEDY, None)
+        greedy = await asyncio.gather(*[engine.propose(f"s{i}", held[i], 2 + i, GREEDY, None)
                                         for i, h in enumerate(HISTORIES)])
-        sampled = await asyncio.gather(*[engine.propose(f"t{i}", whole(h), [], 3, SAMPLED, 100 + i)
+        sampled = await asyncio.gather(*[engine.propose(f"t{i}", whole(h), 3, SAMPLED, 100 + i)
                                          for i, h in enumerate(HISTORIES)])
         stats = await engine.stats()
         return greedy, sampled, stats

@@ -43,10 +43,11 @@ def total(recorded, name: str, **tags) -> float:
 
 RESPONSES = [  # `speculation` dicts as responses carry them (only the counted fields matter)
     {"num_emitted": 64, "num_drafted": 70, "num_accepted": 51, "target_passes": 14, "pipelined_rounds": 5,
-     DISCARDED_AHEAD_FIELD: 9, "acceptance_rate": 0.73},
-    {"num_emitted": 1, "num_drafted": 0, "num_accepted": 0, "target_passes": 1, "pipelined_rounds": 0},
+     "speculation_cache_misses": 3, DISCARDED_AHEAD_FIELD: 9, "acceptance_rate": 0.73},
+    {"num_emitted": 1, "num_drafted": 0, "num_accepted": 0, "target_passes": 1, "pipelined_rounds": 0,
+     "speculation_cache_misses": 0},
     {"num_emitted": 17, "num_drafted": 12, "num_accepted": 12, "target_passes": 4, "pipelined_rounds": 2,
-     DISCARDED_AHEAD_FIELD: 0},
+     "speculation_cache_misses": 1, DISCARDED_AHEAD_FIELD: 0},
 ]
 
 

@@ -144,24 +144,14 @@ def test_round_costs_smooth_out_one_slow_round():
     assert costs.draft_cost_ratio > 0.05
 
 
-def test_pipelined_rounds_do_not_drag_the_draft_cost_towards_zero():
-    """A round whose block was drafted ahead waits 0 s on the draft, but drafting still cost its
-    engine time: the router feeds c the ahead call's own seconds (observe_draft), never a 0."""
+def test_rounds_answered_from_the_speculation_cache_do_not_drag_the_draft_cost_towards_zero():
+    """A round whose block was pre-drafted waits 0 s on the draft, but drafting still costs: the
+    router feeds c only blocks drafted just in time (RoundLoop._propose), never a 0."""
     costs = RoundCosts(draft_cost_ratio=0.15)
     observe(costs, draft_s=0.006, num_draft_tokens=4, target_s=0.010, overhead_s=0.001)
-    for _ in range(50):  # pipelined rounds: the ahead call drafted 5 tokens in 7.5 ms
-        costs.observe_draft(0.0075, 5)
+    for _ in range(50):  # speculation cache hits: no draft call observed
         costs.observe_round(0.010, 0.001)
     assert costs.draft_cost_ratio == pytest.approx(0.15, rel=0.01)
-
-
-def test_draft_ahead_only_for_a_lone_greedy_request():
-    from policies.depth import should_draft_ahead
-
-    assert should_draft_ahead(True, True, 1)
-    assert not should_draft_ahead(True, True, 2)    # the draft engine has other work meanwhile
-    assert not should_draft_ahead(True, False, 1)   # sampled bonus tokens are rarely guessed
-    assert not should_draft_ahead(False, True, 1)
 
 
 # -- what a lone round of depth K costs on the wall clock ------------------------------------------

@@ -1,42 +1,14 @@
-"""decoding.speculation: when a block drafted during verification may be used (drafted_ahead), and
-the target rows a verify call returns (target_rows: EOS masked below min_tokens)."""
+"""decoding.speculation: the target rows a verify call returns (target_rows: EOS masked below
+min_tokens) and the greedy acceptance on plain lists."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from decoding.proposers import Proposal
 from decoding.sampling import SamplingParams
 from decoding.rejection import PLACEHOLDER_TOKEN_ID, greedy_verify
-from decoding.compact_verify import DraftSupport
-from decoding.speculation import drafted_ahead, greedy_emitted, target_rows
-
-AHEAD_OF = [5, 6, 7, 10, 11]          # history 5 6 7 + proposal 10 11
-AHEAD = Proposal([12, 13, 14, 15], None)  # 12 guesses the bonus token
-
-
-def test_usable_when_everything_was_accepted_and_the_bonus_guessed():
-    assert drafted_ahead(AHEAD_OF + [12], AHEAD_OF, AHEAD, 4) == Proposal([13, 14, 15], None)
-    assert drafted_ahead(AHEAD_OF + [12], AHEAD_OF, AHEAD, 2) == Proposal([13, 14], None)
-
-
-def test_probability_rows_follow_their_tokens():
-    ids, probs = np.arange(4 * 3).reshape(4, 3), np.arange(4 * 3, dtype=np.float32).reshape(4, 3)
-    proposal = drafted_ahead(AHEAD_OF + [12], AHEAD_OF, Proposal([12, 13, 14, 15], DraftSupport(ids, probs)), 2)
-    assert proposal.token_ids == [13, 14]
-    np.testing.assert_array_equal(proposal.support.probs, probs[1:3])
-    np.testing.assert_array_equal(proposal.support.ids, ids[1:3])
-
-
-def test_unusable_after_a_rejection_a_wrong_guess_or_another_history():
-    assert drafted_ahead([5, 6, 7, 10, 9], AHEAD_OF, AHEAD, 4) is None     # 11 rejected, 9 instead
-    assert drafted_ahead(AHEAD_OF + [99], AHEAD_OF, AHEAD, 4) is None      # bonus is not the guess
-    assert drafted_ahead([1, 6, 7, 10, 11, 12], AHEAD_OF, AHEAD, 4) is None
-    assert drafted_ahead(AHEAD_OF + [12], AHEAD_OF, Proposal([12], None), 4) is None  # guess only
-    assert drafted_ahead(AHEAD_OF + [12], AHEAD_OF, AHEAD, 0) is None
-
+from decoding.speculation import greedy_emitted, target_rows
 
 def test_target_rows_mask_eos_for_output_positions_below_min_tokens():
     eos = 2
@@ -65,6 +37,28 @@ def test_token_logprobs_read_each_committed_token_from_its_own_row():
     assert entries[1]["logprob"] == pytest.approx(float(rows[1, 2]))   # row 1, not the token's best row
     assert [i for i, _ in entries[1]["top"]] == [1, 2]
     assert token_logprobs([3], rows, 0)[0]["top"] == []
+
+
+def test_a_verify_carries_the_entries_of_the_tokens_each_row_may_commit_not_its_rows():
+    """O(K x N) logprobs: per row the top N and the log-probabilities of the drafted token and of
+    the target's own (argmax, recovered or bonus): whatever the owner commits is among them."""
+    from decoding.compact_verify import TargetNumbers
+    from decoding.proposers import Proposal
+    from decoding.speculation import LogprobEntries, token_logprobs, tokens_each_row_may_commit
+
+    logits = torch.tensor([[3.0, 1.0, 0.0, -1.0], [0.0, 2.0, 1.0, 0.5], [1.0, 1.0, 4.0, 0.0]])
+    dense = torch.log_softmax(logits, dim=-1)
+    proposal = Proposal([0, 3], None)
+    greedy = tokens_each_row_may_commit(proposal, [0, 1, 2])          # d1 kept, d2 rejected for 1, bonus 2
+    assert greedy == [[0, 0], [3, 1], [2]]
+    sampled = tokens_each_row_may_commit(proposal, TargetNumbers([0.5, 0.1], [0.0, 0.2], [2, 1], 3))
+    assert sampled == [[0, 2], [3, 1], [3]]
+    entries = LogprobEntries.of(logits, 2, greedy)
+    for committed in ([0, 1], [0, 3, 2]):
+        assert entries.entries(committed) == token_logprobs(committed, dense, 2)
+    assert LogprobEntries.of(logits, 0, greedy).entries([0])[0]["top"] == []
+    with pytest.raises(KeyError):   # a token no row may commit has no entry: a protocol error, not a guess
+        entries.entries([1])
 
 
 def test_greedy_on_plain_lists_emits_what_greedy_verify_emits():

@@ -1,8 +1,8 @@
 """Tensor-parallel engines without Ray: a TP=2 gloo group of two processes on the Llama-3 and Qwen3
-look-alike targets. Rank 0 drives a MirroredRunner through the calls a verifying engine makes
-(ragged prefills, a verify block, a rollback, a release, greedy decoding); rank 1 follows. The
-logits must equal one unsharded runner's, greedy must equal HF generate, and each rank must hold
-about half the weights."""
+look-alike targets. Rank 0 drives a MirroredRunner through the calls an engine makes (ragged
+prefills, a verify block, a rollback, a pre-draft's fork and adopt, a release, greedy decoding);
+rank 1 follows. The logits must equal one unsharded runner's, greedy must equal HF generate, and
+each rank must hold about half the weights."""
 
 import socket
 import time
@@ -28,12 +28,16 @@ def _prompt(seed: int, length: int, vocab: int = 8000) -> list[int]:
 
 
 def engine_calls(runner) -> list[torch.Tensor]:
-    """What a verifying engine asks of its runner, in order; the rows of every forward."""
+    """What a verifying (and pre-drafting) engine asks of its runner, in order; the rows of every forward."""
     a, b = _prompt(1, 37), _prompt(2, 11)
     rows = list(runner.forward_batch([ForwardCall("a", a), ForwardCall("b", b)]))
     block = _prompt(3, 4)
     rows += runner.forward_batch([ForwardCall("a", a + block, 5), ForwardCall("b", b + block[:1], 2)])
     rows += runner.forward_batch([ForwardCall("a", a + block[:2] + _prompt(4, 3), 4)])   # a rollback by crop
+    runner.fork("a", "branch")   # a pre-draft's branch shares a's blocks, then writes its own
+    rows += runner.forward_batch([ForwardCall("branch", a + block[:3], 3)])
+    runner.adopt("a", "branch")
+    rows += runner.forward_batch([ForwardCall("a", a + block, 2)])
     runner.rollback("b", 5)
     rows += runner.forward_batch([ForwardCall("b", b, 3)])
     runner.release("b")
@@ -166,7 +170,7 @@ def test_each_rank_holds_half_the_weights_and_half_the_kv(family):
         assert 0.45 * whole_bytes < facts["weight_bytes"] < 0.55 * whole_bytes
         assert facts["kv_bytes_per_token"] * 2 == whole.kv_capacity.bytes_per_token
         assert not facts["lean"]   # the sharded model runs its own forward (the plan's collectives)
-    assert group[1][0]["calls"] == 7 + GREEDY_TOKENS   # every state-changing call, mirrored
+    assert group[1][0]["calls"] == 11 + GREEDY_TOKENS   # every state-changing call, mirrored
 
 
 def test_a_dead_follower_breaks_the_group_at_rank_0s_next_call_without_waiting(targets):
@@ -178,3 +182,15 @@ def test_a_dead_follower_breaks_the_group_at_rank_0s_next_call_without_waiting(t
     facts = run_group(targets["llama3"], scenario="follower_dies")[0][0]
     assert facts["outcome"] == "GroupBrokenError" and facts["hook_called"]
     assert facts["seconds"] < COLLECTIVE_TIMEOUT_S / 2
+
+
+def test_every_public_runner_method_is_mirrored_or_read_only():
+    """A runner method added later that changes KV state must be mirrored, or the followers' block
+    tables drift from rank 0's: each public method is classified in one list or the other."""
+    from decoding.batched_runner import BatchedModelRunner
+    from decoding.tensor_parallel import MIRRORED_CALLS, READ_ONLY_CALLS
+
+    public = {name for name in dir(BatchedModelRunner)
+              if not name.startswith("_") and callable(getattr(BatchedModelRunner, name))}
+    public -= {"forward"}   # mirrored as the forward_batch it runs
+    assert public == set(MIRRORED_CALLS) | set(READ_ONLY_CALLS)

@@ -1,0 +1,213 @@
+"""Speculative speculative decoding in the draft engine, in-process (no Ray): the runner's forked
+branches share KV safely, a round whose outcome was pre-drafted is answered from the speculation
+cache, greedy output equals the target's own, nothing is held after release, and sampled output
+over several rounds follows the target's exact joint distribution with hits and misses both
+frequent (and the same test rejects pre-drafts that replay their request's draft stream)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import LlamaForCausalLM
+
+import deployments.draft_worker as draft_worker
+from decoding.batched_runner import BatchedModelRunner
+from decoding.generate import generate
+from decoding.proposers import Proposal
+from decoding.sampling import SamplingParams, draft_seed, logits_to_probs
+from decoding.sequence import RequestState
+from decoding.speculation import accept_round
+from deployments.committed_history import HistorySender, RunningDigest
+from deployments.draft_worker import DraftEngine
+from deployments.target_worker import TargetEngine
+from tests.test_engines import options, spec
+from tests.test_generate import null_tv_bound, perturbed_copy, tiny_llama
+from tests.tiny_pair import make_tiny_pair
+
+PROMPTS = [[5, 17, 42, 8, 3, 33], [60, 2, 2, 9, 14, 27, 50, 11, 7], [12, 40, 21, 40, 21]]
+NUM_DRAFT = 3
+DISTANT_NOISE = 0.02
+# The joint test: 4 output tokens (the prefill's, then speculative rounds of K = 2), top-k 3, so the
+# joint has 81 cells; each round's fan-out is drawn (seeded) from these, for hits and misses.
+JOINT_TOKENS, JOINT_K, JOINT_TOP_K, NUM_REQUESTS, CONCURRENCY = 4, 2, 3, 2000, 100
+FAN_OUTS = [(8, 8, 1), (8, 8, 1), (8, 8, 1), ()]
+P_VALUE_FLOOR = 1e-3
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_tiny_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module")
+def distant_pair(tmp_path_factory):
+    """Untied tiny Llamas (tests.test_generate's), the draft noisier: greedy text that does not just
+    repeat, with rejections (misses, recovered tokens) and accepted runs (hits)."""
+    root = tmp_path_factory.mktemp("distant")
+    target = tiny_llama(seed=0)
+    for model, name in ((target, "target"), (perturbed_copy(target, noise_std=DISTANT_NOISE, seed=1), "draft")):
+        model.save_pretrained(root / name)
+    return root / "target", root / "draft"
+
+
+def new_engines(pair, max_sequences: int) -> tuple[DraftEngine, TargetEngine]:
+    target, draft = pair
+    batching = options(max_batch_rows=8 * max_sequences, prefill_token_budget=16 * max_sequences)
+    return (DraftEngine("draft", spec(draft, 8 * max_sequences), str(target), batching),
+            TargetEngine(spec(target, max_sequences), batching))
+
+
+async def decode(draft: DraftEngine, target: TargetEngine, state: RequestState, num_draft: int,
+                 fan_outs) -> list[bool]:
+    """A request's rounds as the router runs them (engines keep the committed history); the fan-out
+    of each round from fan_outs(round). -> per round after the first, whether it was a hit."""
+    digest = RunningDigest()
+    to_draft, to_target = HistorySender(digest), HistorySender(digest)
+    params, seed = state.params, draft_seed(state.params.seed)
+    rows, _ = await target.verify(state.request_id, to_target.update(state), None, params, state.next_output_index)
+    accept_round(state, Proposal([], None), rows)
+    hits, round_index = [], 0
+    while not state.finished:
+        proposal, _ = await draft.propose(state.request_id, to_draft.update(state), num_draft, params, seed,
+                                          len(state.prompt_ids), fan_outs(round_index))
+        if round_index:
+            hits.append(proposal.cached)
+        rows, _ = await target.verify(state.request_id, to_target.update(state), proposal, params,
+                                      state.next_output_index)
+        accept_round(state, proposal, rows)
+        round_index += 1
+    await draft.release(state.request_id)
+    await target.release(state.request_id)
+    return hits
+
+
+def test_a_forked_branch_shares_blocks_and_neither_sequence_sees_the_others_tokens(pair):
+    target_path, _ = pair
+    runner = BatchedModelRunner(str(target_path))
+    fresh = BatchedModelRunner(str(target_path))
+    history = list(range(20, 60))                     # 40 tokens: two full blocks and a partial one
+    runner.forward("parent", history, 1)
+    used = runner.kv_usage()["kv_blocks_used"]
+    runner.fork("parent", "child")
+    assert runner.kv_usage()["kv_blocks_used"] == used   # shared, not copied
+    child = history[:33] + [7, 8]
+    torch.testing.assert_close(runner.forward("child", child, 2), fresh.forward("c", child, 2))
+    parent = history + [9]
+    torch.testing.assert_close(runner.forward("parent", parent, 2), fresh.forward("p", parent, 2))
+    runner.adopt("parent", "child")                   # the parent takes over the child's KV
+    torch.testing.assert_close(runner.forward("parent", child + [3], 1), fresh.forward("c2", child + [3], 1))
+    runner.release("parent")
+    assert runner.kv_usage()["kv_blocks_used"] == 0 and runner.active_sequences() == []
+
+
+def test_greedy_rounds_hit_the_speculation_cache_and_equal_the_targets_greedy_output(distant_pair):
+    target_path, _ = distant_pair
+    reference = BatchedModelRunner(str(target_path))
+    params = SamplingParams(temperature=0, max_tokens=40)
+
+    async def scenario():
+        draft, target = new_engines(distant_pair, len(PROMPTS))
+        states = [RequestState(f"g{i}", list(prompt), params, eos_token_id=None, max_context=256)
+                  for i, prompt in enumerate(PROMPTS)]
+        hits = await asyncio.gather(*[decode(draft, target, state, NUM_DRAFT, lambda _: (1, 1, 0, 1))
+                                      for state in states])
+        await draft.loop.between_iterations()
+        return states, hits, draft
+
+    states, hits, draft = asyncio.run(scenario())
+    for i, state in enumerate(states):
+        expected = RequestState(f"r{i}", list(PROMPTS[i]), params, eos_token_id=None, max_context=256)
+        list(generate(reference, expected))
+        assert state.output_ids == expected.output_ids
+    every = [hit for request in hits for hit in request]
+    assert 0 < sum(every) < len(every), "both hits and misses must happen"
+    assert draft.runner.active_sequences() == [] and draft.runner.kv_usage()["kv_blocks_used"] == 0
+    assert draft.speculation == {}
+
+
+def exact_joint(target_path, prompt: list[int], params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """P(t1..tn) for every n-token output in the processed target's support, in float64."""
+    model = LlamaForCausalLM.from_pretrained(target_path).eval()
+    joint = {(): 1.0}
+    for _ in range(JOINT_TOKENS):
+        prefixes = list(joint)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + list(p) for p in prefixes])).logits[:, -1].double()
+        probs = logits_to_probs(logits, params).double()
+        joint = {prefix + (token,): joint[prefix] * float(probs[i, token])
+                 for i, prefix in enumerate(prefixes) for token in torch.nonzero(probs[i]).flatten().tolist()}
+    total = sum(joint.values())   # 1 up to the rows' float32 rounding
+    return {cell: probability / total for cell, probability in joint.items()}
+
+
+def sample_joint(pair, params: SamplingParams, seeds: range) -> tuple[list[tuple[int, ...]], int, int]:
+    """Outputs of NUM_REQUESTS seeded requests decoded with speculation and the cache; hits, misses."""
+    rounds = torch.Generator().manual_seed(7)   # which fan-out each round gets
+    choices = torch.randint(len(FAN_OUTS), (len(seeds), JOINT_TOKENS), generator=rounds).tolist()
+
+    async def scenario():
+        draft, target = new_engines(pair, CONCURRENCY)
+        outputs, hits = [], []
+        for start in range(0, len(seeds), CONCURRENCY):
+            states = [RequestState(f"s{seed}", list(PROMPTS[0]), params.model_copy(update={"seed": seed}),
+                                   eos_token_id=None, max_context=256) for seed in seeds[start:start + CONCURRENCY]]
+            picks = choices[start:start + CONCURRENCY]
+            hits += await asyncio.gather(*[
+                decode(draft, target, state, JOINT_K, lambda r, pick=pick: FAN_OUTS[pick[r]])
+                for state, pick in zip(states, picks)])
+            outputs += [tuple(state.output_ids) for state in states]
+        return outputs, hits
+
+    outputs, hits = asyncio.run(scenario())
+    every = [hit for request in hits for hit in request]
+    return outputs, sum(every), len(every) - sum(every)
+
+
+def fit(outputs: list[tuple[int, ...]], joint: dict) -> tuple[float, float]:
+    """(chi-square p-value with cells expected < 5 pooled, total variation) of outputs vs joint."""
+    observed = {cell: 0 for cell in joint}
+    for output in outputs:
+        assert output in observed, f"{output} has probability 0 under the target"
+        observed[output] += 1
+    n = len(outputs)
+    big = [cell for cell in joint if joint[cell] * n >= 5]
+    small = [cell for cell in joint if joint[cell] * n < 5]
+    counts = [observed[cell] for cell in big] + ([sum(observed[cell] for cell in small)] if small else [])
+    expected = [joint[cell] * n for cell in big] + ([sum(joint[cell] for cell in small) * n] if small else [])
+    tv = 0.5 * sum(abs(observed[cell] / n - joint[cell]) for cell in joint)
+    return float(chisquare(counts, expected).pvalue), tv
+
+
+@pytest.fixture(scope="module")
+def joint_case(distant_pair):
+    params = SamplingParams(temperature=1.0, top_k=JOINT_TOP_K, max_tokens=JOINT_TOKENS)
+    joint = exact_joint(distant_pair[0], PROMPTS[0], params)
+    return params, joint, null_tv_bound(torch.tensor(list(joint.values())), NUM_REQUESTS)
+
+
+def test_sampled_rounds_with_hits_and_misses_follow_the_targets_exact_joint(distant_pair, joint_case):
+    """2,000 seeded requests of 4 tokens (3 of them from speculative rounds, K = 2), each round's
+    fan-out drawn from FAN_OUTS so that some rounds hit the cache and some miss: the joint of the 4
+    tokens (81 cells) must pass chi-square at 1e-3 and stay under exact sampling's 99.9% TV
+    quantile for this joint and sample count."""
+    params, joint, tv_bound = joint_case
+    outputs, hits, misses = sample_joint(distant_pair, params, range(NUM_REQUESTS))
+    assert hits > 0.15 * (hits + misses) and misses > 0.15 * (hits + misses), (hits, misses)
+    p_value, tv = fit(outputs, joint)
+    assert p_value > P_VALUE_FLOOR and tv < tv_bound, (p_value, tv, tv_bound)
+
+
+def test_the_joint_test_rejects_pre_drafts_that_replay_the_requests_draft_stream(distant_pair, joint_case,
+                                                                                 monkeypatch):
+    """The same test with a broken cache: every pre-draft seeded with the request's own draft seed
+    (restarting its stream, so a block reuses the uniforms of blocks the verification already saw)
+    must be rejected."""
+    params, joint, _ = joint_case
+    monkeypatch.setattr(draft_worker, "predraft_seed", lambda stream: stream.initial_seed())
+    outputs, hits, _ = sample_joint(distant_pair, params, range(NUM_REQUESTS))
+    assert hits > 0
+    p_value, _ = fit(outputs, joint)
+    assert p_value < P_VALUE_FLOOR, p_value
