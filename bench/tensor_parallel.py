@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import tempfile
 import time
@@ -122,7 +121,7 @@ def time_collectives(control, hidden: int, layers: int, vocab: int, size: int, r
     return out
 
 
-def _process(rank: int, size: int, init_method: str, path: str, phase: str, options: dict, results) -> None:
+def _process(rank: int, size: int, store_address: str, path: str, phase: str, options: dict, results) -> None:
     import transformers  # noqa: F401  (imports are part of the baseline RSS, as in an engine)
 
     from decoding.batched_runner import load_runner
@@ -130,7 +129,7 @@ def _process(rank: int, size: int, init_method: str, path: str, phase: str, opti
 
     torch.set_num_threads(1)
     before = rss_bytes()
-    member = None if size == 1 else {"rank": rank, "size": size, "init_method": init_method}
+    member = None if size == 1 else {"rank": rank, "size": size, "store_address": store_address}
     loaded = load_runner(spec(path, member))
     runner = getattr(loaded, "runner", loaded)
     measured = {"rank": rank, "size": size, "rss_after_imports_bytes": before, "rss_after_load_bytes": rss_bytes(),
@@ -152,13 +151,13 @@ def _process(rank: int, size: int, init_method: str, path: str, phase: str, opti
 
 
 def run(path: str, size: int, phase: str, options: dict) -> list[dict]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    from decoding.tensor_parallel import host_store
+
+    store, address = host_store("127.0.0.1")   # served by this process while the group runs
     context = mp.get_context("spawn")
     results = context.Queue()
-    processes = [context.Process(target=_process, args=(rank, size, f"tcp://127.0.0.1:{port}", path, phase,
-                                                         options, results)) for rank in range(size)]
+    processes = [context.Process(target=_process, args=(rank, size, address, path, phase, options, results))
+                 for rank in range(size)]
     for process in processes:
         process.start()
     reports = sorted((results.get(timeout=1800) for _ in processes), key=lambda each: each["rank"])

@@ -485,7 +485,7 @@ def load_runner(spec: dict):
     prefix_caching, cache_salt, and the builder's gpu_share and profile_batches: see
     BatchedModelRunner._init_from_model).
 
-    With `tensor_parallel` ({rank, size, init_method}: this process is one rank of a group) it
+    With `tensor_parallel` ({rank, size, store_address}: this process is one rank of a group) it
     joins the group and loads this rank's shards; rank 0 gets the MirroredRunner the engine
     drives, a follower the Follower that replays its calls (decoding.tensor_parallel)."""
     member = spec.get("tensor_parallel")

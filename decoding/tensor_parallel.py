@@ -59,12 +59,22 @@ class GroupBrokenError(RuntimeError):
 
 @dataclass(frozen=True)
 class TensorParallelRank:
-    """One process's place in a group: rank, group size, and where the group meets
-    (a `tcp://host:port` torch.distributed init method)."""
+    """One process's place in a group: rank, group size, and where the group meets (the
+    `host:port` of the TCPStore its host process serves: `host_store`)."""
 
     rank: int
     size: int
-    init_method: str
+    store_address: str
+
+
+def host_store(host: str) -> tuple[Any, str]:
+    """A torch.distributed TCPStore for one group, served by the calling process on a port the OS
+    picks while binding it (no port picked first and bound later, which another process on a busy
+    node could take in between); -> (the store, which must live as long as the group, its
+    address). The worker replica hosts its engine group's; a test, its processes'."""
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    return store, f"{host}:{store.port}"
 
 
 def backend_for(device: str) -> str:
@@ -81,8 +91,11 @@ def join_group(member: TensorParallelRank, device: str = "cpu") -> Any:
     """Join the group (blocks until every rank has joined); -> the control group (gloo, on CPU
     whatever the device) the runner calls and load-time agreements travel over. The default
     process group carries the model's collectives (NCCL on CUDA)."""
-    dist.init_process_group(backend_for(device), init_method=member.init_method, rank=member.rank,
-                            world_size=member.size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    host, port = member.store_address.rsplit(":", 1)
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    dist.init_process_group(backend_for(device), store=store, rank=member.rank, world_size=member.size,
+                            timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=IDLE_TIMEOUT_S))
     _control_group[:] = [control]
     return control

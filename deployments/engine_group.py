@@ -3,7 +3,7 @@ calls), ranks 1..N-1 are `RankFollower`s that replay its runner calls (decoding.
 
 Placement: the worker replica's placement group holds [replica, rank 0, ..., rank N-1] bundles
 (one GPU each on a GPU cluster) under STRICT_PACK, so the whole group sits on the replica's node
-and meets at an address the replica picks there. One replica = one group for Serve, the policy
+and meets at a store the replica serves there. One replica = one group for Serve, the policy
 actor and autoscaling. The replica owns every rank: if it goes, they go; its health check pings
 every rank, so a dead rank fails the replica and Serve replaces the whole group, while the router
 re-prefills the group's requests elsewhere (a broken group's rank 0 ends its own process, which is
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 from typing import Any
 
@@ -22,22 +21,20 @@ import ray
 
 from cluster.messages import RankStats
 from decoding.batched_runner import load_runner
-from decoding.tensor_parallel import GroupBrokenError
+from decoding.tensor_parallel import GroupBrokenError, host_store
 
 logger = logging.getLogger(__name__)
 
 
-def group_address() -> str:
-    """A torch.distributed meeting point on this node: its IP and a port free now."""
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        port = probe.getsockname()[1]
-    return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+def group_store() -> tuple[Any, str]:
+    """The group's meeting point, served by this process (the replica) on its node; -> (the store,
+    to keep while the group lives, its address)."""
+    return host_store(ray.util.get_node_ip_address())
 
 
-def rank_spec(model_spec: dict, rank: int, size: int, init_method: str) -> dict:
+def rank_spec(model_spec: dict, rank: int, size: int, store_address: str) -> dict:
     """The model spec rank `rank` loads: the engine's, plus its place in the group."""
-    return {**model_spec, "tensor_parallel": {"rank": rank, "size": size, "init_method": init_method}}
+    return {**model_spec, "tensor_parallel": {"rank": rank, "size": size, "store_address": store_address}}
 
 
 def private_rss_bytes() -> int:

@@ -31,7 +31,7 @@ from decoding.batched_runner import ForwardCall
 from decoding.scheduler import CallShape, Schedule, Scheduler
 from decoding.tensor_parallel import MirroredRunner
 from deployments.committed_history import CommittedHistories
-from deployments.engine_group import RankFollower, end_process, group_address, rank_spec, rank_stats
+from deployments.engine_group import RankFollower, end_process, group_store, rank_spec, rank_stats
 from deployments.engine_loop import EngineLoop
 from deployments.engine_parts import CallLog, IdleSequences, LoadReporter, ReleasedIds
 from deployments.metrics import EngineMetrics
@@ -259,7 +259,7 @@ class EngineHost:
     def _spawn_followers(self, name: str, size: int, placement: tuple, engine_args: list[Any]
                          ) -> tuple[list[Any], list[Any]]:
         """Ranks 1..size-1 in bundles 2..size; -> (rank 0's engine arguments, the followers)."""
-        address = group_address()
+        self._group_store, address = group_store()   # lives as long as this replica, and the group with it
         spec = engine_args[self.model_spec_arg]
         followers = [spawn_engine(RankFollower, *placement, rank_actor_name(name, rank),
                                   rank_spec(spec, rank, size, address), bundle_index=ENGINE_BUNDLE_INDEX + rank)

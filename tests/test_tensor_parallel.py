@@ -4,7 +4,6 @@ prefills, a verify block, a rollback, a pre-draft's fork and adopt, a release, g
 rank 1 follows. The logits must equal one unsharded runner's, greedy must equal HF generate, and
 each rank must hold about half the weights."""
 
-import socket
 import time
 from pathlib import Path
 
@@ -55,11 +54,11 @@ def _spec(path: Path, member: dict | None = None) -> dict:
             "lean_forward": True, "kv_cache_memory_gb": 0.01, **({"tensor_parallel": member} if member else {})}
 
 
-def _rank_main(rank: int, size: int, init_method: str, path: str, results, scenario: str = "calls") -> None:
+def _rank_main(rank: int, size: int, store_address: str, path: str, results, scenario: str = "calls") -> None:
     from decoding.tensor_parallel import weight_bytes
 
     torch.set_num_threads(1)
-    in_group = load_runner(_spec(Path(path), {"rank": rank, "size": size, "init_method": init_method}))
+    in_group = load_runner(_spec(Path(path), {"rank": rank, "size": size, "store_address": store_address}))
     if scenario == "follower_dies":
         _follower_dies(rank, in_group, results)
         return
@@ -101,13 +100,13 @@ def _follower_dies(rank: int, in_group, results) -> None:
 def run_group(path: Path, size: int = 2, scenario: str = "calls") -> dict[int, tuple[dict, list | None]]:
     """Run a scenario on a TP group of size processes: engine_calls by default; -> rank: (facts,
     rows of rank 0), for the ranks that report."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    from decoding.tensor_parallel import host_store
+
+    store, address = host_store("127.0.0.1")   # this process serves the group's store while it runs
     context = mp.get_context("spawn")
     results = context.Queue()
-    processes = [context.Process(target=_rank_main, args=(rank, size, f"tcp://127.0.0.1:{port}", str(path), results,
-                                                          scenario)) for rank in range(size)]
+    processes = [context.Process(target=_rank_main, args=(rank, size, address, str(path), results, scenario))
+                 for rank in range(size)]
     for process in processes:
         process.start()
     gathered = {}
