@@ -127,6 +127,10 @@ class SpeculationSpec(_Strict):
                          "while the target verifies a round, for the verification's likely outcomes (the speculation "
                          "cache, docs/speculation-cache.md); the policy actor lowers it as the draft pool fills. "
                          "0: plain rounds")
+    fan_out_max_batch: int = Field(1, ge=1, description="pre-draft only while a router has at most this many "
+                                   "requests in flight (Saguaro's batch-size fallback): where draft and target share "
+                                   "a device or a CPU, pre-drafts for a batch slow the target more than hits save "
+                                   "(docs/speculation-cache.md); raise it when the draft has its own GPU")
     draft_top_k: int = Field(64, ge=1, description="a sampled draft token is drawn from at most this many of its "
                              "row's most likely tokens (fewer where the request's top-k / top-p cut it shorter); "
                              "that q goes to the target as (ids, probs), so a round moves O(K) numbers, not [K, V] "
