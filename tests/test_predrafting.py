@@ -2,7 +2,8 @@
 branches share KV safely, a round whose outcome was pre-drafted is answered from the speculation
 cache, greedy output equals the target's own, nothing is held after release, and sampled output
 over several rounds follows the target's exact joint distribution with hits and misses both
-frequent (and the same test rejects pre-drafts that replay their request's draft stream)."""
+frequent (and the same test rejects pre-drafts that replay their request's draft stream); seeded
+sampled output is token for token the same with the cache as with plain rounds."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import deployments.draft_worker as draft_worker
 from decoding.batched_runner import BatchedModelRunner
 from decoding.generate import generate
 from decoding.proposers import Proposal
-from decoding.sampling import SamplingParams, draft_seed, logits_to_probs
+from decoding.sampling import SamplingParams, draft_seed, logits_to_probs, make_generator
 from decoding.sequence import RequestState
 from decoding.speculation import accept_round
 from deployments.committed_history import HistorySender, RunningDigest
@@ -131,6 +132,26 @@ def test_greedy_rounds_hit_the_speculation_cache_and_equal_the_targets_greedy_ou
     assert draft.speculation == {}
 
 
+def test_a_seeded_request_gives_the_same_tokens_with_the_cache_as_with_plain_rounds(distant_pair):
+    """A hit's block is the very block drafting just in time would draw (the pre-draft starts from
+    a copy of the request's draft stream, the bonus guess draws nothing, and a hit leaves the
+    stream where that draft would): seeded sampled output is token for token the same with
+    pre-drafting as without, while rounds hit."""
+    params = SamplingParams(temperature=1.0, top_k=8, max_tokens=24)
+
+    async def decode_all(fan_out):
+        draft, target = new_engines(distant_pair, len(PROMPTS))
+        states = [RequestState(f"q{i}", list(prompt), params.model_copy(update={"seed": 11 + i}), eos_token_id=None,
+                               max_context=256) for i, prompt in enumerate(PROMPTS)]
+        hits = await asyncio.gather(*[decode(draft, target, state, NUM_DRAFT, lambda _: fan_out) for state in states])
+        return [state.output_ids for state in states], sum(sum(request) for request in hits)
+
+    plain, no_hits = asyncio.run(decode_all(()))
+    cached, hits = asyncio.run(decode_all((2, 1, 1, 1)))
+    assert no_hits == 0 and hits > 0
+    assert cached == plain
+
+
 def exact_joint(target_path, prompt: list[int], params: SamplingParams) -> dict[tuple[int, ...], float]:
     """P(t1..tn) for every n-token output in the processed target's support, in float64."""
     model = LlamaForCausalLM.from_pretrained(target_path).eval()
@@ -208,11 +229,12 @@ def test_sampled_rounds_with_hits_and_misses_follow_the_targets_exact_joint(dist
 
 def test_the_joint_test_rejects_pre_drafts_that_replay_the_requests_draft_stream(distant_pair, joint_case,
                                                                                  monkeypatch):
-    """The same test with a broken cache: every pre-draft seeded with the request's own draft seed
-    (restarting its stream, so a block reuses the uniforms of blocks the verification already saw)
-    must be rejected."""
+    """The same test with a broken cache: every pre-draft's stream restarted from the request's
+    draft seed (so a block reuses the uniforms of blocks the verification already saw) must be
+    rejected."""
     params, joint, _ = joint_case
-    monkeypatch.setattr(draft_worker, "predraft_seed", lambda stream: stream.initial_seed())
+    monkeypatch.setattr(draft_worker, "branch_stream_state",
+                        lambda stream: make_generator(stream.initial_seed()).get_state())
     outputs, hits, _, _ = sample_joint(distant_pair, params, range(NUM_REQUESTS))
     assert hits > 0
     p_value, _ = fit(outputs, joint)
