@@ -242,6 +242,28 @@ def test_training_yields_when_load_returns(pairs, captures, tmp_path):
     assert trainer.ready()  # the captures are still there for the next slack
 
 
+def test_a_trickle_of_traffic_still_gets_a_version_by_resuming_the_stopped_pass(pairs, captures, tmp_path):
+    """Load returns every 2 optimizer steps (a request now and then): each pass stops, but the next
+    resumes it (candidate, optimizer state, step) instead of starting again, so a bounded number
+    of passes writes the version a whole pass writes; the same candidate, step for step."""
+    _, draft, _, _ = pairs
+    whole = OnlineTrainer(str(draft), settings(), tmp_path / "whole")
+    whole.add(captures)
+    expected = whole.train_pass()
+    trickle = OnlineTrainer(str(draft), settings(), tmp_path / "trickle")
+    trickle.add(captures)
+    results = []
+    for _ in range(expected["steps"] // 2 + 2):
+        budget = iter(range(10_000))
+        results.append(trickle.train_pass(should_stop=lambda: next(budget) >= 2))
+        if results[-1]["outcome"] != "stopped":
+            break
+    assert [r["outcome"] for r in results[:-1]] == ["stopped"] * (len(results) - 1) and len(results) > 3
+    assert results[-1]["outcome"] == expected["outcome"] == "accepted"
+    assert results[-1]["steps"] == expected["steps"] and results[-1]["resumed"] == len(results) - 1
+    assert results[-1]["expected_after"] == pytest.approx(expected["expected_after"], abs=1e-6)
+
+
 def live_rounds(alpha: float, depth: int, rounds: int, seed: int) -> tuple[list[int], list[int]]:
     """Per-position (drafted, accepted) of `rounds` rounds drafting `depth` tokens, each kept with
     probability alpha until the first rejection: what a router reports for one version."""
