@@ -248,7 +248,10 @@ class DraftTrainingSpec(_Strict):
     capture_dir: str | None = Field(None, description="also persist captured rows here (users' traffic: "
                                     "unset, nothing is written); `specserve distill-draft --from-capture` reads it")
     versions_dir: str | None = Field(None, description="where trained draft versions are written before they "
-                                     "are offered; default: a fresh temporary directory")
+                                     "are offered; default: a fresh temporary directory. On several nodes, a path "
+                                     "every draft node reads (a shared volume)")
+    keep_versions: int = Field(3, ge=2, description="trained versions kept on disk (the newest, and always the "
+                               "serving one); older ones are deleted (a 1B draft is about 2.5 GB a version)")
     max_positions: int = Field(200_000, ge=1, description="captured drafted positions kept in memory (oldest go first)")
     sample_every: int = Field(4, ge=1, description="capture one verified round in this many")
     top_k: int = Field(32, ge=1, le=4096, description="target log-probabilities kept per drafted position "

@@ -202,7 +202,23 @@ class OnlineTrainer:
         version = max(v.version for v in self.versions) + 1
         path = save_draft_version(candidate, self.versions[0].path, self.versions_dir / f"v{version}")
         self.versions.append(DraftVersion(version, str(path), time.time(), train_batch.num_positions, before, after))
+        self.prune()
         return self._finish(result | {"outcome": "accepted", "version": version}, started)
+
+    def prune(self) -> list[int]:
+        """Delete the trained versions older than the newest keep_versions, except the serving one
+        (the draft the server started with is never this trainer's to delete); -> versions deleted.
+        A rollback goes to the newest earlier version still kept."""
+        keep = int(self.settings.get("keep_versions", 3))
+        written = [v for v in self.versions if v.version > 0 and Path(v.path).parent == self.versions_dir]
+        deleted = []
+        for old in written[:-keep]:
+            if old is self.serving:
+                continue
+            shutil.rmtree(old.path, ignore_errors=True)
+            self.versions.remove(old)
+            deleted.append(old.version)
+        return deleted
 
     def _new_pass(self) -> "_Pass":
         """A pass from the serving version over the captures so far."""
