@@ -3,7 +3,7 @@
 Each start (Ray cluster, Serve, four deployments loading their models) costs tens of seconds on a
 2-core box, so the modules that can share one server use the `tiny_pair_server` fixture
 (tests/conftest.py), served once here; modules needing other settings start their own with
-serve_tiny_pair."""
+serve_tiny_pair. A test's cluster ends with stop_test_cluster."""
 
 from __future__ import annotations
 
@@ -12,14 +12,22 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from cluster.config import SpecServeConfig
-from cluster.local import start_local, stop_local, wait_healthy
+import ray
+
+from cluster.local import start_local, wait_healthy
 from tests.tiny_pair import make_tiny_pair, tiny_pair_config
 
 SHARED_MODEL = "tiny-pair"
-# What the shared server's users need: max_tokens capped (test_serving's 400 matrix) and metrics
-# pushed often enough for a test to read its own requests' counters; port 0: any free port.
+# What the shared server's users need: max_tokens capped (test_serving's 400 matrix), metrics
+# pushed often enough for a test to read its own requests' counters (port 0: any free port), and
+# a (fake) GPU for each engine, which Ray places as it would real ones (test_cluster_placement;
+# the engines still run on the CPU, device auto). Four GPUs: room for an engine's replacement
+# while the one it replaces is still going away.
+SHARED_GPUS = 4
+SHARED_ENGINE = {"num_gpus": 1, "num_cpus": 0.5}
 SHARED_OVERRIDES = {"limits": {"max_tokens": 200},
-                    "observability": {"metrics_export_port": 0, "metrics_report_interval_ms": 500}}
+                    "observability": {"metrics_export_port": 0, "metrics_report_interval_ms": 500},
+                    "target_workers": SHARED_ENGINE, "draft_workers": SHARED_ENGINE}
 HEALTHY_WITHIN_S = 120.0  # the last user may have killed an engine; Serve replaces it
 
 
@@ -54,6 +62,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def stop_test_cluster() -> None:
+    """End the test's local Ray cluster, and every process on it, at once.
+
+    Why not stop_local: Serve's own shutdown deletes each application and waits out every
+    replica's graceful drain, about 10 s a module on this box, where a test's cluster has nothing
+    left to drain and ray.shutdown ends its processes anyway (Serve forgets a client of a stopped
+    cluster, so the next module starts afresh). The real stop is tested where it matters:
+    `specserve serve` under SIGTERM (tests/test_sigterm.py)."""
+    ray.shutdown()
+
+
 def serve_tiny_pair(root: Path, model_name: str, **overrides) -> Iterator[tuple[str, SpecServeConfig]]:
     """Start the app on a fresh tiny pair under root; yield (base URL, config); stop it after."""
     target_path, draft_path = make_tiny_pair(root)
@@ -68,7 +87,7 @@ def serve_tiny_pair(root: Path, model_name: str, **overrides) -> Iterator[tuple[
     try:
         yield url, config
     finally:
-        stop_local()
+        stop_test_cluster()
 
 
 _shared: dict = {}  # "server": the running (url, config), while up
@@ -79,7 +98,7 @@ def shared_server(tmp_path_factory) -> tuple[str, SpecServeConfig]:
     if "server" not in _shared:
         config = tiny_pair_config(tmp_path_factory.mktemp("shared-pair"), SHARED_MODEL, free_port(),
                                   **SHARED_OVERRIDES)
-        _shared["server"] = start_local(config), config
+        _shared["server"] = start_local(config, num_gpus=SHARED_GPUS), config
     else:
         wait_healthy(_shared["server"][0], HEALTHY_WITHIN_S)
     return _shared["server"]

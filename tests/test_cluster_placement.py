@@ -11,23 +11,19 @@ import ray
 from ray import serve
 
 from cluster.builder import APP_NAME
-from cluster.local import RAY_SYSTEM_CONFIG
 from policies.actor import POLICY_NAMESPACE, policy_actor_name
-from tests.local_server import serve_tiny_pair
 from tests.test_serving import MODEL, PROMPTS
 
 pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")
-def gpu_server(tmp_path_factory):
-    # Ray places by logical resources: four "GPUs" on this CPU box are enough to prove placement.
-    engine = {"num_gpus": 1, "num_cpus": 0.5}
-    ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, _system_config=RAY_SYSTEM_CONFIG,
-             configure_logging=False, log_to_driver=False)
-    for url, _ in serve_tiny_pair(tmp_path_factory.mktemp("pair"), MODEL, target_workers=engine,
-                                  draft_workers=engine):
-        yield url
+def gpu_server(tiny_pair_server):
+    """The shared served tiny pair: its cluster offers four fake GPUs and each engine asks for one
+    (tests/local_server.py), enough to prove placement on this CPU box."""
+    url, config = tiny_pair_server
+    assert config.target_workers.num_gpus == config.draft_workers.num_gpus == 1
+    return url
 
 
 def engine_stats(deployment: str):

@@ -13,6 +13,7 @@ from cluster.messages import ClassReport, EngineStats, PolicyDecision, RouterRep
 from policies.actor import POLICY_ACTOR_NAME, POLICY_NAMESPACE, get_or_create_policy_actor, kill_policy_actor
 from policies.decision import PolicySettings, policy_actor_name
 from policies.replicas import ScalingThresholds
+from tests.local_server import stop_test_cluster
 
 pytestmark = pytest.mark.ray
 SETTINGS = PolicySettings(target_bounds=(1, 3), draft_bounds=(1, 3), thresholds=ScalingThresholds(cooldown_s=0.0),
@@ -73,9 +74,7 @@ def cluster():
     ray.init(num_cpus=4, configure_logging=False, log_to_driver=False)
     actor = get_or_create_policy_actor(SETTINGS)
     yield actor
-    kill_policy_actor()
-    serve.shutdown()
-    ray.shutdown()
+    stop_test_cluster()
 
 
 def decision(actor) -> PolicyDecision:
