@@ -13,7 +13,6 @@ from cluster.messages import ClassReport, EngineStats, PolicyDecision, RouterRep
 from policies.actor import POLICY_ACTOR_NAME, POLICY_NAMESPACE, get_or_create_policy_actor, kill_policy_actor
 from policies.decision import PolicySettings, policy_actor_name
 from policies.replicas import ScalingThresholds
-from tests.local_server import stop_test_cluster
 
 pytestmark = pytest.mark.ray
 SETTINGS = PolicySettings(target_bounds=(1, 3), draft_bounds=(1, 3), thresholds=ScalingThresholds(cooldown_s=0.0),
@@ -70,11 +69,13 @@ class Reporter:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    ray.init(num_cpus=4, configure_logging=False, log_to_driver=False)
+def cluster(tiny_pair_server):
+    """The default application's policy actor, on the shared served tiny pair's cluster (whose own
+    app, model "tiny-pair", has an actor of another name); removed after, leaving the cluster as
+    it was."""
     actor = get_or_create_policy_actor(SETTINGS)
     yield actor
-    stop_test_cluster()
+    kill_policy_actor()
 
 
 def decision(actor) -> PolicyDecision:
