@@ -66,10 +66,10 @@ def stop_test_cluster() -> None:
     """End the test's local Ray cluster, and every process on it, at once.
 
     Why not stop_local: Serve's own shutdown deletes each application and waits out every
-    replica's graceful drain, about 10 s a module on this box, where a test's cluster has nothing
-    left to drain and ray.shutdown ends its processes anyway (Serve forgets a client of a stopped
-    cluster, so the next module starts afresh). The real stop is tested where it matters:
-    `specserve serve` under SIGTERM (tests/test_sigterm.py)."""
+    replica's graceful drain (docs/testing.md has what that costs a module), where a test's
+    cluster has nothing left to drain and ray.shutdown ends its processes anyway (Serve forgets a
+    client of a stopped cluster, so the next module starts afresh). The real stop is tested where
+    it matters: `specserve serve` under SIGTERM (tests/test_sigterm.py)."""
     ray.shutdown()
 
 
