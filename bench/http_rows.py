@@ -133,7 +133,8 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict, prompt
         server_ttft_s=None if server_ttft_ms is None else server_ttft_ms / 1000,
         median_hops_s=_seconds(spec.get("median_hops_ms")), median_router_s=_seconds(spec.get("median_router_ms")),
         finish_reason=(final.get("choices") or [{}])[0].get("finish_reason"), output_text="".join(pieces),
-        round_stages_ms=spec.get("round_stages_ms"))
+        round_stages_ms=spec.get("round_stages_ms"), cache_hits=spec.get("pipelined_rounds", 0),
+        cache_misses=spec.get("speculation_cache_misses", 0))
     return record, started, ended
 
 
@@ -186,5 +187,8 @@ def run_level(url: str, bodies: list[tuple[str, dict]], concurrency: int) -> dic
         "ttft_p50_ms": percentile(ttfts_ms, 50), "ttft_p95_ms": percentile(ttfts_ms, 95),
         "acceptance_rate": sum(r.num_accepted for r in records) / drafted if drafted else None,
         "mean_draft_tokens": drafted / rounds if rounds else 0.0,
+        "tokens_per_pass": tokens / max(1, sum(r.target_passes for r in records)),
+        "cache_hit_share": hits / (hits + misses) if (hits := sum(r.cache_hits for r in records)) +
+        (misses := sum(r.cache_misses for r in records)) else None,
         "records": [r.to_dict() for r in records],
     }

@@ -16,6 +16,8 @@ Variants (`--variants`):
 - `adaptive`: the configured adaptive depth policy
 - any variant with `-token`: the same with speculation.verification "token" (block is the default;
   docs/block-verification.md), e.g. `adaptive,adaptive-token --mode sampled`
+- any variant with `-plain`: the same with speculation.fan_out 0, plain rounds without the
+  speculation cache (docs/speculation-cache.md), e.g. `adaptive,adaptive-plain`
 
 `--interleave N` runs the variants side by side instead: every variant is its own Serve
 application (own route, own model name, own engines and policy actor) in ONE cluster, and each
@@ -53,6 +55,9 @@ def variant_config(base: SpecServeConfig, variant: str, num_draft_tokens: int, p
     data = base.model_dump(mode="json")
     data["http"] = {"host": "127.0.0.1", "port": port}
     spec = data["speculation"]
+    if variant.endswith("-plain"):
+        spec["fan_out"] = 0
+        variant = variant.removesuffix("-plain")
     if variant.endswith("-token"):
         spec["verification"] = "token"
         variant = variant.removesuffix("-token")
@@ -240,7 +245,7 @@ def mean_level(same: list[dict]) -> dict:
     rest (engines, concurrency) from the first; per-request records dropped."""
     row = {key: value for key, value in same[0].items() if key != "records"}
     for key in ("tokens_per_s", "latency_p50_ms", "latency_p95_ms", "ttft_p50_ms", "ttft_p95_ms",
-                "acceptance_rate", "mean_draft_tokens", "overhead_ms"):
+                "acceptance_rate", "mean_draft_tokens", "overhead_ms", "tokens_per_pass", "cache_hit_share"):
         values = [other[key] for other in same if other.get(key) is not None]
         row[key] = sum(values) / len(values) if values else None
     row["num_requests"] = sum(other["num_requests"] for other in same)
@@ -253,8 +258,9 @@ def render_markdown(result: dict) -> str:
              f"- command: `{result['command']}`",
              f"- machine: {result['machine']}", "",
              "| variant | streams | requests | tok/s | × 1 stream | p50 latency ms | p95 latency ms | p50 TTFT ms "
-             "| p95 TTFT ms | accept | mean K | overhead ms/round | target batch | draft batch | target busy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| p95 TTFT ms | accept | mean K | tokens/pass | cache hits | overhead ms/round | target batch "
+             "| draft batch | target busy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def fmt(value, digits=1):
         return "n/a" if value is None else f"{value:.{digits}f}"
@@ -268,6 +274,7 @@ def render_markdown(result: dict) -> str:
                 fmt(level["tokens_per_s"] / single if single else None, 2) + "×", fmt(level["latency_p50_ms"], 0),
                 fmt(level["latency_p95_ms"], 0), fmt(level["ttft_p50_ms"], 0), fmt(level["ttft_p95_ms"], 0),
                 fmt(level["acceptance_rate"], 3), fmt(level.get("mean_draft_tokens"), 2),
+                fmt(level.get("tokens_per_pass"), 2), fmt(level.get("cache_hit_share"), 2),
                 fmt(level.get("overhead_ms"), 2), fmt(engines.get("target", {}).get("mean_batch_size"), 2),
                 fmt(engines.get("draft", {}).get("mean_batch_size"), 2),
                 fmt(engines.get("target", {}).get("busy_share"), 2)]) + " |")
@@ -337,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
         print(render_markdown(combined))
         return
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = sorted({v.removesuffix("-token") for v in variants} - set(VARIANTS))
+    unknown = sorted({v.removesuffix("-plain").removesuffix("-token") for v in variants} - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {VARIANTS}")
     levels = [int(c) for c in args.concurrency.split(",")]

@@ -8,6 +8,7 @@ A greedy answer is the target's argmax ids; a sampled one is O(K) numbers
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -151,10 +152,8 @@ def greedy_emitted(draft_token_ids: Sequence[int], target_token_ids: Sequence[in
 
 def token_logprobs(token_ids: Sequence[int], logprob_rows: torch.Tensor | np.ndarray,
                    num_alternatives: int) -> list[dict]:
-    """Per committed token: its log-probability under the target's raw distribution and the
-    num_alternatives most likely (id, log-probability) pairs. Token i was emitted from row i of
-    the verify that committed it (accepted draft tokens, then the recovered or bonus token), so
-    the rows the target computed for verification serve as they are: no extra forward."""
+    """Per token: its log-probability under dense log-probability rows (token i at row i) and the
+    num_alternatives most likely (id, log-probability) pairs (the prompt's entries, on the engine)."""
     rows = as_tensor(logprob_rows)
     entries = []
     for i, token in enumerate(token_ids):
@@ -162,3 +161,40 @@ def token_logprobs(token_ids: Sequence[int], logprob_rows: torch.Tensor | np.nda
         entries.append({"token_id": int(token), "logprob": float(rows[i, token]),
                         "top": [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))})
     return entries
+
+
+@dataclass(frozen=True)
+class LogprobEntries:
+    """What a logprobs request's verify carries beside its answer: per row of the verify, the raw
+    distribution's num_alternatives most likely (id, log-probability) pairs, and the
+    log-probabilities of the tokens that row may commit (the drafted token there, and the target's
+    own: its argmax, or its recovered or bonus draw). O(K x N) numbers instead of [K+1, V] rows: the
+    owner does not know yet which token each row commits, but it is one of these."""
+
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+    may_commit: list[dict[int, float]]
+
+    @staticmethod
+    def of(logits: torch.Tensor, num_alternatives: int, may_commit: Sequence[Sequence[int]]) -> "LogprobEntries":
+        """From a verify's raw logits [rows, V] and each row's possible tokens."""
+        rows = torch.log_softmax(logits.float(), dim=-1)
+        top = torch.topk(rows, num_alternatives, dim=-1) if num_alternatives else None
+        return LogprobEntries(
+            [] if top is None else top.indices.tolist(), [] if top is None else top.values.tolist(),
+            [{int(token): float(rows[i, int(token)]) for token in tokens} for i, tokens in enumerate(may_commit)])
+
+    def entries(self, token_ids: Sequence[int]) -> list[dict]:
+        """Per committed token (token i from row i): its log-probability and the top pairs."""
+        return [{"token_id": int(token), "logprob": self.may_commit[i][int(token)],
+                 "top": list(zip(self.top_ids[i], self.top_logprobs[i])) if self.top_ids else []}
+                for i, token in enumerate(token_ids)]
+
+
+def tokens_each_row_may_commit(proposal: Proposal, answer: TargetNumbers | Sequence[int]) -> list[list[int]]:
+    """For a verify of proposal's K tokens answered with answer (`verify_answer`), the tokens row i
+    may commit: d_(i+1) if accepted, else the target's own token (its argmax, or its recovered
+    draw; the bonus after the last draft token)."""
+    drafted = list(proposal.token_ids)
+    own = list(answer) if not isinstance(answer, TargetNumbers) else [*answer.recovered, answer.bonus]
+    return [([drafted[i]] if i < len(drafted) else []) + [int(own[i])] for i in range(len(drafted) + 1)]

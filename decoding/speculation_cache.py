@@ -113,11 +113,13 @@ def may_continue(predraft: Predraft, history: Sequence[int]) -> bool:
 
 
 def block_of(predraft: Predraft, drafted: Proposal, num_tokens: int) -> Proposal:
-    """The proposal a hit answers: predraft's block cut to num_tokens (without its guess)."""
+    """The proposal a hit answers: predraft's block cut to num_tokens (without its guess), its q
+    rows and candidates cut alike (the next pre-drafts start from its candidates)."""
     start = 1 if predraft.guesses_next else 0
     stop = min(len(drafted.token_ids), start + num_tokens)
     support = None if drafted.support is None else drafted.support.rows(start, stop)
-    return replace(drafted, token_ids=list(drafted.token_ids[start:stop]), support=support, candidates=None)
+    candidates = None if drafted.candidates is None else drafted.candidates[start:stop]
+    return replace(drafted, token_ids=list(drafted.token_ids[start:stop]), support=support, candidates=candidates)
 
 
 def tokens_thrown_away(predraft: Predraft, drafted: Proposal | None, used: Proposal | None) -> int:

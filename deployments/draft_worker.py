@@ -240,6 +240,11 @@ class DraftEngine(EngineCore):
             return None, thrown_away + self._drop([maybe])
         used = replace(block_of(maybe.predraft, drafted, num_tokens), cached=True)
         await self.loop.between_iterations()
+        try:
+            self.released.check(seq_id)   # released while it waited: no KV may be adopted for it
+        except Exception:
+            self._drop([maybe])
+            raise
         self.runner.adopt(seq_id, maybe.seq_id)   # its KV holds history and the block: the next pre-drafts fork it
         self.generators.pop(maybe.seq_id, None)
         self.idle.forget(maybe.seq_id)

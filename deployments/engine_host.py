@@ -21,7 +21,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import ray
 import torch
 from ray.util import get_current_placement_group
@@ -60,14 +59,6 @@ def spawn_engine(engine_class: type, num_cpus: float, num_gpus: float, resources
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement_group=placement_group, placement_group_bundle_index=ENGINE_BUNDLE_INDEX)
     return ray.remote(engine_class).options(**options).remote(*args)
-
-
-def to_wire(rows: torch.Tensor) -> list[int] | np.ndarray:
-    """Ids as a list, probability rows as a numpy array: a torch tensor costs far more to pickle
-    and unpickle than either (docs/transport.md), paid every round."""
-    if rows.dtype.is_floating_point:
-        return rows.cpu().numpy()
-    return rows.tolist()
 
 
 def timed_forward(runner: Any, calls: list[ForwardCall]) -> tuple[list[torch.Tensor], CostSample]:

@@ -12,14 +12,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from decoding.sequence import RequestState
-from decoding.speculation import token_logprobs
+from decoding.speculation import LogprobEntries
 
 
-def step_chunk(state: RequestState, committed: list[int], logprob_rows=None) -> dict:
-    """The chunk for tokens one step committed: their text delta and, if asked, their logprobs."""
+def step_chunk(state: RequestState, committed: list[int], logprobs: LogprobEntries | None = None) -> dict:
+    """The chunk for tokens one step committed: their text delta and, if asked, their logprobs
+    (the verify's entries for them, computed on the target engine)."""
     chunk = {"text": state.take_text_delta(), "token_ids": committed, "finish_reason": state.finish_reason}
-    if logprob_rows is not None:
-        chunk["logprobs"] = token_logprobs(committed, logprob_rows, state.params.logprobs)
+    if logprobs is not None:
+        chunk["logprobs"] = logprobs.entries(committed)
     return chunk
 
 

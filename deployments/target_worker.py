@@ -17,8 +17,9 @@ from decoding.model_runner import SequenceStateError
 from decoding.proposers import Proposal, empty_proposal
 from decoding.sampling import SamplingParams, make_generator, verify_seed
 from decoding.scheduler import CallShape, Schedule
-from decoding.speculation import target_rows, token_logprobs, verify_answer
-from deployments.engine_host import EngineCore, EngineHost, StepOutput, timed_forward, to_wire
+from decoding.speculation import (LogprobEntries, target_rows, token_logprobs, tokens_each_row_may_commit,
+                                  verify_answer)
+from deployments.engine_host import EngineCore, EngineHost, StepOutput, timed_forward
 
 
 @dataclass(frozen=True)
@@ -143,8 +144,9 @@ class TargetEngine(EngineCore):
             processed = verify_answer(processed, call.proposal, self._generator(call), call.verification)
             if call.params.logprobs is None:
                 results[index] = processed
-            else:  # the raw distribution's log-probabilities, for the tokens the router will emit
-                results[index] = (processed, to_wire(torch.log_softmax(rows.float(), dim=-1)))
+            else:  # the raw distribution's log-probabilities of the tokens the router may emit, and the top N
+                results[index] = (processed, LogprobEntries.of(
+                    rows, call.params.logprobs, tokens_each_row_may_commit(call.proposal, processed)))
             if prompt_entries is not None:
                 results[index] = (results[index], prompt_entries)
             if call.capture_top_k is not None:

@@ -110,7 +110,7 @@ class Decider:
         fan_out = fan_out_under_load(self.settings.fan_out, load.pools.get("draft"), self.settings.thresholds)
         if fan_out != self.settings.fan_out:
             reasons.append(f"fan-out {fan_out} of {self.settings.fan_out}: draft pool busy "
-                           f"{load.pools['draft'].busy_share:.0%}")
+                           f"{load.pools['draft'].busy_share_all:.0%} with pre-drafts")
         candidate = PolicyDecision(depths, wanted.get("target"), wanted.get("draft"), previous.version,
                                    reasons + replica_reasons, goodput, fan_out)
         if not candidate.same_choice(previous):

@@ -102,8 +102,8 @@ class RoundWallFit:
 
     Why not the engines' own seconds (RoundCosts): the draft engine pre-drafts the next block
     while the target verifies (decoding.speculation_cache), so a round's draft time hides behind
-    the verify on a hit and is paid on a miss; pre-drafts share the CPU with the verify; the verify itself grows with K. None of that is in "K draft steps + one target
-    pass", and on a CPU box a wall-clock draft token costs several times its engine seconds
+    the verify on a hit and is paid on a miss; pre-drafts share the CPU with the verify; the
+    verify itself grows with K. None of that is in "K draft steps + one target pass", and on a CPU box a wall-clock draft token costs several times its engine seconds
     (docs/depth-and-autoscaling.md has the measurements and the A/B against engine seconds).
     Least squares with exponential forgetting follows the box as it drifts; until
     K has varied enough to tell a slope from noise (`min_k_spread`, the weighted standard deviation

@@ -2,11 +2,11 @@
 
 Pre-drafts are optional work on the draft pool: on a hit they take the draft off the round's
 critical path, but every block pre-drafted costs draft forwards whether it is used or not. While
-the draft pool has room, the configured fan-out costs nothing the rounds wait on; as the pool's
-busy share from work the rounds wait on (proposes and prefills, not pre-drafts:
-policies.load._busy_share) climbs towards saturation, the pre-drafts would delay those calls, so
-the fan-out shrinks linearly to 0 (plain rounds). The thresholds are where the draft pool's own
-autoscaling acts (policies.replicas.ScalingThresholds): fan-out gives way before replicas are added.
+the draft devices have room, the configured fan-out costs nothing the rounds wait on; as their busy
+share (pre-drafts included: PoolLoad.busy_share_all) climbs towards saturation, pre-drafts would
+delay the calls rounds wait on, so the fan-out shrinks linearly to 0 (plain rounds). Pre-drafts
+count as idle in the share that scales the pool (busy_share): optional work gives way before
+replicas are added. The thresholds are the autoscaler's (policies.replicas.ScalingThresholds).
 docs/speculation-cache.md has the measurements.
 """
 
@@ -17,13 +17,15 @@ from policies.replicas import PoolLoad, ScalingThresholds
 
 def fan_out_under_load(configured: int, draft: PoolLoad | None,
                        thresholds: ScalingThresholds = ScalingThresholds()) -> int:
-    """The fan-out for the draft pool's load: configured below thresholds.busy_low, 0 at or above
-    thresholds.busy_high, linear between; configured when the pool has not reported."""
+    """The fan-out for the draft pool's load: configured while its busy share (pre-drafts
+    included) is at most thresholds.busy_low, 0 at or above thresholds.busy_high, linear between;
+    configured when the pool has not reported."""
     if configured <= 0 or draft is None:
         return max(configured, 0)
+    share = draft.busy_share if draft.busy_share_all is None else draft.busy_share_all
     low, high = thresholds.busy_low, thresholds.busy_high
-    if draft.busy_share <= low:
+    if share <= low:
         return configured
-    if draft.busy_share >= high:
+    if share >= high:
         return 0
-    return int(configured * (high - draft.busy_share) / (high - low))
+    return int(configured * (high - share) / (high - low))

@@ -52,6 +52,7 @@ class _EngineSeen:
     at: float
     stats: EngineStats
     busy_share: float
+    busy_share_all: float   # pre-drafts counted too
 
 
 @dataclass
@@ -61,14 +62,18 @@ class _RouterSeen:
     history: deque = field(default_factory=deque)  # (time, {class: ClassReport}) within the window
 
 
-def _busy_share(previous: EngineStats | None, current: EngineStats) -> float:
+def _busy_share(previous: EngineStats | None, current: EngineStats, optional_work: bool = False) -> float:
     """Share of wall time in forwards the rounds wait on: a draft engine's pre-drafts (optional
-    work, dropped first under load) count as idle, so they neither scale the pool nor throttle
-    themselves."""
-    busy, idle = current.busy_s - current.speculative_s, current.idle_s + current.speculative_s
+    work, dropped first under load) count as idle, so they never scale the pool up. With
+    optional_work, they count as busy: how full the device is (the fan-out's signal)."""
+    def split(stats: EngineStats) -> tuple[float, float]:
+        optional = 0.0 if optional_work else stats.speculative_s
+        return stats.busy_s - optional, stats.idle_s + optional
+
+    busy, idle = split(current)
     if previous is not None:
-        d_busy = busy - (previous.busy_s - previous.speculative_s)
-        d_idle = idle - (previous.idle_s + previous.speculative_s)
+        before_busy, before_idle = split(previous)
+        d_busy, d_idle = busy - before_busy, idle - before_idle
         if d_busy >= 0 and d_idle >= 0 and d_busy + d_idle > 0:  # same engine, counters moved
             return d_busy / (d_busy + d_idle)
     return busy / (busy + idle) if busy + idle > 0 else 0.0
@@ -103,8 +108,9 @@ class LoadTracker:
     def add_engine(self, stats: EngineStats, now: float) -> None:
         key = (stats.pool, stats.replica)
         seen = self._engines.get(key)
-        share = _busy_share(seen.stats if seen else None, stats)
-        self._engines[key] = _EngineSeen(now, stats, share)
+        previous = seen.stats if seen else None
+        self._engines[key] = _EngineSeen(now, stats, _busy_share(previous, stats),
+                                         _busy_share(previous, stats, optional_work=True))
         samples = self._samples.setdefault(stats.pool, deque(maxlen=POOL_COST_SAMPLES_KEPT))
         samples.extend((float(tokens), float(seconds)) for tokens, seconds in stats.cost_samples)
 
@@ -146,7 +152,8 @@ class LoadTracker:
             seen = [s for (p, _), s in self._engines.items() if p == pool]
             pools[pool] = PoolLoad(replicas=len(seen),
                                    busy_share=sum(s.busy_share for s in seen) / len(seen),
-                                   queue_depth=sum(s.stats.queue_depth for s in seen) / len(seen))
+                                   queue_depth=sum(s.stats.queue_depth for s in seen) / len(seen),
+                                   busy_share_all=sum(s.busy_share_all for s in seen) / len(seen))
             sequences[pool] = sum(s.stats.sequences for s in seen)
         by_class_active: dict[str, int] = {c: 0 for c in REQUEST_CLASSES}
         for seen in self._routers.values():

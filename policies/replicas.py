@@ -31,8 +31,11 @@ class PoolLoad:
     """One pool over the last report interval, from its engines' own statistics."""
 
     replicas: int          # engines reporting
-    busy_share: float      # fraction of wall time in forwards, mean over engines (0..1)
+    busy_share: float      # fraction of wall time in forwards the rounds wait on, mean over engines (0..1)
     queue_depth: float     # calls waiting for a batch, mean per engine
+    # busy_share with the draft's optional pre-drafts counted too: how full the device really is
+    # (what the speculation cache's fan-out answers to, policies.fan_out)
+    busy_share_all: float | None = None
 
 
 @dataclass(frozen=True)

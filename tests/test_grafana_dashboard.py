@@ -13,6 +13,7 @@ DASHBOARD = Path(__file__).resolve().parents[1] / "monitoring" / "specserve_graf
 SERVE_METRICS = {"ray_serve_deployment_replica_healthy", "ray_serve_http_request_latency_ms_bucket"}
 METRIC_NAME = re.compile(r"\bray_[a-zA-Z0-9_]+")
 PANELS_WANTED = ["Throughput", "Acceptance", "Wasted", "utilisation", "bubbles", "batch size", "depth K",
+                 "Speculation cache",
                  "Replicas per pool", "Time to first token", "Request latency"]
 
 

@@ -152,8 +152,8 @@ def sample_joint(pair, params: SamplingParams, seeds: range) -> tuple[list[tuple
         draft, target = new_engines(pair, CONCURRENCY)
         outputs, hits = [], []
         for start in range(0, len(seeds), CONCURRENCY):
-            states = [RequestState(f"s{seed}", list(PROMPTS[0]), params.model_copy(update={"seed": seed}), eos_token_id=None,
-                                   max_context=256) for seed in seeds[start:start + CONCURRENCY]]
+            states = [RequestState(f"s{seed}", list(PROMPTS[0]), params.model_copy(update={"seed": seed}),
+                                   eos_token_id=None, max_context=256) for seed in seeds[start:start + CONCURRENCY]]
             picks = choices[start:start + CONCURRENCY]
             hits += await asyncio.gather(*[
                 decode(draft, target, state, JOINT_K, lambda r, pick=pick: FAN_OUTS[pick[r]])

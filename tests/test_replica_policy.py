@@ -123,12 +123,31 @@ def test_busy_share_is_measured_between_reports_not_over_the_lifetime():
     assert tracker.snapshot(2.0).pools["target"].busy_share == pytest.approx(0.0)
 
 
+def test_pre_drafts_count_as_idle_for_scaling_and_as_busy_for_the_fan_out():
+    """A draft engine busy 90% of a second, 60 points of it pre-drafting only: the pool reads 30%
+    busy to the autoscaler (optional work never adds replicas) and 90% to the fan-out, which then
+    gives way; a draft pool with room keeps the configured fan-out."""
+    from dataclasses import replace
+
+    from policies.fan_out import fan_out_under_load
+
+    tracker = LoadTracker()
+    tracker.add_engine(engine("draft", "a", busy_s=10.0, idle_s=10.0), now=0.0)
+    tracker.add_engine(replace(engine("draft", "a", busy_s=10.9, idle_s=10.1), speculative_s=0.6), now=1.0)
+    pool = tracker.snapshot(1.0).pools["draft"]
+    assert pool.busy_share == pytest.approx(0.3) and pool.busy_share_all == pytest.approx(0.9)
+    assert fan_out_under_load(3, pool) == 0
+    assert fan_out_under_load(3, PoolLoad(1, 0.1, 0.0, busy_share_all=0.2)) == 3
+    assert 0 < fan_out_under_load(4, PoolLoad(1, 0.1, 0.0, busy_share_all=0.5)) < 4
+    assert fan_out_under_load(3, None) == 3 and fan_out_under_load(0, pool) == 0
+
+
 def test_pool_load_averages_engines_and_sums_sequences():
     tracker = LoadTracker()
     tracker.add_engine(engine("target", "a", 1.0, 1.0, queue_depth=4), now=0.0)
     tracker.add_engine(engine("target", "b", 0.0, 2.0, queue_depth=0), now=0.0)
     load = tracker.snapshot(0.5)
-    assert load.pools["target"] == PoolLoad(replicas=2, busy_share=0.25, queue_depth=2.0)
+    assert load.pools["target"] == PoolLoad(replicas=2, busy_share=0.25, queue_depth=2.0, busy_share_all=0.25)
     assert load.sequences["target"] == 6
 
 

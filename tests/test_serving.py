@@ -352,7 +352,8 @@ def test_logprobs_are_the_targets_raw_log_probabilities(server, client):
     for _ in generate(runner, state):
         pass
     output_ids = state.output_ids
-    reference = torch.log_softmax(runner.forward("lp-ref", prompt_ids + output_ids, len(output_ids)), dim=-1)
+    # Row i of a forward over prompt + output[:-1] is the distribution output[i] was drawn from.
+    reference = torch.log_softmax(runner.forward("lp-ref", prompt_ids + output_ids[:-1], len(output_ids)), dim=-1)
 
     response = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0, logprobs=3)
     logprobs = response.choices[0].logprobs
@@ -377,6 +378,15 @@ def test_logprobs_are_the_targets_raw_log_probabilities(server, client):
     values = [lp for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
               for lp in chunk.choices[0].logprobs.token_logprobs]
     assert values == pytest.approx(logprobs.token_logprobs, abs=1e-6)
+    # Sampled: every token committed (accepted draft, recovered or bonus draw) has its entry, the
+    # target's raw log-probability at its position.
+    sampled = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=1.0, seed=3,
+                                        logprobs=2, extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    sampled_ids = [int(token.removeprefix("token_id:")) for token in sampled.logprobs.tokens]
+    raw = torch.log_softmax(runner.forward("lp-sampled", prompt_ids + sampled_ids[:-1], len(sampled_ids)), dim=-1)
+    assert len(sampled_ids) == 16
+    assert sampled.logprobs.token_logprobs == pytest.approx(
+        [float(raw[i, token]) for i, token in enumerate(sampled_ids)], abs=1e-3)
     _assert_no_leftovers()
 
 

@@ -39,6 +39,28 @@ def test_token_logprobs_read_each_committed_token_from_its_own_row():
     assert token_logprobs([3], rows, 0)[0]["top"] == []
 
 
+def test_a_verify_carries_the_entries_of_the_tokens_each_row_may_commit_not_its_rows():
+    """O(K x N) logprobs: per row the top N and the log-probabilities of the drafted token and of
+    the target's own (argmax, recovered or bonus): whatever the owner commits is among them."""
+    from decoding.compact_verify import TargetNumbers
+    from decoding.proposers import Proposal
+    from decoding.speculation import LogprobEntries, token_logprobs, tokens_each_row_may_commit
+
+    logits = torch.tensor([[3.0, 1.0, 0.0, -1.0], [0.0, 2.0, 1.0, 0.5], [1.0, 1.0, 4.0, 0.0]])
+    dense = torch.log_softmax(logits, dim=-1)
+    proposal = Proposal([0, 3], None)
+    greedy = tokens_each_row_may_commit(proposal, [0, 1, 2])          # d1 kept, d2 rejected for 1, bonus 2
+    assert greedy == [[0, 0], [3, 1], [2]]
+    sampled = tokens_each_row_may_commit(proposal, TargetNumbers([0.5, 0.1], [0.0, 0.2], [2, 1], 3))
+    assert sampled == [[0, 2], [3, 1], [3]]
+    entries = LogprobEntries.of(logits, 2, greedy)
+    for committed in ([0, 1], [0, 3, 2]):
+        assert entries.entries(committed) == token_logprobs(committed, dense, 2)
+    assert LogprobEntries.of(logits, 0, greedy).entries([0])[0]["top"] == []
+    with pytest.raises(KeyError):   # a token no row may commit has no entry: a protocol error, not a guess
+        entries.entries([1])
+
+
 def test_greedy_on_plain_lists_emits_what_greedy_verify_emits():
     generator = torch.Generator().manual_seed(3)
     for _ in range(500):

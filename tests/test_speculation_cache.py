@@ -59,10 +59,11 @@ def test_a_block_continues_exactly_its_history_and_a_bonus_block_only_when_its_g
 def test_a_hit_is_cut_to_the_rounds_depth_and_its_q_rows_follow_its_tokens():
     ids = np.arange(4 * 3).reshape(4, 3)
     probs = np.arange(4 * 3, dtype=np.float32).reshape(4, 3)
-    drafted = Proposal([13, 14, 15, 16], DraftSupport(ids, probs), draft_version=2, candidates=[[1]] * 4)
+    drafted = Proposal([13, 14, 15, 16], DraftSupport(ids, probs), draft_version=2,
+                       candidates=[[13, 1], [14, 2], [15, 3], [16, 4]])
     bonus = Predraft(HISTORY + tuple(BLOCK), guesses_next=True)
     used = block_of(bonus, drafted, 2)
-    assert used.token_ids == [14, 15] and used.draft_version == 2 and used.candidates is None
+    assert used.token_ids == [14, 15] and used.draft_version == 2 and used.candidates == [[14, 2], [15, 3]]
     np.testing.assert_array_equal(used.support.ids, ids[1:3])
     np.testing.assert_array_equal(used.support.probs, probs[1:3])
     plain = block_of(Predraft(HISTORY + (20,)), drafted, 9)
