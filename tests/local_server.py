@@ -11,9 +11,9 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
-from cluster.config import SpecServeConfig
 import ray
 
+from cluster.config import SpecServeConfig
 from cluster.local import start_local, wait_healthy
 from tests.tiny_pair import make_tiny_pair, tiny_pair_config
 
