@@ -1,7 +1,14 @@
 """Bytes per request-round crossing processes: the pickled size of what each engine call sends
-and returns, greedy and sampled, by context length and vocabulary size.
+and returns, greedy and sampled, by context length and vocabulary size; and the seconds the round
+protocol's own work takes besides the forwards (`--timing`).
 
-    python -m bench.round_bytes [--out bench/results/round-bytes.md]
+    python -m bench.round_bytes [--timing] [--out bench/results/round-bytes.md]
+
+Timing (medians of repeated rounds, this machine): the draft engine turning K rows of logits into
+its answer (q cut to draft_top_k, tokens drawn), the target engine turning K + 1 rows into its
+answer (row processing, p at the drafted tokens, residual and bonus draws), the router building the
+round's two calls and verifying the answer (`accept_round`), and pickling + unpickling every message
+(what Ray's serialisation costs, transport aside).
 
 No Ray and no model: the router's own message-building code (deployments.request_engines) is
 driven against stand-in engine handles that keep what each `.remote` call was given, and the
@@ -15,7 +22,10 @@ the draft's answer (the block goes draft -> target directly), the target answers
 from __future__ import annotations
 
 import argparse
+import os
 import pickle
+import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +37,7 @@ from decoding.compact_verify import DraftSupport, draft_support, sample_from_sup
 from decoding.proposers import Proposal
 from decoding.sampling import SamplingParams, logits_to_probs, make_generator
 from decoding.sequence import RequestState
-from decoding.speculation import target_rows, verify_answer
+from decoding.speculation import accept_round, target_rows, verify_answer
 from deployments.request_engines import RequestEngines
 
 NUM_DRAFT_TOKENS = 4
@@ -112,6 +122,48 @@ def round_bytes(context_len: int, vocab_size: int, params: SamplingParams) -> di
             "target->router rows": pickled_size(verify_answer)}
 
 
+def round_seconds(context_len: int, vocab_size: int, params: SamplingParams, repeats: int = 30) -> dict[str, float]:
+    """Median seconds of each part of one steady-state round's protocol work (module docstring)."""
+    torch.manual_seed(0)
+    prompt_len = context_len // 2
+    history = torch.randint(0, vocab_size, (context_len,)).tolist()
+    draft_logits, target_logits = torch.randn(NUM_DRAFT_TOKENS, vocab_size), torch.randn(NUM_DRAFT_TOKENS + 1,
+                                                                                          vocab_size)
+    parts: dict[str, list[float]] = {"draft answer": [], "target answer": [], "router": [], "pickling": []}
+    for _ in range(repeats):
+        state = RequestState("cmpl-bench", history[:prompt_len], params, eos_token_id=None, max_context=1 << 20)
+        state.output_ids = history[prompt_len:]
+        engines = RequestEngines(None, None, LimitsSpec())
+        engines.draft, engines.target = RecordingHandle(), RecordingHandle()
+        started = time.perf_counter()
+        proposal, span = draft_reply(draft_logits, params)
+        drafted = time.perf_counter()
+        answer, _ = target_reply(target_logits, params, proposal)
+        answered = time.perf_counter()
+        engines.send_verify(state, None, engines.propose(state, NUM_DRAFT_TOKENS))
+        accept_round(state, proposal, answer, SpeculationSpec().verification)
+        routed = time.perf_counter()
+        for message in ((proposal, span), (answer, span)):
+            pickle.loads(pickle.dumps(message, protocol=5))
+        pickled = time.perf_counter()
+        for part, seconds in zip(parts, (drafted - started, answered - drafted, routed - answered,
+                                         pickled - routed)):
+            parts[part].append(seconds)
+    return {part: statistics.median(values) for part, values in parts.items()}
+
+
+def timing_table() -> list[str]:
+    lines = ["| class | context | V | draft answer ms | target answer ms | router ms | pickling ms | total ms |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, params in CLASSES.items():
+        for context_len in CONTEXTS:
+            for vocab_size in VOCABS:
+                parts = round_seconds(context_len, vocab_size, params)
+                cells = " | ".join(f"{1e3 * seconds:.2f}" for seconds in parts.values())
+                lines.append(f"| {name} | {context_len} | {vocab_size} | {cells} | {1e3 * sum(parts.values()):.2f} |")
+    return lines
+
+
 def table() -> list[str]:
     short = ["propose", "proposal (to router)", "proposal (to target)", "verify", "verify answer"]
     lines = [f"| class | context | V | {' | '.join(short)} | total |", "|---|---|---|" + "---|" * (len(short) + 1)]
@@ -135,13 +187,18 @@ def human(num_bytes: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--timing", action="store_true", help="also time the protocol's work per round")
     args = parser.parse_args()
     spec = SpeculationSpec()
-    report = "\n".join([f"Pickled bytes per request-round (K={NUM_DRAFT_TOKENS}, the verify chained to the draft's "
-                        "answer; sampled: temperature 0.8, no top-k/top-p, "
-                        f"speculation.draft_top_k={spec.draft_top_k}, verification={spec.verification!r}), "
-                        "`python -m bench.round_bytes`", "",
-                        *table(), ""])
+    command = "`python -m bench.round_bytes" + (" --timing`" if args.timing else "`")
+    lines = [f"Pickled bytes per request-round (K={NUM_DRAFT_TOKENS}, the verify chained to the draft's "
+             "answer; sampled: temperature 0.8, no top-k/top-p, "
+             f"speculation.draft_top_k={spec.draft_top_k}, verification={spec.verification!r}), {command}", "",
+             *table(), ""]
+    if args.timing:
+        lines += ["Protocol work per request-round besides the forwards, median of 30 rounds, ms (module docstring; "
+                  f"load average at start {os.getloadavg()[0]:.1f}):", "", *timing_table(), ""]
+    report = "\n".join(lines)
     print(report)
     if args.out is not None:
         args.out.write_text(report)

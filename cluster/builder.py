@@ -16,6 +16,7 @@ from cluster.config import SpecServeConfig, WorkerResources
 from deployments.draft_worker import DraftWorker
 from deployments.engine_host import REPLICA_CPUS, engine_bundles
 from deployments.ingress import Ingress
+from deployments.prefix_router import ROUTER_CLASS_PATH as PREFIX_ROUTER_CLASS_PATH
 from deployments.router import Router
 from deployments.target_worker import TargetWorker
 from policies.decision import PolicySettings
@@ -25,6 +26,7 @@ IMPORT_PATH = "cluster.builder:app_builder"
 
 
 POOL_POLICY = "policies.autoscaling:PoolPolicy"
+ROUTING_STATS_PERIOD_S = 2.0  # how often Serve reads a target replica's engine load for routing
 
 
 def _replica_options(resources: WorkerResources, policy: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -76,7 +78,10 @@ def deployment_options(config: SpecServeConfig) -> dict[str, dict[str, Any]]:
     options = {
         "Ingress": _plain_options("Ingress", config.ingress),
         "Router": _plain_options("Router", config.router),
-        "TargetWorker": _worker_options("TargetWorker", config.target_workers, _pool_policy("target", config)),
+        "TargetWorker": {**_worker_options("TargetWorker", config.target_workers, _pool_policy("target", config)),
+                         # a request's target replica is the one likely to hold its prompt's prefix
+                         "request_router_config": {"request_router_class": PREFIX_ROUTER_CLASS_PATH,
+                                                   "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S}},
     }
     if config.uses_draft_workers:
         options["DraftWorker"] = _worker_options("DraftWorker", config.draft_workers, _pool_policy("draft", config))

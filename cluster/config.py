@@ -127,6 +127,10 @@ class SpeculationSpec(_Strict):
                          "while the target verifies a round, for the verification's likely outcomes (the speculation "
                          "cache, docs/speculation-cache.md); the policy actor lowers it as the draft pool fills. "
                          "0: plain rounds")
+    fan_out_max_batch: int = Field(1, ge=1, description="pre-draft only while a router has at most this many "
+                                   "requests in flight (Saguaro's batch-size fallback): where draft and target share "
+                                   "a device or a CPU, pre-drafts for a batch slow the target more than hits save "
+                                   "(docs/speculation-cache.md); raise it when the draft has its own GPU")
     draft_top_k: int = Field(64, ge=1, description="a sampled draft token is drawn from at most this many of its "
                              "row's most likely tokens (fewer where the request's top-k / top-p cut it shorter); "
                              "that q goes to the target as (ids, probs), so a round moves O(K) numbers, not [K, V] "
@@ -244,7 +248,10 @@ class DraftTrainingSpec(_Strict):
     capture_dir: str | None = Field(None, description="also persist captured rows here (users' traffic: "
                                     "unset, nothing is written); `specserve distill-draft --from-capture` reads it")
     versions_dir: str | None = Field(None, description="where trained draft versions are written before they "
-                                     "are offered; default: a fresh temporary directory")
+                                     "are offered; default: a fresh temporary directory. On several nodes, a path "
+                                     "every draft node reads (a shared volume)")
+    keep_versions: int = Field(3, ge=2, description="trained versions kept on disk (the newest, and always the "
+                               "serving one); older ones are deleted (a 1B draft is about 2.5 GB a version)")
     max_positions: int = Field(200_000, ge=1, description="captured drafted positions kept in memory (oldest go first)")
     sample_every: int = Field(4, ge=1, description="capture one verified round in this many")
     top_k: int = Field(32, ge=1, le=4096, description="target log-probabilities kept per drafted position "

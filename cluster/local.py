@@ -117,12 +117,8 @@ def check_port_free(host: str, port: int) -> None:
                                  "(e.g. SPECSERVE__HTTP__PORT=8001)") from None
 
 
-def start_local(config: SpecServeConfig, dashboard: bool = False, timeout_s: float = 300.0,
-                num_gpus: int | None = None) -> str:
+def start_local(config: SpecServeConfig, dashboard: bool = False, timeout_s: float = 300.0) -> str:
     """Start Ray + Serve + the app; block until /health answers; return the base URL.
-
-    num_gpus: the GPUs the Ray cluster it starts offers (None: Ray counts this machine's; tests
-    give a CPU box fake ones, which Ray places by as it would real ones).
 
     If anything after Ray starts fails (a deployment that cannot start, no health in time), what
     this call started is stopped before the error propagates: a failed start-up leaves no cluster
@@ -132,9 +128,8 @@ def start_local(config: SpecServeConfig, dashboard: bool = False, timeout_s: flo
     started_ray = not ray.is_initialized()
     if started_ray:
         try:
-            ray.init(num_cpus=logical_cpus_needed(config), num_gpus=num_gpus,
-                     resources=custom_resources_needed(config), include_dashboard=dashboard,
-                     _metrics_export_port=metrics_export_port(config),
+            ray.init(num_cpus=logical_cpus_needed(config), resources=custom_resources_needed(config),
+                     include_dashboard=dashboard, _metrics_export_port=metrics_export_port(config),
                      _system_config={**RAY_SYSTEM_CONFIG, **metrics_system_config(config)},
                      configure_logging=False, log_to_driver=False)
         except Exception as exc:  # Ray raises a bare Exception when its node does not come up

@@ -19,7 +19,7 @@ from deployments.naming import DRAFT_TRAINER_PREFIX, ENGINE_NAMESPACE, parse_eng
 POOL_DEPLOYMENTS = {"draft": "DraftWorker", "target": "TargetWorker"}
 TRAINING_FIELDS = ("draft_version", "trained_at", "trained_positions", "expected_acceptance_before",
                    "expected_acceptance_after", "live_acceptance_before", "live_acceptance_after",
-                   "captured_positions", "captured_total", "passes", "training_now")
+                   "captured_positions", "captured_total", "passes", "training_now", "failed_loads")
 STATS_TIMEOUT_S = 10.0
 
 
@@ -104,6 +104,9 @@ def render_table(summary: Mapping[str, Any]) -> str:
                      f"{fmt(training['expected_acceptance_before'])} -> {fmt(training['expected_acceptance_after'])}, "
                      f"live {fmt(training['live_acceptance_before'])} -> {fmt(training['live_acceptance_after'])}; "
                      f"{training['captured_positions']} positions held")
+        for engine, failed in (training.get("failed_loads") or {}).items():
+            lines.append(f"  draft engine {engine} could not load version {failed['version']} "
+                         f"({failed['failures']} times; {failed['error']}); it keeps its weights")
     for pool, info in summary["pools"].items():
         for engine in info["engines"]:
             if "error" in engine:

@@ -31,6 +31,10 @@ class Proposal:
     # round's outcome was known.
     cached: bool = False
     predrafted_thrown_away: int = 0
+    # The draft stream's state after each token drawn (asked for with ProposeCall.keep_stream_states;
+    # engine-internal): a pre-draft that is used leaves the request's stream where drafting its
+    # block just in time would have.
+    stream_states: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -44,6 +48,8 @@ class ProposeCall:
     generator: torch.Generator | None = None
     prompt_len: int | None = None  # tokens of history that are prompt (penalties count the rest as output)
     num_candidates: int = 0        # also return the draft's top tokens at each position (Proposal.candidates)
+    guess_first: bool = False      # the first token is the draft's argmax, drawn with no randomness (a guess)
+    keep_stream_states: bool = False  # return the generator's state after each draw (Proposal.stream_states)
 
 
 def empty_proposal() -> Proposal:
@@ -107,6 +113,7 @@ class DraftModelProposer:
         histories = [list(call.history) for call in calls]
         drafted: list[list[int]] = [[] for _ in calls]
         ranked: list[list[list[int]]] = [[] for _ in calls]
+        states: list[list[torch.Tensor]] = [[] for _ in calls]
         q_rows: list[list[DraftSupport]] = [[] for _ in calls]
         processors: list[HistoryProcessor | None] = [None] * len(calls)
         matchers = [self._grammar(call) if budget > 0 else None for call, budget in zip(calls, budgets)]
@@ -130,15 +137,21 @@ class DraftModelProposer:
                             continue
                 if call.num_candidates:
                     ranked[i].append(torch.topk(row, min(call.num_candidates, row.shape[-1])).indices.tolist())
-                token = self._draw(row, call, q_rows[i])
+                if call.guess_first and not drafted[i]:
+                    token = self._guess(row, call, q_rows[i])
+                else:
+                    token = self._draw(row, call, q_rows[i])
+                    if call.keep_stream_states and call.generator is not None:
+                        states[i].append(call.generator.get_state())
                 if processors[i] is not None:
                     processors[i].advance([token])
                 drafted[i].append(token)
                 histories[i].append(token)
             drafting = [i for i in drafting if len(drafted[i]) < budgets[i]]
         return [Proposal(token_ids=tokens, support=None if call.params.is_greedy else DraftSupport.stack(rows),
-                         candidates=top or None)
-                if tokens else empty_proposal() for call, tokens, rows, top in zip(calls, drafted, q_rows, ranked)]
+                         candidates=top or None, stream_states=kept if call.keep_stream_states else None)
+                if tokens else empty_proposal()
+                for call, tokens, rows, top, kept in zip(calls, drafted, q_rows, ranked, states)]
 
     def _grammar(self, call: ProposeCall):
         """The call's grammar matcher synced to its history, None (no grammar, or drafting
@@ -151,6 +164,16 @@ class DraftModelProposer:
             raise ValueError("a structured output needs the prompt's length to find its output")
         matcher = self.grammars.synced(call.seq_id, spec, call.history[call.prompt_len:])
         return False if matcher is None else matcher
+
+    def _guess(self, logits: torch.Tensor, call: ProposeCall, q_rows: list[DraftSupport]) -> int:
+        """The draft's most likely next token, with no draw (a pre-draft's guess of the target's
+        bonus token, decoding.speculation_cache); a sampled row's q is one-hot at it, so the q rows
+        stay one per token (the guess's row is never verified)."""
+        token = int(torch.argmax(logits))
+        if not call.params.is_greedy:
+            q = draft_support(logits_to_probs(logits, call.params), self.max_candidates)
+            q_rows.append(DraftSupport(q.ids, (q.ids == token).to(q.probs.dtype)))
+        return token
 
     def _draw(self, logits: torch.Tensor, call: ProposeCall, q_rows: list[DraftSupport]) -> int:
         """The next draft token from one row of logits [V] (on the generator's device when sampling,

@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import ray
@@ -36,10 +37,48 @@ from policies.decision import policy_actor_name
 from training.online_trainer import OnlineTrainer
 
 LOOP_INTERVAL_S = 0.5      # how often the trainer looks for slack, captures and rollbacks
+FIRST_RETRY_S = 5.0        # a version an engine failed to load is offered again after this, doubling ...
+MAX_RETRY_S = 600.0        # ... up to this
 LOAD_POLL_S = 0.25         # how often a running pass checks that the slack lasts
 CAPTURE_SHARD_BLOCKS = 256  # blocks per persisted shard (only with draft_training.capture_dir)
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FailedLoad:
+    """An engine that failed to load a version: when it may be offered again, and why it failed."""
+
+    version: int
+    error: str
+    failures: int
+    retry_at: float
+
+
+class LoadBackoff:
+    """Offers of a version an engine failed to load back off exponentially (FIRST_RETRY_S, doubling
+    to MAX_RETRY_S), instead of one failed load every registration, forever (a GPU without room
+    for a second copy of the draft fails every time). Failures show in `specserve status`."""
+
+    def __init__(self) -> None:
+        self.failed: dict[str, FailedLoad] = {}
+
+    def may_offer(self, engine: str, version: int, now: float) -> bool:
+        failed = self.failed.get(engine)
+        return failed is None or failed.version != version or now >= failed.retry_at
+
+    def failure(self, engine: str, version: int, error: str, now: float) -> FailedLoad:
+        previous = self.failed.get(engine)
+        failures = previous.failures + 1 if previous is not None and previous.version == version else 1
+        delay = min(MAX_RETRY_S, FIRST_RETRY_S * 2 ** (failures - 1))
+        self.failed[engine] = FailedLoad(version, error[:300], failures, now + delay)
+        return self.failed[engine]
+
+    def success(self, engine: str) -> None:
+        self.failed.pop(engine, None)
+
+    def status(self) -> dict[str, dict[str, Any]]:
+        return {engine: asdict(failed) for engine, failed in self.failed.items()}
 
 
 class DraftTrainer:
@@ -59,6 +98,7 @@ class DraftTrainer:
         self._training = False
         self._loop_task: asyncio.Task | None = None
         self.started_at = time.time()
+        self.backoff = LoadBackoff()
 
     async def configure(self, config: dict[str, Any]) -> bool:
         """A config from a lookup: the same for this trainer (-> False), or a redeploy changed what
@@ -105,13 +145,14 @@ class DraftTrainer:
         self.engines[name] = engine
         self.engine_versions[name] = version
         self.core.adopt(version, path)
-        if version != self.core.serving.version:
+        if version != self.core.serving.version and self.backoff.may_offer(name, self.core.serving.version,
+                                                                            time.monotonic()):
             await self._offer_one(name, engine, self.core.serving)
 
     async def status(self) -> dict[str, Any]:
         self._ensure_loop()
         return {**self.core.status(), "training_now": self.training_now(),
-                "engines": dict(self.engine_versions)}
+                "engines": dict(self.engine_versions), "failed_loads": self.backoff.status()}
 
     def training_now(self) -> bool:
         return self._training
@@ -168,12 +209,15 @@ class DraftTrainer:
         try:
             await engine.load_draft.remote(version.version, version.path)
             self.engine_versions[name] = version.version
+            self.backoff.success(name)
         except ray.exceptions.RayActorError:
             self.engines.pop(name, None)  # gone: a new replica registers itself
             self.engine_versions.pop(name, None)
-        except Exception:
-            logger.exception("draft engine %s could not load version %d; it keeps its weights",
-                             name, version.version)
+        except Exception as exc:
+            failed = self.backoff.failure(name, version.version, f"{type(exc).__name__}: {exc}", time.monotonic())
+            logger.exception("draft engine %s could not load version %d (failure %d); it keeps its weights and is "
+                             "offered it again in %.0f s", name, version.version, failed.failures,
+                             failed.retry_at - time.monotonic())
 
 
 def trainer_settings(config: SpecServeConfig) -> dict[str, Any]:

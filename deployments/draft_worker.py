@@ -32,7 +32,7 @@ from cluster.messages import CallSpan, HistoryUpdate, UnknownHistory
 from decoding.batched_runner import ForwardCall, load_runner
 from decoding.grammar import GrammarMatchers
 from decoding.proposers import DraftModelProposer, NgramProposer, Proposal, ProposeCall, empty_proposal
-from decoding.sampling import MAX_SEED, SamplingParams, make_generator
+from decoding.sampling import SamplingParams, make_generator
 from decoding.speculation_cache import Predraft, block_of, continues, may_continue, predrafts, tokens_thrown_away
 from decoding.scheduler import CallShape, Schedule
 from deployments.engine_host import EngineCore, EngineHost, StepOutput, timed_forward
@@ -54,6 +54,8 @@ class DraftCall:
     prompt_len: int | None = None    # history's prompt tokens (penalties count the rest as output)
     num_candidates: int = 0          # also rank the draft's top tokens per position (Proposal.candidates)
     fork_of: str | None = None       # a pre-draft: its sequence starts from this one's KV (shared blocks)
+    stream_state: torch.Tensor | None = None   # a sampled pre-draft: its stream starts from this state
+    guess_first: bool = False        # a bonus pre-draft: its first token is the guess (ProposeCall.guess_first)
 
 
 @dataclass
@@ -220,7 +222,7 @@ class DraftEngine(EngineCore):
         if num_candidates and proposal.token_ids:
             self._start_predrafts(seq_id, committed, proposal, fan_out, DraftCall(
                 seq_id, (), num_tokens, params, None, prompt_len, num_candidates, fork_of=seq_id))
-        return replace(proposal, candidates=None, predrafted_thrown_away=thrown_away), span
+        return replace(proposal, candidates=None, stream_states=None, predrafted_thrown_away=thrown_away), span
 
     async def _take_predraft(self, seq_id: str, history: list[int], num_tokens: int) -> tuple[Proposal | None, int]:
         """(the block pre-drafted for history, cut to num_tokens, or None; pre-drafted tokens thrown
@@ -236,7 +238,8 @@ class DraftEngine(EngineCore):
         except Exception:   # released, overloaded or failed: drafting now is the fallback
             pass
         drafted = maybe.drafted()
-        if drafted is None or not continues(maybe.predraft, drafted, history):
+        if (drafted is None or not continues(maybe.predraft, drafted, history)
+                or len(drafted.token_ids) - maybe.predraft.guesses_next < num_tokens):
             return None, thrown_away + self._drop([maybe])
         used = replace(block_of(maybe.predraft, drafted, num_tokens), cached=True)
         await self.loop.between_iterations()
@@ -246,6 +249,8 @@ class DraftEngine(EngineCore):
             self._drop([maybe])
             raise
         self.runner.adopt(seq_id, maybe.seq_id)   # its KV holds history and the block: the next pre-drafts fork it
+        if drafted.stream_states:   # the request's stream goes on from where drafting this block now would leave it
+            self.generators[seq_id].set_state(drafted.stream_states[num_tokens - 1])
         self.generators.pop(maybe.seq_id, None)
         self.idle.forget(maybe.seq_id)
         if self.proposer.grammars is not None:
@@ -256,16 +261,18 @@ class DraftEngine(EngineCore):
                          like: DraftCall) -> None:
         """Queue the pre-drafts of proposal's likely outcomes (decoding.speculation_cache.predrafts)
         as calls of their own, forked from seq_id's KV: they batch with each other and with other
-        requests' calls. A sampled pre-draft draws with a stream seeded from the request's draft
-        stream, in an order the verification does not influence (so each block is a fresh draft
-        sample given the history it continues)."""
+        requests' calls. A sampled pre-draft draws with a copy of the request's draft stream as it
+        is now (`branch_stream_state`), and a bonus pre-draft's guess is drawn with no randomness:
+        the block used is the very block drafting just in time would draw, so a round's output is
+        the same whether it hits or not, and exact as plain rounds are."""
         stream = self.generators.get(seq_id)
+        state = None if stream is None or like.params.is_greedy else branch_stream_state(stream)
         branches = []
         for predraft in predrafts(history, proposal.token_ids, proposal.candidates, fan_out):
             self._branch_count += 1
-            seed = None if stream is None or like.params.is_greedy else predraft_seed(stream)
             call = replace(like, seq_id=f"{seq_id}#predraft{self._branch_count}", history=list(predraft.history),
-                           num_tokens=like.num_tokens + predraft.guesses_next, seed=seed)
+                           num_tokens=like.num_tokens + predraft.guesses_next, stream_state=state,
+                           guess_first=predraft.guesses_next)
             answer = asyncio.ensure_future(self.submit(call))
             answer.add_done_callback(_observed)
             branches.append(_Branch(call.seq_id, predraft, answer))
@@ -336,8 +343,10 @@ class DraftEngine(EngineCore):
         generator = self.generators.get(call.seq_id)
         if generator is None:
             generator = self.generators[call.seq_id] = make_generator(call.seed)
+            if call.stream_state is not None:
+                generator.set_state(call.stream_state)
         return ProposeCall(call.seq_id, call.history, call.num_tokens, call.params, generator, call.prompt_len,
-                           call.num_candidates)
+                           call.num_candidates, call.guess_first, keep_stream_states=call.stream_state is not None)
 
     def _to_wire(self, proposal: Proposal) -> Proposal:
         return replace(proposal, support=None if proposal.support is None else proposal.support.wire(),
@@ -349,11 +358,12 @@ class DraftWorker(EngineHost):
     engine_class = DraftEngine
 
 
-def predraft_seed(stream: torch.Generator) -> int:
-    """A pre-draft's seed, drawn from its request's draft stream: each block gets uniforms of its
-    own. Restarting the request's stream instead (its seed) would replay the uniforms its earlier
-    blocks were drawn with, which the verification has seen: biased (tests/test_predrafting.py)."""
-    return int(torch.randint(0, MAX_SEED, (1,), generator=stream))
+def branch_stream_state(stream: torch.Generator) -> torch.Tensor:
+    """Where a sampled pre-draft's stream starts: the request's draft stream as it is now, whose
+    next uniforms no block has used yet. Restarting the stream from its seed instead would replay
+    the uniforms earlier blocks were drawn with, which the verification has seen: biased
+    (tests/test_predrafting.py)."""
+    return stream.get_state()
 
 
 def _observed(answer: asyncio.Future) -> None:

@@ -194,8 +194,8 @@ class EngineCore:
         return EngineStats(self.pool, self.name, sequences=held,
                            free_slots=self.scheduler.free_slots, queue_depth=self.loop.queue_depth,
                            forwards=loop.iterations, batch_rows_total=loop.rows_total, busy_s=loop.busy_s,
-                           idle_s=loop.idle_s, speculative_s=self.speculative_s, gpu_ids=self.gpu_ids, node_id=self.node_id,
-                           cost_samples=tuple(self.reporter.recent), kv=self._kv_usage())
+                           idle_s=loop.idle_s, speculative_s=self.speculative_s, gpu_ids=self.gpu_ids,
+                           node_id=self.node_id, cost_samples=tuple(self.reporter.recent), kv=self._kv_usage())
 
     def _kv_usage(self) -> KvUsage | None:
         if not self.scheduler.paged:
@@ -220,8 +220,14 @@ class EngineHost:
         ray.get(self.engine.ping.remote())  # fail replica start-up if the model cannot load
         self.startup_s = time.monotonic() - started
 
-    def get_engine(self) -> "ray.actor.ActorHandle":
+    def get_engine(self, affinity_key: str | None = None) -> "ray.actor.ActorHandle":
+        """This replica's engine. affinity_key: what Serve's request router chose the replica by
+        (the target pool's deployments.prefix_router); the replica itself has no use for it."""
         return self.engine
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """What Serve's request router balances on (it polls this): the engine's sequences."""
+        return {"sequences": (await self.engine.stats.remote()).sequences}
 
     async def check_health(self) -> None:
         await asyncio.wait_for(self.engine.ping.remote(), timeout=30)

@@ -30,6 +30,7 @@ from deployments.admission import ServerOverloadedError
 from deployments.committed_history import HistorySender, RunningDigest
 from deployments.engine_loop import EngineOverloadedError
 from deployments.round_stages import EngineCall
+from policies.prefix_routing import prefix_key
 
 logger = logging.getLogger("ray.serve")
 TARGET_RECOVERY_S = 60.0  # how long a request waits for a replacement target engine
@@ -49,18 +50,22 @@ class RequestEngines:
         self.limits = limits
         self.target: Any = None
         self.draft: Any = None
+        self.affinity_key: str | None = None   # the prompt's prefix key (set by acquire)
         self.touched: list[Any] = []
         digest = RunningDigest()
         self.target_history = HistorySender(digest)  # what the target engine was told of the committed history
         self.draft_history = HistorySender(digest)
 
     async def acquire(self, state: RequestState) -> bool:
-        """A target engine (503 when no target replica answers in time) and a draft engine if one
+        """A target engine, preferably the one likely to hold the prompt's prefix
+        (policies.prefix_routing; 503 when no target replica answers in time) and a draft engine if one
         answers within limits.draft_wait_s: speculation is an optimisation, so a request serves
         target-only rather than wait. The draft prefills while the target does.
         -> False when there is a draft pool but none of its engines answered."""
+        self.affinity_key = prefix_key(state.prompt_ids)
         try:
-            self.target = await asyncio.wait_for(self.target_workers.get_engine.remote(), self.limits.engine_wait_s)
+            self.target = await asyncio.wait_for(self.target_workers.get_engine.remote(self.affinity_key),
+                                                 self.limits.engine_wait_s)
         except asyncio.TimeoutError:
             raise ServerOverloadedError(f"no target replica became available within "
                                         f"{self.limits.engine_wait_s:.0f} s", retry_after_s=5.0) from None
@@ -146,7 +151,7 @@ class RequestEngines:
                 state.stats.target_failovers += 1
                 await asyncio.sleep(0.5)
                 try:
-                    self.target = await self.target_workers.get_engine.remote()
+                    self.target = await self.target_workers.get_engine.remote(self.affinity_key)
                     self.target_history.forget()
                     self.touched.append(self.target)
                 except Exception:  # the replica itself may be going down: try again shortly

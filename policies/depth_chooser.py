@@ -103,19 +103,17 @@ class DepthChooser:
         """Blocks to pre-draft for each outcome of this round (a = 0..K kept draft tokens,
         decoding.speculation_cache.allocate_fan_out), from the request's acceptance by position.
         The fan-out is the configured one alone, the policy's (lowered as the draft pool fills)
-        beside other requests. A seeded request's must not depend on load or on other requests
-        (its draft stream seeds its pre-drafts): the configured fan-out, its own acceptance."""
-        budget = self.spec.fan_out
-        seeded = state.params.seed is not None
-        if not seeded and num_active > 1 and self.policy_decision is not None \
-                and now - self.policy_decision_at <= POLICY_STALE_S and self.policy_decision.fan_out is not None:
+        beside other requests, and none past speculation.fan_out_max_batch requests in flight.
+        Load may decide it even for a seeded request: a hit's block is the one drafting just in
+        time would have drawn, so the fan-out changes speed, never the output."""
+        budget = self.spec.fan_out if num_active <= self.spec.fan_out_max_batch else 0
+        if num_active > 1 and self.policy_decision is not None and now - self.policy_decision_at <= POLICY_STALE_S \
+                and self.policy_decision.fan_out is not None:
             budget = min(budget, self.policy_decision.fan_out)
         if budget <= 0 or num_draft <= 0:
             return ()
-        klass = request_class(state)
-        prior = position_accept_rates([], [], num_draft) if seeded else \
-            self.class_counters[klass].position_rates(num_draft)
-        rates = request_position_rates(state.draft_reached, state.draft_accepted_at, prior)
+        rates = request_position_rates(state.draft_reached, state.draft_accepted_at,
+                                       self.class_counters[request_class(state)].position_rates(num_draft))
         return allocate_fan_out(rates, num_draft, budget)
 
     def typical_depth(self, num_active: int, now: float) -> int:

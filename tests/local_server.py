@@ -18,16 +18,10 @@ from cluster.local import start_local, wait_healthy
 from tests.tiny_pair import make_tiny_pair, tiny_pair_config
 
 SHARED_MODEL = "tiny-pair"
-# What the shared server's users need: max_tokens capped (test_serving's 400 matrix), metrics
-# pushed often enough for a test to read its own requests' counters (port 0: any free port), and
-# a (fake) GPU for each engine, which Ray places as it would real ones (test_cluster_placement;
-# the engines still run on the CPU, device auto). Four GPUs: room for an engine's replacement
-# while the one it replaces is still going away.
-SHARED_GPUS = 4
-SHARED_ENGINE = {"num_gpus": 1, "num_cpus": 0.5}
+# What the shared server's users need: max_tokens capped (test_serving's 400 matrix) and metrics
+# pushed often enough for a test to read its own requests' counters; port 0: any free port.
 SHARED_OVERRIDES = {"limits": {"max_tokens": 200},
-                    "observability": {"metrics_export_port": 0, "metrics_report_interval_ms": 500},
-                    "target_workers": SHARED_ENGINE, "draft_workers": SHARED_ENGINE}
+                    "observability": {"metrics_export_port": 0, "metrics_report_interval_ms": 500}}
 HEALTHY_WITHIN_S = 120.0  # the last user may have killed an engine; Serve replaces it
 
 
@@ -98,7 +92,7 @@ def shared_server(tmp_path_factory) -> tuple[str, SpecServeConfig]:
     if "server" not in _shared:
         config = tiny_pair_config(tmp_path_factory.mktemp("shared-pair"), SHARED_MODEL, free_port(),
                                   **SHARED_OVERRIDES)
-        _shared["server"] = start_local(config, num_gpus=SHARED_GPUS), config
+        _shared["server"] = start_local(config), config
     else:
         wait_healthy(_shared["server"][0], HEALTHY_WITHIN_S)
     return _shared["server"]

@@ -1,5 +1,6 @@
-"""On a cluster with (fake) GPUs the draft and target engines get distinct GPUs, and the policy
-actor can die under load without failing a request."""
+"""On a cluster with (fake) GPUs the draft and target engines get distinct GPUs, requests sharing a
+prompt prefix go to the target replica that holds it, and the policy actor can die under load
+without failing a request."""
 
 from __future__ import annotations
 
@@ -11,19 +12,24 @@ import ray
 from ray import serve
 
 from cluster.builder import APP_NAME
+from cluster.local import RAY_SYSTEM_CONFIG
+from deployments.naming import ENGINE_NAMESPACE, parse_engine_actor_name
 from policies.actor import POLICY_NAMESPACE, policy_actor_name
+from tests.local_server import serve_tiny_pair
 from tests.test_serving import MODEL, PROMPTS
 
 pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")
-def gpu_server(tiny_pair_server):
-    """The shared served tiny pair: its cluster offers four fake GPUs and each engine asks for one
-    (tests/local_server.py), enough to prove placement on this CPU box."""
-    url, config = tiny_pair_server
-    assert config.target_workers.num_gpus == config.draft_workers.num_gpus == 1
-    return url
+def gpu_server(tmp_path_factory):
+    # Ray places by logical resources: four "GPUs" on this CPU box are enough to prove placement.
+    engine = {"num_gpus": 1, "num_cpus": 0.5}
+    ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, _system_config=RAY_SYSTEM_CONFIG,
+             configure_logging=False, log_to_driver=False)
+    for url, _ in serve_tiny_pair(tmp_path_factory.mktemp("pair"), MODEL, target_workers={**engine, "num_replicas": 2},
+                                  draft_workers=engine):
+        yield url
 
 
 def engine_stats(deployment: str):
@@ -35,6 +41,33 @@ def test_draft_and_target_engines_hold_distinct_gpus(gpu_server):
     target, draft = engine_stats("TargetWorker"), engine_stats("DraftWorker")
     assert len(target.gpu_ids) == 1 and len(draft.gpu_ids) == 1
     assert target.gpu_ids != draft.gpu_ids
+
+
+def target_engines_prefix_queries() -> dict[str, int]:
+    """Prompt tokens each target engine has looked up in its prefix cache so far, by engine name."""
+    names = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
+             if (parse_engine_actor_name(actor["name"]) or ("",))[0] == "target"]
+    return {name: ray.get(ray.get_actor(name, namespace=ENGINE_NAMESPACE).stats.remote()).kv.prefix_cache_queries
+            for name in names}
+
+
+def test_requests_sharing_a_prompt_prefix_go_to_the_target_replica_that_holds_it(gpu_server):
+    """Two target replicas: six prompts sharing their first blocks all prefill on one of them
+    (policies.prefix_routing), each after the first finding the shared blocks cached. Routed by
+    load alone, all six would meet on one replica about 3% of the time."""
+    import httpx
+
+    before = target_engines_prefix_queries()
+    assert len(before) == 2
+    shared = "# a shared system prompt\n" + "def double(x):\n    return x * 2\n" * 12
+    cached = []
+    for i in range(6):
+        body = {"model": MODEL, "prompt": shared + f"# question {i}\n", "max_tokens": 2, "temperature": 0}
+        response = httpx.post(f"{gpu_server}/v1/completions", json=body, timeout=120).json()
+        cached.append(response["usage"]["prompt_tokens_details"]["cached_tokens"])
+    after = target_engines_prefix_queries()
+    assert sorted(after[name] > before[name] for name in after) == [False, True], (before, after)
+    assert cached[0] == 0 and all(tokens >= 64 for tokens in cached[1:]), cached
 
 
 def test_killing_the_policy_actor_under_load_fails_no_request_and_it_comes_back(gpu_server):

@@ -90,16 +90,17 @@ def test_status_reports_what_a_fresh_greedy_request_would_draft():
     assert router.status()["num_draft_tokens"] == 6            # beside another: the policy's depth
 
 
-def test_the_fan_out_is_the_configured_one_alone_and_the_policys_beside_others(chooser):
+def test_the_fan_out_is_the_configured_one_alone_and_the_policys_beside_others():
     """Alone, a request pre-drafts the configured number of blocks; beside others the policy's
-    fan-out (0: the draft pool is full) holds, but never for a seeded request, whose draft stream
-    seeds its pre-drafts and so must not depend on load."""
+    fan-out (0: the draft pool is full) holds, and none past fan_out_max_batch requests."""
+    chooser = DepthChooser(SpecServeConfig(speculation={"fan_out_max_batch": 4}).speculation)
     configured = chooser.spec.fan_out
     alone = chooser.fan_out(request("a"), 4, 1, NOW)
     assert sum(alone) == configured and len(alone) == 5
     chooser.set_policy_decision(PolicyDecision({"greedy": 4, "sampled": 4}, None, None, 1, fan_out=0), NOW)
     assert chooser.fan_out(request("a"), 4, 1, NOW) == alone
     assert chooser.fan_out(request("b"), 4, 3, NOW) == ()
-    assert sum(chooser.fan_out(request("c", seed=7), 4, 3, NOW)) == configured
+    assert chooser.fan_out(request("c", seed=7), 4, 3, NOW) == ()
     assert sum(chooser.fan_out(request("b"), 4, 3, NOW + POLICY_STALE_S + 1)) == configured   # a stale decision
+    assert chooser.fan_out(request("b"), 4, 5, NOW + POLICY_STALE_S + 1) == ()    # past fan_out_max_batch
     assert chooser.fan_out(request("a"), 0, 1, NOW) == ()

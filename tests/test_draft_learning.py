@@ -242,6 +242,57 @@ def test_training_yields_when_load_returns(pairs, captures, tmp_path):
     assert trainer.ready()  # the captures are still there for the next slack
 
 
+def test_a_trickle_of_traffic_still_gets_a_version_by_resuming_the_stopped_pass(pairs, captures, tmp_path):
+    """Load returns every 2 optimizer steps (a request now and then): each pass stops, but the next
+    resumes it (candidate, optimizer state, step) instead of starting again, so a bounded number
+    of passes writes the version a whole pass writes; the same candidate, step for step."""
+    _, draft, _, _ = pairs
+    whole = OnlineTrainer(str(draft), settings(), tmp_path / "whole")
+    whole.add(captures)
+    expected = whole.train_pass()
+    trickle = OnlineTrainer(str(draft), settings(), tmp_path / "trickle")
+    trickle.add(captures)
+    results = []
+    for _ in range(expected["steps"] // 2 + 2):
+        budget = iter(range(10_000))
+        results.append(trickle.train_pass(should_stop=lambda: next(budget) >= 2))
+        if results[-1]["outcome"] != "stopped":
+            break
+    assert [r["outcome"] for r in results[:-1]] == ["stopped"] * (len(results) - 1) and len(results) > 3
+    assert results[-1]["outcome"] == expected["outcome"] == "accepted"
+    assert results[-1]["steps"] == expected["steps"] and results[-1]["resumed"] == len(results) - 1
+    assert results[-1]["expected_after"] == pytest.approx(expected["expected_after"], abs=1e-6)
+
+
+def test_only_the_newest_versions_and_the_serving_one_stay_on_disk(tmp_path):
+    from training.online_trainer import DraftVersion
+
+    trainer = OnlineTrainer("/draft/v0", settings(keep_versions=3), tmp_path)
+    for number in range(1, 6):
+        (tmp_path / f"v{number}").mkdir()
+        trainer.versions.append(DraftVersion(number, str(tmp_path / f"v{number}")))
+    trainer.serving = trainer.version(1)          # rolled back to an old one: it stays
+    assert trainer.prune() == [2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v1", "v3", "v4", "v5"]
+    assert [v.version for v in trainer.versions] == [0, 1, 3, 4, 5]
+
+
+def test_an_engine_that_cannot_load_a_version_is_offered_it_again_only_after_a_growing_wait():
+    from deployments.draft_trainer import FIRST_RETRY_S, MAX_RETRY_S, LoadBackoff
+
+    backoff = LoadBackoff()
+    assert backoff.may_offer("engine:draft:a", 1, now=0.0)
+    waits = [backoff.failure("engine:draft:a", 1, "OutOfMemoryError: CUDA", now=100.0).retry_at - 100.0
+             for _ in range(10)]
+    assert waits[:3] == [FIRST_RETRY_S, 2 * FIRST_RETRY_S, 4 * FIRST_RETRY_S] and waits[-1] == MAX_RETRY_S
+    assert not backoff.may_offer("engine:draft:a", 1, now=100.0 + MAX_RETRY_S - 1)
+    assert backoff.may_offer("engine:draft:a", 1, now=100.0 + MAX_RETRY_S)
+    assert backoff.may_offer("engine:draft:a", 2, now=101.0)            # a new version is offered at once
+    assert backoff.status()["engine:draft:a"]["error"].startswith("OutOfMemoryError")
+    backoff.success("engine:draft:a")
+    assert backoff.status() == {}
+
+
 def live_rounds(alpha: float, depth: int, rounds: int, seed: int) -> tuple[list[int], list[int]]:
     """Per-position (drafted, accepted) of `rounds` rounds drafting `depth` tokens, each kept with
     probability alpha until the first rejection: what a router reports for one version."""

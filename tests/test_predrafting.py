@@ -2,7 +2,8 @@
 branches share KV safely, a round whose outcome was pre-drafted is answered from the speculation
 cache, greedy output equals the target's own, nothing is held after release, and sampled output
 over several rounds follows the target's exact joint distribution with hits and misses both
-frequent (and the same test rejects pre-drafts that replay their request's draft stream)."""
+frequent (and the same test rejects pre-drafts that replay their request's draft stream); seeded
+sampled output is token for token the same with the cache as with plain rounds."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import deployments.draft_worker as draft_worker
 from decoding.batched_runner import BatchedModelRunner
 from decoding.generate import generate
 from decoding.proposers import Proposal
-from decoding.sampling import SamplingParams, draft_seed, logits_to_probs
+from decoding.sampling import SamplingParams, draft_seed, logits_to_probs, make_generator
 from decoding.sequence import RequestState
 from decoding.speculation import accept_round
 from deployments.committed_history import HistorySender, RunningDigest
@@ -28,6 +29,9 @@ from tests.test_generate import null_tv_bound, perturbed_copy, tiny_llama
 from tests.tiny_pair import make_tiny_pair
 
 PROMPTS = [[5, 17, 42, 8, 3, 33], [60, 2, 2, 9, 14, 27, 50, 11, 7], [12, 40, 21, 40, 21]]
+# The joint test's prompt: two full KV blocks and a bit, so every request after the first finds the
+# blocks in both engines' prefix caches (sampling must stay exact with cached prefixes too).
+SHARED_PROMPT = (PROMPTS[1] + PROMPTS[2]) * 2 + PROMPTS[0]   # 34 tokens, ending as PROMPTS[0]
 NUM_DRAFT = 3
 DISTANT_NOISE = 0.02
 # The joint test: 4 output tokens (the prefill's, then speculative rounds of K = 2), top-k 3, so the
@@ -128,6 +132,26 @@ def test_greedy_rounds_hit_the_speculation_cache_and_equal_the_targets_greedy_ou
     assert draft.speculation == {}
 
 
+def test_a_seeded_request_gives_the_same_tokens_with_the_cache_as_with_plain_rounds(distant_pair):
+    """A hit's block is the very block drafting just in time would draw (the pre-draft starts from
+    a copy of the request's draft stream, the bonus guess draws nothing, and a hit leaves the
+    stream where that draft would): seeded sampled output is token for token the same with
+    pre-drafting as without, while rounds hit."""
+    params = SamplingParams(temperature=1.0, top_k=8, max_tokens=24)
+
+    async def decode_all(fan_out):
+        draft, target = new_engines(distant_pair, len(PROMPTS))
+        states = [RequestState(f"q{i}", list(prompt), params.model_copy(update={"seed": 11 + i}), eos_token_id=None,
+                               max_context=256) for i, prompt in enumerate(PROMPTS)]
+        hits = await asyncio.gather(*[decode(draft, target, state, NUM_DRAFT, lambda _: fan_out) for state in states])
+        return [state.output_ids for state in states], sum(sum(request) for request in hits)
+
+    plain, no_hits = asyncio.run(decode_all(()))
+    cached, hits = asyncio.run(decode_all((2, 1, 1, 1)))
+    assert no_hits == 0 and hits > 0
+    assert cached == plain
+
+
 def exact_joint(target_path, prompt: list[int], params: SamplingParams) -> dict[tuple[int, ...], float]:
     """P(t1..tn) for every n-token output in the processed target's support, in float64."""
     model = LlamaForCausalLM.from_pretrained(target_path).eval()
@@ -143,8 +167,9 @@ def exact_joint(target_path, prompt: list[int], params: SamplingParams) -> dict[
     return {cell: probability / total for cell, probability in joint.items()}
 
 
-def sample_joint(pair, params: SamplingParams, seeds: range) -> tuple[list[tuple[int, ...]], int, int]:
-    """Outputs of NUM_REQUESTS seeded requests decoded with speculation and the cache; hits, misses."""
+def sample_joint(pair, params: SamplingParams, seeds: range) -> tuple[list[tuple[int, ...]], int, int, int]:
+    """Outputs of seeded requests of SHARED_PROMPT decoded with speculation and the speculation
+    cache; hits, misses, and the prompt tokens the target found in its prefix cache."""
     rounds = torch.Generator().manual_seed(7)   # which fan-out each round gets
     choices = torch.randint(len(FAN_OUTS), (len(seeds), JOINT_TOKENS), generator=rounds).tolist()
 
@@ -152,18 +177,18 @@ def sample_joint(pair, params: SamplingParams, seeds: range) -> tuple[list[tuple
         draft, target = new_engines(pair, CONCURRENCY)
         outputs, hits = [], []
         for start in range(0, len(seeds), CONCURRENCY):
-            states = [RequestState(f"s{seed}", list(PROMPTS[0]), params.model_copy(update={"seed": seed}),
+            states = [RequestState(f"s{seed}", list(SHARED_PROMPT), params.model_copy(update={"seed": seed}),
                                    eos_token_id=None, max_context=256) for seed in seeds[start:start + CONCURRENCY]]
             picks = choices[start:start + CONCURRENCY]
             hits += await asyncio.gather(*[
                 decode(draft, target, state, JOINT_K, lambda r, pick=pick: FAN_OUTS[pick[r]])
                 for state, pick in zip(states, picks)])
             outputs += [tuple(state.output_ids) for state in states]
-        return outputs, hits
+        return outputs, hits, target.runner.prefix_cache_hits
 
-    outputs, hits = asyncio.run(scenario())
+    outputs, hits, prefix_hits = asyncio.run(scenario())
     every = [hit for request in hits for hit in request]
-    return outputs, sum(every), len(every) - sum(every)
+    return outputs, sum(every), len(every) - sum(every), prefix_hits
 
 
 def fit(outputs: list[tuple[int, ...]], joint: dict) -> tuple[float, float]:
@@ -184,30 +209,33 @@ def fit(outputs: list[tuple[int, ...]], joint: dict) -> tuple[float, float]:
 @pytest.fixture(scope="module")
 def joint_case(distant_pair):
     params = SamplingParams(temperature=1.0, top_k=JOINT_TOP_K, max_tokens=JOINT_TOKENS)
-    joint = exact_joint(distant_pair[0], PROMPTS[0], params)
+    joint = exact_joint(distant_pair[0], SHARED_PROMPT, params)
     return params, joint, null_tv_bound(torch.tensor(list(joint.values())), NUM_REQUESTS)
 
 
 def test_sampled_rounds_with_hits_and_misses_follow_the_targets_exact_joint(distant_pair, joint_case):
     """2,000 seeded requests of 4 tokens (3 of them from speculative rounds, K = 2), each round's
-    fan-out drawn from FAN_OUTS so that some rounds hit the cache and some miss: the joint of the 4
-    tokens (81 cells) must pass chi-square at 1e-3 and stay under exact sampling's 99.9% TV
+    fan-out drawn from FAN_OUTS so that some rounds hit the speculation cache and some miss, the
+    prompt's two full blocks found in the prefix caches by all but the first batch: the joint of
+    the 4 tokens (81 cells) must pass chi-square at 1e-3 and stay under exact sampling's 99.9% TV
     quantile for this joint and sample count."""
     params, joint, tv_bound = joint_case
-    outputs, hits, misses = sample_joint(distant_pair, params, range(NUM_REQUESTS))
+    outputs, hits, misses, prefix_hits = sample_joint(distant_pair, params, range(NUM_REQUESTS))
     assert hits > 0.15 * (hits + misses) and misses > 0.15 * (hits + misses), (hits, misses)
+    assert prefix_hits >= (NUM_REQUESTS - CONCURRENCY) * 32   # the prompt's two full blocks, cached
     p_value, tv = fit(outputs, joint)
     assert p_value > P_VALUE_FLOOR and tv < tv_bound, (p_value, tv, tv_bound)
 
 
 def test_the_joint_test_rejects_pre_drafts_that_replay_the_requests_draft_stream(distant_pair, joint_case,
                                                                                  monkeypatch):
-    """The same test with a broken cache: every pre-draft seeded with the request's own draft seed
-    (restarting its stream, so a block reuses the uniforms of blocks the verification already saw)
-    must be rejected."""
+    """The same test with a broken cache: every pre-draft's stream restarted from the request's
+    draft seed (so a block reuses the uniforms of blocks the verification already saw) must be
+    rejected."""
     params, joint, _ = joint_case
-    monkeypatch.setattr(draft_worker, "predraft_seed", lambda stream: stream.initial_seed())
-    outputs, hits, _ = sample_joint(distant_pair, params, range(NUM_REQUESTS))
+    monkeypatch.setattr(draft_worker, "branch_stream_state",
+                        lambda stream: make_generator(stream.initial_seed()).get_state())
+    outputs, hits, _, _ = sample_joint(distant_pair, params, range(NUM_REQUESTS))
     assert hits > 0
     p_value, _ = fit(outputs, joint)
     assert p_value < P_VALUE_FLOOR, p_value

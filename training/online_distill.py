@@ -147,17 +147,23 @@ class DistillSettings:
 
 
 def distill_on_positions(model: torch.nn.Module, batch: PositionBatch, settings: DistillSettings,
-                         should_stop=lambda: False) -> int:
-    """Train model in place on captured positions (weighted forward KL); -> optimizer steps taken.
-    should_stop is polled between steps, so a trainer yields within one step when load returns."""
+                         should_stop=lambda: False, optimizer: torch.optim.Optimizer | None = None,
+                         steps_done: int = 0) -> int:
+    """Train model in place on captured positions (weighted forward KL); -> optimizer steps taken
+    in all. should_stop is polled between steps, so a trainer yields within one step when load
+    returns; a stopped run resumes where it stopped when called again with the same model, batch,
+    settings and optimizer and steps_done, its return value (the step order is seeded)."""
     generator = torch.Generator().manual_seed(settings.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr)
+    optimizer = optimizer if optimizer is not None else torch.optim.AdamW(model.parameters(), lr=settings.lr)
     model.train()
     steps = 0
     positions_per_row = max(1, round(batch.num_positions / max(batch.num_rows, 1)))
     rows_per_step = max(1, settings.batch_size // positions_per_row)
     for _ in range(settings.epochs):
         for part in _row_chunks(batch, torch.randperm(batch.num_rows, generator=generator), rows_per_step):
+            if steps < steps_done:   # trained before the run stopped
+                steps += 1
+                continue
             if should_stop():
                 model.eval()
                 return steps

@@ -114,6 +114,21 @@ def save_draft_version(model: torch.nn.Module, source: str | Path, destination: 
     return destination
 
 
+@dataclass
+class _Pass:
+    """A training pass in progress: what it trains, on what, and how far it got."""
+
+    base: int                          # the serving version it started from
+    candidate: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    train_batch: Any
+    held_batch: Any
+    before: float                      # the base's expected acceptance on held_batch
+    positions: int                     # captured positions when it started
+    steps: int = 0
+    resumed: int = 0                   # times it was stopped and taken up again
+
+
 class OnlineTrainer:
     """Captured blocks in, numbered draft versions out; `settings` is a DraftTrainingSpec dump."""
 
@@ -129,6 +144,7 @@ class OnlineTrainer:
         self.positions_at_last_pass = 0
         self.passes = {"accepted": 0, "refused": 0, "stopped": 0}
         self.last_pass: dict[str, Any] | None = None
+        self._paused: _Pass | None = None   # a stopped pass, resumed by the next one
 
     def add(self, blocks: Iterable[CapturedBlock]) -> None:
         for block in blocks:
@@ -155,21 +171,29 @@ class OnlineTrainer:
 
     def train_pass(self, should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
         """Distil a copy of the serving version, canary it; -> {"outcome": "accepted" (with
-        "version"), "refused" or "stopped", and the figures}. Only an accepted candidate is written."""
+        "version"), "refused" or "stopped", and the figures}. Only an accepted candidate is written.
+
+        A stopped pass is kept (candidate, optimizer state, steps done, its data) and the next
+        pass resumes it while the serving version is the one it started from: under a trickle of
+        traffic, passes shorter than a whole one still add up to a version."""
         started = time.perf_counter()
-        positions = self.buffer.total_positions
-        train, held = self.buffer.split()
-        max_context = int(self.settings["max_context"])
-        train_batch, held_batch = position_batch(train, max_context), position_batch(held, max_context)
-        candidate = load_draft_model(self.serving.path)
-        before = mean_expected_acceptance(candidate, held_batch)
+        work = self._paused if self._paused is not None and self._paused.base == self.serving.version else None
+        self._paused = None
+        if work is None:
+            work = self._new_pass()
         distill = DistillSettings(lr=float(self.settings["lr"]), epochs=int(self.settings["epochs"]),
                                   batch_size=int(self.settings["batch_size"]))
-        steps = distill_on_positions(candidate, train_batch, distill, should_stop)
-        result: dict[str, Any] = {"steps": steps, "train_positions": train_batch.num_positions,
-                                  "held_positions": held_batch.num_positions, "expected_before": before}
+        work.steps = distill_on_positions(work.candidate, work.train_batch, distill, should_stop, work.optimizer,
+                                          work.steps)
+        result: dict[str, Any] = {"steps": work.steps, "train_positions": work.train_batch.num_positions,
+                                  "held_positions": work.held_batch.num_positions, "expected_before": work.before,
+                                  "resumed": work.resumed}
         if should_stop():
+            work.resumed += 1
+            self._paused = work
             return self._finish(result | {"outcome": "stopped"}, started)
+        candidate, held_batch, before, positions = work.candidate, work.held_batch, work.before, work.positions
+        train_batch = work.train_batch
         after = mean_expected_acceptance(candidate, held_batch)
         self.positions_at_last_pass = positions
         result["expected_after"] = after
@@ -178,7 +202,34 @@ class OnlineTrainer:
         version = max(v.version for v in self.versions) + 1
         path = save_draft_version(candidate, self.versions[0].path, self.versions_dir / f"v{version}")
         self.versions.append(DraftVersion(version, str(path), time.time(), train_batch.num_positions, before, after))
+        self.prune()
         return self._finish(result | {"outcome": "accepted", "version": version}, started)
+
+    def prune(self) -> list[int]:
+        """Delete the trained versions older than the newest keep_versions, except the serving one
+        (the draft the server started with is never this trainer's to delete); -> versions deleted.
+        A rollback goes to the newest earlier version still kept."""
+        keep = int(self.settings.get("keep_versions", 3))
+        written = [v for v in self.versions if v.version > 0 and Path(v.path).parent == self.versions_dir]
+        deleted = []
+        for old in written[:-keep]:
+            if old is self.serving:
+                continue
+            shutil.rmtree(old.path, ignore_errors=True)
+            self.versions.remove(old)
+            deleted.append(old.version)
+        return deleted
+
+    def _new_pass(self) -> "_Pass":
+        """A pass from the serving version over the captures so far."""
+        positions = self.buffer.total_positions
+        train, held = self.buffer.split()
+        max_context = int(self.settings["max_context"])
+        train_batch, held_batch = position_batch(train, max_context), position_batch(held, max_context)
+        candidate = load_draft_model(self.serving.path)
+        before = mean_expected_acceptance(candidate, held_batch)
+        optimizer = torch.optim.AdamW(candidate.parameters(), lr=float(self.settings["lr"]))
+        return _Pass(self.serving.version, candidate, optimizer, train_batch, held_batch, before, positions)
 
     def _finish(self, result: dict[str, Any], started: float) -> dict[str, Any]:
         result["seconds"] = time.perf_counter() - started
