@@ -34,25 +34,34 @@ def runner(path: Path, dtype: str, device: str, lean: bool) -> BatchedModelRunne
     return built
 
 
+def forwards_in_turns(runners: dict, histories: dict[str, list[int]], new_tokens: int, reps: int,
+                      warmup: int = 5) -> tuple[dict[str, float], dict[str, list[torch.Tensor]]]:
+    """Every runner holds histories, then runs the same forward of new_tokens more tokens a
+    sequence, the runners taking turns every repetition (a busy machine slows them alike), each
+    rolling back after each; -> (median ms per forward by runner, each runner's last logits)."""
+    calls = [ForwardCall(seq_id, history + history[:new_tokens], new_tokens) for seq_id, history in histories.items()]
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    logits = {}
+    for each in runners.values():
+        each.forward_batch([ForwardCall(seq_id, history, 1) for seq_id, history in histories.items()])
+    for rep in range(reps + warmup):
+        for name, each in runners.items():
+            started = time.perf_counter()
+            logits[name] = each.forward_batch(calls)
+            if rep >= warmup:
+                times[name].append(time.perf_counter() - started)
+            for seq_id, history in histories.items():
+                each.rollback(seq_id, len(history))
+    return {name: 1000 * statistics.median(values) for name, values in times.items()}, logits
+
+
 def time_shape(runners: dict[str, BatchedModelRunner], rows: int, new_tokens: int, cached: int,
                reps: int) -> dict[str, float]:
     """Median ms per forward of each runner, and the largest logit difference between them."""
     histories = {f"s{row}": [(7 * row + 3 * i) % 500 + 2 for i in range(cached)] for row in range(rows)}
-    calls = [ForwardCall(seq_id, history + history[:new_tokens], new_tokens) for seq_id, history in histories.items()]
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    logits = {}
-    for name, each in runners.items():
-        each.forward_batch([ForwardCall(seq_id, history, 1) for seq_id, history in histories.items()])
-    for rep in range(reps + 5):
-        for name, each in runners.items():
-            started = time.perf_counter()
-            logits[name] = each.forward_batch(calls)
-            if rep >= 5:
-                times[name].append(time.perf_counter() - started)
-            for seq_id, history in histories.items():
-                each.rollback(seq_id, len(history))
+    medians, logits = forwards_in_turns(runners, histories, new_tokens, reps)
     lean, reference = logits["lean"], logits["transformers"]
-    return {**{f"{name}_ms": round(1000 * statistics.median(values), 3) for name, values in times.items()},
+    return {**{f"{name}_ms": round(ms, 3) for name, ms in medians.items()},
             "max_abs_logit_diff": max(float((a - b).abs().max()) for a, b in zip(lean, reference))}
 
 

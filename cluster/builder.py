@@ -50,13 +50,15 @@ def _pool_policy(pool: str, config: SpecServeConfig) -> dict[str, Any]:
 
 
 def _worker_options(name: str, resources: WorkerResources, policy: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Worker replicas are light; their engine actor carries the CPUs/GPUs in bundle 1."""
+    """Worker replicas are light; their engine actor carries the CPUs/GPUs in bundle 1 (a
+    tensor-parallel engine's ranks in bundles 1..N, packed on one node)."""
     return {
         "name": name,
         **_replica_options(resources, policy),
         "max_ongoing_requests": resources.max_ongoing_requests,
         "ray_actor_options": {"num_cpus": REPLICA_CPUS},
-        "placement_group_bundles": engine_bundles(resources.num_cpus, resources.num_gpus, resources.resources),
+        "placement_group_bundles": engine_bundles(resources.num_cpus, resources.num_gpus, resources.resources,
+                                                  resources.tensor_parallel_size),
         "placement_group_strategy": "STRICT_PACK",
         # A dead engine fails its replica's health check; find out fast so Serve replaces it.
         "health_check_period_s": 2.0,

@@ -38,6 +38,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, help="longest prompt + completion (default: the model's context)")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
                    help="weights dtype of both models (default auto: the checkpoint's on GPU, float32 on CPU)")
+    p.add_argument("--tensor-parallel-size", type=int, help="split each target engine over this many rank actors "
+                   "(one GPU each on a GPU cluster; target_workers.tensor_parallel_size)")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -57,6 +59,8 @@ def config_from_args(args: argparse.Namespace):
         data["tokenizer_path"] = args.tokenizer
     if args.max_model_len:
         data["target"]["max_model_len"] = args.max_model_len
+    if getattr(args, "tensor_parallel_size", None):
+        data["target_workers"] = {**data["target_workers"], "tensor_parallel_size": args.tensor_parallel_size}
     if args.dtype:
         for role in ("target", "draft"):
             if data.get(role):

@@ -46,7 +46,8 @@ class ModelSpec(_Strict):
     max_sequences: int = Field(256, ge=1, description="KV caches a worker holds at once")
     lean_forward: bool = Field(True, description="run decoding.lean_forward for Llama-shaped models "
                                                  "(false: transformers' own forward)")
-    kv_cache_memory_gb: float = Field(4.0, gt=0, description="KV cache budget (GiB) per engine replica on CPU; "
+    kv_cache_memory_gb: float = Field(4.0, gt=0, description="KV cache budget (GiB) per engine replica on CPU "
+                                      "(per rank of a tensor-parallel engine, whose pool holds its heads only); "
                                       "the pool grows with use up to it (docs/kv-memory.md)")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="on CUDA: share of the engine's part "
                                           "of the device (num_gpus) that weights, activations and KV may use; "
@@ -68,11 +69,15 @@ class ModelSpec(_Strict):
 
 
 class WorkerResources(_Strict):
-    """Replicas and resources of one deployment (the engine actor of a worker gets them)."""
+    """Replicas and resources of one deployment (the engine actor of a worker gets them; with
+    tensor_parallel_size N, each of its N rank actors does)."""
 
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
+    tensor_parallel_size: int = Field(1, ge=1, description="workers only: each replica's engine is a group of this "
+                                      "many rank actors (one GPU each on a GPU cluster, on one node), the model's "
+                                      "heads and MLP columns split among them (docs/tensor-parallel.md)")
     resources: dict[str, float] = Field(default_factory=dict,
                                         description="custom Ray resources, e.g. to pin engines to a node group")
     max_ongoing_requests: int = Field(256, ge=1)
@@ -304,6 +309,19 @@ class SpecServeConfig(_Strict):
             raise ValueError("speculation.proposer 'draft' needs a draft model (set draft.path)")
         if self.draft_training.enabled and (self.draft is None or self.speculation.proposer != "draft"):
             raise ValueError("draft_training.enabled needs a draft model (speculation.proposer 'draft')")
+        return self
+
+    @model_validator(mode="after")
+    def _tensor_parallel_on_engines_only(self) -> "SpecServeConfig":
+        for name in ("ingress", "router"):
+            if getattr(self, name).tensor_parallel_size != 1:
+                raise ValueError(f"{name}.tensor_parallel_size must be 1: only target and draft engines are split")
+        if self.draft_training.enabled and self.draft_workers.tensor_parallel_size > 1:
+            # A trained version is loaded beside the serving one in one process: not yet per rank.
+            raise ValueError("draft_training.enabled needs draft_workers.tensor_parallel_size 1")
+        if self.draft_workers.tensor_parallel_size > 1 and self.speculation.proposer != "draft":
+            raise ValueError("draft_workers.tensor_parallel_size > 1 needs a draft model (speculation.proposer "
+                             "'draft'): an n-gram proposer has no weights to split")
         return self
 
     @model_validator(mode="after")

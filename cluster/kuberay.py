@@ -54,8 +54,10 @@ AUTOSCALER_OPTIONS = {"upscalingMode": "Default", "idleTimeoutSeconds": 120,
 
 def _worker_group(pool: str, workers: WorkerResources, image: str, models_claim: str | None) -> dict[str, Any]:
     """One node per engine: node counts follow the pool's replica bounds. A draft pool with
-    num_gpus 0 becomes a CPU group (heterogeneous placement: small drafts need no GPU)."""
-    gpus_per_node = max(1, int(workers.num_gpus)) if workers.num_gpus else 0
+    num_gpus 0 becomes a CPU group (heterogeneous placement: small drafts need no GPU). A
+    tensor-parallel engine's N ranks share one node (STRICT_PACK): its pod gets N ranks' GPUs and CPUs."""
+    size = workers.tensor_parallel_size
+    gpus_per_node = max(1, int(workers.num_gpus)) * size if workers.num_gpus else 0
     low, high = workers.replica_bounds
     return {
         "groupName": f"{pool}-{'gpu' if gpus_per_node else 'cpu'}",
@@ -63,7 +65,7 @@ def _worker_group(pool: str, workers: WorkerResources, image: str, models_claim:
         "minReplicas": low,
         "maxReplicas": high,
         "rayStartParams": {"resources": json.dumps(workers.resources)} if workers.resources else {},
-        "template": {"spec": _pod(image, max(2.0, workers.num_cpus + 1), gpus_per_node, workers.node_memory_gb,
+        "template": {"spec": _pod(image, max(2.0, workers.num_cpus * size + 1), gpus_per_node, workers.node_memory_gb,
                                   models_claim)},
     }
 

@@ -37,7 +37,7 @@ def logical_cpus_needed(config: SpecServeConfig) -> int:
     (an autoscaled pool must find room to grow on a single machine), at least the cores."""
     needed = sum(d.replica_bounds[1] * d.num_cpus for d in (config.ingress, config.router))
     for workers in (config.target_workers, config.draft_workers):
-        needed += workers.replica_bounds[1] * (workers.num_cpus + 0.02)
+        needed += workers.replica_bounds[1] * (workers.num_cpus * workers.tensor_parallel_size + 0.02)
     if config.draft_training.enabled:
         needed += config.draft_training.num_cpus
     return max(os.cpu_count() or 1, math.ceil(needed) + 1)
@@ -48,7 +48,7 @@ def custom_resources_needed(config: SpecServeConfig) -> dict[str, float]:
     needed: dict[str, float] = {}
     for workers in (config.target_workers, config.draft_workers):
         for name, amount in workers.resources.items():
-            needed[name] = needed.get(name, 0.0) + amount * workers.replica_bounds[1]
+            needed[name] = needed.get(name, 0.0) + amount * workers.replica_bounds[1] * workers.tensor_parallel_size
     if config.draft_training.enabled:
         for name, amount in config.draft_training.resources.items():
             needed[name] = needed.get(name, 0.0) + amount

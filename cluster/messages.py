@@ -92,6 +92,22 @@ class KvUsage:
 
 
 @dataclass(frozen=True)
+class RankStats:
+    """One rank of a tensor-parallel engine (docs/tensor-parallel.md): where it runs and what it
+    holds: its weight shards, its KV pool's capacity (its heads only) and its process's own
+    resident memory (RssAnon: without the mapped checkpoint's page cache)."""
+
+    rank: int
+    node_id: str | None
+    gpu_ids: tuple[str, ...]
+    weight_bytes: int
+    kv_tokens: int
+    kv_bytes_per_token: int
+    private_rss_bytes: int
+    error: str | None = None   # the rank could not be read (dead or stuck): its group is failing
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """An engine's load, for the policy actor (sent about once a second), `specserve status` and
     benchmarks. Counters are cumulative; cost_samples are the recent forwards' costs (in a load
@@ -111,11 +127,13 @@ class EngineStats:
     node_id: str | None = None
     cost_samples: tuple[CostSample, ...] = ()
     kv: KvUsage | None = None  # None: the runner keeps no block pool
+    ranks: tuple[RankStats, ...] = ()   # a tensor-parallel engine's ranks (rank 0 is this engine); () alone
 
     def to_dict(self) -> dict[str, Any]:
         """The flat JSON form `specserve status --json` shows (KV fields prefixed kv_)."""
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "kv"}
         data["gpu_ids"], data["cost_samples"] = list(self.gpu_ids), [list(s) for s in self.cost_samples]
+        data["ranks"] = [{**asdict(rank), "gpu_ids": list(rank.gpu_ids)} for rank in self.ranks]
         if self.kv is not None:
             data.update({f"kv_{name}": value for name, value in asdict(self.kv).items()})
         return data

@@ -111,7 +111,20 @@ def render_table(summary: Mapping[str, Any]) -> str:
         for engine in info["engines"]:
             if "error" in engine:
                 lines.append(f"  {pool} engine {engine.get('replica', '?')}: unreachable ({engine['error']})")
+            elif engine.get("ranks"):
+                lines.append(f"  {pool} engine {engine['replica']}: tensor-parallel group of {len(engine['ranks'])}")
+                lines.extend(f"    {_rank_line(rank)}" for rank in engine["ranks"])
     return "\n".join(lines)
+
+
+def _rank_line(rank: Mapping[str, Any]) -> str:
+    """One rank of a tensor-parallel engine: where it runs and what it holds."""
+    if rank.get("error"):
+        return f"rank {rank['rank']}: failing ({rank['error']})"
+    mib = 2 ** 20
+    gpus = ",".join(rank["gpu_ids"]) or "none"
+    return (f"rank {rank['rank']}: node {str(rank['node_id'])[:8]} gpu {gpus}; weights {rank['weight_bytes'] / mib:,.1f} "
+            f"MiB, KV {rank['kv_tokens']:,} tokens, own RSS {rank['private_rss_bytes'] / mib:,.0f} MiB")
 
 
 def read_engine_stats(timeout_s: float = STATS_TIMEOUT_S) -> list[EngineStats | UnreachableEngine]:

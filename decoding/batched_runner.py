@@ -22,7 +22,7 @@ import inspect
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -36,6 +36,8 @@ from decoding.model_runner import (
     model_path_of,
 )
 from decoding.lean_forward import LeanDecoder, lean_support
+from decoding.checkpoint import resolve_device
+from decoding.tensor_parallel import TensorParallelRank, agreed_minimum, in_group, join_group, weight_bytes
 from decoding.paged_attention import ATTENTION_NAME, FLASH_BLOCK_SIZE, PagedAttentionError, flash_kernel_available
 from decoding.paged_attention import register as register_paged_attention
 from decoding.paged_cache import (
@@ -126,6 +128,8 @@ class BatchedModelRunner(RunnerBase):
             logger.warning("%s: flash-attn with a paged kernel is not installed: attention gathers each sequence's "
                            "blocks per layer (the CPU path); install flash-attn for the paged kernel", model_path)
         self.lean = LeanDecoder(model) if lean and lean_support(model)[0] else None
+        # One rank of a tensor-parallel group (decoding.tensor_parallel): its pool holds its heads.
+        self.tensor_parallel_size = int(getattr(model, "tp_size", None) or 1)
         if self.device.type == "cuda":
             budget = gpu_kv_budget_bytes(torch.cuda.get_device_properties(self.device).total_memory,
                                          gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION, gpu_share,
@@ -134,7 +138,10 @@ class BatchedModelRunner(RunnerBase):
                                              for rows, tokens in profile_batches))
         else:
             budget = (kv_cache_memory_gb or DEFAULT_KV_CACHE_MEMORY_GB) * GIB
-        self.kv_capacity: KVCapacity = kv_capacity(self.config, self._dtype, budget, self.max_context, block_size)
+        self.kv_capacity: KVCapacity = kv_capacity(self.config, self._dtype, budget, self.max_context, block_size,
+                                                   self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1:   # every rank's pool must hold the same blocks
+            self.kv_capacity = replace(self.kv_capacity, num_blocks=agreed_minimum(self.kv_capacity.num_blocks))
         self.cache = PagedKVCache(num_layers=self.config.num_hidden_layers, num_blocks=self.kv_capacity.num_blocks,
                                   block_size=block_size, device=self.device, flash=flash)
         self._sequences: dict[str, _PagedSequence] = {}
@@ -463,19 +470,29 @@ def runner_for_model(model, max_sequences: int = 256, model_path: str | None = N
                             max_model_len=max_model_len, kv_cache_memory_gb=kv_cache_memory_gb,
                             gpu_memory_utilization=gpu_memory_utilization, gpu_share=gpu_share,
                             profile_batches=profile_batches, prefix_caching=prefix_caching, cache_salt=cache_salt)
-    logger.info("%s: batched paged-KV runner (%s; %s); %s; prefix caching %s", path, decoder_support(model)[1],
-                lean_reason if lean else f"transformers forward: {lean_reason}", runner.kv_capacity.describe(),
-                "on" if prefix_caching else "off")
+    group = "" if runner.tensor_parallel_size == 1 else (
+        f"tensor-parallel rank {torch.distributed.get_rank()} of {runner.tensor_parallel_size}: "
+        f"{weight_bytes(model) / 2 ** 20:,.1f} MiB of weights; ")
+    logger.info("%s: batched paged-KV runner (%s; %s); %s%s; prefix caching %s", path, decoder_support(model)[1],
+                lean_reason if lean else f"transformers forward: {lean_reason}", group,
+                runner.kv_capacity.describe(), "on" if prefix_caching else "off")
     return runner
 
 
-def load_runner(spec: dict) -> BatchedModelRunner:
+def load_runner(spec: dict):
     """The runner for a model spec mapping (path, dtype, device, torch_threads, max_sequences,
     lean_forward, and optionally max_model_len, kv_cache_memory_gb, gpu_memory_utilization,
     prefix_caching, cache_salt, and the builder's gpu_share and profile_batches: see
-    BatchedModelRunner._init_from_model)."""
+    BatchedModelRunner._init_from_model).
+
+    With `tensor_parallel` ({rank, size, store_address}: this process is one rank of a group) it
+    joins the group and loads this rank's shards; rank 0 gets the MirroredRunner the engine
+    drives, a follower the Follower that replays its calls (decoding.tensor_parallel)."""
+    member = spec.get("tensor_parallel")
+    group = None if member is None else TensorParallelRank(**member)
+    control = None if group is None else join_group(group, resolve_device(spec["device"]))
     model = load_causal_lm(spec["path"], dtype=spec["dtype"], device=spec["device"],
-                           num_threads=spec["torch_threads"])
+                           num_threads=spec["torch_threads"], tensor_parallel_size=group.size if group else 1)
     runner = runner_for_model(model, max_sequences=spec["max_sequences"], model_path=spec["path"],
                               lean_forward=spec.get("lean_forward", True), max_model_len=spec.get("max_model_len"),
                               kv_cache_memory_gb=spec.get("kv_cache_memory_gb"),
@@ -484,4 +501,4 @@ def load_runner(spec: dict) -> BatchedModelRunner:
                               profile_batches=[tuple(batch) for batch in spec.get("profile_batches", DEFAULT_PROFILE_BATCHES)],
                               prefix_caching=spec.get("prefix_caching", True), cache_salt=spec.get("cache_salt"))
     runner.serve_as(spec.get("vocab_size"), spec.get("eos_token_ids"))
-    return runner
+    return runner if group is None else in_group(runner, group.rank, control)

@@ -46,6 +46,8 @@ def lean_support(model) -> tuple[bool, str]:
             return False, "per-head q/k norms"
         if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
             return False, "MLP is not gated (gate/up/down)"
+    if (getattr(model, "tp_size", None) or 1) > 1:
+        return False, "tensor-parallel shards (the model's own forward runs the plan's collectives)"
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
         return False, "pretraining_tp > 1"
     window = getattr(config, "sliding_window", None)

@@ -58,10 +58,13 @@ def _common_prefix_length(cached: list[int], wanted: list[int], limit: int) -> i
 
 
 def load_causal_lm(model_path: str, dtype: str = "auto", device: str = "auto",
-                   num_threads: int | None = None):
+                   num_threads: int | None = None, tensor_parallel_size: int = 1):
     """A local Hugging Face causal LM in eval mode on `device` (no download). dtype and device
     'auto' are resolved by decoding.checkpoint. On CUDA the weights load straight onto the device
-    (device_map), never staged in host memory first (written with care, not run here: no GPU)."""
+    (device_map), never staged in host memory first (written with care, not run here: no GPU).
+
+    tensor_parallel_size > 1: this process is one rank of a group it has already joined
+    (decoding.tensor_parallel.join_group) and loads only its shards, by transformers' tp plan."""
     check_weight_files(model_path)
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, model_path, device)
@@ -69,9 +72,20 @@ def load_causal_lm(model_path: str, dtype: str = "auto", device: str = "auto",
         # Process-wide: a worker process owns one runner, so this is its thread budget.
         torch.set_num_threads(num_threads)
     on_gpu = device.startswith("cuda")
+    if tensor_parallel_size > 1:
+        from transformers import AutoConfig, DistributedConfig
+
+        from decoding.tensor_parallel import check_divisible
+
+        check_divisible(AutoConfig.from_pretrained(model_path, local_files_only=True).get_text_config(decoder=True),
+                        tensor_parallel_size)
+        # The plan places each shard on this rank's device itself (no device_map beside it).
+        placement = {"distributed_config": DistributedConfig(tp_size=tensor_parallel_size)}
+    else:
+        placement = {"device_map": device} if on_gpu else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch_dtype,
-                                                     **({"device_map": device} if on_gpu else {}))
+                                                     **placement)
     except Exception as error:
         method = quantization_method(model_path)
         if method is None:
@@ -80,7 +94,7 @@ def load_causal_lm(model_path: str, dtype: str = "auto", device: str = "auto",
         # and GPU); a method whose kernels this device or install lacks is refused, named.
         raise ValueError(f"{model_path}: a checkpoint quantized with quantization_config.quant_method={method!r} "
                          f"cannot be served on {device}: {error}") from error
-    return (model if on_gpu else model.to(torch.device(device))).eval()
+    return (model if on_gpu or tensor_parallel_size > 1 else model.to(torch.device(device))).eval()
 
 
 class RunnerBase:

@@ -47,14 +47,15 @@ class NoFreeBlocksError(NoFreeSlotError):
     other sequences finish (the engine queues it, then answers "overloaded" past its deadline)."""
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+def kv_bytes_per_token(config, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
     """Bytes one token's keys and values take over all layers: 2 x layers x kv_heads x head_dim x
-    element size, from a (text) config alone (GPT-2's n_head / n_embd map onto the same names)."""
+    element size, from a (text) config alone (GPT-2's n_head / n_embd map onto the same names); on
+    one rank of a tensor-parallel group, its kv_heads / tensor_parallel_size heads."""
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     element = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else torch.iinfo(dtype).bits // 8
-    return 2 * int(config.num_hidden_layers) * kv_heads * head_dim * element
+    return 2 * int(config.num_hidden_layers) * (kv_heads // tensor_parallel_size) * head_dim * element
 
 
 @dataclass(frozen=True)
@@ -86,10 +87,11 @@ class KVCapacity:
 
 
 def kv_capacity(config, dtype: torch.dtype, budget_bytes: float, max_model_len: int,
-                block_size: int = DEFAULT_BLOCK_SIZE) -> KVCapacity:
-    """The blocks a budget holds. ValueError when it cannot hold one max_model_len sequence (as
-    vLLM refuses to start then): lower max_model_len or raise the budget."""
-    bytes_per_token = kv_bytes_per_token(config, dtype)
+                block_size: int = DEFAULT_BLOCK_SIZE, tensor_parallel_size: int = 1) -> KVCapacity:
+    """The blocks a budget holds (a rank's budget for its heads, under tensor parallelism).
+    ValueError when it cannot hold one max_model_len sequence (as vLLM refuses to start then):
+    lower max_model_len or raise the budget."""
+    bytes_per_token = kv_bytes_per_token(config, dtype, tensor_parallel_size)
     capacity = KVCapacity(int(budget_bytes // (bytes_per_token * block_size)), block_size, bytes_per_token,
                           max_model_len)
     if capacity.full_length_sequences < 1:

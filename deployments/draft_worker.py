@@ -356,6 +356,7 @@ class DraftEngine(EngineCore):
 @serve.deployment
 class DraftWorker(EngineHost):
     engine_class = DraftEngine
+    model_spec_arg = 1
 
 
 def branch_stream_state(stream: torch.Generator) -> torch.Tensor:

@@ -26,30 +26,35 @@ import torch
 from ray.util import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.messages import CallSpan, CostSample, EngineStats, HistoryUpdate, KvUsage, UnknownHistory
+from cluster.messages import CallSpan, CostSample, EngineStats, HistoryUpdate, KvUsage, RankStats, UnknownHistory
 from decoding.batched_runner import ForwardCall
 from decoding.scheduler import CallShape, Schedule, Scheduler
+from decoding.tensor_parallel import MirroredRunner
 from deployments.committed_history import CommittedHistories
+from deployments.engine_group import RankFollower, end_process, group_store, rank_spec, rank_stats
 from deployments.engine_loop import EngineLoop
 from deployments.engine_parts import CallLog, IdleSequences, LoadReporter, ReleasedIds
 from deployments.metrics import EngineMetrics
-from deployments.naming import ENGINE_NAMESPACE, current_replica_id, engine_actor_name
+from deployments.naming import ENGINE_NAMESPACE, current_replica_id, engine_actor_name, rank_actor_name
 from deployments.round_stages import profiling_enabled
 
 ENGINE_BUNDLE_INDEX = 1
 REPLICA_CPUS = 0.01  # the replica only relays the engine handle and health checks
+STATS_TIMEOUT_S = 5.0  # a follower rank that does not answer its stats in this long is reported failing
 
 
-def engine_bundles(num_cpus: float, num_gpus: float,
-                   resources: dict[str, float] | None = None) -> list[dict[str, float]]:
-    """Placement-group bundles for one worker replica: [replica, engine]."""
+def engine_bundles(num_cpus: float, num_gpus: float, resources: dict[str, float] | None = None,
+                   tensor_parallel_size: int = 1) -> list[dict[str, float]]:
+    """Placement-group bundles for one worker replica: [replica, engine], or [replica, rank 0, ...,
+    rank N-1] for a tensor-parallel engine (each rank gets the engine's resources)."""
     engine = {"CPU": num_cpus, "GPU": num_gpus, **(resources or {})}
-    return [{"CPU": REPLICA_CPUS}, {k: v for k, v in engine.items() if v > 0} or {"CPU": REPLICA_CPUS}]
+    rank = {k: v for k, v in engine.items() if v > 0} or {"CPU": REPLICA_CPUS}
+    return [{"CPU": REPLICA_CPUS}] + [dict(rank) for _ in range(tensor_parallel_size)]
 
 
 def spawn_engine(engine_class: type, num_cpus: float, num_gpus: float, resources: dict[str, float],
-                 name: str | None, *args: Any) -> "ray.actor.ActorHandle":
-    """Start engine_class as a Ray actor in this replica's engine bundle (or free-standing)."""
+                 name: str | None, *args: Any, bundle_index: int = ENGINE_BUNDLE_INDEX) -> "ray.actor.ActorHandle":
+    """Start engine_class as a Ray actor in this replica's bundle_index bundle (or free-standing)."""
     placement_group = get_current_placement_group()
     options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "resources": resources,
                                "max_restarts": 0, "max_concurrency": 1000}
@@ -57,7 +62,7 @@ def spawn_engine(engine_class: type, num_cpus: float, num_gpus: float, resources
         options.update(name=name, namespace=ENGINE_NAMESPACE)
     if placement_group is not None:
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-            placement_group=placement_group, placement_group_bundle_index=ENGINE_BUNDLE_INDEX)
+            placement_group=placement_group, placement_group_bundle_index=bundle_index)
     return ray.remote(engine_class).options(**options).remote(*args)
 
 
@@ -104,6 +109,10 @@ class EngineCore:
         self._prefix_cache_recorded: tuple[int, int, Any] = (0, 0, runner)   # (queries, hits) sent to metrics
         self.gpu_ids = tuple(str(gpu) for gpu in ray.get_gpu_ids()) if ray.is_initialized() else ()
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        # A tensor-parallel engine (rank 0 of a group): its followers' handles, for stats.
+        self.followers: list[Any] = []
+        if isinstance(runner, MirroredRunner):
+            runner.on_broken = end_process
 
     def shape(self, call: Any) -> CallShape:
         raise NotImplementedError
@@ -164,6 +173,22 @@ class EngineCore:
                                              counted[1] - self._prefix_cache_recorded[1])
             self._prefix_cache_recorded = (*counted, self.runner)
 
+    async def set_followers(self, followers: list[Any]) -> None:
+        """The group's other ranks (deployments.engine_group), whose stats this engine reports."""
+        self.followers = list(followers)
+
+    async def _rank_stats(self) -> tuple[RankStats, ...]:
+        """Every rank's RankStats, rank 0's first; () for an engine that is not a group."""
+        if not self.followers:
+            return ()
+        ranks = [rank_stats(self.runner.runner, 0)]
+        for rank, follower in enumerate(self.followers, start=1):
+            try:
+                ranks.append(await asyncio.wait_for(follower.stats.remote(), timeout=STATS_TIMEOUT_S))
+            except Exception as error:   # a dead or stuck rank: its group is failing
+                ranks.append(RankStats(rank, None, (), 0, 0, 0, 0, f"{type(error).__name__}"))
+        return tuple(ranks)
+
     async def ping(self) -> bool:
         """Health check (the replica calls it every few seconds); also keeps load reports going."""
         self.reporter.start(self.stats)
@@ -195,7 +220,8 @@ class EngineCore:
                            free_slots=self.scheduler.free_slots, queue_depth=self.loop.queue_depth,
                            forwards=loop.iterations, batch_rows_total=loop.rows_total, busy_s=loop.busy_s,
                            idle_s=loop.idle_s, speculative_s=self.speculative_s, gpu_ids=self.gpu_ids,
-                           node_id=self.node_id, cost_samples=tuple(self.reporter.recent), kv=self._kv_usage())
+                           node_id=self.node_id, cost_samples=tuple(self.reporter.recent), kv=self._kv_usage(),
+                           ranks=await self._rank_stats())
 
     def _kv_usage(self) -> KvUsage | None:
         if not self.scheduler.paged:
@@ -207,18 +233,39 @@ class EngineCore:
 
 
 class EngineHost:
-    """Base of the worker deployments: spawn the engine, hand out its handle, check its health."""
+    """Base of the worker deployments: spawn the engine (a group of rank actors under tensor
+    parallelism: deployments.engine_group), hand out its handle, check its health."""
 
     engine_class: type
+    model_spec_arg: int   # where the model spec sits among the engine's arguments
 
     def __init__(self, resources: dict[str, Any], *engine_args: Any) -> None:
-        """resources: a WorkerResources dump (num_cpus, num_gpus, resources) for the engine."""
+        """resources: a WorkerResources dump (num_cpus, num_gpus, resources, tensor_parallel_size)
+        for the engine (for each rank of it)."""
         name = engine_actor_name(self.engine_class.pool, current_replica_id())
-        self.engine = spawn_engine(self.engine_class, resources["num_cpus"], resources["num_gpus"],
-                                   resources["resources"], name, *engine_args, name)
+        size = int(resources.get("tensor_parallel_size", 1))
+        placement = (resources["num_cpus"], resources["num_gpus"], resources["resources"])
+        self.followers: list[Any] = []
+        if size > 1:
+            engine_args, self.followers = self._spawn_followers(name, size, placement, list(engine_args))
+        self.engine = spawn_engine(self.engine_class, *placement, name, *engine_args, name)
         started = time.monotonic()
-        ray.get(self.engine.ping.remote())  # fail replica start-up if the model cannot load
+        # Fail replica start-up if the model cannot load (on any rank: they load together).
+        ray.get([self.engine.ping.remote()] + [follower.ping.remote() for follower in self.followers])
+        if self.followers:
+            ray.get(self.engine.set_followers.remote(self.followers))
         self.startup_s = time.monotonic() - started
+
+    def _spawn_followers(self, name: str, size: int, placement: tuple, engine_args: list[Any]
+                         ) -> tuple[list[Any], list[Any]]:
+        """Ranks 1..size-1 in bundles 2..size; -> (rank 0's engine arguments, the followers)."""
+        self._group_store, address = group_store()   # lives as long as this replica, and the group with it
+        spec = engine_args[self.model_spec_arg]
+        followers = [spawn_engine(RankFollower, *placement, rank_actor_name(name, rank),
+                                  rank_spec(spec, rank, size, address), bundle_index=ENGINE_BUNDLE_INDEX + rank)
+                     for rank in range(1, size)]
+        engine_args[self.model_spec_arg] = rank_spec(spec, 0, size, address)
+        return engine_args, followers
 
     def get_engine(self, affinity_key: str | None = None) -> "ray.actor.ActorHandle":
         """This replica's engine. affinity_key: what Serve's request router chose the replica by
@@ -230,4 +277,6 @@ class EngineHost:
         return {"sequences": (await self.engine.stats.remote()).sequences}
 
     async def check_health(self) -> None:
-        await asyncio.wait_for(self.engine.ping.remote(), timeout=30)
+        """Every rank answers, or the replica (the whole group) is replaced."""
+        await asyncio.wait_for(asyncio.gather(self.engine.ping.remote(),
+                                              *(follower.ping.remote() for follower in self.followers)), timeout=30)

@@ -13,6 +13,7 @@ from cluster.messages import POOLS, RAY_NAMESPACE
 
 ENGINE_NAMESPACE = RAY_NAMESPACE
 ENGINE_NAME_PREFIX = "engine"
+RANK_NAME_PREFIX = "rank"
 DRAFT_TRAINER_PREFIX = "draft-trainer:"
 
 
@@ -23,6 +24,12 @@ def engine_actor_name(pool: str, replica_id: str) -> str:
     if not replica_id or ":" in replica_id:
         raise ValueError(f"replica_id must be non-empty and free of ':', got {replica_id!r}")
     return f"{ENGINE_NAME_PREFIX}:{pool}:{replica_id}"
+
+
+def rank_actor_name(engine_name: str, rank: int) -> str:
+    """``rank:<pool>:<replica_id>:<rank>``: a follower rank of a tensor-parallel engine (rank 0 is
+    the engine itself); not an engine name, so tools listing engines pass it over."""
+    return f"{RANK_NAME_PREFIX}:{engine_name.split(':', 1)[1]}:{rank}"
 
 
 def parse_engine_actor_name(name: str) -> tuple[str, str] | None:

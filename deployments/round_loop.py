@@ -163,6 +163,8 @@ class RoundLoop:
         self.observer.fan_out(sum(fan_out))
         call = stages.draft = EngineCall.from_span(sent_s, span, time.perf_counter())
         predrafted, self.predrafted = self.predrafted, bool(fan_out) and bool(proposal.token_ids)
+        if predrafted:
+            self.observer.speculation_cache(request_class(state), proposal.cached)
         if proposal.cached:
             state.stats.pipelined_rounds += 1
             return proposal, 0.0, call.entered_s - call.sent_s, sent

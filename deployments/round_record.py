@@ -110,6 +110,10 @@ class RoundObserver:
         """Blocks the round asked the draft engine to pre-draft for its outcomes."""
         self.metrics.record_fan_out(num_blocks)
 
+    def speculation_cache(self, request_class: str, hit: bool) -> None:
+        """A round whose previous round pre-drafted: whether its block was there."""
+        self.chooser.observe_cache(request_class, hit)
+
     def round_stages(self, stages: dict[str, float]) -> None:
         """A profiled round's stages (deployments/round_stages.py), after its chunk went out."""
         if self.timings.round_stages is not None:

@@ -190,3 +190,4 @@ def prompt_logprob_entries(token_ids: Sequence[int], logits: torch.Tensor, num_a
 @serve.deployment
 class TargetWorker(EngineHost):
     engine_class = TargetEngine
+    model_spec_arg = 0

@@ -20,6 +20,11 @@ from policies.depth import RoundCosts, RoundWallFit, best_depth_by_position, cho
 from policies.load import accept_rate_from_rounds
 
 POLICY_STALE_S = 30.0  # a decision older than this (actor gone) is dropped: per-request depth only
+# The speculation cache pays only where its blocks get used: a class whose recent rounds hit less
+# than MIN_HIT_SHARE of the time stops pre-drafting, and looks again one round in PROBE_EVERY.
+MIN_HIT_SHARE = 0.3
+HIT_SMOOTHING = 0.05       # the hit share is an EMA over about the last 20 rounds that pre-drafted
+PROBE_EVERY = 20
 
 
 def request_class(state: RequestState) -> str:
@@ -70,6 +75,10 @@ class DepthChooser:
         self.class_counters = {c: ClassCounters() for c in REQUEST_CLASSES}
         self.policy_decision: PolicyDecision | None = None
         self.policy_decision_at = float("-inf")
+        # Per class: the recent share of rounds whose block was pre-drafted (starts hopeful), and
+        # rounds since the class last pre-drafted while its share is low.
+        self.hit_share = {c: 0.5 for c in REQUEST_CLASSES}
+        self._rounds_since_probe = {c: 0 for c in REQUEST_CLASSES}
 
     def set_policy_decision(self, decision: PolicyDecision | None, now: float) -> None:
         self.policy_decision, self.policy_decision_at = decision, now
@@ -103,18 +112,29 @@ class DepthChooser:
         """Blocks to pre-draft for each outcome of this round (a = 0..K kept draft tokens,
         decoding.speculation_cache.allocate_fan_out), from the request's acceptance by position.
         The fan-out is the configured one alone, the policy's (lowered as the draft pool fills)
-        beside other requests, and none past speculation.fan_out_max_batch requests in flight.
-        Load may decide it even for a seeded request: a hit's block is the one drafting just in
+        beside other requests, and none past speculation.fan_out_max_batch requests in flight, nor
+        while the class's recent rounds hit less than MIN_HIT_SHARE (but for a probe one round in
+        PROBE_EVERY, to see whether that changed). Load may decide it even for a seeded request: a hit's block is the one drafting just in
         time would have drawn, so the fan-out changes speed, never the output."""
         budget = self.spec.fan_out if num_active <= self.spec.fan_out_max_batch else 0
+        klass = request_class(state)
+        if budget and self.hit_share[klass] < MIN_HIT_SHARE:
+            self._rounds_since_probe[klass] += 1
+            if self._rounds_since_probe[klass] < PROBE_EVERY:
+                return ()
+            self._rounds_since_probe[klass] = 0
         if num_active > 1 and self.policy_decision is not None and now - self.policy_decision_at <= POLICY_STALE_S \
                 and self.policy_decision.fan_out is not None:
             budget = min(budget, self.policy_decision.fan_out)
         if budget <= 0 or num_draft <= 0:
             return ()
         rates = request_position_rates(state.draft_reached, state.draft_accepted_at,
-                                       self.class_counters[request_class(state)].position_rates(num_draft))
+                                       self.class_counters[klass].position_rates(num_draft))
         return allocate_fan_out(rates, num_draft, budget)
+
+    def observe_cache(self, klass: str, hit: bool) -> None:
+        """A round of this class whose previous round pre-drafted: was its block there?"""
+        self.hit_share[klass] += HIT_SMOOTHING * (float(hit) - self.hit_share[klass])
 
     def typical_depth(self, num_active: int, now: float) -> int:
         """The depth a fresh greedy, unseeded request would get now (`specserve status`): the

@@ -1,5 +1,6 @@
 """App builder and Serve config YAML (validated with Ray's own schema)."""
 
+import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
@@ -112,3 +113,46 @@ def test_each_application_names_its_own_policy_actor():
         assert len(addressed) == 1
         names |= addressed
     assert len(names) == 2
+
+
+def test_a_tensor_parallel_target_gets_a_bundle_per_rank_packed_on_one_node():
+    config = SpecServeConfig.model_validate({"target_workers": {"tensor_parallel_size": 4, "num_gpus": 1},
+                                             "target": {"path": "t", "device": "auto"}})
+    options = deployment_options(config)
+    assert options["TargetWorker"]["placement_group_bundles"] == [{"CPU": 0.01}] + [{"CPU": 1.0, "GPU": 1.0}] * 4
+    assert options["TargetWorker"]["placement_group_strategy"] == "STRICT_PACK"
+    assert len(options["DraftWorker"]["placement_group_bundles"]) == 2   # the draft stays one engine
+
+
+def test_kuberay_gives_a_tensor_parallel_targets_pods_one_gpu_per_rank():
+    from cluster.config import PROJECT_ROOT, load_config
+    from cluster.kuberay import rayservice_manifest
+
+    config = load_config(PROJECT_ROOT / "k8s" / "specserve-gpu.yaml", environ={})
+    config = config.model_copy(update={"target_workers": config.target_workers.model_copy(
+        update={"tensor_parallel_size": 4})})
+    groups = {g["groupName"]: g for g in rayservice_manifest(config)["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    limits = {name: group["template"]["spec"]["containers"][0]["resources"]["limits"] for name, group in groups.items()}
+    assert limits["target-gpu"]["nvidia.com/gpu"] == "4" and limits["draft-gpu"]["nvidia.com/gpu"] == "1"
+
+
+def test_the_tensor_parallel_size_flag_sets_the_target_pool():
+    import argparse
+
+    from cluster.cli import add_model_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config")
+    add_model_args(parser)
+    config = config_from_args(parser.parse_args(["--tensor-parallel-size", "2"]))
+    assert config.target_workers.tensor_parallel_size == 2 and config.draft_workers.tensor_parallel_size == 1
+
+
+@pytest.mark.parametrize("section", [{"router": {"tensor_parallel_size": 2}},
+                                     {"draft_workers": {"tensor_parallel_size": 2},
+                                      "draft_training": {"enabled": True}},
+                                     {"draft_workers": {"tensor_parallel_size": 2},
+                                      "speculation": {"proposer": "ngram"}}])
+def test_tensor_parallelism_is_refused_where_it_cannot_run(section):
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        SpecServeConfig.model_validate(section)

@@ -104,3 +104,22 @@ def test_the_fan_out_is_the_configured_one_alone_and_the_policys_beside_others()
     assert sum(chooser.fan_out(request("b"), 4, 3, NOW + POLICY_STALE_S + 1)) == configured   # a stale decision
     assert chooser.fan_out(request("b"), 4, 5, NOW + POLICY_STALE_S + 1) == ()    # past fan_out_max_batch
     assert chooser.fan_out(request("a"), 0, 1, NOW) == ()
+
+
+def test_a_class_whose_rounds_rarely_hit_stops_pre_drafting_but_probes():
+    """The speculation cache pays only where its blocks are used: a class whose recent pre-drafted
+    rounds hit under MIN_HIT_SHARE stops pre-drafting, but for a probe every PROBE_EVERY rounds;
+    a class that hits keeps its fan-out, and a probe that hits again brings it back."""
+    from policies.depth_chooser import PROBE_EVERY
+
+    chooser = DepthChooser(SpecServeConfig().speculation)
+    sampled = request("s", seed=1)
+    for _ in range(40):
+        chooser.observe_cache("sampled", hit=False)
+        chooser.observe_cache("greedy", hit=True)
+    assert sum(chooser.fan_out(request("g"), 4, 1, NOW)) == chooser.spec.fan_out
+    chosen = [chooser.fan_out(sampled, 4, 1, NOW) for _ in range(2 * PROBE_EVERY)]
+    assert sum(1 for fan_out in chosen if fan_out) == 2
+    for _ in range(40):
+        chooser.observe_cache("sampled", hit=True)
+    assert sum(chooser.fan_out(sampled, 4, 1, NOW)) == chooser.spec.fan_out

@@ -157,7 +157,7 @@ def test_greedy_completion_equals_target_only_greedy(client, reference, prompt):
     # This pair agrees with its target on these prompts, so blocks pre-drafted during verification
     # (the speculation cache, on by default) get used; the first round never has one.
     assert 0 < speculation["pipelined_rounds"] < speculation["rounds"], speculation
-    assert speculation["pipelined_rounds"] + speculation["speculation_cache_misses"] == speculation["rounds"] - 1, \
+    assert speculation["pipelined_rounds"] + speculation["speculation_cache_misses"] <= speculation["rounds"] - 1, \
         speculation
     _assert_no_leftovers()
 
@@ -447,11 +447,11 @@ def test_client_disconnect_releases_worker_state(server):
     _assert_no_leftovers(timeout_s=20)
 
 
-def _stream_killing_engine_midway(url: str, prompt: str, max_tokens: int, pool: str, after_chunks: int = 1) -> dict:
-    """Stream a greedy completion and kill pool's engine once after_chunks chunks are out; return
-    the text and the final chunk."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    engine = serve.get_deployment_handle(pool, APP_NAME).get_engine.remote().result()
+def stream_killing_midway(url: str, prompt: str, max_tokens: int, kill, after_chunks: int = 1,
+                          model: str = MODEL) -> dict:
+    """Stream a greedy completion and call kill() once after_chunks chunks are out; return the
+    text and the final chunk."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     text, final, chunks = "", {}, 0
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=180) as response:
         for line in response.iter_lines():
@@ -461,10 +461,16 @@ def _stream_killing_engine_midway(url: str, prompt: str, max_tokens: int, pool: 
             assert "error" not in chunk, chunk
             chunks += 1
             if chunks == after_chunks:
-                ray.kill(engine)
+                kill()
             text += chunk["choices"][0]["text"]
             final = chunk
     return {"text": text, "final": final}
+
+
+def _stream_killing_engine_midway(url: str, prompt: str, max_tokens: int, pool: str) -> dict:
+    """stream_killing_midway, killing pool's engine after the first chunk."""
+    engine = serve.get_deployment_handle(pool, APP_NAME).get_engine.remote().result()
+    return stream_killing_midway(url, prompt, max_tokens, lambda: ray.kill(engine))
 
 
 def test_draft_engine_lost_mid_stream_the_request_continues_target_only(server, reference):

@@ -93,9 +93,9 @@ def text_distribution(model, tokenizer, prompt: str, params: SamplingParams, num
     return dict(texts)
 
 
-def sample_texts(url: str, sampling: dict, seeds: range, num_tokens: int = 2) -> list[str]:
+def sample_texts(url: str, sampling: dict, seeds: range, num_tokens: int = 2, model: str = MODEL) -> list[str]:
     def one(seed: int) -> str:
-        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": num_tokens, "seed": seed, **sampling}
+        body = {"model": model, "prompt": PROMPT, "max_tokens": num_tokens, "seed": seed, **sampling}
         response = client.post(f"{url}/v1/completions", json=body, timeout=60)
         response.raise_for_status()
         return response.json()["choices"][0]["text"]

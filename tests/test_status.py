@@ -48,3 +48,22 @@ def test_the_table_names_every_pool_and_an_unreachable_engine():
     assert lines[1].split()[:3] == ["target", "2", "4"] and lines[2].split()[:3] == ["draft", "1", "4"]
     assert lines[1].split()[-1] == "0.25" and lines[2].split()[-1] == "-"
     assert "4 active, 1 queued" in table and "d2: unreachable (RayActorError)" in table
+
+
+def test_a_tensor_parallel_engine_shows_its_group_and_each_rank():
+    from dataclasses import replace
+
+    from cluster.messages import RankStats
+
+    mib = 1 << 20
+    ranks = (RankStats(0, "node0123456789", ("0",), 300 * mib, 4096, 256, 700 * mib),
+             RankStats(1, None, (), 0, 0, 0, 0, "RayActorError"))
+    engines = [replace(ENGINES[0], ranks=ranks), ENGINES[1]]
+    summary = summarize(engines, ROUTER, {"target": 2})
+    shown = summary["pools"]["target"]["engines"][0]["ranks"]
+    assert [rank["rank"] for rank in shown] == [0, 1] and shown[0]["gpu_ids"] == ["0"]
+    assert summary["pools"]["target"]["engines"][1]["ranks"] == []
+    table = render_table(summary)
+    assert "target engine t1: tensor-parallel group of 2" in table
+    assert "rank 0: node node0123 gpu 0; weights 300.0 MiB, KV 4,096 tokens, own RSS 700 MiB" in table
+    assert "rank 1: failing (RayActorError)" in table

@@ -1,0 +1,195 @@
+"""Tensor-parallel engines without Ray: a TP=2 gloo group of two processes on the Llama-3 and Qwen3
+look-alike targets. Rank 0 drives a MirroredRunner through the calls an engine makes (ragged
+prefills, a verify block, a rollback, a pre-draft's fork and adopt, a release, greedy decoding);
+rank 1 follows. The logits must equal one unsharded runner's, greedy must equal HF generate, and
+each rank must hold about half the weights."""
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM
+
+from decoding.batched_runner import ForwardCall, load_runner
+from tests.checkpoint_fixtures import build_llama3, build_qwen3
+
+# Sharded matmuls sum in another order than whole ones (all-reduce of partial sums): ~1e-6 on
+# these O(1) logits; a wrong head split or a rank out of step moves them by far more (the broken
+# variant below is rejected by the same tolerance).
+ATOL = 1e-4
+GREEDY_TOKENS = 12
+
+
+def _prompt(seed: int, length: int, vocab: int = 8000) -> list[int]:
+    return torch.randint(10, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def engine_calls(runner) -> list[torch.Tensor]:
+    """What a verifying (and pre-drafting) engine asks of its runner, in order; the rows of every forward."""
+    a, b = _prompt(1, 37), _prompt(2, 11)
+    rows = list(runner.forward_batch([ForwardCall("a", a), ForwardCall("b", b)]))
+    block = _prompt(3, 4)
+    rows += runner.forward_batch([ForwardCall("a", a + block, 5), ForwardCall("b", b + block[:1], 2)])
+    rows += runner.forward_batch([ForwardCall("a", a + block[:2] + _prompt(4, 3), 4)])   # a rollback by crop
+    runner.fork("a", "branch")   # a pre-draft's branch shares a's blocks, then writes its own
+    rows += runner.forward_batch([ForwardCall("branch", a + block[:3], 3)])
+    runner.adopt("a", "branch")
+    rows += runner.forward_batch([ForwardCall("a", a + block, 2)])
+    runner.rollback("b", 5)
+    rows += runner.forward_batch([ForwardCall("b", b, 3)])
+    runner.release("b")
+    rows += runner.forward_batch([ForwardCall("c", b + block, 2)])   # b's cached prefix blocks
+    history = list(a)
+    for _ in range(GREEDY_TOKENS):
+        logits = runner.forward("g", history)
+        rows.append(logits)
+        history.append(int(logits[-1].argmax()))
+    return rows
+
+
+def _spec(path: Path, member: dict | None = None) -> dict:
+    return {"path": str(path), "dtype": "float32", "device": "cpu", "torch_threads": 1, "max_sequences": 8,
+            "lean_forward": True, "kv_cache_memory_gb": 0.01, **({"tensor_parallel": member} if member else {})}
+
+
+def _rank_main(rank: int, size: int, store_address: str, path: str, results, scenario: str = "calls") -> None:
+    from decoding.tensor_parallel import weight_bytes
+
+    torch.set_num_threads(1)
+    in_group = load_runner(_spec(Path(path), {"rank": rank, "size": size, "store_address": store_address}))
+    if scenario == "follower_dies":
+        _follower_dies(rank, in_group, results)
+        return
+    runner = in_group.runner
+    facts = {"weight_bytes": weight_bytes(runner.model), "kv_bytes_per_token": runner.kv_capacity.bytes_per_token,
+             "lean": runner.lean is not None}
+    if rank == 0:
+        rows = engine_calls(in_group)
+        in_group.stop_followers()
+        # numpy: a torch tensor would cross in shared memory that dies with this process
+        results.put((rank, facts, [row.numpy() for row in rows]))
+    else:
+        facts["calls"] = in_group.follow()
+        results.put((rank, facts, None))
+
+
+def _follower_dies(rank: int, in_group, results) -> None:
+    """Rank 1 ends its process once loaded; rank 0 then calls: it must fail, not wait."""
+    import os
+
+    from decoding.tensor_parallel import GroupBrokenError
+
+    if rank == 1:
+        os._exit(0)
+    broken = []
+    in_group.on_broken = broken.append
+    started = time.monotonic()
+    outcome = "no error"
+    for _ in range(3):   # the first send may still be buffered by the closing socket
+        try:
+            engine_calls(in_group)
+        except GroupBrokenError:
+            outcome = "GroupBrokenError"
+            break
+    results.put((rank, {"outcome": outcome, "hook_called": len(broken) == 1,
+                        "seconds": time.monotonic() - started}, None))
+
+
+def run_group(path: Path, size: int = 2, scenario: str = "calls") -> dict[int, tuple[dict, list | None]]:
+    """Run a scenario on a TP group of size processes: engine_calls by default; -> rank: (facts,
+    rows of rank 0), for the ranks that report."""
+    from decoding.tensor_parallel import host_store
+
+    store, address = host_store("127.0.0.1")   # this process serves the group's store while it runs
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=_rank_main, args=(rank, size, address, str(path), results, scenario))
+                 for rank in range(size)]
+    for process in processes:
+        process.start()
+    gathered = {}
+    for _ in range(size if scenario == "calls" else 1):
+        rank, facts, rows = results.get(timeout=600)   # generous: a loaded 2-core box imports slowly
+        gathered[rank] = (facts, rows and [torch.from_numpy(row) for row in rows])
+    for process in processes:
+        process.join(timeout=60)
+        assert process.exitcode == 0
+    return gathered
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory) -> dict[str, Path]:
+    return {name: build(tmp_path_factory.mktemp(name)).target
+            for name, build in (("llama3", build_llama3), ("qwen3", build_qwen3))}
+
+
+@pytest.fixture(scope="module", params=["llama3", "qwen3"])
+def family(request, targets):
+    target = targets[request.param]
+    whole = load_runner(_spec(target))
+    return target, whole, engine_calls(whole), run_group(target)
+
+
+def test_tp2_logits_equal_one_unsharded_runner(family):
+    _, _, expected, group = family
+    rows = group[0][1]
+    assert len(rows) == len(expected)
+    for got, want in zip(rows, expected):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def test_the_tolerance_catches_a_rank_out_of_step(family):
+    """The broken variant: logits of the wrong history (one token off, as a follower that missed a
+    rollback would compute) differ by far more than ATOL."""
+    target, whole, expected, _ = family
+    a = _prompt(1, 37)
+    shifted = whole.forward("shifted", a[:-2] + [a[-1], a[-2]])
+    assert (shifted - expected[0]).abs().max() > 100 * ATOL
+
+
+def test_tp2_greedy_equals_hf_generate(family):
+    target, _, _, group = family
+    greedy = [int(row[-1].argmax()) for row in group[0][1][-GREEDY_TOKENS:]]
+    model = AutoModelForCausalLM.from_pretrained(target, local_files_only=True, dtype=torch.float32).eval()
+    prompt = _prompt(1, 37)
+    generated = model.generate(torch.tensor([prompt]), max_new_tokens=GREEDY_TOKENS, do_sample=False,
+                               min_new_tokens=GREEDY_TOKENS, eos_token_id=None, pad_token_id=0)
+    assert greedy == generated[0, len(prompt):].tolist()
+
+
+def test_each_rank_holds_half_the_weights_and_half_the_kv(family):
+    _, whole, _, group = family
+    whole_bytes = sum(p.numel() * p.element_size() for p in whole.model.parameters())
+    for rank in (0, 1):
+        facts = group[rank][0]
+        # The plan splits every projection, the embedding and the LM head; only norms are whole.
+        assert 0.45 * whole_bytes < facts["weight_bytes"] < 0.55 * whole_bytes
+        assert facts["kv_bytes_per_token"] * 2 == whole.kv_capacity.bytes_per_token
+        assert not facts["lean"]   # the sharded model runs its own forward (the plan's collectives)
+    assert group[1][0]["calls"] == 11 + GREEDY_TOKENS   # every state-changing call, mirrored
+
+
+def test_a_dead_follower_breaks_the_group_at_rank_0s_next_call_without_waiting(targets):
+    """Rank 0 must not hang in a collective when a rank dies: the broken connection ends the call
+    with GroupBrokenError (and the engine's hook: deployments.engine_group.end_process) within
+    seconds, well inside the collective timeout."""
+    from decoding.tensor_parallel import COLLECTIVE_TIMEOUT_S
+
+    facts = run_group(targets["llama3"], scenario="follower_dies")[0][0]
+    assert facts["outcome"] == "GroupBrokenError" and facts["hook_called"]
+    assert facts["seconds"] < COLLECTIVE_TIMEOUT_S / 2
+
+
+def test_every_public_runner_method_is_mirrored_or_read_only():
+    """A runner method added later that changes KV state must be mirrored, or the followers' block
+    tables drift from rank 0's: each public method is classified in one list or the other."""
+    from decoding.batched_runner import BatchedModelRunner
+    from decoding.tensor_parallel import MIRRORED_CALLS, READ_ONLY_CALLS
+
+    public = {name for name in dir(BatchedModelRunner)
+              if not name.startswith("_") and callable(getattr(BatchedModelRunner, name))}
+    public -= {"forward"}   # mirrored as the forward_batch it runs
+    assert public == set(MIRRORED_CALLS) | set(READ_ONLY_CALLS)
