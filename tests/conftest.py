@@ -51,15 +51,7 @@ def no_ray_left_behind(request):
     if local_server.shared_server_running() and _next_module_shares_the_server(request):
         return
     local_server.forget_shared_server()
-    import ray
-
-    if ray.is_initialized():
-        from ray import serve
-
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
+    local_server.stop_test_cluster()
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 Each start (Ray cluster, Serve, four deployments loading their models) costs tens of seconds on a
 2-core box, so the modules that can share one server use the `tiny_pair_server` fixture
 (tests/conftest.py), served once here; modules needing other settings start their own with
-serve_tiny_pair."""
+serve_tiny_pair. A test's cluster ends with stop_test_cluster."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+import ray
+
 from cluster.config import SpecServeConfig
-from cluster.local import start_local, stop_local, wait_healthy
+from cluster.local import start_local, wait_healthy
 from tests.tiny_pair import make_tiny_pair, tiny_pair_config
 
 SHARED_MODEL = "tiny-pair"
@@ -54,6 +56,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def stop_test_cluster() -> None:
+    """End the test's local Ray cluster, and every process on it, at once.
+
+    Why not stop_local: Serve's own shutdown deletes each application and waits out every
+    replica's graceful drain (docs/testing.md has what that costs a module), where a test's
+    cluster has nothing left to drain and ray.shutdown ends its processes anyway (Serve forgets a
+    client of a stopped cluster, so the next module starts afresh). The real stop is tested where
+    it matters: `specserve serve` under SIGTERM (tests/test_sigterm.py)."""
+    ray.shutdown()
+
+
 def serve_tiny_pair(root: Path, model_name: str, **overrides) -> Iterator[tuple[str, SpecServeConfig]]:
     """Start the app on a fresh tiny pair under root; yield (base URL, config); stop it after."""
     target_path, draft_path = make_tiny_pair(root)
@@ -68,7 +81,7 @@ def serve_tiny_pair(root: Path, model_name: str, **overrides) -> Iterator[tuple[
     try:
         yield url, config
     finally:
-        stop_local()
+        stop_test_cluster()
 
 
 _shared: dict = {}  # "server": the running (url, config), while up

@@ -22,10 +22,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from cluster.builder import build_app
 from cluster.cli import add_model_args, config_from_args
-from cluster.local import RAY_SYSTEM_CONFIG, stop_local, wait_healthy
+from cluster.local import RAY_SYSTEM_CONFIG, wait_healthy
 from cluster.status import read_engine_stats
 from tests.checkpoint_fixtures import DECODER_BUILDERS, EOS_AFTER, EOS_PROMPT, FIXTURE_WINDOW
-from tests.local_server import free_port
+from tests.local_server import free_port, stop_test_cluster
 
 pytestmark = pytest.mark.ray
 PROMPTS = ["import numpy as np\n", "class Stack:\n    def push(self, x):"]
@@ -69,7 +69,7 @@ def served(checkpoint_families):
                              family)
         yield clients
     finally:
-        stop_local()
+        stop_test_cluster()
 
 
 class Oracle:

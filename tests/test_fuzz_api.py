@@ -21,7 +21,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from cluster.local import start_local, stop_local
+from cluster.local import start_local
+from tests.local_server import stop_test_cluster
 from tests.test_serving import _free_port
 from tests.tiny_pair import tiny_pair_config
 
@@ -41,7 +42,7 @@ def server(tmp_path_factory):
                               limits={"max_tokens": 200, "default_max_tokens": 4}, auth={"api_keys": API_KEYS})
     url = start_local(config)
     yield url
-    stop_local()
+    stop_test_cluster()
 
 
 @pytest.fixture(scope="module")

@@ -69,13 +69,13 @@ class Reporter:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    ray.init(num_cpus=4, configure_logging=False, log_to_driver=False)
+def cluster(tiny_pair_server):
+    """The default application's policy actor, on the shared served tiny pair's cluster (whose own
+    app, model "tiny-pair", has an actor of another name); removed after, leaving the cluster as
+    it was."""
     actor = get_or_create_policy_actor(SETTINGS)
     yield actor
     kill_policy_actor()
-    serve.shutdown()
-    ray.shutdown()
 
 
 def decision(actor) -> PolicyDecision:

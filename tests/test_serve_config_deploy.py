@@ -7,11 +7,11 @@ from pathlib import Path
 import httpx
 import pytest
 import ray
-from ray import serve
 
 from cluster.builder import serve_config_yaml
 from cluster.config import SpecServeConfig
 from cluster.local import RAY_SYSTEM_CONFIG, logical_cpus_needed, wait_healthy
+from tests.local_server import stop_test_cluster
 from tests.test_serving import _free_port
 from tests.tiny_pair import make_tiny_pair
 
@@ -44,5 +44,4 @@ def test_generated_serve_config_runs_with_serve_run_and_answers(tmp_path):
         assert response.json()["usage"]["completion_tokens"] == 8
         assert response.json()["speculation"]["num_drafted"] > 0
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_test_cluster()
