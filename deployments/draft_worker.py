@@ -36,6 +36,7 @@ from decoding.sampling import SamplingParams, make_generator
 from decoding.speculation_cache import Predraft, block_of, continues, may_continue, predrafts, tokens_thrown_away
 from decoding.scheduler import CallShape, Schedule
 from deployments.engine_host import EngineCore, EngineHost, StepOutput, timed_forward
+from deployments.engine_loop import SequenceReleasedError
 from deployments.metrics import DraftVersionMetrics
 from deployments.naming import ENGINE_NAMESPACE
 
@@ -273,10 +274,17 @@ class DraftEngine(EngineCore):
             call = replace(like, seq_id=f"{seq_id}#predraft{self._branch_count}", history=list(predraft.history),
                            num_tokens=like.num_tokens + predraft.guesses_next, stream_state=state,
                            guess_first=predraft.guesses_next)
-            answer = asyncio.ensure_future(self.submit(call))
+            answer = asyncio.ensure_future(self._submit_predraft(seq_id, call))
             answer.add_done_callback(_observed)
             branches.append(_Branch(call.seq_id, predraft, answer))
         self.speculation[seq_id] = branches
+
+    async def _submit_predraft(self, seq_id: str, call: DraftCall) -> tuple[Proposal | None, CallSpan]:
+        """Queue a pre-draft, unless it was dropped before its task started (its request released,
+        or its outcome known): queued then, it would take KV nobody frees."""
+        if not any(branch.seq_id == call.seq_id for branch in self.speculation.get(seq_id, ())):
+            raise SequenceReleasedError(f"pre-draft {call.seq_id!r} dropped")
+        return await self.submit(call)
 
     def _drop(self, branches) -> int:
         """Let go of pre-drafts not used: queued calls dropped, KV freed between forwards. -> the

@@ -152,6 +152,23 @@ def test_a_seeded_request_gives_the_same_tokens_with_the_cache_as_with_plain_rou
     assert cached == plain
 
 
+def test_a_request_released_right_after_its_propose_leaves_no_pre_draft_behind(distant_pair):
+    """The pre-drafts' calls are queued by tasks that start after propose returns; a release that
+    comes first (the client went away) must leave nothing: those calls are refused, not queued."""
+    from tests.test_engines import whole
+
+    async def scenario():
+        draft, _ = new_engines(distant_pair, 2)
+        params = SamplingParams(temperature=0, max_tokens=8)
+        await draft.propose("gone", whole(PROMPTS[0]), NUM_DRAFT, params, None, len(PROMPTS[0]), (1, 1, 0, 1))
+        await draft.release("gone")          # before the pre-drafts' tasks ran
+        await asyncio.sleep(0.5)
+        await draft.loop.between_iterations()
+        return draft.runner.active_sequences(), draft.speculation, draft.runner.kv_usage()["kv_blocks_used"]
+
+    assert asyncio.run(scenario()) == ([], {}, 0)
+
+
 def exact_joint(target_path, prompt: list[int], params: SamplingParams) -> dict[tuple[int, ...], float]:
     """P(t1..tn) for every n-token output in the processed target's support, in float64."""
     model = LlamaForCausalLM.from_pretrained(target_path).eval()

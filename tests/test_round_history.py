@@ -57,7 +57,7 @@ class InProcessHandle:
 
 class InProcessWorkers:
     def __init__(self, handle: InProcessHandle) -> None:
-        self.get_engine = SimpleNamespace(remote=lambda: asyncio.sleep(0, handle))
+        self.get_engine = SimpleNamespace(remote=lambda affinity_key=None: asyncio.sleep(0, handle))
 
 
 def run_request(pair, forget_at: dict[str, int]) -> tuple[RequestState, InProcessHandle, InProcessHandle]:

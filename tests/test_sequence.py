@@ -163,7 +163,7 @@ def test_spec_stats_rates():
     assert stats.mean_tokens_per_pass == 3.0
     assert stats.to_dict() == {"rounds": 2, "num_drafted": 8, "num_accepted": 6, "num_emitted": 9,
                                "target_passes": 3, "acceptance_rate": 0.75, "mean_tokens_per_pass": 3.0,
-                               "mean_accepted_per_round": 3.0, "pipelined_rounds": 0,
+                               "mean_accepted_per_round": 3.0, "pipelined_rounds": 0, "speculation_cache_misses": 0,
                                "num_discarded_ahead": 0, "draft_failures": 0, "target_failovers": 0,
                                "draft_version": 0}
 
