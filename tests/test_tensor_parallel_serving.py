@@ -26,7 +26,7 @@ from tests.test_serving import stream_killing_midway
 from tests.test_serving_statistics import (NUM_REQUESTS, P_VALUE_FLOOR, PROMPT, TV_BOUND, chi_square_p_value,
                                            sample_texts, text_distribution, total_variation)
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]   # in `make reliability`: docs/testing.md
 MODEL = "tiny-pair-tp"
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\nclass Config:\n", "x = [i * i for i in"]
 
