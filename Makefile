@@ -33,7 +33,8 @@ fuzz: $(STAMP)
 soak: $(STAMP)
 	$(PY) -m bench.soak --duration-s $${SOAK_S:-600} --streams 4
 
-# The slow reliability tests CI leaves out: node loss on a multi-node `ray start` cluster.
+# The slow tests CI leaves out (docs/testing.md): node loss on a multi-node `ray start` cluster, served
+# tensor-parallel groups, the other conformance apps, online learning served end to end.
 reliability: $(STAMP)
 	$(PY) -m pytest -q -m slow
 

@@ -282,6 +282,7 @@ def test_combined_sweep_runs_average_each_variant_and_level():
 
 
 @pytest.mark.ray
+@pytest.mark.slow   # in make reliability (about a minute: two apps of one cluster)
 def test_interleaved_sweep_serves_every_variant_side_by_side_with_its_own_policy_actor(tmp_path):
     """`bench-load --interleave`: variants as apps of one cluster, each level run in turns; every
     variant answers on its own route and model name, and each app reports to its own policy actor."""

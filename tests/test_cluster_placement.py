@@ -70,6 +70,7 @@ def test_requests_sharing_a_prompt_prefix_go_to_the_target_replica_that_holds_it
     assert cached[0] == 0 and all(tokens >= 64 for tokens in cached[1:]), cached
 
 
+@pytest.mark.slow   # in make reliability: docs/testing.md
 def test_killing_the_policy_actor_under_load_fails_no_request_and_it_comes_back(gpu_server):
     import httpx
 

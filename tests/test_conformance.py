@@ -35,6 +35,14 @@ MAX_TOKENS = 12
 LONG_PROMPT = ("def merge_sorted(left, right):\n    result = []\n    i = j = 0\n    while i < len(left) and "
                "j < len(right):\n        if left[i] <= right[j]:\n")
 DECODERS = list(DECODER_BUILDERS)
+# make test serves these; the other decoder families' apps run in make reliability (marker slow),
+# to keep make test under its 10 minutes: their engine path is tested in process on every run
+# (tests/test_batched_runner.py, tests/test_decoder_statistics.py).
+CI_FAMILIES = ("llama3", "qwen25", "mistral", "gemma3")
+
+
+def families(*names: str) -> list:
+    return [pytest.param(name, marks=() if name in CI_FAMILIES else pytest.mark.slow) for name in names]
 NEAR_TIE_LOGIT_GAP = 1e-3
 
 
@@ -50,9 +58,19 @@ def family_config(family, port: int):
                                   "observability": {"metrics_export_port": 0}})
 
 
+def selected_families(request, checkpoint_families) -> dict:
+    """The families this run's selected tests of this module use (a marker expression may leave
+    some out), so no app starts that no test asks for."""
+    wanted = {"mistral"}   # test_stop_token_ids_end_a_request_and_can_stay_in_the_output
+    wanted |= {item.callspec.params["name"] for item in request.session.items
+               if item.module is request.module and "name" in getattr(getattr(item, "callspec", None), "params", {})}
+    return {name: family for name, family in checkpoint_families.items() if name in wanted}
+
+
 @pytest.fixture(scope="module")
-def served(checkpoint_families):
-    """{family name: (openai client, family)}: three apps on one cluster."""
+def served(request, checkpoint_families):
+    """{family name: (openai client, family)}: one app per family the selected tests use, on one cluster."""
+    checkpoint_families = selected_families(request, checkpoint_families)
     port = free_port()
     # Seven apps of four replicas each: logical CPUs, not cores (the replicas idle between requests).
     ray.init(num_cpus=32, include_dashboard=False, configure_logging=False, log_to_driver=False,
@@ -109,15 +127,15 @@ class Oracle:
 
 
 @pytest.fixture(scope="module")
-def oracles(checkpoint_families):
-    return {name: Oracle(family) for name, family in checkpoint_families.items()}
+def oracles(request, checkpoint_families):
+    return {name: Oracle(family) for name, family in selected_families(request, checkpoint_families).items()}
 
 
 def assert_equal_or_near_tie(oracle: Oracle, prompt_ids: list[int], ids: list[int], served: str) -> None:
     assert served == oracle.text(ids) or oracle.near_tie_at_divergence(prompt_ids, ids, served), (served, ids)
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen25", "mistral", *DECODERS])
+@pytest.mark.parametrize("name", families("llama3", "qwen25", "mistral", *DECODERS))
 def test_greedy_completions_equal_hf_generate(served, oracles, name):
     client, family = served[name]
     oracle = oracles[name]
@@ -129,7 +147,7 @@ def test_greedy_completions_equal_hf_generate(served, oracles, name):
         assert_equal_or_near_tie(oracle, prompt_ids, oracle.greedy(prompt_ids, MAX_TOKENS), response.choices[0].text)
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen25", "mistral", *DECODERS])
+@pytest.mark.parametrize("name", families("llama3", "qwen25", "mistral", *DECODERS))
 def test_chat_prompt_is_apply_chat_template_and_greedy_equals_hf(served, oracles, name):
     client, family = served[name]
     oracle = oracles[name]
@@ -142,7 +160,7 @@ def test_chat_prompt_is_apply_chat_template_and_greedy_equals_hf(served, oracles
                              response.choices[0].message.content)
 
 
-@pytest.mark.parametrize("name", DECODERS)
+@pytest.mark.parametrize("name", families(*DECODERS))
 def test_concurrent_requests_share_forwards_and_equal_each_alone(served, oracles, name):
     """Four greedy requests at once on an any-decoder pair: the target engine's forwards carried
     more than one row on average (batched), and each answer is HF `generate`'s for its prompt."""

@@ -17,7 +17,7 @@ from cluster.status import render_table, summarize, trainer_status
 from decoding.capture import load_blocks
 from tests.local_server import greedy_reference, serve_tiny_pair
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]   # in `make reliability`: docs/testing.md
 MODEL = "tiny-learning"
 PROMPTS = [f"def {name}(items):\n    " for name in ("total", "largest", "reverse", "flatten", "unique", "count",
                                                     "merge", "window", "pairs", "chunks", "sorted_by", "first")]
