@@ -66,6 +66,7 @@ def test_replica_cause_is_the_innermost_exception_of_a_serve_status_message():
 
 
 @pytest.mark.ray
+@pytest.mark.slow   # in make reliability (a whole `specserve serve` start-up); the message's parts are tested above
 def test_a_replica_that_cannot_start_ends_the_cli_with_its_own_error_and_no_ray_traceback():
     """A KV budget too small for one sequence: the engine's own message is the CLI's last line,
     at the first failed replica (not after Serve's retries), with no traceback through Ray. The
