@@ -29,6 +29,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from cluster.config import SpecServeConfig
 from decoding.sampling import SamplingParams
+from cluster.messages import HistoryUpdate
+from deployments.committed_history import history_digest
 from deployments.target_worker import TargetEngine
 
 DEFAULT_TARGET = Path(__file__).resolve().parents[1] / "models" / "default" / "target"
@@ -37,6 +39,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=1)
 CHAT_TURNS = 10
 CHAT_ANSWER_TOKENS = 64   # each turn's answer, taken from docs text (its KV computed as decoding would)
 
+
+
+def whole(token_ids: list[int]) -> HistoryUpdate:
+    """A committed history sent whole, as the router sends it to an engine that has not seen it."""
+    return HistoryUpdate(0, tuple(token_ids), history_digest(token_ids))
 
 def look_alike(directory: Path, context: int) -> Path:
     """The shipped target's architecture and tokenizer with random weights and a longer context."""
@@ -72,7 +79,7 @@ async def timed_prefill(engine: TargetEngine, seq_id: str, history: list[int]) -
     """A lone call runs in the calling thread (deployments.engine_loop), so this thread's CPU time
     is the forward's: a figure the box's other load does not inflate the way it does wall time."""
     wall, cpu = time.perf_counter(), time.thread_time()
-    _, span = await engine.verify(seq_id, history, 1, GREEDY)
+    _, span = await engine.verify(seq_id, whole(history), None, GREEDY)
     return time.perf_counter() - wall, time.thread_time() - cpu, span.cached_tokens
 
 
@@ -91,7 +98,7 @@ async def burst(engine: TargetEngine, histories: list[list[int]]) -> tuple[list[
     started = time.perf_counter()
 
     async def request(i: int, history: list[int]) -> Sample:
-        _, span = await engine.verify(f"burst-{i}", history, 1, GREEDY)
+        _, span = await engine.verify(f"burst-{i}", whole(history), None, GREEDY)
         return time.perf_counter() - started, float("nan"), span.cached_tokens
 
     results = await asyncio.gather(*(request(i, history) for i, history in enumerate(histories)))
@@ -111,7 +118,7 @@ async def chat(engines: Engines, questions: list[list[int]], answers: list[int])
         answered = conversation + answers[turn * CHAT_ANSWER_TOKENS:(turn + 1) * CHAT_ANSWER_TOKENS]
         for name, engine in engines.items():
             results[name].append(await timed_prefill(engine, f"chat-{turn}", conversation))
-            await engine.verify(f"chat-{turn}", answered, 1, GREEDY)
+            await engine.verify(f"chat-{turn}", whole(answered), None, GREEDY)
             await engine.release(f"chat-{turn}")
         conversation = answered
     return results
@@ -138,7 +145,7 @@ def run(model_dir: Path, histories: list[list[int]], questions: list[list[int]],
             spec = {"path": str(model_dir), "dtype": "float32", "device": "cpu", "torch_threads": 1,
                     "max_sequences": 64, "prefix_caching": prefix_caching}
             engines[name] = engine = TargetEngine(spec, options)
-            await engine.verify("warmup", [1] * 64, 1, GREEDY)
+            await engine.verify("warmup", whole([1] * 64), None, GREEDY)
             await engine.release("warmup")
         return engines
 
