@@ -180,6 +180,7 @@ def run_level(url: str, bodies: list[tuple[str, dict]], concurrency: int) -> dic
     drafted = sum(r.num_drafted for r in records)
     rounds = sum(r.rounds for r in records)
     tokens = sum(r.num_output_tokens for r in records)
+    hits, misses = sum(r.cache_hits for r in records), sum(r.cache_misses for r in records)
     return {
         "concurrency": concurrency, "num_requests": len(records), "num_output_tokens": tokens,
         "tokens_per_s": tokens / span_s if span_s > 0 else math.nan,
@@ -188,7 +189,6 @@ def run_level(url: str, bodies: list[tuple[str, dict]], concurrency: int) -> dic
         "acceptance_rate": sum(r.num_accepted for r in records) / drafted if drafted else None,
         "mean_draft_tokens": drafted / rounds if rounds else 0.0,
         "tokens_per_pass": tokens / max(1, sum(r.target_passes for r in records)),
-        "cache_hit_share": hits / (hits + misses) if (hits := sum(r.cache_hits for r in records)) +
-        (misses := sum(r.cache_misses for r in records)) else None,
+        "cache_hit_share": hits / (hits + misses) if hits + misses else None,
         "records": [r.to_dict() for r in records],
     }

@@ -29,8 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from cluster.config import SpecServeConfig
 from decoding.sampling import SamplingParams
-from cluster.messages import HistoryUpdate
-from deployments.committed_history import history_digest
+from deployments.committed_history import whole_history as whole
 from deployments.target_worker import TargetEngine
 
 DEFAULT_TARGET = Path(__file__).resolve().parents[1] / "models" / "default" / "target"
@@ -39,11 +38,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=1)
 CHAT_TURNS = 10
 CHAT_ANSWER_TOKENS = 64   # each turn's answer, taken from docs text (its KV computed as decoding would)
 
-
-
-def whole(token_ids: list[int]) -> HistoryUpdate:
-    """A committed history sent whole, as the router sends it to an engine that has not seen it."""
-    return HistoryUpdate(0, tuple(token_ids), history_digest(token_ids))
 
 def look_alike(directory: Path, context: int) -> Path:
     """The shipped target's architecture and tokenizer with random weights and a longer context."""

@@ -69,6 +69,12 @@ class HistorySender:
         self.sent = 0
 
 
+def whole_history(token_ids: Sequence[int]) -> HistoryUpdate:
+    """A committed history sent whole, as to an engine that never saw the request (tests and
+    in-process benchmarks call engines without a router's HistorySender)."""
+    return HistoryUpdate(0, tuple(token_ids), history_digest(token_ids))
+
+
 def committed_tail(state: RequestState, start: int) -> list[int]:
     """state's committed history from token `start` on, without copying the rest of it."""
     num_prompt = len(state.prompt_ids)

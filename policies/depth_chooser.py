@@ -83,11 +83,16 @@ class DepthChooser:
     def set_policy_decision(self, decision: PolicyDecision | None, now: float) -> None:
         self.policy_decision, self.policy_decision_at = decision, now
 
-    def policy_depth(self, klass: str, now: float) -> int | None:
-        """The depth the policy actor allows this request class now, or None (no fresh decision)."""
+    def fresh_decision(self, now: float) -> PolicyDecision | None:
+        """The policy actor's decision, unless it is older than POLICY_STALE_S (or there is none)."""
         if self.policy_decision is None or now - self.policy_decision_at > POLICY_STALE_S:
             return None
-        return self.policy_decision.num_draft_tokens.get(klass)
+        return self.policy_decision
+
+    def policy_depth(self, klass: str, now: float) -> int | None:
+        """The depth the policy actor allows this request class now, or None (no fresh decision)."""
+        decision = self.fresh_decision(now)
+        return None if decision is None else decision.num_draft_tokens.get(klass)
 
     def choose(self, state: RequestState, num_active: int, now: float) -> int:
         """K for this round of state's request, with num_active requests on the router."""
@@ -114,8 +119,9 @@ class DepthChooser:
         The fan-out is the configured one alone, the policy's (lowered as the draft pool fills)
         beside other requests, and none past speculation.fan_out_max_batch requests in flight, nor
         while the class's recent rounds hit less than MIN_HIT_SHARE (but for a probe one round in
-        PROBE_EVERY, to see whether that changed). Load may decide it even for a seeded request: a hit's block is the one drafting just in
-        time would have drawn, so the fan-out changes speed, never the output."""
+        PROBE_EVERY, to see whether that changed). Load may decide it even for a seeded request: a
+        hit's block is the one drafting just in time would have drawn, so the fan-out changes
+        speed, never the output."""
         budget = self.spec.fan_out if num_active <= self.spec.fan_out_max_batch else 0
         klass = request_class(state)
         if budget and self.hit_share[klass] < MIN_HIT_SHARE:
@@ -123,9 +129,9 @@ class DepthChooser:
             if self._rounds_since_probe[klass] < PROBE_EVERY:
                 return ()
             self._rounds_since_probe[klass] = 0
-        if num_active > 1 and self.policy_decision is not None and now - self.policy_decision_at <= POLICY_STALE_S \
-                and self.policy_decision.fan_out is not None:
-            budget = min(budget, self.policy_decision.fan_out)
+        decision = self.fresh_decision(now)
+        if num_active > 1 and decision is not None and decision.fan_out is not None:
+            budget = min(budget, decision.fan_out)
         if budget <= 0 or num_draft <= 0:
             return ()
         rates = request_position_rates(state.draft_reached, state.draft_accepted_at,

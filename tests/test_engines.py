@@ -12,7 +12,7 @@ from cluster.messages import CallSpan, HistoryUpdate
 from decoding.batched_runner import BatchedModelRunner
 from decoding.sampling import SamplingParams, make_generator
 from decoding.proposers import DraftModelProposer, Proposal
-from deployments.committed_history import history_digest
+from deployments.committed_history import history_digest, whole_history as whole
 from deployments.draft_worker import DraftEngine
 from deployments.engine_loop import EngineOverloadedError, SequenceReleasedError
 from deployments.target_worker import TargetEngine
@@ -35,11 +35,6 @@ def spec(path, max_sequences: int = 8) -> dict:
 
 def options(**overrides) -> dict:
     return {**SpecServeConfig().engine_options(), **overrides}
-
-
-def whole(token_ids) -> HistoryUpdate:
-    """A committed history sent whole, as to an engine that never saw the request."""
-    return HistoryUpdate(0, tuple(token_ids), history_digest(token_ids))
 
 
 async def verify(engine: TargetEngine, seq_id: str, token_ids, num_rows: int, params, *args, **kwargs):

@@ -8,10 +8,10 @@ sampled output is token for token the same with the cache as with plain rounds."
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers import LlamaForCausalLM
 
 import deployments.draft_worker as draft_worker
@@ -26,6 +26,7 @@ from deployments.draft_worker import DraftEngine
 from deployments.target_worker import TargetEngine
 from tests.test_engines import options, spec
 from tests.test_generate import null_tv_bound, perturbed_copy, tiny_llama
+from tests.test_serving_statistics import chi_square_p_value, total_variation
 from tests.tiny_pair import make_tiny_pair
 
 PROMPTS = [[5, 17, 42, 8, 3, 33], [60, 2, 2, 9, 14, 27, 50, 11, 7], [12, 40, 21, 40, 21]]
@@ -210,17 +211,9 @@ def sample_joint(pair, params: SamplingParams, seeds: range) -> tuple[list[tuple
 
 def fit(outputs: list[tuple[int, ...]], joint: dict) -> tuple[float, float]:
     """(chi-square p-value with cells expected < 5 pooled, total variation) of outputs vs joint."""
-    observed = {cell: 0 for cell in joint}
-    for output in outputs:
-        assert output in observed, f"{output} has probability 0 under the target"
-        observed[output] += 1
-    n = len(outputs)
-    big = [cell for cell in joint if joint[cell] * n >= 5]
-    small = [cell for cell in joint if joint[cell] * n < 5]
-    counts = [observed[cell] for cell in big] + ([sum(observed[cell] for cell in small)] if small else [])
-    expected = [joint[cell] * n for cell in big] + ([sum(joint[cell] for cell in small) * n] if small else [])
-    tv = 0.5 * sum(abs(observed[cell] / n - joint[cell]) for cell in joint)
-    return float(chisquare(counts, expected).pvalue), tv
+    observed = Counter(outputs)
+    assert set(observed) <= set(joint), f"{set(observed) - set(joint)} have probability 0 under the target"
+    return chi_square_p_value(observed, joint), total_variation(observed, joint)
 
 
 @pytest.fixture(scope="module")
