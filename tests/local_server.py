@@ -11,7 +11,6 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import ray
 
 from cluster.config import SpecServeConfig
@@ -57,9 +56,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-CLUSTER_EXIT_WAIT_S = 15.0
-
-
 def stop_test_cluster() -> None:
     """End the test's local Ray cluster, and every process on it, at once.
 
@@ -67,14 +63,8 @@ def stop_test_cluster() -> None:
     replica's graceful drain (docs/testing.md has what that costs a module), where a test's
     cluster has nothing left to drain and ray.shutdown ends its processes anyway (Serve forgets a
     client of a stopped cluster, so the next module starts afresh). The real stop is tested where
-    it matters: `specserve serve` under SIGTERM (tests/test_sigterm.py).
-
-    It returns once the cluster's processes (this driver's children) have exited, up to
-    CLUSTER_EXIT_WAIT_S: a next module's ray.init racing a cluster still going down once timed
-    out starting its node."""
-    children = psutil.Process().children(recursive=True)
+    it matters: `specserve serve` under SIGTERM (tests/test_sigterm.py)."""
     ray.shutdown()
-    psutil.wait_procs(children, timeout=CLUSTER_EXIT_WAIT_S)
 
 
 def serve_tiny_pair(root: Path, model_name: str, **overrides) -> Iterator[tuple[str, SpecServeConfig]]:
