@@ -21,7 +21,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -377,6 +377,35 @@ class BatchedModelRunner(RunnerBase):
         entry = self._sequences.pop(seq_id, None)
         if entry is not None:
             self.cache.free(entry.blocks[::-1])
+
+    def weights_mismatch(self, state: Mapping[str, torch.Tensor]) -> str | None:
+        """Why `state` cannot replace this runner's weights in place (None: it can): it must name
+        exactly this model's weights, each of the same shape."""
+        own = self.model.state_dict()
+        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        if missing or unexpected:
+            return (f"the new weights are not this draft's architecture: missing {missing[:3]}, "
+                    f"unexpected {unexpected[:3]}")
+        shapes = [name for name, tensor in own.items() if tuple(state[name].shape) != tuple(tensor.shape)]
+        if shapes:
+            return f"the new weights are not this draft's shapes: {shapes[:3]} differ"
+        return None
+
+    def load_weights(self, state: Mapping[str, torch.Tensor], cache_salt: str) -> None:
+        """Serve `state` (weights of this same architecture, e.g. a trained draft version) from the
+        next forward, copied into the model's own tensors: the KV pool and the weights' memory are
+        the ones already serving, so on a GPU a swap needs no room for a second copy of either.
+        Every sequence's keys and values belong to the old weights: all are let go, and cached
+        blocks become unfindable (the hash chain's root is the new cache_salt). ValueError
+        (nothing changed) when `weights_mismatch` says why it cannot."""
+        problem = self.weights_mismatch(state)
+        if problem is not None:
+            raise ValueError(problem)
+        for seq_id in list(self._sequences):
+            self.release(seq_id)
+        self._salt = salt_hash(cache_salt)
+        with torch.no_grad():
+            self.model.load_state_dict(state, strict=True)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """child_id starts holding what parent_id holds, sharing its blocks (the speculation

@@ -93,6 +93,13 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def checkpoint_dtype(model_path: str | Path) -> torch.dtype:
+    """The dtype a checkpoint's weights were saved in (its config's dtype; float32 if unnamed)."""
+    config = _text_config(model_path)
+    named = str(config.get("torch_dtype") or config.get("dtype") or "float32").removeprefix("torch.")
+    return DTYPES.get(named, torch.float32)
+
+
 def resolve_dtype(dtype: str, model_path: str | Path, device: str) -> torch.dtype:
     """'auto' -> the checkpoint's torch_dtype on a GPU, CPU_AUTO_DTYPE on CPU (float16 and bf16
     matrix products are slower there); a named dtype as given."""
@@ -102,9 +109,7 @@ def resolve_dtype(dtype: str, model_path: str | Path, device: str) -> torch.dtyp
         return DTYPES[dtype]
     if not str(device).startswith("cuda"):
         return DTYPES[CPU_AUTO_DTYPE]
-    config = _text_config(model_path)
-    named = str(config.get("torch_dtype") or config.get("dtype") or "float32").removeprefix("torch.")
-    return DTYPES.get(named, torch.float32)
+    return checkpoint_dtype(model_path)
 
 
 def check_weight_files(model_path: str | Path) -> None:

@@ -97,6 +97,14 @@ def load_causal_lm(model_path: str, dtype: str = "auto", device: str = "auto",
     return (model if on_gpu or tensor_parallel_size > 1 else model.to(torch.device(device))).eval()
 
 
+def checkpoint_weights(model_path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A checkpoint's weights as a state dict on the CPU in dtype: what a hot swap copies into a
+    serving model of the same architecture (BatchedModelRunner.load_weights), and what the draft
+    trainer puts in Ray's object store for draft engines on every node."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=dtype)
+    return {name: tensor.detach() for name, tensor in model.state_dict().items()}
+
+
 class RunnerBase:
     """What every runner shares: loading, the model's facts, and the checks of the full-history
     protocol. Subclasses hold the per-sequence KV state."""

@@ -4,8 +4,10 @@ Routers push captured blocks and per-version acceptance counts to it, fire-and-f
 never waits for it. When the policy actor reports slack it runs a training pass
 (training/online_trainer.py) in a worker thread, polling the load every quarter second and
 stopping within one optimizer step once load returns (any pushed block is load too). An accepted
-candidate is on disk before every draft engine is told to load it; an engine that fails to load
-keeps serving its weights and is offered the version again when it next registers. After a swap
+candidate is on the trainer's disk (or a configured shared versions_dir) before every draft engine
+is told to load it; without a shared versions_dir its weights travel through Ray's object store, so
+draft engines on other nodes load what only this node can read. An engine that fails to load keeps
+serving its weights and is offered the version again, backing off (LoadBackoff). After a swap
 the trainer watches live acceptance and swaps back a version that does worse than its predecessor.
 
 Nothing on the data path depends on this actor: it is detached like the policy actor, created by
@@ -32,6 +34,8 @@ import torch
 
 from cluster.config import SpecServeConfig
 from decoding.capture import CapturedBlock, save_blocks
+from decoding.checkpoint import checkpoint_dtype
+from decoding.model_runner import checkpoint_weights
 from deployments.naming import ENGINE_NAMESPACE, draft_trainer_name
 from policies.decision import policy_actor_name
 from training.online_trainer import OnlineTrainer
@@ -99,6 +103,7 @@ class DraftTrainer:
         self._loop_task: asyncio.Task | None = None
         self.started_at = time.time()
         self.backoff = LoadBackoff()
+        self._weights: dict[int, ray.ObjectRef] = {}   # version -> its weights in the object store
 
     async def configure(self, config: dict[str, Any]) -> bool:
         """A config from a lookup: the same for this trainer (-> False), or a redeploy changed what
@@ -203,11 +208,12 @@ class DraftTrainer:
                 self._stop.set()
 
     async def _offer_all(self, version) -> None:
+        await self._weights_of(version)   # put once, before the engines ask for it together
         await asyncio.gather(*[self._offer_one(name, engine, version) for name, engine in list(self.engines.items())])
 
     async def _offer_one(self, name: str, engine: Any, version) -> None:
         try:
-            await engine.load_draft.remote(version.version, version.path)
+            await engine.load_draft.remote(version.version, version.path, await self._weights_of(version))
             self.engine_versions[name] = version.version
             self.backoff.success(name)
         except ray.exceptions.RayActorError:
@@ -218,6 +224,11 @@ class DraftTrainer:
             logger.exception("draft engine %s could not load version %d (failure %d); it keeps its weights and is "
                              "offered it again in %.0f s", name, version.version, failed.failures,
                              failed.retry_at - time.monotonic())
+
+
+def put_version(path: str) -> "ray.ObjectRef":
+    """A version's weights (a state dict in its saved dtype) in Ray's object store."""
+    return ray.put(checkpoint_weights(path, checkpoint_dtype(path)))
 
 
 def trainer_settings(config: SpecServeConfig) -> dict[str, Any]:

@@ -8,8 +8,8 @@ when its history is one of them. Disaggregation's edge: the draft has its own de
 the verify otherwise.
 
 Its weights can change while it serves (`load_draft`, docs/online-learning.md): a new version is
-loaded beside the serving one and takes over between two forwards, every sequence's draft KV
-dropped (the engine keeps each request's committed history, so the next propose re-prefills from it). Each Proposal names the
+fetched (from Ray's object store, or a path) while the old one serves, and copied into the serving
+runner between two forwards, in place (the same KV pool), every sequence's draft KV dropped (the engine keeps each request's committed history, so the next propose re-prefills from it). Each Proposal names the
 version that drafted it and carries that version's q, which the router verifies the block
 against, so a swap in the middle of a request changes speed, never the output distribution.
 """
@@ -30,6 +30,7 @@ from ray import serve
 
 from cluster.messages import CallSpan, HistoryUpdate, UnknownHistory
 from decoding.batched_runner import ForwardCall, load_runner
+from decoding.model_runner import checkpoint_weights
 from decoding.grammar import GrammarMatchers
 from decoding.proposers import DraftModelProposer, NgramProposer, Proposal, ProposeCall, empty_proposal
 from decoding.sampling import SamplingParams, make_generator
@@ -94,7 +95,7 @@ class DraftEngine(EngineCore):
         self.generators: dict[str, torch.Generator] = {}
         self.model_spec = model_spec
         self.draft_version, self.draft_path = 0, None if model_spec is None else model_spec["path"]
-        self._pending_swap: tuple[int, str, Any] | None = None  # (version, path, runner) loaded, not yet serving
+        self._pending_swap: tuple[int, str, Any] | None = None  # (version, path, state dict) fetched, not yet serving
         self._swap_lock = threading.Lock()
         self.trainer_name = engine_options.get("draft_trainer")
         self._registered_at = 0.0
@@ -105,20 +106,28 @@ class DraftEngine(EngineCore):
         self.version_metrics = DraftVersionMetrics(name.rsplit(":", 1)[-1] if name else "local")
         self.version_metrics.set_version(0)
 
-    async def load_draft(self, version: int, path: str) -> dict[str, Any]:
-        """Load the draft checkpoint at path as `version`; it serves from the next forward on.
-        A load that fails raises and changes nothing: the current weights go on serving."""
+    async def load_draft(self, version: int, path: str, weights: "ray.ObjectRef | None" = None) -> dict[str, Any]:
+        """Serve the draft weights `version` from the next forward: from `weights`, a state dict in
+        Ray's object store (what the trainer offers: no node but its own need read its disk), or
+        else from the checkpoint at path (a shared versions_dir, or the draft this server started
+        with). They are copied into the serving runner (BatchedModelRunner.load_weights), which
+        keeps its KV pool: a swap needs no room for a second pool or a second copy of the
+        weights. A load that fails raises and changes nothing: the current weights go on serving."""
         if self.runner is None:
             raise ValueError("an n-gram proposer has no weights to load")
         if (version, path) == (self.draft_version, self.draft_path):
             return await self.version()
-        # Its prefix cache starts empty and is salted with the version: no block of other weights is found.
-        runner = await asyncio.to_thread(load_runner, {**self.model_spec, "path": path,
-                                                       "cache_salt": f"{path}@draft-v{version}"})
+        if weights is not None:
+            state = await weights
+        else:
+            state = await asyncio.to_thread(checkpoint_weights, path, self.runner.model.dtype)
+        problem = self.runner.weights_mismatch(state)
+        if problem is not None:
+            raise ValueError(f"draft version {version} ({path}): {problem}")
         with self._swap_lock:
-            self._pending_swap = (version, path, runner)
+            self._pending_swap = (version, path, state)
         logger.info("%s: draft version %d loaded from %s; it serves from the next forward",
-                    self.name or self.pool, version, path)
+                    self.name or self.pool, version, "the object store" if weights is not None else path)
         return {**(await self.version()), "pending": version}
 
     async def version(self) -> dict[str, Any]:
@@ -163,13 +172,15 @@ class DraftEngine(EngineCore):
         return dropped
 
     def _apply_pending_swap(self) -> None:
-        """The loaded version replaces the serving one; all draft KV goes with the old runner."""
+        """The loaded version replaces the serving one's weights in place; all draft KV is let go."""
         with self._swap_lock:
             pending, self._pending_swap = self._pending_swap, None
         if pending is None:
             return
-        self.draft_version, self.draft_path, self.runner = pending
-        self.scheduler.runner = self.runner
+        version, path, state = pending
+        # Its prefix cache is salted with the version: no block of other weights is found.
+        self.runner.load_weights(state, cache_salt=f"{path}@draft-v{version}")
+        self.draft_version, self.draft_path = version, path
         self.proposer = DraftModelProposer(self.runner, self.proposer.grammars, self.proposer.max_candidates)
         self.version_metrics.set_version(self.draft_version)
 

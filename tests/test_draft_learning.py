@@ -103,6 +103,48 @@ def test_a_swap_mid_request_keeps_greedy_text_and_a_failed_load_keeps_the_servin
     assert state.stats.draft_version == 1
 
 
+def test_an_engine_loads_a_version_from_the_object_store_into_its_serving_runner(pairs, tmp_path):
+    """The trainer's versions folder is on its node only: the engine loads the version from Ray's
+    object store after the folder is gone, into the runner that serves (same KV pool, no more
+    KV memory reserved for the same work), drops the old version's KV, and drafts exactly what (tokens
+    and q rows) an engine started on the new version drafts."""
+    import shutil
+
+    import ray
+
+    from deployments.draft_trainer import put_version
+
+    target, _, _, unrelated = pairs
+    version_dir = tmp_path / "v1"
+    shutil.copytree(unrelated, version_dir)
+    ray.init(num_cpus=1, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    try:
+        weights = put_version(str(version_dir))
+        shutil.rmtree(version_dir)  # as on another node: nothing on this disk to read
+
+        async def scenario():
+            draft, _ = engines(pairs)
+            fresh = DraftEngine("draft", spec(unrelated, 8), str(target), options(max_batch_rows=8))
+            old, _ = await draft.propose("warm", whole(PROMPT), 4, SAMPLED, 0)
+            runner, pool = draft.runner, draft.runner.cache
+            reserved = runner.kv_usage()["kv_bytes_reserved"]
+            await draft.load_draft(1, str(version_dir), weights)
+            swapped, _ = await draft.propose("new", whole(PROMPT), 4, SAMPLED, 0)
+            expected, _ = await fresh.propose("new", whole(PROMPT), 4, SAMPLED, 0)
+            return (draft.runner is runner and draft.runner.cache is pool, reserved,
+                    draft.runner.kv_usage()["kv_bytes_reserved"], await draft.active_sequences(), old, swapped,
+                    expected)
+
+        same_pool, reserved_before, reserved_after, held, old, swapped, expected = asyncio.run(scenario())
+    finally:
+        ray.shutdown()
+    assert same_pool and reserved_after == reserved_before > 0
+    assert held == ["new"]  # the old version's KV was let go
+    assert swapped.draft_version == 1 and swapped.token_ids == expected.token_ids
+    probs = [torch.as_tensor(p.support.probs) for p in (old, swapped, expected)]
+    assert torch.equal(probs[1], probs[2]) and not torch.allclose(probs[0], probs[1], atol=1e-3)
+
+
 def _first_tokens_across_a_swap(pairs, samples: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Seeded sampled requests whose draft KV was filled by version 0; the draft then swaps to an
     unrelated model's weights and each request verifies one block (K=2). -> (first emitted
