@@ -314,7 +314,9 @@ def main(argv: list[str] | None = None) -> None:
         settings = {"enabled": True, "sample_every": 1, "min_new_positions": 3000, "lr": args.lr, "epochs": args.epochs,
                     "batch_size": args.batch_size, "versions_dir": str(work / "versions-cost"), "num_cpus": 1.0}
         if args.allow_overlap:
-            settings.update(slack_max_active_requests=1000, slack_max_busy_share=1.0)
+            settings.update(slack_max_active_requests=None, slack_max_busy_share=1.0)
+        else:
+            settings.update(slack_max_active_requests=0)   # idle-only: every request stops the pass
         config = serve_config(target, shipped_draft, args.port, settings)
         cost = training_cost_run(config, traffic, 16, args.max_tokens, args.pass_timeout_s)
         print(json.dumps(cost))

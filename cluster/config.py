@@ -272,10 +272,13 @@ class DraftTrainingSpec(_Strict):
     rollback_margin: float = Field(0.05, ge=0, description="after a swap, live acceptance this much below the "
                                    "previous version's rolls the swap back")
     rollback_min_drafted: int = Field(500, ge=1, description="drafted tokens on a new version before it is judged")
-    slack_max_active_requests: int = Field(0, ge=0, description="the cluster has slack (training may run) "
-                                           "while at most this many requests are active ...")
-    slack_max_busy_share: float = Field(0.5, gt=0, le=1, description="... and the target pool is busy at most "
-                                        "this share of the time")
+    slack_max_active_requests: int | None = Field(None, ge=0, description="also require at most this many "
+                                                  "requests in flight for slack (0: train only when idle, every "
+                                                  "request stops a pass); unset: slack is the target pool's busy "
+                                                  "share alone, so a trickle of traffic still gets new versions")
+    slack_max_busy_share: float = Field(0.5, gt=0, le=1, description="the cluster has slack (training may run) "
+                                        "while the target pool is busy at most this share of the time; a trainer "
+                                        "with a GPU of its own (num_gpus >= 1) trains beside serving regardless")
     num_cpus: float = Field(1.0, ge=0, description="CPUs of the trainer actor")
     num_gpus: float = Field(0.0, ge=0, description="GPUs of the trainer actor")
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources of the trainer "

@@ -1,9 +1,11 @@
 """The draft trainer actor: one per application when draft_training.enabled (docs/online-learning.md).
 
 Routers push captured blocks and per-version acceptance counts to it, fire-and-forget: a round
-never waits for it. When the policy actor reports slack it runs a training pass
-(training/online_trainer.py) in a worker thread, polling the load every quarter second and
-stopping within one optimizer step once load returns (any pushed block is load too). An accepted
+never waits for it. When the policy actor reports slack (spare capacity: policies/slack.py) it
+runs a training pass (training/online_trainer.py) in a worker thread, polling the load every
+quarter second and stopping within one optimizer step once the slack ends (with
+slack_max_active_requests 0, any pushed block ends it); a trainer with a GPU of its own trains
+beside serving. An accepted
 candidate is on the trainer's disk (or a configured shared versions_dir) before every draft engine
 is told to load it; without a shared versions_dir its weights travel through Ray's object store, so
 draft engines on other nodes load what only this node can read. An engine that fails to load keeps
@@ -38,6 +40,7 @@ from decoding.checkpoint import checkpoint_dtype
 from decoding.model_runner import checkpoint_weights
 from deployments.naming import ENGINE_NAMESPACE, draft_trainer_name
 from policies.decision import policy_actor_name
+from policies.slack import has_own_device
 from training.online_trainer import OnlineTrainer
 
 LOOP_INTERVAL_S = 0.5      # how often the trainer looks for slack, captures and rollbacks
@@ -125,8 +128,9 @@ class DraftTrainer:
                    live_counts: Mapping[int, tuple[Sequence[int], Sequence[int]]]) -> None:
         """Captured blocks and per-position (drafted, accepted) counts per draft version since the router's last push."""
         self._ensure_loop()
-        if self.config.draft_training.slack_max_active_requests == 0:
-            self._stop.set()  # a block is a request in flight: yield at once
+        spec = self.config.draft_training
+        if spec.slack_max_active_requests == 0 and not has_own_device(spec.num_gpus):
+            self._stop.set()  # idle-only training: a block is a request in flight, yield at once
         self.core.add(blocks)
         self.core.record_live(live_counts)
         if self.config.draft_training.capture_dir is not None:
@@ -181,6 +185,8 @@ class DraftTrainer:
 
     async def _slack(self) -> bool:
         spec = self.config.draft_training
+        if has_own_device(spec.num_gpus):
+            return True   # it takes nothing the engines use: it trains beside serving
         try:
             policy = ray.get_actor(policy_actor_name(self.config.model_name), namespace="specserve")
             return await policy.slack.remote(spec.slack_max_active_requests, spec.slack_max_busy_share)

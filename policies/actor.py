@@ -100,7 +100,7 @@ class PolicyActor:
         self._ensure_loop()
         return self._decider.decision
 
-    async def slack(self, max_active_requests: int, max_busy_share: float) -> bool:
+    async def slack(self, max_active_requests: int | None, max_busy_share: float) -> bool:
         """Whether background work (the draft trainer) may run now (policies.slack.has_slack)."""
         self._ensure_loop()
         load = self._tracker.snapshot(time.monotonic())

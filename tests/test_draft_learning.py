@@ -306,6 +306,51 @@ def test_a_trickle_of_traffic_still_gets_a_version_by_resuming_the_stopped_pass(
     assert results[-1]["expected_after"] == pytest.approx(expected["expected_after"], abs=1e-6)
 
 
+def test_a_steady_trickle_of_requests_still_gets_a_new_version_within_a_bounded_number_of_passes(
+        pairs, captures, tmp_path):
+    """A trickle: one short request always in flight, the target pool busy 5% of the time. Slack
+    is spare capacity (the pool's busy share), so with the default settings passes run beside the
+    trickle and a version is written within 3 passes; training only when idle
+    (slack_max_active_requests 0) would never start one."""
+    from policies.slack import has_slack
+
+    _, draft, _, _ = pairs
+    spec = SpecServeConfig().draft_training
+    trickle = {"active_requests": 1, "target_busy_share": 0.05}
+    assert not has_slack(**trickle, max_active_requests=0, max_busy_share=spec.slack_max_busy_share)
+
+    def slack() -> bool:
+        return has_slack(**trickle, max_active_requests=spec.slack_max_active_requests,
+                         max_busy_share=spec.slack_max_busy_share)
+
+    trainer = OnlineTrainer(str(draft), settings(), tmp_path)
+    trainer.add(captures)
+    outcomes = []
+    while len(outcomes) < 3 and "accepted" not in outcomes and slack():
+        outcomes.append(trainer.train_pass(should_stop=lambda: not slack())["outcome"])
+    assert outcomes and outcomes[-1] == "accepted", outcomes
+    assert [v.version for v in trainer.versions] == [0, 1]
+
+
+def test_a_push_stops_a_pass_only_when_training_is_idle_only_and_a_trainer_with_its_own_gpu_always_has_slack():
+    from deployments.draft_trainer import DraftTrainer
+
+    def trainer(**training) -> DraftTrainer:
+        return DraftTrainer(SpecServeConfig.model_validate(
+            {"draft_training": {"enabled": True, **training}}).model_dump(mode="json"))
+
+    async def pushed_stops(**training) -> bool:
+        actor = trainer(**training)
+        await actor.push([], {})
+        return actor._stop.is_set()
+
+    assert not asyncio.run(pushed_stops())                                  # default: slack by busy share
+    assert asyncio.run(pushed_stops(slack_max_active_requests=0))          # idle-only
+    assert not asyncio.run(pushed_stops(slack_max_active_requests=0, num_gpus=1))
+    assert asyncio.run(trainer(num_gpus=1)._slack())      # no policy actor asked: it trains beside serving
+    assert not asyncio.run(trainer()._slack())            # no policy actor: no view of the load, no training
+
+
 def test_only_the_newest_versions_and_the_serving_one_stay_on_disk(tmp_path):
     from training.online_trainer import DraftVersion
 
