@@ -41,6 +41,7 @@ from decoding.model_runner import checkpoint_weights
 from deployments.naming import ENGINE_NAMESPACE, draft_trainer_name
 from policies.decision import policy_actor_name
 from policies.slack import has_own_device
+from training.online_distill import this_process_training_device
 from training.online_trainer import OnlineTrainer
 
 LOOP_INTERVAL_S = 0.5      # how often the trainer looks for slack, captures and rollbacks
@@ -96,7 +97,8 @@ class DraftTrainer:
         spec = self.config.draft_training
         torch.set_num_threads(max(1, int(spec.num_cpus)))
         versions_dir = spec.versions_dir or tempfile.mkdtemp(prefix="specserve-draft-versions-")
-        self.core = OnlineTrainer(self.config.draft.path, spec.model_dump(), versions_dir)
+        self.core = OnlineTrainer(self.config.draft.path, spec.model_dump(), versions_dir,
+                                  this_process_training_device(spec.num_gpus))
         self.engines: dict[str, Any] = {}          # engine name -> actor handle
         self.engine_versions: dict[str, int] = {}  # what each engine last said it serves
         self._unsaved: list[CapturedBlock] = []

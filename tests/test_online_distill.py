@@ -12,8 +12,9 @@ import torch
 
 from decoding.capture import CaptureBuffer, CapturedBlock, capture_rows, load_blocks, save_blocks
 from tests.tiny_pair import tiny_llama
-from training.online_distill import (DistillSettings, canary_accepts, distill_on_positions, expected_acceptance,
-                                     mean_expected_acceptance, position_batch, topk_forward_kl)
+from training.online_distill import (DistillSettings, TrainingDevice, canary_accepts, distill_on_positions,
+                                     expected_acceptance, mean_expected_acceptance, position_batch,
+                                     this_process_training_device, topk_forward_kl, training_device)
 
 
 def _block(request_id: str, k: int = 3, width: int = 4) -> CapturedBlock:
@@ -104,6 +105,32 @@ def test_distilling_on_captures_raises_expected_acceptance_and_the_canary_judges
     worse_score = mean_expected_acceptance(matched, held_batch)
     assert worse_score < matched_score - 0.05, (matched_score, worse_score)
     assert not canary_accepts(matched_score, worse_score, margin=0.02)
+
+
+def test_a_trainer_given_a_gpu_trains_there_with_bf16_autocast_where_supported_else_on_the_cpu_in_float32():
+    assert training_device(1, cuda_available=True, bf16_supported=True) == TrainingDevice("cuda", torch.bfloat16)
+    assert training_device(0.5, cuda_available=True, bf16_supported=False) == TrainingDevice("cuda", None)
+    assert training_device(1, cuda_available=False, bf16_supported=False) == TrainingDevice("cpu", None)
+    assert training_device(0, cuda_available=True, bf16_supported=True) == TrainingDevice("cpu", None)  # not its GPU
+    assert this_process_training_device(0) == TrainingDevice("cpu", None)
+
+
+def test_autocast_training_runs_its_forwards_in_the_lower_dtype_and_keeps_float32_weights_that_learn():
+    """bf16 autocast on the CPU stands in for the GPU path (no GPU here): the same code runs."""
+    target, draft = tiny_llama(seed=0), tiny_llama(seed=1)
+    train = CaptureBuffer(max_positions=100_000)
+    for block in _captured_from(target, draft, requests=80, seed=0):
+        train.add(block)
+    batch = position_batch(train.split()[0], 64)
+    on = TrainingDevice("cpu", torch.bfloat16)
+    seen = []
+    hook = draft.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    before = mean_expected_acceptance(draft, batch, on=on)
+    distill_on_positions(draft, batch, DistillSettings(lr=1e-2, epochs=3, batch_size=32, on=on))
+    hook.remove()
+    assert set(seen) == {torch.bfloat16}
+    assert {p.dtype for p in draft.parameters()} == {torch.float32}
+    assert mean_expected_acceptance(draft, batch, on=on) > before + 0.02
 
 
 def test_training_yields_when_asked():

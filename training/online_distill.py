@@ -17,7 +17,7 @@ a margin: distillation with too high a learning rate can make a matched draft wo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -50,6 +50,38 @@ class PositionBatch:
     @property
     def num_rows(self) -> int:
         return len(self.row_lengths)
+
+    def to(self, device: str) -> "PositionBatch":
+        return PositionBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+
+@dataclass(frozen=True)
+class TrainingDevice:
+    """Where a draft trains and how: the model and each batch on `device`; forwards in float32
+    (autocast_dtype None) or autocast to autocast_dtype, the weights and optimizer state staying
+    float32 (mixed precision, as a training script on a GPU does)."""
+
+    device: str = "cpu"
+    autocast_dtype: torch.dtype | None = None
+
+    def autocast(self):
+        return torch.autocast(torch.device(self.device).type, dtype=self.autocast_dtype,
+                              enabled=self.autocast_dtype is not None)
+
+
+def training_device(num_gpus: float, cuda_available: bool, bf16_supported: bool) -> TrainingDevice:
+    """A trainer granted a GPU that this process sees trains there, with bf16 autocast when the
+    device supports it (else float32: fp16 would need loss scaling); otherwise on the CPU in
+    float32 (bf16 matrix products are slower there)."""
+    if num_gpus > 0 and cuda_available:
+        return TrainingDevice("cuda", torch.bfloat16 if bf16_supported else None)
+    return TrainingDevice()
+
+
+def this_process_training_device(num_gpus: float) -> TrainingDevice:
+    """training_device for this process's hardware (the only CUDA query of training)."""
+    cuda = torch.cuda.is_available()
+    return training_device(num_gpus, cuda, cuda and torch.cuda.is_bf16_supported())
 
 
 def position_batch(blocks: Sequence[CapturedBlock], max_context: int, rejected_weight: float = REJECTED_WEIGHT) -> PositionBatch:
@@ -104,7 +136,8 @@ def _position_logits(model: torch.nn.Module, batch: PositionBatch) -> torch.Tens
     head runs only at the captured positions (K of a row's T tokens): over a large vocabulary it
     is most of a small draft's cost. Models whose head is not a plain output embedding (logit
     scaling, soft-capping) get their full forward."""
-    attention = (torch.arange(batch.input_ids.shape[1]) < batch.row_lengths.unsqueeze(-1)).long()
+    attention = (torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)
+                 < batch.row_lengths.unsqueeze(-1)).long()
     head = model.get_output_embeddings()
     if getattr(model.config, "model_type", None) in PLAIN_HEAD_MODELS and head is not None:
         hidden = model.base_model(input_ids=batch.input_ids, attention_mask=attention).last_hidden_state
@@ -114,12 +147,16 @@ def _position_logits(model: torch.nn.Module, batch: PositionBatch) -> torch.Tens
 
 
 @torch.no_grad()
-def mean_expected_acceptance(model: torch.nn.Module, batch: PositionBatch, rows_per_chunk: int = 16) -> float:
-    """The canary's figure for one draft on held-back positions."""
+def mean_expected_acceptance(model: torch.nn.Module, batch: PositionBatch, rows_per_chunk: int = 16,
+                             on: TrainingDevice = TrainingDevice()) -> float:
+    """The canary's figure for one draft (on `on.device`) on held-back positions (kept on the CPU)."""
     model.eval()
     total = 0.0
     for chunk in _row_chunks(batch, torch.arange(batch.num_rows), rows_per_chunk):
-        total += float(expected_acceptance(_position_logits(model, chunk), chunk.top_ids, chunk.top_logprobs).sum())
+        chunk = chunk.to(on.device)
+        with on.autocast():
+            logits = _position_logits(model, chunk)
+        total += float(expected_acceptance(logits, chunk.top_ids, chunk.top_logprobs).sum())
     return total / max(batch.num_positions, 1)
 
 
@@ -144,6 +181,7 @@ class DistillSettings:
     epochs: int = 4
     batch_size: int = 32  # positions per optimizer step, in whole blocks (at least one)
     seed: int = 0
+    on: TrainingDevice = TrainingDevice()   # the model is there; batches move there a step at a time
 
 
 def distill_on_positions(model: torch.nn.Module, batch: PositionBatch, settings: DistillSettings,
@@ -167,7 +205,10 @@ def distill_on_positions(model: torch.nn.Module, batch: PositionBatch, settings:
             if should_stop():
                 model.eval()
                 return steps
-            losses = topk_forward_kl(_position_logits(model, part), part.top_ids, part.top_logprobs)
+            part = part.to(settings.on.device)
+            with settings.on.autocast():
+                logits = _position_logits(model, part)
+            losses = topk_forward_kl(logits, part.top_ids, part.top_logprobs)
             loss = (losses * part.weights).sum() / part.weights.sum()
             optimizer.zero_grad()
             loss.backward()

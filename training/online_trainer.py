@@ -25,7 +25,7 @@ import torch
 
 from cluster.messages import PositionCounts
 from decoding.capture import CaptureBuffer, CapturedBlock
-from training.online_distill import (DistillSettings, canary_accepts, distill_on_positions,
+from training.online_distill import (DistillSettings, TrainingDevice, canary_accepts, distill_on_positions,
                                      mean_expected_acceptance, position_batch)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -89,11 +89,11 @@ class RecentCounts:
         return total
 
 
-def load_draft_model(path: str | Path) -> torch.nn.Module:
-    """A draft checkpoint as a float32 training copy (on CPU: the trainer's own actor)."""
+def load_draft_model(path: str | Path, device: str = "cpu") -> torch.nn.Module:
+    """A draft checkpoint as a float32 training copy on device (the trainer's own)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
 
 
 def save_draft_version(model: torch.nn.Module, source: str | Path, destination: str | Path) -> Path:
@@ -132,8 +132,10 @@ class _Pass:
 class OnlineTrainer:
     """Captured blocks in, numbered draft versions out; `settings` is a DraftTrainingSpec dump."""
 
-    def __init__(self, draft_path: str, settings: Mapping[str, Any], versions_dir: str | Path) -> None:
+    def __init__(self, draft_path: str, settings: Mapping[str, Any], versions_dir: str | Path,
+                 on: TrainingDevice = TrainingDevice()) -> None:
         self.settings = dict(settings)
+        self.on = on   # where passes train (training_device)
         self.buffer = CaptureBuffer(int(settings["max_positions"]))  # the routers sample rounds
         self.versions_dir = Path(versions_dir)
         self.versions = [DraftVersion(0, str(draft_path))]
@@ -182,7 +184,7 @@ class OnlineTrainer:
         if work is None:
             work = self._new_pass()
         distill = DistillSettings(lr=float(self.settings["lr"]), epochs=int(self.settings["epochs"]),
-                                  batch_size=int(self.settings["batch_size"]))
+                                  batch_size=int(self.settings["batch_size"]), on=self.on)
         work.steps = distill_on_positions(work.candidate, work.train_batch, distill, should_stop, work.optimizer,
                                           work.steps)
         result: dict[str, Any] = {"steps": work.steps, "train_positions": work.train_batch.num_positions,
@@ -194,7 +196,7 @@ class OnlineTrainer:
             return self._finish(result | {"outcome": "stopped"}, started)
         candidate, held_batch, before, positions = work.candidate, work.held_batch, work.before, work.positions
         train_batch = work.train_batch
-        after = mean_expected_acceptance(candidate, held_batch)
+        after = mean_expected_acceptance(candidate, held_batch, on=self.on)
         self.positions_at_last_pass = positions
         result["expected_after"] = after
         if not canary_accepts(before, after, float(self.settings["canary_margin"])):
@@ -226,8 +228,8 @@ class OnlineTrainer:
         train, held = self.buffer.split()
         max_context = int(self.settings["max_context"])
         train_batch, held_batch = position_batch(train, max_context), position_batch(held, max_context)
-        candidate = load_draft_model(self.serving.path)
-        before = mean_expected_acceptance(candidate, held_batch)
+        candidate = load_draft_model(self.serving.path, self.on.device)
+        before = mean_expected_acceptance(candidate, held_batch, on=self.on)
         optimizer = torch.optim.AdamW(candidate.parameters(), lr=float(self.settings["lr"]))
         return _Pass(self.serving.version, candidate, optimizer, train_batch, held_batch, before, positions)
 
