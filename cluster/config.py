@@ -247,16 +247,20 @@ class DraftTrainingSpec(_Strict):
     verify rows, distil a copy of the draft when the cluster has slack, canary, hot-swap.
 
     Off by default. Nothing is written to disk unless capture_dir is set, except the trained
-    draft versions (the engines load them from disk), under versions_dir."""
+    draft versions, under versions_dir (engines get them through Ray's object store, or read a
+    shared versions_dir)."""
 
     enabled: bool = Field(False, description="capture verify rows and train the draft online")
     capture_dir: str | None = Field(None, description="also persist captured rows here (users' traffic: "
                                     "unset, nothing is written); `specserve distill-draft --from-capture` reads it")
     versions_dir: str | None = Field(None, description="where trained draft versions are written before they "
-                                     "are offered; default: a fresh temporary directory. On several nodes, a path "
-                                     "every draft node reads (a shared volume)")
-    keep_versions: int = Field(3, ge=2, description="trained versions kept on disk (the newest, and always the "
-                               "serving one); older ones are deleted (a 1B draft is about 2.5 GB a version)")
+                                     "are offered; default: a fresh temporary directory on the trainer's node, and "
+                                     "draft engines on every node get each version through Ray's object store. Set "
+                                     "to a path every draft node reads (a shared volume) to have engines read it "
+                                     "there instead")
+    keep_versions: int = Field(3, ge=2, description="trained versions kept on disk and in the object store "
+                               "(the newest, and always the serving one); older ones are deleted (a 1B draft is "
+                               "about 2.5 GB a version)")
     max_positions: int = Field(200_000, ge=1, description="captured drafted positions kept in memory (oldest go first)")
     sample_every: int = Field(4, ge=1, description="capture one verified round in this many")
     top_k: int = Field(32, ge=1, le=4096, description="target log-probabilities kept per drafted position "
