@@ -109,6 +109,7 @@ class DraftTrainer:
         self.started_at = time.time()
         self.backoff = LoadBackoff()
         self._weights: dict[int, ray.ObjectRef] = {}   # version -> its weights in the object store
+        self._putting = asyncio.Lock()
 
     async def configure(self, config: dict[str, Any]) -> bool:
         """A config from a lookup: the same for this trainer (-> False), or a redeploy changed what
@@ -215,8 +216,22 @@ class DraftTrainer:
             if not await self._slack():
                 self._stop.set()
 
+    async def _weights_of(self, version) -> "ray.ObjectRef | None":
+        """What engines load `version` from besides its path: its weights in Ray's object store
+        (put once, held while the version is kept), so engines on any node load what only this
+        trainer's node can read; None where every engine reads the path itself: a configured
+        versions_dir (shared storage) or the draft the server started with (version 0)."""
+        if self.config.draft_training.versions_dir is not None or version.version == 0:
+            return None
+        async with self._putting:   # one put per version, however many engines are offered it at once
+            kept = {v.version for v in self.core.versions}
+            for number in [n for n in self._weights if n not in kept]:
+                del self._weights[number]   # pruned: its object goes once no engine holds it
+            if version.version not in self._weights:
+                self._weights[version.version] = await asyncio.to_thread(put_version, version.path)
+            return self._weights[version.version]
+
     async def _offer_all(self, version) -> None:
-        await self._weights_of(version)   # put once, before the engines ask for it together
         await asyncio.gather(*[self._offer_one(name, engine, version) for name, engine in list(self.engines.items())])
 
     async def _offer_one(self, name: str, engine: Any, version) -> None:

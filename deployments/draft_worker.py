@@ -41,6 +41,7 @@ from deployments.engine_loop import SequenceReleasedError
 from deployments.metrics import DraftVersionMetrics
 from deployments.naming import ENGINE_NAMESPACE
 
+OBJECT_STORE = "object store"  # DraftEngine.draft_source of weights fetched from Ray's object store
 REGISTER_INTERVAL_S = 5.0  # how often an engine tells the draft trainer its version (a new one learns the latest)
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,8 @@ class DraftEngine(EngineCore):
         self.generators: dict[str, torch.Generator] = {}
         self.model_spec = model_spec
         self.draft_version, self.draft_path = 0, None if model_spec is None else model_spec["path"]
-        self._pending_swap: tuple[int, str, Any] | None = None  # (version, path, state dict) fetched, not yet serving
+        self.draft_source = self.draft_path   # where the serving weights were read: a path, or "object store"
+        self._pending_swap: tuple[int, str, str, Any] | None = None  # (version, path, source, state dict) fetched
         self._swap_lock = threading.Lock()
         self.trainer_name = engine_options.get("draft_trainer")
         self._registered_at = 0.0
@@ -124,15 +126,16 @@ class DraftEngine(EngineCore):
         problem = self.runner.weights_mismatch(state)
         if problem is not None:
             raise ValueError(f"draft version {version} ({path}): {problem}")
+        source = OBJECT_STORE if weights is not None else path
         with self._swap_lock:
-            self._pending_swap = (version, path, state)
+            self._pending_swap = (version, path, source, state)
         logger.info("%s: draft version %d loaded from %s; it serves from the next forward",
-                    self.name or self.pool, version, "the object store" if weights is not None else path)
+                    self.name or self.pool, version, source)
         return {**(await self.version()), "pending": version}
 
     async def version(self) -> dict[str, Any]:
-        """The draft version serving now and where its weights came from."""
-        return {"draft_version": self.draft_version, "draft_path": self.draft_path}
+        """The draft version serving now, the path it names and where its weights were read."""
+        return {"draft_version": self.draft_version, "draft_path": self.draft_path, "draft_source": self.draft_source}
 
     def step(self, calls: list[DraftCall]) -> dict[int, Any]:
         """An iteration, on the loaded version if one waits: it takes over here, between forwards.
@@ -177,10 +180,10 @@ class DraftEngine(EngineCore):
             pending, self._pending_swap = self._pending_swap, None
         if pending is None:
             return
-        version, path, state = pending
+        version, path, source, state = pending
         # Its prefix cache is salted with the version: no block of other weights is found.
         self.runner.load_weights(state, cache_salt=f"{path}@draft-v{version}")
-        self.draft_version, self.draft_path = version, path
+        self.draft_version, self.draft_path, self.draft_source = version, path, source
         self.proposer = DraftModelProposer(self.runner, self.proposer.grammars, self.proposer.max_candidates)
         self.version_metrics.set_version(self.draft_version)
 

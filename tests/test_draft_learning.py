@@ -98,7 +98,7 @@ def test_a_swap_mid_request_keeps_greedy_text_and_a_failed_load_keeps_the_servin
     reference, state, versions, version, held = asyncio.run(scenario())
     assert state.output_ids == reference.output_ids
     assert versions[:3] == [0, 0, 0] and set(versions[3:]) == {1}
-    assert version == {"draft_version": 1, "draft_path": str(closer)}
+    assert version == {"draft_version": 1, "draft_path": str(closer), "draft_source": str(closer)}
     assert held == ["swapped"]  # re-prefilled on the new weights after the old KV was dropped
     assert state.stats.draft_version == 1
 
@@ -112,14 +112,30 @@ def test_an_engine_loads_a_version_from_the_object_store_into_its_serving_runner
 
     import ray
 
-    from deployments.draft_trainer import put_version
+    from deployments.draft_trainer import DraftTrainer
+    from training.online_trainer import DraftVersion
 
-    target, _, _, unrelated = pairs
+    target, draft_path, _, unrelated = pairs
     version_dir = tmp_path / "v1"
     shutil.copytree(unrelated, version_dir)
+
+    def trainer(**training) -> DraftTrainer:
+        made = DraftTrainer(SpecServeConfig.model_validate({"draft": {"path": str(draft_path)}, "draft_training": {
+            "enabled": True, **training}}).model_dump(mode="json"))
+        made.core.versions.append(DraftVersion(1, str(version_dir)))
+        return made
+
+    async def offered():
+        offering, shared = trainer(), trainer(versions_dir=str(tmp_path))
+        weights = await offering._weights_of(offering.core.version(1))
+        assert await offering._weights_of(offering.core.version(1)) is weights      # put once
+        assert await shared._weights_of(shared.core.version(1)) is None            # a shared path is read
+        assert await offering._weights_of(offering.core.version(0)) is None        # so is the start-up draft
+        return weights
+
     ray.init(num_cpus=1, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
-        weights = put_version(str(version_dir))
+        weights = asyncio.run(offered())
         shutil.rmtree(version_dir)  # as on another node: nothing on this disk to read
 
         async def scenario():
@@ -131,6 +147,7 @@ def test_an_engine_loads_a_version_from_the_object_store_into_its_serving_runner
             await draft.load_draft(1, str(version_dir), weights)
             swapped, _ = await draft.propose("new", whole(PROMPT), 4, SAMPLED, 0)
             expected, _ = await fresh.propose("new", whole(PROMPT), 4, SAMPLED, 0)
+            assert (await draft.version())["draft_source"] == "object store"
             return (draft.runner is runner and draft.runner.cache is pool, reserved,
                     draft.runner.kv_usage()["kv_bytes_reserved"], await draft.active_sequences(), old, swapped,
                     expected)

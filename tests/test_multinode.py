@@ -86,9 +86,11 @@ def cluster_processes(temp_dir: str, gcs_port: int) -> list[psutil.Process]:
     return [process for process in found if process.pid != os.getpid()]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Iterator[tuple[str, SpecServeConfig]]:
-    """Head + draft node + two target nodes, the app deployed on them; all torn down by PID."""
+def multinode_app(tmp_path_factory, workers: dict, head_resources: dict | None = None,
+                  **sections: dict) -> Iterator[tuple[str, SpecServeConfig]]:
+    """A head node (3 CPUs, head_resources) and one 1-CPU node per resource named in workers
+    ({resource: node count}), the tiny pair's app deployed on them with extra config sections;
+    all torn down by PID."""
     target_path, draft_path = make_tiny_pair(tmp_path_factory.mktemp("pair"))
     temp_dir = tempfile.mkdtemp(prefix="ssmn")  # short: Ray's socket paths must fit in 107 bytes
     gcs_port = free_port()
@@ -97,17 +99,22 @@ def cluster(tmp_path_factory) -> Iterator[tuple[str, SpecServeConfig]]:
     saved = {name: os.environ.get(name) for name in AUTH_ENV}
     os.environ["RAY_AUTH_MODE"] = "disabled"
     try:
+        head = [f"--resources={json.dumps(head_resources)}"] if head_resources else []
         ray_start("--head", f"--port={gcs_port}", "--num-cpus=3", "--include-dashboard=false",
-                  f"--ray-client-server-port={free_port()}", temp_dir=temp_dir)
+                  f"--ray-client-server-port={free_port()}", *head, temp_dir=temp_dir)
         address = f"127.0.0.1:{gcs_port}"
-        for resource in ("draft_node", "target_node", "target_node"):
-            ray_start(f"--address={address}", "--num-cpus=1", f"--resources={json.dumps({resource: 1})}")
+        for resource, count in workers.items():
+            for _ in range(count):
+                ray_start(f"--address={address}", "--num-cpus=1", f"--resources={json.dumps({resource: 1})}")
         ray.init(address=address, configure_logging=False, log_to_driver=False)
         config = SpecServeConfig.model_validate({
             "model_name": MODEL, "target": {"path": str(target_path)}, "draft": {"path": str(draft_path)},
             "http": {"port": free_port()},
-            "target_workers": {"num_replicas": 2, "num_cpus": ENGINE_CPUS, "resources": {"target_node": 1}},
-            "draft_workers": {"num_replicas": 1, "num_cpus": ENGINE_CPUS, "resources": {"draft_node": 1}},
+            "target_workers": {"num_replicas": workers["target_node"], "num_cpus": ENGINE_CPUS,
+                               "resources": {"target_node": 1}},
+            "draft_workers": {"num_replicas": workers["draft_node"], "num_cpus": ENGINE_CPUS,
+                              "resources": {"draft_node": 1}},
+            **sections,
         })
         # One HTTP proxy, on the head: every node is on this machine and would bind the same port.
         serve.start(proxy_location="HeadOnly", http_options={"host": config.http.host, "port": config.http.port})
@@ -133,6 +140,12 @@ def cluster(tmp_path_factory) -> Iterator[tuple[str, SpecServeConfig]]:
             except psutil.Error:
                 pass
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[tuple[str, SpecServeConfig]]:
+    """Head + draft node + two target nodes, the app deployed on them."""
+    yield from multinode_app(tmp_path_factory, {"draft_node": 1, "target_node": 2})
 
 
 @pytest.fixture(scope="module")

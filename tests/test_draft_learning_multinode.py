@@ -1,0 +1,70 @@
+"""Online draft learning across nodes (issue 40) on a real multi-node Ray cluster started on this
+machine with `ray start` (tests/test_multinode.py's machinery): the trainer runs on the head (the
+only node offering `trainer_node`), the draft engine on a node of its own. With no shared
+versions_dir, a trained version reaches the draft engine through Ray's object store: the engine
+says it read its weights there, responses carry the new draft_version and greedy texts are
+unchanged. Slow (four nodes' worth of Ray on two cores, then a training pass): `make reliability`.
+tests/test_draft_learning.py proves in process that an engine loads a version whose folder is gone."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import ray
+
+from cluster.status import trainer_status
+from deployments.draft_worker import OBJECT_STORE
+from deployments.naming import ENGINE_NAMESPACE, parse_engine_actor_name
+from tests.test_multinode import MODEL, multinode_app
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+PROMPTS = [f"def {name}(items):\n    " for name in ("total", "largest", "reverse", "flatten", "unique", "count",
+                                                    "merge", "window", "pairs", "chunks", "sorted_by", "first")]
+TRAIN_TIMEOUT_S = 240.0
+
+
+@pytest.fixture(scope="module")
+def learning_cluster(tmp_path_factory):
+    training = {"enabled": True, "sample_every": 1, "min_new_positions": 300, "lr": 1e-3, "epochs": 3,
+                "canary_margin": 0.002, "num_cpus": 0.5, "resources": {"trainer_node": 1}}
+    yield from multinode_app(tmp_path_factory, {"draft_node": 1, "target_node": 1},
+                             head_resources={"trainer_node": 1}, draft_training=training)
+
+
+def draft_engine_versions() -> list[dict]:
+    """What each draft engine says it serves (DraftEngine.version)."""
+    found = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        parsed = parse_engine_actor_name(entry["name"]) if entry["namespace"] == ENGINE_NAMESPACE else None
+        if parsed is not None and parsed[0] == "draft":
+            found.append(ray.get(ray.get_actor(entry["name"], namespace=ENGINE_NAMESPACE).version.remote(),
+                                 timeout=10))
+    return found
+
+
+def complete(client: openai.OpenAI, prompt: str, temperature: float, seed: int | None = None):
+    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=temperature, seed=seed)
+
+
+def test_a_version_trained_on_the_head_reaches_the_draft_node_through_the_object_store(learning_cluster):
+    url, _ = learning_cluster
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    with ThreadPoolExecutor(4) as pool:
+        before = list(pool.map(lambda p: complete(client, p, 0.0), PROMPTS))
+        list(pool.map(lambda n: complete(client, PROMPTS[n % len(PROMPTS)], 0.8, seed=n), range(12)))
+    deadline, status = time.monotonic() + TRAIN_TIMEOUT_S, None
+    while time.monotonic() < deadline:
+        status = trainer_status()
+        if status and status["draft_version"] >= 1 and set(status["engines"].values()) == {status["draft_version"]}:
+            break
+        time.sleep(1.0)
+    assert status and status["draft_version"] >= 1 and set(status["engines"].values()) == {status["draft_version"]}, \
+        status
+    engines = draft_engine_versions()
+    assert [(e["draft_version"], e["draft_source"]) for e in engines] == [(status["draft_version"], OBJECT_STORE)]
+    after = [complete(client, prompt, 0.0) for prompt in PROMPTS]
+    assert {r.model_extra["speculation"]["draft_version"] for r in after} == {status["draft_version"]}
+    assert [r.choices[0].text for r in after] == [r.choices[0].text for r in before]
