@@ -20,7 +20,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -41,7 +41,7 @@ from deployments.engine_loop import SequenceReleasedError
 from deployments.metrics import DraftVersionMetrics
 from deployments.naming import ENGINE_NAMESPACE
 
-OBJECT_STORE = "object store"  # DraftEngine.draft_source of weights fetched from Ray's object store
+OBJECT_STORE = "object store"  # DraftEngine.draft_source of weights sent through Ray's object store
 REGISTER_INTERVAL_S = 5.0  # how often an engine tells the draft trainer its version (a new one learns the latest)
 
 logger = logging.getLogger(__name__)
@@ -108,11 +108,13 @@ class DraftEngine(EngineCore):
         self.version_metrics = DraftVersionMetrics(name.rsplit(":", 1)[-1] if name else "local")
         self.version_metrics.set_version(0)
 
-    async def load_draft(self, version: int, path: str, weights: "ray.ObjectRef | None" = None) -> dict[str, Any]:
-        """Serve the draft weights `version` from the next forward: from `weights`, a state dict in
-        Ray's object store (what the trainer offers: no node but its own need read its disk), or
-        else from the checkpoint at path (a shared versions_dir, or the draft this server started
-        with). They are copied into the serving runner (BatchedModelRunner.load_weights), which
+    async def load_draft(self, version: int, path: str,
+                         weights: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
+        """Serve the draft weights `version` from the next forward: `weights` (a state dict), or
+        else the checkpoint at path (a shared versions_dir, or the draft this server started
+        with). The trainer passes weights as a reference into Ray's object store, which Ray
+        fetches to this node before the call runs: no node but the trainer's needs to read its
+        disk. They are copied into the serving runner (BatchedModelRunner.load_weights), which
         keeps its KV pool: a swap needs no room for a second pool or a second copy of the
         weights. A load that fails raises and changes nothing: the current weights go on serving."""
         if self.runner is None:
@@ -120,7 +122,7 @@ class DraftEngine(EngineCore):
         if (version, path) == (self.draft_version, self.draft_path):
             return await self.version()
         if weights is not None:
-            state = await weights
+            state = weights
         else:
             state = await asyncio.to_thread(checkpoint_weights, path, self.runner.model.dtype)
         problem = self.runner.weights_mismatch(state)

@@ -144,7 +144,7 @@ def test_an_engine_loads_a_version_from_the_object_store_into_its_serving_runner
             old, _ = await draft.propose("warm", whole(PROMPT), 4, SAMPLED, 0)
             runner, pool = draft.runner, draft.runner.cache
             reserved = runner.kv_usage()["kv_bytes_reserved"]
-            await draft.load_draft(1, str(version_dir), weights)
+            await draft.load_draft(1, str(version_dir), ray.get(weights))  # fetched, as Ray does for an actor call
             swapped, _ = await draft.propose("new", whole(PROMPT), 4, SAMPLED, 0)
             expected, _ = await fresh.propose("new", whole(PROMPT), 4, SAMPLED, 0)
             assert (await draft.version())["draft_source"] == "object store"

@@ -8,21 +8,16 @@ tests/test_draft_learning.py proves in process that an engine loads a version wh
 
 from __future__ import annotations
 
-import time
-from concurrent.futures import ThreadPoolExecutor
-
 import openai
 import pytest
 import ray
 
-from cluster.status import trainer_status
 from deployments.draft_worker import OBJECT_STORE
 from deployments.naming import ENGINE_NAMESPACE, parse_engine_actor_name
+from tests.test_draft_learning_served import PROMPTS, complete, traffic, wait_for_a_trained_version
 from tests.test_multinode import MODEL, multinode_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-PROMPTS = [f"def {name}(items):\n    " for name in ("total", "largest", "reverse", "flatten", "unique", "count",
-                                                    "merge", "window", "pairs", "chunks", "sorted_by", "first")]
 TRAIN_TIMEOUT_S = 240.0
 
 
@@ -45,26 +40,15 @@ def draft_engine_versions() -> list[dict]:
     return found
 
 
-def complete(client: openai.OpenAI, prompt: str, temperature: float, seed: int | None = None):
-    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=temperature, seed=seed)
-
-
 def test_a_version_trained_on_the_head_reaches_the_draft_node_through_the_object_store(learning_cluster):
     url, _ = learning_cluster
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
-    with ThreadPoolExecutor(4) as pool:
-        before = list(pool.map(lambda p: complete(client, p, 0.0), PROMPTS))
-        list(pool.map(lambda n: complete(client, PROMPTS[n % len(PROMPTS)], 0.8, seed=n), range(12)))
-    deadline, status = time.monotonic() + TRAIN_TIMEOUT_S, None
-    while time.monotonic() < deadline:
-        status = trainer_status()
-        if status and status["draft_version"] >= 1 and set(status["engines"].values()) == {status["draft_version"]}:
-            break
-        time.sleep(1.0)
+    before = traffic(client, MODEL)
+    status = wait_for_a_trained_version(TRAIN_TIMEOUT_S)
     assert status and status["draft_version"] >= 1 and set(status["engines"].values()) == {status["draft_version"]}, \
         status
     engines = draft_engine_versions()
     assert [(e["draft_version"], e["draft_source"]) for e in engines] == [(status["draft_version"], OBJECT_STORE)]
-    after = [complete(client, prompt, 0.0) for prompt in PROMPTS]
+    after = [complete(client, prompt, 0.0, model=MODEL) for prompt in PROMPTS]
     assert {r.model_extra["speculation"]["draft_version"] for r in after} == {status["draft_version"]}
     assert [r.choices[0].text for r in after] == [r.choices[0].text for r in before]

@@ -33,23 +33,36 @@ def server(tmp_path_factory):
     yield from serve_tiny_pair(root / "pair", MODEL, draft_training=training)
 
 
-def complete(client: openai.OpenAI, prompt: str, temperature: float, seed: int | None = None):
-    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=temperature, seed=seed)
+def complete(client: openai.OpenAI, prompt: str, temperature: float, seed: int | None = None, model: str = MODEL):
+    return client.completions.create(model=model, prompt=prompt, max_tokens=32, temperature=temperature, seed=seed)
+
+
+def traffic(client: openai.OpenAI, model: str = MODEL) -> list:
+    """A greedy request per prompt and 12 seeded sampled ones, 4 at a time; -> the greedy responses."""
+    with ThreadPoolExecutor(4) as pool:
+        greedy = list(pool.map(lambda p: complete(client, p, 0.0, model=model), PROMPTS))
+        list(pool.map(lambda n: complete(client, PROMPTS[n % len(PROMPTS)], 0.8, seed=n, model=model), range(12)))
+    return greedy
+
+
+def wait_for_a_trained_version(timeout_s: float) -> dict | None:
+    """The trainer's status once it serves a trained version and every engine it knows serves it
+    (or the last status seen when timeout_s passes)."""
+    deadline, status = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        status = trainer_status()
+        if status and status["draft_version"] >= 1 and set(status["engines"].values()) == {status["draft_version"]}:
+            break
+        time.sleep(0.5)
+    return status
 
 
 def test_traffic_in_a_new_draft_version_out(server):
     url, config = server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
-    with ThreadPoolExecutor(4) as pool:
-        before = list(pool.map(lambda p: complete(client, p, 0.0), PROMPTS))
-        list(pool.map(lambda n: complete(client, PROMPTS[n % len(PROMPTS)], 0.8, seed=n), range(12)))
+    before = traffic(client)
     assert {r.model_extra["speculation"]["draft_version"] for r in before} == {0}
-    deadline, status = time.monotonic() + TRAIN_TIMEOUT_S, None
-    while time.monotonic() < deadline:  # the cluster is idle now: the trainer trains, canaries, swaps
-        status = trainer_status()
-        if status and status["draft_version"] >= 1 and set(status["engines"].values()) == {status["draft_version"]}:
-            break
-        time.sleep(0.5)
+    status = wait_for_a_trained_version(TRAIN_TIMEOUT_S)  # the trainer trains, canaries, swaps
     assert status and status["draft_version"] == 1, status
     assert status["expected_acceptance_after"] > status["expected_acceptance_before"]
     after = [complete(client, prompt, 0.0) for prompt in PROMPTS]
