@@ -46,9 +46,13 @@ def test_a_version_trained_on_the_head_reaches_the_draft_node_through_the_object
     before = traffic(client, MODEL)
     status = wait_for_a_trained_version(TRAIN_TIMEOUT_S)
     assert status and status["draft_version"] >= 1 and set(status["engines"].values()) == {status["draft_version"]}, \
-        status
-    engines = draft_engine_versions()
-    assert [(e["draft_version"], e["draft_source"]) for e in engines] == [(status["draft_version"], OBJECT_STORE)]
+        {key: (status or {}).get(key) for key in ("passes", "last_pass", "captured_total", "engines", "failed_loads",
+                                                   "training_now")}
     after = [complete(client, prompt, 0.0, model=MODEL) for prompt in PROMPTS]
-    assert {r.model_extra["speculation"]["draft_version"] for r in after} == {status["draft_version"]}
+    # Traffic goes on being captured, so a later version may take over meanwhile: at least this one.
+    assert min(r.model_extra["speculation"]["draft_version"] for r in after) >= status["draft_version"]
     assert [r.choices[0].text for r in after] == [r.choices[0].text for r in before]
+    # A loaded version takes over at the engine's next forward: ask after the requests above.
+    engines = draft_engine_versions()
+    assert len(engines) == 1 and engines[0]["draft_version"] >= status["draft_version"], engines
+    assert engines[0]["draft_source"] == OBJECT_STORE
