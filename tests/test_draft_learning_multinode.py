@@ -3,7 +3,7 @@ machine with `ray start` (tests/test_multinode.py's machinery): the trainer runs
 only node offering `trainer_node`), the draft engine on a node of its own. With no shared
 versions_dir, a trained version reaches the draft engine through Ray's object store: the engine
 says it read its weights there, responses carry the new draft_version and greedy texts are
-unchanged. Slow (four nodes' worth of Ray on two cores, then a training pass): `make reliability`.
+unchanged. Slow (three Ray nodes on two cores, then a training pass): `make reliability`.
 tests/test_draft_learning.py proves in process that an engine loads a version whose folder is gone."""
 
 from __future__ import annotations
