@@ -117,16 +117,17 @@ class DraftModelProposer:
         q_rows: list[list[DraftSupport]] = [[] for _ in calls]
         matchers = [self._grammar(call) if budget > 0 else None for call, budget in zip(calls, budgets)]
         budgets = [0 if matcher is False else budget for matcher, budget in zip(matchers, budgets)]
-        processors = [history_processor(call.params, call.history, call.prompt_len, self.runner.vocab_size,
-                                        self.runner.device, matcher or None)
-                      if budget > 0 and call.params.uses_history else None
-                      for call, matcher, budget in zip(calls, matchers, budgets)]
+        processors: list[HistoryProcessor | None] = [None] * len(calls)
         drafting = [i for i, budget in enumerate(budgets) if budget > 0]
         while drafting:
             logits = self.runner.forward_batch([ForwardCall(calls[i].seq_id, histories[i], 1) for i in drafting])
-            step = draft_step(torch.cat([row_logits[-1:] for row_logits in logits]), [calls[i] for i in drafting],
-                              [processors[i] for i in drafting], [not drafted[i] for i in drafting],
-                              self.max_candidates)
+            rows = torch.cat([row_logits[-1:] for row_logits in logits])
+            for i in drafting:  # built on the first step, where the rows' width and device are known
+                if processors[i] is None and calls[i].params.uses_history:
+                    processors[i] = history_processor(calls[i].params, calls[i].history, calls[i].prompt_len,
+                                                      rows.shape[-1], rows.device, matchers[i] or None)
+            step = draft_step(rows, [calls[i] for i in drafting], [processors[i] for i in drafting],
+                              [not drafted[i] for i in drafting], self.max_candidates)
             for i, (token, top, q) in zip(drafting, step):
                 call = calls[i]
                 if token is None:  # the grammar allows nothing here: the target will say so; the draft just stops

@@ -37,10 +37,10 @@ class RowsCall:
     first_output_index: int | None = None
     token_ids: Sequence[int] | None = None
     grammar: GrammarMatcher | None = None
+    eos_token_id: int | Collection[int] | None = None  # the served EOS set (decoding.checkpoint.eos_token_ids)
 
 
-def target_rows_batch(logits: torch.Tensor, calls: Sequence[RowsCall],
-                      eos_token_id: int | Collection[int] | None = None) -> list[torch.Tensor | GrammarDeadEndError]:
+def target_rows_batch(logits: torch.Tensor, calls: Sequence[RowsCall]) -> list[torch.Tensor | GrammarDeadEndError]:
     """Target logits [N, V] of several requests' rows (calls in order, N = sum of num_rows) -> per
     call, argmax ids LongTensor [n] when greedy (small on the wire), else processed probabilities
     float32 [n, V], or the GrammarDeadEndError that call's grammar raised (the rest go on).
@@ -50,7 +50,7 @@ def target_rows_batch(logits: torch.Tensor, calls: Sequence[RowsCall],
     committed history plus the block's first i tokens, exactly as the drafter processed its step
     i), then min_tokens, then temperature, min-p, top-k, top-p (decoding.sampling.process_rows)
     or one argmax for the greedy rows. Where a row's output position is below params.min_tokens,
-    every EOS id (the served set, see decoding.checkpoint.eos_token_ids) and every stop token id
+    every EOS id (call.eos_token_id) and every stop token id
     gets logit -inf, so none can be the argmax nor sampled, as in vLLM, unless nothing else is
     left in the row (a grammar that is complete allows only EOS: the grammar wins over
     min_tokens). Only target rows need it: rejection sampling turns any draft into samples of the
@@ -72,7 +72,7 @@ def target_rows_batch(logits: torch.Tensor, calls: Sequence[RowsCall],
                 failed[index] = exc
         if params.min_tokens > 0 and call.first_output_index is not None:
             num_masked = min(max(params.min_tokens - call.first_output_index, 0), call.num_rows)
-            stopping = stop_ids(eos_token_id, params.stop_token_ids) if num_masked else []
+            stopping = stop_ids(call.eos_token_id, params.stop_token_ids) if num_masked else []
             if stopping:
                 batch.forbid_stops(first_row, num_masked, stopping)
         first_row += call.num_rows
@@ -96,8 +96,8 @@ def target_rows(logits: torch.Tensor, params: SamplingParams,
                 first_output_index: int | None = None, token_ids: Sequence[int] | None = None,
                 grammar: GrammarMatcher | None = None) -> torch.Tensor:
     """`target_rows_batch` for one request's logits [n, V] (raising its GrammarDeadEndError)."""
-    answer = target_rows_batch(logits, [RowsCall(logits.shape[0], params, first_output_index, token_ids, grammar)],
-                               eos_token_id)[0]
+    answer = target_rows_batch(logits, [RowsCall(logits.shape[0], params, first_output_index, token_ids, grammar,
+                                                  eos_token_id)])[0]
     if isinstance(answer, Exception):
         raise answer
     return answer

@@ -140,8 +140,9 @@ class TargetEngine(EngineCore):
                 results[index] = exc
         last_rows = [rows[-1:] if call.prompt_logprobs is not None else rows for _, call, rows, _ in kept]
         processed = target_rows_batch(torch.cat(last_rows), [
-            RowsCall(rows.shape[0], call.params, call.first_output_index, call.token_ids, grammar)
-            for (_, call, _, grammar), rows in zip(kept, last_rows)], self.runner.eos_token_ids) if kept else []
+            RowsCall(rows.shape[0], call.params, call.first_output_index, call.token_ids, grammar,
+                     self.runner.eos_token_ids)
+            for (_, call, _, grammar), rows in zip(kept, last_rows)]) if kept else []
         answering = [i for i, rows in enumerate(processed) if not isinstance(rows, GrammarDeadEndError)]
         answers = dict(zip(answering, verify_answers(
             [processed[i] for i in answering], [kept[i][1].proposal for i in answering],

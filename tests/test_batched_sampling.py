@@ -139,9 +139,9 @@ def test_target_rows_batch_equals_each_call_alone():
     for j, params in enumerate(MIXED):
         block = [9, 4, 9]
         params = params.model_copy(update={"min_tokens": 6 if j % 2 else 0})
-        calls.append(RowsCall(len(block) + 1, params, 4, HISTORY + block))
+        calls.append(RowsCall(len(block) + 1, params, 4, HISTORY + block, eos_token_id=2))
         rows.append(torch.randn(len(block) + 1, VOCAB_SIZE, generator=generator))
-    batched = target_rows_batch(torch.cat(rows), calls, eos_token_id=2)
+    batched = target_rows_batch(torch.cat(rows), calls)
     for call, logits, answer in zip(calls, rows, batched):
         alone = target_rows(logits, call.params, 2, call.first_output_index, call.token_ids)
         if call.params.is_greedy:
