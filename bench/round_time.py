@@ -2,14 +2,14 @@
 look-alike pair at fixed K (issue 37: a round's cost should follow K, not the sampling mode, the
 history or the vocabulary).
 
-    python -m bench.round_time [--rounds 60] [--threads 1] [--out bench/results/cpu-2core-round-time.md]
+    python -m bench.round_time [--rounds 40] [--warmup 2] [--threads 1] [--out bench/results/cpu-2core-round-time.md]
 
 The pair is the shipped default pair's architecture (models/default: target and draft configs)
-with Llama 3's vocabulary width (128,256) and a context of 4,096, random weights. Four requests,
-one per variant (greedy / sampled x 100 / 3,500 history tokens), are prefilled, then take turns
-round by round (greedy-short, sampled-short, greedy-long, sampled-long, ...), so the box's drift
-hits every variant alike. A round is one `decoding.generate.generate` step: the draft drafts K
-tokens (sampled: temperature 0.8, top-p 0.95, draft support cut to speculation.draft_top_k), the
+with Llama 3's vocabulary width (128,256) and a context of 4,096, random weights. Six requests,
+one per variant (greedy / sampled / sampled with top-p x 100 / 3,500 history tokens), are
+prefilled, then take turns round by round, so the box's drift hits every variant alike. A round is
+one `decoding.generate.generate` step: the draft drafts K tokens (sampled: temperature 0.8, and
+top-p 0.95 in the top-p variant; the draft's support cut to speculation.draft_top_k), the
 target runs one forward over the block, its rows are processed and answered on the engine's path
 (decoding.speculation.target_rows_batch, verify_answers) and the block is verified. The draft
 always drafts K tokens (ignore_eos, max_tokens past the run), so every round does the same work
@@ -42,7 +42,10 @@ MAX_CONTEXT = 4_096
 NUM_DRAFT_TOKENS = 4
 HISTORIES = {"short": 100, "long": 3_500}
 MODES = {"greedy": SamplingParams(temperature=0, max_tokens=MAX_CONTEXT, ignore_eos=True),
-         "sampled": SamplingParams(temperature=0.8, top_p=0.95, max_tokens=MAX_CONTEXT, ignore_eos=True, seed=7)}
+         "sampled": SamplingParams(temperature=0.8, max_tokens=MAX_CONTEXT, ignore_eos=True, seed=7),
+         # top-p (and top-k) sort each processed row: over 128k ids the costliest stage of a sampled row
+         "sampled_top_p": SamplingParams(temperature=0.8, top_p=0.95, max_tokens=MAX_CONTEXT, ignore_eos=True,
+                                         seed=7)}
 
 
 def look_alike(role: str, seed: int):
@@ -53,8 +56,8 @@ def look_alike(role: str, seed: int):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-def measure(num_rounds: int) -> dict:
-    """Seconds per round, per variant, the variants taking turns."""
+def measure(num_rounds: int, num_warmup: int) -> dict:
+    """Seconds per round, per variant, the variants taking turns after num_warmup untimed rounds each."""
     target = runner_for_model(look_alike("target", 0), max_sequences=8, model_path="look-alike-target",
                               max_model_len=MAX_CONTEXT)
     proposer = DraftModelProposer(runner_for_model(look_alike("draft", 1), max_sequences=8,
@@ -69,8 +72,12 @@ def measure(num_rounds: int) -> dict:
             rounds[name] = generate(target, state, proposer, NUM_DRAFT_TOKENS)
             next(rounds[name])  # the prefill, untimed
             seconds[name] = []
-    if num_rounds * (NUM_DRAFT_TOKENS + 1) + max(HISTORIES.values()) >= MAX_CONTEXT:
-        raise ValueError(f"--rounds {num_rounds} would run the long history past the {MAX_CONTEXT}-token context")
+    if (num_warmup + num_rounds) * (NUM_DRAFT_TOKENS + 1) + max(HISTORIES.values()) >= MAX_CONTEXT:
+        raise ValueError(f"{num_warmup + num_rounds} rounds would run the long history past the {MAX_CONTEXT}-token "
+                         "context")
+    for _ in range(num_warmup):
+        for round_iterator in rounds.values():
+            next(round_iterator)
     for _ in range(num_rounds):
         for name, round_iterator in rounds.items():
             started = time.perf_counter()
@@ -95,20 +102,21 @@ def table(rows: dict, command: str) -> str:
              "| variant | history tokens | median ms per round | p90 ms | median / greedy-short's |",
              "|---|---|---|---|---|"]
     for name, row in rows.items():
-        lines.append(f"| {name} | {HISTORIES[name.split('-')[1]]:,} | {row['median_ms']:.1f} | {row['p90_ms']:.1f} "
+        lines.append(f"| {name} | {HISTORIES[name.rsplit('-', 1)[1]]:,} | {row['median_ms']:.1f} | {row['p90_ms']:.1f} "
                      f"| {row['vs_greedy_short']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=60, help="timed rounds per variant")
+    parser.add_argument("--rounds", type=int, default=40, help="timed rounds per variant")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds per variant before the timed ones")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--out", type=Path, help="write the table here (and the raw numbers beside it as .json)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    command = f"python -m bench.round_time --rounds {args.rounds} --threads {args.threads}"
-    seconds = measure(args.rounds)
+    command = f"python -m bench.round_time --rounds {args.rounds} --warmup {args.warmup} --threads {args.threads}"
+    seconds = measure(args.rounds, args.warmup)
     rows = summary(seconds)
     text = table(rows, command)
     print(text)

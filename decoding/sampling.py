@@ -181,6 +181,7 @@ class RowParams:
     min_p: torch.Tensor         # float32 [N]
     top_k: torch.Tensor         # long [N]
     top_p: torch.Tensor         # float64 [N]: +inf where top-p is off (a cumulative sum may round past 1)
+    truncating: torch.Tensor    # long: the rows top-k or top-p cut
     all_greedy: bool
     any_greedy: bool
     uses_min_p: bool
@@ -201,6 +202,8 @@ class RowParams:
             min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
             top_k=torch.tensor(top_k, dtype=torch.long, device=device),
             top_p=torch.tensor(top_p, dtype=torch.float64, device=device),
+            truncating=torch.tensor([i for i, (k, p) in enumerate(zip(top_k, top_p)) if k < vocab_size or p < 1.0],
+                                    dtype=torch.long, device=device),
             all_greedy=bool(greedy) and all(greedy), any_greedy=any(greedy), uses_min_p=any(m > 0.0 for m in min_p),
             uses_top_k=any(k < vocab_size for k in top_k), uses_top_p=any(p < 1.0 for p in top_p))
 
@@ -231,23 +234,24 @@ def process_rows(logits: torch.Tensor, row_params: RowParams) -> torch.Tensor:
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if row_params.uses_top_k or row_params.uses_top_p:
-        # Work in descending order; a stable sort makes ties deterministic (lowest index first).
-        sorted_logits, sorted_ids = torch.sort(logits, dim=-1, descending=True, stable=True)
+        # Only the rows that truncate are sorted (the costliest stage over a large vocabulary); the
+        # others keep the plain softmax. Work in descending order; a stable sort makes ties
+        # deterministic (lowest index first).
+        rows = row_params.truncating
+        sorted_logits, sorted_ids = torch.sort(logits[rows], dim=-1, descending=True, stable=True)
         if row_params.uses_top_k:
             positions = torch.arange(vocab_size, device=logits.device)
-            sorted_logits = sorted_logits.masked_fill(positions >= row_params.top_k.unsqueeze(-1), float("-inf"))
+            sorted_logits = sorted_logits.masked_fill(positions >= row_params.top_k[rows].unsqueeze(-1), float("-inf"))
         if row_params.uses_top_p:
             sorted_probs = torch.softmax(sorted_logits, dim=-1)
             # Token j survives iff the mass strictly before it is still short of top_p. float64 keeps
             # the cumulative sum from flipping a token across the boundary through rounding.
             mass_before = sorted_probs.double().cumsum(dim=-1) - sorted_probs.double()
-            outside_nucleus = mass_before >= row_params.top_p.unsqueeze(-1)
+            outside_nucleus = mass_before >= row_params.top_p[rows].unsqueeze(-1)
             outside_nucleus[..., 0] = False
             sorted_logits = sorted_logits.masked_fill(outside_nucleus, float("-inf"))
-        truncated = torch.empty_like(probs).scatter_(-1, sorted_ids, torch.softmax(sorted_logits, dim=-1))
-        # Rows that truncate nothing keep the plain softmax (bit for bit what they had alone).
-        cuts = (row_params.top_k < vocab_size) | torch.isfinite(row_params.top_p)
-        probs = torch.where(cuts.unsqueeze(-1), truncated, probs)
+        truncated = torch.empty_like(sorted_logits).scatter_(-1, sorted_ids, torch.softmax(sorted_logits, dim=-1))
+        probs = probs.index_copy(0, rows, truncated)
     if one_hot is not None:
         probs = torch.where(row_params.greedy.unsqueeze(-1), one_hot, probs)
     return probs
