@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from decoding.grammar import GrammarMatcher
+from decoding.grammar import GrammarMatcher, mask_logits
 from decoding.sampling import SamplingParams, penalize
 
 
@@ -85,7 +85,7 @@ class RowBatch:
         if self._masks:
             allowed = torch.cat([mask[:, :vocab_size] for mask in self._masks]).to(device, non_blocking=True)
             rows = torch.tensor(self._mask_rows, device=device)
-            logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+            logits[rows] = mask_logits(logits[rows], allowed)
         if self._stop_rows:
             rows = torch.tensor(self._stop_rows, device=device)
             local = [i for i, ids in enumerate(self._stop_ids) for _ in ids]
