@@ -31,6 +31,7 @@ def generate(target: RunnerBase, state: RequestState, proposer: Proposer | None 
     iterator is closed."""
     speculate = proposer is not None and num_draft_tokens > 0
     params = state.params
+    state.engine_streams_on(target.device)
     try:
         prefilled = False
         while not state.finished:
@@ -80,6 +81,8 @@ def generate_batch(target: RunnerBase, states: Sequence[RequestState], proposer:
     finish_reason "error" and the others go on, as on the engines. Sequences are released after."""
     speculate = proposer is not None and num_draft_tokens > 0
     prefilled: set[str] = set()
+    for state in states:
+        state.engine_streams_on(target.device)
     try:
         while running := [state for state in states if not state.finished]:
             calls = [ProposeCall(s.request_id, s.history, s.draft_budget(num_draft_tokens)
