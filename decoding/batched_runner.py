@@ -55,6 +55,7 @@ from decoding.paged_cache import (
     NoFreeBlocksError,
     PagedKVCache,
     block_key,
+    blocks_before_window,
     blocks_for,
     gpu_kv_budget_bytes,
     kv_capacity,
@@ -428,17 +429,15 @@ class BatchedModelRunner(RunnerBase):
 
     def _let_go_outside_windows(self, entry: _PagedSequence) -> None:
         """Free each windowed group's blocks wholly older than the keys a query rollback_tokens
-        behind the sequence's end sees (position end - rollback_tokens - window + 1 on), leaving
-        NO_BLOCK in their place: what bounds a windowed group's memory by its window
-        (paged_cache.window_blocks). A later call starting at most rollback_tokens back (a
-        rejected speculative tail) still finds every key its queries see, however many tokens it
-        brings (the window applies per query position); a deeper crop recomputes (`_servable`)."""
-        size = self.block_size
+        behind the sequence's end sees (paged_cache.blocks_before_window), leaving NO_BLOCK in
+        their place: what bounds a windowed group's memory by its window (window_blocks). A later
+        call starting at most rollback_tokens back (a rejected speculative tail) still finds every
+        key its queries see; a deeper crop recomputes (`_servable`)."""
         for group, table in zip(self.cache.groups, entry.tables):
             if group.window is None:
                 continue
-            first_needed = len(entry.token_ids) - self.rollback_tokens - group.window + 1
-            outside, held_from = max(0, first_needed) // size, _first_held(table)
+            outside = blocks_before_window(len(entry.token_ids), group.window, self.rollback_tokens, self.block_size)
+            held_from = _first_held(table)
             if outside > held_from:
                 self.cache.free(table[held_from:outside][::-1])
                 table[held_from:outside] = [NO_BLOCK] * (outside - held_from)

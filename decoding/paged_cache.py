@@ -95,6 +95,14 @@ def full_attention(num_layers: int) -> tuple[KVGroup, ...]:
     return (KVGroup(tuple(range(num_layers)), None),)
 
 
+def blocks_before_window(num_tokens: int, window: int, rollback_tokens: int, block_size: int) -> int:
+    """Leading blocks of a sequence of num_tokens that a windowed group no longer needs: wholly
+    older than the keys a query rollback_tokens behind the end sees (position num_tokens -
+    rollback_tokens - window + 1 on). The window applies per query position, so a later call
+    starting there, however many tokens it brings, finds all its queries' keys."""
+    return max(0, num_tokens - rollback_tokens - window + 1) // block_size
+
+
 def window_blocks(window: int, block_size: int, rollback_tokens: int, new_tokens: int) -> int:
     """Most blocks a windowed group holds for one sequence: after a forward it keeps the keys a
     query `rollback_tokens` back from the sequence's end still sees (window - 1 before it), and

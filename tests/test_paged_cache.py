@@ -225,3 +225,4 @@ def test_engine_specs_carry_their_gpu_share_and_the_largest_planned_forwards(tmp
     assert target["profile_batches"] == [[engine["max_batch_rows"], engine["max_step_tokens"]],
                                          [1, engine["prefill_token_budget"]]]
     assert target["gpu_share"] == draft["gpu_share"] == 1.0
+    assert target["rollback_tokens"] == draft["rollback_tokens"] == engine["max_step_tokens"]
