@@ -502,6 +502,11 @@ class BatchedModelRunner(RunnerBase):
     def num_free_blocks(self) -> int:
         return self.cache.num_free
 
+    @property
+    def num_kv_groups(self) -> int:
+        """KV cache groups (paged_cache.KVGroup): a sequence takes a block in each per block of tokens."""
+        return len(self.cache.groups)
+
     def blocks_held(self, seq_id: str, group: int | None = None) -> int:
         """Blocks seq_id's tables hold: in every KV cache group, or in group (cache.groups' index)."""
         entry = self._sequences.get(seq_id)

@@ -15,12 +15,14 @@ from decoding.paged_cache import (
     GIB,
     NO_BLOCK,
     KVGroup,
+    NoFreeBlocksError,
     blocks_for,
     kv_bytes_per_token,
     kv_capacity,
     kv_groups,
     window_blocks,
 )
+from decoding.scheduler import CallShape, Scheduler
 from tests.reference_runner import full_logits
 from tests.test_batched_runner import ATOL, random_ids
 from tests.tiny_pair import SHORT_WINDOW, tiny_model
@@ -203,6 +205,29 @@ def test_the_budget_counts_the_windowed_bound_so_more_sequences_fit_and_too_smal
     assert runner.kv_usage()["kv_bytes_reserved"] <= budget
     with pytest.raises(ValueError, match="kv_cache_memory_gb"):
         windowed_runner(model, budget_bytes=43.5 * per_layer_block)
+
+
+def test_the_scheduler_plans_a_block_in_every_group_so_what_it_plans_runs():
+    """Gemma 3's three groups each take a block per 4 tokens: of three 30-token prompts (24 block
+    ids each) in 60 free ids the scheduler plans two and keeps one waiting (counting one table, it
+    would plan all three: 72 ids, which the runner refuses); the two run, let go of their
+    windowed blocks outside the window, and the third fits."""
+    model = tiny_model("gemma3")
+    per_layer_block = BLOCK_SIZE * kv_bytes_per_token(model.config, torch.float32) / 3
+    runner = windowed_runner(model, budget_bytes=60.5 * per_layer_block)
+    scheduler = Scheduler(runner, 16, prefill_token_budget=256, max_batch_rows=8)
+    prompts = {seq_id: random_ids(20 + i, 30) for i, seq_id in enumerate("xyz")}
+    schedule = scheduler.schedule([CallShape(seq_id, prompt) for seq_id, prompt in prompts.items()])
+    assert [index for index, _ in schedule.plan.prefills] == [0, 1] and schedule.plan.waiting == [2]
+    assert schedule.calls[0].kv_groups == 3
+    with pytest.raises(NoFreeBlocksError):
+        runner.forward_batch([ForwardCall(seq_id, prompt) for seq_id, prompt in prompts.items()])
+    runner.forward_batch([ForwardCall(seq_id, prompts[seq_id]) for seq_id in "xy"])
+    # Once run, x and y's windowed groups keep 4 blocks each of their 8: z now fits.
+    assert runner.blocks_held("x") == 8 + 4 + 4
+    schedule = scheduler.schedule([CallShape("z", prompts["z"])])
+    assert schedule.plan.prefills == [(0, 30)]
+    runner.forward_batch([ForwardCall("z", prompts["z"])])
 
 
 @pytest.mark.parametrize("broken", ["one block too many", "one block too many, unguarded"])
