@@ -166,6 +166,8 @@ class BatchedModelRunner(RunnerBase):
         self.cache = PagedKVCache(num_layers=self.config.num_hidden_layers, num_blocks=self.kv_capacity.num_blocks,
                                   block_size=block_size, device=self.device, flash=flash, groups=groups)
         self._sequences: dict[str, _PagedSequence] = {}
+        # (index, window) of the windowed KV cache groups: none for a model without windows.
+        self._windows = [(index, group.window) for index, group in enumerate(groups) if group.window is not None]
         self.prefix_caching = prefix_caching
         self._salt = salt_hash(cache_salt or model_path)
         # vLLM's counters: tokens calls looked for in the prefix cache (all a new sequence's but the
@@ -421,10 +423,10 @@ class BatchedModelRunner(RunnerBase):
         """length, if a call starting there finds every key its queries see: in each windowed
         group, those from length - window + 1 on; else 0 (a crop deeper than rollback_tokens
         behind the end it last held: the call recomputes, from the prefix cache where it can)."""
-        for group, table in zip(self.cache.groups, entry.tables):
-            if group.window is not None and table and table[0] == NO_BLOCK:
-                if length - group.window + 1 < _first_held(table) * self.block_size:
-                    return 0
+        for index, window in self._windows:
+            table = entry.tables[index]
+            if table and table[0] == NO_BLOCK and length - window + 1 < _first_held(table) * self.block_size:
+                return 0
         return length
 
     def _let_go_outside_windows(self, entry: _PagedSequence) -> None:
@@ -433,10 +435,9 @@ class BatchedModelRunner(RunnerBase):
         their place: what bounds a windowed group's memory by its window (window_blocks). A later
         call starting at most rollback_tokens back (a rejected speculative tail) still finds every
         key its queries see; a deeper crop recomputes (`_servable`)."""
-        for group, table in zip(self.cache.groups, entry.tables):
-            if group.window is None:
-                continue
-            outside = blocks_before_window(len(entry.token_ids), group.window, self.rollback_tokens, self.block_size)
+        for index, window in self._windows:
+            table = entry.tables[index]
+            outside = blocks_before_window(len(entry.token_ids), window, self.rollback_tokens, self.block_size)
             held_from = _first_held(table)
             if outside > held_from:
                 self.cache.free(table[held_from:outside][::-1])

@@ -244,24 +244,44 @@ def paged_layout(group_tables: Sequence[Sequence[Sequence[int]]], starts: Sequen
     positions_and_mask)."""
     position_ids, attention_mask, kv_length = positions_and_mask(starts, num_new, dtype)
     num_read = blocks_for(kv_length, block_size)
-    places = [(position // block_size, position % block_size, b, t)
-              for b, (start, n) in enumerate(zip(starts, num_new))
+    first, *others = group_tables
+    # (block in the first group, offset, row, column) of each real new token; other groups put it
+    # at the same offset of their own block of the same index.
+    writes = [(table[position // block_size], position % block_size, b, t)
+              for b, (table, start, n) in enumerate(zip(first, starts, num_new))
               for t, position in enumerate(range(start, start + n))]
-    _, write_offsets, source_rows, source_columns = torch.tensor(places, dtype=torch.long).T.to(device)
-    groups = []
-    for tables in group_tables:
-        read_blocks = [[max(block, 0) for block in table[:num_read]] + [0] * (num_read - min(len(table), num_read))
-                       for table in tables]
-        write_blocks = [tables[b][index] for index, _, b, _ in places]
-        # A lone row's decode step or verify usually lands in one block: write it as a slice (the
-        # hot path of a single stream), not through the scatter.
-        one_block = len(tables) == 1 and write_blocks[0] == write_blocks[-1]
-        groups.append(GroupLayout(read_blocks=torch.tensor(read_blocks, dtype=torch.long).to(device),
-                                  write_blocks=torch.tensor(write_blocks, dtype=torch.long).to(device),
-                                  single_write=(write_blocks[0], places[0][1]) if one_block else None))
+    write_blocks, write_offsets, source_rows, source_columns = torch.tensor(writes, dtype=torch.long).T.to(device)
+    groups = [_group_layout(first, writes[0][:2], writes[-1][0], write_blocks, num_read, device)]
+    if others:
+        indices = [position // block_size for start, n in zip(starts, num_new) for position in range(start, start + n)]
+        rows = [row for _, _, row, _ in writes]
+        for tables in others:
+            blocks = [tables[b][index] for b, index in zip(rows, indices)]
+            groups.append(_group_layout(tables, (blocks[0], writes[0][1]), blocks[-1],
+                                        torch.tensor(blocks, dtype=torch.long).to(device), num_read, device))
     return PagedLayout(groups=tuple(groups), write_offsets=write_offsets, source_rows=source_rows,
                        source_columns=source_columns, kv_length=kv_length,
                        position_ids=position_ids.to(device), attention_mask=attention_mask.to(device))
+
+
+def _readable(blocks: Sequence[int]) -> list[int]:
+    """blocks with a windowed group's leading NO_BLOCK run read as block 0 (outside the window:
+    masked; flash-attn's window skips them)."""
+    if blocks and blocks[0] == NO_BLOCK:
+        return [max(block, 0) for block in blocks]
+    return list(blocks)
+
+
+def _group_layout(tables: Sequence[Sequence[int]], first_write: tuple[int, int], last_block: int,
+                  write_blocks: torch.Tensor, num_read: int, device: torch.device) -> GroupLayout:
+    """One group's read and write blocks (first_write: its first new token's (block, offset);
+    last_block: its last new token's block)."""
+    read_blocks = [_readable(table[:num_read]) + [0] * (num_read - min(len(table), num_read)) for table in tables]
+    # A lone row's decode step or verify usually lands in one block: write it as a slice (the hot
+    # path of a single stream), not through the scatter.
+    one_block = len(tables) == 1 and first_write[0] == last_block
+    return GroupLayout(read_blocks=torch.tensor(read_blocks, dtype=torch.long).to(device), write_blocks=write_blocks,
+                       single_write=first_write if one_block else None)
 
 
 class LayerPools:
