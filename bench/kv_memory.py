@@ -70,7 +70,7 @@ class _Filled:
         if self.kind == "slot":
             layout = batch_layout(self.slots, starts, [new] * rows, torch.float32, torch.device("cpu"))
         else:
-            layout = paged_layout(self.tables, starts, [new] * rows, self.cache.block_size, torch.float32,
+            layout = paged_layout([self.tables], starts, [new] * rows, self.cache.block_size, torch.float32,
                                   torch.device("cpu"))
         keep = torch.zeros(input_ids.shape, dtype=torch.bool)
         keep[:, -1] = True

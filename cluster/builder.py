@@ -113,7 +113,9 @@ def served_model_specs(config: SpecServeConfig) -> tuple[dict[str, Any], dict[st
               "max_model_len": target_len, "tokenizer_path": str(tokenizer_path),
               # The largest forwards the engine's scheduler plans: profiled on a GPU before sizing the KV cache.
               "profile_batches": [[engine["max_batch_rows"], engine["max_step_tokens"]],
-                                  [1, engine["prefill_token_budget"]]]}
+                                  [1, engine["prefill_token_budget"]]],
+              # The deepest a step rolls back (its speculative tail): windowed layers keep the keys for it.
+              "rollback_tokens": engine["max_step_tokens"]}
     draft = None
     if config.draft is not None and config.speculation.proposer == "draft":
         draft = {**config.draft.model_dump(), **served, "gpu_share": gpu_share(config.draft_workers.num_gpus),

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import ray
 from ray import serve
 from ray.serve.schema import ApplicationStatus, DeploymentStatus
@@ -24,6 +25,8 @@ logger = logging.getLogger(__name__)
 # RPC reply rather than in the object store, which costs an extra round trip per round.
 RAY_SYSTEM_CONFIG = {"max_direct_call_object_size": 4 * 1024 * 1024}
 DRAIN_FLUSH_S = 0.5  # after the routers are empty, time for the ingress to send the last chunks
+RAY_START_ATTEMPTS = 2
+RAY_STOP_WAIT_S = 10.0  # for the processes of a failed start to exit after a kill
 STATUS_POLL_S = 0.25  # how often a start-up looks at the application's status
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -117,6 +120,27 @@ def check_port_free(host: str, port: int) -> None:
                                  "(e.g. SPECSERVE__HTTP__PORT=8001)") from None
 
 
+def init_local_ray(**ray_init_kwargs) -> None:
+    """Start a Ray cluster on this machine (ray.init with these arguments, quiet logging), trying
+    twice: on a busy machine a node now and then misses Ray's own start-up limits (its GCS never
+    writes its port file, or its raylet never registers), and a second start succeeds where the
+    first did not. What a failed attempt started is ended before the next. StartupError if both fail."""
+    for attempt in range(RAY_START_ATTEMPTS):
+        before = {child.pid for child in psutil.Process().children(recursive=True)}
+        try:
+            ray.init(configure_logging=False, log_to_driver=False, **ray_init_kwargs)
+            return
+        except Exception as exc:  # Ray raises a bare Exception when its node does not come up
+            ray.shutdown()
+            started = [child for child in psutil.Process().children(recursive=True) if child.pid not in before]
+            for child in started:
+                child.kill()
+            psutil.wait_procs(started, timeout=RAY_STOP_WAIT_S)
+            if attempt + 1 == RAY_START_ATTEMPTS:
+                raise StartupError(f"Ray did not start on this machine: {exc}") from exc
+            logger.warning("Ray did not start (%s); starting it once more", exc)
+
+
 def start_local(config: SpecServeConfig, dashboard: bool = False, timeout_s: float = 300.0) -> str:
     """Start Ray + Serve + the app; block until /health answers; return the base URL.
 
@@ -127,13 +151,9 @@ def start_local(config: SpecServeConfig, dashboard: bool = False, timeout_s: flo
     check_port_free(config.http.host, config.http.port)
     started_ray = not ray.is_initialized()
     if started_ray:
-        try:
-            ray.init(num_cpus=logical_cpus_needed(config), resources=custom_resources_needed(config),
-                     include_dashboard=dashboard, _metrics_export_port=metrics_export_port(config),
-                     _system_config={**RAY_SYSTEM_CONFIG, **metrics_system_config(config)},
-                     configure_logging=False, log_to_driver=False)
-        except Exception as exc:  # Ray raises a bare Exception when its node does not come up
-            raise StartupError(f"Ray did not start on this machine: {exc}") from exc
+        init_local_ray(num_cpus=logical_cpus_needed(config), resources=custom_resources_needed(config),
+                       include_dashboard=dashboard, _metrics_export_port=metrics_export_port(config),
+                       _system_config={**RAY_SYSTEM_CONFIG, **metrics_system_config(config)})
     try:
         serve.start(http_options={"host": config.http.host, "port": config.http.port})
         deadline = time.monotonic() + timeout_s

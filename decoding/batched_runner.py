@@ -14,6 +14,12 @@ per step (docs/performance.md has the measurement that keeps it).
 A model this path cannot serve (encoder-decoder, a layer that does not attend through the
 interface, e.g. recurrent or linear attention) is refused at load with UnsupportedModelError
 naming what is unsupported; there is no slower fallback.
+
+Sliding-window layers are KV cache groups of their own (decoding.paged_cache.KVGroup, read from the
+window each layer passes to the attention in a probe forward at load): a sequence has a block table
+per group, and after each forward a windowed group lets go of the blocks wholly older than what a
+query `rollback_tokens` behind the sequence's end still sees, so its memory is bounded by its window
+while a full-attention group's grows with the context (`_let_go_outside_windows`).
 """
 
 from __future__ import annotations
@@ -44,12 +50,16 @@ from decoding.paged_cache import (
     DEFAULT_BLOCK_SIZE,
     GIB,
     KVCapacity,
+    NO_BLOCK,
+    KVGroup,
     NoFreeBlocksError,
     PagedKVCache,
     block_key,
+    blocks_before_window,
     blocks_for,
     gpu_kv_budget_bytes,
     kv_capacity,
+    kv_groups,
     paged_layout,
     salt_hash,
 )
@@ -65,6 +75,9 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 # The largest forwards an engine plans with the default batching settings: a step batch of
 # max_batch_rows rows of up to max_step_tokens, and one prefill chunk of prefill_token_budget.
 DEFAULT_PROFILE_BATCHES = ((64, 16), (1, 256))
+# How far back from its end a later call may crop a sequence and still find its windowed layers'
+# keys (the engine's max_step_tokens default: a verify step's speculative tail); deeper, it recomputes.
+DEFAULT_ROLLBACK_TOKENS = 16
 
 
 class UnsupportedModelError(ValueError):
@@ -74,7 +87,9 @@ class UnsupportedModelError(ValueError):
 
 @dataclass
 class _PagedSequence:
-    blocks: list[int]     # its block table: token i lives in blocks[i // block_size]
+    # Its block table per KV cache group: token i lives in tables[g][i // block_size]; in a
+    # windowed group, a leading run of NO_BLOCK for the blocks it let go of (outside its window).
+    tables: list[list[int]]
     token_ids: list[int]  # exactly the tokens whose keys/values the blocks hold
     # With prefix caching: the chained hash of each full block of token_ids (paged_cache.block_key).
     hashes: list[int] = field(default_factory=list)
@@ -87,7 +102,7 @@ class _Reuse:
     `hits` (cached blocks found for the tokens after what it held)."""
 
     start: int
-    hits: list[tuple[int, int]]   # (block, its chained hash), in table order
+    hits: list[tuple[tuple[int, ...], int]]   # (the block of every group, their chained hash), in table order
     new: bool                     # the runner admits the sequence with this call
     looked_up: int = 0            # tokens it looked for in the prefix cache (from its first not fully held block)
 
@@ -100,7 +115,8 @@ class BatchedModelRunner(RunnerBase):
                          gpu_memory_utilization: float | None = None,
                          block_size: int = DEFAULT_BLOCK_SIZE, gpu_share: float = 1.0,
                          profile_batches: Sequence[tuple[int, int]] = DEFAULT_PROFILE_BATCHES,
-                         prefix_caching: bool = True, cache_salt: str | None = None) -> None:
+                         prefix_caching: bool = True, cache_salt: str | None = None,
+                         rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS) -> None:
         """lean: run decoding.lean_forward where the architecture has one (else transformers' forward).
         max_model_len: longest sequence served (default: the model's max_position_embeddings).
         kv_cache_memory_gb: the KV budget on CPU; on CUDA, gpu_memory_utilization of the engine's
@@ -110,7 +126,9 @@ class BatchedModelRunner(RunnerBase):
         prefix_caching: full blocks stay findable by their tokens after their sequence lets go of
         them, and a sequence starts from the longest cached prefix (docs/kv-memory.md).
         cache_salt: what besides the tokens decides the keys and values (default: model_path; a
-        draft engine adds the version it serves), the root of every block's hash chain."""
+        draft engine adds the version it serves), the root of every block's hash chain.
+        rollback_tokens: how far back from its end a later call may crop a sequence and still find
+        its sliding-window layers' keys (the engine's max_step_tokens); a deeper crop recomputes."""
         supported, reason = decoder_support(model)
         if not supported:
             raise UnsupportedModelError(f"{model_path}: specserve's engine cannot serve this model: {reason}")
@@ -130,21 +148,26 @@ class BatchedModelRunner(RunnerBase):
         self.lean = LeanDecoder(model) if lean and lean_support(model)[0] else None
         # One rank of a tensor-parallel group (decoding.tensor_parallel): its pool holds its heads.
         self.tensor_parallel_size = int(getattr(model, "tp_size", None) or 1)
+        self.rollback_tokens = rollback_tokens
+        groups = kv_groups(self._layer_windows(block_size, flash))
         if self.device.type == "cuda":
             budget = gpu_kv_budget_bytes(torch.cuda.get_device_properties(self.device).total_memory,
                                          gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION, gpu_share,
                                          torch.cuda.memory_allocated(self.device),
-                                         max(self._peak_activation_bytes(rows, tokens, block_size, flash)
+                                         max(self._peak_activation_bytes(rows, tokens, block_size, flash, groups)
                                              for rows, tokens in profile_batches))
         else:
             budget = (kv_cache_memory_gb or DEFAULT_KV_CACHE_MEMORY_GB) * GIB
-        self.kv_capacity: KVCapacity = kv_capacity(self.config, self._dtype, budget, self.max_context, block_size,
-                                                   self.tensor_parallel_size)
+        self.kv_capacity: KVCapacity = kv_capacity(
+            self.config, self._dtype, budget, self.max_context, block_size, self.tensor_parallel_size, groups,
+            rollback_tokens, new_tokens=max(tokens for _, tokens in profile_batches))
         if self.tensor_parallel_size > 1:   # every rank's pool must hold the same blocks
             self.kv_capacity = replace(self.kv_capacity, num_blocks=agreed_minimum(self.kv_capacity.num_blocks))
         self.cache = PagedKVCache(num_layers=self.config.num_hidden_layers, num_blocks=self.kv_capacity.num_blocks,
-                                  block_size=block_size, device=self.device, flash=flash)
+                                  block_size=block_size, device=self.device, flash=flash, groups=groups)
         self._sequences: dict[str, _PagedSequence] = {}
+        # (index, window) of the windowed KV cache groups: none for a model without windows.
+        self._windows = [(index, group.window) for index, group in enumerate(groups) if group.window is not None]
         self.prefix_caching = prefix_caching
         self._salt = salt_hash(cache_salt or model_path)
         # vLLM's counters: tokens calls looked for in the prefix cache (all a new sequence's but the
@@ -152,17 +175,18 @@ class BatchedModelRunner(RunnerBase):
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.last_num_new_tokens = 0   # tokens the last forward computed
-        # Its forward also shapes every layer's pool: on CUDA the whole budget is allocated here,
+        # A forward over the cache shapes every pool: on CUDA the whole budget is allocated here,
         # so an out-of-memory shows at start, not on the first request.
-        self._check_every_layer_attends_through_the_cache()
+        self._dummy_forward(self.cache, rows=1, tokens=1)
 
-    def _peak_activation_bytes(self, rows: int, tokens: int, block_size: int, flash: bool) -> int:
+    def _peak_activation_bytes(self, rows: int, tokens: int, block_size: int, flash: bool,
+                               groups: Sequence[KVGroup]) -> int:
         """CUDA only (never run here: no GPU): device memory a forward of rows x tokens new tokens
         takes beyond its keys and values, measured on a throw-away cache, as vLLM profiles a dummy
         batch before sizing its KV cache."""
         scratch = PagedKVCache(num_layers=self.config.num_hidden_layers,
-                               num_blocks=rows * blocks_for(tokens, block_size), block_size=block_size,
-                               device=self.device, flash=flash)
+                               num_blocks=len(groups) * rows * blocks_for(tokens, block_size), block_size=block_size,
+                               device=self.device, flash=flash, groups=groups)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
@@ -172,25 +196,33 @@ class BatchedModelRunner(RunnerBase):
         torch.cuda.empty_cache()
         return max(0, peak)
 
-    def _check_every_layer_attends_through_the_cache(self) -> None:
-        """One 1-token forward at load: every layer must have stored its keys through the paged
-        attention, else the model keeps state of its own (recurrent or linear-attention layers)
-        that rollback and batching would silently get wrong."""
+    def _layer_windows(self, block_size: int, flash: bool) -> list[int | None]:
+        """One 1-token forward at load over a one-block scratch cache: every layer must have stored
+        its keys through the paged attention, else the model keeps state of its own (recurrent or
+        linear-attention layers) that rollback and batching would silently get wrong; -> the
+        sliding window each layer passed (None: full attention, as is a window the context never
+        outgrows), which decides the KV cache groups. Read from the forward, not the config: every
+        architecture names its windows its own way, and this is what attention will be asked."""
+        num_layers = self.config.num_hidden_layers
+        probe = PagedKVCache(num_layers=num_layers, num_blocks=1, block_size=block_size, device=self.device,
+                             flash=flash)
         try:
-            view = self._dummy_forward(self.cache, rows=1, tokens=1)
+            view = self._dummy_forward(probe, rows=1, tokens=1)
         except PagedAttentionError as error:
             raise UnsupportedModelError(f"{self.model_path}: {error}") from error
-        missing = sorted(set(range(self.config.num_hidden_layers)) - view.layers_attended)
+        missing = sorted(set(range(num_layers)) - view.windows.keys())
         if missing:
             raise UnsupportedModelError(
-                f"{self.model_path}: layers {missing} of {self.config.num_hidden_layers} do not attend through "
+                f"{self.model_path}: layers {missing} of {num_layers} do not attend through "
                 "transformers' attention interface (recurrent or linear-attention layers?); specserve's engine "
                 "cannot serve this model")
+        return [None if window is None or window >= self.max_context else int(window)
+                for window in (view.windows[layer] for layer in range(num_layers))]
 
     def _dummy_forward(self, cache: PagedKVCache, rows: int, tokens: int):
         """One forward of rows new sequences of `tokens` tokens over blocks of `cache`, given back
         after; -> its PagedBatchView (which layers attended through it)."""
-        tables = [cache.allocate(blocks_for(tokens, cache.block_size)) for _ in range(rows)]
+        tables = [[cache.allocate(blocks_for(tokens, cache.block_size)) for _ in range(rows)] for _ in cache.groups]
         try:
             layout = paged_layout(tables, [0] * rows, [tokens] * rows, cache.block_size, dtype=self._dtype,
                                   device=self.device)
@@ -199,7 +231,7 @@ class BatchedModelRunner(RunnerBase):
             keep[:, -1] = True
             self._logits(torch.zeros((rows, tokens), dtype=torch.long, device=self.device), layout, keep, view)
         finally:
-            cache.free([block for table in tables for block in table])
+            cache.free([block for group in tables for table in group for block in table])
         return view
 
     def forward(self, seq_id: str, token_ids: Sequence[int], num_rows: int = 1) -> torch.Tensor:
@@ -224,8 +256,8 @@ class BatchedModelRunner(RunnerBase):
         self.last_num_new_tokens = sum(num_new)   # what this forward computes (engines' cost samples)
         new_seq_ids = [call.seq_id for call, reuse in zip(calls, reuses) if reuse.new]
 
-        layout = paged_layout([entry.blocks for entry in entries], starts, num_new, self.block_size,
-                              dtype=self._dtype, device=self.device)
+        layout = paged_layout([[entry.tables[g] for entry in entries] for g in range(len(self.cache.groups))],
+                              starts, num_new, self.block_size, dtype=self._dtype, device=self.device)
         num_columns = max(num_new)
         # Padding id 0 is never stored nor seen by a real token; its rows are not kept.
         input_ids = torch.tensor([history[start:] + [0] * (num_columns - n)
@@ -246,6 +278,7 @@ class BatchedModelRunner(RunnerBase):
             entry.token_ids = history
             if self.prefix_caching:
                 self._publish_full_blocks(entry)
+            self._let_go_outside_windows(entry)
         # The boolean keep mask flattens the kept rows in (row, column) order.
         logits = self._served_columns(logits.float())
         offsets = [0]
@@ -272,20 +305,23 @@ class BatchedModelRunner(RunnerBase):
         limit = len(history) - num_rows
         held = 0 if entry is None else _common_prefix_length(entry.token_ids, history, limit)
         if entry is not None:
-            self._crop(entry, held)
+            held = self._crop(entry, held)
         hits = self._cached_blocks(history, held, limit, [] if entry is None else entry.hashes)
         aligned = held // self.block_size * self.block_size
         looked_up = limit - aligned if self.prefix_caching and held < limit else 0
-        if not hits:
+        if not hits or (entry is not None and self._servable(entry, aligned) < aligned):
             return _Reuse(held, [], entry is None, looked_up)
         if entry is not None:
             self._crop(entry, aligned)   # its partly valid last block gives way to a cached full one
         return _Reuse(aligned + len(hits) * self.block_size, hits, entry is None, looked_up)
 
-    def _cached_blocks(self, history: list[int], held: int, limit: int, hashes: list[int]) -> list[tuple[int, int]]:
-        """(block, chained hash) of the cached blocks holding history's full blocks after the
-        first held tokens, up to the first one not cached, within the first limit tokens
-        (hashes: those of the held full blocks)."""
+    def _cached_blocks(self, history: list[int], held: int, limit: int, hashes: list[int]
+                       ) -> list[tuple[tuple[int, ...], int]]:
+        """(every group's block, chained hash) of the cached blocks holding history's full blocks
+        after the first held tokens, up to the first one some group has not cached, within the first
+        limit tokens (hashes: those of the held full blocks). A windowed group must still have the
+        block too, even one outside the window of the hit's end (it is let go again after the
+        forward): the simplest rule that is right, at the cost of hits vLLM's would find."""
         if not self.prefix_caching:
             return []
         size = self.block_size
@@ -294,11 +330,11 @@ class BatchedModelRunner(RunnerBase):
         hits = []
         for index in range(first, limit // size):
             key = block_key(parent, history[index * size:(index + 1) * size])
-            block = self.cache.find(key)
-            if block is None:
+            blocks = tuple(self.cache.find((group, key)) for group in range(len(self.cache.groups)))
+            if None in blocks:
                 break
             parent = hash(key)
-            hits.append((block, parent))
+            hits.append((blocks, parent))
         return hits
 
     def _take_blocks(self, calls: Sequence[ForwardCall], histories: list[list[int]],
@@ -306,27 +342,30 @@ class BatchedModelRunner(RunnerBase):
         """Every call's table made to cover its history: cached blocks shared, a shared or
         published last block the call writes into copied or unpublished, new blocks allocated.
         NoFreeBlocksError, admitting nothing and taking no block, when the pool cannot cover them."""
-        size = self.block_size
+        size, num_groups = self.block_size, len(self.cache.groups)
         writes_into_last = [reuse.start % size != 0 for reuse in reuses]   # then it is held and hit nothing
-        shares = Counter(block for reuse in reuses for block, _ in reuse.hits)
-        copies = sum(self.cache.refs(entry.blocks[-1]) + shares[entry.blocks[-1]] > 1
-                     for entry, partial in zip(held, writes_into_last) if partial)
-        needed = copies + sum(blocks_for(len(history), size) - len(reuse.hits) - (0 if entry is None else len(entry.blocks))
+        shares = Counter(block for reuse in reuses for blocks, _ in reuse.hits for block in blocks)
+        copies = sum(self.cache.refs(table[-1]) + shares[table[-1]] > 1
+                     for entry, partial in zip(held, writes_into_last) if partial for table in entry.tables)
+        needed = copies + sum(num_groups * (blocks_for(len(history), size) - len(reuse.hits))
+                              - (0 if entry is None else sum(len(table) for table in entry.tables))
                               for history, entry, reuse in zip(histories, held, reuses))
-        revived = len({block for reuse in reuses for block, _ in reuse.hits if self.cache.refs(block) == 0})
+        revived = len({block for reuse in reuses for blocks, _ in reuse.hits for block in blocks
+                       if self.cache.refs(block) == 0})
         if needed + revived > self.cache.num_free:
             raise NoFreeBlocksError(f"this batch needs {needed + revived} more KV blocks, {self.cache.num_free} of "
                                     f"{self.cache.num_blocks} are free; wait for sequences to finish")
         entries = []
         for call, history, entry, reuse in zip(calls, histories, held, reuses):
             if entry is None:
-                entry = self._sequences[call.seq_id] = _PagedSequence([], [])
+                entry = self._sequences[call.seq_id] = _PagedSequence([[] for _ in range(num_groups)], [])
             entry.cached_tokens += len(reuse.hits) * size
             self.prefix_cache_queries += reuse.looked_up
             self.prefix_cache_hits += len(reuse.hits) * size
-            for block, block_hash in reuse.hits:
-                self.cache.share(block)
-                entry.blocks.append(block)
+            for blocks, block_hash in reuse.hits:
+                for table, block in zip(entry.tables, blocks):
+                    self.cache.share(block)
+                    table.append(block)
                 entry.hashes.append(block_hash)
             if reuse.hits:
                 entry.token_ids = history[:reuse.start]
@@ -336,21 +375,23 @@ class BatchedModelRunner(RunnerBase):
             if partial:
                 self._make_last_block_writable(entry)
         for entry, history in zip(entries, histories):
-            entry.blocks.extend(self.cache.allocate(blocks_for(len(history), size) - len(entry.blocks)))
+            for table in entry.tables:
+                table.extend(self.cache.allocate(blocks_for(len(history), size) - len(table)))
         return entries
 
     def _make_last_block_writable(self, entry: _PagedSequence) -> None:
-        """The call writes into its table's last block after its first tokens: a block other
+        """The call writes into its tables' last blocks after their first tokens: a block other
         tables hold is copied first (copy-on-write), a block only it holds stops being findable
         (its key no longer says what it holds)."""
-        block = entry.blocks[-1]
-        if self.cache.refs(block) > 1:
-            copy = self.cache.allocate(1)[0]
-            self.cache.copy_block(block, copy)
-            self.cache.free([block])
-            entry.blocks[-1] = copy
-        else:
-            self.cache.unpublish(block)
+        for table in entry.tables:
+            block = table[-1]
+            if self.cache.refs(block) > 1:
+                copy = self.cache.allocate(1)[0]
+                self.cache.copy_block(block, copy)
+                self.cache.free([block])
+                table[-1] = copy
+            else:
+                self.cache.unpublish(block)
 
     def _publish_full_blocks(self, entry: _PagedSequence) -> None:
         """Make the blocks entry has just filled findable by their chained keys."""
@@ -358,25 +399,56 @@ class BatchedModelRunner(RunnerBase):
         parent = entry.hashes[-1] if entry.hashes else self._salt
         for index in range(len(entry.hashes), len(tokens) // size):
             key = block_key(parent, tokens[index * size:(index + 1) * size])
-            self.cache.publish(entry.blocks[index], key)
+            for group, table in enumerate(entry.tables):
+                self.cache.publish(table[index], (group, key))
             parent = hash(key)
             entry.hashes.append(parent)
 
-    def _crop(self, entry: _PagedSequence, length: int) -> None:
-        """Keep the first length tokens and the blocks they need; the rest are let go (tail first)."""
+    def _crop(self, entry: _PagedSequence, length: int) -> int:
+        """Keep the first length tokens and the blocks they need; the rest are let go (tail first).
+        Nothing is kept when a windowed group no longer holds what a query at position length sees
+        (`_servable`). -> the tokens kept."""
+        length = self._servable(entry, length)
         if length < len(entry.token_ids):
             del entry.token_ids[length:]
         del entry.hashes[length // self.block_size:]
         keep = blocks_for(length, self.block_size)
-        if keep < len(entry.blocks):
-            self.cache.free(entry.blocks[keep:][::-1])
-            del entry.blocks[keep:]
+        for table in entry.tables:
+            if keep < len(table):
+                self.cache.free([block for block in table[keep:][::-1] if block != NO_BLOCK])
+                del table[keep:]
+        return length
+
+    def _servable(self, entry: _PagedSequence, length: int) -> int:
+        """length, if a call starting there finds every key its queries see: in each windowed
+        group, those from length - window + 1 on; else 0 (a crop deeper than rollback_tokens
+        behind the end it last held: the call recomputes, from the prefix cache where it can)."""
+        for index, window in self._windows:
+            table = entry.tables[index]
+            if table and table[0] == NO_BLOCK and length - window + 1 < _first_held(table) * self.block_size:
+                return 0
+        return length
+
+    def _let_go_outside_windows(self, entry: _PagedSequence) -> None:
+        """Free each windowed group's blocks wholly older than the keys a query rollback_tokens
+        behind the sequence's end sees (paged_cache.blocks_before_window), leaving NO_BLOCK in
+        their place: what bounds a windowed group's memory by its window (window_blocks). A later
+        call starting at most rollback_tokens back (a rejected speculative tail) still finds every
+        key its queries see; a deeper crop recomputes (`_servable`)."""
+        for index, window in self._windows:
+            table = entry.tables[index]
+            outside = blocks_before_window(len(entry.token_ids), window, self.rollback_tokens, self.block_size)
+            held_from = _first_held(table)
+            if outside > held_from:
+                self.cache.free(table[held_from:outside][::-1])
+                table[held_from:outside] = [NO_BLOCK] * (outside - held_from)
 
     def release(self, seq_id: str) -> None:
         """Forget seq_id and let go of its blocks (idempotent); its full blocks stay cached."""
         entry = self._sequences.pop(seq_id, None)
         if entry is not None:
-            self.cache.free(entry.blocks[::-1])
+            for table in entry.tables:
+                self.cache.free([block for block in table[::-1] if block != NO_BLOCK])
 
     def weights_mismatch(self, state: Mapping[str, torch.Tensor]) -> str | None:
         """Why `state` cannot replace this runner's weights in place (None: it can): it must name
@@ -416,9 +488,12 @@ class BatchedModelRunner(RunnerBase):
         if parent is None or child_id == parent_id:
             return
         self.release(child_id)
-        for block in parent.blocks:
-            self.cache.share(block)
-        self._sequences[child_id] = _PagedSequence(list(parent.blocks), list(parent.token_ids), list(parent.hashes))
+        for table in parent.tables:
+            for block in table:
+                if block != NO_BLOCK:
+                    self.cache.share(block)
+        self._sequences[child_id] = _PagedSequence([list(table) for table in parent.tables], list(parent.token_ids),
+                                                   list(parent.hashes))
 
     def adopt(self, seq_id: str, branch_id: str) -> None:
         """seq_id takes over branch_id's KV (the branch whose block was used), letting go of its
@@ -435,9 +510,12 @@ class BatchedModelRunner(RunnerBase):
         history = list(token_ids)
         entry = self._sequences.get(seq_id)
         limit = len(history) - num_rows
-        held = 0 if entry is None else _common_prefix_length(entry.token_ids, history, limit)
+        held = 0 if entry is None else self._servable(entry, _common_prefix_length(entry.token_ids, history, limit))
         hits = self._cached_blocks(history, held, limit, [] if entry is None else entry.hashes)
-        return held // self.block_size * self.block_size + len(hits) * self.block_size if hits else held
+        aligned = held // self.block_size * self.block_size
+        if not hits or (entry is not None and self._servable(entry, aligned) < aligned):
+            return held
+        return aligned + len(hits) * self.block_size
 
     def prefix_cached_tokens(self, seq_id: str) -> int:
         """Tokens seq_id has found in the prefix cache (OpenAI's cached_tokens, read after its
@@ -454,9 +532,18 @@ class BatchedModelRunner(RunnerBase):
     def num_free_blocks(self) -> int:
         return self.cache.num_free
 
-    def blocks_held(self, seq_id: str) -> int:
+    @property
+    def num_kv_groups(self) -> int:
+        """KV cache groups (paged_cache.KVGroup): a sequence takes a block in each per block of tokens."""
+        return len(self.cache.groups)
+
+    def blocks_held(self, seq_id: str, group: int | None = None) -> int:
+        """Blocks seq_id's tables hold: in every KV cache group, or in group (cache.groups' index)."""
         entry = self._sequences.get(seq_id)
-        return 0 if entry is None else len(entry.blocks)
+        if entry is None:
+            return 0
+        tables = entry.tables if group is None else [entry.tables[group]]
+        return sum(len(table) - _first_held(table) for table in tables)
 
     def kv_usage(self) -> dict[str, int]:
         """KV blocks used, free (cached ones among them), tokens held, bytes reserved and the
@@ -467,6 +554,19 @@ class BatchedModelRunner(RunnerBase):
                 "kv_block_size": self.block_size,
                 "kv_tokens_held": sum(len(entry.token_ids) for entry in self._sequences.values()),
                 "kv_bytes_reserved": self.cache.reserved_bytes()}
+
+
+def _first_held(table: list[int]) -> int:
+    """Index of a table's first block that is not NO_BLOCK (a windowed group lets go of a
+    leading run; binary search: a table may have thousands of entries)."""
+    low, high = 0, len(table)
+    while low < high:
+        middle = (low + high) // 2
+        if table[middle] == NO_BLOCK:
+            low = middle + 1
+        else:
+            high = middle
+    return low
 
 
 def decoder_support(model) -> tuple[bool, str]:
@@ -487,7 +587,8 @@ def runner_for_model(model, max_sequences: int = 256, model_path: str | None = N
                      kv_cache_memory_gb: float | None = None,
                      gpu_memory_utilization: float | None = None, gpu_share: float = 1.0,
                      profile_batches: Sequence[tuple[int, int]] = DEFAULT_PROFILE_BATCHES,
-                     prefix_caching: bool = True, cache_salt: str | None = None) -> BatchedModelRunner:
+                     prefix_caching: bool = True, cache_salt: str | None = None,
+                     rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS) -> BatchedModelRunner:
     """BatchedModelRunner over `model` (running the lean forward where the architecture has one and
     lean_forward is set); logs one line saying which forward, the KV capacity and whether prefix
     caching is on (see BatchedModelRunner._init_from_model). UnsupportedModelError for a model it
@@ -498,7 +599,8 @@ def runner_for_model(model, max_sequences: int = 256, model_path: str | None = N
     runner._init_from_model(model, max_sequences=max_sequences, model_path=path, lean=lean,
                             max_model_len=max_model_len, kv_cache_memory_gb=kv_cache_memory_gb,
                             gpu_memory_utilization=gpu_memory_utilization, gpu_share=gpu_share,
-                            profile_batches=profile_batches, prefix_caching=prefix_caching, cache_salt=cache_salt)
+                            profile_batches=profile_batches, prefix_caching=prefix_caching, cache_salt=cache_salt,
+                            rollback_tokens=rollback_tokens)
     group = "" if runner.tensor_parallel_size == 1 else (
         f"tensor-parallel rank {torch.distributed.get_rank()} of {runner.tensor_parallel_size}: "
         f"{weight_bytes(model) / 2 ** 20:,.1f} MiB of weights; ")
@@ -511,7 +613,7 @@ def runner_for_model(model, max_sequences: int = 256, model_path: str | None = N
 def load_runner(spec: dict):
     """The runner for a model spec mapping (path, dtype, device, torch_threads, max_sequences,
     lean_forward, and optionally max_model_len, kv_cache_memory_gb, gpu_memory_utilization,
-    prefix_caching, cache_salt, and the builder's gpu_share and profile_batches: see
+    prefix_caching, cache_salt, and the builder's gpu_share, profile_batches and rollback_tokens: see
     BatchedModelRunner._init_from_model).
 
     With `tensor_parallel` ({rank, size, store_address}: this process is one rank of a group) it
@@ -528,6 +630,7 @@ def load_runner(spec: dict):
                               gpu_memory_utilization=spec.get("gpu_memory_utilization"),
                               gpu_share=spec.get("gpu_share", 1.0),
                               profile_batches=[tuple(batch) for batch in spec.get("profile_batches", DEFAULT_PROFILE_BATCHES)],
-                              prefix_caching=spec.get("prefix_caching", True), cache_salt=spec.get("cache_salt"))
+                              prefix_caching=spec.get("prefix_caching", True), cache_salt=spec.get("cache_salt"),
+                              rollback_tokens=spec.get("rollback_tokens", DEFAULT_ROLLBACK_TOKENS))
     runner.serve_as(spec.get("vocab_size"), spec.get("eos_token_ids"))
     return runner if group is None else in_group(runner, group.rank, control)

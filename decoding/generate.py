@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+import torch
+
 from decoding.grammar import GrammarDeadEndError, GrammarMatcher, GrammarMatchers
 from decoding.model_runner import ForwardCall, RunnerBase
 from decoding.proposers import ProposeCall, Proposer, empty_proposal
 from decoding.sequence import RequestState
-from decoding.speculation import accept_round, target_rows, verify_answer
+from decoding.speculation import (RowsCall, accept_round, target_rows, target_rows_batch, verify_answer,
+                                  verify_answers)
 
 
 def generate(target: RunnerBase, state: RequestState, proposer: Proposer | None = None,
@@ -28,6 +31,7 @@ def generate(target: RunnerBase, state: RequestState, proposer: Proposer | None 
     iterator is closed."""
     speculate = proposer is not None and num_draft_tokens > 0
     params = state.params
+    state.engine_streams_on(target.device)
     try:
         prefilled = False
         while not state.finished:
@@ -77,6 +81,8 @@ def generate_batch(target: RunnerBase, states: Sequence[RequestState], proposer:
     finish_reason "error" and the others go on, as on the engines. Sequences are released after."""
     speculate = proposer is not None and num_draft_tokens > 0
     prefilled: set[str] = set()
+    for state in states:
+        state.engine_streams_on(target.device)
     try:
         while running := [state for state in states if not state.finished]:
             calls = [ProposeCall(s.request_id, s.history, s.draft_budget(num_draft_tokens)
@@ -85,16 +91,27 @@ def generate_batch(target: RunnerBase, states: Sequence[RequestState], proposer:
             proposals = proposer.propose_batch(calls) if speculate else [empty_proposal() for _ in running]
             logits = target.forward_batch([ForwardCall(s.request_id, s.history + p.token_ids, len(p.token_ids) + 1)
                                            for s, p in zip(running, proposals)])
+            # As the target engine: every request's rows processed in one batched pass, answered together.
+            row_calls = []
             for state, proposal, rows in zip(running, proposals, logits):
                 try:
-                    rows = target_rows(rows, state.params, state.eos_token_id, state.next_output_index,
-                                       state.history + proposal.token_ids, _target_grammar(state, grammars))
-                except GrammarDeadEndError:
-                    state.finish_reason = "error"
+                    grammar = _target_grammar(state, grammars)
+                except GrammarDeadEndError as exc:
+                    row_calls.append(exc)
                     continue
-                accept_round(state, proposal, verify_answer(rows, proposal, state.verify_generator, verification),
-                             verification)
-                prefilled.add(state.request_id)
+                row_calls.append(RowsCall(rows.shape[0], state.params, state.next_output_index,
+                                          state.history + proposal.token_ids, grammar, state.eos_token_id))
+            batch = [i for i, call in enumerate(row_calls) if isinstance(call, RowsCall)]
+            processed = dict(zip(batch, target_rows_batch(torch.cat([logits[i] for i in batch]),
+                                                          [row_calls[i] for i in batch]) if batch else []))
+            answering = [i for i in batch if not isinstance(processed[i], GrammarDeadEndError)]
+            for i in set(range(len(running))) - set(answering):  # the others go on, as on the engines
+                running[i].finish_reason = "error"
+            answers = verify_answers([processed[i] for i in answering], [proposals[i] for i in answering],
+                                     [running[i].verify_generator for i in answering], [verification] * len(answering))
+            for i, answer in zip(answering, answers):
+                accept_round(running[i], proposals[i], answer, verification)
+                prefilled.add(running[i].request_id)
     finally:
         for state in states:
             target.release(state.request_id)

@@ -95,10 +95,11 @@ FLASH_BLOCK_SIZE = 256
 
 
 def flash_paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, layout,
-                          scaling: float | None, sliding_window: int | None,
+                          block_table: torch.Tensor, scaling: float | None, sliding_window: int | None,
                           softcap: float | None) -> torch.Tensor:
     """CUDA only, never run on this project's machines (no GPU): attention of the padded query
-    [B, H, T, D] over the blocks the layout's block table names, read in place by flash-attn's
+    [B, H, T, D] over the blocks block_table names (the layer's KV cache group's, [B, nb]; blocks a
+    windowed group let go of read as block 0, outside the window), read in place by flash-attn's
     varlen kernel (pools [blocks, block_size, kv heads, D], the new keys already stored), so no
     sequence's history is gathered. Causal alignment is bottom-right (the queries are each row's
     last tokens); a window of W tokens is flash's (W - 1, 0). -> [B, H, T, D]."""
@@ -115,7 +116,7 @@ def flash_paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_poo
         query.transpose(1, 2)[rows, cols], key_pool, value_pool, cu_q, cu_k,
         max_seqlen_q=int(new_per_row.max()), max_seqlen_k=int(kv_per_row.max()), softmax_scale=scaling,
         causal=True, window_size=(sliding_window - 1, 0) if sliding_window else (-1, -1), softcap=softcap or 0.0,
-        block_table=layout.read_blocks.to(torch.int32))
+        block_table=block_table.to(torch.int32))
     padded = query.new_zeros((batch, columns, heads, head_dim))
     padded[rows, cols] = out
     return padded.transpose(1, 2)

@@ -19,6 +19,15 @@ index_select per layer (the gather index is built once per forward). The additiv
 row's padding and everything past its own tokens, exactly as for the slot cache. Measured against
 the slot cache in docs/kv-memory.md.
 
+Sliding-window layers (Gemma 2/3, Mistral v0.1, Phi-3) need only their window's keys, so their
+blocks are a KV cache group of their own (`KVGroup`, vLLM's hybrid allocator): every group keeps a
+block table per sequence, a windowed group lets go of the blocks wholly older than its window
+(decoding.batched_runner), and all groups draw block ids from this one allocator. A block id is
+memory for one block of `layers_per_block` layers, the same tensors for every group (a group's
+layers are laid over the pools' slots), so a block freed by a windowed group serves any group. A
+model without windowed layers has one group of all its layers: the pools, tables and arithmetic
+are the single-table ones. docs/kv-memory.md has the bound and the prefix-caching rule.
+
 The pool grows by half again up to its budget on CPU (so an idle engine holds little memory, and
 at most a third of what it holds is headroom; each growth copies the pool, amortized), and
 is allocated whole up front on CUDA (growing there would need twice the memory for a moment).
@@ -59,17 +68,65 @@ def kv_bytes_per_token(config, dtype: torch.dtype, tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True)
+class KVGroup:
+    """Layers whose keys and values share block tables: the same attention type (window) and
+    `layers_per_block` of them, laid in order over the pools' slots."""
+
+    layers: tuple[int, ...]
+    window: int | None   # tokens each query sees (transformers' rule: keys in (q - window, q]); None: all
+
+
+def kv_groups(windows: Sequence[int | None]) -> tuple[KVGroup, ...]:
+    """The KV cache groups of a model whose layer i attends over windows[i] tokens (None: full
+    attention). Every group holds the same number of layers, the gcd of each attention type's
+    layer count (Gemma 3's 5 windowed layers to 1 global: groups of 1 layer), so one block id is the
+    same memory in every group and no slot is wasted; a model with one attention type has one
+    group of all its layers (vLLM pads unequal groups instead; the gcd needs no padding)."""
+    by_window: dict[int | None, list[int]] = {}
+    for layer, window in enumerate(windows):
+        by_window.setdefault(window, []).append(layer)
+    size = math.gcd(*(len(layers) for layers in by_window.values()))
+    return tuple(KVGroup(tuple(layers[i:i + size]), window) for window, layers in by_window.items()
+                 for i in range(0, len(layers), size))
+
+
+def full_attention(num_layers: int) -> tuple[KVGroup, ...]:
+    """The one group of a model without windowed layers."""
+    return (KVGroup(tuple(range(num_layers)), None),)
+
+
+def blocks_before_window(num_tokens: int, window: int, rollback_tokens: int, block_size: int) -> int:
+    """Leading blocks of a sequence of num_tokens that a windowed group no longer needs: wholly
+    older than the keys a query rollback_tokens behind the end sees (position num_tokens -
+    rollback_tokens - window + 1 on). The window applies per query position, so a later call
+    starting there, however many tokens it brings, finds all its queries' keys."""
+    return max(0, num_tokens - rollback_tokens - window + 1) // block_size
+
+
+def window_blocks(window: int, block_size: int, rollback_tokens: int, new_tokens: int) -> int:
+    """Most blocks a windowed group holds for one sequence: after a forward it keeps the keys a
+    query `rollback_tokens` back from the sequence's end still sees (window - 1 before it), and
+    during a forward of new_tokens more it holds those too: a span of window - 1 + rollback_tokens
+    + new_tokens tokens, over at most one block more than it fills."""
+    return blocks_for(window - 1 + rollback_tokens + new_tokens, block_size) + 1
+
+
+@dataclass(frozen=True)
 class KVCapacity:
     """What a KV budget holds, for the start-up log line and the engine's stats."""
 
     num_blocks: int
     block_size: int
-    bytes_per_token: int
+    bytes_per_token: int       # one token's keys and values over ALL layers
     max_model_len: int
+    layers_per_block: int      # layers one block id holds (all of them with one KV cache group)
+    num_layers: int
+    sequence_blocks: int       # block ids one max_model_len sequence takes at most, over every group
 
     @property
     def tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        """Tokens of every layer's keys and values the budget holds."""
+        return self.num_blocks * self.block_size * self.layers_per_block // self.num_layers
 
     @property
     def gib(self) -> float:
@@ -78,22 +135,37 @@ class KVCapacity:
     @property
     def full_length_sequences(self) -> int:
         """Sequences of max_model_len tokens the pool holds at once (short ones fit many more)."""
-        return self.num_blocks // math.ceil(self.max_model_len / self.block_size)
+        return self.num_blocks // self.sequence_blocks
 
     def describe(self) -> str:
+        groups = "" if self.layers_per_block == self.num_layers else (
+            f"; KV cache groups of {self.layers_per_block} layers, sliding-window ones bounded by their window")
         return (f"KV cache: {self.num_blocks:,} blocks of {self.block_size} tokens = {self.tokens:,} tokens, "
                 f"{self.gib:.2f} GiB ({self.bytes_per_token:,} bytes a token); up to "
-                f"{self.full_length_sequences:,} sequences of max_model_len={self.max_model_len:,}")
+                f"{self.full_length_sequences:,} sequences of max_model_len={self.max_model_len:,}{groups}")
 
 
 def kv_capacity(config, dtype: torch.dtype, budget_bytes: float, max_model_len: int,
-                block_size: int = DEFAULT_BLOCK_SIZE, tensor_parallel_size: int = 1) -> KVCapacity:
-    """The blocks a budget holds (a rank's budget for its heads, under tensor parallelism).
+                block_size: int = DEFAULT_BLOCK_SIZE, tensor_parallel_size: int = 1,
+                groups: Sequence[KVGroup] | None = None, rollback_tokens: int = 0,
+                new_tokens: int = 0) -> KVCapacity:
+    """The blocks a budget holds (a rank's budget for its heads, under tensor parallelism). With
+    KV cache groups (kv_groups), a max_model_len sequence takes its full length in every full-
+    attention group and at most window_blocks(rollback_tokens, new_tokens: the largest forward's
+    new tokens a row) in every windowed one, so a windowed model fits more sequences.
     ValueError when it cannot hold one max_model_len sequence (as vLLM refuses to start then):
     lower max_model_len or raise the budget."""
+    num_layers = int(config.num_hidden_layers)
+    groups = groups or full_attention(num_layers)
     bytes_per_token = kv_bytes_per_token(config, dtype, tensor_parallel_size)
-    capacity = KVCapacity(int(budget_bytes // (bytes_per_token * block_size)), block_size, bytes_per_token,
-                          max_model_len)
+    per_block_layer = bytes_per_token // num_layers * block_size
+    layers_per_block = len(groups[0].layers)
+    full = blocks_for(max_model_len, block_size)
+    sequence_blocks = sum(full if group.window is None else
+                          min(full, window_blocks(group.window, block_size, rollback_tokens, new_tokens))
+                          for group in groups)
+    capacity = KVCapacity(int(budget_bytes // (per_block_layer * layers_per_block)), block_size, bytes_per_token,
+                          max_model_len, layers_per_block, num_layers, sequence_blocks)
     if capacity.full_length_sequences < 1:
         raise ValueError(
             f"the KV cache budget of {budget_bytes / GIB:.3f} GiB holds {capacity.tokens:,} tokens "
@@ -137,46 +209,85 @@ def positions_and_mask(starts: Sequence[int], num_new: Sequence[int], dtype: tor
     return position_ids, attention_mask.unsqueeze(1), kv_length
 
 
+# A windowed group's table entry for a block it has let go of (wholly older than its window):
+# never written, read as block 0 and hidden by the window's mask.
+NO_BLOCK = -1
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Where one KV cache group's tables put a forward's tokens."""
+
+    read_blocks: torch.Tensor      # LongTensor [B, nb]: each row's first nb blocks (padding and NO_BLOCK: block 0)
+    write_blocks: torch.Tensor     # LongTensor [N]: the block each real new token goes to
+    single_write: tuple[int, int] | None  # (block, offset) when one row's new tokens fit one block: a slice copy
+
+
 @dataclass(frozen=True)
 class PagedLayout:
     """Index tensors of one batched forward, built once and shared by every layer."""
 
-    read_blocks: torch.Tensor      # LongTensor [B, nb]: each row's first nb blocks (padded with block 0)
+    groups: tuple[GroupLayout, ...]   # one per KV cache group, in the cache's group order
     # One entry per real new token (N = sum of n_b):
-    write_blocks: torch.Tensor     # LongTensor [N]: the block it goes to ...
-    write_offsets: torch.Tensor    # LongTensor [N]: ... and its place in that block
+    write_offsets: torch.Tensor    # LongTensor [N]: its place in its block
     source_rows: torch.Tensor      # LongTensor [N]: its row b in the batch ...
     source_columns: torch.Tensor   # LongTensor [N]: ... and its column t among the new tokens
-    single_write: tuple[int, int] | None  # (block, offset) when one row's new tokens fit one block: a slice copy
     kv_length: int                 # attend over positions [0, kv_length) of each row
     position_ids: torch.Tensor     # LongTensor [B, T]; padding repeats the row's last position
     attention_mask: torch.Tensor   # float [B, 1, T, kv_length]: 0 visible, finfo.min hidden
 
 
-def paged_layout(tables: Sequence[Sequence[int]], starts: Sequence[int], num_new: Sequence[int],
+def paged_layout(group_tables: Sequence[Sequence[Sequence[int]]], starts: Sequence[int], num_new: Sequence[int],
                  block_size: int, dtype: torch.dtype, device: torch.device) -> PagedLayout:
-    """Where each row's new tokens go (tables[b] must already cover starts[b] + num_new[b]
-    tokens) and what each of them may see (see positions_and_mask)."""
+    """Where each row's new tokens go (group_tables[g][b], row b's table in KV cache group g, must
+    already cover starts[b] + num_new[b] tokens) and what each of them may see (see
+    positions_and_mask)."""
     position_ids, attention_mask, kv_length = positions_and_mask(starts, num_new, dtype)
     num_read = blocks_for(kv_length, block_size)
-    read_blocks = [list(table[:num_read]) + [0] * (num_read - min(len(table), num_read)) for table in tables]
+    first, *others = group_tables
+    # (block in the first group, offset, row, column) of each real new token; other groups put it
+    # at the same offset of their own block of the same index.
     writes = [(table[position // block_size], position % block_size, b, t)
-              for b, (table, start, n) in enumerate(zip(tables, starts, num_new))
+              for b, (table, start, n) in enumerate(zip(first, starts, num_new))
               for t, position in enumerate(range(start, start + n))]
     write_blocks, write_offsets, source_rows, source_columns = torch.tensor(writes, dtype=torch.long).T.to(device)
-    # A lone row's decode step or verify usually lands in one block: write it as a slice (the hot
-    # path of a single stream), not through the scatter.
-    one_block = len(tables) == 1 and writes[0][0] == writes[-1][0]
-    return PagedLayout(read_blocks=torch.tensor(read_blocks, dtype=torch.long).to(device),
-                       write_blocks=write_blocks, write_offsets=write_offsets,
-                       source_rows=source_rows, source_columns=source_columns,
-                       single_write=writes[0][:2] if one_block else None, kv_length=kv_length,
+    groups = [_group_layout(first, writes[0][:2], writes[-1][0], write_blocks, num_read, device)]
+    if others:
+        indices = [position // block_size for start, n in zip(starts, num_new) for position in range(start, start + n)]
+        rows = [row for _, _, row, _ in writes]
+        for tables in others:
+            blocks = [tables[b][index] for b, index in zip(rows, indices)]
+            groups.append(_group_layout(tables, (blocks[0], writes[0][1]), blocks[-1],
+                                        torch.tensor(blocks, dtype=torch.long).to(device), num_read, device))
+    return PagedLayout(groups=tuple(groups), write_offsets=write_offsets, source_rows=source_rows,
+                       source_columns=source_columns, kv_length=kv_length,
                        position_ids=position_ids.to(device), attention_mask=attention_mask.to(device))
 
 
+def _readable(blocks: Sequence[int]) -> list[int]:
+    """blocks with a windowed group's leading NO_BLOCK run read as block 0 (outside the window:
+    masked; flash-attn's window skips them)."""
+    if blocks and blocks[0] == NO_BLOCK:
+        return [max(block, 0) for block in blocks]
+    return list(blocks)
+
+
+def _group_layout(tables: Sequence[Sequence[int]], first_write: tuple[int, int], last_block: int,
+                  write_blocks: torch.Tensor, num_read: int, device: torch.device) -> GroupLayout:
+    """One group's read and write blocks (first_write: its first new token's (block, offset);
+    last_block: its last new token's block)."""
+    read_blocks = [_readable(table[:num_read]) + [0] * (num_read - min(len(table), num_read)) for table in tables]
+    # A lone row's decode step or verify usually lands in one block: write it as a slice (the hot
+    # path of a single stream), not through the scatter.
+    one_block = len(tables) == 1 and first_write[0] == last_block
+    return GroupLayout(read_blocks=torch.tensor(read_blocks, dtype=torch.long).to(device), write_blocks=write_blocks,
+                       single_write=first_write if one_block else None)
+
+
 class LayerPools:
-    """Keys and values per layer, each [units, kv heads, unit_len, head size]: the storage of a KV
-    cache whose unit is a block (PagedKVCache) or a whole sequence's slot (bench/slot_cache.py).
+    """Keys and values per layer (per slot, when KV cache groups share them), each [units, kv
+    heads, unit_len, head size]: the storage of a KV cache whose unit is a block (PagedKVCache) or
+    a whole sequence's slot (bench/slot_cache.py).
 
     A layer's tensors are shaped lazily from the first keys it writes (kv heads and head size
     differ between architectures), so they need no model configuration; `grow` adds units to
@@ -207,7 +318,13 @@ class LayerPools:
             middle = (self.unit_len, kv_heads) if self.token_major else (kv_heads, self.unit_len)
             self.keys[layer_idx] = like_keys.new_zeros((self.capacity, *middle, head_dim))
             self.values[layer_idx] = like_values.new_zeros((self.capacity, *middle, like_values.shape[-1]))
-        return self.keys[layer_idx], self.values[layer_idx]
+        keys = self.keys[layer_idx]
+        heads, head_dim = (keys.shape[2], keys.shape[3]) if self.token_major else (keys.shape[1], keys.shape[3])
+        if (heads, head_dim) != (like_keys.shape[1], like_keys.shape[3]):
+            # KV cache groups lay several layers over one slot; they must be alike.
+            raise ValueError(f"layers laid over pool slot {layer_idx} differ in kv heads x head size: "
+                             f"{heads} x {head_dim} and {like_keys.shape[1]} x {like_keys.shape[3]}")
+        return keys, self.values[layer_idx]
 
     def reserved_bytes(self) -> int:
         """Bytes the layers hold now (allocated tensors, used or not)."""
@@ -244,18 +361,26 @@ class PagedKVCache:
     (`copy_block`) or drops its key (`unpublish`) when only its one owner will write into it.
 
     Layer pools are shaped lazily from the first keys a layer writes (kv heads and head size
-    differ between architectures); num_blocks comes from the budget (kv_capacity)."""
+    differ between architectures); num_blocks comes from the budget (kv_capacity). With several
+    KV cache groups (KVGroup) the pools have one slot per layer of a group, and layer l of group g
+    reads and writes slot `slot_of[l]` at the blocks of group g's tables; keys are per group."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
-                 device: torch.device | str = "cpu", preallocate: bool | None = None, flash: bool = False) -> None:
-        """flash: pools in flash-attn's layout, read in place by its paged kernel (CUDA only)."""
+                 device: torch.device | str = "cpu", preallocate: bool | None = None, flash: bool = False,
+                 groups: Sequence[KVGroup] | None = None) -> None:
+        """flash: pools in flash-attn's layout, read in place by its paged kernel (CUDA only).
+        groups: the KV cache groups (kv_groups; default: one full-attention group of num_layers)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = torch.device(device)
         self.flash = flash
-        self.pools = LayerPools(num_layers, block_size, token_major=flash)
+        self.groups = tuple(groups or full_attention(num_layers))
+        # layer -> (its group's index, its slot in the pools)
+        self.slot_of = {layer: (g, slot) for g, group in enumerate(self.groups)
+                        for slot, layer in enumerate(group.layers)}
+        self.pools = LayerPools(len(self.groups[0].layers), block_size, token_major=flash)
         self._free: list[int] = []   # min-heap of unreferenced blocks without a key
         self._cached: OrderedDict[int, None] = OrderedDict()   # unreferenced keyed blocks, least recent first
         self._refs: dict[int, int] = {}            # referenced blocks -> how many tables hold them
@@ -380,18 +505,21 @@ class PagedBatchView:
     def __init__(self, cache: PagedKVCache, layout: PagedLayout) -> None:
         self.cache = cache
         self.layout = layout
-        self._gather: torch.Tensor | None = None   # [B * H * nb]: (block, head) rows of the pool, in output order
+        self._gathers: dict[int, torch.Tensor] = {}   # group -> [B * H * nb]: (block, head) rows of a pool, in output order
         self._window_masks: dict[int, torch.Tensor] = {}
-        self.layers_attended: set[int] = set()     # which layers came through attend (the start-up check)
+        # The layers that came through attend, and each one's window (the start-up check and grouping).
+        self.windows: dict[int, int | None] = {}
 
     def attend(self, layer_idx: int, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
                scaling: float | None = None, sliding_window: int | None = None,
                softcap: float | None = None) -> torch.Tensor:
         """query [B, H, T, D] and this forward's keys/values [B, kv heads, T, D] -> [B, H, T, D]."""
-        self.layers_attended.add(layer_idx)
+        self.windows[layer_idx] = sliding_window
         if self.cache.flash:
             keys, values = self._store(key_states, value_states, layer_idx)
-            return flash_paged_attention(query, keys, values, self.layout, scaling, sliding_window, softcap)
+            block_table = self.layout.groups[self.cache.slot_of[layer_idx][0]].read_blocks
+            return flash_paged_attention(query, keys, values, self.layout, block_table, scaling, sliding_window,
+                                         softcap)
         keys, values = self.update(key_states, value_states, layer_idx)
         return sdpa_over_gathered(query, keys, values, self.mask(sliding_window), scaling, softcap)
 
@@ -414,37 +542,42 @@ class PagedBatchView:
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new tokens, then return each row's keys/values gathered: [B, H, kv_length, D]."""
         keys, values = self._store(key_states, value_states, layer_idx)
-        return self._read(keys), self._read(values)
+        group = self.cache.slot_of[layer_idx][0]
+        return self._read(keys, group), self._read(values, group)
 
     def _store(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the real new tokens [B, H, T, D] to their (block, offset); -> the layer's pools."""
         layout = self.layout
-        keys, values = self.cache.pools.layer(layer_idx, key_states, value_states)
+        group, slot = self.cache.slot_of[layer_idx]
+        blocks = layout.groups[group]
+        keys, values = self.cache.pools.layer(slot, key_states, value_states)
         if self.cache.flash:   # pools [blocks, block_size, H, D]
             rows, columns = layout.source_rows, layout.source_columns
-            keys[layout.write_blocks, layout.write_offsets] = key_states.transpose(1, 2)[rows, columns]
-            values[layout.write_blocks, layout.write_offsets] = value_states.transpose(1, 2)[rows, columns]
-        elif layout.single_write is not None:
-            block, offset = layout.single_write   # one row, no padding, one block
+            keys[blocks.write_blocks, layout.write_offsets] = key_states.transpose(1, 2)[rows, columns]
+            values[blocks.write_blocks, layout.write_offsets] = value_states.transpose(1, 2)[rows, columns]
+        elif blocks.single_write is not None:
+            block, offset = blocks.single_write   # one row, no padding, one block
             keys[block, :, offset:offset + key_states.shape[2]] = key_states[0]
             values[block, :, offset:offset + value_states.shape[2]] = value_states[0]
         else:
             # [B, H, T, D] -> [N, H, D] for the real tokens, scattered to (block, offset).
             rows, columns = layout.source_rows, layout.source_columns
-            keys[layout.write_blocks, :, layout.write_offsets] = key_states.transpose(1, 2)[rows, columns]
-            values[layout.write_blocks, :, layout.write_offsets] = value_states.transpose(1, 2)[rows, columns]
+            keys[blocks.write_blocks, :, layout.write_offsets] = key_states.transpose(1, 2)[rows, columns]
+            values[blocks.write_blocks, :, layout.write_offsets] = value_states.transpose(1, 2)[rows, columns]
         return keys, values
 
-    def _read(self, pool: torch.Tensor) -> torch.Tensor:
+    def _read(self, pool: torch.Tensor, group: int) -> torch.Tensor:
         """Rows' blocks as [B, H, kv_length, D] in one copy: the pool seen as [(block, head), bs, D]
         rows, picked in (row, head, block) order, is already the padded batch tensor."""
-        if self._gather is None:   # once per forward: every layer has the same heads and blocks
+        gather = self._gathers.get(group)
+        if gather is None:   # once per forward and group: its layers have the same heads and blocks
             num_pool_blocks, heads, block_size, head_dim = pool.shape
-            batch, num_read = self.layout.read_blocks.shape
+            read_blocks = self.layout.groups[group].read_blocks
+            batch, num_read = read_blocks.shape
             head = torch.arange(heads, device=pool.device).view(1, heads, 1)
-            self._gather = (self.layout.read_blocks.unsqueeze(1) * heads + head).reshape(-1)
+            gather = self._gathers[group] = (read_blocks.unsqueeze(1) * heads + head).reshape(-1)
             self._rows_shape = (-1, block_size, head_dim)
             self._batch_shape = (batch, heads, num_read * block_size, head_dim)
-        gathered = pool.view(self._rows_shape).index_select(0, self._gather).view(self._batch_shape)
+        gathered = pool.view(self._rows_shape).index_select(0, gather).view(self._batch_shape)
         return gathered[:, :, :self.layout.kv_length]

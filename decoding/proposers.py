@@ -10,9 +10,9 @@ import torch
 
 from decoding.grammar import GrammarDeadEndError, GrammarMatchers
 from decoding.model_runner import ForwardCall, RunnerBase
-from decoding.row_processors import HistoryProcessor, history_processor
-from decoding.compact_verify import DraftSupport, draft_support, sample_from_support
-from decoding.sampling import SamplingParams, logits_to_probs
+from decoding.row_processors import HistoryProcessor, RowBatch, history_processor
+from decoding.compact_verify import DraftSupport, draft_support
+from decoding.sampling import RowParams, SamplingParams, process_rows, sample_rows
 
 
 @dataclass
@@ -115,34 +115,30 @@ class DraftModelProposer:
         ranked: list[list[list[int]]] = [[] for _ in calls]
         states: list[list[torch.Tensor]] = [[] for _ in calls]
         q_rows: list[list[DraftSupport]] = [[] for _ in calls]
-        processors: list[HistoryProcessor | None] = [None] * len(calls)
         matchers = [self._grammar(call) if budget > 0 else None for call, budget in zip(calls, budgets)]
         budgets = [0 if matcher is False else budget for matcher, budget in zip(matchers, budgets)]
+        processors: list[HistoryProcessor | None] = [None] * len(calls)
         drafting = [i for i, budget in enumerate(budgets) if budget > 0]
         while drafting:
             logits = self.runner.forward_batch([ForwardCall(calls[i].seq_id, histories[i], 1) for i in drafting])
-            for i, row_logits in zip(drafting, logits):
+            rows = torch.cat([row_logits[-1:] for row_logits in logits])
+            for i in drafting:  # built on the first step, where the rows' width and device are known
+                if processors[i] is None and calls[i].params.uses_history:
+                    processors[i] = history_processor(calls[i].params, calls[i].history, calls[i].prompt_len,
+                                                      rows.shape[-1], rows.device, matchers[i] or None)
+            step = draft_step(rows, [calls[i] for i in drafting], [processors[i] for i in drafting],
+                              [not drafted[i] for i in drafting], self.max_candidates)
+            for i, (token, top, q) in zip(drafting, step):
                 call = calls[i]
-                row = row_logits[0] if call.generator is None or call.params.is_greedy else (
-                    row_logits[0].to(call.generator.device))  # sample where the generator lives
-                if call.params.uses_history:
-                    if processors[i] is None:
-                        processors[i] = history_processor(call.params, call.history, call.prompt_len,
-                                                          row.shape[-1], row.device, matchers[i])
-                    if processors[i] is not None:
-                        try:
-                            row = processors[i].process(row.unsqueeze(0))[0]
-                        except GrammarDeadEndError:  # the target will say so; the draft just stops
-                            budgets[i] = len(drafted[i])
-                            continue
-                if call.num_candidates:
-                    ranked[i].append(torch.topk(row, min(call.num_candidates, row.shape[-1])).indices.tolist())
-                if call.guess_first and not drafted[i]:
-                    token = self._guess(row, call, q_rows[i])
-                else:
-                    token = self._draw(row, call, q_rows[i])
-                    if call.keep_stream_states and call.generator is not None:
-                        states[i].append(call.generator.get_state())
+                if token is None:  # the grammar allows nothing here: the target will say so; the draft just stops
+                    budgets[i] = len(drafted[i])
+                    continue
+                if top is not None:
+                    ranked[i].append(top)
+                if q is not None:
+                    q_rows[i].append(q)
+                if call.keep_stream_states and call.generator is not None and not (call.guess_first and not drafted[i]):
+                    states[i].append(call.generator.get_state())
                 if processors[i] is not None:
                     processors[i].advance([token])
                 drafted[i].append(token)
@@ -165,29 +161,59 @@ class DraftModelProposer:
         matcher = self.grammars.synced(call.seq_id, spec, call.history[call.prompt_len:])
         return False if matcher is None else matcher
 
-    def _guess(self, logits: torch.Tensor, call: ProposeCall, q_rows: list[DraftSupport]) -> int:
-        """The draft's most likely next token, with no draw (a pre-draft's guess of the target's
-        bonus token, decoding.speculation_cache); a sampled row's q is one-hot at it, so the q rows
-        stay one per token (the guess's row is never verified)."""
-        token = int(torch.argmax(logits))
-        if not call.params.is_greedy:
-            q = draft_support(logits_to_probs(logits, call.params), self.max_candidates)
-            q_rows.append(DraftSupport(q.ids, (q.ids == token).to(q.probs.dtype)))
-        return token
-
-    def _draw(self, logits: torch.Tensor, call: ProposeCall, q_rows: list[DraftSupport]) -> int:
-        """The next draft token from one row of logits [V] (on the generator's device when sampling,
-        so q rows travel in the same host place); a sampled row's q is kept in q_rows."""
-        if call.params.is_greedy:
-            return int(torch.argmax(logits))
-        q = draft_support(logits_to_probs(logits, call.params), self.max_candidates)
-        q_rows.append(q)
-        return int(sample_from_support(q, call.generator))
-
     def release(self, seq_id: str) -> None:
         self.runner.release(seq_id)
         if self.grammars is not None:
             self.grammars.release(seq_id)
+
+
+def draft_step(logits: torch.Tensor, calls: Sequence[ProposeCall], processors: Sequence[HistoryProcessor | None],
+               first: Sequence[bool], max_candidates: int | None = None,
+               ) -> list[tuple[int | None, list[int] | None, DraftSupport | None]]:
+    """One draft step for the rows logits [B, V] (row j: calls[j]'s next token), in batched
+    tensor ops on the rows' device: penalties and grammar masks (decoding.row_processors.RowBatch),
+    one argmax for the greedy rows (and a pre-draft's guessed first token), the sampled rows'
+    processing (decoding.sampling.process_rows) cut to max_candidates (draft_support) and drawn
+    each with its request's generator, and ONE transfer of the chosen ids (and the candidates
+    asked for) to the host. Per row: (token, its candidates or None, the q it was drawn from
+    (None when greedy)); token None where the row's grammar allows nothing. The caller advances
+    processors[j] by the token. first[j]: the row is its call's first token (a pre-draft guesses
+    it when call.guess_first). max_candidates as DraftModelProposer's."""
+    batch, dead = RowBatch(), set()
+    for j, (call, processor) in enumerate(zip(calls, processors)):
+        if processor is not None:
+            try:
+                processor.contribute(batch, j, 1)
+            except GrammarDeadEndError:
+                dead.add(j)
+    logits = batch.apply(logits)
+    tokens = logits.argmax(dim=-1)
+    guessing = {j for j, call in enumerate(calls) if call.guess_first and first[j]}
+    sampled = [j for j, call in enumerate(calls) if not call.params.is_greedy]
+    supports: dict[int, DraftSupport] = {}
+    if sampled:
+        rows = torch.tensor(sampled, device=logits.device)
+        q = draft_support(process_rows(logits[rows], RowParams.of([calls[j].params for j in sampled],
+                                                                  logits.shape[-1], logits.device)),
+                          max_candidates)
+        drawing = [k for k, j in enumerate(sampled) if j not in guessing]
+        if drawing:
+            pick = sample_rows(q.probs[drawing], [calls[sampled[k]].generator for k in drawing])
+            chosen = q.ids[drawing].gather(-1, pick.unsqueeze(-1)).squeeze(-1)
+            tokens = tokens.index_copy(0, rows[drawing], chosen)
+        for k, j in enumerate(sampled):
+            # A guess's row is one-hot at it, so the q rows stay one per token (it is never verified).
+            probs = (q.ids[k] == tokens[j]).to(q.probs.dtype) if j in guessing else q.probs[k]
+            supports[j] = DraftSupport(q.ids[k], probs)
+    num_candidates = max((call.num_candidates for call in calls), default=0)
+    if num_candidates:
+        top = torch.topk(logits, min(num_candidates, logits.shape[-1]), dim=-1).indices
+        on_host = torch.cat([tokens.unsqueeze(-1), top], dim=-1).tolist()
+    else:
+        on_host = tokens.unsqueeze(-1).tolist()
+    return [(None, None, None) if j in dead else
+            (row[0], row[1:1 + call.num_candidates] if call.num_candidates else None, supports.get(j))
+            for j, (call, row) in enumerate(zip(calls, on_host))]
 
 
 class NgramProposer:

@@ -9,9 +9,12 @@ so draft and target both go through this module.
 
 A `HistoryProcessor` is one request's state for one call, built from the token history the call
 carries (prompt + committed output, nothing kept across calls, so a cropped or re-prefilled history
-needs no rollback; penalties touch only the columns of tokens in that history). `process(logits, block)` gives rows whose row i sees the history plus block[:i];
-`advance(tokens)` appends tokens to the history (a draft step). A verify processes its K+1 rows in
-one call with block = d1..dK; a drafter processes one row per step and advances by the token it drew.
+needs no rollback; penalties touch only the columns of tokens in that history).
+`contribute(batch, first_row, num_rows, block)` adds the request's rows of a batch, row i seeing
+the history plus block[:i], to a `RowBatch`, which processes every request's rows of an engine
+step in one pass on the rows' device; `process(logits, block)` is that for one request alone.
+`advance(tokens)` appends tokens to the history (a draft step). A verify adds its K+1 rows with
+block = d1..dK; a drafter adds one row per step and advances by the token it drew.
 """
 
 from __future__ import annotations
@@ -22,20 +25,100 @@ from typing import Protocol
 import torch
 
 from decoding.grammar import GrammarMatcher, mask_logits
-from decoding.sampling import SamplingParams, apply_penalties
+from decoding.sampling import SamplingParams, penalize
+
+
+class RowBatch:
+    """History-dependent processing of a batch of rows, gathered request by request and applied in
+    one pass (`apply`): every request's penalized entries in one gather and scatter, every grammar
+    mask in one masked fill, every min_tokens stop-token mask in one masked fill. A request adds
+    its rows with its processor's `contribute`; rows nobody adds are left alone. Nothing here
+    reads a value back from the device."""
+
+    def __init__(self) -> None:
+        self._penalty_rows: list[torch.Tensor] = []
+        self._penalty_columns: list[torch.Tensor] = []
+        self._penalty_counts: list[torch.Tensor] = []
+        self._penalty_seen: list[torch.Tensor] = []
+        self._penalty_values: list[tuple[int, float, float, float]] = []
+        self._mask_rows: list[int] = []
+        self._masks: list[torch.Tensor] = []
+        self._stop_rows: list[int] = []
+        self._stop_ids: list[list[int]] = []
+
+    def penalize(self, first_row: int, columns: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor,
+                 params: SamplingParams) -> None:
+        """Rows first_row.. (one per row of counts [n, c]) get `penalize`d at columns [c]."""
+        num_rows, num_columns = counts.shape
+        rows = torch.arange(first_row, first_row + num_rows, device=columns.device).repeat_interleave(num_columns)
+        self._penalty_rows.append(rows)
+        self._penalty_columns.append(columns.repeat(num_rows))
+        self._penalty_counts.append(counts.reshape(-1))
+        self._penalty_seen.append(seen.reshape(-1))
+        self._penalty_values.append((num_rows * num_columns, params.repetition_penalty, params.frequency_penalty,
+                                     params.presence_penalty))
+
+    def mask(self, first_row: int, allowed: torch.Tensor) -> None:
+        """Rows first_row.. keep only the tokens allowed [n, V'] (bool, on the host) allows."""
+        self._mask_rows.extend(range(first_row, first_row + allowed.shape[0]))
+        self._masks.append(allowed)
+
+    def forbid_stops(self, first_row: int, num_rows: int, stop_ids: Sequence[int]) -> None:
+        """Rows first_row.. lose stop_ids (min_tokens), unless nothing else is left in a row (a
+        grammar that is complete allows only EOS: the grammar wins over min_tokens)."""
+        self._stop_rows.extend(range(first_row, first_row + num_rows))
+        self._stop_ids.extend([list(stop_ids)] * num_rows)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """The processed logits [N, V] (a new float32 tensor)."""
+        logits = logits.float().clone()
+        device, vocab_size = logits.device, logits.shape[-1]
+        if self._penalty_rows:
+            rows, columns = torch.cat(self._penalty_rows).to(device), torch.cat(self._penalty_columns).to(device)
+            values = [torch.tensor([value[j] for value in self._penalty_values], device=device)
+                      for j in (1, 2, 3)]
+            sizes = torch.tensor([value[0] for value in self._penalty_values], device=device)
+            repetition, frequency, presence = (value.repeat_interleave(sizes) for value in values)
+            logits[rows, columns] = penalize(logits[rows, columns], torch.cat(self._penalty_counts).to(device),
+                                             torch.cat(self._penalty_seen).to(device), repetition, frequency,
+                                             presence)
+        if self._masks:
+            allowed = torch.cat([mask[:, :vocab_size] for mask in self._masks]).to(device, non_blocking=True)
+            rows = torch.tensor(self._mask_rows, device=device)
+            logits[rows] = mask_logits(logits[rows], allowed)
+        if self._stop_rows:
+            rows = torch.tensor(self._stop_rows, device=device)
+            local = [i for i, ids in enumerate(self._stop_ids) for _ in ids]
+            stops = [token for ids in self._stop_ids for token in ids]
+            kept = logits[rows]
+            others = kept.index_put((torch.tensor(local, dtype=torch.long, device=device),
+                                     torch.tensor(stops, dtype=torch.long, device=device)),
+                                    torch.tensor(float("-inf"), device=device))
+            keeps_some = torch.isfinite(others).any(dim=-1, keepdim=True)
+            logits[rows] = torch.where(keeps_some, others, kept)
+        return logits
 
 
 class HistoryProcessor(Protocol):
+    def contribute(self, batch: RowBatch, first_row: int, num_rows: int, block: Sequence[int] = ()) -> None:
+        """Add this request's rows first_row .. first_row + num_rows - 1 of a batch to it: row i
+        conditions on the history + block[:i] (len(block) >= num_rows - 1)."""
+
     def process(self, logits: torch.Tensor, block: Sequence[int] = ()) -> torch.Tensor:
-        """Processed logits [n, V] from logits [n, V]: row i conditions on the history + block[:i]
-        (len(block) >= n - 1)."""
+        """Processed logits [n, V] from logits [n, V] (`contribute` for a batch of these rows alone)."""
 
     def advance(self, token_ids: Sequence[int]) -> None:
         """The history grows by token_ids (appended after it, in the output)."""
 
 
+def _process_alone(processor: HistoryProcessor, logits: torch.Tensor, block: Sequence[int]) -> torch.Tensor:
+    batch = RowBatch()
+    processor.contribute(batch, 0, logits.shape[0], block)
+    return batch.apply(logits)
+
+
 class Penalties:
-    """repetition / presence / frequency penalties (decoding.sampling.apply_penalties) for one
+    """repetition / presence / frequency penalties (decoding.sampling.penalize) for one
     request. Only the columns of tokens the history holds can change, so the state is those
     distinct token ids and their output counts, and a call touches [rows, distinct tokens]
     instead of [rows, vocabulary]: its cost follows the history, not the vocabulary size."""
@@ -62,8 +145,7 @@ class Penalties:
             counts.index_add_(0, inverse[len(self.seen_ids):], torch.ones(len(ids), device=merged.device))
         self.seen_ids, self.output_counts = merged, counts
 
-    def process(self, logits: torch.Tensor, block: Sequence[int] = ()) -> torch.Tensor:
-        num_rows = logits.shape[0]
+    def contribute(self, batch: RowBatch, first_row: int, num_rows: int, block: Sequence[int] = ()) -> None:
         block_ids = torch.as_tensor(list(block[:num_rows - 1]), dtype=torch.long, device=self.seen_ids.device)
         if block_ids.numel() != num_rows - 1:
             raise ValueError(f"{num_rows} rows need a block of at least {num_rows - 1} tokens, got {len(block)}")
@@ -78,9 +160,10 @@ class Penalties:
             positions = torch.searchsorted(columns, block_ids)
             added[1:] = torch.nn.functional.one_hot(positions, len(columns)).float().cumsum(dim=0)
             counts, seen = counts + added, seen | (added > 0)
-        processed = logits.to(device=columns.device, dtype=torch.float32, copy=True)
-        processed[:, columns] = apply_penalties(processed[:, columns], counts, seen, self.params)
-        return processed
+        batch.penalize(first_row, columns, counts, seen, self.params)
+
+    def process(self, logits: torch.Tensor, block: Sequence[int] = ()) -> torch.Tensor:
+        return _process_alone(self, logits.to(self.seen_ids.device), block)
 
     def advance(self, token_ids: Sequence[int]) -> None:
         self._merge(torch.as_tensor(list(token_ids), dtype=torch.long, device=self.seen_ids.device), counted=True)
@@ -98,14 +181,16 @@ class GrammarMask:
         self.matcher = matcher
         self.stuck = False  # a token the grammar did not take was appended: the mask stays put
 
-    def process(self, logits: torch.Tensor, block: Sequence[int] = ()) -> torch.Tensor:
-        num_rows = logits.shape[0]
+    def contribute(self, batch: RowBatch, first_row: int, num_rows: int, block: Sequence[int] = ()) -> None:
         if self.stuck:
             masks = self.matcher.allowed().expand(num_rows, -1)
         else:
             masks = self.matcher.block_masks(list(block[:num_rows - 1]))
         self.matcher.check_alive(masks)
-        return mask_logits(logits, masks.to(logits.device))
+        batch.mask(first_row, masks)
+
+    def process(self, logits: torch.Tensor, block: Sequence[int] = ()) -> torch.Tensor:
+        return _process_alone(self, logits, block)
 
     def advance(self, token_ids: Sequence[int]) -> None:
         for token in token_ids:
@@ -120,10 +205,12 @@ class Composed:
     def __init__(self, processors: Sequence[HistoryProcessor]) -> None:
         self.processors = list(processors)
 
-    def process(self, logits: torch.Tensor, block: Sequence[int] = ()) -> torch.Tensor:
+    def contribute(self, batch: RowBatch, first_row: int, num_rows: int, block: Sequence[int] = ()) -> None:
         for processor in self.processors:
-            logits = processor.process(logits, block)
-        return logits
+            processor.contribute(batch, first_row, num_rows, block)
+
+    def process(self, logits: torch.Tensor, block: Sequence[int] = ()) -> torch.Tensor:
+        return _process_alone(self, logits, block)
 
     def advance(self, token_ids: Sequence[int]) -> None:
         for processor in self.processors:

@@ -9,6 +9,8 @@ from, with or without a draft.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Annotated
 
 import torch
@@ -140,84 +142,168 @@ class SamplingParams(BaseModel):
         return self.uses_penalties or self.structured is not None
 
 
-def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor, seen: torch.Tensor,
-                    params: SamplingParams) -> torch.Tensor:
-    """Penalized logits [..., V] (a new tensor), vLLM's `apply_penalties` for one request.
+def penalize(logits: torch.Tensor, output_counts: torch.Tensor, seen: torch.Tensor,
+             repetition_penalty: torch.Tensor | float, frequency_penalty: torch.Tensor | float,
+             presence_penalty: torch.Tensor | float) -> torch.Tensor:
+    """Penalized logits (a new float32 tensor), vLLM's `apply_penalties` on entries of any shape:
+    each penalty is a float or a tensor broadcasting against logits (one value per entry or per
+    row), so one call serves a batch whose requests have different penalties. A neutral penalty
+    (1, 0, 0) leaves its entries exactly as they were.
 
-    output_counts [..., V]: how often each token occurs in the row's output so far (float);
-    seen [..., V] (bool): whether it occurs in the prompt or the output. Repetition divides the
-    positive logits of seen tokens by repetition_penalty and multiplies the others (HF's
+    output_counts: how often each entry's token occurs in its row's output so far (float); seen
+    (bool): whether it occurs in the prompt or the output. Repetition divides the positive logits
+    of seen tokens by repetition_penalty and multiplies the others (HF's
     RepetitionPenaltyLogitsProcessor); then frequency_penalty * count and presence_penalty *
     (count > 0) are subtracted (OpenAI's definition: output tokens only)."""
     logits = logits.float()
-    if params.repetition_penalty != 1.0:
-        penalty = torch.where(seen, params.repetition_penalty, 1.0)
-        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
-    if params.frequency_penalty != 0.0:
-        logits = logits - params.frequency_penalty * output_counts
-    if params.presence_penalty != 0.0:
-        logits = logits - params.presence_penalty * (output_counts > 0).float()
-    return logits
+    penalty = torch.where(seen, repetition_penalty, 1.0)
+    logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return logits - frequency_penalty * output_counts - presence_penalty * (output_counts > 0).float()
+
+
+def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor, seen: torch.Tensor,
+                    params: SamplingParams) -> torch.Tensor:
+    """`penalize` with one request's penalties: logits [..., V], output_counts and seen alike."""
+    return penalize(logits, output_counts, seen, params.repetition_penalty, params.frequency_penalty,
+                    params.presence_penalty)
+
+
+@dataclass(frozen=True)
+class RowParams:
+    """The per-row sampling parameters of a batch of rows [N], as tensors on the rows' device, so
+    rows of requests with different temperatures, top-k, top-p and min-p are processed by the same
+    tensor ops (`process_rows`). Disabled settings hold their neutral value (top_k = V, top_p and
+    min_p thresholds that keep everything); the uses_* flags, known on the host, skip a stage no
+    row needs (the sort, above all)."""
+
+    greedy: torch.Tensor        # bool [N]
+    temperature: torch.Tensor   # float32 [N] (1 on greedy rows, which do not use it)
+    min_p: torch.Tensor         # float32 [N]
+    top_k: torch.Tensor         # long [N]
+    top_p: torch.Tensor         # float64 [N]: +inf where top-p is off (a cumulative sum may round past 1)
+    truncating: torch.Tensor    # long: the rows top-k or top-p cut
+    all_greedy: bool
+    any_greedy: bool
+    uses_min_p: bool
+    uses_top_k: bool
+    uses_top_p: bool
+
+    @staticmethod
+    def of(params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str = "cpu") -> "RowParams":
+        """One row per entry of params (repeat a request's params for each of its rows)."""
+        greedy = [p.is_greedy for p in params]
+        top_k = [p.top_k if 0 < p.top_k < vocab_size and not g else vocab_size for p, g in zip(params, greedy)]
+        top_p = [p.top_p if p.top_p < 1.0 and not g else float("inf") for p, g in zip(params, greedy)]
+        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+        return RowParams(
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                                     dtype=torch.float32, device=device),
+            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.long, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float64, device=device),
+            truncating=torch.tensor([i for i, (k, p) in enumerate(zip(top_k, top_p)) if k < vocab_size or p < 1.0],
+                                    dtype=torch.long, device=device),
+            all_greedy=bool(greedy) and all(greedy), any_greedy=any(greedy), uses_min_p=any(m > 0.0 for m in min_p),
+            uses_top_k=any(k < vocab_size for k in top_k), uses_top_p=any(p < 1.0 for p in top_p))
+
+
+def process_rows(logits: torch.Tensor, row_params: RowParams) -> torch.Tensor:
+    """Processed probabilities [N, V] (float32) from logits [N, V], each row under its own
+    parameters, in batched tensor ops (no host sync).
+
+    Temperature, then min-p, then top-k, then top-p, renormalised (vLLM's order). Min-p drops the
+    tokens whose probability is below min_p times the row's largest. A greedy row is one-hot at its
+    argmax (ties: the lowest index, as torch.argmax). Top-k ties are broken towards the lowest index
+    too, so exactly k tokens survive. Top-p keeps the smallest set of most likely tokens (of the
+    top-k renormalised distribution) whose cumulative probability reaches top_p; the top token
+    always survives. Applied identically to draft and target rows: the processed target
+    distribution is the one speculative decoding preserves."""
+    logits = logits.float()
+    vocab_size = logits.shape[-1]
+    one_hot = None
+    if row_params.any_greedy:
+        one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), vocab_size).float()
+        if row_params.all_greedy:
+            return one_hot
+
+    logits = logits / row_params.temperature.unsqueeze(-1)
+    if row_params.uses_min_p:
+        probs = torch.softmax(logits, dim=-1)
+        threshold = row_params.min_p.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if row_params.uses_top_k or row_params.uses_top_p:
+        # Only the rows that truncate are sorted (the costliest stage over a large vocabulary); the
+        # others keep the plain softmax. Work in descending order; a stable sort makes ties
+        # deterministic (lowest index first).
+        rows = row_params.truncating
+        sorted_logits, sorted_ids = torch.sort(logits[rows], dim=-1, descending=True, stable=True)
+        if row_params.uses_top_k:
+            positions = torch.arange(vocab_size, device=logits.device)
+            sorted_logits = sorted_logits.masked_fill(positions >= row_params.top_k[rows].unsqueeze(-1), float("-inf"))
+        if row_params.uses_top_p:
+            sorted_probs = torch.softmax(sorted_logits, dim=-1)
+            # Token j survives iff the mass strictly before it is still short of top_p. float64 keeps
+            # the cumulative sum from flipping a token across the boundary through rounding.
+            mass_before = sorted_probs.double().cumsum(dim=-1) - sorted_probs.double()
+            outside_nucleus = mass_before >= row_params.top_p[rows].unsqueeze(-1)
+            outside_nucleus[..., 0] = False
+            sorted_logits = sorted_logits.masked_fill(outside_nucleus, float("-inf"))
+        truncated = torch.empty_like(sorted_logits).scatter_(-1, sorted_ids, torch.softmax(sorted_logits, dim=-1))
+        probs = probs.index_copy(0, rows, truncated)
+    if one_hot is not None:
+        probs = torch.where(row_params.greedy.unsqueeze(-1), one_hot, probs)
+    return probs
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Processed probabilities [..., V] (float32) from logits [..., V].
-
-    Temperature, then min-p, then top-k, then top-p, renormalised (vLLM's order). Min-p drops the
-    tokens whose probability is below min_p times the row's largest. Greedy gives one-hot rows at argmax
-    (ties: the lowest index, as torch.argmax). Top-k ties are broken towards the lowest index too,
-    so exactly k tokens survive. Top-p keeps the smallest set of most likely tokens (of the top-k
-    renormalised distribution) whose cumulative probability reaches top_p; the top token always
-    survives. Applied identically to draft and target rows: the processed target distribution is
-    the one speculative decoding preserves.
-    """
-    logits = logits.float()
+    """Processed probabilities [..., V] (float32) from logits [..., V], every row under one
+    request's params: `process_rows` (whose docstring says what processing means)."""
     vocab_size = logits.shape[-1]
-    if params.is_greedy:
-        return torch.nn.functional.one_hot(logits.argmax(dim=-1), vocab_size).float()
+    flat = logits.reshape(-1, vocab_size)
+    probs = process_rows(flat, RowParams.of([params] * flat.shape[0], vocab_size, logits.device))
+    return probs.reshape(logits.shape)
 
-    logits = logits / params.temperature
-    if params.min_p > 0.0:
-        probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
-    use_top_k = 0 < params.top_k < vocab_size
-    use_top_p = params.top_p < 1.0
-    if not (use_top_k or use_top_p):
-        return torch.softmax(logits, dim=-1)
 
-    # Work in descending order; a stable sort makes ties deterministic (lowest index first).
-    sorted_logits, sorted_ids = torch.sort(logits, dim=-1, descending=True, stable=True)
-    if use_top_k:
-        sorted_logits[..., params.top_k:] = float("-inf")
-    if use_top_p:
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        # Token j survives iff the mass strictly before it is still short of top_p. float64 keeps
-        # the cumulative sum from flipping a token across the boundary through rounding.
-        mass_before = sorted_probs.double().cumsum(dim=-1) - sorted_probs.double()
-        outside_nucleus = mass_before >= params.top_p
-        outside_nucleus[..., 0] = False
-        sorted_logits = sorted_logits.masked_fill(outside_nucleus, float("-inf"))
-    sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    return torch.empty_like(sorted_probs).scatter_(-1, sorted_ids, sorted_probs)
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token id per row of probs [N, V] for uniforms [N] in [0, 1): the first id whose running
+    sum exceeds the uniform times the row's sum. Rows need not be normalised (non-negative weights
+    with a positive sum); a zero-weight id is never picked (its sum equals the one before it). One
+    cumulative sum per row: on a CPU target with a 128k vocabulary torch.multinomial was the
+    sampled round's largest cost."""
+    vocab_size = probs.shape[-1]
+    cumulative = probs.double().cumsum(-1)
+    token_ids = torch.searchsorted(cumulative, uniforms.double().reshape(-1, 1) * cumulative[:, -1:], right=True)
+    return token_ids.clamp_(max=vocab_size - 1).reshape(-1)
+
+
+def row_uniforms(generators: Sequence[torch.Generator | None], device: torch.device | str = "cpu") -> torch.Tensor:
+    """One uniform (float64 [N]) per row, each from its row's generator (None: torch's default
+    one), where the rows live: a seeded request draws the same numbers whatever shares its batch.
+    One small generator call per row, each a device op: nothing waits for the device."""
+    if not generators:
+        return torch.empty(0, dtype=torch.float64, device=device)
+    return torch.cat([torch.rand(1, generator=generator, dtype=torch.float64, device=device)
+                      for generator in generators])
+
+
+def sample_rows(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token id per row of probs [N, V] (LongTensor [N], on probs' device), row i drawn with
+    generators[i] (which must live on probs' device)."""
+    return inverse_cdf(probs, row_uniforms(generators, probs.device))
 
 
 def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Draw one token id per row of probs [..., V] -> LongTensor [...].
-
-    Rows need not be normalised (non-negative weights with a positive sum). Deterministic under a
-    seeded `generator` (which must live on probs' device). Inverse CDF: one uniform per row and the
-    first id whose running sum exceeds it (a zero-weight id never is: its sum equals the one
-    before it), so a row of a 128k vocabulary costs one cumulative sum, where torch.multinomial
-    was the sampled round's largest cost on a CPU target.
-    """
+    """Draw one token id per row of probs [..., V] -> LongTensor [...], every row with one
+    generator (`inverse_cdf`; deterministic under a seeded `generator`, which must live on probs'
+    device)."""
     leading_shape, vocab_size = probs.shape[:-1], probs.shape[-1]
     flat = probs.reshape(-1, vocab_size)
     if flat.shape[0] == 0:
         return torch.empty(leading_shape, dtype=torch.long, device=probs.device)
-    cumulative = flat.double().cumsum(-1)
-    uniforms = torch.rand((flat.shape[0], 1), generator=generator, dtype=torch.float64, device=probs.device)
-    token_ids = torch.searchsorted(cumulative, uniforms * cumulative[:, -1:], right=True)
-    return token_ids.clamp_(max=vocab_size - 1).view(leading_shape)
+    uniforms = torch.rand(flat.shape[0], generator=generator, dtype=torch.float64, device=probs.device)
+    return inverse_cdf(flat, uniforms).view(leading_shape)
 
 
 def draft_seed(seed: int | None) -> int | None:

@@ -36,15 +36,16 @@ class WaitingCall:
     seq_id: str
     num_new_tokens: int   # history tokens the engine's cache does not hold yet
     holds_slot: bool      # the engine already holds this sequence's KV cache
-    num_cached: int = 0   # tokens the cache holds for it, in blocks_held blocks
+    num_cached: int = 0   # tokens the cache holds for it, in blocks_held table entries per KV cache group
     blocks_held: int = 0
     extra_tokens: int = 0  # tokens it adds after this forward in the same iteration (a draft's steps)
+    kv_groups: int = 1     # the runner's KV cache groups: each takes a block per block of new tokens
 
     def blocks_needed(self, tokens_run: int, block_size: int) -> int:
         """New KV blocks for running tokens_run of its new tokens now (an upper bound: a call
-        that recomputes cached rows crops first)."""
+        that recomputes cached rows crops first, and a windowed group lets blocks go after it)."""
         extra = self.extra_tokens if tokens_run >= self.num_new_tokens else 0
-        return max(0, -(-(self.num_cached + tokens_run + extra) // block_size) - self.blocks_held)
+        return self.kv_groups * max(0, -(-(self.num_cached + tokens_run + extra) // block_size) - self.blocks_held)
 
     def chunk_end(self, chunk: int) -> int | None:
         """The history length a prefill chunk of this many tokens fills the cache up to, or None
@@ -191,14 +192,17 @@ class Scheduler:
 
     def _waiting_call(self, shape: CallShape) -> WaitingCall:
         cached = self.runner.num_cached(shape.seq_id) if self.runner is not None else 0
-        blocks_held = self.runner.blocks_held(shape.seq_id) if self.paged else 0
+        # Every KV cache group's table has an entry per block of the tokens held (a windowed
+        # group's let-go blocks too: they need no new block).
+        blocks_held = -(-cached // self.runner.block_size) if self.paged else 0
         holds_slot = cached > 0
         if not holds_slot and self.paged:
             # A new sequence starts from what the prefix cache holds of it: its prefill chunks
             # count from there (its cached blocks still count as blocks needed: an upper bound).
             cached = self.runner.cached_prefix_length(shape.seq_id, shape.token_ids, shape.num_rows)
         return WaitingCall(shape.seq_id, max(shape.num_rows, len(shape.token_ids) - cached), holds_slot=holds_slot,
-                           num_cached=cached, blocks_held=blocks_held, extra_tokens=shape.extra_tokens)
+                           num_cached=cached, blocks_held=blocks_held, extra_tokens=shape.extra_tokens,
+                           kv_groups=self.runner.num_kv_groups if self.paged else 1)
 
     def _preempt_youngest(self) -> None:
         """Nothing can run and a sequence the engine holds waits for KV blocks to grow: free the

@@ -134,6 +134,14 @@ class RequestState:
         next_output_index, next_output_index + 1, ...): what `target_rows` needs for min_tokens."""
         return len(self.output_ids)
 
+    def engine_streams_on(self, device: torch.device | str) -> None:
+        """Move the draft's and the target's streams to device (in process: where the runners are),
+        seeded as before: an engine draws with a generator on its own device. A CPU stream and a
+        CUDA one of one seed give different numbers, each reproducible."""
+        if self.draft_generator.device != torch.device(device):
+            self.draft_generator = make_generator(draft_seed(self.params.seed), device)
+            self.verify_generator = make_generator(verify_seed(self.params.seed), device)
+
     def draft_budget(self, max_k: int) -> int:
         """Most draft tokens this round such that accepted + bonus stays within max_tokens and max_context."""
         remaining_tokens = self.params.max_tokens - len(self.output_ids) - 1

@@ -13,73 +13,149 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from decoding.grammar import GrammarMatcher
+from decoding.grammar import GrammarDeadEndError, GrammarMatcher
 from decoding.proposers import Proposal
 from decoding.compact_verify import (DraftSupport, TargetNumbers, compact_block_verify, compact_rejection_sample,
                                      target_numbers)
 from decoding.rejection import PLACEHOLDER_TOKEN_ID
-from decoding.row_processors import history_processor
-from decoding.sampling import SamplingParams, logits_to_probs
+from decoding.row_processors import RowBatch, history_processor
+from decoding.sampling import RowParams, SamplingParams, process_rows
 from decoding.sequence import RequestState, stop_ids
+
+
+@dataclass(frozen=True)
+class RowsCall:
+    """One request's rows in a batched `target_rows_batch`: num_rows consecutive rows of the batch.
+
+    Row i scores output position first_output_index + i (`RequestState.next_output_index` at the
+    time of the call). token_ids: the call's whole input (prompt + committed output + the
+    num_rows - 1 draft tokens), needed when the request has penalties or a grammar. grammar: the
+    request's matcher holding the committed output (params.structured set)."""
+
+    num_rows: int
+    params: SamplingParams
+    first_output_index: int | None = None
+    token_ids: Sequence[int] | None = None
+    grammar: GrammarMatcher | None = None
+    eos_token_id: int | Collection[int] | None = None  # the served EOS set (decoding.checkpoint.eos_token_ids)
+
+
+def target_rows_batch(logits: torch.Tensor, calls: Sequence[RowsCall]) -> list[torch.Tensor | GrammarDeadEndError]:
+    """Target logits [N, V] of several requests' rows (calls in order, N = sum of num_rows) -> per
+    call, argmax ids LongTensor [n] when greedy (small on the wire), else processed probabilities
+    float32 [n, V], or the GrammarDeadEndError that call's grammar raised (the rest go on).
+
+    Every call's rows are processed in one pass of batched tensor ops, each row with its request's
+    parameters: penalties and grammar masks (decoding.row_processors.RowBatch: row i for the
+    committed history plus the block's first i tokens, exactly as the drafter processed its step
+    i), then min_tokens, then temperature, min-p, top-k, top-p (decoding.sampling.process_rows)
+    or one argmax for the greedy rows. Where a row's output position is below params.min_tokens,
+    every EOS id (call.eos_token_id) and every stop token id
+    gets logit -inf, so none can be the argmax nor sampled, as in vLLM, unless nothing else is
+    left in the row (a grammar that is complete allows only EOS: the grammar wins over
+    min_tokens). Only target rows need it: rejection sampling turns any draft into samples of the
+    (masked) target distribution."""
+    batch, failed, first_row = RowBatch(), {}, 0
+    for index, call in enumerate(calls):
+        params = call.params
+        if params.uses_history:
+            if call.token_ids is None or call.first_output_index is None:
+                raise ValueError("penalties and grammars need the call's token ids and its first output index")
+            if params.structured is not None and call.grammar is None:
+                raise ValueError("a structured output needs its grammar matcher")
+            committed = len(call.token_ids) - (call.num_rows - 1)
+            processor = history_processor(params, call.token_ids[:committed], committed - call.first_output_index,
+                                          logits.shape[-1], logits.device, call.grammar)
+            try:
+                processor.contribute(batch, first_row, call.num_rows, call.token_ids[committed:])
+            except GrammarDeadEndError as exc:
+                failed[index] = exc
+        if params.min_tokens > 0 and call.first_output_index is not None:
+            num_masked = min(max(params.min_tokens - call.first_output_index, 0), call.num_rows)
+            stopping = stop_ids(call.eos_token_id, params.stop_token_ids) if num_masked else []
+            if stopping:
+                batch.forbid_stops(first_row, num_masked, stopping)
+        first_row += call.num_rows
+    if first_row != logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} rows for calls of {first_row} rows")
+    processed = batch.apply(logits)
+    row_params = RowParams.of([call.params for call in calls for _ in range(call.num_rows)], logits.shape[-1],
+                              logits.device)
+    argmax = processed.argmax(dim=-1) if row_params.any_greedy else None
+    probs = process_rows(processed, row_params) if not row_params.all_greedy else None
+    answers, first_row = [], 0
+    for index, call in enumerate(calls):
+        rows = slice(first_row, first_row + call.num_rows)
+        answers.append(failed.get(index) or (argmax[rows] if call.params.is_greedy else probs[rows]))
+        first_row += call.num_rows
+    return answers
 
 
 def target_rows(logits: torch.Tensor, params: SamplingParams,
                 eos_token_id: int | Collection[int] | None = None,
                 first_output_index: int | None = None, token_ids: Sequence[int] | None = None,
                 grammar: GrammarMatcher | None = None) -> torch.Tensor:
-    """Target logits [n, V] -> argmax ids LongTensor [n] when greedy (small on the wire),
-    else processed probabilities float32 [n, V].
+    """`target_rows_batch` for one request's logits [n, V] (raising its GrammarDeadEndError)."""
+    answer = target_rows_batch(logits, [RowsCall(logits.shape[0], params, first_output_index, token_ids, grammar,
+                                                  eos_token_id)])[0]
+    if isinstance(answer, Exception):
+        raise answer
+    return answer
 
-    Row i scores output position first_output_index + i (`RequestState.next_output_index` at the
-    time of the call). Where that position is below params.min_tokens, every EOS id (the served
-    set, see decoding.checkpoint.eos_token_ids) and every stop token id gets logit -inf, so none
-    can be the argmax nor sampled, as in vLLM, unless nothing else is left in the row (a grammar
-    that is complete allows only EOS: the grammar wins over min_tokens). Only target rows need it:
-    rejection sampling turns any draft into samples of the (masked) target distribution.
 
-    token_ids: the call's whole input (prompt + committed output + the n - 1 draft tokens), needed
-    when the request has penalties or a grammar: row i is processed for the committed history plus
-    the block's first i tokens (decoding.row_processors), exactly as the drafter processed its step
-    i. grammar: the request's matcher holding the committed output (params.structured set)."""
-    if params.uses_history:
-        if token_ids is None or first_output_index is None:
-            raise ValueError("penalties and grammars need the call's token ids and its first output index")
-        if params.structured is not None and grammar is None:
-            raise ValueError("a structured output needs its grammar matcher")
-        committed = len(token_ids) - (logits.shape[0] - 1)
-        processor = history_processor(params, token_ids[:committed], committed - first_output_index,
-                                      logits.shape[-1], logits.device, grammar)
-        logits = processor.process(logits, token_ids[committed:])
-    if params.min_tokens > 0 and first_output_index is not None:
-        num_masked = min(max(params.min_tokens - first_output_index, 0), logits.shape[0])
-        stopping = stop_ids(eos_token_id, params.stop_token_ids) if num_masked else []
-        if stopping:
-            logits = logits.clone()
-            rows = logits[:num_masked]
-            others = rows.clone()
-            others[:, stopping] = float("-inf")
-            keeps_some = torch.isfinite(others).any(dim=-1, keepdim=True)
-            logits[:num_masked] = torch.where(keeps_some, others, rows)
-    if params.is_greedy:
-        return torch.argmax(logits, dim=-1)
-    return logits_to_probs(logits, params)
+def verify_answers(rows: Sequence[torch.Tensor], proposals: Sequence[Proposal],
+                   generators: Sequence[torch.Generator | None],
+                   verifications: Sequence[str]) -> list[list[int] | TargetNumbers]:
+    """What a verify answers for each request, from `target_rows_batch`' output: the argmax ids
+    (greedy), or the numbers the owner verifies the proposal's block on (sampled: p(x_i), residual
+    draws and masses, a bonus draw, drawn with the request's generator, the target's own stream;
+    decoding.compact_verify). A verification as accept_round's: the residuals are block-weighted
+    when the owner will verify the block jointly, which it does for a sampled block with draft rows.
+
+    Everything is computed where the rows are, and comes to the host in ONE transfer for the
+    whole batch (not one per request)."""
+    computed: list[list[torch.Tensor]] = []
+    for request_rows, proposal, generator, verification in zip(rows, proposals, generators, verifications):
+        if not request_rows.dtype.is_floating_point:
+            computed.append([request_rows])
+            continue
+        draft_ids = torch.tensor([proposal.token_ids], dtype=torch.long, device=request_rows.device).reshape(1, -1)
+        support = None if proposal.support is None else DraftSupport(*(torch.as_tensor(
+            np.array(part) if isinstance(part, np.ndarray) else part).unsqueeze(0) for part in
+            (proposal.support.ids, proposal.support.probs)))
+        block = verification == "block" and support is not None
+        numbers = target_numbers(draft_ids, support, request_rows.unsqueeze(0), generator, block)
+        computed.append([numbers.target_of_draft[0], numbers.residual_mass[0], numbers.recovered[0], numbers.bonus])
+    on_host = iter(to_host([part for parts in computed for part in parts]))
+    answers: list[list[int] | TargetNumbers] = []
+    for parts in computed:
+        if len(parts) == 1:
+            answers.append([int(token) for token in next(on_host)])
+        else:
+            target_of_draft, residual_mass, recovered, bonus = (next(on_host) for _ in parts)
+            answers.append(TargetNumbers(target_of_draft, residual_mass, [int(token) for token in recovered],
+                                         int(bonus[0])))
+    return answers
 
 
 def verify_answer(rows: torch.Tensor, proposal: Proposal, generator: torch.Generator | None,
                   verification: str = "block") -> list[int] | TargetNumbers:
-    """What a verify answers for one request, from `target_rows`' output: the argmax ids (greedy),
-    or the numbers the owner verifies the proposal's block on (sampled: p(x_i), residual draws and
-    masses, a bonus draw, drawn with generator, the target's own stream; decoding.compact_verify).
-    verification as accept_round's: the residuals are block-weighted when the owner will verify
-    the block jointly, which it does for a sampled block with draft rows."""
-    if not rows.dtype.is_floating_point:
-        return rows.tolist()
-    draft_ids = torch.tensor([proposal.token_ids], dtype=torch.long, device=rows.device).reshape(1, -1)
-    support = None if proposal.support is None else DraftSupport(*(torch.as_tensor(
-        np.array(part) if isinstance(part, np.ndarray) else part).unsqueeze(0) for part in
-        (proposal.support.ids, proposal.support.probs)))
-    block = verification == "block" and support is not None
-    return target_numbers(draft_ids, support, rows.unsqueeze(0), generator, block).wire()
+    """`verify_answers` for one request."""
+    return verify_answers([rows], [proposal], [generator], [verification])[0]
+
+
+def to_host(tensors: Sequence[torch.Tensor]) -> list[list[float]]:
+    """Each tensor's values as a flat Python list, all of them brought over in one device -> host
+    copy (as float64: exact for token ids, which stay below 2**53)."""
+    if not tensors:
+        return []
+    sizes = [tensor.numel() for tensor in tensors]
+    flat = torch.cat([tensor.reshape(-1).double() for tensor in tensors]).tolist()
+    values, start = [], 0
+    for size in sizes:
+        values.append(flat[start:start + size])
+        start += size
+    return values
 
 
 def as_tensor(rows: torch.Tensor | np.ndarray | Sequence[int]) -> torch.Tensor:

@@ -366,7 +366,7 @@ class DraftEngine(EngineCore):
     def _propose_call(self, call: DraftCall) -> ProposeCall:
         generator = self.generators.get(call.seq_id)
         if generator is None:
-            generator = self.generators[call.seq_id] = make_generator(call.seed)
+            generator = self.generators[call.seq_id] = make_generator(call.seed, self.runner.device)
             if call.stream_state is not None:
                 generator.set_state(call.stream_state)
         return ProposeCall(call.seq_id, call.history, call.num_tokens, call.params, generator, call.prompt_len,

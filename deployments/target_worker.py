@@ -17,8 +17,8 @@ from decoding.model_runner import SequenceStateError
 from decoding.proposers import Proposal, empty_proposal
 from decoding.sampling import SamplingParams, make_generator, verify_seed
 from decoding.scheduler import CallShape, Schedule
-from decoding.speculation import (LogprobEntries, target_rows, token_logprobs, tokens_each_row_may_commit,
-                                  verify_answer)
+from decoding.speculation import (LogprobEntries, RowsCall, target_rows_batch, token_logprobs,
+                                  tokens_each_row_may_commit, verify_answers)
 from deployments.engine_host import EngineCore, EngineHost, StepOutput, timed_forward
 
 
@@ -130,27 +130,37 @@ class TargetEngine(EngineCore):
                 results[index] = exc
             return
         output.costs.append(cost)
+        # Every call's rows are processed and answered together (one pass of batched ops, one
+        # transfer to the host); a call whose grammar fails answers its error alone.
+        kept: list[tuple[int, VerifyCall, torch.Tensor, GrammarMatcher | None]] = []
         for (index, call), rows in zip(indexed_calls, logits):
-            prompt_entries = None
-            if call.prompt_logprobs is not None:
-                prompt_entries = prompt_logprob_entries(call.token_ids, rows[:-1], call.prompt_logprobs)
-                rows = rows[-1:]
             try:
-                processed = target_rows(rows, call.params, self.runner.eos_token_ids, call.first_output_index,
-                                        call.token_ids, self._grammar(call))
-            except GrammarDeadEndError as exc:  # this request's alone: the rest of the batch goes on
+                kept.append((index, call, rows, self._grammar(call)))
+            except GrammarDeadEndError as exc:
                 results[index] = exc
+        last_rows = [rows[-1:] if call.prompt_logprobs is not None else rows for _, call, rows, _ in kept]
+        processed = target_rows_batch(torch.cat(last_rows), [
+            RowsCall(rows.shape[0], call.params, call.first_output_index, call.token_ids, grammar,
+                     self.runner.eos_token_ids)
+            for (_, call, _, grammar), rows in zip(kept, last_rows)]) if kept else []
+        answering = [i for i, rows in enumerate(processed) if not isinstance(rows, GrammarDeadEndError)]
+        answers = dict(zip(answering, verify_answers(
+            [processed[i] for i in answering], [kept[i][1].proposal for i in answering],
+            [self._generator(kept[i][1]) for i in answering], [kept[i][1].verification for i in answering])))
+        for i, (index, call, rows, _) in enumerate(kept):
+            if i not in answers:  # this request's alone: the rest of the batch goes on
+                results[index] = processed[i]
                 continue
-            processed = verify_answer(processed, call.proposal, self._generator(call), call.verification)
-            if call.params.logprobs is None:
-                results[index] = processed
-            else:  # the raw distribution's log-probabilities of the tokens the router may emit, and the top N
-                results[index] = (processed, LogprobEntries.of(
-                    rows, call.params.logprobs, tokens_each_row_may_commit(call.proposal, processed)))
-            if prompt_entries is not None:
-                results[index] = (results[index], prompt_entries)
+            results[index] = answer = answers[i]
+            if call.params.logprobs is not None:
+                # the raw distribution's log-probabilities of the tokens the router may emit, and the top N
+                results[index] = (answer, LogprobEntries.of(
+                    last_rows[i], call.params.logprobs, tokens_each_row_may_commit(call.proposal, answer)))
+            if call.prompt_logprobs is not None:
+                results[index] = (results[index], prompt_logprob_entries(call.token_ids, rows[:-1],
+                                                                         call.prompt_logprobs))
             if call.capture_top_k is not None:
-                results[index] = (results[index], top_rows(rows, call.capture_top_k))
+                results[index] = (results[index], top_rows(last_rows[i], call.capture_top_k))
 
     def _generator(self, call: VerifyCall) -> torch.Generator | None:
         """The sequence's own stream for its residual and bonus draws (seeded requests reproduce)."""

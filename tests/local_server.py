@@ -63,8 +63,10 @@ def stop_test_cluster() -> None:
     replica's graceful drain (docs/testing.md has what that costs a module), where a test's
     cluster has nothing left to drain and ray.shutdown ends its processes anyway (Serve forgets a
     client of a stopped cluster, so the next module starts afresh). The real stop is tested where
-    it matters: `specserve serve` under SIGTERM (tests/test_sigterm.py)."""
-    ray.shutdown()
+    it matters: `specserve serve` under SIGTERM (tests/test_sigterm.py). It waits for the
+    cluster's own processes (GCS, raylet) to exit, so the next module's cluster does not start
+    beside one still going down."""
+    ray.shutdown(wait_for_processes=True)
 
 
 def serve_tiny_pair(root: Path, model_name: str, **overrides) -> Iterator[tuple[str, SpecServeConfig]]:

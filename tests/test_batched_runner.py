@@ -66,8 +66,8 @@ def assert_rows_match(batched: BatchedModelRunner, reference: ReferenceRunner, c
 def test_paged_layout_numbers_new_tokens_after_each_rows_cache_and_masks_causally():
     # Row 0: blocks [5, 9] hold 3 tokens and it brings 2; row 1: block [2] holds none and it brings 1
     # (padded to 2). Blocks of 4 tokens.
-    layout = paged_layout([[5, 9], [2]], starts=[3, 0], num_new=[2, 1], block_size=4, dtype=torch.float32,
-                          device=torch.device("cpu"))
+    layout = paged_layout([[[5, 9], [2]]], starts=[3, 0], num_new=[2, 1], block_size=4, dtype=torch.float32,
+                          device=torch.device("cpu"))   # one KV cache group
     assert layout.position_ids.tolist() == [[3, 4], [0, 0]]
     assert layout.kv_length == 5
     visible = (layout.attention_mask[:, 0] == 0).int().tolist()
@@ -75,8 +75,9 @@ def test_paged_layout_numbers_new_tokens_after_each_rows_cache_and_masks_causall
                        [[1, 0, 0, 0, 0], [1, 0, 0, 0, 0]]]   # the padding token copies the last real one
     assert set(layout.attention_mask.unique().tolist()) == {0.0, torch.finfo(torch.float32).min}
     # Only real tokens are written: (block, offset) pairs; a row reads its blocks, padded with block 0.
-    assert list(zip(layout.write_blocks.tolist(), layout.write_offsets.tolist())) == [(5, 3), (9, 0), (2, 0)]
-    assert layout.read_blocks.tolist() == [[5, 9], [2, 0]]
+    blocks = layout.groups[0]
+    assert list(zip(blocks.write_blocks.tolist(), layout.write_offsets.tolist())) == [(5, 3), (9, 0), (2, 0)]
+    assert blocks.read_blocks.tolist() == [[5, 9], [2, 0]]
 
 
 @pytest.mark.parametrize("architecture, lean_forward", [(architecture, False) for architecture in ARCHITECTURES]
@@ -90,12 +91,12 @@ def test_ragged_batches_give_the_unbatched_rows(monkeypatch, architecture, lean_
     for calls in ragged_rounds():
         assert_rows_match(batched, reference, calls)
     # A released sequence's blocks are reused by a new one, which must not see the old keys.
-    freed = list(batched._sequences["b"].blocks)
+    freed = list(batched._sequences["b"].tables[0])
     batched.release("b")
     reference.release("b")
     assert_rows_match(batched, reference, [ForwardCall("e", random_ids(5, 9), 3),
                                            ForwardCall("a", random_ids(1, 40)[:36], 2)])
-    assert batched._sequences["e"].blocks == freed[:1]
+    assert batched._sequences["e"].tables[0] == freed[:1]
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)

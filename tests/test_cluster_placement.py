@@ -12,7 +12,7 @@ import ray
 from ray import serve
 
 from cluster.builder import APP_NAME
-from cluster.local import RAY_SYSTEM_CONFIG
+from cluster.local import RAY_SYSTEM_CONFIG, init_local_ray
 from deployments.naming import ENGINE_NAMESPACE, parse_engine_actor_name
 from policies.actor import POLICY_NAMESPACE, policy_actor_name
 from tests.local_server import serve_tiny_pair
@@ -25,8 +25,7 @@ pytestmark = pytest.mark.ray
 def gpu_server(tmp_path_factory):
     # Ray places by logical resources: four "GPUs" on this CPU box are enough to prove placement.
     engine = {"num_gpus": 1, "num_cpus": 0.5}
-    ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, _system_config=RAY_SYSTEM_CONFIG,
-             configure_logging=False, log_to_driver=False)
+    init_local_ray(num_cpus=4, num_gpus=4, include_dashboard=False, _system_config=RAY_SYSTEM_CONFIG)
     for url, _ in serve_tiny_pair(tmp_path_factory.mktemp("pair"), MODEL, target_workers={**engine, "num_replicas": 2},
                                   draft_workers=engine):
         yield url

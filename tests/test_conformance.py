@@ -14,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-import ray
 import torch
 from ray import serve
 from ray.serve.api import RunTarget
@@ -22,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from cluster.builder import build_app
 from cluster.cli import add_model_args, config_from_args
-from cluster.local import RAY_SYSTEM_CONFIG, wait_healthy
+from cluster.local import RAY_SYSTEM_CONFIG, init_local_ray, wait_healthy
 from cluster.status import read_engine_stats
 from tests.checkpoint_fixtures import DECODER_BUILDERS, EOS_AFTER, EOS_PROMPT, FIXTURE_WINDOW
 from tests.local_server import free_port, stop_test_cluster
@@ -73,8 +72,7 @@ def served(request, checkpoint_families):
     checkpoint_families = selected_families(request, checkpoint_families)
     port = free_port()
     # Seven apps of four replicas each: logical CPUs, not cores (the replicas idle between requests).
-    ray.init(num_cpus=32, include_dashboard=False, configure_logging=False, log_to_driver=False,
-             _system_config=RAY_SYSTEM_CONFIG)
+    init_local_ray(num_cpus=32, include_dashboard=False, _system_config=RAY_SYSTEM_CONFIG)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run_many([RunTarget(build_app(family_config(family, port)), name=name, route_prefix=f"/{name}")

@@ -178,6 +178,8 @@ class TableRunner:
     sampled requests run through the real generate() loop, DraftModelProposer and accept_round in
     seconds. `logits[prefix]` is the model's next-token logits after that token prefix."""
 
+    device = torch.device("cpu")
+
     def __init__(self, logits: dict[tuple[int, ...], torch.Tensor], max_context: int = 256) -> None:
         self.logits, self.max_context = logits, max_context
 

@@ -12,7 +12,7 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.config import SpecServeConfig
-from cluster.local import metrics_export_port, metrics_system_config, metrics_url
+from cluster.local import init_local_ray, metrics_export_port, metrics_system_config, metrics_url
 from deployments.metrics import METRICS, EngineMetrics, RouterMetrics
 
 
@@ -81,8 +81,8 @@ def _value(samples, **labels) -> float:
 def test_endpoint_serves_parsable_prometheus_text_with_our_metrics():
     port = _free_port()
     config = _config(port, interval_ms=500)
-    ray.init(num_cpus=2, include_dashboard=False, _metrics_export_port=metrics_export_port(config),
-             _system_config=metrics_system_config(config), configure_logging=False, log_to_driver=False)
+    init_local_ray(num_cpus=2, include_dashboard=False, _metrics_export_port=metrics_export_port(config),
+                   _system_config=metrics_system_config(config))
     try:
         url = metrics_url()
         assert url.endswith(f":{port}/metrics")

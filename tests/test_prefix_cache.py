@@ -69,8 +69,8 @@ def test_choices_of_one_prompt_share_its_full_blocks_and_give_the_uncached_rows(
     assert_same_rows(trio, [ForwardCall("n0", prompt)])
     assert_same_rows(trio, [ForwardCall("n1", prompt)])
     assert cached.prefix_cached_tokens("n0") == 0 and cached.prefix_cached_tokens("n1") == 16
-    assert cached._sequences["n1"].blocks[:4] == cached._sequences["n0"].blocks[:4]
-    assert all(cached.cache.refs(block) == 2 for block in cached._sequences["n0"].blocks[:4])
+    assert cached._sequences["n1"].tables[0][:4] == cached._sequences["n0"].tables[0][:4]
+    assert all(cached.cache.refs(block) == 2 for block in cached._sequences["n0"].tables[0][:4])
     greedy_lockstep(trio, {"n0": list(prompt), "n1": list(prompt), "n2": list(prompt)}, steps=6)
     # vLLM's counters: each admission looked up all but the row it asked for; decode steps none.
     assert cached.prefix_cache_hits == 16 + 16 and cached.prefix_cache_queries == 18 * 3
@@ -106,8 +106,8 @@ def test_a_prefill_chunk_takes_the_blocks_another_sequence_finished_meanwhile():
     assert_same_rows(trio, [ForwardCall("first", prompt[:20]), ForwardCall("second", prompt[:6])])
     assert_same_rows(trio, [ForwardCall("first", prompt), ForwardCall("second", prompt[:22])])
     assert cached.prefix_cached_tokens("second") == 16 and cached.prefix_cached_tokens("first") == 0
-    assert cached._sequences["second"].blocks[1:5] == cached._sequences["first"].blocks[1:5]
-    assert cached._sequences["second"].blocks[0] != cached._sequences["first"].blocks[0]
+    assert cached._sequences["second"].tables[0][1:5] == cached._sequences["first"].tables[0][1:5]
+    assert cached._sequences["second"].tables[0][0] != cached._sequences["first"].tables[0][0]
     for seq_id in ("first", "second"):
         cached.release(seq_id)
     assert_no_leak(cached)
@@ -134,8 +134,8 @@ def test_a_diverging_history_takes_cached_blocks_past_what_it_held():
     assert_same_rows(trio, [ForwardCall("x", common + right + [5], 2)])
     # x kept its own first block (both computed it in one batch: y's copy stayed private) and
     # took y's next two.
-    assert cached._sequences["x"].blocks[1:3] == cached._sequences["y"].blocks[1:3]
-    assert cached._sequences["x"].blocks[0] != cached._sequences["y"].blocks[0]
+    assert cached._sequences["x"].tables[0][1:3] == cached._sequences["y"].tables[0][1:3]
+    assert cached._sequences["x"].tables[0][0] != cached._sequences["y"].tables[0][0]
     for seq_id in ("x", "y"):
         cached.release(seq_id)
     assert_no_leak(cached)
@@ -149,14 +149,14 @@ def test_rolling_back_into_a_shared_block_copies_it_and_never_writes_the_shared_
     trio = runners()
     cached = trio[0]
     if broken:
-        monkeypatch.setattr(cached, "_make_last_block_writable", lambda entry: cached.cache.unpublish(entry.blocks[-1]))
+        monkeypatch.setattr(cached, "_make_last_block_writable", lambda entry: cached.cache.unpublish(entry.tables[0][-1]))
     history = random_ids(8, 14)
     block = random_ids(9, 6)                                     # a verify of K=5: fills blocks 3 and 4
     assert_same_rows(trio, [ForwardCall("a", history)])
     assert_same_rows(trio, [ForwardCall("a", history + block, 6)])
     assert_same_rows(trio, [ForwardCall("b", history + block)])     # finds blocks 0-3
-    shared = cached._sequences["a"].blocks[3]
-    assert cached._sequences["b"].blocks[3] == shared and cached.cache.refs(shared) == 2
+    shared = cached._sequences["a"].tables[0][3]
+    assert cached._sequences["b"].tables[0][3] == shared and cached.cache.refs(shared) == 2
     # a accepted 1 of the 5 (position 15 is mid-block 3) and verifies a new block.
     rolled = history + block[:1] + [2, 3, 4, 5]
     if broken:
@@ -165,11 +165,11 @@ def test_rolling_back_into_a_shared_block_copies_it_and_never_writes_the_shared_
             assert_same_rows(trio, [ForwardCall("b", history + block + [6], 2)])
         return
     assert_same_rows(trio, [ForwardCall("a", rolled, 5)])
-    assert cached._sequences["a"].blocks[3] != shared and cached.cache.refs(shared) == 1
+    assert cached._sequences["a"].tables[0][3] != shared and cached.cache.refs(shared) == 1
     assert_same_rows(trio, [ForwardCall("b", history + block + [6], 2)])
     # A rollback to a block boundary writes only new blocks: the shared ones before it stay shared.
     assert_same_rows(trio, [ForwardCall("b", history[:12] + [7, 8], 2)])
-    assert cached._sequences["b"].blocks[:3] == cached._sequences["a"].blocks[:3]
+    assert cached._sequences["b"].tables[0][:3] == cached._sequences["a"].tables[0][:3]
     for seq_id in ("a", "b"):
         cached.release(seq_id)
     assert_no_leak(cached)
@@ -190,16 +190,16 @@ def test_eviction_under_pressure_takes_only_unreferenced_blocks_least_recently_f
     for seq_id, ids in (("old", old), ("recent", recent)):
         assert_same_rows(trio, [ForwardCall(seq_id, ids)])
         if seq_id == "old":
-            old_blocks = cached._sequences["old"].blocks[:2]
+            old_blocks = cached._sequences["old"].tables[0][:2]
         for runner in trio:
             runner.release(seq_id)
     assert (cached.cache.num_used, cached.cache.num_cached, cached.cache.num_free) == (6, 4, 10)
-    referenced = set(cached._sequences["s1"].blocks + cached._sequences["s2"].blocks)
+    referenced = set(cached._sequences["s1"].tables[0] + cached._sequences["s2"].tables[0])
     # 32 new tokens need 8 blocks: the 6 never-keyed ones, then the 2 least recently freed cached
     # ones (the older sequence's).
     assert_same_rows(trio, [ForwardCall("big", random_ids(13, 32))])
-    assert not referenced & set(cached._sequences["big"].blocks)
-    assert set(old_blocks) <= set(cached._sequences["big"].blocks)
+    assert not referenced & set(cached._sequences["big"].tables[0])
+    assert set(old_blocks) <= set(cached._sequences["big"].tables[0])
     assert cached.cached_prefix_length("again", old) == 0
     assert cached.cached_prefix_length("again", recent) == 8   # the recent one is still cached
     with pytest.raises(NoFreeBlocksError):                     # 2 free, 3 needed: refused whole
@@ -233,7 +233,7 @@ def test_many_requests_sharing_prefixes_with_rollbacks_and_evictions_stay_exact_
                 cached.release(call.seq_id)
                 reference.release(call.seq_id)
                 del live[call.seq_id]
-        assert cached.cache.num_used == len({b for s in live for b in cached._sequences[s].blocks})
+        assert cached.cache.num_used == len({b for s in live for b in cached._sequences[s].tables[0]})
         assert all(refs > 0 for refs in cached.cache._refs.values())
     assert cached.prefix_cache_hits > 0
     for seq_id in list(live):

@@ -56,6 +56,12 @@ def test_calls_wait_for_the_kv_blocks_their_new_tokens_fill():
     assert plan.steps == [0, 1, 3] and plan.waiting == [2]
     # No block pool (a per-sequence runner): only slots and budgets count.
     assert plan_iteration(calls, free_slots=10, **PLAN).waiting == []
+    # With KV cache groups (sliding-window layers: Gemma 3's 3 groups), a block of tokens takes a
+    # block in each: a's 2 new blocks are 6, more than the 5 free; b's none still none.
+    grouped = [WaitingCall("a", 5, True, num_cached=8, blocks_held=2, kv_groups=3),
+               WaitingCall("b", 1, True, num_cached=3, blocks_held=1, kv_groups=3)]
+    assert plan_iteration(grouped, free_slots=10, **PLAN, free_blocks=5, block_size=4).waiting == [0]
+    assert plan_iteration(grouped, free_slots=10, **PLAN, free_blocks=6, block_size=4).steps == [0, 1]
 
 
 def test_a_draft_call_reserves_blocks_for_its_later_decode_steps_and_a_chunk_only_for_itself():

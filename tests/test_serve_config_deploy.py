@@ -10,7 +10,7 @@ import ray
 
 from cluster.builder import serve_config_yaml
 from cluster.config import SpecServeConfig
-from cluster.local import RAY_SYSTEM_CONFIG, logical_cpus_needed, wait_healthy
+from cluster.local import RAY_SYSTEM_CONFIG, init_local_ray, logical_cpus_needed, wait_healthy
 from tests.local_server import stop_test_cluster
 from tests.test_serving import _free_port
 from tests.tiny_pair import make_tiny_pair
@@ -28,8 +28,7 @@ def test_generated_serve_config_runs_with_serve_run_and_answers(tmp_path):
     assert f"--num-cpus {logical_cpus_needed(config)}" in text  # the header says what Ray needs
     config_path.write_text(text)
     # A cluster with the logical CPUs the header names, as `ray start --head --num-cpus N` gives.
-    ray.init(num_cpus=logical_cpus_needed(config), include_dashboard=False, _system_config=RAY_SYSTEM_CONFIG,
-             configure_logging=False, log_to_driver=False)
+    init_local_ray(num_cpus=logical_cpus_needed(config), include_dashboard=False, _system_config=RAY_SYSTEM_CONFIG)
     try:
         serve_cli = Path(sys.executable).with_name("serve")
         deployed = subprocess.run([str(serve_cli), "run", "--non-blocking", "--address",

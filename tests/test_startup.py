@@ -1,12 +1,14 @@
-"""Start-up truth: a busy HTTP port fails `specserve serve` at once, naming the port, before Ray starts."""
+"""Start-up truth: a busy HTTP port fails `specserve serve` at once, naming the port, before Ray starts;
+a Ray node that misses its start-up limits is started once more."""
 
 import socket
+import subprocess
 
 import pytest
 import ray
 
 from cluster.config import DEFAULT_MODELS_DIR, SpecServeConfig
-from cluster.local import PortInUseError, check_port_free, start_local
+from cluster.local import PortInUseError, StartupError, check_port_free, init_local_ray, start_local
 
 
 @pytest.fixture
@@ -86,3 +88,32 @@ def test_a_replica_that_cannot_start_ends_the_cli_with_its_own_error_and_no_ray_
     assert last_line.startswith("specserve: TargetWorker failed to start: ValueError: the KV cache budget"), last_line
     assert "kv_cache_memory_gb" in last_line and "max_model_len=512" in last_line
     assert "Traceback" not in done.stderr and "Deploying application" not in done.stderr
+
+
+@pytest.mark.ray
+def test_a_ray_start_that_misses_its_limits_is_tried_once_more_and_leaves_nothing_of_the_failed_try(monkeypatch):
+    """The first start fails as a node that never comes up does (its GCS process started, then the
+    port-file wait gives up: Ray raises a bare RuntimeError); the second runs for real."""
+    real_init, failed_children = ray.init, []
+
+    def init_whose_node_times_out(**kwargs):
+        monkeypatch.setattr(ray, "init", real_init)
+        failed_children.append(subprocess.Popen(["sleep", "60"]))  # a process of the failed start
+        raise RuntimeError("Timed out waiting for file .../gcs_server_port")
+
+    monkeypatch.setattr(ray, "init", init_whose_node_times_out)
+    try:
+        init_local_ray(num_cpus=1, include_dashboard=False)
+        assert ray.is_initialized() and ray.get(ray.put(7)) == 7
+        assert failed_children[0].poll() is not None  # ended before the second try
+    finally:
+        ray.shutdown(wait_for_processes=True)
+
+
+def test_a_ray_start_that_fails_twice_is_a_startup_error(monkeypatch):
+    def init_that_never_comes_up(**kwargs):
+        raise RuntimeError("The current node timed out during startup.")
+
+    monkeypatch.setattr(ray, "init", init_that_never_comes_up)
+    with pytest.raises(StartupError, match="Ray did not start on this machine: The current node timed out"):
+        init_local_ray(num_cpus=1)

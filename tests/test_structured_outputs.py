@@ -52,6 +52,7 @@ class TableModel:
     real proposer (forward_batch, max_context, release) and cheap enough for thousands of rounds."""
 
     max_context = 64
+    device = torch.device("cpu")
 
     def __init__(self, seed: int, support: list[int], vocab_size: int) -> None:
         self.seed, self.support, self.vocab_size = seed, support, vocab_size
