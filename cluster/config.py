@@ -324,7 +324,7 @@ class SpecServeConfig(_Strict):
             if getattr(self, name).tensor_parallel_size != 1:
                 raise ValueError(f"{name}.tensor_parallel_size must be 1: only target and draft engines are split")
         if self.draft_training.enabled and self.draft_workers.tensor_parallel_size > 1:
-            # A trained version is loaded beside the serving one in one process: not yet per rank.
+            # A trained version is copied into one process's serving weights: not yet per rank's shards.
             raise ValueError("draft_training.enabled needs draft_workers.tensor_parallel_size 1")
         if self.draft_workers.tensor_parallel_size > 1 and self.speculation.proposer != "draft":
             raise ValueError("draft_workers.tensor_parallel_size > 1 needs a draft model (speculation.proposer "
