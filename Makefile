@@ -31,7 +31,7 @@ fuzz: $(STAMP)
 # Ten minutes of mixed greedy, sampled, streamed, chat and dropped requests at 4 streams against
 # the default pair: zero errors, per-process RSS growth <= 10% after warm-up (bench/results/soak-cpu-2core.json).
 soak: $(STAMP)
-	$(PY) -m bench.soak --duration-s $${SOAK_S:-600} --streams 4
+	$(PY) -m specserve.bench.soak --duration-s $${SOAK_S:-600} --streams 4
 
 # The slow tests CI leaves out (docs/testing.md): node loss on a multi-node `ray start` cluster, served
 # tensor-parallel groups, the other conformance apps, online learning served end to end.

@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import torch
 
-from cluster.config import DEFAULT_MODELS_DIR, SpecServeConfig
+from specserve.cluster.config import DEFAULT_MODELS_DIR, SpecServeConfig
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODEL = "adapt"
@@ -54,8 +54,8 @@ def fine_tune_target(source: Path, out: Path, texts: list[str], steps: int, lr: 
     """AdamW on 8 x 256-token windows of texts; the target folder goes to out (reused if there)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from training.default_pair import encode_files, sample_batch
-    from training.online_trainer import save_draft_version
+    from specserve.training.default_pair import encode_files, sample_batch
+    from specserve.training.online_trainer import save_draft_version
 
     if (out / "config.json").exists():
         return json.loads((out / "finetune.json").read_text())
@@ -123,7 +123,7 @@ def serve_config(target: Path, draft: Path, port: int, training: dict[str, Any] 
 
 
 def measured_server(config: SpecServeConfig, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    from cluster.local import start_local, stop_local
+    from specserve.cluster.local import start_local, stop_local
 
     url = start_local(config)
     try:
@@ -135,7 +135,7 @@ def measured_server(config: SpecServeConfig, prompts: list[list[int]], max_token
 def trainer_status() -> dict[str, Any]:
     import ray
 
-    from deployments.naming import ENGINE_NAMESPACE, draft_trainer_name
+    from specserve.deployments.naming import ENGINE_NAMESPACE, draft_trainer_name
 
     return ray.get(ray.get_actor(draft_trainer_name(MODEL), namespace=ENGINE_NAMESPACE).status.remote(), timeout=30)
 
@@ -144,7 +144,7 @@ def learning_run(config: SpecServeConfig, prompts: list[list[int]], chunks: int,
                  pass_timeout_s: float) -> dict[str, Any]:
     """Traffic in chunks (4 streams, half greedy, half sampled at 0.8); after each, wait for the
     trainer's next pass to end. -> per chunk: traffic latency, the pass, the trainer's status."""
-    from cluster.local import start_local, stop_local
+    from specserve.cluster.local import start_local, stop_local
 
     url = start_local(config)
     phases = []
@@ -181,7 +181,7 @@ def training_cost_run(config: SpecServeConfig, prompts: list[list[int]], batch: 
     sent while a training pass runs: what training costs serving. If the config lets training run
     under load, the pass overlaps the whole batch; by default (training only while idle) it must
     yield as the batch arrives. The first batch stays under min_new_positions."""
-    from cluster.local import start_local, stop_local
+    from specserve.cluster.local import start_local, stop_local
 
     def run_batch(part: list[list[int]], offset: int) -> list[float]:
         with ThreadPoolExecutor(4) as pool:
@@ -216,7 +216,7 @@ def greedy_agreement_curve(target_path: Path, versions: list[dict[str, Any]], pr
                            max_tokens: int) -> list[dict[str, Any]]:
     """Per draft version: share of held-out positions where its argmax equals the target's greedy
     token (teacher-forced on the target's own greedy continuations)."""
-    from training.online_trainer import load_draft_model
+    from specserve.training.online_trainer import load_draft_model
 
     target = load_draft_model(target_path)
     sequences = []

@@ -1,6 +1,6 @@
 """What capturing rounds for online draft training adds to a round (docs/online-learning.md).
 
-    python -m bench.capture_cost [--rounds 20000] [--k 8] [--top-k 32]
+    python -m specserve.bench.capture_cost [--rounds 20000] [--k 8] [--top-k 32]
 
 Times, in-process on the default pair's shapes, the work capture adds per verified round: on the
 router, `RoundCapture.top_k_for_round` and `observe` for every round (with training on), plus
@@ -18,10 +18,10 @@ import time
 
 import torch
 
-from cluster.config import SpecServeConfig
-from decoding.capture import captured_block, top_rows
-from deployments.metrics import RouterMetrics
-from deployments.round_capture import RoundCapture
+from specserve.cluster.config import SpecServeConfig
+from specserve.decoding.capture import captured_block, top_rows
+from specserve.deployments.metrics import RouterMetrics
+from specserve.deployments.round_capture import RoundCapture
 
 
 def main(argv: list[str] | None = None) -> None:

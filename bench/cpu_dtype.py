@@ -1,7 +1,7 @@
 """bf16 against float32 on CPU for the default pair: the CPU resolution of `dtype: auto`.
 
 Times one decode step (1 and 8 new tokens over a cached prompt) of each model in each dtype, the
-dtypes taking turns, one torch thread. `python -m bench.cpu_dtype` (a few seconds); the figures
+dtypes taking turns, one torch thread. `python -m specserve.bench.cpu_dtype` (a few seconds); the figures
 are in docs/real-checkpoints.md.
 """
 
@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from cluster.config import DEFAULT_MODELS_DIR
-from decoding.batched_runner import BatchedModelRunner
+from specserve.cluster.config import DEFAULT_MODELS_DIR
+from specserve.decoding.batched_runner import BatchedModelRunner
 
 
 def step_ms(runner: BatchedModelRunner, prompt: list[int], new: int, repeats: int) -> float:

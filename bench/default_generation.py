@@ -5,7 +5,7 @@ Target-only, in-process, on held-out prompts (bench/prompts_thirdparty_v1.json, 
 training corpus) plus the `make serve` demo prompt: for each candidate (temperature, top_p), a few
 seeded 96-token answers per prompt, and how much of each answer repeats itself: the share of
 tokens that complete an 8-token span already seen in the answer (a loop repeats spans verbatim).
-`python -m bench.default_generation` (about a minute on an idle CPU); figures in docs/real-checkpoints.md.
+`python -m specserve.bench.default_generation` (about a minute on an idle CPU); figures in docs/real-checkpoints.md.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from cluster.cli import DEMO_PROMPT
-from cluster.config import DEFAULT_MODELS_DIR
-from decoding.generate import generate
-from decoding.batched_runner import BatchedModelRunner
-from decoding.sampling import SamplingParams
-from decoding.sequence import RequestState
+from specserve.cluster.cli import DEMO_PROMPT
+from specserve.cluster.config import DEFAULT_MODELS_DIR
+from specserve.decoding.generate import generate
+from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.sampling import SamplingParams
+from specserve.decoding.sequence import RequestState
 
 CANDIDATES = [(0.0, 1.0), (0.6, 0.9), (0.7, 0.9), (0.8, 0.95), (1.0, 1.0)]
 SPAN = 8
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
                         "answers_mostly_repeated": sum(s > 0.5 for s in shares), "answers": len(shares),
                         "demo_answer": demo})
         print(json.dumps({k: v for k, v in results[-1].items() if k != "demo_answer"}), flush=True)
-    Path(args.out).write_text(json.dumps({"command": "python -m bench.default_generation", "span": SPAN,
+    Path(args.out).write_text(json.dumps({"command": "python -m specserve.bench.default_generation", "span": SPAN,
                                           "max_tokens": args.max_tokens, "results": results}, indent=2) + "\n")
 
 

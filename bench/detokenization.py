@@ -1,7 +1,7 @@
 """Micro-benchmark: the text cost of one committed token (detokenize + stop-string check + a streamed
 chunk every 4 tokens) against output length, incremental (RequestState) vs re-decoding everything.
 
-    python -m bench.detokenization
+    python -m specserve.bench.detokenization
 
 Incremental stays flat; re-decoding grows with the output (quadratic over a request).
 """
@@ -13,9 +13,9 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from cluster.config import DEFAULT_MODELS_DIR
-from decoding.sampling import SamplingParams
-from decoding.sequence import RequestState
+from specserve.cluster.config import DEFAULT_MODELS_DIR
+from specserve.decoding.sampling import SamplingParams
+from specserve.decoding.sequence import RequestState
 
 STOP = "<<never>>"
 

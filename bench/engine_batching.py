@@ -1,7 +1,7 @@
 """What one batched forward costs: ms per forward for B rows x n new tokens over a slot KV cache,
 next to the per-sequence DynamicCache runner (B=1, and B calls in a loop as today's engines run).
 
-    python -m bench.engine_batching [--model PATH] [--device cpu] [--dtype float32] [--threads 1]
+    python -m specserve.bench.engine_batching [--model PATH] [--device cpu] [--dtype float32] [--threads 1]
 
 Each row holds `--cached` tokens (128) before the timed forward; the full-history protocol crops
 every row back to them before each repetition, as a verify round does. Prints a table and writes
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from decoding.batched_runner import BatchedModelRunner
-from decoding.model_runner import ForwardCall, load_causal_lm
-from decoding.proposers import DraftModelProposer, ProposeCall
-from decoding.sampling import SamplingParams
+from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.model_runner import ForwardCall, load_causal_lm
+from specserve.decoding.proposers import DraftModelProposer, ProposeCall
+from specserve.decoding.sampling import SamplingParams
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "default" / "target"
 DEFAULT_DRAFT = DEFAULT_MODEL.parent / "draft"

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import httpx
 
-from bench.perfmodel import percentile
-from bench.records import RequestRecord
-from cluster.config import SpecServeConfig
+from specserve.bench.perfmodel import percentile
+from specserve.bench.records import RequestRecord
+from specserve.cluster.config import SpecServeConfig
 
 TARGET_ONLY_APP = "specserve-target-only"
 TARGET_ONLY_PREFIX = "/target-only"
@@ -72,8 +72,8 @@ def serving(speculative: SpecServeConfig, target_only: SpecServeConfig) -> Itera
     import ray
     from ray import serve
 
-    from cluster.builder import build_app
-    from cluster.local import RAY_SYSTEM_CONFIG, logical_cpus_needed, start_local, stop_local, wait_healthy
+    from specserve.cluster.builder import build_app
+    from specserve.cluster.local import RAY_SYSTEM_CONFIG, logical_cpus_needed, start_local, stop_local, wait_healthy
 
     # Logical CPUs for both apps at once (start_local alone would reserve for one).
     ray.init(num_cpus=logical_cpus_needed(speculative) + logical_cpus_needed(target_only),

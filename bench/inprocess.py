@@ -20,13 +20,13 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
-from bench.records import RequestRecord, StepLatency
-from decoding.generate import generate
-from decoding.batched_runner import BatchedModelRunner
-from decoding.proposers import DraftModelProposer
-from decoding.sampling import SamplingParams
-from decoding.sequence import RequestState
-from training.step_latency import step_latency_s
+from specserve.bench.records import RequestRecord, StepLatency
+from specserve.decoding.generate import generate
+from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.proposers import DraftModelProposer
+from specserve.decoding.sampling import SamplingParams
+from specserve.decoding.sequence import RequestState
+from specserve.training.step_latency import step_latency_s
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 STEP_CONTEXT_TOKENS = 128

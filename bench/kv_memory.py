@@ -1,7 +1,7 @@
 """KV memory and forward time: the paged KV cache (decoding.paged_cache) against the slot cache it
 replaced (bench.slot_cache), on the default target (fp32, one thread).
 
-    python -m bench.kv_memory [--reps 15] [--streams 16] [--seed 0]
+    python -m specserve.bench.kv_memory [--reps 15] [--streams 16] [--seed 0]
 
 1. Forward time at the shapes of shared/README.md's batching table (rows x new tokens, 128 cached
    tokens a row): the lean decoder forward over each cache, layout building included, the two
@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
-from decoding.batched_runner import BatchedModelRunner
-from decoding.lean_forward import LeanDecoder
-from decoding.model_runner import ForwardCall, load_causal_lm
-from decoding.paged_cache import GIB, PagedKVCache, blocks_for, kv_bytes_per_token, kv_capacity, paged_layout
-from bench.slot_cache import SlotKVCache, batch_layout
+from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.lean_forward import LeanDecoder
+from specserve.decoding.model_runner import ForwardCall, load_causal_lm
+from specserve.decoding.paged_cache import GIB, PagedKVCache, blocks_for, kv_bytes_per_token, kv_capacity, paged_layout
+from specserve.bench.slot_cache import SlotKVCache, batch_layout
 
 TARGET = Path(__file__).resolve().parents[1] / "models" / "default" / "target"
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
@@ -157,7 +157,7 @@ def llama_arithmetic(budget_gib: float = 16.0, streams: int = 16, tokens_each: i
 def markdown(result: dict) -> str:
     mib = 1 << 20
     lines = ["# KV memory: paged blocks against per-sequence slots", "",
-             "`python -m bench.kv_memory` (default target, fp32, 1 thread, this 2-core box, shared with other "
+             "`python -m specserve.bench.kv_memory` (default target, fp32, 1 thread, this 2-core box, shared with other "
              "sessions while it ran; caches take turns every repetition; medians of "
              f"{result['reps']} forwards; CPU ms = the forward thread's CPU time, what a busy box distorts least).", "",
              "## Forward time (lean forward, layout included, 128 cached tokens a row)", "",
@@ -195,7 +195,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.kv_memory", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m specserve.bench.kv_memory", description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)

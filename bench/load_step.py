@@ -1,7 +1,7 @@
 """`specserve bench-load-step`: a load step (1 -> N -> 1 streams) against autoscaled pools, traced.
 
 Brings up the app with both pools autoscaled between 1 and `--max-replicas` (Serve's own
-autoscaling, driven by the policy actor through `policies.autoscaling:PoolPolicy`, short Serve
+autoscaling, driven by the policy actor through `specserve.policies.autoscaling:PoolPolicy`, short Serve
 delays), then runs closed-loop streaming clients: 1 stream for `--phase-s`, N streams for
 `--phase-s`, 1 stream again for `--phase-s`, then idle. Every second it samples running replicas
 per pool (Serve's view), the depth the policy allows a greedy request, active requests, and the
@@ -23,10 +23,10 @@ from typing import Callable
 
 import httpx
 
-from bench.http_rows import free_port, request_body
-from cluster.config import SpecServeConfig, load_config
-from cluster.status import POOL_DEPLOYMENTS
-from training.prompts import load_prompt_set
+from specserve.bench.http_rows import free_port, request_body
+from specserve.cluster.config import SpecServeConfig, load_config
+from specserve.cluster.status import POOL_DEPLOYMENTS
+from specserve.training.prompts import load_prompt_set
 
 
 def autoscaled_config(base: SpecServeConfig, max_replicas: int, port: int) -> SpecServeConfig:
@@ -40,7 +40,7 @@ def autoscaled_config(base: SpecServeConfig, max_replicas: int, port: int) -> Sp
 
 def sample() -> dict:
     """Running replicas per pool, the router's view of load and depth."""
-    from cluster.status import router_status, running_replicas
+    from specserve.cluster.status import router_status, running_replicas
 
     router = router_status(timeout_s=5) or {}
     policy = router.get("policy") or {}
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default="load-step")
     args = parser.parse_args(argv)
 
-    from cluster.local import start_local, stop_local
+    from specserve.cluster.local import start_local, stop_local
 
     config = autoscaled_config(load_config(args.config), args.max_replicas, free_port())
     bodies = step_bodies(config.model_name, args.prompts, args.max_tokens)

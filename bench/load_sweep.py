@@ -41,9 +41,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench.http_rows import free_port, request_body, run_level, sweep_request_count
-from cluster.config import SpecServeConfig, load_config
-from training.prompts import DEFAULT_PROMPT_SET, PROMPT_SETS, load_prompt_set, select_prompts
+from specserve.bench.http_rows import free_port, request_body, run_level, sweep_request_count
+from specserve.cluster.config import SpecServeConfig, load_config
+from specserve.training.prompts import DEFAULT_PROMPT_SET, PROMPT_SETS, load_prompt_set, select_prompts
 
 VARIANTS = ["specserve", "target-only", "specserve-unbatched", "target-only-unbatched",
             "k0", "k2", "k4", "k8", "adaptive"]
@@ -79,8 +79,8 @@ def variant_config(base: SpecServeConfig, variant: str, num_draft_tokens: int, p
 
 def engine_counters() -> dict[str, dict[str, float]]:
     """Summed engine counters per pool, read from the named engine actors."""
-    from cluster.messages import EngineStats
-    from cluster.status import read_engine_stats
+    from specserve.cluster.messages import EngineStats
+    from specserve.cluster.status import read_engine_stats
 
     totals: dict[str, dict[str, float]] = {}
     for stats in read_engine_stats():
@@ -109,7 +109,7 @@ def engine_load(before: dict, after: dict) -> dict[str, dict[str, float | None]]
 def start_on_a_free_port(config: SpecServeConfig, attempts: int = 3) -> tuple[str, SpecServeConfig]:
     """start_local, on another free port if the chosen one was taken between choosing and binding
     (a lost race that once cost a whole sweep run)."""
-    from cluster.local import start_local
+    from specserve.cluster.local import start_local
 
     for attempt in range(attempts):
         try:
@@ -139,8 +139,8 @@ def run_interleaved(configs: dict[str, SpecServeConfig], bodies_for, levels: lis
     import ray
     from ray import serve
 
-    from cluster.builder import build_app
-    from cluster.local import RAY_SYSTEM_CONFIG, logical_cpus_needed, start_local, stop_local, wait_healthy
+    from specserve.cluster.builder import build_app
+    from specserve.cluster.local import RAY_SYSTEM_CONFIG, logical_cpus_needed, start_local, stop_local, wait_healthy
 
     names = list(configs)
     ray.init(num_cpus=sum(logical_cpus_needed(config) for config in configs.values()), include_dashboard=False,
@@ -177,7 +177,7 @@ def run_interleaved(configs: dict[str, SpecServeConfig], bodies_for, levels: lis
 
 
 def run_variant(config: SpecServeConfig, bodies_for, levels: list[int], log, progress) -> list[dict]:
-    from cluster.local import stop_local
+    from specserve.cluster.local import stop_local
 
     url, config = start_on_a_free_port(config)
     try:

@@ -1,7 +1,7 @@
 """Micro-benchmark: what penalties add to a verify's row processing (decoding.speculation.target_rows),
 by vocabulary size and history length, at K = 8 (9 rows), sampled, one torch thread.
 
-    python -m bench.penalty_cost [--out bench/results/cpu-2core-penalty-cost.md]
+    python -m specserve.bench.penalty_cost [--out bench/results/cpu-2core-penalty-cost.md]
 
 Penalties touch only the columns of tokens in the history (decoding.row_processors.Penalties), so
 their cost follows the history length; without penalties nothing is added.
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from decoding.sampling import SamplingParams
-from decoding.speculation import target_rows
+from specserve.decoding.sampling import SamplingParams
+from specserve.decoding.speculation import target_rows
 
 NUM_DRAFT_TOKENS = 8
 REPS = 40
@@ -53,7 +53,7 @@ def main() -> None:
             lines.append(f"| {vocab_size} | {history_len} | {plain:.2f} | {penalized:.2f} | {penalized - plain:.2f} |")
     load = os.getloadavg()[0]
     report = "\n".join([f"Row processing of one verify (K={NUM_DRAFT_TOKENS}, 9 rows, temperature only), min of {REPS}, "
-                        f"1 torch thread, `python -m bench.penalty_cost`; 1-minute load average {load:.1f} "
+                        f"1 torch thread, `python -m specserve.bench.penalty_cost`; 1-minute load average {load:.1f} "
                         "on 2 cores when it ended", "", *lines, ""])
     print(report)
     if args.out is not None:

@@ -13,7 +13,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from policies.acceptance import estimate_acceptance_rate, expected_tokens_per_round
+from specserve.policies.acceptance import estimate_acceptance_rate, expected_tokens_per_round
 
 
 def expected_tokens_per_pass(acceptance_rate: float, num_draft_tokens: float) -> float:

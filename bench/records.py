@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass
 
-from bench.perfmodel import (
+from specserve.bench.perfmodel import (
     expected_tokens_per_pass,
     measured_acceptance_rate,
     median_or_none,

@@ -2,7 +2,7 @@
 and returns, greedy and sampled, by context length and vocabulary size; and the seconds the round
 protocol's own work takes besides the forwards (`--timing`).
 
-    python -m bench.round_bytes [--timing] [--out bench/results/round-bytes.md]
+    python -m specserve.bench.round_bytes [--timing] [--out bench/results/round-bytes.md]
 
 Timing (medians of repeated rounds, this machine): the draft engine turning K rows of logits into
 its answer (q cut to draft_top_k, tokens drawn), the target engine turning K + 1 rows into its
@@ -31,14 +31,14 @@ from pathlib import Path
 
 import torch
 
-from cluster.config import LimitsSpec, SpeculationSpec
-from cluster.messages import CallSpan
-from decoding.compact_verify import DraftSupport, draft_support, sample_from_support
-from decoding.proposers import Proposal
-from decoding.sampling import SamplingParams, logits_to_probs, make_generator
-from decoding.sequence import RequestState
-from decoding.speculation import accept_round, target_rows, verify_answer
-from deployments.request_engines import RequestEngines
+from specserve.cluster.config import LimitsSpec, SpeculationSpec
+from specserve.cluster.messages import CallSpan
+from specserve.decoding.compact_verify import DraftSupport, draft_support, sample_from_support
+from specserve.decoding.proposers import Proposal
+from specserve.decoding.sampling import SamplingParams, logits_to_probs, make_generator
+from specserve.decoding.sequence import RequestState
+from specserve.decoding.speculation import accept_round, target_rows, verify_answer
+from specserve.deployments.request_engines import RequestEngines
 
 NUM_DRAFT_TOKENS = 4
 CONTEXTS = (100, 3_500)
@@ -190,7 +190,7 @@ def main() -> None:
     parser.add_argument("--timing", action="store_true", help="also time the protocol's work per round")
     args = parser.parse_args()
     spec = SpeculationSpec()
-    command = "`python -m bench.round_bytes" + (" --timing`" if args.timing else "`")
+    command = "`python -m specserve.bench.round_bytes" + (" --timing`" if args.timing else "`")
     lines = [f"Pickled bytes per request-round (K={NUM_DRAFT_TOKENS}, the verify chained to the draft's "
              "answer; sampled: temperature 0.8, no top-k/top-p, "
              f"speculation.draft_top_k={spec.draft_top_k}, verification={spec.verification!r}), {command}", "",

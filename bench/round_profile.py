@@ -1,4 +1,4 @@
-"""`python -m bench.round_profile`: where a single stream's round goes beyond the engines' compute.
+"""`python -m specserve.bench.round_profile`: where a single stream's round goes beyond the engines' compute.
 
 Serves the default pair, sends the third-party prompts one at a time over HTTP (greedy, streamed,
 64 tokens, `--passes` times after a warm-up), and splits each round's overhead two ways:
@@ -41,16 +41,16 @@ from pathlib import Path
 
 import psutil
 
-from bench.http_rows import free_port, request_body, run_level
-from cluster.config import load_config
-from training.prompts import load_prompt_set
+from specserve.bench.http_rows import free_port, request_body, run_level
+from specserve.cluster.config import load_config
+from specserve.training.prompts import load_prompt_set
 
 
 def engine_call_logs() -> dict[str, list[tuple[str, str, float, float]]]:
     """pool -> every call its engines logged: (kind, sequence id, entered, left)."""
     import ray
 
-    from deployments.naming import ENGINE_NAMESPACE, parse_engine_actor_name
+    from specserve.deployments.naming import ENGINE_NAMESPACE, parse_engine_actor_name
 
     logs: dict[str, list] = defaultdict(list)
     for entry in ray.util.list_named_actors(all_namespaces=True):
@@ -132,7 +132,7 @@ def median_ms(values: list[float]) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.round_profile", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m specserve.bench.round_profile", description=__doc__.splitlines()[0])
     parser.add_argument("--config")
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
 
-    from cluster.local import start_local, stop_local
+    from specserve.cluster.local import start_local, stop_local
 
     base = load_config(args.config)
     data = base.model_dump(mode="json")
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     bodies = [(p.prompt_id, request_body(config.model_name, p.text, "greedy", args.max_tokens, seed=i))
               for i, p in enumerate(prompts)]
     if args.stages:
-        from deployments.round_stages import PROFILE_ENV
+        from specserve.deployments.round_stages import PROFILE_ENV
 
         os.environ[PROFILE_ENV] = "1"  # the cluster's processes inherit it
     url = start_local(config)
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     cpu_per_round_ms = {role: round(1000 * (cpu_after.get(role, 0.0) - cpu_before.get(role, 0.0)) / max(1, target_passes), 3)
                         for role in sorted(cpu_after, key=lambda k: cpu_before.get(k, 0.0) - cpu_after[k])}
     result = {
-        "name": args.name, "command": "python -m bench.round_profile " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "name": args.name, "command": "python -m specserve.bench.round_profile " + " ".join(argv if argv is not None else sys.argv[1:]),
         "prompts": args.prompts, "max_tokens": args.max_tokens, "requests": len(records),
         "stream_interval_ms": config.http.stream_interval_ms,
         "tokens_per_s": [round(level["tokens_per_s"], 1) for level in levels],

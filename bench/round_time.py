@@ -2,7 +2,7 @@
 look-alike pair at fixed K (issue 37: a round's cost should follow K, not the sampling mode, the
 history or the vocabulary).
 
-    python -m bench.round_time [--rounds 40] [--warmup 2] [--threads 1] [--out bench/results/cpu-2core-round-time.md]
+    python -m specserve.bench.round_time [--rounds 40] [--warmup 2] [--threads 1] [--out bench/results/cpu-2core-round-time.md]
 
 The pair is the shipped default pair's architecture (models/default: target and draft configs)
 with Llama 3's vocabulary width (128,256) and a context of 4,096, random weights. Six requests,
@@ -29,12 +29,12 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from cluster.config import SpeculationSpec
-from decoding.batched_runner import runner_for_model
-from decoding.generate import generate
-from decoding.proposers import DraftModelProposer
-from decoding.sampling import SamplingParams
-from decoding.sequence import RequestState
+from specserve.cluster.config import SpeculationSpec
+from specserve.decoding.batched_runner import runner_for_model
+from specserve.decoding.generate import generate
+from specserve.decoding.proposers import DraftModelProposer
+from specserve.decoding.sampling import SamplingParams
+from specserve.decoding.sequence import RequestState
 
 DEFAULT_PAIR = Path(__file__).resolve().parents[1] / "models" / "default"
 VOCAB_SIZE = 128_256
@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the table here (and the raw numbers beside it as .json)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    command = f"python -m bench.round_time --rounds {args.rounds} --warmup {args.warmup} --threads {args.threads}"
+    command = f"python -m specserve.bench.round_time --rounds {args.rounds} --warmup {args.warmup} --threads {args.threads}"
     seconds = measure(args.rounds, args.warmup)
     rows = summary(seconds)
     text = table(rows, command)

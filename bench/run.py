@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.perfmodel import ratio
-from bench.records import RequestRecord, StepLatency, step_size_for, summarize_row
-from training.prompts import DEFAULT_PROMPT_SET, PROMPT_SETS, load_prompt_set, select_prompts
+from specserve.bench.perfmodel import ratio
+from specserve.bench.records import RequestRecord, StepLatency, step_size_for, summarize_row
+from specserve.training.prompts import DEFAULT_PROMPT_SET, PROMPT_SETS, load_prompt_set, select_prompts
 
 IN_PROCESS_ROWS = ["target-inproc", "hf-dynamic", "hf-constant", "specserve-inproc"]
 HTTP_ROWS = ["target-http", "specserve-http"]
@@ -116,7 +116,7 @@ def _loadavg() -> list[float] | None:
 # -- measurement phases -----------------------------------------------------------------------------
 
 def run_in_process(args, pair, prompts, prompt_ids, records: dict) -> None:
-    from bench.inprocess import in_process_rows
+    from specserve.bench.inprocess import in_process_rows
 
     rows = [row for row in in_process_rows(args.num_draft_tokens) if row.key in args.rows]
     for mode in args.modes:
@@ -137,8 +137,8 @@ def run_in_process(args, pair, prompts, prompt_ids, records: dict) -> None:
 
 
 def run_http(args, config, prompts, records: dict, sweeps: dict) -> None:
-    from bench.http_rows import free_port, http_configs, request_body, run_level, run_sequential, serving
-    from bench.http_rows import sweep_request_count
+    from specserve.bench.http_rows import free_port, http_configs, request_body, run_level, run_sequential, serving
+    from specserve.bench.http_rows import sweep_request_count
 
     speculative, target_only = http_configs(config, args.num_draft_tokens, args.adaptive, free_port())
     log("starting Ray Serve (specserve + target-only apps) ...")
@@ -249,7 +249,7 @@ def notes(args, skipped: list[str]) -> list[str]:
 
 
 def build_context_ids(prompt_ids: dict) -> list[int]:
-    from bench.inprocess import step_context
+    from specserve.bench.inprocess import step_context
 
     return step_context(list(prompt_ids.values()))
 
@@ -258,10 +258,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from bench.http_rows import ray_available
-    from bench.inprocess import STEP_CONTEXT_TOKENS, load_pair, measure_steps
-    from bench.report import render_markdown, write_outputs
-    from cluster.config import load_config
+    from specserve.bench.http_rows import ray_available
+    from specserve.bench.inprocess import STEP_CONTEXT_TOKENS, load_pair, measure_steps
+    from specserve.bench.report import render_markdown, write_outputs
+    from specserve.cluster.config import load_config
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: no CUDA device is visible to torch here")

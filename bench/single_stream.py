@@ -1,6 +1,6 @@
 """Single-stream greedy tok/s of a RUNNING server, for before/after comparisons across commits.
 
-    python -m bench.single_stream URL LABEL [PASSES]
+    python -m specserve.bench.single_stream URL LABEL [PASSES]
 
 Sends the third-party prompt set one request at a time (64 tokens, greedy), PASSES times after a
 warm-up, and prints one JSON line: tok/s per pass, their median, the mean depth K, acceptance and
@@ -12,8 +12,8 @@ import json
 import statistics
 import sys
 
-from bench.http_rows import request_body, run_level
-from training.prompts import load_prompt_set
+from specserve.bench.http_rows import request_body, run_level
+from specserve.training.prompts import load_prompt_set
 
 
 def main(argv: list[str]) -> None:

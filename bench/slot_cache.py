@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.model_runner import NoFreeSlotError
-from decoding.paged_attention import sdpa_over_gathered
-from decoding.paged_cache import LayerPools, positions_and_mask
+from specserve.decoding.model_runner import NoFreeSlotError
+from specserve.decoding.paged_attention import sdpa_over_gathered
+from specserve.decoding.paged_cache import LayerPools, positions_and_mask
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,9 @@ from pathlib import Path
 import httpx
 import psutil
 
-from bench.http_rows import free_port
-from cluster.config import load_config
-from training.prompts import load_prompt_set
+from specserve.bench.http_rows import free_port
+from specserve.cluster.config import load_config
+from specserve.training.prompts import load_prompt_set
 
 KINDS = ("greedy", "sampled_stream", "greedy_stream", "chat", "dropped")
 APP_PROCESS = re.compile(r"^ray::(?:ServeReplica:specserve:)?(\w+)")
@@ -145,7 +145,7 @@ async def clients(url: str, model: str, prompts: list[str], streams: int, durati
 
 def held_after(timeout_s: float = 30.0) -> dict:
     """Router requests and engine sequences still held once the clients stopped (should be 0)."""
-    from cluster.status import read_engine_stats, router_status
+    from specserve.cluster.status import read_engine_stats, router_status
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -158,7 +158,7 @@ def held_after(timeout_s: float = 30.0) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m specserve.bench.soak", description=__doc__.splitlines()[0])
     parser.add_argument("--config")
     parser.add_argument("--duration-s", type=float, default=600.0)
     parser.add_argument("--warmup-s", type=float, default=60.0)
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="bench/results/soak-cpu-2core.json")
     args = parser.parse_args(argv)
 
-    from cluster.local import start_local, stop_local
+    from specserve.cluster.local import start_local, stop_local
 
     base = load_config(args.config)
     config = base.model_copy(update={"http": base.http.model_copy(update={"host": "127.0.0.1", "port": free_port()})})
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     growth = memory.growth(args.warmup_s)
     worst = max((row["growth"] for row in growth), default=0.0)
     passed = not tally.errors and worst <= args.max_growth and held == {"active_requests": 0, "sequences": 0}
-    result = {"command": "python -m bench.soak " + " ".join(argv if argv is not None else sys.argv[1:]),
+    result = {"command": "python -m specserve.bench.soak " + " ".join(argv if argv is not None else sys.argv[1:]),
               "duration_s": args.duration_s, "warmup_s": args.warmup_s, "streams": args.streams,
               "requests": tally.done, "requests_total": sum(tally.done.values()), "completion_tokens": tally.tokens,
               "errors": len(tally.errors), "error_samples": tally.errors[:10], "held_after": held,

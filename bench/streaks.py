@@ -4,7 +4,7 @@ another K. If acceptance were independent, alpha fitted at K = 4 would predict K
 round; on code it under-predicts them by a third, which is why policies.acceptance counts rounds
 by position.
 
-Run: `python -m bench.streaks bench/results/NAME.json [...]` (sweep runs that keep their records);
+Run: `python -m specserve.bench.streaks bench/results/NAME.json [...]` (sweep runs that keep their records);
 prints and writes bench/results/streaks.md.
 """
 
@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from policies.acceptance import acceptance_from_tokens_per_round, expected_tokens_per_round
+from specserve.policies.acceptance import acceptance_from_tokens_per_round, expected_tokens_per_round
 
 OUT = Path(__file__).parent / "results" / "streaks.md"
 

@@ -6,7 +6,7 @@ path; this one checks the served path end to end as a client sees it: the `opena
 `structured_outputs` (compact JSON, `disable_any_whitespace`) and OpenAI's `response_format`
 `json_schema` in turn, sampled at temperature 1 with speculation on, `streams` requests at a time.
 
-    python -m bench.structured_http --requests 1000 --out bench/results/cpu-2core-structured-http.md
+    python -m specserve.bench.structured_http --requests 1000 --out bench/results/cpu-2core-structured-http.md
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 import jsonschema
 from openai import OpenAI
 
-from bench.structured_outputs import PROMPTS, SCHEMAS
-from cluster.config import SpecServeConfig
+from specserve.bench.structured_outputs import PROMPTS, SCHEMAS
+from specserve.cluster.config import SpecServeConfig
 
 MAX_TOKENS = 96
 PORT = 8767
@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    from cluster.local import start_local, stop_local
+    from specserve.cluster.local import start_local, stop_local
 
     config = SpecServeConfig.model_validate({"http": {"port": PORT}})
     url = start_local(config)
@@ -105,7 +105,7 @@ def main() -> None:
         stop_local()
     lines = [
         "# Structured outputs over HTTP (default pair, sampled, speculation on)", "",
-        f"`python -m bench.structured_http --requests {args.requests} --flexible {args.flexible} --streams "
+        f"`python -m specserve.bench.structured_http --requests {args.requests} --flexible {args.flexible} --streams "
         f"{args.streams}`: the `openai` client against `specserve serve`'s default config, temperature 1, max_tokens "
         f"{MAX_TOKENS}, {len(PROMPTS)} prompts x {len(SCHEMAS)} JSON schemas (bench/structured_outputs.py), "
         f"{args.streams} requests at a time; 1-minute load average {os.getloadavg()[0]:.1f} on 2 cores when it ended.", "",

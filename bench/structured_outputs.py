@@ -2,7 +2,7 @@
 speed and acceptance with and without a JSON schema, the draft masked or not, the grammar's cost
 per round, and the validity of many sampled outputs.
 
-    flock /work/wt/bench.lock python -m bench.structured_outputs [--validity 1000] \
+    flock /work/wt/bench.lock python -m specserve.bench.structured_outputs [--validity 1000] \
         [--out bench/results/cpu-2core-structured-outputs.md]
 
 Speed: one stream at a time, K = 4, one torch thread; for every (prompt, schema) pair, greedy
@@ -31,15 +31,15 @@ import jsonschema
 import torch
 from transformers import AutoTokenizer
 
-from cluster.config import DEFAULT_MODELS_DIR
-from decoding import grammar as grammar_module
-from decoding import row_processors
-from decoding.batched_runner import BatchedModelRunner
-from decoding.generate import generate, generate_batch
-from decoding.grammar import GrammarCompiler, GrammarMatchers, GrammarSpec
-from decoding.proposers import DraftModelProposer
-from decoding.sampling import SamplingParams
-from decoding.sequence import RequestState
+from specserve.cluster.config import DEFAULT_MODELS_DIR
+from specserve.decoding import grammar as grammar_module
+from specserve.decoding import row_processors
+from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.generate import generate, generate_batch
+from specserve.decoding.grammar import GrammarCompiler, GrammarMatchers, GrammarSpec
+from specserve.decoding.proposers import DraftModelProposer
+from specserve.decoding.sampling import SamplingParams
+from specserve.decoding.sequence import RequestState
 
 NUM_DRAFT_TOKENS = 4
 MAX_TOKENS = 96
@@ -194,7 +194,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     report = "\n".join([
         "# Structured outputs under speculation (default pair, in process)", "",
-        f"`python -m bench.structured_outputs --validity {args.validity}`: one stream, K={NUM_DRAFT_TOKENS}, "
+        f"`python -m specserve.bench.structured_outputs --validity {args.validity}`: one stream, K={NUM_DRAFT_TOKENS}, "
         f"max_tokens={MAX_TOKENS}, 1 torch thread, {len(PROMPTS)} prompts x {len(SCHEMAS)} JSON schemas "
         "(compact: no free whitespace), variants in turn per request; 1-minute load average "
         f"{load:.1f} on 2 cores when it ended (other sessions shared the box).", "",

@@ -1,6 +1,6 @@
 """Tensor parallelism on this box: memory per rank and what TP=2 costs per forward against TP=1.
 
-    python -m bench.tensor_parallel [--hidden 1024] [--layers 8] [--reps 20] [--out bench/results/...]
+    python -m specserve.bench.tensor_parallel [--hidden 1024] [--layers 8] [--reps 20] [--out bench/results/...]
 
 A random Llama checkpoint (default 160M parameters: 0.32 GB in bfloat16 on disk, 0.64 GB loaded
 in float32) is written to a temp dir, then, each phase in fresh processes (torch.multiprocessing, gloo, one torch thread each):
@@ -79,7 +79,7 @@ def histories(rows: int) -> dict[str, list[int]]:
 
 def time_shapes(runners: dict, reps: int) -> dict:
     """Median ms per forward of each runner per shape (taking turns), and their largest logit gap."""
-    from bench.lean_forward import forwards_in_turns
+    from specserve.bench.lean_forward import forwards_in_turns
 
     shapes = {}
     for rows, new in SHAPES:
@@ -98,7 +98,7 @@ def time_collectives(control, hidden: int, layers: int, vocab: int, size: int, r
     """Rank 0's view of the collectives one TP forward of each shape makes, timed alone (ms)."""
     import torch.distributed as dist
 
-    from decoding.model_runner import ForwardCall
+    from specserve.decoding.model_runner import ForwardCall
 
     out = {}
     for rows, new in SHAPES:
@@ -124,8 +124,8 @@ def time_collectives(control, hidden: int, layers: int, vocab: int, size: int, r
 def _process(rank: int, size: int, store_address: str, path: str, phase: str, options: dict, results) -> None:
     import transformers  # noqa: F401  (imports are part of the baseline RSS, as in an engine)
 
-    from decoding.batched_runner import load_runner
-    from decoding.tensor_parallel import weight_bytes
+    from specserve.decoding.batched_runner import load_runner
+    from specserve.decoding.tensor_parallel import weight_bytes
 
     torch.set_num_threads(1)
     before = rss_bytes()
@@ -151,7 +151,7 @@ def _process(rank: int, size: int, store_address: str, path: str, phase: str, op
 
 
 def run(path: str, size: int, phase: str, options: dict) -> list[dict]:
-    from decoding.tensor_parallel import host_store
+    from specserve.decoding.tensor_parallel import host_store
 
     store, address = host_store("127.0.0.1")   # served by this process while the group runs
     context = mp.get_context("spawn")
@@ -171,7 +171,7 @@ def report(result: dict) -> str:
     mib = 2 ** 20
     model, memory = result["model"], result["memory"]
     whole = memory["tp1"][0]
-    lines = [f"# TP=1 vs TP=2 on {result['machine']['cpus']} CPU cores (gloo), `python -m bench.tensor_parallel`", "",
+    lines = [f"# TP=1 vs TP=2 on {result['machine']['cpus']} CPU cores (gloo), `python -m specserve.bench.tensor_parallel`", "",
              f"A random Llama of {model['parameters']:,} parameters (hidden {model['hidden']}, {model['layers']} layers, "
              f"{model['hidden'] // 64} heads / {model['hidden'] // 128} KV heads, vocabulary {model['vocab']:,}), "
              f"bfloat16 on disk, loaded in float32: {whole['weight_bytes'] / mib:.0f} MiB of weights. "
@@ -197,7 +197,7 @@ def report(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.tensor_parallel", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m specserve.bench.tensor_parallel", description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)

@@ -11,7 +11,7 @@ From inside a Serve replica (where the router lives), one round trip of:
   two hops as a Ray Compiled Graph, router -> draft -> target -> router, whose bound methods hand
   the call to the actor's event loop and block for it (a graph's loop runs them on a thread of
   its own; docs/transport.md says why that shape).
-Run: `python -m bench.transport [--calls 300]`; prints and writes bench/results/transport.json.
+Run: `python -m specserve.bench.transport [--calls 300]`; prints and writes bench/results/transport.json.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Config -> bound Ray Serve application, and config -> Serve config YAML (`serve deploy`).
 
-The YAML points Serve at ``cluster.builder:app_builder`` with the whole config as ``args``, so
+The YAML points Serve at ``specserve.cluster.builder:app_builder`` with the whole config as ``args``, so
 ``serve run``/``serve deploy`` and ``specserve serve`` build the very same graph.
 """
 
@@ -12,20 +12,20 @@ from typing import Any
 import yaml
 from ray.serve import Application
 
-from cluster.config import SpecServeConfig, WorkerResources
-from deployments.draft_worker import DraftWorker
-from deployments.engine_host import REPLICA_CPUS, engine_bundles
-from deployments.ingress import Ingress
-from deployments.prefix_router import ROUTER_CLASS_PATH as PREFIX_ROUTER_CLASS_PATH
-from deployments.router import Router
-from deployments.target_worker import TargetWorker
-from policies.decision import PolicySettings
+from specserve.cluster.config import SpecServeConfig, WorkerResources
+from specserve.deployments.draft_worker import DraftWorker
+from specserve.deployments.engine_host import REPLICA_CPUS, engine_bundles
+from specserve.deployments.ingress import Ingress
+from specserve.deployments.prefix_router import ROUTER_CLASS_PATH as PREFIX_ROUTER_CLASS_PATH
+from specserve.deployments.router import Router
+from specserve.deployments.target_worker import TargetWorker
+from specserve.policies.decision import PolicySettings
 
 APP_NAME = "specserve"
-IMPORT_PATH = "cluster.builder:app_builder"
+IMPORT_PATH = "specserve.cluster.builder:app_builder"
 
 
-POOL_POLICY = "policies.autoscaling:PoolPolicy"
+POOL_POLICY = "specserve.policies.autoscaling:PoolPolicy"
 ROUTING_STATS_PERIOD_S = 2.0  # how often Serve reads a target replica's engine load for routing
 
 
@@ -98,8 +98,8 @@ def served_model_specs(config: SpecServeConfig) -> tuple[dict[str, Any], dict[st
     structured outputs' grammar masks over it)."""
     from transformers import AutoTokenizer
 
-    from decoding.checkpoint import context_length, eos_token_ids, max_model_len
-    from decoding.model_runner import check_compatible_paths, output_width, served_vocab_size
+    from specserve.decoding.checkpoint import context_length, eos_token_ids, max_model_len
+    from specserve.decoding.model_runner import check_compatible_paths, output_width, served_vocab_size
 
     tokenizer_path = config.resolved_tokenizer_path
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
@@ -170,7 +170,7 @@ def serve_config_yaml(config: SpecServeConfig) -> str:
     """serve_config as YAML, validated with Ray's own ServeDeploySchema before it is returned."""
     from ray.serve.schema import ServeDeploySchema
 
-    from cluster.local import logical_cpus_needed
+    from specserve.cluster.local import logical_cpus_needed
 
     document = serve_config(config)
     ServeDeploySchema.model_validate(document)

@@ -12,21 +12,21 @@ import time
 
 import httpx
 
-from cluster.config import load_config
+from specserve.cluster.config import load_config
 
 # No trailing newline: the tokenizer merges a newline with the next line's indentation, so a
 # prompt that ends in "\n" leaves the model mid-token.
 DEMO_PROMPT = "class Stack:\n    def __init__(self):"
 # Subcommands whose module has its own argparse main(argv): name -> (module, help).
 FORWARDED_COMMANDS = {
-    "train-default": ("training.default_pair", "train the default draft/target pair"),
-    "distill-draft": ("training.distill", "distil the draft further on the target's own generations "
+    "train-default": ("specserve.training.default_pair", "train the default draft/target pair"),
+    "distill-draft": ("specserve.training.distill", "distil the draft further on the target's own generations "
                       "(--from-capture DIR --out DIR: on a server's captured traffic)"),
-    "eval-pair": ("training.evaluate", "evaluate the default pair (acceptance, latency); --card writes its model card"),
-    "bench": ("bench.run", "benchmark vs target-only and HF assisted generation"),
-    "bench-load": ("bench.load_sweep", "throughput/latency under load: concurrency sweep of server variants"),
-    "bench-load-step": ("bench.load_step", "a 1 -> N -> 1 stream load step against autoscaled pools, traced"),
-    "bench-adapt": ("bench.adapt", "the draft learns a domain its fine-tuned target knows: before/after, alpha curve"),
+    "eval-pair": ("specserve.training.evaluate", "evaluate the default pair (acceptance, latency); --card writes its model card"),
+    "bench": ("specserve.bench.run", "benchmark vs target-only and HF assisted generation"),
+    "bench-load": ("specserve.bench.load_sweep", "throughput/latency under load: concurrency sweep of server variants"),
+    "bench-load-step": ("specserve.bench.load_step", "a 1 -> N -> 1 stream load step against autoscaled pools, traced"),
+    "bench-adapt": ("specserve.bench.adapt", "the draft learns a domain its fine-tuned target knows: before/after, alpha curve"),
 }
 
 
@@ -131,7 +131,7 @@ def _config(args: argparse.Namespace):
 def _start(config, dashboard: bool = False) -> str:
     """start_local; a start-up that fails ends the command with its cause (a replica's own error,
     or what Serve says of deployments that did not start in time), not a traceback through Ray."""
-    from cluster.local import StartupError, start_local
+    from specserve.cluster.local import StartupError, start_local
 
     try:
         return start_local(config, dashboard=dashboard)
@@ -140,7 +140,7 @@ def _start(config, dashboard: bool = False) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from cluster.local import drain_local, metrics_url, stop_local
+    from specserve.cluster.local import drain_local, metrics_url, stop_local
 
     config = _config(args)
     url = _start(config, dashboard=args.dashboard)
@@ -170,7 +170,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from cluster.local import stop_local
+    from specserve.cluster.local import stop_local
 
     config = _config(args)
     url = _start(config)
@@ -181,7 +181,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_serve_config(args: argparse.Namespace) -> None:
-    from cluster.builder import serve_config_yaml
+    from specserve.cluster.builder import serve_config_yaml
 
     text = serve_config_yaml(_config(args))
     if args.output:
@@ -192,7 +192,7 @@ def cmd_serve_config(args: argparse.Namespace) -> None:
 
 
 def cmd_k8s_manifest(args: argparse.Namespace) -> None:
-    from cluster.kuberay import DEFAULT_IMAGE, rayservice_yaml
+    from specserve.cluster.kuberay import DEFAULT_IMAGE, rayservice_yaml
 
     text = rayservice_yaml(_config(args), image=args.image or DEFAULT_IMAGE, models_claim=args.models_claim or None)
     if args.output:
@@ -203,7 +203,7 @@ def cmd_k8s_manifest(args: argparse.Namespace) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> None:
-    from cluster.status import main as status_main
+    from specserve.cluster.status import main as status_main
 
     raise SystemExit(status_main(args.address, args.json))
 

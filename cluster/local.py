@@ -16,8 +16,8 @@ import ray
 from ray import serve
 from ray.serve.schema import ApplicationStatus, DeploymentStatus
 
-from cluster.builder import APP_NAME, build_app
-from cluster.config import SpecServeConfig
+from specserve.cluster.builder import APP_NAME, build_app
+from specserve.cluster.config import SpecServeConfig
 
 logger = logging.getLogger(__name__)
 

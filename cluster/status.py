@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from cluster.messages import POOLS, EngineStats, KvUsage
-from deployments.naming import DRAFT_TRAINER_PREFIX, ENGINE_NAMESPACE, parse_engine_actor_name
+from specserve.cluster.messages import POOLS, EngineStats, KvUsage
+from specserve.deployments.naming import DRAFT_TRAINER_PREFIX, ENGINE_NAMESPACE, parse_engine_actor_name
 
 POOL_DEPLOYMENTS = {"draft": "DraftWorker", "target": "TargetWorker"}
 TRAINING_FIELDS = ("draft_version", "trained_at", "trained_positions", "expected_acceptance_before",
@@ -149,7 +149,7 @@ def running_replicas() -> dict[str, int]:
     """RUNNING replicas per pool, as Serve sees them."""
     from ray import serve
 
-    from cluster.builder import APP_NAME
+    from specserve.cluster.builder import APP_NAME
 
     running = {}
     application = serve.status().applications.get(APP_NAME)
@@ -164,7 +164,7 @@ def router_status(timeout_s: float = STATS_TIMEOUT_S) -> dict[str, Any] | None:
     """Router.status() of one router replica, or None when no router answers."""
     from ray import serve
 
-    from cluster.builder import APP_NAME
+    from specserve.cluster.builder import APP_NAME
 
     try:
         return serve.get_deployment_handle("Router", APP_NAME).status.remote().result(timeout_s=timeout_s)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from decoding.model_runner import (
+from specserve.decoding.model_runner import (
     ForwardCall,
     NoFreeSlotError,
     RunnerBase,
@@ -41,12 +41,12 @@ from decoding.model_runner import (
     load_causal_lm,
     model_path_of,
 )
-from decoding.lean_forward import LeanDecoder, lean_support
-from decoding.checkpoint import resolve_device
-from decoding.tensor_parallel import TensorParallelRank, agreed_minimum, in_group, join_group, weight_bytes
-from decoding.paged_attention import ATTENTION_NAME, FLASH_BLOCK_SIZE, PagedAttentionError, flash_kernel_available
-from decoding.paged_attention import register as register_paged_attention
-from decoding.paged_cache import (
+from specserve.decoding.lean_forward import LeanDecoder, lean_support
+from specserve.decoding.checkpoint import resolve_device
+from specserve.decoding.tensor_parallel import TensorParallelRank, agreed_minimum, in_group, join_group, weight_bytes
+from specserve.decoding.paged_attention import ATTENTION_NAME, FLASH_BLOCK_SIZE, PagedAttentionError, flash_kernel_available
+from specserve.decoding.paged_attention import register as register_paged_attention
+from specserve.decoding.paged_cache import (
     DEFAULT_BLOCK_SIZE,
     GIB,
     KVCapacity,

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from decoding.rejection import _assemble, _block_weights, stop_probabilities_from_mass
-from decoding.sampling import sample_from_probs
+from specserve.decoding.rejection import _assemble, _block_weights, stop_probabilities_from_mass
+from specserve.decoding.sampling import sample_from_probs
 
 
 @dataclass(frozen=True)

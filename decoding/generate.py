@@ -9,11 +9,11 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from decoding.grammar import GrammarDeadEndError, GrammarMatcher, GrammarMatchers
-from decoding.model_runner import ForwardCall, RunnerBase
-from decoding.proposers import ProposeCall, Proposer, empty_proposal
-from decoding.sequence import RequestState
-from decoding.speculation import (RowsCall, accept_round, target_rows, target_rows_batch, verify_answer,
+from specserve.decoding.grammar import GrammarDeadEndError, GrammarMatcher, GrammarMatchers
+from specserve.decoding.model_runner import ForwardCall, RunnerBase
+from specserve.decoding.proposers import ProposeCall, Proposer, empty_proposal
+from specserve.decoding.sequence import RequestState
+from specserve.decoding.speculation import (RowsCall, accept_round, target_rows, target_rows_batch, verify_answer,
                                   verify_answers)
 
 

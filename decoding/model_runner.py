@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM
 
-from decoding.checkpoint import check_weight_files, quantization_method, resolve_device, resolve_dtype
+from specserve.decoding.checkpoint import check_weight_files, quantization_method, resolve_device, resolve_dtype
 
 # Draft and target must split text into the same ids; code-like text exercises merges and spaces.
 _PROBE_TEXT = "def fibonacci(n):\n    return n"
@@ -75,7 +75,7 @@ def load_causal_lm(model_path: str, dtype: str = "auto", device: str = "auto",
     if tensor_parallel_size > 1:
         from transformers import AutoConfig, DistributedConfig
 
-        from decoding.tensor_parallel import check_divisible
+        from specserve.decoding.tensor_parallel import check_divisible
 
         check_divisible(AutoConfig.from_pretrained(model_path, local_files_only=True).get_text_config(decoder=True),
                         tensor_parallel_size)

@@ -43,8 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.model_runner import NoFreeSlotError
-from decoding.paged_attention import flash_paged_attention, sdpa_over_gathered
+from specserve.decoding.model_runner import NoFreeSlotError
+from specserve.decoding.paged_attention import flash_paged_attention, sdpa_over_gathered
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per block (vLLM's default)
 FIRST_GROWTH_BLOCKS = 64  # blocks the pool starts with on first use (then doubles)

@@ -8,11 +8,11 @@ from typing import Protocol
 
 import torch
 
-from decoding.grammar import GrammarDeadEndError, GrammarMatchers
-from decoding.model_runner import ForwardCall, RunnerBase
-from decoding.row_processors import HistoryProcessor, RowBatch, history_processor
-from decoding.compact_verify import DraftSupport, draft_support
-from decoding.sampling import RowParams, SamplingParams, process_rows, sample_rows
+from specserve.decoding.grammar import GrammarDeadEndError, GrammarMatchers
+from specserve.decoding.model_runner import ForwardCall, RunnerBase
+from specserve.decoding.row_processors import HistoryProcessor, RowBatch, history_processor
+from specserve.decoding.compact_verify import DraftSupport, draft_support
+from specserve.decoding.sampling import RowParams, SamplingParams, process_rows, sample_rows
 
 
 @dataclass

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from decoding.sampling import sample_from_probs
+from specserve.decoding.sampling import sample_from_probs
 
 PLACEHOLDER_TOKEN_ID = -1
 

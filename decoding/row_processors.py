@@ -24,8 +24,8 @@ from typing import Protocol
 
 import torch
 
-from decoding.grammar import GrammarMatcher, mask_logits
-from decoding.sampling import SamplingParams, penalize
+from specserve.decoding.grammar import GrammarMatcher, mask_logits
+from specserve.decoding.sampling import SamplingParams, penalize
 
 
 class RowBatch:

@@ -16,7 +16,7 @@ from typing import Annotated
 import torch
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from decoding.grammar import GrammarSpec
+from specserve.decoding.grammar import GrammarSpec
 
 # The limits OpenAI's API documents; the HTTP models (deployments/openai_protocol.py) use these
 # very constants, so what the ingress admits and what a request may carry cannot disagree.

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from decoding.model_runner import SequenceStateError
+from specserve.decoding.model_runner import SequenceStateError
 
 logger = logging.getLogger(__name__)
 

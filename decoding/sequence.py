@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from decoding.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from decoding.sampling import SamplingParams, draft_seed, make_generator, verify_seed
+from specserve.decoding.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from specserve.decoding.sampling import SamplingParams, draft_seed, make_generator, verify_seed
 
 
 def stop_ids(eos_token_id: int | Collection[int] | None, stop_token_ids: Sequence[int] = ()) -> list[int]:

@@ -13,14 +13,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from decoding.grammar import GrammarDeadEndError, GrammarMatcher
-from decoding.proposers import Proposal
-from decoding.compact_verify import (DraftSupport, TargetNumbers, compact_block_verify, compact_rejection_sample,
+from specserve.decoding.grammar import GrammarDeadEndError, GrammarMatcher
+from specserve.decoding.proposers import Proposal
+from specserve.decoding.compact_verify import (DraftSupport, TargetNumbers, compact_block_verify, compact_rejection_sample,
                                      target_numbers)
-from decoding.rejection import PLACEHOLDER_TOKEN_ID
-from decoding.row_processors import RowBatch, history_processor
-from decoding.sampling import RowParams, SamplingParams, process_rows
-from decoding.sequence import RequestState, stop_ids
+from specserve.decoding.rejection import PLACEHOLDER_TOKEN_ID
+from specserve.decoding.row_processors import RowBatch, history_processor
+from specserve.decoding.sampling import RowParams, SamplingParams, process_rows
+from specserve.decoding.sequence import RequestState, stop_ids
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from decoding.proposers import Proposal
+from specserve.decoding.proposers import Proposal
 
 # How much likelier the draft's i-th candidate is to be the target's token than its (i+1)-th, when
 # the fan-out is shared out (`allocate_fan_out`): a prior, not a measurement (docs/speculation-cache.md).

@@ -164,7 +164,7 @@ class MirroredRunner:
 
     def forward(self, seq_id: str, token_ids: Sequence[int], num_rows: int = 1) -> torch.Tensor:
         """The runner's `forward`, mirrored as the forward_batch it is."""
-        from decoding.model_runner import ForwardCall
+        from specserve.decoding.model_runner import ForwardCall
 
         return self._mirrored("forward_batch", [ForwardCall(seq_id, list(token_ids), num_rows)])[0]
 
@@ -176,8 +176,8 @@ class MirroredRunner:
 
 def _refusals() -> tuple[type[BaseException], ...]:
     """What a runner's own checks raise before anything changes: every rank raises it alike."""
-    from decoding.model_runner import SequenceStateError
-    from decoding.paged_cache import NoFreeBlocksError
+    from specserve.decoding.model_runner import SequenceStateError
+    from specserve.decoding.paged_cache import NoFreeBlocksError
 
     return SequenceStateError, NoFreeBlocksError, ValueError
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cluster.messages import HistoryUpdate
-from decoding.sequence import RequestState
+from specserve.cluster.messages import HistoryUpdate
+from specserve.decoding.sequence import RequestState
 
 DIGEST_MODULUS = (1 << 61) - 1
 DIGEST_BASE = 1_000_003  # any base in [2, modulus) works; a large odd one spreads small ids

@@ -34,15 +34,15 @@ from typing import Any
 import ray
 import torch
 
-from cluster.config import SpecServeConfig
-from decoding.capture import CapturedBlock, save_blocks
-from decoding.checkpoint import checkpoint_dtype
-from decoding.model_runner import checkpoint_weights
-from deployments.naming import ENGINE_NAMESPACE, draft_trainer_name
-from policies.decision import policy_actor_name
-from policies.slack import has_own_device
-from training.online_distill import this_process_training_device
-from training.online_trainer import OnlineTrainer
+from specserve.cluster.config import SpecServeConfig
+from specserve.decoding.capture import CapturedBlock, save_blocks
+from specserve.decoding.checkpoint import checkpoint_dtype
+from specserve.decoding.model_runner import checkpoint_weights
+from specserve.deployments.naming import ENGINE_NAMESPACE, draft_trainer_name
+from specserve.policies.decision import policy_actor_name
+from specserve.policies.slack import has_own_device
+from specserve.training.online_distill import this_process_training_device
+from specserve.training.online_trainer import OnlineTrainer
 
 LOOP_INTERVAL_S = 0.5      # how often the trainer looks for slack, captures and rollbacks
 FIRST_RETRY_S = 5.0        # a version an engine failed to load is offered again after this, doubling ...

@@ -28,18 +28,18 @@ import ray
 import torch
 from ray import serve
 
-from cluster.messages import CallSpan, HistoryUpdate, UnknownHistory
-from decoding.batched_runner import ForwardCall, load_runner
-from decoding.model_runner import checkpoint_weights
-from decoding.grammar import GrammarMatchers
-from decoding.proposers import DraftModelProposer, NgramProposer, Proposal, ProposeCall, empty_proposal
-from decoding.sampling import SamplingParams, make_generator
-from decoding.speculation_cache import Predraft, block_of, continues, may_continue, predrafts, tokens_thrown_away
-from decoding.scheduler import CallShape, Schedule
-from deployments.engine_host import EngineCore, EngineHost, StepOutput, timed_forward
-from deployments.engine_loop import SequenceReleasedError
-from deployments.metrics import DraftVersionMetrics
-from deployments.naming import ENGINE_NAMESPACE
+from specserve.cluster.messages import CallSpan, HistoryUpdate, UnknownHistory
+from specserve.decoding.batched_runner import ForwardCall, load_runner
+from specserve.decoding.model_runner import checkpoint_weights
+from specserve.decoding.grammar import GrammarMatchers
+from specserve.decoding.proposers import DraftModelProposer, NgramProposer, Proposal, ProposeCall, empty_proposal
+from specserve.decoding.sampling import SamplingParams, make_generator
+from specserve.decoding.speculation_cache import Predraft, block_of, continues, may_continue, predrafts, tokens_thrown_away
+from specserve.decoding.scheduler import CallShape, Schedule
+from specserve.deployments.engine_host import EngineCore, EngineHost, StepOutput, timed_forward
+from specserve.deployments.engine_loop import SequenceReleasedError
+from specserve.deployments.metrics import DraftVersionMetrics
+from specserve.deployments.naming import ENGINE_NAMESPACE
 
 OBJECT_STORE = "object store"  # DraftEngine.draft_source of weights sent through Ray's object store
 REGISTER_INTERVAL_S = 5.0  # how often an engine tells the draft trainer its version (a new one learns the latest)

@@ -19,9 +19,9 @@ from typing import Any
 
 import ray
 
-from cluster.messages import RankStats
-from decoding.batched_runner import load_runner
-from decoding.tensor_parallel import GroupBrokenError, host_store
+from specserve.cluster.messages import RankStats
+from specserve.decoding.batched_runner import load_runner
+from specserve.decoding.tensor_parallel import GroupBrokenError, host_store
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def private_rss_bytes() -> int:
 
 def rank_stats(runner: Any, rank: int, error: str | None = None) -> RankStats:
     """This process's RankStats (runner: the rank's BatchedModelRunner)."""
-    from decoding.tensor_parallel import weight_bytes
+    from specserve.decoding.tensor_parallel import weight_bytes
 
     gpu_ids = tuple(str(gpu) for gpu in ray.get_gpu_ids()) if ray.is_initialized() else ()
     node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None

@@ -26,17 +26,17 @@ import torch
 from ray.util import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.messages import CallSpan, CostSample, EngineStats, HistoryUpdate, KvUsage, RankStats, UnknownHistory
-from decoding.batched_runner import ForwardCall
-from decoding.scheduler import CallShape, Schedule, Scheduler
-from decoding.tensor_parallel import MirroredRunner
-from deployments.committed_history import CommittedHistories
-from deployments.engine_group import RankFollower, end_process, group_store, rank_spec, rank_stats
-from deployments.engine_loop import EngineLoop
-from deployments.engine_parts import CallLog, IdleSequences, LoadReporter, ReleasedIds
-from deployments.metrics import EngineMetrics
-from deployments.naming import ENGINE_NAMESPACE, current_replica_id, engine_actor_name, rank_actor_name
-from deployments.round_stages import profiling_enabled
+from specserve.cluster.messages import CallSpan, CostSample, EngineStats, HistoryUpdate, KvUsage, RankStats, UnknownHistory
+from specserve.decoding.batched_runner import ForwardCall
+from specserve.decoding.scheduler import CallShape, Schedule, Scheduler
+from specserve.decoding.tensor_parallel import MirroredRunner
+from specserve.deployments.committed_history import CommittedHistories
+from specserve.deployments.engine_group import RankFollower, end_process, group_store, rank_spec, rank_stats
+from specserve.deployments.engine_loop import EngineLoop
+from specserve.deployments.engine_parts import CallLog, IdleSequences, LoadReporter, ReleasedIds
+from specserve.deployments.metrics import EngineMetrics
+from specserve.deployments.naming import ENGINE_NAMESPACE, current_replica_id, engine_actor_name, rank_actor_name
+from specserve.deployments.round_stages import profiling_enabled
 
 ENGINE_BUNDLE_INDEX = 1
 REPLICA_CPUS = 0.01  # the replica only relays the engine handle and health checks

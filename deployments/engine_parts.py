@@ -16,8 +16,8 @@ from dataclasses import replace
 
 import ray
 
-from cluster.messages import ENGINE_COST_SAMPLES_KEPT, CallSpan, CostSample, EngineStats
-from deployments.engine_loop import SequenceReleasedError
+from specserve.cluster.messages import ENGINE_COST_SAMPLES_KEPT, CallSpan, CostSample, EngineStats
+from specserve.deployments.engine_loop import SequenceReleasedError
 
 RELEASED_IDS_KEPT = 4096  # recently released request ids: calls that arrive late for them are refused
 CALL_LOG_KEPT = 4096  # recent calls, for bench.round_profile
@@ -88,7 +88,7 @@ class LoadReporter:
             self._task = asyncio.get_running_loop().create_task(self._report(read_stats))
 
     async def _report(self, read_stats: Callable[[], Awaitable[EngineStats]]) -> None:
-        from policies.actor import POLICY_ACTOR_NAME, POLICY_NAMESPACE
+        from specserve.policies.actor import POLICY_ACTOR_NAME, POLICY_NAMESPACE
 
         while True:
             await asyncio.sleep(REPORT_INTERVAL_S)

@@ -31,13 +31,13 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
-from cluster.config import SpecServeConfig
-from decoding.checkpoint import GENERATION_DEFAULT_FIELDS, eos_token_ids, generation_defaults, max_model_len
-from decoding.grammar import GrammarCompiler, GrammarDeadEndError, GrammarSpec, StructuredOutputError
-from decoding.model_runner import output_width, served_vocab_size
-from decoding.sampling import MAX_SEED, SamplingParams, check_min_tokens
-from deployments.admission import ServerOverloadedError
-from deployments.openai_protocol import (
+from specserve.cluster.config import SpecServeConfig
+from specserve.decoding.checkpoint import GENERATION_DEFAULT_FIELDS, eos_token_ids, generation_defaults, max_model_len
+from specserve.decoding.grammar import GrammarCompiler, GrammarDeadEndError, GrammarSpec, StructuredOutputError
+from specserve.decoding.model_runner import output_width, served_vocab_size
+from specserve.decoding.sampling import MAX_SEED, SamplingParams, check_min_tokens
+from specserve.deployments.admission import ServerOverloadedError
+from specserve.deployments.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from policies.prefix_routing import rank_replicas
+from specserve.policies.prefix_routing import rank_replicas
 
-ROUTER_CLASS_PATH = "deployments.prefix_router.PrefixAffinityRouter"
+ROUTER_CLASS_PATH = "specserve.deployments.prefix_router.PrefixAffinityRouter"
 
 
 class PrefixAffinityRouter(FIFOMixin, RequestRouter):

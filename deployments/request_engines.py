@@ -21,16 +21,16 @@ import ray
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
-from cluster.config import LimitsSpec
-from cluster.messages import UnknownHistory
-from decoding.proposers import Proposal
-from decoding.sampling import draft_seed
-from decoding.sequence import RequestState
-from deployments.admission import ServerOverloadedError
-from deployments.committed_history import HistorySender, RunningDigest
-from deployments.engine_loop import EngineOverloadedError
-from deployments.round_stages import EngineCall
-from policies.prefix_routing import prefix_key
+from specserve.cluster.config import LimitsSpec
+from specserve.cluster.messages import UnknownHistory
+from specserve.decoding.proposers import Proposal
+from specserve.decoding.sampling import draft_seed
+from specserve.decoding.sequence import RequestState
+from specserve.deployments.admission import ServerOverloadedError
+from specserve.deployments.committed_history import HistorySender, RunningDigest
+from specserve.deployments.engine_loop import EngineOverloadedError
+from specserve.deployments.round_stages import EngineCall
+from specserve.policies.prefix_routing import prefix_key
 
 logger = logging.getLogger("ray.serve")
 TARGET_RECOVERY_S = 60.0  # how long a request waits for a replacement target engine

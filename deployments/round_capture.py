@@ -15,10 +15,10 @@ import logging
 import time
 from dataclasses import replace
 
-from cluster.config import SpecServeConfig
-from cluster.messages import PositionCounts
-from decoding.capture import CaptureBuffer, CapturedBlock
-from deployments.metrics import RouterMetrics
+from specserve.cluster.config import SpecServeConfig
+from specserve.cluster.messages import PositionCounts
+from specserve.decoding.capture import CaptureBuffer, CapturedBlock
+from specserve.deployments.metrics import RouterMetrics
 
 PUSH_INTERVAL_S = 1.0       # least time between two pushes of one router
 PUSH_BLOCKS = 32            # ... unless this many blocks wait
@@ -76,7 +76,7 @@ class RoundCapture:
 
     def _trainer_handle(self):
         if self._trainer is None and time.monotonic() - self._lookup_failed_at > TRAINER_RETRY_S:
-            from deployments.draft_trainer import get_or_create_draft_trainer
+            from specserve.deployments.draft_trainer import get_or_create_draft_trainer
 
             try:
                 self._trainer = get_or_create_draft_trainer(self.config)

@@ -21,17 +21,17 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from cluster.config import SpeculationSpec
-from decoding.capture import captured_block
-from decoding.proposers import Proposal
-from decoding.sequence import RequestState
-from decoding.speculation import accept_round
-from deployments.request_engines import ENGINE_ERRORS, RequestEngines, discard
-from deployments.round_record import RoundObserver, RoundRecord
-from deployments.round_stages import EngineCall, RoundStages
-from deployments.streaming import step_chunk
-from policies.acceptance import count_round_positions
-from policies.depth_chooser import request_class
+from specserve.cluster.config import SpeculationSpec
+from specserve.decoding.capture import captured_block
+from specserve.decoding.proposers import Proposal
+from specserve.decoding.sequence import RequestState
+from specserve.decoding.speculation import accept_round
+from specserve.deployments.request_engines import ENGINE_ERRORS, RequestEngines, discard
+from specserve.deployments.round_record import RoundObserver, RoundRecord
+from specserve.deployments.round_stages import EngineCall, RoundStages
+from specserve.deployments.streaming import step_chunk
+from specserve.policies.acceptance import count_round_positions
+from specserve.policies.depth_chooser import request_class
 
 logger = logging.getLogger("ray.serve")
 

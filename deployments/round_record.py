@@ -12,10 +12,10 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from decoding.capture import CapturedBlock
-from deployments.metrics import RouterMetrics
-from deployments.round_capture import RoundCapture
-from policies.depth_chooser import DepthChooser
+from specserve.decoding.capture import CapturedBlock
+from specserve.deployments.metrics import RouterMetrics
+from specserve.deployments.round_capture import RoundCapture
+from specserve.policies.depth_chooser import DepthChooser
 
 
 @dataclass(frozen=True)

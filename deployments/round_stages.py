@@ -17,7 +17,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from cluster.messages import CallSpan
+from specserve.cluster.messages import CallSpan
 
 PROFILE_ENV = "SPECSERVE_PROFILE_ROUNDS"
 

@@ -21,22 +21,22 @@ from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 from transformers import AutoTokenizer
 
-from cluster.config import SpecServeConfig
-from cluster.messages import REQUEST_CLASSES, RouterReport
-from decoding.checkpoint import eos_token_ids, max_model_len
-from decoding.sampling import SamplingParams
-from decoding.sequence import RequestState
-from deployments.admission import Admission
-from deployments.metrics import RouterMetrics
-from deployments.naming import current_replica_id
-from deployments.pool_health import PoolHealth
-from deployments.request_engines import RequestEngines
-from deployments.round_capture import RoundCapture
-from deployments.round_loop import RoundLoop
-from deployments.round_record import RoundObserver, RoundTimings
-from deployments.round_stages import profiling_enabled
-from deployments.streaming import coalesced_chunks, final_chunk
-from policies.depth_chooser import DepthChooser, request_class
+from specserve.cluster.config import SpecServeConfig
+from specserve.cluster.messages import REQUEST_CLASSES, RouterReport
+from specserve.decoding.checkpoint import eos_token_ids, max_model_len
+from specserve.decoding.sampling import SamplingParams
+from specserve.decoding.sequence import RequestState
+from specserve.deployments.admission import Admission
+from specserve.deployments.metrics import RouterMetrics
+from specserve.deployments.naming import current_replica_id
+from specserve.deployments.pool_health import PoolHealth
+from specserve.deployments.request_engines import RequestEngines
+from specserve.deployments.round_capture import RoundCapture
+from specserve.deployments.round_loop import RoundLoop
+from specserve.deployments.round_record import RoundObserver, RoundTimings
+from specserve.deployments.round_stages import profiling_enabled
+from specserve.deployments.streaming import coalesced_chunks, final_chunk
+from specserve.policies.depth_chooser import DepthChooser, request_class
 
 logger = logging.getLogger("ray.serve")
 POLICY_INTERVAL_S = 1.0  # how often a router reports load to the policy actor and reads its decision
@@ -100,7 +100,7 @@ class Router:
         """Report this router's load to the policy actor and keep its latest decision. If the actor
         is gone, the last decision stands until it goes stale (policies.depth_chooser), then
         requests use their own depth."""
-        from policies.actor import get_or_create_policy_actor
+        from specserve.policies.actor import get_or_create_policy_actor
 
         policy = None
         while True:

@@ -11,8 +11,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from decoding.sequence import RequestState
-from decoding.speculation import LogprobEntries
+from specserve.decoding.sequence import RequestState
+from specserve.decoding.speculation import LogprobEntries
 
 
 def step_chunk(state: RequestState, committed: list[int], logprobs: LogprobEntries | None = None) -> dict:

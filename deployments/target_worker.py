@@ -9,17 +9,17 @@ from dataclasses import dataclass, replace
 import torch
 from ray import serve
 
-from cluster.messages import CallSpan, HistoryUpdate, UnknownHistory
-from decoding.batched_runner import ForwardCall, load_runner
-from decoding.capture import top_rows
-from decoding.grammar import GrammarDeadEndError, GrammarMatcher, GrammarMatchers
-from decoding.model_runner import SequenceStateError
-from decoding.proposers import Proposal, empty_proposal
-from decoding.sampling import SamplingParams, make_generator, verify_seed
-from decoding.scheduler import CallShape, Schedule
-from decoding.speculation import (LogprobEntries, RowsCall, target_rows_batch, token_logprobs,
+from specserve.cluster.messages import CallSpan, HistoryUpdate, UnknownHistory
+from specserve.decoding.batched_runner import ForwardCall, load_runner
+from specserve.decoding.capture import top_rows
+from specserve.decoding.grammar import GrammarDeadEndError, GrammarMatcher, GrammarMatchers
+from specserve.decoding.model_runner import SequenceStateError
+from specserve.decoding.proposers import Proposal, empty_proposal
+from specserve.decoding.sampling import SamplingParams, make_generator, verify_seed
+from specserve.decoding.scheduler import CallShape, Schedule
+from specserve.decoding.speculation import (LogprobEntries, RowsCall, target_rows_batch, token_logprobs,
                                   tokens_each_row_may_commit, verify_answers)
-from deployments.engine_host import EngineCore, EngineHost, StepOutput, timed_forward
+from specserve.deployments.engine_host import EngineCore, EngineHost, StepOutput, timed_forward
 
 
 @dataclass(frozen=True)

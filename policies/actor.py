@@ -23,11 +23,11 @@ from typing import Any
 
 import ray
 
-from cluster.messages import POOLS, RAY_NAMESPACE, EngineStats, PolicyDecision, RouterReport
-from policies.cost_curve import fit_cost_curve
-from policies.decision import Decider, PolicySettings, policy_actor_name
-from policies.load import LoadTracker
-from policies.slack import has_slack
+from specserve.cluster.messages import POOLS, RAY_NAMESPACE, EngineStats, PolicyDecision, RouterReport
+from specserve.policies.cost_curve import fit_cost_curve
+from specserve.policies.decision import Decider, PolicySettings, policy_actor_name
+from specserve.policies.load import LoadTracker
+from specserve.policies.slack import has_slack
 
 POLICY_ACTOR_NAME = PolicySettings().actor_name   # the default application's (model "specserve-default")
 POLICY_NAMESPACE = RAY_NAMESPACE
@@ -48,7 +48,7 @@ class PolicyActor:
         self._decider = Decider(self._settings)
         self._loop_task: asyncio.Task | None = None
         self._started_at = time.time()
-        from deployments.metrics import PolicyMetrics  # the one place metric names live
+        from specserve.deployments.metrics import PolicyMetrics  # the one place metric names live
 
         self._metrics = PolicyMetrics()
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import ray
 
-from cluster.messages import PolicyDecision
-from policies.actor import POLICY_ACTOR_NAME, POLICY_NAMESPACE, get_or_create_policy_actor
+from specserve.cluster.messages import PolicyDecision
+from specserve.policies.actor import POLICY_ACTOR_NAME, POLICY_NAMESPACE, get_or_create_policy_actor
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class PoolPolicy:
         self._next_lookup = now + self._lookup_interval_s
         try:
             if self._settings is not None:
-                from policies.decision import PolicySettings
+                from specserve.policies.decision import PolicySettings
                 self._actor = get_or_create_policy_actor(PolicySettings.from_dict(self._settings))
             else:
                 self._actor = ray.get_actor(self._actor_name, namespace=POLICY_NAMESPACE)

@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from cluster.messages import POOLS, REQUEST_CLASSES, PolicyDecision
-from policies.cost_curve import fit_cost_curve
-from policies.fan_out import fan_out_under_load
-from policies.goodput import choose_depths
-from policies.load import ClusterLoad
-from policies.replicas import ScalingThresholds, decide_replicas
+from specserve.cluster.messages import POOLS, REQUEST_CLASSES, PolicyDecision
+from specserve.policies.cost_curve import fit_cost_curve
+from specserve.policies.fan_out import fan_out_under_load
+from specserve.policies.goodput import choose_depths
+from specserve.policies.load import ClusterLoad
+from specserve.policies.replicas import ScalingThresholds, decide_replicas
 
 
 POLICY_ACTOR_PREFIX = "specserve-policy"

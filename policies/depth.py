@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from policies.acceptance import estimate_acceptance_rate, expected_tokens_by_position, expected_tokens_per_round
+from specserve.policies.acceptance import estimate_acceptance_rate, expected_tokens_by_position, expected_tokens_per_round
 
 __all__ = ["RoundCosts", "RoundWallFit", "choose_draft_depth", "expected_speedup", "expected_tokens_per_round"]
 

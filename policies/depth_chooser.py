@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.config import SpeculationSpec
-from cluster.messages import REQUEST_CLASSES, ClassReport, PolicyDecision
-from decoding.sequence import RequestState
-from decoding.speculation_cache import allocate_fan_out
-from policies.acceptance import count_round_positions, position_accept_rates, request_position_rates
-from policies.depth import RoundCosts, RoundWallFit, best_depth_by_position, choose_draft_depth
-from policies.load import accept_rate_from_rounds
+from specserve.cluster.config import SpeculationSpec
+from specserve.cluster.messages import REQUEST_CLASSES, ClassReport, PolicyDecision
+from specserve.decoding.sequence import RequestState
+from specserve.decoding.speculation_cache import allocate_fan_out
+from specserve.policies.acceptance import count_round_positions, position_accept_rates, request_position_rates
+from specserve.policies.depth import RoundCosts, RoundWallFit, best_depth_by_position, choose_draft_depth
+from specserve.policies.load import accept_rate_from_rounds
 
 POLICY_STALE_S = 30.0  # a decision older than this (actor gone) is dropped: per-request depth only
 # The speculation cache pays only where its blocks get used: a class whose recent rounds hit less

@@ -12,7 +12,7 @@ docs/speculation-cache.md has the measurements.
 
 from __future__ import annotations
 
-from policies.replicas import PoolLoad, ScalingThresholds
+from specserve.policies.replicas import PoolLoad, ScalingThresholds
 
 
 def fan_out_under_load(configured: int, draft: PoolLoad | None,

@@ -43,8 +43,8 @@ import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from policies.cost_curve import CostCurve
-from policies.acceptance import expected_tokens_by_position, expected_tokens_per_round
+from specserve.policies.cost_curve import CostCurve
+from specserve.policies.acceptance import expected_tokens_by_position, expected_tokens_per_round
 
 KEEP_MARGIN = 0.02  # a new K must beat the incumbent by 2% of goodput: no flapping on noise
 

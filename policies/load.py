@@ -15,11 +15,11 @@ from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from cluster.messages import (MAX_DRAFT_TOKENS, POOL_COST_SAMPLES_KEPT, REQUEST_CLASSES, ClassReport, EngineStats,
+from specserve.cluster.messages import (MAX_DRAFT_TOKENS, POOL_COST_SAMPLES_KEPT, REQUEST_CLASSES, ClassReport, EngineStats,
                               RouterReport)
-from policies.acceptance import acceptance_from_tokens_per_round, estimate_acceptance_rate, position_accept_rates
-from policies.goodput import ClassLoad
-from policies.replicas import PoolLoad
+from specserve.policies.acceptance import acceptance_from_tokens_per_round, estimate_acceptance_rate, position_accept_rates
+from specserve.policies.goodput import ClassLoad
+from specserve.policies.replicas import PoolLoad
 
 ACCEPT_WINDOW_S = 30.0       # acceptance is measured over this trailing window
 MAX_ACCEPT_RATE = 0.99

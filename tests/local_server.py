@@ -13,8 +13,8 @@ from pathlib import Path
 
 import ray
 
-from cluster.config import SpecServeConfig
-from cluster.local import start_local, wait_healthy
+from specserve.cluster.config import SpecServeConfig
+from specserve.cluster.local import start_local, wait_healthy
 from tests.tiny_pair import make_tiny_pair, tiny_pair_config
 
 SHARED_MODEL = "tiny-pair"
@@ -30,10 +30,10 @@ def greedy_reference(target_path: str):
     the oracle a served request must equal, whatever was lost on the way."""
     from transformers import AutoTokenizer
 
-    from decoding.generate import generate
-    from decoding.batched_runner import BatchedModelRunner
-    from decoding.sampling import SamplingParams
-    from decoding.sequence import RequestState
+    from specserve.decoding.generate import generate
+    from specserve.decoding.batched_runner import BatchedModelRunner
+    from specserve.decoding.sampling import SamplingParams
+    from specserve.decoding.sequence import RequestState
 
     runner = BatchedModelRunner(target_path)
     tokenizer = AutoTokenizer.from_pretrained(target_path)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from decoding.model_runner import ForwardCall, RunnerBase
+from specserve.decoding.model_runner import ForwardCall, RunnerBase
 
 
 @dataclass

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from deployments.admission import Admission, ServerOverloadedError
+from specserve.deployments.admission import Admission, ServerOverloadedError
 
 
 def run(coro):

@@ -7,10 +7,10 @@ from pydantic import ValidationError
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.builder import POOL_POLICY, deployment_options, serve_config_yaml
-from cluster.config import PROJECT_ROOT, SpecServeConfig, WorkerResources, load_config
-from cluster.local import custom_resources_needed, logical_cpus_needed
-from policies.decision import PolicySettings
+from specserve.cluster.builder import POOL_POLICY, deployment_options, serve_config_yaml
+from specserve.cluster.config import PROJECT_ROOT, SpecServeConfig, WorkerResources, load_config
+from specserve.cluster.local import custom_resources_needed, logical_cpus_needed
+from specserve.policies.decision import PolicySettings
 
 RANGED = {"target_workers": {"min_replicas": 1, "max_replicas": 4, "upscale_delay_s": 1, "downscale_delay_s": 5},
           "draft_workers": {"min_replicas": 1, "max_replicas": 3, "num_gpus": 0.5}}
@@ -88,7 +88,7 @@ def test_single_machine_resources_cover_max_replicas():
 
 
 def test_kuberay_manifest_enables_the_autoscaler_with_per_pool_bounds():
-    from cluster.kuberay import rayservice_manifest
+    from specserve.cluster.kuberay import rayservice_manifest
 
     config = load_config(PROJECT_ROOT / "k8s" / "specserve-gpu.yaml", environ={})
     cluster = rayservice_manifest(config)["spec"]["rayClusterConfig"]
@@ -100,7 +100,7 @@ def test_kuberay_manifest_enables_the_autoscaler_with_per_pool_bounds():
 
 
 def test_kuberay_draft_group_may_be_cpu_nodes():
-    from cluster.kuberay import rayservice_manifest
+    from specserve.cluster.kuberay import rayservice_manifest
 
     config = SpecServeConfig.model_validate({"draft_workers": {"num_gpus": 0, "max_replicas": 8, "resources": {"specserve_draft": 1}},
                                              "target_workers": {"num_gpus": 1, "max_replicas": 2}})
@@ -113,7 +113,7 @@ def test_kuberay_draft_group_may_be_cpu_nodes():
 def test_kuberay_pods_mount_shm_and_the_checkpoints_and_size_memory_per_pool():
     """Every pod gets a memory-backed /dev/shm (Ray's object store) and the checkpoints' claim
     read-only at /models; pool pods take their node_memory_gb; without a claim nothing is mounted."""
-    from cluster.kuberay import rayservice_manifest
+    from specserve.cluster.kuberay import rayservice_manifest
 
     config = load_config(PROJECT_ROOT / "k8s" / "specserve-gpu.yaml", environ={})
     cluster = rayservice_manifest(config, models_claim="my-models")["spec"]["rayClusterConfig"]
@@ -133,6 +133,6 @@ def test_kuberay_pods_mount_shm_and_the_checkpoints_and_size_memory_per_pool():
 
 
 def test_build_app_binds_autoscaled_pools():
-    from cluster.builder import build_app
+    from specserve.cluster.builder import build_app
 
     assert type(build_app(SpecServeConfig.model_validate(RANGED))).__name__ == "Application"

@@ -7,8 +7,8 @@ import logging
 import pytest
 import torch
 
-import decoding.batched_runner as batched_runner_module
-from decoding.batched_runner import (
+import specserve.decoding.batched_runner as batched_runner_module
+from specserve.decoding.batched_runner import (
     BatchedModelRunner,
     ForwardCall,
     NoFreeSlotError,
@@ -16,12 +16,12 @@ from decoding.batched_runner import (
     UnsupportedModelError,
     runner_for_model,
 )
-from decoding.generate import generate
-from decoding.model_runner import SequenceStateError
-from decoding.proposers import DraftModelProposer
-from decoding.sampling import SamplingParams
-from decoding.sequence import RequestState
-from decoding.paged_cache import PagedBatchView, paged_layout
+from specserve.decoding.generate import generate
+from specserve.decoding.model_runner import SequenceStateError
+from specserve.decoding.proposers import DraftModelProposer
+from specserve.decoding.sampling import SamplingParams
+from specserve.decoding.sequence import RequestState
+from specserve.decoding.paged_cache import PagedBatchView, paged_layout
 from tests.reference_runner import ReferenceRunner, full_logits
 from tests.tiny_pair import ARCHITECTURES, tiny_model
 

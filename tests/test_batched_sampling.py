@@ -18,11 +18,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding.compact_verify import DraftSupport
-from decoding.proposers import Proposal, ProposeCall, draft_step
-from decoding.row_processors import history_processor
-from decoding.sampling import RowParams, SamplingParams, logits_to_probs, make_generator, process_rows
-from decoding.speculation import RowsCall, target_rows, target_rows_batch, verify_answer, verify_answers
+from specserve.decoding.compact_verify import DraftSupport
+from specserve.decoding.proposers import Proposal, ProposeCall, draft_step
+from specserve.decoding.row_processors import history_processor
+from specserve.decoding.sampling import RowParams, SamplingParams, logits_to_probs, make_generator, process_rows
+from specserve.decoding.speculation import RowsCall, target_rows, target_rows_batch, verify_answer, verify_answers
 from tests.test_rejection import P_VALUE_THRESHOLD, assert_differs, chi_square_pvalue, total_variation
 
 VOCAB_SIZE = 12

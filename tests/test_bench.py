@@ -6,20 +6,20 @@ import sys
 
 import pytest
 
-from bench.http_rows import http_configs, request_body, sweep_request_count
-from bench.perfmodel import (
+from specserve.bench.http_rows import http_configs, request_body, sweep_request_count
+from specserve.bench.perfmodel import (
     expected_tokens_per_pass,
     overlapped_speedup_bound,
     percentile,
     ratio,
     serial_speedup_estimate,
 )
-from bench.records import RequestRecord, StepLatency, summarize_row
-from bench.report import render_markdown, write_outputs
-from cluster.config import SpecServeConfig
-from policies.acceptance import acceptance_from_tokens_per_round
-from training.corpus import is_held_out
-from training.prompts import (
+from specserve.bench.records import RequestRecord, StepLatency, summarize_row
+from specserve.bench.report import render_markdown, write_outputs
+from specserve.cluster.config import SpecServeConfig
+from specserve.policies.acceptance import acceptance_from_tokens_per_round
+from specserve.training.corpus import is_held_out
+from specserve.training.prompts import (
     DEFAULT_PROMPTS_PATH,
     MAX_CODE_CHARS,
     MIN_CODE_CHARS,
@@ -53,7 +53,7 @@ def test_prompt_set_regenerates_identically_on_the_interpreter_that_made_it():
     recorded = json.loads(DEFAULT_PROMPTS_PATH.read_text())
     if recorded["generated_with_python"] != sys.version.split()[0]:
         pytest.skip("the stdlib (and so the held-out corpus) differs from the one the set was built from")
-    from training.prompts import build_prompt_set
+    from specserve.training.prompts import build_prompt_set
 
     assert build_prompt_set() == recorded
 
@@ -224,7 +224,7 @@ def test_sweep_request_counts_are_bounded():
 # -- smoke run --------------------------------------------------------------------------------------------
 
 def test_in_process_rows_run_end_to_end_on_a_tiny_pair(tmp_path):
-    from bench.run import main
+    from specserve.bench.run import main
     from tests.tiny_pair import make_tiny_pair
 
     target, draft = make_tiny_pair(tmp_path / "pair")
@@ -248,7 +248,7 @@ def test_in_process_rows_run_end_to_end_on_a_tiny_pair(tmp_path):
 
 
 def test_outside_overhead_is_the_round_minus_the_engine_time_it_waited_on():
-    from bench.round_profile import outside_overheads
+    from specserve.bench.round_profile import outside_overheads
 
     logs = {"target": [("verify", "a", 0.000, 0.010),            # prefill
                        ("verify", "a", 0.016, 0.030),            # round 1: fresh draft 0.011-0.014
@@ -262,7 +262,7 @@ def test_outside_overhead_is_the_round_minus_the_engine_time_it_waited_on():
 
 
 def test_combined_sweep_runs_average_each_variant_and_level():
-    from bench.load_sweep import adaptive_against_fixed, combine_runs
+    from specserve.bench.load_sweep import adaptive_against_fixed, combine_runs
 
     def run(name, adaptive, k4):
         def level(streams, tok_s):
@@ -288,9 +288,9 @@ def test_interleaved_sweep_serves_every_variant_side_by_side_with_its_own_policy
     variant answers on its own route and model name, and each app reports to its own policy actor."""
     import ray
 
-    from bench import load_sweep
-    from policies.actor import POLICY_NAMESPACE
-    from policies.decision import policy_actor_name
+    from specserve.bench import load_sweep
+    from specserve.policies.actor import POLICY_NAMESPACE
+    from specserve.policies.decision import policy_actor_name
 
     seen_actors: list[set[str]] = []
     original = load_sweep.engine_counters

@@ -14,16 +14,16 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import decoding.rejection as rejection
-from cluster.config import SpeculationSpec
-from decoding.rejection import (PLACEHOLDER_TOKEN_ID, block_verify, expected_num_accepted, greedy_verify,
+import specserve.decoding.rejection as rejection
+from specserve.cluster.config import SpeculationSpec
+from specserve.decoding.rejection import (PLACEHOLDER_TOKEN_ID, block_verify, expected_num_accepted, greedy_verify,
                                 rejection_sample)
-from decoding.sampling import SamplingParams, make_generator, sample_from_probs
-from decoding.sequence import RequestState
-from decoding.generate import generate
-from decoding.proposers import DraftModelProposer, Proposal
-from decoding.compact_verify import draft_support
-from decoding.speculation import accept_round, verify_answer
+from specserve.decoding.sampling import SamplingParams, make_generator, sample_from_probs
+from specserve.decoding.sequence import RequestState
+from specserve.decoding.generate import generate
+from specserve.decoding.proposers import DraftModelProposer, Proposal
+from specserve.decoding.compact_verify import draft_support
+from specserve.decoding.speculation import accept_round, verify_answer
 from tests.test_generate import (PROMPTS, SAMPLED, VOCAB_SIZE, TableRunner, chi_square_p_value, logit_table,
                                  new_state, position_marginals, target_model, total_variation,
                                  unrelated_draft_model)

@@ -4,8 +4,8 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.builder import IMPORT_PATH, build_app, deployment_options, serve_config_yaml
-from cluster.config import SpecServeConfig
+from specserve.cluster.builder import IMPORT_PATH, build_app, deployment_options, serve_config_yaml
+from specserve.cluster.config import SpecServeConfig
 
 
 def test_serve_config_yaml_is_valid_for_serve_deploy():
@@ -77,8 +77,8 @@ def test_no_draft_deployment_without_speculation():
 
 
 def test_committed_kuberay_manifest_is_generated_from_the_gpu_config():
-    from cluster.config import PROJECT_ROOT, load_config
-    from cluster.kuberay import rayservice_yaml
+    from specserve.cluster.config import PROJECT_ROOT, load_config
+    from specserve.cluster.kuberay import rayservice_yaml
 
     config = load_config(PROJECT_ROOT / "k8s" / "specserve-gpu.yaml", environ={})
     committed = (PROJECT_ROOT / "k8s" / "rayservice.yaml").read_text()
@@ -86,8 +86,8 @@ def test_committed_kuberay_manifest_is_generated_from_the_gpu_config():
 
 
 def test_kuberay_manifest_pins_draft_and_target_to_their_own_gpu_groups():
-    from cluster.config import PROJECT_ROOT, load_config
-    from cluster.kuberay import rayservice_manifest
+    from specserve.cluster.config import PROJECT_ROOT, load_config
+    from specserve.cluster.kuberay import rayservice_manifest
 
     manifest = rayservice_manifest(load_config(PROJECT_ROOT / "k8s" / "specserve-gpu.yaml", environ={}))
     ServeDeploySchema.model_validate(yaml.safe_load(manifest["spec"]["serveConfigV2"]))
@@ -101,7 +101,7 @@ def test_kuberay_manifest_pins_draft_and_target_to_their_own_gpu_groups():
 def test_each_application_names_its_own_policy_actor():
     """Engines, routers and the pools' autoscaling policy of one app all address the policy actor
     named after its model, and two apps' names differ (tests/test_policy_actor.py: two actors)."""
-    from policies.decision import PolicySettings
+    from specserve.policies.decision import PolicySettings
 
     names = set()
     for model_name in ("pair-a", "pair-b"):
@@ -125,8 +125,8 @@ def test_a_tensor_parallel_target_gets_a_bundle_per_rank_packed_on_one_node():
 
 
 def test_kuberay_gives_a_tensor_parallel_targets_pods_one_gpu_per_rank():
-    from cluster.config import PROJECT_ROOT, load_config
-    from cluster.kuberay import rayservice_manifest
+    from specserve.cluster.config import PROJECT_ROOT, load_config
+    from specserve.cluster.kuberay import rayservice_manifest
 
     config = load_config(PROJECT_ROOT / "k8s" / "specserve-gpu.yaml", environ={})
     config = config.model_copy(update={"target_workers": config.target_workers.model_copy(
@@ -139,7 +139,7 @@ def test_kuberay_gives_a_tensor_parallel_targets_pods_one_gpu_per_rank():
 def test_the_tensor_parallel_size_flag_sets_the_target_pool():
     import argparse
 
-    from cluster.cli import add_model_args, config_from_args
+    from specserve.cluster.cli import add_model_args, config_from_args
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--config")

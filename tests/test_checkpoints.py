@@ -15,17 +15,17 @@ from safetensors.torch import load_file
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from cluster.builder import build_app, served_model_specs
-from cluster.cli import add_model_args, config_from_args
-from cluster.config import SpecServeConfig
-from decoding.batched_runner import BatchedModelRunner, load_runner, runner_for_model
-from decoding.checkpoint import (check_weight_files, eos_token_ids, generation_defaults, max_model_len,
+from specserve.cluster.builder import build_app, served_model_specs
+from specserve.cluster.cli import add_model_args, config_from_args
+from specserve.cluster.config import SpecServeConfig
+from specserve.decoding.batched_runner import BatchedModelRunner, load_runner, runner_for_model
+from specserve.decoding.checkpoint import (check_weight_files, eos_token_ids, generation_defaults, max_model_len,
                                  resolve_dtype)
-from decoding.model_runner import IncompatibleModelsError, load_causal_lm
-from decoding.rejection import rejection_sample
-from decoding.sampling import SamplingParams, logits_to_probs, make_generator
-from deployments.ingress import Ingress
-from deployments.openai_protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from specserve.decoding.model_runner import IncompatibleModelsError, load_causal_lm
+from specserve.decoding.rejection import rejection_sample
+from specserve.decoding.sampling import SamplingParams, logits_to_probs, make_generator
+from specserve.deployments.ingress import Ingress
+from specserve.deployments.openai_protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from tests.checkpoint_fixtures import EOS_AFTER, EOS_PROMPT
 
 MESSAGES = [{"role": "system", "content": "Answer in code."}, {"role": "user", "content": "Add two numbers."},

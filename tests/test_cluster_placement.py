@@ -11,10 +11,10 @@ import pytest
 import ray
 from ray import serve
 
-from cluster.builder import APP_NAME
-from cluster.local import RAY_SYSTEM_CONFIG, init_local_ray
-from deployments.naming import ENGINE_NAMESPACE, parse_engine_actor_name
-from policies.actor import POLICY_NAMESPACE, policy_actor_name
+from specserve.cluster.builder import APP_NAME
+from specserve.cluster.local import RAY_SYSTEM_CONFIG, init_local_ray
+from specserve.deployments.naming import ENGINE_NAMESPACE, parse_engine_actor_name
+from specserve.policies.actor import POLICY_NAMESPACE, policy_actor_name
 from tests.local_server import serve_tiny_pair
 from tests.test_serving import MODEL, PROMPTS
 

@@ -3,10 +3,10 @@ what the router sends and what an engine rebuilds, and every way an engine says 
 
 from dataclasses import replace
 
-from cluster.messages import HistoryUpdate
-from decoding.sampling import SamplingParams
-from decoding.sequence import RequestState
-from deployments.committed_history import CommittedHistories, HistorySender, RunningDigest, history_digest
+from specserve.cluster.messages import HistoryUpdate
+from specserve.decoding.sampling import SamplingParams
+from specserve.decoding.sequence import RequestState
+from specserve.deployments.committed_history import CommittedHistories, HistorySender, RunningDigest, history_digest
 
 PROMPT = [5, 17, 42, 8]
 

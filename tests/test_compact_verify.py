@@ -12,9 +12,9 @@ handed the untruncated row instead of the q the draft sampled from is rejected b
 import pytest
 import torch
 
-from decoding.compact_verify import (DraftSupport, compact_block_verify, compact_rejection_sample, draft_support,
+from specserve.decoding.compact_verify import (DraftSupport, compact_block_verify, compact_rejection_sample, draft_support,
                                      target_numbers)
-from decoding.sampling import make_generator, sample_from_probs
+from specserve.decoding.sampling import make_generator, sample_from_probs
 from tests.test_block_verify import P_VALUE_THRESHOLD, continued_with_target, joint_fit, toy_models
 from tests.test_rejection import rows_given_prefix
 

@@ -19,10 +19,10 @@ from ray import serve
 from ray.serve.api import RunTarget
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from cluster.builder import build_app
-from cluster.cli import add_model_args, config_from_args
-from cluster.local import RAY_SYSTEM_CONFIG, init_local_ray, wait_healthy
-from cluster.status import read_engine_stats
+from specserve.cluster.builder import build_app
+from specserve.cluster.cli import add_model_args, config_from_args
+from specserve.cluster.local import RAY_SYSTEM_CONFIG, init_local_ray, wait_healthy
+from specserve.cluster.status import read_engine_stats
 from tests.checkpoint_fixtures import DECODER_BUILDERS, EOS_AFTER, EOS_PROMPT, FIXTURE_WINDOW
 from tests.local_server import free_port, stop_test_cluster
 

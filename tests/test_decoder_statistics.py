@@ -12,11 +12,11 @@ the draft's marginal: a sampler that emitted the draft's tokens would fail."""
 import pytest
 import torch
 
-from decoding.batched_runner import BatchedModelRunner
-from decoding.generate import generate_batch
-from decoding.proposers import DraftModelProposer
-from decoding.sampling import SamplingParams, logits_to_probs
-from decoding.sequence import RequestState
+from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.generate import generate_batch
+from specserve.decoding.proposers import DraftModelProposer
+from specserve.decoding.sampling import SamplingParams, logits_to_probs
+from specserve.decoding.sequence import RequestState
 from tests.reference_runner import reference_model
 from tests.test_generate import chi_square_p_value, null_tv_bound, total_variation
 from tests.tiny_pair import SHORT_WINDOW, tiny_model

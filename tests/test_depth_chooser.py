@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.config import SpecServeConfig
-from cluster.messages import PolicyDecision
-from decoding.sampling import SamplingParams
-from decoding.sequence import RequestState
-from deployments.router import Router
-from policies.depth_chooser import POLICY_STALE_S, DepthChooser
+from specserve.cluster.config import SpecServeConfig
+from specserve.cluster.messages import PolicyDecision
+from specserve.decoding.sampling import SamplingParams
+from specserve.decoding.sequence import RequestState
+from specserve.deployments.router import Router
+from specserve.policies.depth_chooser import POLICY_STALE_S, DepthChooser
 
 NOW = 1000.0
 
@@ -110,7 +110,7 @@ def test_a_class_whose_rounds_rarely_hit_stops_pre_drafting_but_probes():
     """The speculation cache pays only where its blocks are used: a class whose recent pre-drafted
     rounds hit under MIN_HIT_SHARE stops pre-drafting, but for a probe every PROBE_EVERY rounds;
     a class that hits keeps its fan-out, and a probe that hits again brings it back."""
-    from policies.depth_chooser import PROBE_EVERY
+    from specserve.policies.depth_chooser import PROBE_EVERY
 
     chooser = DepthChooser(SpecServeConfig().speculation)
     sampled = request("s", seed=1)

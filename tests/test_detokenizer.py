@@ -7,9 +7,9 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from decoding.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from decoding.sampling import SamplingParams
-from decoding.sequence import RequestState
+from specserve.decoding.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from specserve.decoding.sampling import SamplingParams
+from specserve.decoding.sequence import RequestState
 from tests.tiny_pair import TOKENIZER_DIR
 
 EOS = 256

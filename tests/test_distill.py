@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tests.tiny_pair import tiny_llama
-from training.distill import DistillConfig, agreement_on, teacher_continuations
+from specserve.training.distill import DistillConfig, agreement_on, teacher_continuations
 
 CFG = DistillConfig(prompt_tokens=8, new_tokens=6, generate_batch=3)
 

@@ -12,23 +12,23 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.config import SpecServeConfig
-from cluster.messages import PositionCounts
-from decoding.capture import save_blocks, top_rows
-from decoding.proposers import Proposal
-from decoding.sampling import SamplingParams
-from decoding.sequence import RequestState
-from decoding.batched_runner import ForwardCall
-from decoding.speculation import accept_round, target_rows
-from deployments.committed_history import HistorySender, RunningDigest
-from deployments.draft_worker import DraftEngine
-from deployments.metrics import RouterMetrics
-from deployments.round_capture import RoundCapture
-from deployments.target_worker import TargetEngine
+from specserve.cluster.config import SpecServeConfig
+from specserve.cluster.messages import PositionCounts
+from specserve.decoding.capture import save_blocks, top_rows
+from specserve.decoding.proposers import Proposal
+from specserve.decoding.sampling import SamplingParams
+from specserve.decoding.sequence import RequestState
+from specserve.decoding.batched_runner import ForwardCall
+from specserve.decoding.speculation import accept_round, target_rows
+from specserve.deployments.committed_history import HistorySender, RunningDigest
+from specserve.deployments.draft_worker import DraftEngine
+from specserve.deployments.metrics import RouterMetrics
+from specserve.deployments.round_capture import RoundCapture
+from specserve.deployments.target_worker import TargetEngine
 from tests.test_engines import options, spec, whole
 from tests.test_rejection import assert_differs, assert_matches, total_variation
 from tests.tiny_pair import make_tiny_pair
-from training.online_trainer import OnlineTrainer, load_draft_model, rolls_back
+from specserve.training.online_trainer import OnlineTrainer, load_draft_model, rolls_back
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
 SAMPLED = SamplingParams(temperature=1.5, top_k=8, max_tokens=2)
@@ -112,8 +112,8 @@ def test_an_engine_loads_a_version_from_the_object_store_into_its_serving_runner
 
     import ray
 
-    from deployments.draft_trainer import DraftTrainer
-    from training.online_trainer import DraftVersion
+    from specserve.deployments.draft_trainer import DraftTrainer
+    from specserve.training.online_trainer import DraftVersion
 
     target, draft_path, _, unrelated = pairs
     version_dir = tmp_path / "v1"
@@ -218,7 +218,7 @@ def test_capture_is_off_by_default_and_samples_its_rounds_when_on(monkeypatch):
     assert off._trainer is None and not off._blocks  # nothing kept, nothing looked up
     monkeypatch.setenv("SPECSERVE__DRAFT_TRAINING__ENABLED", "true")
     monkeypatch.setenv("SPECSERVE__DRAFT_TRAINING__SAMPLE_EVERY", "3")
-    from cluster.config import load_config
+    from specserve.cluster.config import load_config
 
     on = RoundCapture(load_config(), RouterMetrics())
     assert [on.top_k_for_round() for _ in range(6)] == [None, None, 32, None, None, 32]
@@ -228,7 +228,7 @@ def _captures(target_path, draft_path, requests: int) -> list:
     """Blocks as routers capture them: the draft's greedy 4 tokens, the target's top-k rows."""
     target, draft = load_draft_model(target_path), load_draft_model(draft_path)
     generator = torch.Generator().manual_seed(0)
-    from decoding.capture import captured_block
+    from specserve.decoding.capture import captured_block
 
     blocks = []
     with torch.no_grad():
@@ -277,8 +277,8 @@ def test_a_pass_writes_a_version_only_when_the_canary_passes(pairs, captures, tm
 
 
 def test_distill_draft_from_capture_writes_a_draft_folder_serve_takes(pairs, captures, tmp_path):
-    from cluster.cli import main as specserve
-    from decoding.model_runner import check_compatible_paths
+    from specserve.cluster.cli import main as specserve
+    from specserve.decoding.model_runner import check_compatible_paths
 
     target, draft, _, _ = pairs
     save_blocks(captures, tmp_path / "captures", "shard-0")
@@ -329,7 +329,7 @@ def test_a_steady_trickle_of_requests_still_gets_a_new_version_within_a_bounded_
     is spare capacity (the pool's busy share), so with the default settings passes run beside the
     trickle and a version is written within 3 passes; training only when idle
     (slack_max_active_requests 0) would never start one."""
-    from policies.slack import has_slack
+    from specserve.policies.slack import has_slack
 
     _, draft, _, _ = pairs
     spec = SpecServeConfig().draft_training
@@ -350,7 +350,7 @@ def test_a_steady_trickle_of_requests_still_gets_a_new_version_within_a_bounded_
 
 
 def test_a_push_stops_a_pass_only_when_training_is_idle_only_and_a_trainer_with_its_own_gpu_always_has_slack():
-    from deployments.draft_trainer import DraftTrainer
+    from specserve.deployments.draft_trainer import DraftTrainer
 
     def trainer(**training) -> DraftTrainer:
         return DraftTrainer(SpecServeConfig.model_validate(
@@ -369,7 +369,7 @@ def test_a_push_stops_a_pass_only_when_training_is_idle_only_and_a_trainer_with_
 
 
 def test_only_the_newest_versions_and_the_serving_one_stay_on_disk(tmp_path):
-    from training.online_trainer import DraftVersion
+    from specserve.training.online_trainer import DraftVersion
 
     trainer = OnlineTrainer("/draft/v0", settings(keep_versions=3), tmp_path)
     for number in range(1, 6):
@@ -382,7 +382,7 @@ def test_only_the_newest_versions_and_the_serving_one_stay_on_disk(tmp_path):
 
 
 def test_an_engine_that_cannot_load_a_version_is_offered_it_again_only_after_a_growing_wait():
-    from deployments.draft_trainer import FIRST_RETRY_S, MAX_RETRY_S, LoadBackoff
+    from specserve.deployments.draft_trainer import FIRST_RETRY_S, MAX_RETRY_S, LoadBackoff
 
     backoff = LoadBackoff()
     assert backoff.may_offer("engine:draft:a", 1, now=0.0)

@@ -13,8 +13,8 @@ import openai
 import pytest
 import ray
 
-from cluster.status import render_table, summarize, trainer_status
-from decoding.capture import load_blocks
+from specserve.cluster.status import render_table, summarize, trainer_status
+from specserve.decoding.capture import load_blocks
 from tests.local_server import greedy_reference, serve_tiny_pair
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]   # in `make reliability`: docs/testing.md

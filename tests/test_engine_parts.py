@@ -5,9 +5,9 @@ import pickle
 
 import pytest
 
-from cluster.messages import CallSpan, ClassReport, EngineStats, KvUsage, PolicyDecision, RouterReport
-from deployments.engine_loop import SequenceReleasedError
-from deployments.engine_parts import IdleSequences, ReleasedIds
+from specserve.cluster.messages import CallSpan, ClassReport, EngineStats, KvUsage, PolicyDecision, RouterReport
+from specserve.deployments.engine_loop import SequenceReleasedError
+from specserve.deployments.engine_parts import IdleSequences, ReleasedIds
 
 
 def test_a_released_id_is_refused_until_it_ages_out_of_the_bounded_set():

@@ -7,15 +7,15 @@ import time
 import pytest
 import torch
 
-from cluster.config import SpecServeConfig
-from cluster.messages import CallSpan, HistoryUpdate
-from decoding.batched_runner import BatchedModelRunner
-from decoding.sampling import SamplingParams, make_generator
-from decoding.proposers import DraftModelProposer, Proposal
-from deployments.committed_history import history_digest, whole_history as whole
-from deployments.draft_worker import DraftEngine
-from deployments.engine_loop import EngineOverloadedError, SequenceReleasedError
-from deployments.target_worker import TargetEngine
+from specserve.cluster.config import SpecServeConfig
+from specserve.cluster.messages import CallSpan, HistoryUpdate
+from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.sampling import SamplingParams, make_generator
+from specserve.decoding.proposers import DraftModelProposer, Proposal
+from specserve.deployments.committed_history import history_digest, whole_history as whole
+from specserve.deployments.draft_worker import DraftEngine
+from specserve.deployments.engine_loop import EngineOverloadedError, SequenceReleasedError
+from specserve.deployments.target_worker import TargetEngine
 from tests.tiny_pair import make_tiny_pair
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
@@ -138,7 +138,7 @@ def test_a_sampled_answer_holds_the_processed_target_rows_numbers(pair):
         engine = TargetEngine(spec(target_path), options())
         return await asyncio.gather(*[verify(engine, f"s{i}", h, 2, SAMPLED) for i, h in enumerate(HISTORIES)])
 
-    from decoding.sampling import logits_to_probs
+    from specserve.decoding.sampling import logits_to_probs
     for i, (numbers, _) in enumerate(asyncio.run(scenario())):
         expected = logits_to_probs(reference.forward(f"s{i}", HISTORIES[i], 2), SAMPLED)
         assert numbers.target_of_draft == pytest.approx([expected[0, HISTORIES[i][-1]].item()], abs=1e-5)
@@ -272,7 +272,7 @@ def test_an_idle_loop_reads_idle_now_not_as_busy_as_at_its_last_forward():
     must show its idle time as it passes, not only once the next call ends the wait."""
     from types import SimpleNamespace
 
-    from deployments.engine_loop import EngineLoop
+    from specserve.deployments.engine_loop import EngineLoop
 
     def slow_iteration(calls):
         import time
@@ -349,7 +349,7 @@ def test_a_held_sequence_that_cannot_grow_preempts_the_youngest_which_is_prefill
 def test_the_call_log_is_kept_only_with_the_profiling_switch(pair, monkeypatch):
     """bench.round_profile's outside check reads the engines' call logs; the served path keeps
     none unless SPECSERVE_PROFILE_ROUNDS is on."""
-    from deployments.round_stages import PROFILE_ENV
+    from specserve.deployments.round_stages import PROFILE_ENV
 
     target_path, _ = pair
 
@@ -412,7 +412,7 @@ def test_a_preempted_sequences_waiting_call_gets_the_full_deadline_again():
     when it arrived."""
     from types import SimpleNamespace
 
-    from deployments.engine_loop import EngineLoop
+    from specserve.deployments.engine_loop import EngineLoop
 
     held, iterations = {"a"}, []
 

@@ -9,11 +9,11 @@ import shutil
 
 import pytest
 
-from cluster.config import DEFAULT_MODELS_DIR
+from specserve.cluster.config import DEFAULT_MODELS_DIR
 from tests.tiny_pair import make_tiny_pair
-from training.evaluate import CARD_COMMAND, evaluate_pair, load_training, main, render_card
-from training.held_out import held_out_corpus
-from training.prompts import load_prompt_set, select_prompts
+from specserve.training.evaluate import CARD_COMMAND, evaluate_pair, load_training, main, render_card
+from specserve.training.held_out import held_out_corpus
+from specserve.training.prompts import load_prompt_set, select_prompts
 
 FAKE_TRAINING = {
     "config": {"vocab_size": 8192, "seq_len": 64, "max_position_embeddings": 256, "batch_size": 2,

@@ -13,9 +13,9 @@ import types
 import pytest
 import torch
 
-import decoding.paged_attention as paged_attention
-from decoding.batched_runner import ForwardCall, runner_for_model
-from decoding.paged_cache import NO_BLOCK
+import specserve.decoding.paged_attention as paged_attention
+from specserve.decoding.batched_runner import ForwardCall, runner_for_model
+from specserve.decoding.paged_cache import NO_BLOCK
 from tests.reference_runner import full_logits
 from tests.tiny_pair import tiny_model
 
@@ -53,7 +53,7 @@ def stand_in_flash(monkeypatch):
     module.flash_attn_varlen_func = varlen_stand_in
     monkeypatch.setitem(sys.modules, "flash_attn", module)
     monkeypatch.setattr(paged_attention, "flash_kernel_available", lambda device: True)
-    import decoding.batched_runner as batched_runner
+    import specserve.decoding.batched_runner as batched_runner
 
     monkeypatch.setattr(batched_runner, "flash_kernel_available", lambda device: True)
     monkeypatch.setattr(batched_runner, "FLASH_BLOCK_SIZE", 4)   # small blocks: rows span several

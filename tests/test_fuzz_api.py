@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from cluster.local import start_local
+from specserve.cluster.local import start_local
 from tests.local_server import stop_test_cluster
 from tests.test_serving import _free_port
 from tests.tiny_pair import tiny_pair_config

@@ -11,11 +11,11 @@ import torch
 from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from decoding.generate import generate
-from decoding.batched_runner import BatchedModelRunner
-from decoding.proposers import DraftModelProposer, NgramProposer
-from decoding.sampling import SamplingParams, logits_to_probs
-from decoding.sequence import RequestState
+from specserve.decoding.generate import generate
+from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.proposers import DraftModelProposer, NgramProposer
+from specserve.decoding.sampling import SamplingParams, logits_to_probs
+from specserve.decoding.sequence import RequestState
 
 VOCAB_SIZE = 64
 NUM_OUTPUT_TOKENS = 128

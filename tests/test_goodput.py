@@ -2,9 +2,9 @@
 
 import pytest
 
-from policies.cost_curve import CostCurve, fit_cost_curve
-from policies.acceptance import expected_tokens_per_round
-from policies.goodput import ClassLoad, choose_depths, goodput_tokens_per_s, round_seconds
+from specserve.policies.cost_curve import CostCurve, fit_cost_curve
+from specserve.policies.acceptance import expected_tokens_per_round
+from specserve.policies.goodput import ClassLoad, choose_depths, goodput_tokens_per_s, round_seconds
 
 # An accelerator below its knee: a verify pass costs ~10 ms whatever the tokens; draft steps 1 ms.
 FLAT_TARGET = CostCurve(fixed_s=0.010, per_token_s=0.00001)
@@ -171,8 +171,8 @@ def test_a_costly_round_trip_argues_for_deeper_rounds():
 
 
 def test_the_load_view_carries_the_routers_measured_overhead():
-    from cluster.messages import RouterReport
-    from policies.load import LoadTracker
+    from specserve.cluster.messages import RouterReport
+    from specserve.policies.load import LoadTracker
 
     tracker = LoadTracker()
     for name, overhead_s in (("r1", 0.006), ("r2", 0.008), ("r3", None)):

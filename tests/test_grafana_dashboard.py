@@ -5,7 +5,7 @@ import json
 import re
 from pathlib import Path
 
-from deployments.metrics import prometheus_metric_names
+from specserve.deployments.metrics import prometheus_metric_names
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "monitoring" / "specserve_grafana_dashboard.json"
 # ray/serve/_private/deployment_state.py (replica health) and request_ingress_metrics.py

@@ -13,8 +13,8 @@ import torch
 from scipy import stats
 from transformers import AutoTokenizer
 
-from decoding.grammar import GrammarCompiler, GrammarSpec, StructuredOutputError, mask_logits
-from decoding.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
+from specserve.decoding.grammar import GrammarCompiler, GrammarSpec, StructuredOutputError, mask_logits
+from specserve.decoding.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
 from tests.test_generate import null_tv_bound
 from tests.tiny_pair import TOKENIZER_DIR
 

@@ -5,9 +5,9 @@ biases, untied embeddings and scaled rope; architectures it does not know run tr
 import pytest
 import torch
 
-from decoding.batched_runner import BatchedModelRunner, ForwardCall, load_runner, runner_for_model
-from decoding.lean_forward import LeanDecoder, lean_support
-from decoding.model_runner import load_causal_lm
+from specserve.decoding.batched_runner import BatchedModelRunner, ForwardCall, load_runner, runner_for_model
+from specserve.decoding.lean_forward import LeanDecoder, lean_support
+from specserve.decoding.model_runner import load_causal_lm
 from tests.test_batched_runner import ATOL, ragged_rounds, random_ids
 from tests.tiny_pair import tiny_model
 

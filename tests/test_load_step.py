@@ -13,9 +13,9 @@ from collections import Counter
 
 import pytest
 
-from bench.load_step import Phase, autoscaled_config, run_load_step, step_bodies
-from cluster.config import load_config
-from cluster.local import start_local, stop_local
+from specserve.bench.load_step import Phase, autoscaled_config, run_load_step, step_bodies
+from specserve.cluster.config import load_config
+from specserve.cluster.local import start_local, stop_local
 from tests.local_server import free_port
 
 

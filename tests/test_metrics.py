@@ -7,8 +7,8 @@ from collections import defaultdict
 import pytest
 from ray.util import metrics as ray_metrics
 
-from decoding.sequence import SpecStats
-from deployments.metrics import (
+from specserve.decoding.sequence import SpecStats
+from specserve.deployments.metrics import (
     DISCARDED_AHEAD_FIELD,
     METRICS,
     REQUEST_COUNTER_FIELDS,
@@ -147,7 +147,7 @@ def test_policy_decisions_are_gauges_per_class_and_pool(recorded):
 
 
 def test_rounds_count_by_draft_version_and_a_draft_engine_shows_its_version(recorded):
-    from deployments.metrics import DraftVersionMetrics
+    from specserve.deployments.metrics import DraftVersionMetrics
 
     router = RouterMetrics()
     router.record_version_round(0, drafted=5, accepted=3)

@@ -11,9 +11,9 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.config import SpecServeConfig
-from cluster.local import init_local_ray, metrics_export_port, metrics_system_config, metrics_url
-from deployments.metrics import METRICS, EngineMetrics, RouterMetrics
+from specserve.cluster.config import SpecServeConfig
+from specserve.cluster.local import init_local_ray, metrics_export_port, metrics_system_config, metrics_url
+from specserve.deployments.metrics import METRICS, EngineMetrics, RouterMetrics
 
 
 def _free_port() -> int:

@@ -9,8 +9,8 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from decoding.batched_runner import BatchedModelRunner
-from decoding.model_runner import (
+from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.model_runner import (
     IncompatibleModelsError,
     SequenceStateError,
     check_compatible,

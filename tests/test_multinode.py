@@ -27,9 +27,9 @@ import pytest
 import ray
 from ray import serve
 
-from cluster.config import SpecServeConfig
-from cluster.builder import APP_NAME, build_app
-from cluster.local import wait_healthy
+from specserve.cluster.config import SpecServeConfig
+from specserve.cluster.builder import APP_NAME, build_app
+from specserve.cluster.local import wait_healthy
 from tests.local_server import free_port
 from tests.test_serving import MODEL, PROMPTS
 from tests.tiny_pair import make_tiny_pair
@@ -159,7 +159,7 @@ def reference(cluster):
 def engine_nodes(pool: str) -> dict:
     """pool's named engine actors -> their stats (node id, sequences held); only that pool's, so
     an engine lost with another node is never waited on."""
-    from deployments.naming import ENGINE_NAMESPACE, parse_engine_actor_name
+    from specserve.deployments.naming import ENGINE_NAMESPACE, parse_engine_actor_name
 
     found = {}
     for entry in ray.util.list_named_actors(all_namespaces=True):

@@ -10,9 +10,9 @@ import copy
 import numpy as np
 import torch
 
-from decoding.capture import CaptureBuffer, CapturedBlock, capture_rows, load_blocks, save_blocks
+from specserve.decoding.capture import CaptureBuffer, CapturedBlock, capture_rows, load_blocks, save_blocks
 from tests.tiny_pair import tiny_llama
-from training.online_distill import (DistillSettings, TrainingDevice, canary_accepts, distill_on_positions,
+from specserve.training.online_distill import (DistillSettings, TrainingDevice, canary_accepts, distill_on_positions,
                                      expected_acceptance, mean_expected_acceptance, position_batch,
                                      this_process_training_device, topk_forward_kl, training_device)
 
@@ -143,7 +143,7 @@ def test_training_yields_when_asked():
 def test_a_blocks_positions_share_one_row_and_score_as_one_row_per_position_would():
     """position_batch puts a block's K positions in one row (context + drafted[:-1]); each
     position's logits must equal a forward of exactly its own context, cut to max_context."""
-    from training.online_distill import _position_logits
+    from specserve.training.online_distill import _position_logits
 
     model = tiny_llama(seed=3)
     blocks = [CapturedBlock(f"r{n}", tuple(range(2, 2 + 5 + n)), (7, 8, 9), 1, np.zeros((3, 4), np.int32),

@@ -7,8 +7,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from decoding.sampling import MAX_SEED, MAX_STOP_STRINGS, MAX_TEMPERATURE, SamplingParams
-from deployments.openai_protocol import (
+from specserve.decoding.sampling import MAX_SEED, MAX_STOP_STRINGS, MAX_TEMPERATURE, SamplingParams
+from specserve.deployments.openai_protocol import (
     IGNORED_FIELDS,
     NEUTRAL_VALUES,
     ChatCompletionRequest,

@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import GPT2Config, LlamaConfig
 
-from decoding.batched_runner import BatchedModelRunner, ForwardCall, NoFreeBlocksError, runner_for_model
-from decoding.model_runner import NoFreeSlotError
+from specserve.decoding.batched_runner import BatchedModelRunner, ForwardCall, NoFreeBlocksError, runner_for_model
+from specserve.decoding.model_runner import NoFreeSlotError
 from tests.reference_runner import ReferenceRunner
-from decoding.paged_cache import GIB, PagedKVCache, gpu_kv_budget_bytes, kv_bytes_per_token, kv_capacity
+from specserve.decoding.paged_cache import GIB, PagedKVCache, gpu_kv_budget_bytes, kv_bytes_per_token, kv_capacity
 from tests.test_batched_runner import ATOL, assert_rows_match, random_ids, ragged_rounds
 from tests.tiny_pair import tiny_model
 
@@ -154,7 +154,7 @@ def test_a_long_max_model_len_and_a_small_budget_run_many_short_sequences_at_onc
     for each of the 16 sequences; paged, all 16 run together (lockstep greedy decoding, each equal
     to decoding alone), because each holds only its own ~50 tokens."""
     model = tiny_model("llama", max_position_embeddings=4096)
-    with caplog.at_level(logging.INFO, logger="decoding.batched_runner"):
+    with caplog.at_level(logging.INFO, logger="specserve.decoding.batched_runner"):
         runner = runner_for_model(model, max_sequences=64, kv_cache_memory_gb=(4096 + 512) *
                                   kv_bytes_per_token(model.config, torch.float32) / GIB)
     assert runner.max_context == 4096 and runner.kv_capacity.tokens == 4096 + 512
@@ -215,7 +215,7 @@ def test_a_gpu_kv_budget_is_the_engines_share_less_weights_and_peak_activations(
 
 
 def test_engine_specs_carry_their_gpu_share_and_the_largest_planned_forwards(tmp_path):
-    from cluster.builder import gpu_share, served_model_specs
+    from specserve.cluster.builder import gpu_share, served_model_specs
     from tests.tiny_pair import tiny_pair_config
 
     assert (gpu_share(0.5), gpu_share(1), gpu_share(0)) == (0.5, 1.0, 1.0)

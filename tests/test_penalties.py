@@ -18,15 +18,15 @@ import torch
 from scipy.stats import chisquare
 from transformers import LogitsProcessor, LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
-from decoding.batched_runner import runner_for_model
-from decoding.generate import generate
-from decoding.model_runner import ForwardCall
-from decoding.batched_runner import BatchedModelRunner
-from decoding.proposers import DraftModelProposer, ProposeCall, empty_proposal
-from decoding.row_processors import Penalties, history_processor
-from decoding.sampling import SamplingParams, apply_penalties, logits_to_probs
-from decoding.sequence import RequestState
-from decoding.speculation import accept_round, target_rows, verify_answer
+from specserve.decoding.batched_runner import runner_for_model
+from specserve.decoding.generate import generate
+from specserve.decoding.model_runner import ForwardCall
+from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.proposers import DraftModelProposer, ProposeCall, empty_proposal
+from specserve.decoding.row_processors import Penalties, history_processor
+from specserve.decoding.sampling import SamplingParams, apply_penalties, logits_to_probs
+from specserve.decoding.sequence import RequestState
+from specserve.decoding.speculation import accept_round, target_rows, verify_answer
 from tests.test_generate import perturbed_copy
 from tests.tiny_pair import tiny_llama
 

@@ -4,14 +4,14 @@ import random
 
 import pytest
 
-from policies.acceptance import (
+from specserve.policies.acceptance import (
     PRIOR_ACCEPTED,
     PRIOR_REJECTED,
     acceptance_from_tokens_per_round,
     acceptance_posterior_mean,
     estimate_acceptance_rate,
 )
-from policies.depth import RoundCosts, choose_draft_depth, expected_speedup, expected_tokens_per_round
+from specserve.policies.depth import RoundCosts, choose_draft_depth, expected_speedup, expected_tokens_per_round
 
 
 def simulate_rounds(alpha: float, depth: int, num_rounds: int, seed: int = 0) -> tuple[int, int, int, int]:
@@ -62,7 +62,7 @@ def test_without_a_prior_the_estimate_is_the_tokens_per_round_fit():
 
 
 def test_the_benchmark_reports_the_policy_estimator_without_its_prior():
-    from bench.perfmodel import measured_acceptance_rate
+    from specserve.bench.perfmodel import measured_acceptance_rate
 
     assert measured_acceptance_rate(333, 700, 140) == estimate_acceptance_rate(333, 700, 140, 0.0, 0.0)
 
@@ -157,7 +157,7 @@ def test_rounds_answered_from_the_speculation_cache_do_not_drag_the_draft_cost_t
 # -- what a lone round of depth K costs on the wall clock ------------------------------------------
 
 def test_round_wall_fit_recovers_the_line_a_lone_request_pays():
-    from policies.depth import RoundWallFit
+    from specserve.policies.depth import RoundWallFit
 
     fit = RoundWallFit()
     rng = random.Random(0)
@@ -171,7 +171,7 @@ def test_round_wall_fit_recovers_the_line_a_lone_request_pays():
 
 
 def test_round_wall_fit_gives_no_line_while_k_has_not_varied():
-    from policies.depth import RoundWallFit
+    from specserve.policies.depth import RoundWallFit
 
     fit = RoundWallFit()
     for _ in range(100):
@@ -180,7 +180,7 @@ def test_round_wall_fit_gives_no_line_while_k_has_not_varied():
 
 
 def test_round_wall_fit_keeps_its_line_when_k_settles_and_follows_drift():
-    from policies.depth import RoundWallFit
+    from specserve.policies.depth import RoundWallFit
 
     fit = RoundWallFit()
     for i in range(100):
@@ -199,7 +199,7 @@ def test_round_wall_fit_keeps_its_line_when_k_settles_and_follows_drift():
 def test_a_steep_measured_line_drafts_shallower_than_engine_seconds_say():
     """The 2-core box alone: engine seconds say c ~ 0.1 of a round, the wall clock says 3 ms a
     draft token on a 15 ms intercept; at alpha 0.88 the first picks 8, the second 4 to 6."""
-    from policies.depth import RoundWallFit, best_depth
+    from specserve.policies.depth import RoundWallFit, best_depth
 
     fit = RoundWallFit()
     for i in range(60):

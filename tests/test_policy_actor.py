@@ -9,10 +9,10 @@ import pytest
 import ray
 from ray import serve
 
-from cluster.messages import ClassReport, EngineStats, PolicyDecision, RouterReport
-from policies.actor import POLICY_ACTOR_NAME, POLICY_NAMESPACE, get_or_create_policy_actor, kill_policy_actor
-from policies.decision import PolicySettings, policy_actor_name
-from policies.replicas import ScalingThresholds
+from specserve.cluster.messages import ClassReport, EngineStats, PolicyDecision, RouterReport
+from specserve.policies.actor import POLICY_ACTOR_NAME, POLICY_NAMESPACE, get_or_create_policy_actor, kill_policy_actor
+from specserve.policies.decision import PolicySettings, policy_actor_name
+from specserve.policies.replicas import ScalingThresholds
 
 pytestmark = pytest.mark.ray
 SETTINGS = PolicySettings(target_bounds=(1, 3), draft_bounds=(1, 3), thresholds=ScalingThresholds(cooldown_s=0.0),
@@ -123,9 +123,9 @@ def test_a_redeploy_with_a_new_draft_replaces_the_draft_trainer(cluster):
     """A trainer built for the old draft would offer versions of it to engines serving the new
     one: the lookup with the new config makes the old trainer exit and a new one take over; the
     same config keeps the running trainer."""
-    from cluster.config import SpecServeConfig
-    from deployments.draft_trainer import get_or_create_draft_trainer
-    from deployments.naming import ENGINE_NAMESPACE, draft_trainer_name
+    from specserve.cluster.config import SpecServeConfig
+    from specserve.deployments.draft_trainer import get_or_create_draft_trainer
+    from specserve.deployments.naming import ENGINE_NAMESPACE, draft_trainer_name
 
     def config(draft_path: str) -> SpecServeConfig:
         return SpecServeConfig.model_validate({"model_name": "redeployed-trainer", "draft": {"path": draft_path},
@@ -176,7 +176,7 @@ def test_a_killed_actor_comes_back_and_decides_again(cluster):
 def test_serve_scales_a_deployment_through_the_pool_policy(cluster):
     @serve.deployment(autoscaling_config={
         "min_replicas": 1, "max_replicas": 3, "initial_replicas": 1, "upscale_delay_s": 0, "downscale_delay_s": 0,
-        "policy": {"policy_function": "policies.autoscaling:PoolPolicy", "policy_kwargs": {"pool": "target"}}},
+        "policy": {"policy_function": "specserve.policies.autoscaling:PoolPolicy", "policy_kwargs": {"pool": "target"}}},
         ray_actor_options={"num_cpus": 0.1})
     class Pool:
         def __call__(self) -> str:
@@ -208,7 +208,7 @@ def test_serve_scales_a_deployment_through_the_pool_policy(cluster):
 def test_pool_policy_never_blocks_and_falls_back_to_the_current_target(cluster):
     from types import SimpleNamespace
 
-    from policies.autoscaling import PoolPolicy
+    from specserve.policies.autoscaling import PoolPolicy
 
     policy = PoolPolicy(pool="target", poll_interval_s=0.1, max_decision_age_s=2.0)
     context = SimpleNamespace(target_num_replicas=3, policy_state={"kept": True})

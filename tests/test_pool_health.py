@@ -3,8 +3,8 @@ never waits on an engine once the pool has been probed (deployments/pool_health.
 
 import asyncio
 
-from deployments import pool_health
-from deployments.pool_health import PoolHealth, overall_status
+from specserve.deployments import pool_health
+from specserve.deployments.pool_health import PoolHealth, overall_status
 
 class _Remote:
     """The `.remote()` shape of a Ray method: calling it gives an awaitable."""

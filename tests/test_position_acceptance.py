@@ -7,12 +7,12 @@ import random
 
 import pytest
 
-from cluster.messages import ClassReport, RouterReport
-from policies.acceptance import (count_round_positions, expected_tokens_by_position, expected_tokens_per_round,
+from specserve.cluster.messages import ClassReport, RouterReport
+from specserve.policies.acceptance import (count_round_positions, expected_tokens_by_position, expected_tokens_per_round,
                                  position_accept_rates)
-from policies.cost_curve import CostCurve
-from policies.goodput import ClassLoad, choose_depths
-from policies.load import MAX_POSITIONS, LoadTracker, accept_rate_from_rounds
+from specserve.policies.cost_curve import CostCurve
+from specserve.policies.goodput import ClassLoad, choose_depths
+from specserve.policies.load import MAX_POSITIONS, LoadTracker, accept_rate_from_rounds
 
 # Streaky acceptance: once the first drafts are taken, the later ones are likelier to be.
 STREAKY = (0.70, 0.80, 0.86, 0.90, 0.92, 0.94, 0.95, 0.96)
@@ -111,7 +111,7 @@ def test_a_class_without_position_counters_leaves_the_geometric_model():
 
 
 def test_a_request_leans_on_its_class_until_its_own_rounds_say_otherwise():
-    from policies.acceptance import request_position_rates
+    from specserve.policies.acceptance import request_position_rates
 
     class_rates = (0.8, 0.9, 0.9)
     assert request_position_rates([], [], class_rates) == pytest.approx(class_rates)
@@ -121,7 +121,7 @@ def test_a_request_leans_on_its_class_until_its_own_rounds_say_otherwise():
 
 
 def test_alone_a_streaky_request_drafts_deeper_than_its_geometric_fit_says():
-    from policies.depth import best_depth, best_depth_by_position
+    from specserve.policies.depth import best_depth, best_depth_by_position
 
     reached, accepted, emitted = simulate(STREAKY, 4, 5_000, seed=4)
     rounds, took = len(emitted), sum(emitted) - len(emitted)

@@ -14,16 +14,16 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-import deployments.draft_worker as draft_worker
-from decoding.batched_runner import BatchedModelRunner
-from decoding.generate import generate
-from decoding.proposers import Proposal
-from decoding.sampling import SamplingParams, draft_seed, logits_to_probs, make_generator
-from decoding.sequence import RequestState
-from decoding.speculation import accept_round
-from deployments.committed_history import HistorySender, RunningDigest
-from deployments.draft_worker import DraftEngine
-from deployments.target_worker import TargetEngine
+import specserve.deployments.draft_worker as draft_worker
+from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.generate import generate
+from specserve.decoding.proposers import Proposal
+from specserve.decoding.sampling import SamplingParams, draft_seed, logits_to_probs, make_generator
+from specserve.decoding.sequence import RequestState
+from specserve.decoding.speculation import accept_round
+from specserve.deployments.committed_history import HistorySender, RunningDigest
+from specserve.deployments.draft_worker import DraftEngine
+from specserve.deployments.target_worker import TargetEngine
 from tests.test_engines import options, spec
 from tests.test_generate import null_tv_bound, perturbed_copy, tiny_llama
 from tests.test_serving_statistics import chi_square_p_value, total_variation

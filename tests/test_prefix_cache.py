@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from decoding.batched_runner import BatchedModelRunner, ForwardCall, NoFreeBlocksError
-from decoding.paged_cache import PagedKVCache, block_key, salt_hash
+from specserve.decoding.batched_runner import BatchedModelRunner, ForwardCall, NoFreeBlocksError
+from specserve.decoding.paged_cache import PagedKVCache, block_key, salt_hash
 from tests.reference_runner import ReferenceRunner
 from tests.test_batched_runner import ATOL, assert_rows_match, random_ids
 from tests.test_paged_cache import paged_runner

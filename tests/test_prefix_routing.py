@@ -7,7 +7,7 @@ import subprocess
 import sys
 from collections import Counter
 
-from policies.prefix_routing import IMBALANCE_SEQUENCES, prefix_key, rank_replicas
+from specserve.policies.prefix_routing import IMBALANCE_SEQUENCES, prefix_key, rank_replicas
 
 REPLICAS = ["r-a", "r-b", "r-c", "r-d"]
 SYSTEM = list(range(100, 164))   # 64 tokens: the key's 4 blocks
@@ -19,7 +19,7 @@ def test_the_key_covers_the_first_full_blocks_only():
     assert prefix_key(SYSTEM) != prefix_key([7] + SYSTEM[1:])
     assert prefix_key(list(range(40))) == prefix_key(list(range(32)) + [0])   # two full blocks of 16
     # A digest, not Python's per-process hash: another interpreter computes the same key.
-    other = subprocess.run([sys.executable, "-c", "from policies.prefix_routing import prefix_key;"
+    other = subprocess.run([sys.executable, "-c", "from specserve.policies.prefix_routing import prefix_key;"
                             f"print(prefix_key({SYSTEM!r}))"], capture_output=True, text=True, check=True)
     assert other.stdout.strip() == prefix_key(SYSTEM)
 

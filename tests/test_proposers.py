@@ -4,10 +4,10 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.batched_runner import BatchedModelRunner
 from tests.reference_runner import ReferenceRunner
-from decoding.proposers import DraftModelProposer, NgramProposer, ProposeCall
-from decoding.sampling import SamplingParams, logits_to_probs, make_generator, sample_from_probs
+from specserve.decoding.proposers import DraftModelProposer, NgramProposer, ProposeCall
+from specserve.decoding.sampling import SamplingParams, logits_to_probs, make_generator, sample_from_probs
 from tests.tiny_pair import tiny_llama
 
 GREEDY = SamplingParams(temperature=0)

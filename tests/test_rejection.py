@@ -10,8 +10,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from decoding.rejection import PLACEHOLDER_TOKEN_ID, greedy_verify, rejection_sample
-from decoding.sampling import SamplingParams, logits_to_probs, make_generator, sample_from_probs
+from specserve.decoding.rejection import PLACEHOLDER_TOKEN_ID, greedy_verify, rejection_sample
+from specserve.decoding.sampling import SamplingParams, logits_to_probs, make_generator, sample_from_probs
 
 NUM_SAMPLES = 200_000
 TV_TOLERANCE = 0.01

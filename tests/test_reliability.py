@@ -19,7 +19,7 @@ import pytest
 import ray
 from ray import serve
 
-from cluster.builder import APP_NAME
+from specserve.cluster.builder import APP_NAME
 from tests.local_server import serve_tiny_pair
 from tests.test_serving import MODEL, PROMPTS
 

@@ -2,11 +2,11 @@
 
 import pytest
 
-from cluster.messages import ClassReport, EngineStats, RouterReport
-from policies.decision import Decider, PolicySettings
-from policies.depth import expected_tokens_per_round
-from policies.load import LoadTracker, accept_rate_from_rounds
-from policies.replicas import PoolLoad, ScalingThresholds, decide_replicas
+from specserve.cluster.messages import ClassReport, EngineStats, RouterReport
+from specserve.policies.decision import Decider, PolicySettings
+from specserve.policies.depth import expected_tokens_per_round
+from specserve.policies.load import LoadTracker, accept_rate_from_rounds
+from specserve.policies.replicas import PoolLoad, ScalingThresholds, decide_replicas
 
 BOUNDS = {"target": (1, 4), "draft": (1, 3)}
 LONG_AGO = {"target": 1e9, "draft": 1e9}
@@ -129,7 +129,7 @@ def test_pre_drafts_count_as_idle_for_scaling_and_as_busy_for_the_fan_out():
     gives way; a draft pool with room keeps the configured fan-out."""
     from dataclasses import replace
 
-    from policies.fan_out import fan_out_under_load
+    from specserve.policies.fan_out import fan_out_under_load
 
     tracker = LoadTracker()
     tracker.add_engine(engine("draft", "a", busy_s=10.0, idle_s=10.0), now=0.0)

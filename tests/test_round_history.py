@@ -9,17 +9,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.config import LimitsSpec, SpeculationSpec
-from cluster.messages import HistoryUpdate, UnknownHistory
-from decoding.sampling import SamplingParams
-from decoding.sequence import RequestState
-from deployments.draft_worker import DraftEngine
-from deployments.metrics import RouterMetrics
-from deployments.request_engines import RequestEngines
-from deployments.round_loop import RoundLoop
-from deployments.round_record import RoundObserver, RoundTimings
-from deployments.target_worker import TargetEngine
-from policies.depth_chooser import DepthChooser
+from specserve.cluster.config import LimitsSpec, SpeculationSpec
+from specserve.cluster.messages import HistoryUpdate, UnknownHistory
+from specserve.decoding.sampling import SamplingParams
+from specserve.decoding.sequence import RequestState
+from specserve.deployments.draft_worker import DraftEngine
+from specserve.deployments.metrics import RouterMetrics
+from specserve.deployments.request_engines import RequestEngines
+from specserve.deployments.round_loop import RoundLoop
+from specserve.deployments.round_record import RoundObserver, RoundTimings
+from specserve.deployments.target_worker import TargetEngine
+from specserve.policies.depth_chooser import DepthChooser
 from tests.test_engines import options, spec
 from tests.tiny_pair import make_tiny_pair
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from decoding.sampling import (
+from specserve.decoding.sampling import (
     MAX_SEED,
     MAX_STOP_STRINGS,
     MAX_TEMPERATURE,

@@ -1,8 +1,8 @@
 """The engine's iteration planner: which waiting calls share the next forward."""
 
-from decoding.batched_runner import BatchedModelRunner, ForwardCall
-from decoding.model_runner import SequenceStateError
-from decoding.scheduler import CallShape, Scheduler, WaitingCall, plan_iteration
+from specserve.decoding.batched_runner import BatchedModelRunner, ForwardCall
+from specserve.decoding.model_runner import SequenceStateError
+from specserve.decoding.scheduler import CallShape, Scheduler, WaitingCall, plan_iteration
 from tests.tiny_pair import tiny_model
 
 PLAN = dict(max_step_tokens=10, prefill_token_budget=256, max_batch_rows=8)

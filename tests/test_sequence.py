@@ -5,8 +5,8 @@ tokens shows up as a trailing U+FFFD, exactly as with a byte-level BPE."""
 
 import pytest
 
-from decoding.sampling import SamplingParams, draft_seed
-from decoding.sequence import RequestState, SpecStats
+from specserve.decoding.sampling import SamplingParams, draft_seed
+from specserve.decoding.sequence import RequestState, SpecStats
 
 EOS = 256
 

@@ -19,11 +19,11 @@ import torch
 from ray import serve
 from transformers import AutoTokenizer
 
-from cluster.builder import APP_NAME
-from decoding.generate import generate
-from decoding.batched_runner import BatchedModelRunner
-from decoding.sampling import SamplingParams
-from decoding.sequence import RequestState
+from specserve.cluster.builder import APP_NAME
+from specserve.decoding.generate import generate
+from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.sampling import SamplingParams
+from specserve.decoding.sequence import RequestState
 from tests.local_server import SHARED_MODEL, free_port, greedy_reference
 
 pytestmark = pytest.mark.ray
@@ -79,7 +79,7 @@ def _scrape() -> dict[tuple[str, tuple], float]:
     """The node's Prometheus endpoint, parsed by prometheus_client's own parser: {(name, labels): value}."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from cluster.local import metrics_url
+    from specserve.cluster.local import metrics_url
 
     samples = {}
     for family in text_string_to_metric_families(httpx.get(metrics_url(), timeout=10).text):

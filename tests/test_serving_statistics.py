@@ -33,8 +33,8 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 import openai
 
-from decoding.row_processors import history_processor
-from decoding.sampling import SamplingParams, logits_to_probs
+from specserve.decoding.row_processors import history_processor
+from specserve.decoding.sampling import SamplingParams, logits_to_probs
 from tests.local_server import SHARED_MODEL
 from tests.test_penalties import hf_processors
 

@@ -53,7 +53,7 @@ def test_sigterm_drains_the_request_in_flight_and_stops_everything(tmp_path: Pat
     port = free_port()
     env = {**os.environ, "SPECSERVE__HTTP__PORT": str(port), "SPECSERVE__OBSERVABILITY__METRICS_EXPORT_PORT": "0"}
     log = open(tmp_path / "serve.log", "w+")
-    server = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve"], env=env, stdout=log,
+    server = subprocess.Popen([sys.executable, "-m", "specserve.cluster.cli", "serve"], env=env, stdout=log,
                               stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import Gemma3TextConfig
 
-import decoding.batched_runner as batched_runner_module
-from decoding.batched_runner import BatchedModelRunner, ForwardCall
-from decoding.paged_cache import (
+import specserve.decoding.batched_runner as batched_runner_module
+from specserve.decoding.batched_runner import BatchedModelRunner, ForwardCall
+from specserve.decoding.paged_cache import (
     GIB,
     NO_BLOCK,
     KVGroup,
@@ -22,7 +22,7 @@ from decoding.paged_cache import (
     kv_groups,
     window_blocks,
 )
-from decoding.scheduler import CallShape, Scheduler
+from specserve.decoding.scheduler import CallShape, Scheduler
 from tests.reference_runner import full_logits
 from tests.test_batched_runner import ATOL, random_ids
 from tests.tiny_pair import SHORT_WINDOW, tiny_model

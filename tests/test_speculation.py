@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding.sampling import SamplingParams
-from decoding.rejection import PLACEHOLDER_TOKEN_ID, greedy_verify
-from decoding.speculation import greedy_emitted, target_rows
+from specserve.decoding.sampling import SamplingParams
+from specserve.decoding.rejection import PLACEHOLDER_TOKEN_ID, greedy_verify
+from specserve.decoding.speculation import greedy_emitted, target_rows
 
 def test_target_rows_mask_eos_for_output_positions_below_min_tokens():
     eos = 2
@@ -28,7 +28,7 @@ def test_target_rows_mask_eos_for_output_positions_below_min_tokens():
 
 
 def test_token_logprobs_read_each_committed_token_from_its_own_row():
-    from decoding.speculation import token_logprobs
+    from specserve.decoding.speculation import token_logprobs
 
     rows = torch.log_softmax(torch.tensor([[3.0, 1.0, 0.0, -1.0], [0.0, 2.0, 1.0, 0.5], [1.0, 1.0, 4.0, 0.0]]), dim=-1)
     entries = token_logprobs([0, 2], rows.numpy(), num_alternatives=2)
@@ -42,9 +42,9 @@ def test_token_logprobs_read_each_committed_token_from_its_own_row():
 def test_a_verify_carries_the_entries_of_the_tokens_each_row_may_commit_not_its_rows():
     """O(K x N) logprobs: per row the top N and the log-probabilities of the drafted token and of
     the target's own (argmax, recovered or bonus): whatever the owner commits is among them."""
-    from decoding.compact_verify import TargetNumbers
-    from decoding.proposers import Proposal
-    from decoding.speculation import LogprobEntries, token_logprobs, tokens_each_row_may_commit
+    from specserve.decoding.compact_verify import TargetNumbers
+    from specserve.decoding.proposers import Proposal
+    from specserve.decoding.speculation import LogprobEntries, token_logprobs, tokens_each_row_may_commit
 
     logits = torch.tensor([[3.0, 1.0, 0.0, -1.0], [0.0, 2.0, 1.0, 0.5], [1.0, 1.0, 4.0, 0.0]])
     dense = torch.log_softmax(logits, dim=-1)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from decoding.compact_verify import DraftSupport
-from decoding.proposers import Proposal
-from decoding.speculation_cache import (Predraft, allocate_fan_out, block_of, continues, may_continue,
+from specserve.decoding.compact_verify import DraftSupport
+from specserve.decoding.proposers import Proposal
+from specserve.decoding.speculation_cache import (Predraft, allocate_fan_out, block_of, continues, may_continue,
                                         outcome_probabilities, predrafts, tokens_thrown_away)
 
 HISTORY = (5, 6, 7)

@@ -7,8 +7,8 @@ import subprocess
 import pytest
 import ray
 
-from cluster.config import DEFAULT_MODELS_DIR, SpecServeConfig
-from cluster.local import PortInUseError, StartupError, check_port_free, init_local_ray, start_local
+from specserve.cluster.config import DEFAULT_MODELS_DIR, SpecServeConfig
+from specserve.cluster.local import PortInUseError, StartupError, check_port_free, init_local_ray, start_local
 
 
 @pytest.fixture
@@ -34,7 +34,7 @@ def test_a_free_port_passes_the_check():
 
 
 def test_the_cli_prints_the_busy_port_without_a_traceback(busy_port, monkeypatch, capsys):
-    from cluster import cli
+    from specserve.cluster import cli
 
     monkeypatch.setenv("SPECSERVE__HTTP__PORT", str(busy_port))
     with pytest.raises(SystemExit) as info:
@@ -51,7 +51,7 @@ def _free_port() -> int:
 
 
 def test_replica_cause_is_the_innermost_exception_of_a_serve_status_message():
-    from cluster.local import replica_cause
+    from specserve.cluster.local import replica_cause
 
     message = ("A replica failed to start with exception. Retrying 2 more time(s). Error:\n"
                "\x1b[36mray::ServeReplica:specserve:TargetWorker.initialize_and_get_metadata()\x1b[39m (pid=1)\n"
@@ -80,7 +80,7 @@ def test_a_replica_that_cannot_start_ends_the_cli_with_its_own_error_and_no_ray_
 
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "SPECSERVE__HTTP__PORT": str(_free_port()), "PYTHONPATH": str(repo)}
-    command = [sys.executable, "-m", "cluster.cli", "serve", "--target", str(DEFAULT_MODELS_DIR / "target"),
+    command = [sys.executable, "-m", "specserve.cluster.cli", "serve", "--target", str(DEFAULT_MODELS_DIR / "target"),
                "--kv-cache-memory-gb", "0.0005"]
     done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 1, done.stderr[-2000:]

@@ -1,7 +1,7 @@
 """`specserve status`: the document and table built from engine stats, the router and Serve."""
 
-from cluster.messages import EngineStats, KvUsage
-from cluster.status import UnreachableEngine, render_table, summarize
+from specserve.cluster.messages import EngineStats, KvUsage
+from specserve.cluster.status import UnreachableEngine, render_table, summarize
 
 ENGINES = [
     EngineStats("target", "t1", sequences=3, free_slots=5, queue_depth=2, forwards=10, batch_rows_total=25,
@@ -53,7 +53,7 @@ def test_the_table_names_every_pool_and_an_unreachable_engine():
 def test_a_tensor_parallel_engine_shows_its_group_and_each_rank():
     from dataclasses import replace
 
-    from cluster.messages import RankStats
+    from specserve.cluster.messages import RankStats
 
     mib = 1 << 20
     ranks = (RankStats(0, "node0123456789", ("0",), 300 * mib, 4096, 256, 700 * mib),

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from deployments.streaming import coalesced_chunks
+from specserve.deployments.streaming import coalesced_chunks
 
 
 def _chunk(text: str, last: bool = False) -> dict:

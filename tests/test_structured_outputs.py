@@ -14,15 +14,15 @@ import torch
 from scipy import stats
 from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
-from decoding.generate import generate, generate_batch
-from decoding.grammar import GrammarCompiler, GrammarDeadEndError, GrammarMatcher, GrammarMatchers, GrammarSpec
-from decoding.model_runner import ForwardCall
-from decoding.batched_runner import BatchedModelRunner
-from decoding.proposers import DraftModelProposer, ProposeCall
-from decoding.row_processors import GrammarMask, history_processor
-from decoding.sampling import SamplingParams
-from decoding.sequence import RequestState
-from decoding.speculation import target_rows
+from specserve.decoding.generate import generate, generate_batch
+from specserve.decoding.grammar import GrammarCompiler, GrammarDeadEndError, GrammarMatcher, GrammarMatchers, GrammarSpec
+from specserve.decoding.model_runner import ForwardCall
+from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.proposers import DraftModelProposer, ProposeCall
+from specserve.decoding.row_processors import GrammarMask, history_processor
+from specserve.decoding.sampling import SamplingParams
+from specserve.decoding.sequence import RequestState
+from specserve.decoding.speculation import target_rows
 from tests.tiny_pair import TOKENIZER_DIR, make_tiny_pair
 
 K = 3
@@ -288,7 +288,7 @@ def test_the_ingress_finds_a_dead_end_inside_rays_wrappers():
     the innermost error's message and field."""
     from ray.exceptions import RayTaskError
 
-    from deployments.ingress import _cause
+    from specserve.deployments.ingress import _cause
 
     inner = GrammarDeadEndError("structured_outputs.regex: nothing allowed", "structured_outputs.regex")
     wrapped = RayTaskError("generate", "", RayTaskError("verify", "", inner).as_instanceof_cause()).as_instanceof_cause()
@@ -308,8 +308,8 @@ TICKET_PROMPTS = ["ticket = ", "# the issue as JSON\nissue = ", "def to_dict(sel
 
 @pytest.fixture(scope="module")
 def default_pair():
-    from cluster.config import DEFAULT_MODELS_DIR
-    from decoding.batched_runner import BatchedModelRunner
+    from specserve.cluster.config import DEFAULT_MODELS_DIR
+    from specserve.decoding.batched_runner import BatchedModelRunner
 
     return tuple(BatchedModelRunner(str(DEFAULT_MODELS_DIR / role), max_sequences=16) for role in ("target", "draft"))
 
@@ -320,7 +320,7 @@ def test_json_schema_requests_to_the_default_pair_parse_and_validate_at_ordinary
     (With free whitespace, the default before, every one ran to max_tokens on newlines.)"""
     import jsonschema
 
-    from deployments.openai_protocol import CompletionRequest
+    from specserve.deployments.openai_protocol import CompletionRequest
 
     target, draft = default_pair
     eos = sorted(target.eos_token_ids)

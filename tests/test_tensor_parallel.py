@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-from decoding.batched_runner import ForwardCall, load_runner
+from specserve.decoding.batched_runner import ForwardCall, load_runner
 from tests.checkpoint_fixtures import build_llama3, build_qwen3
 
 # Sharded matmuls sum in another order than whole ones (all-reduce of partial sums): ~1e-6 on
@@ -55,7 +55,7 @@ def _spec(path: Path, member: dict | None = None) -> dict:
 
 
 def _rank_main(rank: int, size: int, store_address: str, path: str, results, scenario: str = "calls") -> None:
-    from decoding.tensor_parallel import weight_bytes
+    from specserve.decoding.tensor_parallel import weight_bytes
 
     torch.set_num_threads(1)
     in_group = load_runner(_spec(Path(path), {"rank": rank, "size": size, "store_address": store_address}))
@@ -79,7 +79,7 @@ def _follower_dies(rank: int, in_group, results) -> None:
     """Rank 1 ends its process once loaded; rank 0 then calls: it must fail, not wait."""
     import os
 
-    from decoding.tensor_parallel import GroupBrokenError
+    from specserve.decoding.tensor_parallel import GroupBrokenError
 
     if rank == 1:
         os._exit(0)
@@ -100,7 +100,7 @@ def _follower_dies(rank: int, in_group, results) -> None:
 def run_group(path: Path, size: int = 2, scenario: str = "calls") -> dict[int, tuple[dict, list | None]]:
     """Run a scenario on a TP group of size processes: engine_calls by default; -> rank: (facts,
     rows of rank 0), for the ranks that report."""
-    from decoding.tensor_parallel import host_store
+    from specserve.decoding.tensor_parallel import host_store
 
     store, address = host_store("127.0.0.1")   # this process serves the group's store while it runs
     context = mp.get_context("spawn")
@@ -176,7 +176,7 @@ def test_a_dead_follower_breaks_the_group_at_rank_0s_next_call_without_waiting(t
     """Rank 0 must not hang in a collective when a rank dies: the broken connection ends the call
     with GroupBrokenError (and the engine's hook: deployments.engine_group.end_process) within
     seconds, well inside the collective timeout."""
-    from decoding.tensor_parallel import COLLECTIVE_TIMEOUT_S
+    from specserve.decoding.tensor_parallel import COLLECTIVE_TIMEOUT_S
 
     facts = run_group(targets["llama3"], scenario="follower_dies")[0][0]
     assert facts["outcome"] == "GroupBrokenError" and facts["hook_called"]
@@ -186,8 +186,8 @@ def test_a_dead_follower_breaks_the_group_at_rank_0s_next_call_without_waiting(t
 def test_every_public_runner_method_is_mirrored_or_read_only():
     """A runner method added later that changes KV state must be mirrored, or the followers' block
     tables drift from rank 0's: each public method is classified in one list or the other."""
-    from decoding.batched_runner import BatchedModelRunner
-    from decoding.tensor_parallel import MIRRORED_CALLS, READ_ONLY_CALLS
+    from specserve.decoding.batched_runner import BatchedModelRunner
+    from specserve.decoding.tensor_parallel import MIRRORED_CALLS, READ_ONLY_CALLS
 
     public = {name for name in dir(BatchedModelRunner)
               if not name.startswith("_") and callable(getattr(BatchedModelRunner, name))}

@@ -18,10 +18,10 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from cluster.status import read_engine_stats, summarize
-from deployments.naming import ENGINE_NAMESPACE, RANK_NAME_PREFIX
+from specserve.cluster.status import read_engine_stats, summarize
+from specserve.deployments.naming import ENGINE_NAMESPACE, RANK_NAME_PREFIX
 from tests.local_server import serve_tiny_pair
-from decoding.sampling import SamplingParams
+from specserve.decoding.sampling import SamplingParams
 from tests.test_serving import stream_killing_midway
 from tests.test_serving_statistics import (NUM_REQUESTS, P_VALUE_FLOOR, PROMPT, TV_BOUND, chi_square_p_value,
                                            sample_texts, text_distribution, total_variation)

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from cluster.config import DEFAULT_MODELS_DIR, DraftTrainingSpec
-from decoding.capture import load_blocks
-from training.online_trainer import OnlineTrainer
+from specserve.cluster.config import DEFAULT_MODELS_DIR, DraftTrainingSpec
+from specserve.decoding.capture import load_blocks
+from specserve.training.online_trainer import OnlineTrainer
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from training.corpus import iter_stdlib_files, split_corpus
+from specserve.training.corpus import iter_stdlib_files, split_corpus
 
 EOS_TOKEN = "<|endoftext|>"
 

@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from decoding.sampling import SamplingParams, logits_to_probs, sample_from_probs
-from training.corpus import iter_stdlib_files, split_corpus
-from training.default_pair import distill_step, encode_files, held_out_loss, lr_at, sample_batch, save_checkpoint
+from specserve.decoding.sampling import SamplingParams, logits_to_probs, sample_from_probs
+from specserve.training.corpus import iter_stdlib_files, split_corpus
+from specserve.training.default_pair import distill_step, encode_files, held_out_loss, lr_at, sample_batch, save_checkpoint
 
 
 @dataclass
@@ -167,7 +167,7 @@ def distill(draft, target, data: dict, cfg: DistillConfig, generator: torch.Gene
 
 def main(argv: list[str] | None = None) -> None:
     if any(arg.startswith("--from-capture") for arg in (sys.argv[1:] if argv is None else argv)):  # served traffic's captures instead
-        from training.capture_distill import main as distill_captures
+        from specserve.training.capture_distill import main as distill_captures
 
         return distill_captures(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -37,16 +37,16 @@ from pathlib import Path
 
 import torch
 
-from cluster.config import DEFAULT_MODELS_DIR
-from training.held_out import corpus_info, held_out_stream
-from training.model_card import (
+from specserve.cluster.config import DEFAULT_MODELS_DIR
+from specserve.training.held_out import corpus_info, held_out_stream
+from specserve.training.model_card import (
     ACCEPTANCE_THRESHOLD,
     CARD_COMMAND,
     DEFAULT_MAX_TOKENS,
     DEFAULT_NUM_PROMPTS,
     render_card,
 )
-from training.pair_measurements import (
+from specserve.training.pair_measurements import (
     greedy_agreement,
     load_runners,
     model_info,
@@ -56,8 +56,8 @@ from training.pair_measurements import (
     target_greedy,
     window_loss,
 )
-from training.prompts import DEFAULT_PROMPT_SET, load_prompt_set, select_prompts
-from training.step_latency import step_latency
+from specserve.training.prompts import DEFAULT_PROMPT_SET, load_prompt_set, select_prompts
+from specserve.training.step_latency import step_latency
 
 __all__ = ["CARD_COMMAND", "evaluate_pair", "load_training", "main", "render_card"]
 

@@ -8,7 +8,7 @@ import platform
 
 import torch
 
-from training.corpus import HELD_OUT_EVERY, SourceFile, iter_stdlib_files, split_corpus, stdlib_root
+from specserve.training.corpus import HELD_OUT_EVERY, SourceFile, iter_stdlib_files, split_corpus, stdlib_root
 
 _CORPUS_CACHE: dict[str, tuple[list[SourceFile], list[SourceFile]]] = {}
 

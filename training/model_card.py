@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from training.corpus import HELD_OUT_EVERY
+from specserve.training.corpus import HELD_OUT_EVERY
 
 CARD_COMMAND = ".venv/bin/specserve eval-pair --card"
 ACCEPTANCE_THRESHOLD = 0.6  # the bar: greedy per-token acceptance at K=4 on held-out prompts

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from decoding.capture import CapturedBlock
+from specserve.decoding.capture import CapturedBlock
 
 PLAIN_HEAD_MODELS = {"llama", "qwen2", "mistral"}  # logits = output embedding of the base model's last hidden state
 REJECTED_WEIGHT = 2.0  # a position at or after the block's first rejection counts this much more

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from cluster.messages import PositionCounts
-from decoding.capture import CaptureBuffer, CapturedBlock
-from training.online_distill import (DistillSettings, TrainingDevice, canary_accepts, distill_on_positions,
+from specserve.cluster.messages import PositionCounts
+from specserve.decoding.capture import CaptureBuffer, CapturedBlock
+from specserve.training.online_distill import (DistillSettings, TrainingDevice, canary_accepts, distill_on_positions,
                                      mean_expected_acceptance, position_batch)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")

@@ -12,16 +12,16 @@ from pathlib import Path
 
 import torch
 
-from policies.acceptance import estimate_acceptance_rate
-from training.default_pair import held_out_loss
+from specserve.policies.acceptance import estimate_acceptance_rate
+from specserve.training.default_pair import held_out_loss
 
 
 def load_runners(models: Path, threads: int):
     """(target, draft, tokenizer) from models/{target,draft}, fp32 on CPU, checked compatible."""
     from transformers import AutoTokenizer
 
-    from decoding.batched_runner import BatchedModelRunner
-    from decoding.model_runner import check_compatible
+    from specserve.decoding.batched_runner import BatchedModelRunner
+    from specserve.decoding.model_runner import check_compatible
 
     target = BatchedModelRunner(str(models / "target"), dtype="float32", device="cpu", num_threads=threads)
     draft = BatchedModelRunner(str(models / "draft"), dtype="float32", device="cpu", num_threads=threads)
@@ -47,7 +47,7 @@ def model_info(runner) -> dict:
 
 
 def _new_state(request_id: str, prompt_ids: list[int], params, target, draft, tokenizer):
-    from decoding.sequence import RequestState
+    from specserve.decoding.sequence import RequestState
 
     return RequestState(request_id=request_id, prompt_ids=prompt_ids, params=params,
                         eos_token_id=target.eos_token_id,
@@ -57,8 +57,8 @@ def _new_state(request_id: str, prompt_ids: list[int], params, target, draft, to
 
 def target_greedy(target, draft, tokenizer, prompt_ids: list[int], max_tokens: int, request_id: str) -> list[int]:
     """Plain (target-only) greedy continuation."""
-    from decoding.generate import generate
-    from decoding.sampling import SamplingParams
+    from specserve.decoding.generate import generate
+    from specserve.decoding.sampling import SamplingParams
 
     state = _new_state(request_id, prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens),
                        target, draft, tokenizer)
@@ -73,9 +73,9 @@ def speculative_run(target, draft, tokenizer, prompts_ids: list[list[int]], k: i
     """Speculative decoding of every prompt with the draft at depth k; aggregated SpecStats, the
     accepted-length histogram of the verification rounds, and (greedy) how many outputs equal
     the target-only greedy outputs in `reference`."""
-    from decoding.generate import generate
-    from decoding.proposers import DraftModelProposer
-    from decoding.sampling import SamplingParams
+    from specserve.decoding.generate import generate
+    from specserve.decoding.proposers import DraftModelProposer
+    from specserve.decoding.sampling import SamplingParams
 
     proposer = DraftModelProposer(draft)
     totals = {"rounds": 0, "num_drafted": 0, "num_accepted": 0, "num_emitted": 0, "target_passes": 0}

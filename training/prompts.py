@@ -6,7 +6,7 @@ so the model card) and the benchmark read prompts only through this module.
   hand-written prose prompts that show how the code pair does off-distribution. Generated once
   and committed: readers use only the JSON, so results stay comparable when the interpreter (and
   with it the stdlib the corpus is built from) changes. Regenerate with
-  ``python -m training.prompts --write`` only together with a version bump.
+  ``python -m specserve.training.prompts --write`` only together with a version bump.
 - `thirdparty` (bench/prompts_thirdparty_v1.json): hand-written third-party-style Python (web
   handlers, data pipelines, training loops, tests, ...), code UNLIKE the stdlib corpus the
   default pair was trained on: a pair's speed-up depends on what it is asked.
@@ -113,7 +113,7 @@ def build_prompt_set(num_code: int = NUM_CODE_PROMPTS) -> dict:
 
     Files are taken round-robin over top-level packages (one per package first, then a second, ...)
     so near-identical siblings (the encodings/cp*.py codecs) do not dominate the set."""
-    from training.corpus import iter_stdlib_files, split_corpus
+    from specserve.training.corpus import iter_stdlib_files, split_corpus
 
     _, held_out = split_corpus(iter_stdlib_files())
     by_package: dict[str, list[Prompt]] = {}

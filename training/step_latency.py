@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.batched_runner import BatchedModelRunner
 
 
 def step_latency_samples(runner: BatchedModelRunner, context_ids: list[int], num_new_tokens: int, reps: int = 15,
