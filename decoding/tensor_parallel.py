@@ -48,7 +48,10 @@ IDLE_TIMEOUT_S = 7 * 24 * 3600.0
 # (tests/test_tensor_parallel.py fails on a public runner method named in neither list.)
 MIRRORED_CALLS = ("forward_batch", "release", "rollback", "fork", "adopt")
 READ_ONLY_CALLS = ("num_cached", "blocks_held", "cached_prefix_length", "prefix_cached_tokens", "kv_usage",
-                   "active_sequences", "serve_as", "from_model")
+                   "active_sequences", "serve_as", "from_model", "weights_mismatch")
+# Calls a group never takes: a trained draft version's weights are whole, not a rank's shard, and
+# the config refuses draft training on a split draft (cluster.config).
+UNSPLIT_CALLS = ("load_weights",)
 _STOP = "stop"
 
 
@@ -145,6 +148,8 @@ class MirroredRunner:
     def __getattr__(self, name: str) -> Any:
         if name in MIRRORED_CALLS:
             return functools.partial(self._mirrored, name)
+        if name in UNSPLIT_CALLS:
+            raise AttributeError(f"a tensor-parallel group does not {name}: its ranks hold shards of the weights")
         return getattr(self.runner, name)
 
     def _mirrored(self, name: str, *args: Any) -> Any:

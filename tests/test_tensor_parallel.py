@@ -185,11 +185,12 @@ def test_a_dead_follower_breaks_the_group_at_rank_0s_next_call_without_waiting(t
 
 def test_every_public_runner_method_is_mirrored_or_read_only():
     """A runner method added later that changes KV state must be mirrored, or the followers' block
-    tables drift from rank 0's: each public method is classified in one list or the other."""
+    tables drift from rank 0's: each public method is classified as mirrored, read-only, or one a
+    group never takes."""
     from specserve.decoding.batched_runner import BatchedModelRunner
-    from specserve.decoding.tensor_parallel import MIRRORED_CALLS, READ_ONLY_CALLS
+    from specserve.decoding.tensor_parallel import MIRRORED_CALLS, READ_ONLY_CALLS, UNSPLIT_CALLS
 
     public = {name for name in dir(BatchedModelRunner)
               if not name.startswith("_") and callable(getattr(BatchedModelRunner, name))}
     public -= {"forward"}   # mirrored as the forward_batch it runs
-    assert public == set(MIRRORED_CALLS) | set(READ_ONLY_CALLS)
+    assert public == set(MIRRORED_CALLS) | set(READ_ONLY_CALLS) | set(UNSPLIT_CALLS)
