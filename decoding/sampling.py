@@ -255,18 +255,17 @@ def truncate_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     Both cuts keep a prefix of the row's tokens in descending order, ties towards the lowest index
     (a stable sort). Sorting all V ids is the costly part over a large vocabulary, and a peaked row's
     cut lies within its few most likely tokens. So each row first takes its TOP_CANDIDATES most
-    likely ids (`torch.topk`, put in stable order); where they are exactly the sorted row's prefix
-    and the cut lies within them (`candidate_prefix`), the row is cut there, and only the other rows
-    (flat ones, ties across the candidate boundary, top_k above TOP_CANDIDATES) sort everything
-    (`sorted_prefix`). Both ways decide the kept set with the same float operations on the same
-    numbers (`cut_by_prefix`), so a row's result does not depend on the way it took
-    (tests/test_top_p_candidates.py)."""
+    likely ids (`candidate_prefix`), and where the cut lies among those known to be the sorted row's
+    own first ids, the row is cut there; only the other rows (flat ones, top_k past the candidates)
+    sort everything (`sorted_prefix`). Both ways decide the kept set with the same float operations
+    on the same numbers (`cut_by_prefix`), so a row's result does not depend on the way it took
+    (tests/test_top_p_candidates.py). Deciding which rows sort is one host sync per call."""
     num_rows, vocab_size = logits.shape
     if num_rows == 0 or vocab_size <= TOP_CANDIDATES:
         return cut_by_prefix(logits, sorted_prefix(logits), top_k, top_p)[1]
-    prefix_ids, is_prefix, holds_every_finite = candidate_prefix(logits)
-    fits, probs = cut_by_prefix(logits, prefix_ids, top_k, top_p)
-    fits = (fits & is_prefix) | holds_every_finite
+    prefix_ids, exact_length, holds_every_finite = candidate_prefix(logits)
+    fits, probs = cut_by_prefix(logits, prefix_ids, top_k, top_p, exact_length)
+    fits |= holds_every_finite
     if bool(fits.all()):
         return probs
     rest = (~fits).nonzero().squeeze(-1)
@@ -280,30 +279,34 @@ def sorted_prefix(logits: torch.Tensor) -> torch.Tensor:
 
 
 def candidate_prefix(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row's TOP_CANDIDATES most likely ids [n, m] in the stable descending order; whether they
-    are the stable sort's first m (bool [n]); whether they hold every finite logit of the row
-    (bool [n]). torch.topk breaks ties in no stated order, so the candidates are re-sorted (ids
-    ascending, then a stable sort by value); they are the sorted row's prefix unless the m-th and
-    (m+1)-th values tie, where topk may have taken a later id of the tie. If the m-th value is
-    -inf the candidates hold every finite logit, and past those every order gives the same result
-    (probability 0, kept or not)."""
-    count = TOP_CANDIDATES
-    values, ids = torch.topk(logits, count + 1, dim=-1, sorted=True)
-    ids = ids[:, :count].sort(dim=-1).values
+    """Each row's TOP_CANDIDATES most likely ids [n, m] in the stable descending order; how many of
+    them are surely the sorted row's first ids (long [n]); whether they hold every finite logit of
+    the row (bool [n]).
+
+    Every id whose logit is above the last candidate's is a candidate, so re-sorting the candidates
+    (ids ascending, then a stable sort by value) puts those in the sorted row's own order. Ids tied
+    with the last candidate may continue past the candidates (bf16 logits tie often), and
+    torch.topk picks among a tie in no stated order: those positions hold the right values, maybe
+    not the right ids. If the last value is -inf, every finite logit is a candidate, and past those
+    every order gives the same result (probability 0, kept or not)."""
+    values, ids = torch.topk(logits, TOP_CANDIDATES, dim=-1, sorted=True)
+    ids = ids.sort(dim=-1).values
     order = torch.sort(logits.gather(-1, ids), dim=-1, descending=True, stable=True).indices
-    last, following = values[:, count - 1], values[:, count]
-    return ids.gather(-1, order), last > following, last == float("-inf")
+    last = values[:, -1:]
+    return ids.gather(-1, order), (values > last).sum(dim=-1), last.squeeze(-1) == float("-inf")
 
 
-def cut_by_prefix(logits: torch.Tensor, prefix_ids: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def cut_by_prefix(logits: torch.Tensor, prefix_ids: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  exact_length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k then top-p of logits [n, V] from prefix_ids [n, L], each row's first L ids in the stable
-    descending order (L = V: the whole sorted row): (fits bool [n], probabilities [n, V]).
+    descending order (L = V: the whole sorted row), of which the first exact_length (long [n];
+    None: all L) are surely the right ids and the rest at least the right values:
+    (fits bool [n], probabilities [n, V]).
 
-    A row fits when its cut is decided by the prefix: top_k <= L, or top-k off and top-p already
-    cutting the prefix's last id (every later id then has at least as much mass before it). Where a
-    row does not fit its probabilities mean nothing. The masses are taken from the softmax of the
-    top-k-cut row in id order, so they are the same numbers whatever L is, and the float64
+    A row fits when its cut is decided by its exact ids: top_k <= exact_length, or top-k off and
+    top-p already cutting the first inexact position (every later one then has at least as much mass
+    before it). Where a row does not fit its probabilities mean nothing. The masses are taken from
+    the softmax of the top-k-cut row in id order, the same numbers whatever the prefix; the float64
     cumulative sum keeps a token from crossing the boundary through rounding."""
     num_rows, vocab_size = logits.shape
     length = prefix_ids.shape[-1]
@@ -316,7 +319,11 @@ def cut_by_prefix(logits: torch.Tensor, prefix_ids: torch.Tensor, top_k: torch.T
     sorted_probs = sorted_probs.double()
     outside_nucleus = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(-1)
     outside_nucleus[:, 0] = False
-    fits = (top_k <= length) | ((top_k == vocab_size) & outside_nucleus[:, -1])
+    if exact_length is None:
+        fits = torch.ones(num_rows, dtype=torch.bool, device=logits.device)
+    else:
+        cut_at_inexact = outside_nucleus.gather(-1, exact_length.clamp(max=length - 1).unsqueeze(-1)).squeeze(-1)
+        fits = (top_k <= exact_length) | ((top_k == vocab_size) & cut_at_inexact)
     beyond_top_p = torch.ones_like(beyond_top_k).scatter_(-1, prefix_ids, outside_nucleus)
     return fits, torch.softmax(logits.masked_fill(beyond_top_k | beyond_top_p, float("-inf")), dim=-1)
 

@@ -55,12 +55,12 @@ def assert_same_processing(probs: torch.Tensor, reference: torch.Tensor) -> None
 
 
 def random_rows(seed: int) -> torch.Tensor:
-    """Peaked, flat and tied rows [12, VOCAB_SIZE]."""
+    """Peaked, flat and tied rows [12, VOCAB_SIZE]; the caller adds bf16-rounded ones."""
     generator = torch.Generator().manual_seed(seed)
     noise = torch.randn(12, VOCAB_SIZE, generator=generator)
     rows = [noise[0] * 8, noise[1] * 12, noise[2] * 4, noise[3] * 0.3, noise[4] * 0.05,
             (noise[5] * 3).round(),                      # ties everywhere, at the candidate boundary too
-            (noise[6] * 8).round() / 2]                  # ties among a peaked row's candidates
+            (noise[6] * 8).round() / 2]                  # a peaked row tied at every value
     boundary_tie = noise[7] * 0.1 - 20                   # a tie straddling the TOP_CANDIDATES-th place
     boundary_tie[: TOP_CANDIDATES - 8] = torch.linspace(10, 0, TOP_CANDIDATES - 8)
     boundary_tie[TOP_CANDIDATES - 8: TOP_CANDIDATES + 8] = -1.0
@@ -92,6 +92,7 @@ PARAMS = [
 def batch(seed: int) -> tuple[torch.Tensor, RowParams]:
     """Every row of random_rows under every PARAMS entry, in one batch."""
     rows = random_rows(seed)
+    rows = torch.cat([rows, rows[[0, 1, 2, 9]].bfloat16().float()])  # a bf16 model's logits: ties everywhere
     logits = rows.repeat(len(PARAMS), 1)
     params = [p for p in PARAMS for _ in range(len(rows))]
     return logits, RowParams.of(params, VOCAB_SIZE)
@@ -129,12 +130,15 @@ def rows_sorted_in_full(monkeypatch, logits: torch.Tensor, params: SamplingParam
     return sum(counted)
 
 
-def test_peaked_rows_are_cut_among_their_candidates_and_flat_or_boundary_tied_ones_sorted_whole(monkeypatch):
+def test_peaked_rows_are_cut_among_their_candidates_and_flat_ones_sorted_whole(monkeypatch):
     rows = random_rows(0)
     top_p = SamplingParams(temperature=1.0, top_p=0.95)
     assert rows_sorted_in_full(monkeypatch, rows[[0, 1, 9, 10, 11]], top_p) == 0
+    # bf16 logits tie all over the tail, across the candidate boundary too: still no sort
+    assert rows_sorted_in_full(monkeypatch, rows[[0, 1, 6, 9]].bfloat16().float(), top_p) == 0
     assert rows_sorted_in_full(monkeypatch, rows[[3, 4]], top_p) == 2          # flat: the nucleus is wider
-    assert rows_sorted_in_full(monkeypatch, rows[[7]], SamplingParams(top_k=TOP_CANDIDATES)) == 1  # boundary tie
+    # top-k reaching into a tie across the candidate boundary: which tied ids are in is the sort's to say
+    assert rows_sorted_in_full(monkeypatch, rows[[7]], SamplingParams(top_k=TOP_CANDIDATES)) == 1
     assert rows_sorted_in_full(monkeypatch, rows[[3, 4]], SamplingParams(top_k=40)) == 0  # flat, but top-k cuts
     assert rows_sorted_in_full(monkeypatch, rows[[8]], SamplingParams(top_k=40)) == 1     # all tied
 
