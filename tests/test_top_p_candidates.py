@@ -18,9 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import decoding.sampling as sampling
-from decoding.sampling import (TOP_CANDIDATES, RowParams, SamplingParams, cut_by_prefix, process_rows, sorted_prefix,
-                               truncate_rows)
+import specserve.decoding.sampling as sampling
+from specserve.decoding.sampling import (TOP_CANDIDATES, RowParams, SamplingParams, cut_by_prefix, process_rows,
+                                         sorted_prefix, truncate_rows)
 
 VOCAB_SIZE = 4 * TOP_CANDIDATES
 ATOL = 1e-6  # float32 probabilities summed in another order
