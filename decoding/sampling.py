@@ -259,7 +259,9 @@ def truncate_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     own first ids, the row is cut there; only the other rows (flat ones, top_k past the candidates)
     sort everything (`sorted_prefix`). Both ways decide the kept set with the same float operations
     on the same numbers (`cut_by_prefix`), so a row's result does not depend on the way it took
-    (tests/test_top_p_candidates.py). Deciding which rows sort is one host sync per call."""
+    (tests/test_top_p_candidates.py, on CPU, whose cumulative sum runs in order; a device's parallel
+    scan may round a prefix's sums differently, which moves only a token whose mass before it is
+    within rounding of top_p). Deciding which rows sort is one host sync per call."""
     num_rows, vocab_size = logits.shape
     if num_rows == 0 or vocab_size <= TOP_CANDIDATES:
         return cut_by_prefix(logits, sorted_prefix(logits), top_k, top_p)[1]
