@@ -5,15 +5,23 @@ history or the vocabulary).
     python -m specserve.bench.round_time [--rounds 40] [--warmup 2] [--threads 1] [--out bench/results/cpu-2core-round-time.md]
 
 The pair is the shipped default pair's architecture (models/default: target and draft configs)
-with Llama 3's vocabulary width (128,256) and a context of 4,096, random weights. Six requests,
-one per variant (greedy / sampled / sampled with top-p x 100 / 3,500 history tokens), are
-prefilled, then take turns round by round, so the box's drift hits every variant alike. A round is
-one `decoding.generate.generate` step: the draft drafts K tokens (sampled: temperature 0.8, and
-top-p 0.95 in the top-p variant; the draft's support cut to speculation.draft_top_k), the
-target runs one forward over the block, its rows are processed and answered on the engine's path
+with Llama 3's vocabulary width (128,256) and a context of 4,096, random weights. Random weights
+alone give next-token rows nearly uniform over the 128k ids, which no trained model has (a 0.95
+nucleus would hold most of the vocabulary); so each model's final norm is scaled (`peaked`) until
+the mean entropy of its next-token distributions over the bench's prompts is TARGET_ENTROPY_NATS,
+a trained model's range, and the table states the entropy measured. lm_head is untied from the
+embeddings: tied, a random model scores its input token far above the rest, a spike over a flat
+tail. Six requests, one per variant (greedy / sampled / sampled with top-p x 100 / 3,500 history
+tokens), are prefilled, then take turns round by round, so the box's drift hits every variant
+alike. A round is one `decoding.generate.generate` step: the draft drafts K tokens (sampled:
+temperature 0.8, and top-p 0.95 in the top-p variant; the draft's support cut to
+speculation.draft_top_k), the target runs one forward over the block, its rows are processed and answered on the engine's path
 (decoding.speculation.target_rows_batch, verify_answers) and the block is verified. The draft
 always drafts K tokens (ignore_eos, max_tokens past the run), so every round does the same work
-whatever was accepted. Medians and p90 per variant, and each variant's median over greedy-short's.
+whatever was accepted. Medians and p90 per variant, each variant's median over greedy-short's, and
+the medians of the round's time in the draft's forwards, in the target's forward (each runner's
+model calls, `_logits`, timed apart) and outside them (the protocol: processing rows, drawing,
+verifying, bookkeeping), so a slower variant shows whether attention or protocol costs it.
 
 No Ray: transport is bench.round_bytes' and bench.transport's subject; this is the engines' work.
 """
@@ -41,29 +49,80 @@ VOCAB_SIZE = 128_256
 MAX_CONTEXT = 4_096
 NUM_DRAFT_TOKENS = 4
 HISTORIES = {"short": 100, "long": 3_500}
+TARGET_ENTROPY_NATS = 2.5
+ENTROPY_POSITIONS = 100  # rows measured per prompt: the short prompt's, and the long prompt's last
 MODES = {"greedy": SamplingParams(temperature=0, max_tokens=MAX_CONTEXT, ignore_eos=True),
          "sampled": SamplingParams(temperature=0.8, max_tokens=MAX_CONTEXT, ignore_eos=True, seed=7),
-         # top-p (and top-k) sort each processed row: over 128k ids the costliest stage of a sampled row
+         # top-p (and top-k) cut each processed row (sampling.truncate_rows): a flat row sorts all 128k ids
          "sampled_top_p": SamplingParams(temperature=0.8, top_p=0.95, max_tokens=MAX_CONTEXT, ignore_eos=True,
                                          seed=7)}
 
 
-def look_alike(role: str, seed: int):
-    """models/default/<role>'s architecture, 128k vocabulary, a 4k context, random weights."""
+def look_alike(role: str, seed: int, prompts: list[torch.Tensor]):
+    """models/default/<role>'s architecture, 128k vocabulary, a 4k context, random weights, made
+    `peaked` over prompts: (model, mean entropy in nats of its next-token distributions there)."""
     config = AutoConfig.from_pretrained(DEFAULT_PAIR / role, local_files_only=True)
     config.vocab_size, config.max_position_embeddings = VOCAB_SIZE, MAX_CONTEXT
+    # Tied to the embeddings, a random lm_head scores the input token far above the rest (the
+    # residual stream carries its embedding): one spike over a flat tail. Its own weights instead.
+    config.tie_word_embeddings = False
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
+    return model, peaked(model, prompts)
 
 
-def measure(num_rounds: int, num_warmup: int) -> dict:
-    """Seconds per round, per variant, the variants taking turns after num_warmup untimed rounds each."""
-    target = runner_for_model(look_alike("target", 0), max_sequences=8, model_path="look-alike-target",
-                              max_model_len=MAX_CONTEXT)
-    proposer = DraftModelProposer(runner_for_model(look_alike("draft", 1), max_sequences=8,
-                                                   model_path="look-alike-draft", max_model_len=MAX_CONTEXT),
-                                  max_candidates=SpeculationSpec().draft_top_k)
+def mean_entropy_nats(logits: torch.Tensor) -> float:
+    log_probs = torch.log_softmax(logits, dim=-1)
+    return float(-(log_probs.exp() * log_probs).sum(-1).mean())
+
+
+@torch.inference_mode()
+def peaked(model, prompts: list[torch.Tensor]) -> float:
+    """Scale the model's final norm (which only feeds lm_head: the logits scale with it; the
+    embeddings, tied to lm_head here, stay) so that the mean entropy of its next-token
+    distributions at the last ENTROPY_POSITIONS positions of each prompt is TARGET_ENTROPY_NATS
+    (bisection on the scale); returns the entropy reached."""
+    logits = torch.cat([model(input_ids=prompt[None], logits_to_keep=ENTROPY_POSITIONS).logits[0].float()
+                        for prompt in prompts])
+    low, high = 1.0, 1.0
+    while mean_entropy_nats(logits * high) > TARGET_ENTROPY_NATS:
+        low, high = high, high * 2
+    for _ in range(20):
+        middle = (low + high) / 2
+        low, high = (middle, high) if mean_entropy_nats(logits * middle) > TARGET_ENTROPY_NATS else (low, middle)
+    model.model.norm.weight.mul_(high)
+    return mean_entropy_nats(logits * high)
+
+
+def timed_forwards(runner, seconds: list[float]):
+    """The runner, its model calls (`_logits`) adding their wall time to seconds[0]."""
+    model_call = runner._logits
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return model_call(*args, **kwargs)
+        finally:
+            seconds[0] += time.perf_counter() - started
+
+    runner._logits = timed
+    return runner
+
+
+def measure(num_rounds: int, num_warmup: int) -> tuple[dict, dict]:
+    """Seconds per round and seconds in the models' forwards per round, per variant, the variants
+    taking turns after num_warmup untimed rounds each; and the look-alikes' mean entropies."""
     ids = torch.randint(0, VOCAB_SIZE, (max(HISTORIES.values()),), generator=torch.Generator().manual_seed(3))
+    prompts = [ids[:length] for length in HISTORIES.values()]
+    target_model, target_entropy = look_alike("target", 0, prompts)
+    draft_model, draft_entropy = look_alike("draft", 1, prompts)
+    in_forwards = {"target": [0.0], "draft": [0.0]}
+    target = timed_forwards(runner_for_model(target_model, max_sequences=8, model_path="look-alike-target",
+                                             max_model_len=MAX_CONTEXT), in_forwards["target"])
+    proposer = DraftModelProposer(timed_forwards(runner_for_model(draft_model, max_sequences=8,
+                                                                  model_path="look-alike-draft",
+                                                                  max_model_len=MAX_CONTEXT), in_forwards["draft"]),
+                                  max_candidates=SpeculationSpec().draft_top_k)
     rounds, seconds = {}, {}
     for history, length in HISTORIES.items():
         for mode, params in MODES.items():
@@ -71,7 +130,7 @@ def measure(num_rounds: int, num_warmup: int) -> dict:
             state = RequestState(name, ids[:length].tolist(), params, eos_token_id=None, max_context=MAX_CONTEXT)
             rounds[name] = generate(target, state, proposer, NUM_DRAFT_TOKENS)
             next(rounds[name])  # the prefill, untimed
-            seconds[name] = []
+            seconds[name] = {"round": [], "draft_forwards": [], "target_forwards": []}
     if (num_warmup + num_rounds) * (NUM_DRAFT_TOKENS + 1) + max(HISTORIES.values()) >= MAX_CONTEXT:
         raise ValueError(f"{num_warmup + num_rounds} rounds would run the long history past the {MAX_CONTEXT}-token "
                          "context")
@@ -80,30 +139,52 @@ def measure(num_rounds: int, num_warmup: int) -> dict:
             next(round_iterator)
     for _ in range(num_rounds):
         for name, round_iterator in rounds.items():
+            for counter in in_forwards.values():
+                counter[0] = 0.0
             started = time.perf_counter()
             next(round_iterator)
-            seconds[name].append(time.perf_counter() - started)
+            seconds[name]["round"].append(time.perf_counter() - started)
+            for role, counter in in_forwards.items():
+                seconds[name][f"{role}_forwards"].append(counter[0])
     for round_iterator in rounds.values():
         round_iterator.close()
-    return seconds
+    return seconds, {"target": target_entropy, "draft": draft_entropy}
 
 
 def summary(seconds: dict) -> dict:
-    baseline = statistics.median(seconds["greedy-short"])
-    return {name: {"median_ms": 1e3 * statistics.median(values),
-                   "p90_ms": 1e3 * statistics.quantiles(values, n=10)[-1] if len(values) > 1 else 1e3 * values[0],
-                   "vs_greedy_short": statistics.median(values) / baseline, "rounds": len(values)}
-            for name, values in seconds.items()}
+    baseline = statistics.median(seconds["greedy-short"]["round"])
+    rows = {}
+    for name, timings in seconds.items():
+        values = timings["round"]
+        outside = [total - draft - target
+                   for total, draft, target in zip(values, timings["draft_forwards"], timings["target_forwards"])]
+        rows[name] = {"median_ms": 1e3 * statistics.median(values),
+                      "p90_ms": 1e3 * statistics.quantiles(values, n=10)[-1] if len(values) > 1 else 1e3 * values[0],
+                      "vs_greedy_short": statistics.median(values) / baseline,
+                      "draft_forwards_median_ms": 1e3 * statistics.median(timings["draft_forwards"]),
+                      "target_forward_median_ms": 1e3 * statistics.median(timings["target_forwards"]),
+                      "outside_forwards_median_ms": 1e3 * statistics.median(outside), "rounds": len(values)}
+    return rows
 
 
-def table(rows: dict, command: str) -> str:
-    lines = [f"Per-round time, K = {NUM_DRAFT_TOKENS}, V = {VOCAB_SIZE:,}, the default pair's architecture with "
-             f"random weights, torch threads {torch.get_num_threads()}; variants taking turns (`{command}`).", "",
-             "| variant | history tokens | median ms per round | p90 ms | median / greedy-short's |",
-             "|---|---|---|---|---|"]
+def table(rows: dict, entropies: dict, command: str) -> str:
+    lines = [f"Per-round time, K = {NUM_DRAFT_TOKENS}, V = {VOCAB_SIZE:,}, torch threads {torch.get_num_threads()}; "
+             f"variants taking turns (`{command}`).", "",
+             "The pair: the default pair's architecture (models/default) with random weights, lm_head untied from "
+             "the embeddings (its own random weights), each model's final norm scaled so that its next-token distributions are peaked like a trained model's: mean entropy over "
+             f"the last {ENTROPY_POSITIONS} positions of the two prompts (random token ids) "
+             f"{entropies['target']:.2f} nats (target), {entropies['draft']:.2f} nats (draft), at temperature 1. "
+             "It is not a trained pair: its draft and target disagree, and its attention and matmuls cost what "
+             "the architecture costs, nothing more. Forwards: the draft's K model calls and the target's one, "
+             "timed apart; outside: the rest of the round (row processing, drawing, verification, bookkeeping).", "",
+             "| variant | history tokens | median ms per round | p90 ms | median / greedy-short's "
+             "| median ms in draft forwards | median ms in target forward | median ms outside forwards |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, row in rows.items():
         lines.append(f"| {name} | {HISTORIES[name.rsplit('-', 1)[1]]:,} | {row['median_ms']:.1f} | {row['p90_ms']:.1f} "
-                     f"| {row['vs_greedy_short']:.2f} |")
+                     f"| {row['vs_greedy_short']:.2f} | {row['draft_forwards_median_ms']:.1f} "
+                     f"| {row['target_forward_median_ms']:.1f} "
+                     f"| {row['outside_forwards_median_ms']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -116,13 +197,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     command = f"python -m specserve.bench.round_time --rounds {args.rounds} --warmup {args.warmup} --threads {args.threads}"
-    seconds = measure(args.rounds, args.warmup)
+    seconds, entropies = measure(args.rounds, args.warmup)
     rows = summary(seconds)
-    text = table(rows, command)
+    text = table(rows, entropies, command)
     print(text)
     if args.out:
         args.out.write_text(text)
-        args.out.with_suffix(".json").write_text(json.dumps({"command": command, "summary": rows,
+        args.out.with_suffix(".json").write_text(json.dumps({"command": command, "entropy_nats": entropies, "summary": rows,
                                                              "seconds": seconds}, indent=1))
 
 

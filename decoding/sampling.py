@@ -37,6 +37,11 @@ MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (vLLM's d
 MIN_PRESENCE_PENALTY, MAX_PRESENCE_PENALTY = -2.0, 2.0
 MIN_FREQUENCY_PENALTY, MAX_FREQUENCY_PENALTY = -2.0, 2.0
 MIN_P_RANGE = (0.0, 1.0)
+# Top-k / top-p first look for their cut among a row's this many most likely tokens
+# (sampling.truncate_rows) and sort the whole row only where it is not there. It covers the top_k
+# values requests use, and a trained model's top-p nucleus is a small share of its vocabulary
+# (docs/sampling.md); topk's cost grows slowly with it, a miss costs a full sort as before.
+TOP_CANDIDATES = 1024
 
 def stop_as_list(value: object) -> object:
     """OpenAI's `stop` takes a single string, a list of strings, or null: as a list."""
@@ -174,7 +179,7 @@ class RowParams:
     rows of requests with different temperatures, top-k, top-p and min-p are processed by the same
     tensor ops (`process_rows`). Disabled settings hold their neutral value (top_k = V, top_p and
     min_p thresholds that keep everything); the uses_* flags, known on the host, skip a stage no
-    row needs (the sort, above all)."""
+    row needs (top-k / top-p, above all)."""
 
     greedy: torch.Tensor        # bool [N]
     temperature: torch.Tensor   # float32 [N] (1 on greedy rows, which do not use it)
@@ -210,7 +215,7 @@ class RowParams:
 
 def process_rows(logits: torch.Tensor, row_params: RowParams) -> torch.Tensor:
     """Processed probabilities [N, V] (float32) from logits [N, V], each row under its own
-    parameters, in batched tensor ops (no host sync).
+    parameters, in batched tensor ops.
 
     Temperature, then min-p, then top-k, then top-p, renormalised (vLLM's order). Min-p drops the
     tokens whose probability is below min_p times the row's largest. A greedy row is one-hot at its
@@ -218,7 +223,8 @@ def process_rows(logits: torch.Tensor, row_params: RowParams) -> torch.Tensor:
     too, so exactly k tokens survive. Top-p keeps the smallest set of most likely tokens (of the
     top-k renormalised distribution) whose cumulative probability reaches top_p; the top token
     always survives. Applied identically to draft and target rows: the processed target
-    distribution is the one speculative decoding preserves."""
+    distribution is the one speculative decoding preserves. Truncating rows go through
+    `truncate_rows` (one host sync per call: which rows' cut fits among their top candidates)."""
     logits = logits.float()
     vocab_size = logits.shape[-1]
     one_hot = None
@@ -234,27 +240,94 @@ def process_rows(logits: torch.Tensor, row_params: RowParams) -> torch.Tensor:
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if row_params.uses_top_k or row_params.uses_top_p:
-        # Only the rows that truncate are sorted (the costliest stage over a large vocabulary); the
-        # others keep the plain softmax. Work in descending order; a stable sort makes ties
-        # deterministic (lowest index first).
+        # Only the rows that truncate go through top-k / top-p; the others keep the plain softmax.
         rows = row_params.truncating
-        sorted_logits, sorted_ids = torch.sort(logits[rows], dim=-1, descending=True, stable=True)
-        if row_params.uses_top_k:
-            positions = torch.arange(vocab_size, device=logits.device)
-            sorted_logits = sorted_logits.masked_fill(positions >= row_params.top_k[rows].unsqueeze(-1), float("-inf"))
-        if row_params.uses_top_p:
-            sorted_probs = torch.softmax(sorted_logits, dim=-1)
-            # Token j survives iff the mass strictly before it is still short of top_p. float64 keeps
-            # the cumulative sum from flipping a token across the boundary through rounding.
-            mass_before = sorted_probs.double().cumsum(dim=-1) - sorted_probs.double()
-            outside_nucleus = mass_before >= row_params.top_p[rows].unsqueeze(-1)
-            outside_nucleus[..., 0] = False
-            sorted_logits = sorted_logits.masked_fill(outside_nucleus, float("-inf"))
-        truncated = torch.empty_like(sorted_logits).scatter_(-1, sorted_ids, torch.softmax(sorted_logits, dim=-1))
-        probs = probs.index_copy(0, rows, truncated)
+        probs = probs.index_copy(0, rows, truncate_rows(logits[rows], row_params.top_k[rows], row_params.top_p[rows]))
     if one_hot is not None:
         probs = torch.where(row_params.greedy.unsqueeze(-1), one_hot, probs)
     return probs
+
+
+def truncate_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k then top-p of logits [n, V] (top_k long [n], V where off; top_p float64 [n], +inf where
+    off), renormalised: probabilities [n, V] (float32).
+
+    Both cuts keep a prefix of the row's tokens in descending order, ties towards the lowest index
+    (a stable sort). Sorting all V ids is the costly part over a large vocabulary, and a peaked row's
+    cut lies within its few most likely tokens. So each row first takes its TOP_CANDIDATES most
+    likely ids (`candidate_prefix`), and where the cut lies among those known to be the sorted row's
+    own first ids, the row is cut there; only the other rows (flat ones, top_k past the candidates)
+    sort everything (`sorted_prefix`). Both ways decide the kept set with the same float operations
+    on the same numbers (`cut_by_prefix`), so a row's result does not depend on the way it took
+    (tests/test_top_p_candidates.py, on CPU, whose cumulative sum runs in order; a device's parallel
+    scan may round a prefix's sums differently, which moves only a token whose mass before it is
+    within rounding of top_p). Deciding which rows sort is one host sync per call."""
+    num_rows, vocab_size = logits.shape
+    if num_rows == 0 or vocab_size <= TOP_CANDIDATES:
+        return cut_by_prefix(logits, sorted_prefix(logits), top_k, top_p)[1]
+    prefix_ids, exact_length, holds_every_finite = candidate_prefix(logits)
+    fits, probs = cut_by_prefix(logits, prefix_ids, top_k, top_p, exact_length)
+    fits |= holds_every_finite
+    if bool(fits.all()):
+        return probs
+    rest = (~fits).nonzero().squeeze(-1)
+    return probs.index_copy(0, rest, cut_by_prefix(logits[rest], sorted_prefix(logits[rest]), top_k[rest],
+                                                   top_p[rest])[1])
+
+
+def sorted_prefix(logits: torch.Tensor) -> torch.Tensor:
+    """All ids of each row of logits [n, V], descending, ties towards the lowest index."""
+    return torch.sort(logits, dim=-1, descending=True, stable=True).indices
+
+
+def candidate_prefix(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's TOP_CANDIDATES most likely ids [n, m] in the stable descending order; how many of
+    them are surely the sorted row's first ids (long [n]); whether they hold every finite logit of
+    the row (bool [n]).
+
+    Every id whose logit is above the last candidate's is a candidate, so re-sorting the candidates
+    (ids ascending, then a stable sort by value) puts those in the sorted row's own order. Ids tied
+    with the last candidate may continue past the candidates (bf16 logits tie often), and
+    torch.topk picks among a tie in no stated order: those positions hold the right values, maybe
+    not the right ids. If the last value is -inf, every finite logit is a candidate, and past those
+    every order gives the same result (probability 0, kept or not)."""
+    values, ids = torch.topk(logits, TOP_CANDIDATES, dim=-1, sorted=True)
+    ids = ids.sort(dim=-1).values
+    order = torch.sort(logits.gather(-1, ids), dim=-1, descending=True, stable=True).indices
+    last = values[:, -1:]
+    return ids.gather(-1, order), (values > last).sum(dim=-1), last.squeeze(-1) == float("-inf")
+
+
+def cut_by_prefix(logits: torch.Tensor, prefix_ids: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  exact_length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k then top-p of logits [n, V] from prefix_ids [n, L], each row's first L ids in the stable
+    descending order (L = V: the whole sorted row), of which the first exact_length (long [n];
+    None: all L) are surely the right ids and the rest at least the right values:
+    (fits bool [n], probabilities [n, V]).
+
+    A row fits when its cut is decided by its exact ids: top_k <= exact_length, or top-k off and
+    top-p already cutting the first inexact position (every later one then has at least as much mass
+    before it). Where a row does not fit its probabilities mean nothing. The masses are taken from
+    the softmax of the top-k-cut row in id order, the same numbers whatever the prefix; the float64
+    cumulative sum keeps a token from crossing the boundary through rounding."""
+    num_rows, vocab_size = logits.shape
+    length = prefix_ids.shape[-1]
+    positions = torch.arange(length, device=logits.device)
+    k = top_k.unsqueeze(-1)
+    # Ids past the prefix are outside the k most likely iff k <= L.
+    beyond_top_k = (k <= length).expand(num_rows, vocab_size).contiguous().scatter_(-1, prefix_ids, positions >= k)
+    sorted_probs = torch.softmax(logits.masked_fill(beyond_top_k, float("-inf")), dim=-1).gather(-1, prefix_ids)
+    # Token j survives iff the mass strictly before it is still short of top_p; the top token always does.
+    sorted_probs = sorted_probs.double()
+    outside_nucleus = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(-1)
+    outside_nucleus[:, 0] = False
+    if exact_length is None:
+        fits = torch.ones(num_rows, dtype=torch.bool, device=logits.device)
+    else:
+        cut_at_inexact = outside_nucleus.gather(-1, exact_length.clamp(max=length - 1).unsqueeze(-1)).squeeze(-1)
+        fits = (top_k <= exact_length) | ((top_k == vocab_size) & cut_at_inexact)
+    beyond_top_p = torch.ones_like(beyond_top_k).scatter_(-1, prefix_ids, outside_nucleus)
+    return fits, torch.softmax(logits.masked_fill(beyond_top_k | beyond_top_p, float("-inf")), dim=-1)
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

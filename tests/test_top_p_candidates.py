@@ -1,0 +1,163 @@
+"""Top-k / top-p cut among each row's top candidates (decoding.sampling.truncate_rows) equals the
+cut of the whole sorted row.
+
+Property tests over random rows wider than TOP_CANDIDATES: peaked rows (the cut lies among the
+candidates), flat ones (it does not: the full sort), rows full of ties (at the candidate boundary
+too), under temperature, min-p, top-k and top-p combinations, in one batch. Two references:
+- the whole-row path called directly (`cut_by_prefix` over `sorted_prefix`): the candidate path must
+  give bitwise the same probabilities, as it does the same float operations on the same numbers;
+- the processing before candidates (a stable sort of every truncating row, masses from the sorted
+  row's softmax; `full_sort_reference` below): the same kept set, probabilities within float32
+  rounding (the masses are summed in another order, which could only move a token whose mass before
+  it is within rounding of top_p; none of these rows has one).
+The comparison must reject a candidate path that never falls back to the full sort.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specserve.decoding.sampling as sampling
+from specserve.decoding.sampling import (TOP_CANDIDATES, RowParams, SamplingParams, cut_by_prefix, process_rows,
+                                         sorted_prefix, truncate_rows)
+
+VOCAB_SIZE = 4 * TOP_CANDIDATES
+ATOL = 1e-6  # float32 probabilities summed in another order
+
+
+def full_sort_reference(logits: torch.Tensor, row_params: RowParams) -> torch.Tensor:
+    """process_rows as it was before candidates: every truncating row stably sorted, top-k by
+    position, top-p on the softmax of the sorted row, scattered back."""
+    logits = logits.float()
+    vocab_size = logits.shape[-1]
+    logits = logits / row_params.temperature.unsqueeze(-1)
+    if row_params.uses_min_p:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < row_params.min_p.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True),
+                                    float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    rows = row_params.truncating
+    sorted_logits, sorted_ids = torch.sort(logits[rows], dim=-1, descending=True, stable=True)
+    positions = torch.arange(vocab_size)
+    sorted_logits = sorted_logits.masked_fill(positions >= row_params.top_k[rows].unsqueeze(-1), float("-inf"))
+    sorted_probs = torch.softmax(sorted_logits, dim=-1).double()
+    outside_nucleus = sorted_probs.cumsum(dim=-1) - sorted_probs >= row_params.top_p[rows].unsqueeze(-1)
+    outside_nucleus[..., 0] = False
+    sorted_logits = sorted_logits.masked_fill(outside_nucleus, float("-inf"))
+    truncated = torch.empty_like(sorted_logits).scatter_(-1, sorted_ids, torch.softmax(sorted_logits, dim=-1))
+    return probs.index_copy(0, rows, truncated)
+
+
+def assert_same_processing(probs: torch.Tensor, reference: torch.Tensor) -> None:
+    assert torch.equal(probs > 0, reference > 0), "kept sets differ"
+    torch.testing.assert_close(probs, reference, atol=ATOL, rtol=0)
+
+
+def random_rows(seed: int) -> torch.Tensor:
+    """Peaked, flat and tied rows [12, VOCAB_SIZE]; the caller adds bf16-rounded ones."""
+    generator = torch.Generator().manual_seed(seed)
+    noise = torch.randn(12, VOCAB_SIZE, generator=generator)
+    rows = [noise[0] * 8, noise[1] * 12, noise[2] * 4, noise[3] * 0.3, noise[4] * 0.05,
+            (noise[5] * 3).round(),                      # ties everywhere, at the candidate boundary too
+            (noise[6] * 8).round() / 2]                  # a peaked row tied at every value
+    boundary_tie = noise[7] * 0.1 - 20                   # a tie straddling the TOP_CANDIDATES-th place
+    boundary_tie[: TOP_CANDIDATES - 8] = torch.linspace(10, 0, TOP_CANDIDATES - 8)
+    boundary_tie[TOP_CANDIDATES - 8: TOP_CANDIDATES + 8] = -1.0
+    rows.append(boundary_tie[torch.randperm(VOCAB_SIZE, generator=generator)])
+    rows.append(torch.zeros(VOCAB_SIZE))              # all tied
+    rows.extend(noise[9:] * 6)
+    return torch.stack(rows)
+
+
+PARAMS = [
+    SamplingParams(temperature=1.0, top_p=0.95),
+    SamplingParams(temperature=0.8, top_p=0.9),
+    SamplingParams(temperature=0.7, top_p=0.5),
+    SamplingParams(temperature=1.3, top_p=0.99),
+    SamplingParams(temperature=1.0, top_k=50),
+    SamplingParams(temperature=1.0, top_k=TOP_CANDIDATES),
+    SamplingParams(temperature=1.0, top_k=TOP_CANDIDATES + 1, top_p=0.9),
+    SamplingParams(temperature=1.0, top_k=3 * TOP_CANDIDATES),
+    SamplingParams(temperature=0.6, top_k=40, top_p=0.8),
+    SamplingParams(temperature=1.0, top_p=0.95, min_p=0.05),
+    SamplingParams(temperature=1.5, top_p=0.999, min_p=0.3),
+    SamplingParams(temperature=0.9, top_k=1, min_p=0.1),
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.5, min_p=0.2),
+]
+
+
+def batch(seed: int) -> tuple[torch.Tensor, RowParams]:
+    """Every row of random_rows under every PARAMS entry, in one batch."""
+    rows = random_rows(seed)
+    rows = torch.cat([rows, rows[[0, 1, 2, 9]].bfloat16().float()])  # a bf16 model's logits: ties everywhere
+    logits = rows.repeat(len(PARAMS), 1)
+    params = [p for p in PARAMS for _ in range(len(rows))]
+    return logits, RowParams.of(params, VOCAB_SIZE)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_process_rows_keeps_the_full_sorts_set_with_its_probabilities(seed):
+    logits, row_params = batch(seed)
+    probs = process_rows(logits, row_params)
+    reference = full_sort_reference(logits, row_params)
+    truncating = row_params.truncating
+    assert_same_processing(probs[truncating], reference[truncating])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_candidate_path_is_bitwise_the_whole_sorted_rows_path(seed):
+    logits, row_params = batch(seed)
+    rows = row_params.truncating
+    scaled = (logits / row_params.temperature.unsqueeze(-1))[rows]
+    top_k, top_p = row_params.top_k[rows], row_params.top_p[rows]
+    assert torch.equal(truncate_rows(scaled, top_k, top_p), cut_by_prefix(scaled, sorted_prefix(scaled), top_k, top_p)[1])
+
+
+def rows_sorted_in_full(monkeypatch, logits: torch.Tensor, params: SamplingParams) -> int:
+    """How many rows process_rows sorts whole (a spy on the real sorted_prefix)."""
+    counted = []
+    real = sampling.sorted_prefix
+
+    def counting(rows: torch.Tensor) -> torch.Tensor:
+        counted.append(rows.shape[0])
+        return real(rows)
+
+    monkeypatch.setattr(sampling, "sorted_prefix", counting)
+    process_rows(logits, RowParams.of([params] * len(logits), VOCAB_SIZE))
+    return sum(counted)
+
+
+def test_peaked_rows_are_cut_among_their_candidates_and_flat_ones_sorted_whole(monkeypatch):
+    rows = random_rows(0)
+    top_p = SamplingParams(temperature=1.0, top_p=0.95)
+    assert rows_sorted_in_full(monkeypatch, rows[[0, 1, 9, 10, 11]], top_p) == 0
+    # bf16 logits tie all over the tail, across the candidate boundary too: still no sort
+    assert rows_sorted_in_full(monkeypatch, rows[[0, 1, 6, 9]].bfloat16().float(), top_p) == 0
+    assert rows_sorted_in_full(monkeypatch, rows[[3, 4]], top_p) == 2          # flat: the nucleus is wider
+    # top-k reaching into a tie across the candidate boundary: which tied ids are in is the sort's to say
+    assert rows_sorted_in_full(monkeypatch, rows[[7]], SamplingParams(top_k=TOP_CANDIDATES)) == 1
+    assert rows_sorted_in_full(monkeypatch, rows[[3, 4]], SamplingParams(top_k=40)) == 0  # flat, but top-k cuts
+    assert rows_sorted_in_full(monkeypatch, rows[[8]], SamplingParams(top_k=40)) == 1     # all tied
+
+
+def test_the_comparison_rejects_a_candidate_path_that_never_sorts_whole(monkeypatch):
+    logits, row_params = batch(0)
+    reference = full_sort_reference(logits, row_params)
+
+    def candidates_only(rows: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        return cut_by_prefix(rows, sampling.candidate_prefix(rows)[0], top_k, top_p)[1]
+
+    monkeypatch.setattr(sampling, "truncate_rows", candidates_only)
+    broken = process_rows(logits, row_params)
+    with pytest.raises(AssertionError):
+        assert_same_processing(broken[row_params.truncating], reference[row_params.truncating])
+
+
+def test_a_row_narrower_than_the_candidates_is_sorted_whole():
+    logits = torch.randn(3, TOP_CANDIDATES // 2, generator=torch.Generator().manual_seed(4)) * 3
+    row_params = RowParams.of([SamplingParams(top_p=0.9), SamplingParams(top_k=7), SamplingParams(top_p=0.5, top_k=30)],
+                              logits.shape[-1])
+    assert_same_processing(process_rows(logits, row_params), full_sort_reference(logits, row_params))
