@@ -2,6 +2,7 @@
 
 import pytest
 import yaml
+from ray._common.utils import import_attr
 from ray.serve.schema import ServeDeploySchema
 
 from specserve.cluster.builder import IMPORT_PATH, build_app, deployment_options, serve_config_yaml
@@ -16,6 +17,10 @@ def test_serve_config_yaml_is_valid_for_serve_deploy():
     app = schema.applications[0]
     assert app.import_path == IMPORT_PATH
     assert SpecServeConfig.model_validate(app.args) == config
+    # What `serve run` does with it, short of deploying (tests/test_serve_config_deploy.py deploys
+    # it, under `make reliability`): import the path and build the app from the args.
+    built = import_attr(app.import_path)(app.args)
+    assert set(bound_deployments(built)) == {"Ingress", "Router", "TargetWorker", "DraftWorker"}
     by_name = {d.name: d for d in app.deployments}
     assert by_name["TargetWorker"].num_replicas == 2
     assert by_name["TargetWorker"].placement_group_bundles[1] == {"CPU": 1.0, "GPU": 1.0}

@@ -1,4 +1,8 @@
-"""The generated Serve config deploys through Serve's own config path (`serve run CONFIG`) and answers."""
+"""The generated Serve config deploys through Serve's own config path (`serve run CONFIG`) and answers.
+
+Under `make reliability` (marker slow): a whole cluster and app start for one request. `make test`
+checks the same YAML in process (tests/test_builder.py): Serve's own schema takes it, and its
+import path built with its args is the app every served test deploys."""
 
 import subprocess
 import sys
@@ -15,7 +19,7 @@ from tests.local_server import stop_test_cluster
 from tests.test_serving import _free_port
 from tests.tiny_pair import make_tiny_pair
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def test_generated_serve_config_runs_with_serve_run_and_answers(tmp_path):
