@@ -303,17 +303,29 @@ class BatchedModelRunner(RunnerBase):
         Only the crop changes state (as a rollback, it is valid whatever follows); num_rows
         positions are always recomputed."""
         limit = len(history) - num_rows
-        held = 0 if entry is None else _common_prefix_length(entry.token_ids, history, limit)
+        held, hits = self._reusable(history, limit, entry)
         if entry is not None:
-            held = self._crop(entry, held)
-        hits = self._cached_blocks(history, held, limit, [] if entry is None else entry.hashes)
+            self._crop(entry, held)
         aligned = held // self.block_size * self.block_size
         looked_up = limit - aligned if self.prefix_caching and held < limit else 0
-        if not hits or (entry is not None and self._servable(entry, aligned) < aligned):
+        if not hits:
             return _Reuse(held, [], entry is None, looked_up)
         if entry is not None:
             self._crop(entry, aligned)   # its partly valid last block gives way to a cached full one
         return _Reuse(aligned + len(hits) * self.block_size, hits, entry is None, looked_up)
+
+    def _reusable(self, history: list[int], limit: int, entry: _PagedSequence | None
+                  ) -> tuple[int, list[tuple[tuple[int, ...], int]]]:
+        """(tokens of history's first limit that entry holds and a call can start from, the cached
+        blocks extending them from the last full block they fill: none when there are none, or when
+        a windowed group could not start there). Changes nothing: `_reuse` takes it, and the
+        scheduler plans from it (`cached_prefix_length`)."""
+        held = 0 if entry is None else self._servable(entry, _common_prefix_length(entry.token_ids, history, limit))
+        hits = self._cached_blocks(history, held, limit, [] if entry is None else entry.hashes)
+        aligned = held // self.block_size * self.block_size
+        if hits and entry is not None and self._servable(entry, aligned) < aligned:
+            return held, []
+        return held, hits
 
     def _cached_blocks(self, history: list[int], held: int, limit: int, hashes: list[int]
                        ) -> list[tuple[tuple[int, ...], int]]:
@@ -508,14 +520,8 @@ class BatchedModelRunner(RunnerBase):
         """Tokens of token_ids a call would not compute now: what seq_id holds of them, extended
         by the prefix cache (what the scheduler plans a new sequence's prefill from)."""
         history = list(token_ids)
-        entry = self._sequences.get(seq_id)
-        limit = len(history) - num_rows
-        held = 0 if entry is None else self._servable(entry, _common_prefix_length(entry.token_ids, history, limit))
-        hits = self._cached_blocks(history, held, limit, [] if entry is None else entry.hashes)
-        aligned = held // self.block_size * self.block_size
-        if not hits or (entry is not None and self._servable(entry, aligned) < aligned):
-            return held
-        return aligned + len(hits) * self.block_size
+        held, hits = self._reusable(history, len(history) - num_rows, self._sequences.get(seq_id))
+        return held // self.block_size * self.block_size + len(hits) * self.block_size if hits else held
 
     def prefix_cached_tokens(self, seq_id: str) -> int:
         """Tokens seq_id has found in the prefix cache (OpenAI's cached_tokens, read after its
