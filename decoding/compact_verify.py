@@ -97,13 +97,9 @@ class TargetNumbers:
     recovered: torch.Tensor
     bonus: torch.Tensor
 
-    def wire(self) -> "TargetNumbers":
-        """A batch of one as plain lists (and the bonus an int): what a verify answer carries."""
-        return TargetNumbers(self.target_of_draft[0].tolist(), self.residual_mass[0].tolist(),
-                             self.recovered[0].tolist(), int(self.bonus[0]))
-
     def tensors(self, device: torch.device | str = "cpu") -> "TargetNumbers":
-        """`wire`'s lists back as a batch of one."""
+        """A verify answer's plain lists (and the bonus an int: decoding.speculation.verify_answers
+        brings a batch's numbers to the host in one copy) back as a batch of one."""
         return TargetNumbers(torch.tensor([self.target_of_draft], dtype=torch.float64, device=device),
                              torch.tensor([self.residual_mass], dtype=torch.float64, device=device),
                              torch.tensor([self.recovered], dtype=torch.long, device=device).reshape(1, -1),

@@ -186,7 +186,6 @@ class DraftEngine(EngineCore):
         # Its prefix cache is salted with the version: no block of other weights is found.
         self.runner.load_weights(state, cache_salt=f"{path}@draft-v{version}")
         self.draft_version, self.draft_path, self.draft_source = version, path, source
-        self.proposer = DraftModelProposer(self.runner, self.proposer.grammars, self.proposer.max_candidates)
         self.version_metrics.set_version(self.draft_version)
 
     async def ping(self) -> bool:

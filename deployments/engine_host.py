@@ -106,7 +106,7 @@ class EngineCore:
         self.reporter = LoadReporter(engine_options.get("policy_actor"))
         self.call_log = CallLog(profiling_enabled())
         self.metrics = EngineMetrics(self.pool, name.rsplit(":", 1)[-1] if name else "local")
-        self._prefix_cache_recorded: tuple[int, int, Any] = (0, 0, runner)   # (queries, hits) sent to metrics
+        self._prefix_cache_recorded: tuple[int, int] = (0, 0)   # (queries, hits) sent to metrics
         self.gpu_ids = tuple(str(gpu) for gpu in ray.get_gpu_ids()) if ray.is_initialized() else ()
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         # A tensor-parallel engine (rank 0 of a group): its followers' handles, for stats.
@@ -167,11 +167,9 @@ class EngineCore:
         self.metrics.set_load(self.loop.queue_depth, held)
         if self.scheduler.paged:
             counted = (self.runner.prefix_cache_queries, self.runner.prefix_cache_hits)
-            if self._prefix_cache_recorded[2] is not self.runner:   # a new runner (a draft swap) counts from 0
-                self._prefix_cache_recorded = (0, 0, self.runner)
             self.metrics.record_prefix_cache(counted[0] - self._prefix_cache_recorded[0],
                                              counted[1] - self._prefix_cache_recorded[1])
-            self._prefix_cache_recorded = (*counted, self.runner)
+            self._prefix_cache_recorded = counted
 
     async def set_followers(self, followers: list[Any]) -> None:
         """The group's other ranks (deployments.engine_group), whose stats this engine reports."""
