@@ -7,14 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-import torch
-
 from specserve.decoding.grammar import GrammarDeadEndError, GrammarMatcher, GrammarMatchers
 from specserve.decoding.model_runner import ForwardCall, RunnerBase
 from specserve.decoding.proposers import ProposeCall, Proposer, empty_proposal
 from specserve.decoding.sequence import RequestState
-from specserve.decoding.speculation import (RowsCall, accept_round, target_rows, target_rows_batch, verify_answer,
-                                  verify_answers)
+from specserve.decoding.speculation import (RowsCall, accept_round, answer_verifies, target_rows,
+                                            verify_answer)
 
 
 def generate(target: RunnerBase, state: RequestState, proposer: Proposer | None = None,
@@ -95,23 +93,19 @@ def generate_batch(target: RunnerBase, states: Sequence[RequestState], proposer:
             row_calls = []
             for state, proposal, rows in zip(running, proposals, logits):
                 try:
-                    grammar = _target_grammar(state, grammars)
+                    row_calls.append(RowsCall(rows.shape[0], state.params, state.next_output_index,
+                                              state.history + proposal.token_ids, _target_grammar(state, grammars),
+                                              state.eos_token_id))
                 except GrammarDeadEndError as exc:
                     row_calls.append(exc)
+            answers = answer_verifies(logits, row_calls, proposals, lambda i: running[i].verify_generator,
+                                      [verification] * len(running))
+            for state, proposal, answer in zip(running, proposals, answers):
+                if isinstance(answer, GrammarDeadEndError):  # the others go on, as on the engines
+                    state.finish_reason = "error"
                     continue
-                row_calls.append(RowsCall(rows.shape[0], state.params, state.next_output_index,
-                                          state.history + proposal.token_ids, grammar, state.eos_token_id))
-            batch = [i for i, call in enumerate(row_calls) if isinstance(call, RowsCall)]
-            processed = dict(zip(batch, target_rows_batch(torch.cat([logits[i] for i in batch]),
-                                                          [row_calls[i] for i in batch]) if batch else []))
-            answering = [i for i in batch if not isinstance(processed[i], GrammarDeadEndError)]
-            for i in set(range(len(running))) - set(answering):  # the others go on, as on the engines
-                running[i].finish_reason = "error"
-            answers = verify_answers([processed[i] for i in answering], [proposals[i] for i in answering],
-                                     [running[i].verify_generator for i in answering], [verification] * len(answering))
-            for i, answer in zip(answering, answers):
-                accept_round(running[i], proposals[i], answer, verification)
-                prefilled.add(running[i].request_id)
+                accept_round(state, proposal, answer, verification)
+                prefilled.add(state.request_id)
     finally:
         for state in states:
             target.release(state.request_id)

@@ -7,7 +7,7 @@ A greedy answer is the target's argmax ids; a sampled one is O(K) numbers
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -142,6 +142,28 @@ def verify_answer(rows: torch.Tensor, proposal: Proposal, generator: torch.Gener
                   verification: str = "block") -> list[int] | TargetNumbers:
     """`verify_answers` for one request."""
     return verify_answers([rows], [proposal], [generator], [verification])[0]
+
+
+def answer_verifies(rows: Sequence[torch.Tensor], calls: Sequence[RowsCall | GrammarDeadEndError],
+                    proposals: Sequence[Proposal], generator_of: Callable[[int], torch.Generator | None],
+                    verifications: Sequence[str]) -> list[list[int] | TargetNumbers | GrammarDeadEndError]:
+    """Each verify call's answer from its target rows [n_i, V], as a target engine gives them:
+    every call's rows processed in one batched pass (`target_rows_batch`) and answered together
+    (`verify_answers`: one transfer to the host). A call given as its grammar's GrammarDeadEndError,
+    or whose grammar fails on its block, answers that error alone; the rest go on.
+    generator_of(i): call i's stream for its draws, asked only of the calls answered."""
+    answers: list = list(calls)
+    batch = [i for i, call in enumerate(calls) if isinstance(call, RowsCall)]
+    if not batch:
+        return answers
+    for i, processed in zip(batch, target_rows_batch(torch.cat([rows[i] for i in batch]), [calls[i] for i in batch])):
+        answers[i] = processed
+    answering = [i for i in batch if not isinstance(answers[i], GrammarDeadEndError)]
+    verified = verify_answers([answers[i] for i in answering], [proposals[i] for i in answering],
+                              [generator_of(i) for i in answering], [verifications[i] for i in answering])
+    for i, answer in zip(answering, verified):
+        answers[i] = answer
+    return answers
 
 
 def to_host(tensors: Sequence[torch.Tensor]) -> list[list[float]]:

@@ -17,8 +17,8 @@ from specserve.decoding.model_runner import SequenceStateError
 from specserve.decoding.proposers import Proposal, empty_proposal
 from specserve.decoding.sampling import SamplingParams, make_generator, verify_seed
 from specserve.decoding.scheduler import CallShape, Schedule
-from specserve.decoding.speculation import (LogprobEntries, RowsCall, target_rows_batch, token_logprobs,
-                                  tokens_each_row_may_commit, verify_answers)
+from specserve.decoding.speculation import (LogprobEntries, RowsCall, answer_verifies, token_logprobs,
+                                            tokens_each_row_may_commit)
 from specserve.deployments.engine_host import EngineCore, EngineHost, StepOutput, timed_forward
 
 
@@ -132,26 +132,21 @@ class TargetEngine(EngineCore):
         output.costs.append(cost)
         # Every call's rows are processed and answered together (one pass of batched ops, one
         # transfer to the host); a call whose grammar fails answers its error alone.
-        kept: list[tuple[int, VerifyCall, torch.Tensor, GrammarMatcher | None]] = []
-        for (index, call), rows in zip(indexed_calls, logits):
+        last_rows, row_calls = [], []
+        for (_, call), rows in zip(indexed_calls, logits):
+            last_rows.append(rows[-1:] if call.prompt_logprobs is not None else rows)
             try:
-                kept.append((index, call, rows, self._grammar(call)))
+                row_calls.append(RowsCall(last_rows[-1].shape[0], call.params, call.first_output_index,
+                                          call.token_ids, self._grammar(call), self.runner.eos_token_ids))
             except GrammarDeadEndError as exc:
-                results[index] = exc
-        last_rows = [rows[-1:] if call.prompt_logprobs is not None else rows for _, call, rows, _ in kept]
-        processed = target_rows_batch(torch.cat(last_rows), [
-            RowsCall(rows.shape[0], call.params, call.first_output_index, call.token_ids, grammar,
-                     self.runner.eos_token_ids)
-            for (_, call, _, grammar), rows in zip(kept, last_rows)]) if kept else []
-        answering = [i for i, rows in enumerate(processed) if not isinstance(rows, GrammarDeadEndError)]
-        answers = dict(zip(answering, verify_answers(
-            [processed[i] for i in answering], [kept[i][1].proposal for i in answering],
-            [self._generator(kept[i][1]) for i in answering], [kept[i][1].verification for i in answering])))
-        for i, (index, call, rows, _) in enumerate(kept):
-            if i not in answers:  # this request's alone: the rest of the batch goes on
-                results[index] = processed[i]
+                row_calls.append(exc)
+        answers = answer_verifies(last_rows, row_calls, [call.proposal for _, call in indexed_calls],
+                                  lambda i: self._generator(indexed_calls[i][1]),
+                                  [call.verification for _, call in indexed_calls])
+        for i, ((index, call), rows, answer) in enumerate(zip(indexed_calls, logits, answers)):
+            results[index] = answer
+            if isinstance(answer, GrammarDeadEndError):  # this request's alone: the rest of the batch goes on
                 continue
-            results[index] = answer = answers[i]
             if call.params.logprobs is not None:
                 # the raw distribution's log-probabilities of the tokens the router may emit, and the top N
                 results[index] = (answer, LogprobEntries.of(
