@@ -79,7 +79,7 @@ def mean_entropy_nats(logits: torch.Tensor) -> float:
 @torch.inference_mode()
 def peaked(model, prompts: list[torch.Tensor]) -> float:
     """Scale the model's final norm (which only feeds lm_head: the logits scale with it; the
-    embeddings, tied to lm_head here, stay) so that the mean entropy of its next-token
+    embeddings, untied from lm_head here, stay) so that the mean entropy of its next-token
     distributions at the last ENTROPY_POSITIONS positions of each prompt is TARGET_ENTROPY_NATS
     (bisection on the scale); returns the entropy reached."""
     logits = torch.cat([model(input_ids=prompt[None], logits_to_keep=ENTROPY_POSITIONS).logits[0].float()
@@ -193,7 +193,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40, help="timed rounds per variant")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds per variant before the timed ones")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    parser.add_argument("--out", type=Path, help="write the table here (and the raw numbers beside it as .json)")
+    parser.add_argument("--out", type=Path, help="write the table here (and its numbers beside it as .json)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     command = f"python -m specserve.bench.round_time --rounds {args.rounds} --warmup {args.warmup} --threads {args.threads}"
@@ -203,8 +203,8 @@ def main() -> None:
     print(text)
     if args.out:
         args.out.write_text(text)
-        args.out.with_suffix(".json").write_text(json.dumps({"command": command, "entropy_nats": entropies, "summary": rows,
-                                                             "seconds": seconds}, indent=1))
+        args.out.with_suffix(".json").write_text(json.dumps({"command": command, "entropy_nats": entropies,
+                                                             "summary": rows}, indent=1))
 
 
 if __name__ == "__main__":
