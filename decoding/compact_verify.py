@@ -26,13 +26,15 @@ the router's work O(K).
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from specserve.decoding.rejection import _assemble, _block_weights, stop_probabilities_from_mass
-from specserve.decoding.sampling import sample_from_probs
+from specserve.decoding.sampling import inverse_cdf, row_chunks, sample_from_probs
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,9 @@ def target_numbers(draft_token_ids: torch.Tensor, support: DraftSupport | None, 
     """The target side of a sampled round. draft_token_ids [B, K]; support: the draft's q rows
     [B, K, m] (None: a deterministic proposer, q one-hot at x); target_probs: processed rows
     [B, K+1, V]; block: weight the residuals for block verification (P_i), else token-wise (P = 1).
-    generator: the target's own seeded stream, independent of the uniforms the owner draws."""
+    generator: the target's own seeded stream, independent of the uniforms the owner draws: every
+    residual draw first, then every bonus draw. (A batch of requests, each with its own K and
+    stream, is `ragged_target_numbers`.)"""
     batch_size, num_draft_tokens = draft_token_ids.shape
     draft_ids = draft_token_ids.long()
     target = target_probs.float()
@@ -129,19 +133,129 @@ def target_numbers(draft_token_ids: torch.Tensor, support: DraftSupport | None, 
             -1, draft_ids.unsqueeze(-1), 1.0)
     else:
         draft = support.tensors(target.device).dense(vocab_size)
-    target_of_draft = target[:, :num_draft_tokens].gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)
+    rows = target[:, :num_draft_tokens]
+    target_of_draft = rows.gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)
     if block and num_draft_tokens:
         draft_of_draft = draft.gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)
         weights = _block_weights(log_ratios(target_of_draft, draft_of_draft))[:, :num_draft_tokens]
     else:
         weights = torch.ones(batch_size, num_draft_tokens, dtype=torch.float64, device=target.device)
-    rows = target[:, :num_draft_tokens]
-    residual = (weights.float().unsqueeze(-1) * rows - draft).clamp_(min=0.0)
-    mass = residual.sum(-1)
-    recovered = sample_from_probs(torch.where((mass <= 0).unsqueeze(-1), rows, residual), generator).reshape(
-        batch_size, num_draft_tokens)
+    mass, sampled = _residual_rows(weights, rows, draft)
+    recovered = sample_from_probs(sampled, generator).reshape(batch_size, num_draft_tokens)
     bonus = sample_from_probs(target[:, num_draft_tokens], generator)
     return TargetNumbers(target_of_draft.double(), mass.double(), recovered, bonus)
+
+
+@dataclass(frozen=True)
+class RaggedNumbers:
+    """`ragged_target_numbers`' answer for requests i = 0..B-1 with K_i draft tokens, flat in
+    request order: target_of_draft and residual_mass [sum K_i] (float64); tokens [sum (K_i + 1)]:
+    request i's K_i residual draws, then its bonus draw."""
+
+    num_draft_tokens: list[int]
+    target_of_draft: torch.Tensor
+    residual_mass: torch.Tensor
+    tokens: torch.Tensor
+
+
+def ragged_target_numbers(target_probs: torch.Tensor, draft_token_ids: Sequence[Sequence[int]],
+                          supports: Sequence[DraftSupport | None], generators: Sequence[torch.Generator | None],
+                          block: Sequence[bool]) -> RaggedNumbers:
+    """`target_numbers` for a batch of requests, each with its own block length K_i, q (support
+    [K_i, m_i], or None for a deterministic proposer), verification and seeded stream, in one pass
+    of batched ops: target_probs [sum (K_i + 1), V] holds request i's K_i + 1 processed rows
+    consecutively. Request i's numbers equal `target_numbers` on its rows alone with its generator,
+    bit for bit on CPU (the same row-wise arithmetic, and its stream draws its K_i residual
+    uniforms, then its bonus uniform, as there): a seeded request answers the same whatever shares
+    its verify. What runs per request is building index lists and two draws from its generator.
+
+    Every row goes through the residual arithmetic, the bonus rows too, with q = 0 and weight 1
+    there: max(1 * p - 0, 0) is p itself, so the bonus is drawn from p as `target_numbers` does,
+    and no row is copied out of or back into the batch."""
+    device = target_probs.device
+    counts = [len(ids) for ids in draft_token_ids]
+    target = target_probs.float()
+    num_rows, vocab_size = target.shape
+    # Host-side layout, one host -> device copy: each draft position's row in target_probs and its
+    # place in a [B, max K] padding (for the block weights' running sums), then the drafted ids.
+    draft_rows, padded_at, row, width = [], [], 0, max(counts, default=0)
+    for i, count in enumerate(counts):
+        draft_rows.extend(range(row, row + count))
+        padded_at.extend(range(i * width, i * width + count))
+        row += count + 1
+    if row != num_rows:
+        raise ValueError(f"{num_rows} target rows for blocks needing {row}")
+    num_positions = len(draft_rows)
+    layout = torch.tensor(draft_rows + padded_at + [int(t) for ids in draft_token_ids for t in ids],
+                          dtype=torch.long).to(device)
+    draft_rows_at, padded_at, draft_ids = layout.split([num_positions] * 3)
+    support_ids, support_probs = _stacked_supports(supports, draft_token_ids, device)
+    target_of_draft = target[draft_rows_at, draft_ids]
+    weights = torch.ones(num_rows, dtype=torch.float64, device=device)
+    if any(b and count for b, count in zip(block, counts)):
+        draft_of_draft = ((support_ids == draft_ids.unsqueeze(-1)) * support_probs).sum(-1)
+        ratios = log_ratios(target_of_draft, draft_of_draft)
+        padded = torch.zeros(len(counts) * width, dtype=torch.float64, device=device).index_copy_(0, padded_at, ratios)
+        block_weights = _block_weights(padded.view(len(counts), width))[:, :width].reshape(-1)[padded_at]
+        is_block = torch.tensor([b for b, count in zip(block, counts) for _ in range(count)], dtype=torch.bool)
+        weights[draft_rows_at] = torch.where(is_block.to(device), block_weights, 1.0)
+    uniforms = torch.cat([draw for count, generator in zip(counts, generators) for draw in (
+        *((torch.rand(count, generator=generator, dtype=torch.float64, device=device),) if count else ()),
+        torch.rand(1, generator=generator, dtype=torch.float64, device=device))])
+    mass = torch.empty(num_rows, dtype=torch.float32, device=device)
+    tokens = torch.empty(num_rows, dtype=torch.long, device=device)
+    for start, stop in row_chunks(num_rows, vocab_size, device):
+        first, last = bisect_left(draft_rows, start), bisect_left(draft_rows, stop)
+        # max(P p - q, 0) with q sparse: P p everywhere, then q taken off at its support (adding -q
+        # is subtracting q, bit for bit; padding entries add -0) and the clamp applied there, the
+        # only entries it can change. At a bonus row this leaves p itself (P = 1, no q).
+        rows = target[start:stop]
+        residual = weights[start:stop].float().unsqueeze(-1) * rows
+        ids = support_ids[first:last]
+        at_support = ((draft_rows_at[first:last] - start).unsqueeze(-1).expand_as(ids), ids)
+        residual.index_put_(at_support, -support_probs[first:last], accumulate=True)
+        residual[at_support] = residual[at_support].clamp(min=0.0)
+        mass[start:stop] = residual.sum(-1)
+        sampled = torch.where((mass[start:stop] <= 0).unsqueeze(-1), rows, residual)   # p = q at that position
+        tokens[start:stop] = inverse_cdf(sampled, uniforms[start:stop])
+    return RaggedNumbers(counts, target_of_draft.double(), mass[draft_rows_at].double(), tokens)
+
+
+def _stacked_supports(supports: Sequence[DraftSupport | None], draft_token_ids: Sequence[Sequence[int]],
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every draft position's q as (ids, probs) [sum K_i, m], padded with probability-0 entries to
+    the widest support: a request's support, or (x, 1) for a deterministic proposer's token x."""
+    widths = [support.ids.shape[-1] for support, block in zip(supports, draft_token_ids)
+              if support is not None and block]
+    width = max(widths, default=1)
+    ids, probs = [], []
+    for support, block in zip(supports, draft_token_ids):
+        if not block:
+            continue
+        if support is None:
+            ids.append(torch.nn.functional.pad(torch.tensor(list(block), dtype=torch.long).view(-1, 1),
+                                               (0, width - 1)))
+            probs.append(torch.nn.functional.pad(torch.ones(len(block), 1), (0, width - 1)))
+            continue
+        # Off the wire: numpy, made host tensors here and copied over once for the batch below; in
+        # process: tensors, left on their device.
+        rows = support.tensors(support.ids.device if isinstance(support.ids, torch.Tensor) else "cpu")
+        pad = (0, width - rows.ids.shape[-1])
+        ids.append(torch.nn.functional.pad(rows.ids.reshape(len(block), -1), pad))
+        probs.append(torch.nn.functional.pad(rows.probs.reshape(len(block), -1), pad))
+    if not ids:
+        return (torch.zeros(0, width, dtype=torch.long, device=device),
+                torch.zeros(0, width, dtype=torch.float32, device=device))
+    return torch.cat([part.to(device) for part in ids]), torch.cat([part.to(device) for part in probs])
+
+
+def _residual_rows(weights: torch.Tensor, rows: torch.Tensor, draft: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual mass, the rows to draw recovered tokens from): max(P p - q, 0) and its mass per
+    draft position, and where the residual is empty (p = q there) p itself."""
+    residual = (weights.float().unsqueeze(-1) * rows - draft).clamp_(min=0.0)
+    mass = residual.sum(-1)
+    return mass, torch.where((mass <= 0).unsqueeze(-1), rows, residual)
 
 
 def compact_rejection_sample(draft_token_ids: torch.Tensor, draft_of_draft: torch.Tensor,

@@ -15,8 +15,8 @@ import torch
 
 from specserve.decoding.grammar import GrammarDeadEndError, GrammarMatcher
 from specserve.decoding.proposers import Proposal
-from specserve.decoding.compact_verify import (DraftSupport, TargetNumbers, compact_block_verify, compact_rejection_sample,
-                                     target_numbers)
+from specserve.decoding.compact_verify import (TargetNumbers, compact_block_verify, compact_rejection_sample,
+                                               ragged_target_numbers)
 from specserve.decoding.rejection import PLACEHOLDER_TOKEN_ID
 from specserve.decoding.row_processors import RowBatch, history_processor
 from specserve.decoding.sampling import RowParams, SamplingParams, process_rows
@@ -112,29 +112,31 @@ def verify_answers(rows: Sequence[torch.Tensor], proposals: Sequence[Proposal],
     decoding.compact_verify). A verification as accept_round's: the residuals are block-weighted
     when the owner will verify the block jointly, which it does for a sampled block with draft rows.
 
-    Everything is computed where the rows are, and comes to the host in ONE transfer for the
-    whole batch (not one per request)."""
-    computed: list[list[torch.Tensor]] = []
-    for request_rows, proposal, generator, verification in zip(rows, proposals, generators, verifications):
-        if not request_rows.dtype.is_floating_point:
-            computed.append([request_rows])
-            continue
-        draft_ids = torch.tensor([proposal.token_ids], dtype=torch.long, device=request_rows.device).reshape(1, -1)
-        support = None if proposal.support is None else DraftSupport(*(torch.as_tensor(
-            np.array(part) if isinstance(part, np.ndarray) else part).unsqueeze(0) for part in
-            (proposal.support.ids, proposal.support.probs)))
-        block = verification == "block" and support is not None
-        numbers = target_numbers(draft_ids, support, request_rows.unsqueeze(0), generator, block)
-        computed.append([numbers.target_of_draft[0], numbers.residual_mass[0], numbers.recovered[0], numbers.bonus])
-    on_host = iter(to_host([part for parts in computed for part in parts]))
-    answers: list[list[int] | TargetNumbers] = []
-    for parts in computed:
-        if len(parts) == 1:
-            answers.append([int(token) for token in next(on_host)])
-        else:
-            target_of_draft, residual_mass, recovered, bonus = (next(on_host) for _ in parts)
-            answers.append(TargetNumbers(target_of_draft, residual_mass, [int(token) for token in recovered],
-                                         int(bonus[0])))
+    Every sampled request's numbers come from one batched pass (`ragged_target_numbers`), and the
+    whole batch's answers come to the host in ONE transfer."""
+    sampled = [i for i, request_rows in enumerate(rows) if request_rows.dtype.is_floating_point]
+    greedy = [i for i, request_rows in enumerate(rows) if not request_rows.dtype.is_floating_point]
+    parts = [rows[i] for i in greedy]
+    if sampled:
+        numbers = ragged_target_numbers(
+            torch.cat([rows[i] for i in sampled]), [proposals[i].token_ids for i in sampled],
+            [proposals[i].support for i in sampled], [generators[i] for i in sampled],
+            [verifications[i] == "block" and proposals[i].support is not None for i in sampled])
+        parts += [numbers.target_of_draft, numbers.residual_mass, numbers.tokens]
+    on_host = to_host(parts)
+    answers: list[list[int] | TargetNumbers] = [[]] * len(rows)
+    for i, ids in zip(greedy, on_host):
+        answers[i] = [int(token) for token in ids]
+    if sampled:
+        target_of_draft, residual_mass, tokens = on_host[len(greedy):]
+        draft_start = token_start = 0
+        for i, count in zip(sampled, numbers.num_draft_tokens):
+            drawn = tokens[token_start:token_start + count + 1]
+            answers[i] = TargetNumbers(target_of_draft[draft_start:draft_start + count],
+                                       residual_mass[draft_start:draft_start + count],
+                                       [int(token) for token in drawn[:-1]], int(drawn[-1]))
+            draft_start += count
+            token_start += count + 1
     return answers
 
 

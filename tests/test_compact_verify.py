@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specserve.decoding.compact_verify import (DraftSupport, compact_block_verify, compact_rejection_sample, draft_support,
-                                     target_numbers)
+                                               ragged_target_numbers, target_numbers)
 from specserve.decoding.sampling import make_generator, sample_from_probs
 from tests.test_block_verify import P_VALUE_THRESHOLD, continued_with_target, joint_fit, toy_models
 from tests.test_rejection import rows_given_prefix
@@ -95,3 +95,55 @@ def test_the_same_seeds_give_the_same_output():
     first = compact_sequences(target_tables, draft_tables, "block", seed=4, batch_size=1000)
     again = compact_sequences(target_tables, draft_tables, "block", seed=4, batch_size=1000)
     assert torch.equal(first, again)
+
+
+def ragged_blocks(seed: int, vocab_size: int = 7):
+    """Requests with K = 0..3 draft tokens, a truncated support or none (a deterministic proposer),
+    block or token-wise verification, each with its own rows and seeded stream."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks = []
+    for i, (count, with_support, block) in enumerate([(3, True, True), (0, True, True), (2, False, False),
+                                                       (1, True, False), (3, False, True), (2, True, True)]):
+        rows = torch.softmax(torch.randn(count + 1, vocab_size, generator=generator) * 2, -1)
+        q = torch.softmax(torch.randn(count, vocab_size, generator=generator) * 2, -1)
+        support = draft_support(q, 4) if with_support else None
+        if support is not None and count:
+            ids = support.ids.gather(-1, sample_from_probs(support.probs, generator).view(-1, 1)).view(-1).tolist()
+        else:
+            ids = torch.randint(vocab_size, (count,), generator=generator).tolist()
+        blocks.append((rows, ids, support, block, 100 + i))
+    return blocks
+
+
+def test_a_ragged_batch_answers_each_request_as_it_would_alone_under_its_own_seed():
+    blocks = ragged_blocks(seed=5)
+    numbers = ragged_target_numbers(torch.cat([rows for rows, *_ in blocks]), [ids for _, ids, *_ in blocks],
+                                    [support for _, _, support, *_ in blocks],
+                                    [make_generator(seed) for *_, seed in blocks], [block for *_, block, _ in blocks])
+    draft_start = token_start = 0
+    for rows, ids, support, block, seed in blocks:
+        alone = target_numbers(torch.tensor([ids], dtype=torch.long).view(1, -1),
+                               None if support is None else DraftSupport(support.ids[None], support.probs[None]),
+                               rows[None], make_generator(seed), block=block)
+        count = len(ids)
+        assert torch.equal(numbers.target_of_draft[draft_start:draft_start + count], alone.target_of_draft[0])
+        assert torch.equal(numbers.residual_mass[draft_start:draft_start + count], alone.residual_mass[0])
+        assert numbers.tokens[token_start:token_start + count + 1].tolist() == [*alone.recovered[0].tolist(),
+                                                                                  alone.bonus.item()]
+        draft_start += count
+        token_start += count + 1
+
+
+def test_the_ragged_check_rejects_requests_sharing_one_stream():
+    """The test above must fail when the requests' draws come from one shared generator."""
+    blocks = ragged_blocks(seed=5)
+    shared = make_generator(0)
+    numbers = ragged_target_numbers(torch.cat([rows for rows, *_ in blocks]), [ids for _, ids, *_ in blocks],
+                                    [support for _, _, support, *_ in blocks], [shared] * len(blocks),
+                                    [block for *_, block, _ in blocks])
+    alone = [target_numbers(torch.tensor([ids], dtype=torch.long).view(1, -1),
+                            None if support is None else DraftSupport(support.ids[None], support.probs[None]),
+                            rows[None], make_generator(seed), block=block)
+             for rows, ids, support, block, seed in blocks]
+    expected = [token for a in alone for token in (*a.recovered[0].tolist(), a.bonus.item())]
+    assert numbers.tokens.tolist() != expected
