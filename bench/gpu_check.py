@@ -71,6 +71,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=1_000_000, ignore_eos=True)
 # unbatched forward by float rounding only; bf16: 8 mantissa bits through 32 layers.
 FP32_TOLERANCE = 1e-4
 BF16_TOLERANCE = 3e-2
+SELF_DRAFT_ACCEPTANCE = 0.9   # a draft whose q equals p up to float rounding: nearly every token accepted
 NEAR_TIE = 1e-2   # a greedy divergence whose top-2 logits are this close is float rounding (shared/README)
 
 # Published configs (shared/CHECKPOINTS.md; Gemma 3 1B from its config.json, best knowledge).
@@ -567,6 +568,29 @@ def section_correctness(section: Section, models: Models, clock: Clock) -> None:
         section.check(same, f"greedy speculative ({label}, K = {NUM_DRAFT_TOKENS}) == target-only, "
                       f"{plan.greedy_tokens} tokens in {rounds} target passes{detail}")
 
+    # Sampled speculation on the device (the generators, each row's draws, verification), drafted by
+    # the target itself on an engine of its own: q equals p up to float rounding, so nearly every
+    # draft token must be accepted; and seeded requests decoded again must commit the same tokens.
+    self_draft = engine_runner(target, plan, "exact-self-draft", kv_gib=plan.small_kv_gib)
+    outputs, stats = [], []
+    for _ in range(2):
+        states = [RequestState(f"s{i}", random_ids(plan.round_prompt, vocab, 310 + i),
+                               SamplingParams(temperature=0.8, top_p=0.95, seed=7 + i, max_tokens=plan.greedy_tokens,
+                                              ignore_eos=True), eos_token_id=None, max_context=context)
+                  for i in range(4)]
+        generate_batch(runner, states, draft_proposer(self_draft), NUM_DRAFT_TOKENS)
+        outputs.append([state.output_ids for state in states])
+        stats = [state.stats for state in states]
+    release(self_draft, [state.request_id for state in states])
+    del self_draft
+    drafted, accepted = sum(stat.num_drafted for stat in stats), sum(stat.num_accepted for stat in stats)
+    section.check(outputs[0] == outputs[1] and all(len(o) == plan.greedy_tokens for o in outputs[0])
+                  and accepted >= SELF_DRAFT_ACCEPTANCE * drafted,
+                  f"sampled speculative decoding (temperature 0.8, top-p 0.95, K = {NUM_DRAFT_TOKENS}, the target "
+                  f"drafting for itself, a batch of 4 seeded requests): {accepted} of {drafted} draft tokens "
+                  f"accepted (at least {SELF_DRAFT_ACCEPTANCE:.0%} expected), and the same {plan.greedy_tokens} "
+                  "tokens each when run again")
+
     # 3. fork, a write into the shared partial block, adopt: against a fresh runner's sequence.
     fresh = engine_runner(target, plan, "exact-fresh", kv_gib=plan.small_kv_gib, prefix_caching=False)
     size = block_size(runner)
@@ -600,6 +624,7 @@ def section_correctness(section: Section, models: Models, clock: Clock) -> None:
         section.check(error <= FP32_TOLERANCE, f"flash-attn's paged kernel vs SDPA over gathered blocks (ragged "
                       f"verify): max relative diff {error:.2e}")
         release(gathered, [name for name, _, _ in ragged])
+        del gathered
     else:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -612,7 +637,7 @@ def section_correctness(section: Section, models: Models, clock: Clock) -> None:
                       "each row's blocks and runs SDPA: its default backend vs SDPA's math backend on the same "
                       f"ragged verify, max relative diff {error:.2e}")
         release(fresh, [name for name, _, _ in ragged])
-    del runner, draft_runner, fresh, target, draft
+    del runner, draft_runner, proposer, fresh, target, draft
     release_memory()
 
     # 5. the windowed model: prefill past several windows, verifies with rollback, against transformers.
@@ -720,6 +745,12 @@ def section_syncs(section: Section, models: Models, clock: Clock) -> None:
     oracle = OracleProposer({"round": continuation}, 0.5, vocab)
     rounds = generate(target, state, oracle, NUM_DRAFT_TOKENS)
     next(rounds)   # the prefill
+    sampled_state = RequestState("sampled", prompt, SamplingParams(temperature=0.8, top_p=0.95, seed=3,
+                                                                   max_tokens=3 * (NUM_DRAFT_TOKENS + 1),
+                                                                   ignore_eos=True),
+                                 eos_token_id=None, max_context=len(prompt) + 4 * (NUM_DRAFT_TOKENS + 1))
+    sampled_rounds = generate(target, sampled_state, proposer, NUM_DRAFT_TOKENS)
+    next(sampled_rounds)
     measured = {}
     with counted_syncs(device) as sites:
         draft_step(proposer, [("s", prompt, NUM_DRAFT_TOKENS)])
@@ -730,7 +761,12 @@ def section_syncs(section: Section, models: Models, clock: Clock) -> None:
     with counted_syncs(device) as sites:
         next(rounds)
     measured["verify round (forward, rows processed, verification, commit; oracle draft)"] = (sites, 1)
+    with counted_syncs(device) as sites:
+        next(sampled_rounds)
+    measured[f"sampled round (temperature 0.8, top-p 0.95): {NUM_DRAFT_TOKENS} draft steps, verify, commit"] = (
+        sites, 1)
     rounds.close()
+    sampled_rounds.close()
     if device.type != "cuda":
         section.line("No CUDA: host syncs are not counted here (the code path ran).")
     rows = [(what, f"{sum(sites.values()) / per:.1f}", ", ".join(f"{site} x{count}" for site, count in
@@ -876,6 +912,8 @@ def section_memory(section: Section, models: Models, clock: Clock) -> None:
     kv = kv_summary(target)
     section.line(f"- the target engine's KV cache: {kv['describe']}")
     if device.type == "cuda":
+        section.line(f"- held before the stress (weights, KV pools): "
+                     f"{torch.cuda.memory_allocated(device) / 2**30:.2f} GiB")
         torch.cuda.reset_peak_memory_stats(device)
     fits = min(plan.stress_sequences, kv["tokens"] // (plan.stress_context + NUM_DRAFT_TOKENS + 1))
     if fits < plan.stress_sequences:
@@ -965,7 +1003,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 section.line("```\n" + traceback.format_exc()[-3000:] + "```")
                 outcome = "ERROR"
             release_memory()
-            section.line(f"\n_{clock.elapsed() - started:.1f} s_")
+            memory = "" if device.type != "cuda" else (
+                f"; device memory allocated {torch.cuda.memory_allocated(device) / 2**30:.1f} GiB, "
+                f"peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
+            section.line(f"\n_{clock.elapsed() - started:.1f} s{memory}_")
             outcomes.append((title, outcome))
         report.append(f"## {title}\n\n" + "\n".join(section.lines) + "\n\n")
     summary = Section("Summary")
