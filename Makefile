@@ -6,7 +6,7 @@ CONSTRAINTS ?= constraints-cpu.txt
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve generate test fuzz soak reliability stat-full bench serve-config
+.PHONY: install serve generate test fuzz soak reliability stat-full bench serve-config gpu-check
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,3 +45,14 @@ serve-config: $(STAMP)
 # 20,000 sampled requests through generate(), 3,000 structured-output requests, 1,500 penalized ones.
 stat-full: $(STAMP)
 	$(PY) -m pytest -q -m stat_full
+
+# The prepared GPU check (docs/testing.md, "The GPU check"): the machine's own python3 (the one with
+# torch), no .venv; wheels in .whl/ (made by the recipe there) are installed first into a scratch folder
+# that comes first on PYTHONPATH. Without CUDA it runs its CPU smoke. GPU_CHECK_ARGS: e.g. --out $$OUT.
+GPU_CHECK_SITE ?= /tmp/specserve-gpu-check-site
+gpu-check:
+	@if ls .whl/*.whl >/dev/null 2>&1; then \
+		$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+			--target $(GPU_CHECK_SITE) .whl/*.whl || exit 1; fi
+	PYTHONPATH=$(GPU_CHECK_SITE)$${PYTHONPATH:+:$$PYTHONPATH} SPECSERVE_VIA_MAKE=1 PYTHONUNBUFFERED=1 \
+		$(PYTHON) bench/gpu_check.py $(GPU_CHECK_ARGS)

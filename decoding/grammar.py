@@ -22,13 +22,24 @@ import json
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import llguidance
-import llguidance.hf
-from llguidance.gbnf_to_lark import any_to_lark
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    import llguidance
+
+
+def _llguidance():
+    """llguidance, imported on first use: only structured outputs need it, and the core (decoding/)
+    must import where it is not installed (the GPU check's machine, docs/testing.md)."""
+    import llguidance
+    import llguidance.gbnf_to_lark
+    import llguidance.hf
+
+    return llguidance
+
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 
@@ -95,6 +106,7 @@ class GrammarSpec:
 
     def llguidance_grammar(self) -> str:
         """The grammar in llguidance's serialized form (ValueError if it cannot even be translated)."""
+        llguidance = _llguidance()
         if self.kind in ("json_schema", "json_object"):
             options: dict[str, Any] = {"whitespace_flexible": self.whitespace_flexible}
             if self.whitespace_pattern is not None:
@@ -107,7 +119,7 @@ class GrammarSpec:
             alternatives = " | ".join(json.dumps(choice) for choice in json.loads(self.source))
             return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
         # Lark (llguidance's dialect) or GBNF/EBNF as llama.cpp and xgrammar write it (`root ::= ...`).
-        return llguidance.LLMatcher.grammar_from_lark(any_to_lark(self.source))
+        return llguidance.LLMatcher.grammar_from_lark(llguidance.gbnf_to_lark.any_to_lark(self.source))
 
 
 class GrammarCompiler:
@@ -120,7 +132,7 @@ class GrammarCompiler:
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, eos_token=list(eos_token_ids) or None)
+        self.tokenizer = _llguidance().hf.from_tokenizer(hf_tokenizer, eos_token=list(eos_token_ids) or None)
         self._validated = functools.lru_cache(maxsize=256)(self._validate)
         self._initial = functools.lru_cache(maxsize=256)(self._build_initial)
 
@@ -135,7 +147,7 @@ class GrammarCompiler:
             grammar = spec.llguidance_grammar()
         except Exception as exc:  # the GBNF translator raises more than ValueError
             raise StructuredOutputError(f"{spec.param}: {exc}", spec.param) from None
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        is_error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
             raise StructuredOutputError(f"{spec.param}: {messages[0] if messages else 'invalid grammar'}", spec.param)
         return grammar
@@ -147,7 +159,7 @@ class GrammarCompiler:
     def _build_initial(self, spec: GrammarSpec) -> llguidance.LLMatcher:
         """A matcher in its initial state, kept per spec: copying it costs a microsecond, building
         one from the grammar text about a millisecond (every new request, on both engines)."""
-        return llguidance.LLMatcher(self.tokenizer, self._validated(spec), log_level=0)
+        return _llguidance().LLMatcher(self.tokenizer, self._validated(spec), log_level=0)
 
 
 @functools.lru_cache(maxsize=4)

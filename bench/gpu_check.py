@@ -1,0 +1,1021 @@
+"""The prepared GPU check: one command that exercises the engines' device paths through decoding/
+alone (no Ray, no network), prints each section as it finishes and appends it to a report.
+
+    make gpu-check                       # python3 bench/gpu_check.py, after installing .whl/ if present
+    python3 bench/gpu_check.py [--out DIR] [--time-limit 330] [--smoke]
+
+Why one command: GPU machines come to this project rarely and for a quarter of an hour, start-up
+included (docs/testing.md, "The GPU check"). On CUDA it builds randomly initialised models from
+exact published configs (Llama-3.1-8B target and Llama-3.2-1B draft in bf16, vocabulary 128,256; a
+few-layer fp32 copy of the 8B for exactness; a Gemma-3-1B-shaped windowed model), each next-token
+distribution made peaked like a trained model's where entropy matters (bench.round_time's
+`peaked`), and runs five sections: environment, correctness, host syncs and kernel launches,
+timings, memory. Without CUDA (or with --smoke) the same sections run on tiny configs in well
+under a minute: `make test` runs that smoke (tests/test_gpu_check.py), so the check never rots.
+
+The report is `<out>/gpu-<device>-check.md` (out: --out, else SPECSERVE_GPU_CHECK_OUT, else
+bench/results/), header first (command, commit, date), then each section as it finishes, so a run
+cut short keeps what ran. Sections that the time limit leaves no room for are skipped with a line
+saying so. Every call into the engine's runner goes through the adapter section below.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# A plain checkout, no install: the repository root on sys.path, and `specserve` also searched at
+# the root itself, so specserve.decoding resolves whether or not specserve/'s links to the
+# top-level folders came along with the copied tree.
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+import specserve  # noqa: E402
+
+if str(REPO) not in specserve.__path__:
+    specserve.__path__.append(str(REPO))
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import datetime  # noqa: E402
+import gc  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import re  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+import warnings  # noqa: E402
+from collections import Counter  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from specserve.bench.round_time import peaked  # noqa: E402
+from specserve.decoding.generate import generate, generate_batch  # noqa: E402
+from specserve.decoding.proposers import Proposal  # noqa: E402
+from specserve.decoding.sampling import SamplingParams  # noqa: E402
+from specserve.decoding.sequence import RequestState  # noqa: E402
+
+DEFAULT_TIME_LIMIT_S = 330.0
+OUT_ENV = "SPECSERVE_GPU_CHECK_OUT"
+COMMIT_ENV = "SPECSERVE_COMMIT"
+NUM_DRAFT_TOKENS = 4
+GREEDY = SamplingParams(temperature=0, max_tokens=1_000_000, ignore_eos=True)
+# Tolerances, stated in the report: the engine's logits against transformers' own cache-free forward,
+# as a share of the reference rows' largest magnitude. fp32: the batched paged path differs from the
+# unbatched forward by float rounding only; bf16: 8 mantissa bits through 32 layers.
+FP32_TOLERANCE = 1e-4
+BF16_TOLERANCE = 3e-2
+SELF_DRAFT_ACCEPTANCE = 0.9   # a draft whose q equals p up to float rounding: nearly every token accepted
+NEAR_TIE = 1e-2   # a greedy divergence whose top-2 logits are this close is float rounding (shared/README)
+
+# Published configs (shared/CHECKPOINTS.md; Gemma 3 1B from its config.json, best knowledge).
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500_000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+LLAMA_31_8B = dict(vocab_size=128_256, hidden_size=4096, intermediate_size=14_336, num_hidden_layers=32,
+                   num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131_072,
+                   rope_parameters={**LLAMA3_ROPE, "factor": 8.0}, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                   bos_token_id=128_000, eos_token_id=[128_001, 128_008, 128_009])
+LLAMA_32_1B = dict(LLAMA_31_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=64,
+                   rope_parameters={**LLAMA3_ROPE, "factor": 32.0})
+GEMMA_3_1B = dict(vocab_size=262_144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                  num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+                  sliding_window=512, max_position_embeddings=32_768, rms_norm_eps=1e-6)
+TINY_LLAMA = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=16_384, rope_parameters={**LLAMA3_ROPE, "factor": 8.0},
+                  tie_word_embeddings=False, bos_token_id=0, eos_token_id=[1])
+TINY_GEMMA = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                  num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                  max_position_embeddings=4096)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the check runs: the GPU's published shapes, or the CPU smoke's tiny ones."""
+
+    target: dict
+    draft: dict
+    windowed: dict
+    exact_layers: int             # layers of the fp32 exactness copies
+    windowed_layers: int
+    prompt_lengths: tuple[int, ...]     # the correctness checks' ragged batch
+    windowed_lengths: tuple[int, ...]
+    greedy_tokens: int            # speculative == target-only, tokens per request
+    contexts: tuple[int, ...]     # timings: held context per sequence
+    batches: tuple[int, ...]
+    draft_batches: tuple[int, ...]
+    repeats: int
+    warmup: int
+    prefill_chunk: int            # tokens per sequence per prefill forward
+    prefill_rows: int             # sequences per prefill forward
+    round_prompt: int
+    round_tokens: int
+    oracle_agreement: float
+    throughput_batch: int
+    throughput_tokens: int
+    stress_sequences: int
+    stress_context: int
+    long_context: int
+    long_chunk: int
+    max_model_len: int
+    pair_dtype: torch.dtype       # the 8B/1B pair's (the CPU smoke: float32, CPU bf16 kernels are slow)
+    target_kv_gib: float          # KV cache per engine
+    draft_kv_gib: float
+    small_kv_gib: float           # the correctness section's engines
+
+
+GPU_PLAN = Plan(target=LLAMA_31_8B, draft=LLAMA_32_1B, windowed=GEMMA_3_1B, exact_layers=2, windowed_layers=6,
+                prompt_lengths=(37, 700, 2100), windowed_lengths=(1300, 2000), greedy_tokens=48,
+                contexts=(512, 4096), batches=(1, 16, 64), draft_batches=(1, 16), repeats=10, warmup=2,
+                prefill_chunk=512, prefill_rows=8, round_prompt=512, round_tokens=128, oracle_agreement=0.7,
+                throughput_batch=32, throughput_tokens=64, stress_sequences=64, stress_context=4096,
+                long_context=16_384, long_chunk=4096, max_model_len=16_400, pair_dtype=torch.bfloat16, target_kv_gib=36.0, draft_kv_gib=8.0,
+                small_kv_gib=2.0)
+SMOKE_PLAN = Plan(target=TINY_LLAMA, draft=dict(TINY_LLAMA, hidden_size=32, num_hidden_layers=1), windowed=TINY_GEMMA,
+                  exact_layers=2, windowed_layers=6, prompt_lengths=(5, 20, 41), windowed_lengths=(30, 45),
+                  greedy_tokens=12, contexts=(16, 48), batches=(1, 4), draft_batches=(1, 4), repeats=2, warmup=1,
+                  prefill_chunk=16, prefill_rows=4, round_prompt=16, round_tokens=12, oracle_agreement=0.7,
+                  throughput_batch=4, throughput_tokens=8, stress_sequences=4, stress_context=64, long_context=128,
+                  long_chunk=64, max_model_len=256, pair_dtype=torch.float32, target_kv_gib=0.02, draft_kv_gib=0.01,
+                  small_kv_gib=0.01)
+
+
+# ---------------------------------------------------------------------------------------------
+# The adapter: every call into the engine's runner. The runner's interface is the one part of the
+# engine this check expects to change (who owns the KV blocks); re-point these functions and the
+# sections stay as they are.
+# ---------------------------------------------------------------------------------------------
+ACTIVATION_ROOM_GIB = 6.0
+
+from specserve.decoding import batched_runner as _batched_runner  # noqa: E402
+from specserve.decoding.batched_runner import DEFAULT_GPU_MEMORY_UTILIZATION, runner_for_model  # noqa: E402
+from specserve.decoding.lean_forward import lean_support  # noqa: E402
+from specserve.decoding.model_runner import ForwardCall  # noqa: E402
+from specserve.decoding.paged_attention import ATTENTION_NAME, flash_kernel_available  # noqa: E402
+from specserve.decoding.proposers import DraftModelProposer, ProposeCall  # noqa: E402
+
+
+def engine_runner(model, plan: Plan, name: str, kv_gib: float, prefix_caching: bool = True,
+                  profile_batches: Sequence[tuple[int, int]] | None = None):
+    """The engine's batched paged runner over model, its KV cache about kv_gib GiB. On CPU that is
+    the runner's own setting; on CUDA the engine takes gpu_memory_utilization of its share of the
+    device less what the process already holds (every model and pool built before it) and its
+    profiled activations, so the share is set to leave it kv_gib after ACTIVATION_ROOM_GIB."""
+    device = next(model.parameters()).device
+    extra = {} if profile_batches is None else {"profile_batches": list(profile_batches)}
+    if device.type == "cuda":
+        allowed = torch.cuda.get_device_properties(device).total_memory * DEFAULT_GPU_MEMORY_UTILIZATION
+        wanted = torch.cuda.memory_allocated(device) + (kv_gib + ACTIVATION_ROOM_GIB) * 2**30
+        extra["gpu_share"] = min(1.0, wanted / allowed)
+    else:
+        extra["kv_cache_memory_gb"] = kv_gib
+    return runner_for_model(model, max_sequences=512, model_path=name, max_model_len=plan.max_model_len,
+                            prefix_caching=prefix_caching, **extra)
+
+
+def forward_rows(runner, calls: Sequence[tuple[str, Sequence[int], int]]) -> list[torch.Tensor]:
+    """One batched forward: (seq_id, whole history, rows wanted) per call -> float32 rows each."""
+    return runner.forward_batch([ForwardCall(seq_id, list(tokens), rows) for seq_id, tokens, rows in calls])
+
+
+def release(runner, seq_ids: Sequence[str]) -> None:
+    for seq_id in seq_ids:
+        runner.release(seq_id)
+
+
+def fork(runner, parent: str, child: str) -> None:
+    runner.fork(parent, child)
+
+
+def adopt(runner, seq_id: str, branch: str) -> None:
+    runner.adopt(seq_id, branch)
+
+
+def block_size(runner) -> int:
+    return runner.block_size
+
+
+def kv_summary(runner) -> dict:
+    """What the engine chose for its KV cache and what it holds now."""
+    capacity = runner.kv_capacity
+    usage = runner.kv_usage()
+    return {"describe": capacity.describe(), "tokens": capacity.tokens, "gib": capacity.gib,
+            "reserved_bytes": usage["kv_bytes_reserved"], "blocks_used": usage["kv_blocks_used"],
+            "blocks_free": usage["kv_blocks_free"], "groups": runner.num_kv_groups}
+
+
+def blocks_held(runner, seq_id: str) -> list[int]:
+    return [runner.blocks_held(seq_id, group) for group in range(runner.num_kv_groups)]
+
+
+def draft_proposer(runner) -> DraftModelProposer:
+    return DraftModelProposer(runner)
+
+
+def draft_step(proposer: DraftModelProposer, calls: Sequence[tuple[str, Sequence[int], int]]) -> list[Proposal]:
+    """One batched propose: (seq_id, history, tokens to draft) per call, greedy."""
+    return proposer.propose_batch([ProposeCall(seq_id, list(history), num, GREEDY)
+                                   for seq_id, history, num in calls])
+
+
+def attention_path(model, device: torch.device) -> str:
+    """Which attention the engine runs for model on device."""
+    lean, why = lean_support(model)
+    kernel = ("flash-attn's paged varlen kernel" if flash_kernel_available(device)
+              else "SDPA over each row's gathered blocks (flash-attn with a paged kernel is not installed)")
+    return f"{kernel}; {'lean forward' if lean else 'transformers forward'} ({why})"
+
+
+@contextlib.contextmanager
+def gathered_path_only():
+    """The engine with flash-attn's paged kernel reported absent: runners built inside gather."""
+    saved = _batched_runner.flash_kernel_available
+    _batched_runner.flash_kernel_available = lambda device: False
+    try:
+        yield
+    finally:
+        _batched_runner.flash_kernel_available = saved
+
+
+@contextlib.contextmanager
+def hf_attention(model):
+    """transformers' own SDPA attention on model for the block (the references, HF generate),
+    then the engine's paged attention back if a runner had set it."""
+    engine_owned = model.config._attn_implementation == ATTENTION_NAME
+    model.set_attn_implementation("sdpa")
+    try:
+        yield model
+    finally:
+        if engine_owned:
+            model.set_attn_implementation(ATTENTION_NAME)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models, clocks, the report
+# ---------------------------------------------------------------------------------------------
+
+class Clock:
+    def __init__(self, limit_s: float) -> None:
+        self.started = time.monotonic()
+        self.limit_s = limit_s
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def left(self) -> float:
+        return self.limit_s - self.elapsed()
+
+
+def device_slug(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "cpu-smoke"
+    name = torch.cuda.get_device_name(device).lower().replace("nvidia", "")
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "cuda"
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def random_ids(count: int, vocab: int, seed: int) -> list[int]:
+    # Ids from 2 on: 0 and 1 are the tiny configs' bos/eos.
+    return torch.randint(2, vocab, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def build_model(kind: str, config_kwargs: dict, layers: int | None, dtype: torch.dtype, device: torch.device,
+                seed: int, peak_prompts: Sequence[list[int]] = ()):
+    """A randomly initialised model on device from config_kwargs (layers: fewer than published);
+    Llama's lm_head untied from the embeddings and its final norm scaled until its next-token rows
+    have a trained model's entropy over peak_prompts (bench.round_time.peaked); -> (model, nats)."""
+    kwargs = dict(config_kwargs)
+    if layers is not None:
+        kwargs["num_hidden_layers"] = layers
+    torch.manual_seed(seed)
+    if kind == "llama":
+        # Tied, a random lm_head scores the input token far above the rest (bench.round_time).
+        config, cls = LlamaConfig(**{**kwargs, "tie_word_embeddings": False}), LlamaForCausalLM
+    else:
+        config, cls = Gemma3TextConfig(**kwargs), Gemma3ForCausalLM
+    config._attn_implementation = "sdpa"
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    entropy = None
+    if peak_prompts:
+        entropy = peaked(model, [torch.tensor(p, device=device) for p in peak_prompts])
+    return model, entropy
+
+
+@torch.inference_mode()
+def reference_rows(model, histories: Sequence[list[int]], rows: int) -> list[torch.Tensor]:
+    """transformers' own cache-free forward (SDPA), one sequence at a time: the last rows' float32 logits."""
+    device = next(model.parameters()).device
+    with hf_attention(model):
+        return [model(input_ids=torch.tensor([history], device=device), logits_to_keep=rows).logits[0].float()
+                for history in histories]
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+
+
+def release_memory() -> None:
+    """Give back the device memory of what is no longer referenced (models, runners, pools)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@dataclass
+class Section:
+    title: str
+    lines: list[str] = field(default_factory=list)
+    failures: int = 0
+
+    def line(self, text: str) -> None:
+        self.lines.append(text)
+
+    def check(self, ok: bool, text: str) -> None:
+        self.failures += not ok
+        self.lines.append(f"- {'PASS' if ok else 'FAIL'}: {text}")
+
+    def table(self, header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+        self.lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        self.lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+        self.lines.append("")
+
+
+class Report:
+    """The markdown report, appended to (and printed) as each section finishes."""
+
+    def __init__(self, path: Path, header: str) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(header)
+        print(header, flush=True)
+
+    def append(self, text: str) -> None:
+        with self.path.open("a") as handle:
+            handle.write(text)
+        print(text, flush=True)
+
+
+def median_ms(seconds: Sequence[float]) -> str:
+    return f"{1e3 * statistics.median(seconds):.2f}"
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int) -> list[float]:
+    """Wall seconds of fn, synchronised before and after each call, after warmup untimed calls."""
+    for _ in range(warmup):
+        fn()
+    seconds = []
+    for _ in range(repeats):
+        synchronize(device)
+        started = time.perf_counter()
+        fn()
+        synchronize(device)
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+class OracleProposer:
+    """A draft that agrees with the target's greedy continuation (known in advance) at a set rate:
+    the round's cost without a draft model's, at a chosen acceptance. A disagreement proposes
+    the next id instead."""
+
+    def __init__(self, continuations: dict[str, list[int]], agreement: float, vocab: int, seed: int = 0) -> None:
+        self.continuations = continuations
+        self.agreement = agreement
+        self.vocab = vocab
+        self.random = random.Random(seed)
+
+    def propose(self, seq_id, history, num_tokens, params, generator=None, prompt_len=None) -> Proposal:
+        known = self.continuations[seq_id]
+        tokens = []
+        for position in range(len(history), min(len(history) + num_tokens, len(known))):
+            token = known[position]
+            tokens.append(token if self.random.random() < self.agreement else (token + 1) % self.vocab)
+        return Proposal(tokens, None)
+
+    def propose_batch(self, calls) -> list[Proposal]:
+        return [self.propose(c.seq_id, c.history, c.num_tokens, c.params) for c in calls]
+
+    def release(self, seq_id: str) -> None:
+        pass
+
+
+def greedy_state(name: str, prompt: list[int], tokens: int, max_context: int) -> RequestState:
+    return RequestState(name, list(prompt), replace_max_tokens(tokens), eos_token_id=None, max_context=max_context)
+
+
+def replace_max_tokens(tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+
+
+def prefill(runner, histories: dict[str, list[int]], plan: Plan) -> None:
+    """Bring every sequence to its whole history in chunks (plan.prefill_rows sequences of
+    plan.prefill_chunk tokens a forward), the last row of each chunk asked for."""
+    names = list(histories)
+    for first in range(0, len(names), plan.prefill_rows):
+        group = names[first:first + plan.prefill_rows]
+        longest = max(len(histories[name]) for name in group)
+        for end in range(plan.prefill_chunk, longest + plan.prefill_chunk, plan.prefill_chunk):
+            calls = [(name, histories[name][:min(end, len(histories[name]))], 1) for name in group
+                     if end - plan.prefill_chunk < len(histories[name])]
+            forward_rows(runner, calls)
+
+
+class Models:
+    """The models the sections share, built on first use; the exact fp32 copies are freed once the
+    correctness section is done, before the 8B pair takes the device."""
+
+    def __init__(self, plan: Plan, device: torch.device) -> None:
+        self.plan = plan
+        self.device = device
+        self._pair = None
+        self.entropies: dict[str, float] = {}
+
+    def peak_prompts(self, vocab: int) -> list[list[int]]:
+        lengths = (100, 400) if self.device.type == "cuda" else (20, 40)
+        return [random_ids(length, vocab, 50 + i) for i, length in enumerate(lengths)]
+
+    def exact(self):
+        """The fp32 few-layer copies of target and draft (peaked), without runners."""
+        plan = self.plan
+        prompts = self.peak_prompts(plan.target["vocab_size"])
+        target, t_entropy = build_model("llama", plan.target, plan.exact_layers, torch.float32, self.device, 0, prompts)
+        draft, d_entropy = build_model("llama", plan.draft, min(plan.exact_layers, plan.draft["num_hidden_layers"]),
+                                       torch.float32, self.device, 1, prompts)
+        self.entropies.update(exact_target=t_entropy, exact_draft=d_entropy)
+        return target, draft
+
+    def pair(self):
+        """(target model, target runner, draft model, draft runner, draft proposer) in bf16."""
+        if self._pair is None:
+            plan = self.plan
+            prompts = self.peak_prompts(plan.target["vocab_size"])
+            target, self.entropies["target"] = build_model("llama", plan.target, None, plan.pair_dtype, self.device, 2,
+                                                           prompts)
+            # The batches the sections run, so the engine's budget leaves room for their activations.
+            target_runner = engine_runner(target, plan, "llama-3.1-8b-shaped", plan.target_kv_gib, profile_batches=[
+                (max(plan.batches), NUM_DRAFT_TOKENS + 1), (plan.prefill_rows, plan.prefill_chunk),
+                (1, plan.long_chunk)])
+            draft, self.entropies["draft"] = build_model("llama", plan.draft, None, plan.pair_dtype, self.device, 3, prompts)
+            draft_runner = engine_runner(draft, plan, "llama-3.2-1b-shaped", plan.draft_kv_gib,
+                                         profile_batches=[(max(plan.batches), 1), (plan.prefill_rows, plan.prefill_chunk)])
+            self._pair = (target, target_runner, draft, draft_runner, draft_proposer(draft_runner))
+        return self._pair
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------------------------
+
+def section_environment(section: Section, models: Models, args) -> None:
+    device = models.device
+    rows = [("python", sys.version.split()[0]), ("torch", torch.__version__),
+            ("transformers", transformers.__version__), ("CUDA (torch built with)", torch.version.cuda or "none")]
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        rows += [("GPU", f"{properties.name}, {properties.total_memory / 2**30:.1f} GiB, "
+                         f"{properties.multi_processor_count} SMs, capability {properties.major}.{properties.minor}"),
+                 ("driver", nvidia_smi("driver_version")),
+                 ("TF32 matmul", str(torch.backends.cuda.matmul.allow_tf32)),
+                 ("SDPA backends enabled", ", ".join(name for name, on in [
+                     ("flash", torch.backends.cuda.flash_sdp_enabled()),
+                     ("memory-efficient", torch.backends.cuda.mem_efficient_sdp_enabled()),
+                     ("cuDNN", torch.backends.cuda.cudnn_sdp_enabled()),
+                     ("math", torch.backends.cuda.math_sdp_enabled())] if on))]
+    else:
+        rows.append(("GPU", "none: the CPU smoke (tiny configs)"))
+    try:
+        import triton
+        rows.append(("triton", triton.__version__))
+    except ImportError:
+        rows.append(("triton", "not installed"))
+    probe, _ = build_model("llama", dict(models.plan.target, num_hidden_layers=1, vocab_size=1024), None,
+                           torch.float32, device, 0)
+    rows.append(("engine attention (Llama shapes)", attention_path(probe, device)))
+    del probe
+    release_memory()
+    rows.append(("compiled / CUDA graphs", engine_compilation()))
+    rows.append(("plan", "GPU (published shapes)" if models.plan is GPU_PLAN else "smoke (tiny configs)"))
+    rows.append(("time limit", f"{args.time_limit:.0f} s"))
+    section.table(("what", "value"), rows)
+
+
+def nvidia_smi(query: str) -> str:
+    try:
+        return subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=20).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (nvidia-smi did not answer)"
+
+
+def engine_compilation() -> str:
+    """Whether decoding/ compiles anything or captures CUDA graphs: read from its source, as it stands."""
+    sources = " ".join(path.read_text() for path in (REPO / "decoding").glob("*.py"))
+    compiled = "torch.compile(" in sources
+    graphs = "CUDAGraph" in sources or "cuda.graph(" in sources
+    return (f"torch.compile {'used' if compiled else 'not used'}; CUDA graphs {'captured' if graphs else 'not used'} "
+            "(eager kernels)")
+
+
+def section_correctness(section: Section, models: Models, clock: Clock) -> None:
+    plan, device = models.plan, models.device
+    vocab = plan.target["vocab_size"]
+    target, draft = models.exact()
+    section.line(f"fp32 copies: {plan.exact_layers} layers of the target's and draft's shapes, peaked "
+                 f"(mean entropy {models.entropies['exact_target']:.2f} / {models.entropies['exact_draft']:.2f} nats).")
+    # 1. logits against transformers' forward: a ragged prefill, then a K+1-row verify on each.
+    prompts = [random_ids(length, vocab, 100 + i) for i, length in enumerate(plan.prompt_lengths)]
+    extended = [prompt + random_ids(NUM_DRAFT_TOKENS + 1, vocab, 200 + i) for i, prompt in enumerate(prompts)]
+    want_prefill = reference_rows(target, prompts, 4)
+    want_verify = reference_rows(target, extended, NUM_DRAFT_TOKENS + 1)
+    runner = engine_runner(target, plan, "exact-target", kv_gib=plan.small_kv_gib)
+    names = [f"e{i}" for i in range(len(prompts))]
+    got_prefill = forward_rows(runner, [(n, p, 4) for n, p in zip(names, prompts)])
+    got_verify = forward_rows(runner, [(n, p, NUM_DRAFT_TOKENS + 1) for n, p in zip(names, extended)])
+    error = max(relative_error(g, w) for g, w in zip(got_prefill + got_verify, want_prefill + want_verify))
+    section.check(error <= FP32_TOLERANCE, f"fp32 engine logits vs transformers' cache-free forward (ragged prefill "
+                  f"{list(plan.prompt_lengths)} tokens, then a {NUM_DRAFT_TOKENS + 1}-row verify each): max |diff| / "
+                  f"max |logit| = {error:.2e} (tolerance {FP32_TOLERANCE:.0e})")
+    release(runner, names)
+
+    # 2. greedy speculative output == target-only, with the draft model and with an oracle draft.
+    draft_runner = engine_runner(draft, plan, "exact-draft", kv_gib=plan.small_kv_gib)
+    prompt = random_ids(plan.round_prompt, vocab, 300)
+    context = plan.round_prompt + plan.greedy_tokens + NUM_DRAFT_TOKENS + 1
+    alone = greedy_state("alone", prompt, plan.greedy_tokens, context)
+    list(generate(runner, alone))
+    for label, proposer in [("draft model", draft_proposer(draft_runner)),
+                            (f"oracle draft agreeing {plan.oracle_agreement:.0%}",
+                             OracleProposer({"spec": prompt + alone.output_ids}, plan.oracle_agreement, vocab))]:
+        state = greedy_state("spec", prompt, plan.greedy_tokens, context)
+        rounds = len(list(generate(runner, state, proposer, NUM_DRAFT_TOKENS)))
+        same = state.output_ids == alone.output_ids
+        detail = "" if same else near_tie_detail(target, prompt, alone.output_ids, state.output_ids)
+        section.check(same, f"greedy speculative ({label}, K = {NUM_DRAFT_TOKENS}) == target-only, "
+                      f"{plan.greedy_tokens} tokens in {rounds} target passes{detail}")
+
+    # Sampled speculation on the device (the generators, each row's draws, verification), drafted by
+    # the target itself on an engine of its own: q equals p up to float rounding, so nearly every
+    # draft token must be accepted; and seeded requests decoded again must commit the same tokens.
+    self_draft = engine_runner(target, plan, "exact-self-draft", kv_gib=plan.small_kv_gib)
+    outputs, stats = [], []
+    for _ in range(2):
+        states = [RequestState(f"s{i}", random_ids(plan.round_prompt, vocab, 310 + i),
+                               SamplingParams(temperature=0.8, top_p=0.95, seed=7 + i, max_tokens=plan.greedy_tokens,
+                                              ignore_eos=True), eos_token_id=None, max_context=context)
+                  for i in range(4)]
+        generate_batch(runner, states, draft_proposer(self_draft), NUM_DRAFT_TOKENS)
+        outputs.append([state.output_ids for state in states])
+        stats = [state.stats for state in states]
+    release(self_draft, [state.request_id for state in states])
+    del self_draft
+    drafted, accepted = sum(stat.num_drafted for stat in stats), sum(stat.num_accepted for stat in stats)
+    section.check(outputs[0] == outputs[1] and all(len(o) == plan.greedy_tokens for o in outputs[0])
+                  and accepted >= SELF_DRAFT_ACCEPTANCE * drafted,
+                  f"sampled speculative decoding (temperature 0.8, top-p 0.95, K = {NUM_DRAFT_TOKENS}, the target "
+                  f"drafting for itself, a batch of 4 seeded requests): {accepted} of {drafted} draft tokens "
+                  f"accepted (at least {SELF_DRAFT_ACCEPTANCE:.0%} expected), and the same {plan.greedy_tokens} "
+                  "tokens each when run again")
+
+    # 3. fork, a write into the shared partial block, adopt: against a fresh runner's sequence.
+    fresh = engine_runner(target, plan, "exact-fresh", kv_gib=plan.small_kv_gib, prefix_caching=False)
+    size = block_size(runner)
+    history = random_ids(2 * size + size // 2, vocab, 400)   # two full blocks and a partial one
+    forward_rows(runner, [("parent", history, 1)])
+    used = kv_summary(runner)["blocks_used"]
+    fork(runner, "parent", "child")
+    shared = kv_summary(runner)["blocks_used"] == used
+    child = history[:2 * size + 1] + [7, 8]                 # writes into the shared partial block
+    parent = history + [9]
+    errors = [relative_error(forward_rows(runner, [("child", child, 2)])[0], forward_rows(fresh, [("c", child, 2)])[0]),
+              relative_error(forward_rows(runner, [("parent", parent, 2)])[0],
+                             forward_rows(fresh, [("p", parent, 2)])[0])]
+    adopt(runner, "parent", "child")
+    errors.append(relative_error(forward_rows(runner, [("parent", child + [3], 1)])[0],
+                                 forward_rows(fresh, [("c2", child + [3], 1)])[0]))
+    release(runner, ["parent"])
+    release(fresh, ["c", "p", "c2"])
+    section.check(shared and max(errors) <= FP32_TOLERANCE and kv_summary(runner)["blocks_used"] == 0,
+                  f"fork shares the parent's blocks ({'yes' if shared else 'NO'}), the child's write into the "
+                  f"shared partial block and the parent's own next token, then adopt: rows vs a fresh sequence, "
+                  f"max relative diff {max(errors):.2e}; every block given back at release "
+                  f"(block size {size}, device {device.type})")
+
+    # 4. the engine's attention kernel against the gathered reference.
+    ragged = [(f"k{i}", p, NUM_DRAFT_TOKENS + 1) for i, p in enumerate(extended)]
+    if flash_kernel_available(device):
+        with gathered_path_only():
+            gathered = engine_runner(target, plan, "exact-gathered", kv_gib=plan.small_kv_gib, prefix_caching=False)
+        error = max(relative_error(g, w) for g, w in zip(forward_rows(fresh, ragged), forward_rows(gathered, ragged)))
+        section.check(error <= FP32_TOLERANCE, f"flash-attn's paged kernel vs SDPA over gathered blocks (ragged "
+                      f"verify): max relative diff {error:.2e}")
+        release(gathered, [name for name, _, _ in ragged])
+        del gathered
+    else:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        default_rows = forward_rows(fresh, ragged)
+        release(fresh, [name for name, _, _ in ragged])
+        with sdpa_kernel([SDPBackend.MATH]):
+            math_rows = forward_rows(fresh, ragged)
+        error = max(relative_error(g, w) for g, w in zip(default_rows, math_rows))
+        section.check(error <= FP32_TOLERANCE, "flash-attn's paged kernel is not installed, so the engine gathers "
+                      "each row's blocks and runs SDPA: its default backend vs SDPA's math backend on the same "
+                      f"ragged verify, max relative diff {error:.2e}")
+        release(fresh, [name for name, _, _ in ragged])
+    del runner, draft_runner, proposer, fresh, target, draft
+    release_memory()
+
+    # 5. the windowed model: prefill past several windows, verifies with rollback, against transformers.
+    windowed, _ = build_model("gemma", plan.windowed, plan.windowed_layers, torch.float32, device, 5)
+    window = plan.windowed["sliding_window"]
+    histories = [random_ids(length, plan.windowed["vocab_size"], 500 + i)
+                 for i, length in enumerate(plan.windowed_lengths)]
+    steps = [histories]
+    for step in range(3):   # each step drops the last 2 tokens (a rejection) and verifies K+1 new ones
+        steps.append([h[:-2] + random_ids(NUM_DRAFT_TOKENS + 1, plan.windowed["vocab_size"], 600 + 10 * step + i)
+                      for i, h in enumerate(steps[-1])])
+    wants = [reference_rows(windowed, step, NUM_DRAFT_TOKENS + 1) for step in steps]
+    runner = engine_runner(windowed, plan, "gemma-3-1b-shaped", kv_gib=plan.small_kv_gib)
+    names = [f"w{i}" for i in range(len(histories))]
+    errors = []
+    for step, want in zip(steps, wants):
+        got = forward_rows(runner, [(n, h, NUM_DRAFT_TOKENS + 1) for n, h in zip(names, step)])
+        errors += [relative_error(g, w) for g, w in zip(got, want)]
+    held = blocks_held(runner, names[-1])
+    section.check(max(errors) <= FP32_TOLERANCE,
+                  f"windowed model ({plan.windowed_layers} layers of Gemma 3 1B's shapes, window {window}, fp32): "
+                  f"histories {list(plan.windowed_lengths)} tokens prefilled, then 3 verifies of "
+                  f"{NUM_DRAFT_TOKENS + 1} rows each after a 2-token rollback, vs transformers' cache-free forward: "
+                  f"max relative diff {max(errors):.2e}; blocks held per KV group by the longest: {held}")
+    release(runner, names)
+    del runner, windowed
+    release_memory()
+
+    # 6. the bf16 pair's target (published shapes) against transformers' forward in bf16.
+    target_model, target, _, _, _ = models.pair()
+    want_prefill = reference_rows(target_model, prompts, 4)
+    want_verify = reference_rows(target_model, extended, NUM_DRAFT_TOKENS + 1)
+    names = [f"b{i}" for i in range(len(prompts))]
+    got = (forward_rows(target, [(n, p, 4) for n, p in zip(names, prompts)])
+           + forward_rows(target, [(n, p, NUM_DRAFT_TOKENS + 1) for n, p in zip(names, extended)]))
+    wants = want_prefill + want_verify
+    error = max(relative_error(g, w) for g, w in zip(got, wants))
+    agree = torch.cat([g.argmax(-1) == w.argmax(-1) for g, w in zip(got, wants)]).float().mean()
+    section.check(error <= BF16_TOLERANCE, f"{str(plan.pair_dtype).removeprefix('torch.')} target at "
+                  f"{plan.target['num_hidden_layers']} layers of the published shapes vs transformers' forward in the "
+                  f"same dtype (the same ragged prefill and verify): max |diff| / max |logit| = {error:.2e} (tolerance "
+                  f"{BF16_TOLERANCE:.0e}); argmax agrees on {float(agree):.1%} of rows")
+    release(target, names)
+
+
+def near_tie_detail(model, prompt: list[int], want: list[int], got: list[int]) -> str:
+    index = next(i for i, (a, b) in enumerate(zip(want + [-1], got + [-1])) if a != b)
+    row = reference_rows(model, [prompt + want[:index]], 1)[0][0]
+    top = row.topk(2).values
+    gap = float(top[0] - top[1])
+    return (f"; first divergence at output {index}, top-2 logit gap {gap:.2e} "
+            f"({'a near-tie: float rounding' if gap < NEAR_TIE else 'NOT a near-tie'})")
+
+
+@contextlib.contextmanager
+def counted_syncs(device: torch.device):
+    """The host syncs the block causes (torch.cuda.set_sync_debug_mode's warnings), by source line;
+    nothing is counted without CUDA."""
+    sites: Counter = Counter()
+    if device.type != "cuda":
+        yield sites
+        return
+    synchronize(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield sites
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for warning in caught:
+        if "synchroniz" in str(warning.message):
+            sites[f"{Path(warning.filename).name}:{warning.lineno}"] += 1
+
+
+def profiled(fn: Callable[[], object], device: torch.device) -> tuple[int, Counter]:
+    """(device kernels launched, kernel names counted) by one call of fn under torch.profiler
+    (without CUDA: the CPU operators)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        fn()
+        synchronize(device)
+    wanted = torch.autograd.DeviceType.CUDA if device.type == "cuda" else torch.autograd.DeviceType.CPU
+    names = Counter(event.name for event in prof.events() if event.device_type == wanted
+                    and (device.type == "cuda" or event.name.startswith("aten::")))
+    return sum(names.values()), names
+
+
+ATTENTION_KERNEL = re.compile(r"attention|attn|fmha|flash|sdpa|softmax|cutlass.*kernel", re.IGNORECASE)
+
+
+def section_syncs(section: Section, models: Models, clock: Clock) -> None:
+    plan, device = models.plan, models.device
+    _, target, _, draft_runner, proposer = models.pair()
+    vocab = plan.target["vocab_size"]
+    prompt = random_ids(plan.round_prompt, vocab, 700)
+    continuation = prompt + random_ids(4 * NUM_DRAFT_TOKENS + 8, vocab, 701)
+    forward_rows(target, [("s", prompt, 1)])
+    draft_step(proposer, [("s", prompt, 1)])
+    verify_history = prompt + continuation[len(prompt):len(prompt) + NUM_DRAFT_TOKENS]
+    state = greedy_state("round", prompt, 3 * (NUM_DRAFT_TOKENS + 1), len(continuation) + NUM_DRAFT_TOKENS + 1)
+    oracle = OracleProposer({"round": continuation}, 0.5, vocab)
+    rounds = generate(target, state, oracle, NUM_DRAFT_TOKENS)
+    next(rounds)   # the prefill
+    sampled_state = RequestState("sampled", prompt, SamplingParams(temperature=0.8, top_p=0.95, seed=3,
+                                                                   max_tokens=3 * (NUM_DRAFT_TOKENS + 1),
+                                                                   ignore_eos=True),
+                                 eos_token_id=None, max_context=len(prompt) + 4 * (NUM_DRAFT_TOKENS + 1))
+    sampled_rounds = generate(target, sampled_state, proposer, NUM_DRAFT_TOKENS)
+    next(sampled_rounds)
+    measured = {}
+    with counted_syncs(device) as sites:
+        draft_step(proposer, [("s", prompt, NUM_DRAFT_TOKENS)])
+    measured[f"draft step (one of a {NUM_DRAFT_TOKENS}-token propose, batch 1)"] = (sites, NUM_DRAFT_TOKENS)
+    with counted_syncs(device) as sites:
+        forward_rows(target, [("s", verify_history + [5], NUM_DRAFT_TOKENS + 1)])
+    measured[f"target forward of {NUM_DRAFT_TOKENS + 1} rows (forward_batch alone)"] = (sites, 1)
+    with counted_syncs(device) as sites:
+        next(rounds)
+    measured["verify round (forward, rows processed, verification, commit; oracle draft)"] = (sites, 1)
+    with counted_syncs(device) as sites:
+        next(sampled_rounds)
+    measured[f"sampled round (temperature 0.8, top-p 0.95): {NUM_DRAFT_TOKENS} draft steps, verify, commit"] = (
+        sites, 1)
+    rounds.close()
+    sampled_rounds.close()
+    if device.type != "cuda":
+        section.line("No CUDA: host syncs are not counted here (the code path ran).")
+    rows = [(what, f"{sum(sites.values()) / per:.1f}", ", ".join(f"{site} x{count}" for site, count in
+                                                                 sites.most_common(6)) or "-")
+            for what, (sites, per) in measured.items()]
+    section.table(("call", "host syncs per call", "where (file:line x count)"), rows)
+
+    kernels, names = profiled(lambda: forward_rows(target, [("s", verify_history + [6], NUM_DRAFT_TOKENS + 1)]),
+                              device)
+    draft_kernels, draft_names = profiled(lambda: draft_step(proposer, [("s", prompt, 1)]), device)
+    unit = "kernels launched" if device.type == "cuda" else "CPU operators (no CUDA)"
+    section.line(f"- target forward, {NUM_DRAFT_TOKENS + 1} rows, batch 1, context {plan.round_prompt}: "
+                 f"{kernels} {unit} ({kernels / plan.target['num_hidden_layers']:.1f} per layer)")
+    section.line(f"- draft step, batch 1: {draft_kernels} {unit}")
+    attention = sorted({name for name in names if ATTENTION_KERNEL.search(name)})
+    section.line(f"- attention kernels in the target forward: {', '.join(attention[:8]) or 'none matched'}")
+    section.line("- most launched in the target forward: " + "; ".join(f"{name[:80]} x{count}"
+                                                                      for name, count in names.most_common(6)))
+    release(target, ["s", "round"])
+    release(draft_runner, ["s"])
+
+
+def section_timings(section: Section, models: Models, clock: Clock) -> None:
+    plan, device = models.plan, models.device
+    target_model, target, draft_model, draft_runner, proposer = models.pair()
+    vocab = plan.target["vocab_size"]
+    section.line(f"{str(plan.pair_dtype).removeprefix('torch.')} pair, peaked: target mean entropy {models.entropies['target']:.2f} nats, draft "
+                 f"{models.entropies['draft']:.2f}. Synchronised medians of {plan.repeats} calls after "
+                 f"{plan.warmup} untimed.")
+    rows = []
+    for context in plan.contexts:
+        batch = max(plan.batches)
+        needed = batch * (context + NUM_DRAFT_TOKENS + 1)
+        if needed > kv_summary(target)["tokens"]:
+            rows.append((context, f"batch {batch}", "skipped: the engine's KV budget holds "
+                         f"{kv_summary(target)['tokens']:,} tokens, fewer than {needed:,}", "", ""))
+            continue
+        if clock.left() < 0:
+            rows.append((context, "-", "skipped: the check's time limit ran out", "", ""))
+            continue
+        histories = {f"t{context}-{i}": random_ids(context, vocab, 1000 * context + i) for i in range(batch)}
+        prefill(target, histories, plan)
+        for size in plan.batches:
+            names = list(histories)[:size]
+            cells = []
+            for new in (1, NUM_DRAFT_TOKENS + 1):
+                extra = random_ids(new, vocab, 7 + new)
+                seconds = timed(lambda: forward_rows(target, [(n, histories[n] + extra, new) for n in names]),
+                                device, plan.repeats, plan.warmup)
+                cells.append(median_ms(seconds))
+            rows.append((context, size, cells[0], cells[1], f"{float(cells[1]) / float(cells[0]):.2f}"))
+        release(target, list(histories))
+    section.line("")
+    section.line("Target forward (ms), each row's held context and new tokens:")
+    section.table(("context", "batch", "t(1) ms", f"t({NUM_DRAFT_TOKENS + 1}) ms",
+                   f"t({NUM_DRAFT_TOKENS + 1}) / t(1)"), rows)
+
+    draft_rows = []
+    context = plan.contexts[0]
+    histories = {f"d{i}": random_ids(context, vocab, 3000 + i) for i in range(max(plan.draft_batches))}
+    prefill(draft_runner, histories, plan)
+    for size in plan.draft_batches:
+        names = list(histories)[:size]
+        seconds = timed(lambda: draft_step(proposer, [(n, histories[n], 1) for n in names]), device,
+                        plan.repeats, plan.warmup)
+        draft_rows.append((size, context, median_ms(seconds)))
+    release(draft_runner, list(histories))
+    section.table(("draft batch", "context", "draft step ms (forward + greedy pick)"), draft_rows)
+
+    if clock.left() < 0:
+        section.line("Rounds and throughput: skipped (the check's time limit ran out).")
+        return
+    round_timings(section, models, target_model, target, draft_rows)
+
+
+def round_timings(section: Section, models: Models, target_model, target, draft_rows) -> None:
+    """A K-round in process, single stream, oracle draft, against HF generate target-only; tokens/s at
+    plan.throughput_batch, target-only and speculative."""
+    plan, device = models.plan, models.device
+    vocab = plan.target["vocab_size"]
+    prompt = random_ids(plan.round_prompt, vocab, 900)
+    context = plan.round_prompt + plan.round_tokens + NUM_DRAFT_TOKENS + 1
+    with hf_attention(target_model):
+        ids = torch.tensor([prompt], device=device)
+        generate_hf = lambda: target_model.generate(ids, max_new_tokens=plan.round_tokens, min_new_tokens=plan.round_tokens,
+                                                    do_sample=False, pad_token_id=0)
+        hf_seconds = timed(generate_hf, device, max(1, plan.repeats // 5), 1)
+    alone = greedy_state("alone", prompt, plan.round_tokens, context)
+    synchronize(device)
+    started = time.perf_counter()
+    list(generate(target, alone))
+    synchronize(device)
+    alone_seconds = time.perf_counter() - started
+    oracle = OracleProposer({"spec": prompt + alone.output_ids}, plan.oracle_agreement, vocab)
+    spec = greedy_state("spec", prompt, plan.round_tokens, context)
+    synchronize(device)
+    started = time.perf_counter()
+    passes = len(list(generate(target, spec, oracle, NUM_DRAFT_TOKENS)))
+    synchronize(device)
+    spec_seconds = time.perf_counter() - started
+    hf_rate = plan.round_tokens / statistics.median(hf_seconds)
+    per_pass = len(spec.output_ids) / passes
+    draft_ms = float(draft_rows[0][2])
+    modelled = spec_seconds + (passes - 1) * NUM_DRAFT_TOKENS * draft_ms / 1e3
+    section.table(("single stream, greedy, prompt " f"{plan.round_prompt}, {plan.round_tokens} tokens", "tokens/s",
+                   "vs HF generate"), [
+        ("HF generate, target only (SDPA, DynamicCache)", f"{hf_rate:.1f}", "1.00"),
+        ("engine, target only (decoding.generate)", f"{plan.round_tokens / alone_seconds:.1f}",
+         f"{plan.round_tokens / alone_seconds / hf_rate:.2f}"),
+        (f"engine, K = {NUM_DRAFT_TOKENS}, oracle draft agreeing {plan.oracle_agreement:.0%} "
+         f"({per_pass:.2f} tokens a pass, draft free)", f"{plan.round_tokens / spec_seconds:.1f}",
+         f"{plan.round_tokens / spec_seconds / hf_rate:.2f}"),
+        (f"the same plus {NUM_DRAFT_TOKENS} draft steps a round at the measured {draft_ms:.2f} ms (serial, modelled)",
+         f"{plan.round_tokens / modelled:.1f}", f"{plan.round_tokens / modelled / hf_rate:.2f}")])
+    section.line(f"- speculative output == target-only: {spec.output_ids == alone.output_ids} "
+                 f"({str(plan.pair_dtype).removeprefix('torch.')}; a difference is float rounding where the top-2 "
+                 "logits nearly tie)")
+
+    size = plan.throughput_batch
+    prompts = [random_ids(plan.round_prompt, vocab, 950 + i) for i in range(size)]
+    states = [greedy_state(f"b{i}", p, plan.throughput_tokens, context) for i, p in enumerate(prompts)]
+    synchronize(device)
+    started = time.perf_counter()
+    generate_batch(target, states)
+    synchronize(device)
+    alone_rate = size * plan.throughput_tokens / (time.perf_counter() - started)
+    oracle = OracleProposer({s.request_id: s.prompt_ids + s.output_ids for s in states}, plan.oracle_agreement, vocab)
+    spec_states = [greedy_state(f"b{i}", p, plan.throughput_tokens, context) for i, p in enumerate(prompts)]
+    synchronize(device)
+    started = time.perf_counter()
+    generate_batch(target, spec_states, oracle, NUM_DRAFT_TOKENS)
+    synchronize(device)
+    spec_rate = size * plan.throughput_tokens / (time.perf_counter() - started)
+    section.table((f"batch {size}, prompt {plan.round_prompt}, {plan.throughput_tokens} tokens each "
+                   "(decoding.generate_batch, prefill included)", "tokens/s"),
+                  [("target only", f"{alone_rate:.1f}"),
+                   (f"K = {NUM_DRAFT_TOKENS}, oracle draft agreeing {plan.oracle_agreement:.0%}", f"{spec_rate:.1f}")])
+
+
+def section_memory(section: Section, models: Models, clock: Clock) -> None:
+    plan, device = models.plan, models.device
+    _, target, _, _, _ = models.pair()
+    vocab = plan.target["vocab_size"]
+    kv = kv_summary(target)
+    section.line(f"- the target engine's KV cache: {kv['describe']}")
+    if device.type == "cuda":
+        section.line(f"- held before the stress (weights, KV pools): "
+                     f"{torch.cuda.memory_allocated(device) / 2**30:.2f} GiB")
+        torch.cuda.reset_peak_memory_stats(device)
+    fits = min(plan.stress_sequences, kv["tokens"] // (plan.stress_context + NUM_DRAFT_TOKENS + 1))
+    if fits < plan.stress_sequences:
+        section.line(f"- the budget holds {fits} of the {plan.stress_sequences} stress sequences at "
+                     f"{plan.stress_context:,} tokens: the stress runs {fits}")
+    steps = []
+    try:
+        histories = {f"m{i}": random_ids(plan.stress_context, vocab, 5000 + i) for i in range(fits)}
+        prefill(target, histories, plan)
+        steps.append(f"{fits} sequences prefilled to {plan.stress_context:,} tokens in chunks of "
+                     f"{plan.prefill_rows} x {plan.prefill_chunk}")
+        extra = random_ids(NUM_DRAFT_TOKENS + 1, vocab, 5)
+        forward_rows(target, [(n, h + extra, NUM_DRAFT_TOKENS + 1) for n, h in histories.items()])
+        steps.append(f"a batch-{fits} verify of {NUM_DRAFT_TOKENS + 1} rows at that context")
+        release(target, list(histories))
+        long = random_ids(plan.long_context, vocab, 6000)
+        for end in range(plan.long_chunk, plan.long_context + 1, plan.long_chunk):
+            forward_rows(target, [("long", long[:end], 1)])
+        steps.append(f"one sequence prefilled to {plan.long_context:,} tokens in {plan.long_chunk:,}-token chunks")
+        release(target, ["long"])
+        outcome = None
+    except torch.cuda.OutOfMemoryError as error:
+        outcome = f"out of memory after: {'; '.join(steps) or 'nothing'} ({str(error).splitlines()[0]})"
+    for step in steps:
+        section.line(f"- ran: {step}")
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        peak = torch.cuda.max_memory_allocated(device)
+        section.line(f"- torch.cuda.max_memory_allocated under the stress: {peak / 2**30:.2f} GiB of "
+                     f"{total / 2**30:.2f} GiB ({peak / total:.1%}); the engines' KV pools reserve "
+                     f"{kv['reserved_bytes'] / 2**30:.2f} GiB (target)")
+    else:
+        section.line("- No CUDA: device memory is not measured here (the stress ran on the smoke's sizes).")
+    section.check(outcome is None, outcome or "no out-of-memory")
+
+
+SECTIONS = (("1. Environment", section_environment), ("2. Correctness", section_correctness),
+            ("3. Host syncs and kernel launches", section_syncs), ("4. Timings", section_timings),
+            ("5. Memory", section_memory))
+
+
+def commit() -> str:
+    try:
+        found = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        found = ""
+    return found or os.environ.get(COMMIT_ENV) or f"unknown (no git here: set {COMMIT_ENV})"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"report folder (default: ${OUT_ENV}, else bench/results/)")
+    parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S,
+                        help="seconds; sections that would start after it are skipped")
+    parser.add_argument("--smoke", action="store_true", help="tiny configs even where CUDA is available")
+    args = parser.parse_args(argv)
+    clock = Clock(args.time_limit)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)   # tiny models: threads only contend
+    plan = GPU_PLAN if device.type == "cuda" else SMOKE_PLAN
+    out = args.out or Path(os.environ.get(OUT_ENV) or REPO / "bench" / "results")
+    path = out / f"gpu-{device_slug(device)}-check.md"
+    command = "make gpu-check" if os.environ.get("SPECSERVE_VIA_MAKE") else "python3 bench/gpu_check.py"
+    command += "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    header = (f"# GPU check on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU (smoke)'}\n\n"
+              f"- command: `{command}`\n- commit: {commit()}\n"
+              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}\n"
+              f"- what each section checks: docs/testing.md, \"The GPU check\"\n\n")
+    report = Report(path, header)
+    torch.manual_seed(0)
+    models = Models(plan, device)
+    outcomes = []
+    for title, run in SECTIONS:
+        section = Section(title)
+        if clock.left() <= 0:
+            section.line(f"Skipped: the check's time limit ({args.time_limit:.0f} s) ran out before it started.")
+            outcomes.append((title, "skipped (time)"))
+        else:
+            started = clock.elapsed()
+            try:
+                run(section, models, *((args,) if run is section_environment else (clock,)))
+                outcome = "ok" if section.failures == 0 else f"{section.failures} FAILED"
+            except Exception:   # one section's crash must not lose the others
+                section.line("```\n" + traceback.format_exc()[-3000:] + "```")
+                outcome = "ERROR"
+            release_memory()
+            memory = "" if device.type != "cuda" else (
+                f"; device memory allocated {torch.cuda.memory_allocated(device) / 2**30:.1f} GiB, "
+                f"peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
+            section.line(f"\n_{clock.elapsed() - started:.1f} s{memory}_")
+            outcomes.append((title, outcome))
+        report.append(f"## {title}\n\n" + "\n".join(section.lines) + "\n\n")
+    summary = Section("Summary")
+    summary.table(("section", "outcome"), outcomes)
+    summary.line(f"Total {clock.elapsed():.1f} s of a {args.time_limit:.0f} s limit.")
+    report.append("## Summary\n" + "\n".join(summary.lines) + "\n")
+    return 0 if all(outcome in ("ok", "skipped (time)") for _, outcome in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
