@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import torch
 
-from specserve.cluster.config import DEFAULT_MODELS_DIR, SpecServeConfig
+from specserve.common.config import DEFAULT_MODELS_DIR, SpecServeConfig
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODEL = "adapt"
@@ -135,7 +135,7 @@ def measured_server(config: SpecServeConfig, prompts: list[list[int]], max_token
 def trainer_status() -> dict[str, Any]:
     import ray
 
-    from specserve.deployments.naming import ENGINE_NAMESPACE, draft_trainer_name
+    from specserve.common.naming import ENGINE_NAMESPACE, draft_trainer_name
 
     return ray.get(ray.get_actor(draft_trainer_name(MODEL), namespace=ENGINE_NAMESPACE).status.remote(), timeout=30)
 

@@ -35,7 +35,7 @@ from transformers import AutoTokenizer
 import specserve.decoding.generate
 from specserve import decoding
 from specserve.bench.inprocess import load_pair, run_specserve
-from specserve.cluster.config import load_config
+from specserve.common.config import load_config
 from specserve.decoding.rejection import block_verify, expected_num_accepted, rejection_sample
 from specserve.decoding.sampling import SamplingParams
 from specserve.decoding.speculation import as_tensor

@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from specserve.cluster.config import SpecServeConfig
+from specserve.common.config import SpecServeConfig
 from specserve.decoding.capture import captured_block, top_rows
-from specserve.deployments.metrics import RouterMetrics
+from specserve.common.metrics import RouterMetrics
 from specserve.deployments.round_capture import RoundCapture
 
 

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from specserve.cluster.config import DEFAULT_MODELS_DIR
+from specserve.common.config import DEFAULT_MODELS_DIR
 from specserve.decoding.batched_runner import BatchedModelRunner
 
 

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoTokenizer
 
 from specserve.cluster.cli import DEMO_PROMPT
-from specserve.cluster.config import DEFAULT_MODELS_DIR
+from specserve.common.config import DEFAULT_MODELS_DIR
 from specserve.decoding.generate import generate
 from specserve.decoding.batched_runner import BatchedModelRunner
 from specserve.decoding.sampling import SamplingParams

@@ -24,7 +24,7 @@ import httpx
 
 from specserve.bench.perfmodel import percentile
 from specserve.bench.records import RequestRecord
-from specserve.cluster.config import SpecServeConfig
+from specserve.common.config import SpecServeConfig
 
 TARGET_ONLY_APP = "specserve-target-only"
 TARGET_ONLY_PREFIX = "/target-only"

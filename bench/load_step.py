@@ -24,7 +24,7 @@ from typing import Callable
 import httpx
 
 from specserve.bench.http_rows import free_port, request_body
-from specserve.cluster.config import SpecServeConfig, load_config
+from specserve.common.config import SpecServeConfig, load_config
 from specserve.cluster.status import POOL_DEPLOYMENTS
 from specserve.training.prompts import load_prompt_set
 

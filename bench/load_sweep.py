@@ -42,7 +42,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from specserve.bench.http_rows import free_port, request_body, run_level, sweep_request_count
-from specserve.cluster.config import SpecServeConfig, load_config
+from specserve.common.config import SpecServeConfig, load_config
 from specserve.training.prompts import DEFAULT_PROMPT_SET, PROMPT_SETS, load_prompt_set, select_prompts
 
 VARIANTS = ["specserve", "target-only", "specserve-unbatched", "target-only-unbatched",
@@ -79,7 +79,7 @@ def variant_config(base: SpecServeConfig, variant: str, num_draft_tokens: int, p
 
 def engine_counters() -> dict[str, dict[str, float]]:
     """Summed engine counters per pool, read from the named engine actors."""
-    from specserve.cluster.messages import EngineStats
+    from specserve.common.messages import EngineStats
     from specserve.cluster.status import read_engine_stats
 
     totals: dict[str, dict[str, float]] = {}

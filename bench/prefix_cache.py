@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from specserve.cluster.config import SpecServeConfig
+from specserve.common.config import SpecServeConfig
 from specserve.decoding.sampling import SamplingParams
 from specserve.deployments.committed_history import whole_history as whole
 from specserve.deployments.target_worker import TargetEngine

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from specserve.cluster.config import LimitsSpec, SpeculationSpec
-from specserve.cluster.messages import CallSpan
+from specserve.common.config import LimitsSpec, SpeculationSpec
+from specserve.common.messages import CallSpan
 from specserve.decoding.compact_verify import DraftSupport, draft_support, sample_from_support
 from specserve.decoding.proposers import Proposal
 from specserve.decoding.sampling import SamplingParams, logits_to_probs, make_generator

@@ -42,7 +42,7 @@ from pathlib import Path
 import psutil
 
 from specserve.bench.http_rows import free_port, request_body, run_level
-from specserve.cluster.config import load_config
+from specserve.common.config import load_config
 from specserve.training.prompts import load_prompt_set
 
 
@@ -50,7 +50,7 @@ def engine_call_logs() -> dict[str, list[tuple[str, str, float, float]]]:
     """pool -> every call its engines logged: (kind, sequence id, entered, left)."""
     import ray
 
-    from specserve.deployments.naming import ENGINE_NAMESPACE, parse_engine_actor_name
+    from specserve.common.naming import ENGINE_NAMESPACE, parse_engine_actor_name
 
     logs: dict[str, list] = defaultdict(list)
     for entry in ray.util.list_named_actors(all_namespaces=True):

@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
     from specserve.bench.http_rows import ray_available
     from specserve.bench.inprocess import STEP_CONTEXT_TOKENS, load_pair, measure_steps
     from specserve.bench.report import render_markdown, write_outputs
-    from specserve.cluster.config import load_config
+    from specserve.common.config import load_config
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: no CUDA device is visible to torch here")

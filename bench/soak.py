@@ -30,7 +30,7 @@ import httpx
 import psutil
 
 from specserve.bench.http_rows import free_port
-from specserve.cluster.config import load_config
+from specserve.common.config import load_config
 from specserve.training.prompts import load_prompt_set
 
 KINDS = ("greedy", "sampled_stream", "greedy_stream", "chat", "dropped")

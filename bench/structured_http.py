@@ -23,7 +23,7 @@ import jsonschema
 from openai import OpenAI
 
 from specserve.bench.structured_outputs import PROMPTS, SCHEMAS
-from specserve.cluster.config import SpecServeConfig
+from specserve.common.config import SpecServeConfig
 
 MAX_TOKENS = 96
 PORT = 8767

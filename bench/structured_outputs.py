@@ -31,7 +31,7 @@ import jsonschema
 import torch
 from transformers import AutoTokenizer
 
-from specserve.cluster.config import DEFAULT_MODELS_DIR
+from specserve.common.config import DEFAULT_MODELS_DIR
 from specserve.decoding import grammar as grammar_module
 from specserve.decoding import row_processors
 from specserve.decoding.batched_runner import BatchedModelRunner

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 from ray.serve import Application
 
-from specserve.cluster.config import SpecServeConfig, WorkerResources
+from specserve.common.config import SpecServeConfig, WorkerResources
 from specserve.deployments.draft_worker import DraftWorker
 from specserve.deployments.engine_host import REPLICA_CPUS, engine_bundles
 from specserve.deployments.ingress import Ingress

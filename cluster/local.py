@@ -17,7 +17,7 @@ from ray import serve
 from ray.serve.schema import ApplicationStatus, DeploymentStatus
 
 from specserve.cluster.builder import APP_NAME, build_app
-from specserve.cluster.config import SpecServeConfig
+from specserve.common.config import SpecServeConfig
 
 logger = logging.getLogger(__name__)
 

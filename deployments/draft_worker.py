@@ -28,7 +28,7 @@ import ray
 import torch
 from ray import serve
 
-from specserve.cluster.messages import CallSpan, HistoryUpdate, UnknownHistory
+from specserve.common.messages import CallSpan, HistoryUpdate, UnknownHistory
 from specserve.decoding.batched_runner import ForwardCall, load_runner
 from specserve.decoding.model_runner import checkpoint_weights
 from specserve.decoding.grammar import GrammarMatchers
@@ -38,8 +38,8 @@ from specserve.decoding.speculation_cache import Predraft, block_of, continues, 
 from specserve.decoding.scheduler import CallShape, Schedule
 from specserve.deployments.engine_host import EngineCore, EngineHost, StepOutput, timed_forward
 from specserve.deployments.engine_loop import SequenceReleasedError
-from specserve.deployments.metrics import DraftVersionMetrics
-from specserve.deployments.naming import ENGINE_NAMESPACE
+from specserve.common.metrics import DraftVersionMetrics
+from specserve.common.naming import ENGINE_NAMESPACE
 
 OBJECT_STORE = "object store"  # DraftEngine.draft_source of weights sent through Ray's object store
 REGISTER_INTERVAL_S = 5.0  # how often an engine tells the draft trainer its version (a new one learns the latest)

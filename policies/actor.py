@@ -23,7 +23,7 @@ from typing import Any
 
 import ray
 
-from specserve.cluster.messages import POOLS, RAY_NAMESPACE, EngineStats, PolicyDecision, RouterReport
+from specserve.common.messages import POOLS, RAY_NAMESPACE, EngineStats, PolicyDecision, RouterReport
 from specserve.policies.cost_curve import fit_cost_curve
 from specserve.policies.decision import Decider, PolicySettings, policy_actor_name
 from specserve.policies.load import LoadTracker
@@ -48,7 +48,7 @@ class PolicyActor:
         self._decider = Decider(self._settings)
         self._loop_task: asyncio.Task | None = None
         self._started_at = time.time()
-        from specserve.deployments.metrics import PolicyMetrics  # the one place metric names live
+        from specserve.common.metrics import PolicyMetrics  # the one place metric names live
 
         self._metrics = PolicyMetrics()
 

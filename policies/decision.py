@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from specserve.cluster.messages import POOLS, REQUEST_CLASSES, PolicyDecision
+from specserve.common.messages import POOLS, REQUEST_CLASSES, PolicyDecision
 from specserve.policies.cost_curve import fit_cost_curve
 from specserve.policies.fan_out import fan_out_under_load
 from specserve.policies.goodput import choose_depths
@@ -47,7 +47,7 @@ class PolicySettings:
 
     @classmethod
     def from_config(cls, config: Any) -> "PolicySettings":
-        """From a `cluster.config.SpecServeConfig` (duck-typed: policies/ does not import cluster/)."""
+        """From a `common.config.SpecServeConfig` (duck-typed: policies/ does not import cluster/)."""
         spec = config.speculation
         draft = config.draft_workers.replica_bounds if config.uses_draft_workers else None
         return cls(min_k=spec.min_draft_tokens, max_k=spec.max_draft_tokens, default_k=spec.num_draft_tokens,

@@ -8,7 +8,7 @@ from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeDeploySchema
 
 from specserve.cluster.builder import POOL_POLICY, deployment_options, serve_config_yaml
-from specserve.cluster.config import PROJECT_ROOT, SpecServeConfig, WorkerResources, load_config
+from specserve.common.config import PROJECT_ROOT, SpecServeConfig, WorkerResources, load_config
 from specserve.cluster.local import custom_resources_needed, logical_cpus_needed
 from specserve.policies.decision import PolicySettings
 

@@ -16,7 +16,7 @@ from specserve.bench.perfmodel import (
 )
 from specserve.bench.records import RequestRecord, StepLatency, summarize_row
 from specserve.bench.report import render_markdown, write_outputs
-from specserve.cluster.config import SpecServeConfig
+from specserve.common.config import SpecServeConfig
 from specserve.policies.acceptance import acceptance_from_tokens_per_round
 from specserve.training.corpus import is_held_out
 from specserve.training.prompts import (

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from specserve.cluster.builder import build_app, served_model_specs
 from specserve.cluster.cli import add_model_args, config_from_args
-from specserve.cluster.config import SpecServeConfig
+from specserve.common.config import SpecServeConfig
 from specserve.decoding.batched_runner import BatchedModelRunner, load_runner, runner_for_model
 from specserve.decoding.checkpoint import (check_weight_files, eos_token_ids, generation_defaults, max_model_len,
                                  resolve_dtype)

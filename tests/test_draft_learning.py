@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.cluster.config import SpecServeConfig
-from specserve.cluster.messages import PositionCounts
+from specserve.common.config import SpecServeConfig
+from specserve.common.messages import PositionCounts
 from specserve.decoding.capture import save_blocks, top_rows
 from specserve.decoding.proposers import Proposal
 from specserve.decoding.sampling import SamplingParams
@@ -22,7 +22,7 @@ from specserve.decoding.batched_runner import ForwardCall
 from specserve.decoding.speculation import accept_round, target_rows
 from specserve.deployments.committed_history import HistorySender, RunningDigest
 from specserve.deployments.draft_worker import DraftEngine
-from specserve.deployments.metrics import RouterMetrics
+from specserve.common.metrics import RouterMetrics
 from specserve.deployments.round_capture import RoundCapture
 from specserve.deployments.target_worker import TargetEngine
 from tests.test_engines import options, spec, whole
@@ -218,7 +218,7 @@ def test_capture_is_off_by_default_and_samples_its_rounds_when_on(monkeypatch):
     assert off._trainer is None and not off._blocks  # nothing kept, nothing looked up
     monkeypatch.setenv("SPECSERVE__DRAFT_TRAINING__ENABLED", "true")
     monkeypatch.setenv("SPECSERVE__DRAFT_TRAINING__SAMPLE_EVERY", "3")
-    from specserve.cluster.config import load_config
+    from specserve.common.config import load_config
 
     on = RoundCapture(load_config(), RouterMetrics())
     assert [on.top_k_for_round() for _ in range(6)] == [None, None, 32, None, None, 32]

@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from specserve.deployments.draft_worker import OBJECT_STORE
-from specserve.deployments.naming import ENGINE_NAMESPACE, parse_engine_actor_name
+from specserve.common.naming import ENGINE_NAMESPACE, parse_engine_actor_name
 from tests.test_draft_learning_served import PROMPTS, complete, traffic, wait_for_a_trained_version
 from tests.test_multinode import MODEL, multinode_app
 

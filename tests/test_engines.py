@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from specserve.cluster.config import SpecServeConfig
-from specserve.cluster.messages import CallSpan, HistoryUpdate
+from specserve.common.config import SpecServeConfig
+from specserve.common.messages import CallSpan, HistoryUpdate
 from specserve.decoding.batched_runner import BatchedModelRunner
 from specserve.decoding.sampling import SamplingParams, make_generator
 from specserve.decoding.proposers import DraftModelProposer, Proposal

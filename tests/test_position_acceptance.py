@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from specserve.cluster.messages import ClassReport, RouterReport
+from specserve.common.messages import ClassReport, RouterReport
 from specserve.policies.acceptance import (count_round_positions, expected_tokens_by_position, expected_tokens_per_round,
                                  position_accept_rates)
 from specserve.policies.cost_curve import CostCurve

@@ -308,7 +308,7 @@ TICKET_PROMPTS = ["ticket = ", "# the issue as JSON\nissue = ", "def to_dict(sel
 
 @pytest.fixture(scope="module")
 def default_pair():
-    from specserve.cluster.config import DEFAULT_MODELS_DIR
+    from specserve.common.config import DEFAULT_MODELS_DIR
     from specserve.decoding.batched_runner import BatchedModelRunner
 
     return tuple(BatchedModelRunner(str(DEFAULT_MODELS_DIR / role), max_sequences=16) for role in ("target", "draft"))

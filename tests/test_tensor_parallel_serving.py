@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specserve.cluster.status import read_engine_stats, summarize
-from specserve.deployments.naming import ENGINE_NAMESPACE, RANK_NAME_PREFIX
+from specserve.common.naming import ENGINE_NAMESPACE, RANK_NAME_PREFIX
 from tests.local_server import serve_tiny_pair
 from specserve.decoding.sampling import SamplingParams
 from tests.test_serving import stream_killing_midway

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from specserve.cluster.messages import PositionCounts
+from specserve.common.messages import PositionCounts
 from specserve.decoding.capture import CaptureBuffer, CapturedBlock
 from specserve.training.online_distill import (DistillSettings, TrainingDevice, canary_accepts, distill_on_positions,
                                      mean_expected_acceptance, position_batch)

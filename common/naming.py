@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from specserve.cluster.messages import POOLS, RAY_NAMESPACE
+from specserve.common.messages import POOLS, RAY_NAMESPACE
 
 ENGINE_NAMESPACE = RAY_NAMESPACE
 ENGINE_NAME_PREFIX = "engine"
