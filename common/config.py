@@ -15,8 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, field_validator, model_validator
 
-from specserve.common.naming import draft_trainer_name
-from specserve.policies.decision import policy_actor_name
+from specserve.common.naming import draft_trainer_name, policy_actor_name
 from specserve.common.messages import MAX_DRAFT_TOKENS
 
 MAX_FAN_OUT = 16  # pre-drafted blocks per request per round: past this the pre-drafts crowd out the rounds

@@ -25,7 +25,7 @@ import ray
 
 from specserve.common.messages import POOLS, RAY_NAMESPACE, EngineStats, PolicyDecision, RouterReport
 from specserve.policies.cost_curve import fit_cost_curve
-from specserve.policies.decision import Decider, PolicySettings, policy_actor_name
+from specserve.policies.decision import Decider, PolicySettings
 from specserve.policies.load import LoadTracker
 from specserve.policies.slack import has_slack
 
@@ -33,7 +33,7 @@ POLICY_ACTOR_NAME = PolicySettings().actor_name   # the default application's (m
 POLICY_NAMESPACE = RAY_NAMESPACE
 
 __all__ = ["POLICY_ACTOR_NAME", "POLICY_NAMESPACE", "PolicyActor", "get_or_create_policy_actor",
-           "kill_policy_actor", "policy_actor_name"]
+           "kill_policy_actor"]
 
 logger = logging.getLogger(__name__)
 

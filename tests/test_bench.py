@@ -290,7 +290,7 @@ def test_interleaved_sweep_serves_every_variant_side_by_side_with_its_own_policy
 
     from specserve.bench import load_sweep
     from specserve.policies.actor import POLICY_NAMESPACE
-    from specserve.policies.decision import policy_actor_name
+    from specserve.common.naming import policy_actor_name
 
     seen_actors: list[set[str]] = []
     original = load_sweep.engine_counters

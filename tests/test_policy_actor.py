@@ -11,7 +11,8 @@ from ray import serve
 
 from specserve.common.messages import ClassReport, EngineStats, PolicyDecision, RouterReport
 from specserve.policies.actor import POLICY_ACTOR_NAME, POLICY_NAMESPACE, get_or_create_policy_actor, kill_policy_actor
-from specserve.policies.decision import PolicySettings, policy_actor_name
+from specserve.common.naming import policy_actor_name
+from specserve.policies.decision import PolicySettings
 from specserve.policies.replicas import ScalingThresholds
 
 pytestmark = pytest.mark.ray
