@@ -139,8 +139,8 @@ def run_interleaved(configs: dict[str, SpecServeConfig], bodies_for, levels: lis
     import ray
     from ray import serve
 
-    from specserve.cluster.builder import build_app
-    from specserve.cluster.local import RAY_SYSTEM_CONFIG, logical_cpus_needed, start_local, stop_local, wait_healthy
+    from specserve.cluster.builder import build_app, logical_cpus_needed
+    from specserve.cluster.local import RAY_SYSTEM_CONFIG, start_local, stop_local, wait_healthy
 
     names = list(configs)
     ray.init(num_cpus=sum(logical_cpus_needed(config) for config in configs.values()), include_dashboard=False,
