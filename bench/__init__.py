@@ -1,2 +1,2 @@
-"""Benchmarks: specserve vs target-only decoding and Hugging Face assisted generation.
-perfmodel (math), records, inprocess / http_rows (rows), report, run (CLI), transport."""
+"""Benchmarks: specserve vs target-only decoding and Hugging Face assisted generation (the tools users
+run), and in figures/ the scripts that reproduce the figures docs/ cites."""
