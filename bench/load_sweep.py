@@ -41,6 +41,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from specserve.bench import DEFAULT_OUT_DIR
 from specserve.bench.http_rows import free_port, request_body, run_level, sweep_request_count
 from specserve.common.config import SpecServeConfig, load_config
 from specserve.training.prompts import DEFAULT_PROMPT_SET, PROMPT_SETS, load_prompt_set, select_prompts
@@ -325,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"prompt set: {' | '.join(PROMPT_SETS)} or a JSON path (default: thirdparty, code "
                              f"unlike the pair's training corpus; {DEFAULT_PROMPT_SET} is in-distribution)")
     parser.add_argument("--num-prompts", type=int, default=None)
-    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--out", default=DEFAULT_OUT_DIR, help="results folder (publish to bench/results/)")
     parser.add_argument("--name", default=None)
     parser.add_argument("--interleave", type=int, default=0, metavar="TURNS",
                         help="run every variant side by side in one cluster, each level TURNS times per "

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import psutil
 
+from specserve.bench import DEFAULT_OUT_DIR
 from specserve.bench.http_rows import free_port, request_body, run_level
 from specserve.common.config import load_config
 from specserve.training.prompts import load_prompt_set
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="leave the profiling switch off (SPECSERVE_PROFILE_ROUNDS): no stages, hops "
                              "or outside check, only tok/s and the overhead")
     parser.add_argument("--name", default="round-profile-thirdparty")
-    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--out", default=DEFAULT_OUT_DIR, help="results folder (publish to bench/results/)")
     args = parser.parse_args(argv)
 
     from specserve.cluster.local import start_local, stop_local

@@ -2,7 +2,7 @@
 speed and acceptance with and without a JSON schema, the draft masked or not, the grammar's cost
 per round, and the validity of many sampled outputs.
 
-    flock /work/wt/bench.lock python -m specserve.bench.structured_outputs [--validity 1000] \
+    python -m specserve.bench.structured_outputs [--validity 1000] \
         [--out bench/results/cpu-2core-structured-outputs.md]
 
 Speed: one stream at a time, K = 4, one torch thread; for every (prompt, schema) pair, greedy
