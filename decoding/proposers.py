@@ -79,7 +79,7 @@ class DraftModelProposer:
     grammars: the matchers of structured-output requests (one per sequence); with them the draft
     rows are masked as the target's will be, so the draft never proposes a token the grammar
     forbids. None drafts such requests unmasked (still lossless: the target rejects what the
-    grammar forbids; bench.structured_outputs measures the difference)."""
+    grammar forbids; bench.figures.structured_outputs measures the difference)."""
 
     def __init__(self, runner: RunnerBase, grammars: GrammarMatchers | None = None,
                  max_candidates: int | None = None) -> None:
