@@ -1,4 +1,5 @@
-"""`specserve bench-adapt`: the draft learns a domain its target was fine-tuned on (issue 31).
+"""`specserve bench-adapt`: the draft learns a domain its target was fine-tuned on
+(docs/online-learning.md).
 
 The scenario users live in: the target was fine-tuned on their domain, the draft was not.
 

@@ -327,7 +327,7 @@ def test_lengths_follow_max_model_len_with_vllms_message(checkpoint_families):
         ingress._sampling_params(body, num_prompt_tokens=10)
     assert info.value.param == "max_tokens"
     ok = CompletionRequest.model_validate({"model": "m", "prompt": "x", "max_tokens": 1014})
-    assert ingress._sampling_params(ok, num_prompt_tokens=10).max_tokens == 1014   # over the old cap of 1024-ish
+    assert ingress._sampling_params(ok, num_prompt_tokens=10).max_tokens == 1014   # all the context leaves: 1024 - 10
     stop = CompletionRequest.model_validate({"model": "m", "prompt": "x", "stop_token_ids": [99999]})
     with pytest.raises(OpenAIError) as info:
         ingress._sampling_params(stop, num_prompt_tokens=10)

@@ -1,4 +1,4 @@
-"""Online draft training (issue 31), in-process: hot-swapping the draft engine's weights mid-request
+"""Online draft training (docs/online-learning.md), in-process: hot-swapping the draft engine's weights mid-request
 is lossless (greedy text identical; seeded sampled tokens follow the target, and verifying a block
 against the other version's q rows is caught), a failed load keeps the serving draft, the router's
 capture is off by default, and the trainer's pass writes a version only when the canary passes,
@@ -416,7 +416,7 @@ def test_rollback_compares_like_with_like_so_a_better_draft_at_a_larger_k_is_kep
     before = PositionCounts(*live_rounds(0.75, 4, 2000, seed=1))
     better_deeper = PositionCounts(*live_rounds(0.8, 8, 1000, seed=2))
     worse = PositionCounts(*live_rounds(0.5, 4, 1000, seed=3))
-    assert better_deeper.acceptance() < before.acceptance() - 0.05     # the old rule would roll it back
+    assert better_deeper.acceptance() < before.acceptance() - 0.05     # a rule on overall acceptance alone would roll it back
     assert not rolls_back(before, better_deeper, min_drafted=500, margin=0.05)
     assert rolls_back(before, worse, min_drafted=500, margin=0.05)
     assert not rolls_back(before, PositionCounts(*live_rounds(0.5, 4, 50, seed=4)), min_drafted=500, margin=0.05)

@@ -1,4 +1,4 @@
-"""Online draft learning across nodes (issue 40) on a real multi-node Ray cluster started on this
+"""Online draft learning across nodes (docs/online-learning.md) on a real multi-node Ray cluster started on this
 machine with `ray start` (tests/test_multinode.py's machinery): the trainer runs on the head (the
 only node offering `trainer_node`), the draft engine on a node of its own. With no shared
 versions_dir, a trained version reaches the draft engine through Ray's object store: the engine
