@@ -128,7 +128,7 @@ def served_model_specs(config: SpecServeConfig) -> tuple[dict[str, Any], dict[st
 
     tokenizer_path = config.resolved_tokenizer_path
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
-    if config.speculation.proposer == "draft" and config.draft is not None:
+    if config.speculation.needs_draft_model and config.draft is not None:
         vocab_size = check_compatible_paths(config.draft.path, config.target.path, tokenizer_path)
     else:
         vocab_size = served_vocab_size(tokenizer, output_width(config.target.path))
@@ -142,7 +142,7 @@ def served_model_specs(config: SpecServeConfig) -> tuple[dict[str, Any], dict[st
               # The deepest a step rolls back (its speculative tail): windowed layers keep the keys for it.
               "rollback_tokens": engine["max_step_tokens"]}
     draft = None
-    if config.draft is not None and config.speculation.proposer == "draft":
+    if config.draft is not None and config.speculation.needs_draft_model:
         draft = {**config.draft.model_dump(), **served, "gpu_share": gpu_share(config.draft_workers.num_gpus),
                  "max_model_len": min(target_len, context_length(config.draft.path))}
     return {**config.target.model_dump(), **served, "gpu_share": gpu_share(config.target_workers.num_gpus)}, draft
