@@ -1,6 +1,9 @@
 """Serving real checkpoint formats, in-process (no Ray): loading, EOS sets, generation defaults,
 dtype and device, padded vocabularies (with a statistical test), chat templates and the launch
-flags, on the look-alike fixtures of tests/checkpoint_fixtures.py."""
+flags, on the look-alike fixtures of tests/checkpoint_fixtures.py.
+
+The equalities asserted here hold on CPU in float32, where the tests run; on a GPU in bf16 greedy
+output may differ at near-ties and with what shares a batch (docs/gpu.md)."""
 
 from __future__ import annotations
 

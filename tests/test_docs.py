@@ -4,6 +4,7 @@ the house names every module, under its own package."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import re
 from pathlib import Path
@@ -82,3 +83,44 @@ def test_the_checks_see_a_missing_module_an_unmapped_one_and_a_machine_path(tmp_
     architecture = "## The house\n\n    ├── bench/   run.py\n    ├── k8s/\n\n## Next\n gone_soon.py\n"
     assert unmapped_modules(tmp_path, architecture) == ["bench/gone_soon.py"]
     assert MACHINE_PATH.findall("`flock /work/wt/bench.lock` and bench/results/x.md") == ["/work/wt"]
+
+
+def test_the_readme_is_a_front_door_of_at_most_300_lines_whose_two_commands_exist():
+    """Depth goes to docs/; `make serve` and `make test` are the two commands a fresh machine needs."""
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300
+    targets = set(re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(), re.M))
+    quoted = re.findall(r"^make ([\w-]+)", readme.split("## Two commands on a fresh machine", 1)[1], re.M)
+    assert quoted[:2] == ["serve", "test"] and set(quoted) <= targets
+
+
+EQUALITY_TEST = re.compile(
+    r"^def (test_\w*(?:greedy|rows|logits|steps|drafts|completion|generation)\w*(?:equal|identical|bitwise)\w*"
+    r"|test_\w*(?:equal|identical|bitwise)\w*(?:target_only|hf|generate|alone|model_runner|models_own|transformers)\w*)",
+    re.M)
+# Equalities of pure functions over rows they are given: they hold on any device.
+DEVICE_FREE = {"test_rejection.py", "test_top_p_candidates.py"}
+
+
+def modules_claiming_equality_without_saying_where(tests: Path) -> list[str]:
+    """Test modules with a model-output equality test whose docstring does not say it holds on CPU in float32."""
+    unsaid = []
+    for path in sorted(tests.glob("test_*.py")):
+        source = path.read_text()
+        if path.name in DEVICE_FREE or not EQUALITY_TEST.search(source):
+            continue
+        docstring = " ".join((ast.get_docstring(ast.parse(source)) or "").split())
+        if "on CPU in float32" not in docstring or "docs/gpu.md" not in docstring:
+            unsaid.append(path.name)
+    return unsaid
+
+
+def test_tests_that_claim_equality_say_they_hold_on_cpu_in_float32():
+    """The GPU contract (docs/gpu.md) promises less than these tests check: they say where they hold."""
+    assert modules_claiming_equality_without_saying_where(REPO / "tests") == []
+
+
+def test_the_equality_check_sees_an_unqualified_module(tmp_path):
+    (tmp_path / "test_a.py").write_text('"""Greedy equals target-only."""\ndef test_greedy_equals_target_only():\n    pass\n')
+    (tmp_path / "test_b.py").write_text('"""Holds on CPU in float32 (docs/gpu.md)."""\ndef test_rows_equal_alone():\n    pass\n')
+    assert modules_claiming_equality_without_saying_where(tmp_path) == ["test_a.py"]
