@@ -29,7 +29,8 @@ fuzz: $(STAMP)
 	SPECSERVE_FUZZ_EXAMPLES=$${SPECSERVE_FUZZ_EXAMPLES:-5000} $(PY) -m pytest -q tests/test_fuzz_api.py --hypothesis-show-statistics
 
 # Ten minutes of mixed greedy, sampled, streamed, chat and dropped requests at 4 streams against
-# the default pair: zero errors, per-process RSS growth <= 10% after warm-up (bench/results/soak-cpu-2core.json).
+# the default pair: zero errors, per-process RSS growth <= 10% after warm-up (writes bench-out/soak.json;
+# the published run is bench/results/soak-cpu-2core.json).
 soak: $(STAMP)
 	$(PY) -m specserve.bench.soak --duration-s $${SOAK_S:-600} --streams 4
 

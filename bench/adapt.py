@@ -1,4 +1,5 @@
-"""`specserve bench-adapt`: the draft learns a domain its target was fine-tuned on (issue 31).
+"""`specserve bench-adapt`: the draft learns a domain its target was fine-tuned on
+(docs/online-learning.md).
 
 The scenario users live in: the target was fine-tuned on their domain, the draft was not.
 
@@ -14,8 +15,8 @@ The scenario users live in: the target was fine-tuned on their domain, the draft
 5. The curve: each version's greedy agreement with the target on the held-out continuations,
    against the captured positions it was trained on.
 
-Results (JSON and a short Markdown table) go to bench/results/<name>.*. Wrap it in
-`flock /work/wt/bench.lock` on a shared box.
+Results (JSON and a short Markdown table) go to <--out>/<name>.* (bench-out/ unless told). Wrap it in a
+`flock` on a shared box, so two benchmarks do not time each other.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from typing import Any
 import httpx
 import torch
 
-from specserve.cluster.config import DEFAULT_MODELS_DIR, SpecServeConfig
+from specserve.bench import DEFAULT_OUT_DIR
+from specserve.common.config import DEFAULT_MODELS_DIR, SpecServeConfig
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODEL = "adapt"
 
 
@@ -135,7 +136,7 @@ def measured_server(config: SpecServeConfig, prompts: list[list[int]], max_token
 def trainer_status() -> dict[str, Any]:
     import ray
 
-    from specserve.deployments.naming import ENGINE_NAMESPACE, draft_trainer_name
+    from specserve.common.naming import ENGINE_NAMESPACE, draft_trainer_name
 
     return ray.get(ray.get_actor(draft_trainer_name(MODEL), namespace=ENGINE_NAMESPACE).status.remote(), timeout=30)
 
@@ -289,6 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pass-timeout-s", type=float, default=300)
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--name", default="adapt-c-headers")
+    parser.add_argument("--out", default=DEFAULT_OUT_DIR, help="results folder (publish to bench/results/)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--training-cost-only", action="store_true",
                         help="only measure 4-stream p50 latency without and during a training pass")
@@ -320,7 +322,9 @@ def main(argv: list[str] | None = None) -> None:
         config = serve_config(target, shipped_draft, args.port, settings)
         cost = training_cost_run(config, traffic, 16, args.max_tokens, args.pass_timeout_s)
         print(json.dumps(cost))
-        (RESULTS_DIR / f"{args.name}.json").write_text(json.dumps(
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{args.name}.json").write_text(json.dumps(
             {"command": "specserve bench-adapt " + " ".join(argv or []), **cost, "streams": 4,
              "slack_max_active_requests": config.draft_training.slack_max_active_requests,
              "slack_max_busy_share": config.draft_training.slack_max_busy_share,
@@ -342,11 +346,12 @@ def main(argv: list[str] | None = None) -> None:
               "domain": f"{args.corpus_dir}/{args.pattern}", "files": {r: len(t) for r, t in roles.items()},
               "finetune": finetune, "before": before, "after": after, "final_version": final["version"],
               "greedy_texts_identical": before["texts"] == after["texts"], "learning": learning, "curve": curve}
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / f"{args.name}.json").write_text(json.dumps(
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.json").write_text(json.dumps(
         {**result, "before": {k: v for k, v in before.items() if k != "texts"},
          "after": {k: v for k, v in after.items() if k != "texts"}}, indent=1, default=str))
-    (RESULTS_DIR / f"{args.name}.md").write_text(markdown(result))
+    (out / f"{args.name}.md").write_text(markdown(result))
     print(markdown(result))
 
 

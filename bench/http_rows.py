@@ -24,7 +24,7 @@ import httpx
 
 from specserve.bench.perfmodel import percentile
 from specserve.bench.records import RequestRecord
-from specserve.cluster.config import SpecServeConfig
+from specserve.common.config import SpecServeConfig
 
 TARGET_ONLY_APP = "specserve-target-only"
 TARGET_ONLY_PREFIX = "/target-only"
@@ -72,8 +72,8 @@ def serving(speculative: SpecServeConfig, target_only: SpecServeConfig) -> Itera
     import ray
     from ray import serve
 
-    from specserve.cluster.builder import build_app
-    from specserve.cluster.local import RAY_SYSTEM_CONFIG, logical_cpus_needed, start_local, stop_local, wait_healthy
+    from specserve.cluster.builder import build_app, logical_cpus_needed
+    from specserve.cluster.local import RAY_SYSTEM_CONFIG, start_local, stop_local, wait_healthy
 
     # Logical CPUs for both apps at once (start_local alone would reserve for one).
     ray.init(num_cpus=logical_cpus_needed(speculative) + logical_cpus_needed(target_only),

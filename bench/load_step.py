@@ -5,7 +5,8 @@ autoscaling, driven by the policy actor through `specserve.policies.autoscaling:
 delays), then runs closed-loop streaming clients: 1 stream for `--phase-s`, N streams for
 `--phase-s`, 1 stream again for `--phase-s`, then idle. Every second it samples running replicas
 per pool (Serve's view), the depth the policy allows a greedy request, active requests, and the
-tokens clients received, and writes the trace (JSON + a plot) to bench/results/. Counts failed
+tokens clients received, and writes the trace (JSON + a plot) to --out
+(bench-out/ unless told). Counts failed
 requests: there must be none.
 """
 
@@ -23,8 +24,9 @@ from typing import Callable
 
 import httpx
 
+from specserve.bench import DEFAULT_OUT_DIR
 from specserve.bench.http_rows import free_port, request_body
-from specserve.cluster.config import SpecServeConfig, load_config
+from specserve.common.config import SpecServeConfig, load_config
 from specserve.cluster.status import POOL_DEPLOYMENTS
 from specserve.training.prompts import load_prompt_set
 
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-replicas", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompts", default="thirdparty")
-    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--out", default=DEFAULT_OUT_DIR, help="results folder (publish to bench/results/)")
     parser.add_argument("--name", default="load-step")
     args = parser.parse_args(argv)
 

@@ -41,8 +41,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from specserve.bench import DEFAULT_OUT_DIR
 from specserve.bench.http_rows import free_port, request_body, run_level, sweep_request_count
-from specserve.cluster.config import SpecServeConfig, load_config
+from specserve.common.config import SpecServeConfig, load_config
 from specserve.training.prompts import DEFAULT_PROMPT_SET, PROMPT_SETS, load_prompt_set, select_prompts
 
 VARIANTS = ["specserve", "target-only", "specserve-unbatched", "target-only-unbatched",
@@ -79,7 +80,7 @@ def variant_config(base: SpecServeConfig, variant: str, num_draft_tokens: int, p
 
 def engine_counters() -> dict[str, dict[str, float]]:
     """Summed engine counters per pool, read from the named engine actors."""
-    from specserve.cluster.messages import EngineStats
+    from specserve.common.messages import EngineStats
     from specserve.cluster.status import read_engine_stats
 
     totals: dict[str, dict[str, float]] = {}
@@ -139,8 +140,8 @@ def run_interleaved(configs: dict[str, SpecServeConfig], bodies_for, levels: lis
     import ray
     from ray import serve
 
-    from specserve.cluster.builder import build_app
-    from specserve.cluster.local import RAY_SYSTEM_CONFIG, logical_cpus_needed, start_local, stop_local, wait_healthy
+    from specserve.cluster.builder import build_app, logical_cpus_needed
+    from specserve.cluster.local import RAY_SYSTEM_CONFIG, start_local, stop_local, wait_healthy
 
     names = list(configs)
     ray.init(num_cpus=sum(logical_cpus_needed(config) for config in configs.values()), include_dashboard=False,
@@ -325,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"prompt set: {' | '.join(PROMPT_SETS)} or a JSON path (default: thirdparty, code "
                              f"unlike the pair's training corpus; {DEFAULT_PROMPT_SET} is in-distribution)")
     parser.add_argument("--num-prompts", type=int, default=None)
-    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--out", default=DEFAULT_OUT_DIR, help="results folder (publish to bench/results/)")
     parser.add_argument("--name", default=None)
     parser.add_argument("--interleave", type=int, default=0, metavar="TURNS",
                         help="run every variant side by side in one cluster, each level TURNS times per "

@@ -41,8 +41,9 @@ from pathlib import Path
 
 import psutil
 
+from specserve.bench import DEFAULT_OUT_DIR
 from specserve.bench.http_rows import free_port, request_body, run_level
-from specserve.cluster.config import load_config
+from specserve.common.config import load_config
 from specserve.training.prompts import load_prompt_set
 
 
@@ -50,7 +51,7 @@ def engine_call_logs() -> dict[str, list[tuple[str, str, float, float]]]:
     """pool -> every call its engines logged: (kind, sequence id, entered, left)."""
     import ray
 
-    from specserve.deployments.naming import ENGINE_NAMESPACE, parse_engine_actor_name
+    from specserve.common.naming import ENGINE_NAMESPACE, parse_engine_actor_name
 
     logs: dict[str, list] = defaultdict(list)
     for entry in ray.util.list_named_actors(all_namespaces=True):
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="leave the profiling switch off (SPECSERVE_PROFILE_ROUNDS): no stages, hops "
                              "or outside check, only tok/s and the overhead")
     parser.add_argument("--name", default="round-profile-thirdparty")
-    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--out", default=DEFAULT_OUT_DIR, help="results folder (publish to bench/results/)")
     args = parser.parse_args(argv)
 
     from specserve.cluster.local import start_local, stop_local

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from specserve.cluster.config import SpeculationSpec
+from specserve.common.config import SpeculationSpec
 from specserve.decoding.batched_runner import runner_for_model
 from specserve.decoding.generate import generate
 from specserve.decoding.proposers import DraftModelProposer

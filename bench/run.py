@@ -3,7 +3,7 @@
 Order: load the pair once, measure step latencies, run the in-process rows (interleaved prompt
 by prompt so background load hits every row alike), then bring up Ray Serve and run the HTTP rows
 (specserve and target-only interleaved, then the concurrency sweep), then summarise and write
-bench/results/<name>.{json,md} and plots. HTTP rows are skipped, with a note, off CPU (the GPU box
+<--out>/<name>.{json,md} and plots (by default in bench-out/, which git ignores). HTTP rows are skipped, with a note, off CPU (the GPU box
 has no Ray) or where Ray is not installed.
 """
 
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specserve.bench import DEFAULT_OUT_DIR
 from specserve.bench.perfmodel import ratio
 from specserve.bench.records import RequestRecord, StepLatency, step_size_for, summarize_row
 from specserve.training.prompts import DEFAULT_PROMPT_SET, PROMPT_SETS, load_prompt_set, select_prompts
@@ -52,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"prompt set ({', '.join(PROMPT_SETS)}) or a prompt-set JSON path; "
                              "thirdparty is code unlike the training corpus")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the in-process rows")
-    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--out", default=DEFAULT_OUT_DIR, help="results folder (publish to bench/results/)")
     parser.add_argument("--name", help="result file stem (default: UTC time and device)")
     args = parser.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
     from specserve.bench.http_rows import ray_available
     from specserve.bench.inprocess import STEP_CONTEXT_TOKENS, load_pair, measure_steps
     from specserve.bench.report import render_markdown, write_outputs
-    from specserve.cluster.config import load_config
+    from specserve.common.config import load_config
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: no CUDA device is visible to torch here")

@@ -7,7 +7,7 @@ ingress, proxy, worker replicas, engine actors, policy actor, Serve controller).
 errors (an HTTP status other than 200, or a failed request that was not dropped on purpose),
 requests per kind, each process's RSS when warm-up ended and at the end, and its growth. It passes
 with zero errors, every process growing at most `--max-growth` (10%) after warm-up, and no request
-or KV sequence left held once the clients stop; the JSON goes to bench/results/.
+or KV sequence left held once the clients stop; the JSON goes to --out.
 
 Why after warm-up: the first minute allocates for good (model weights, torch's allocator pools,
 the KV block pool growing to the tokens it holds, compiled regex caches). A leak keeps growing.
@@ -29,8 +29,9 @@ from pathlib import Path
 import httpx
 import psutil
 
+from specserve.bench import DEFAULT_OUT_DIR
 from specserve.bench.http_rows import free_port
-from specserve.cluster.config import load_config
+from specserve.common.config import load_config
 from specserve.training.prompts import load_prompt_set
 
 KINDS = ("greedy", "sampled_stream", "greedy_stream", "chat", "dropped")
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-growth", type=float, default=0.10)
     parser.add_argument("--prompts", default="thirdparty")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="bench/results/soak-cpu-2core.json")
+    parser.add_argument("--out", default=f"{DEFAULT_OUT_DIR}/soak.json", help="the JSON (published: bench/results/soak-cpu-2core.json)")
     args = parser.parse_args(argv)
 
     from specserve.cluster.local import start_local, stop_local

@@ -1,1 +1,2 @@
-"""Configuration (pydantic), the app builder and Serve config YAML, local bring-up and the CLI."""
+"""The roof: the app builder and Serve config YAML, local bring-up, status, KubeRay manifests and
+the CLI. It imports every other package; none imports it (the config schema lives in common/)."""

@@ -7,12 +7,14 @@ The YAML points Serve at ``specserve.cluster.builder:app_builder`` with the whol
 from __future__ import annotations
 
 import json
+import math
+import os
 from typing import Any
 
 import yaml
 from ray.serve import Application
 
-from specserve.cluster.config import SpecServeConfig, WorkerResources
+from specserve.common.config import SpecServeConfig, WorkerResources
 from specserve.deployments.draft_worker import DraftWorker
 from specserve.deployments.engine_host import REPLICA_CPUS, engine_bundles
 from specserve.deployments.ingress import Ingress
@@ -75,6 +77,29 @@ def _plain_options(name: str, resources: WorkerResources) -> dict[str, Any]:
             "max_ongoing_requests": resources.max_ongoing_requests, "ray_actor_options": actor_options}
 
 
+def logical_cpus_needed(config: SpecServeConfig) -> int:
+    """Ray's CPU accounting is logical: reserve what the deployments ask for at their max replicas
+    (an autoscaled pool must find room to grow on a single machine), at least the cores."""
+    needed = sum(d.replica_bounds[1] * d.num_cpus for d in (config.ingress, config.router))
+    for workers in (config.target_workers, config.draft_workers):
+        needed += workers.replica_bounds[1] * (workers.num_cpus * workers.tensor_parallel_size + 0.02)
+    if config.draft_training.enabled:
+        needed += config.draft_training.num_cpus
+    return max(os.cpu_count() or 1, math.ceil(needed) + 1)
+
+
+def custom_resources_needed(config: SpecServeConfig) -> dict[str, float]:
+    """Custom Ray resources the worker engines ask for at max replicas (one node offers them all)."""
+    needed: dict[str, float] = {}
+    for workers in (config.target_workers, config.draft_workers):
+        for name, amount in workers.resources.items():
+            needed[name] = needed.get(name, 0.0) + amount * workers.replica_bounds[1] * workers.tensor_parallel_size
+    if config.draft_training.enabled:
+        for name, amount in config.draft_training.resources.items():
+            needed[name] = needed.get(name, 0.0) + amount
+    return needed
+
+
 def deployment_options(config: SpecServeConfig) -> dict[str, dict[str, Any]]:
     """Per-deployment Serve options, by deployment name."""
     options = {
@@ -103,7 +128,7 @@ def served_model_specs(config: SpecServeConfig) -> tuple[dict[str, Any], dict[st
 
     tokenizer_path = config.resolved_tokenizer_path
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
-    if config.speculation.proposer == "draft" and config.draft is not None:
+    if config.speculation.needs_draft_model and config.draft is not None:
         vocab_size = check_compatible_paths(config.draft.path, config.target.path, tokenizer_path)
     else:
         vocab_size = served_vocab_size(tokenizer, output_width(config.target.path))
@@ -117,7 +142,7 @@ def served_model_specs(config: SpecServeConfig) -> tuple[dict[str, Any], dict[st
               # The deepest a step rolls back (its speculative tail): windowed layers keep the keys for it.
               "rollback_tokens": engine["max_step_tokens"]}
     draft = None
-    if config.draft is not None and config.speculation.proposer == "draft":
+    if config.draft is not None and config.speculation.needs_draft_model:
         draft = {**config.draft.model_dump(), **served, "gpu_share": gpu_share(config.draft_workers.num_gpus),
                  "max_model_len": min(target_len, context_length(config.draft.path))}
     return {**config.target.model_dump(), **served, "gpu_share": gpu_share(config.target_workers.num_gpus)}, draft
@@ -169,8 +194,6 @@ def serve_config(config: SpecServeConfig) -> dict[str, Any]:
 def serve_config_yaml(config: SpecServeConfig) -> str:
     """serve_config as YAML, validated with Ray's own ServeDeploySchema before it is returned."""
     from ray.serve.schema import ServeDeploySchema
-
-    from specserve.cluster.local import logical_cpus_needed
 
     document = serve_config(config)
     ServeDeploySchema.model_validate(document)

@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from specserve.cluster.config import load_config
+from specserve.common.config import load_config
 
 # No trailing newline: the tokenizer merges a newline with the next line's indentation, so a
 # prompt that ends in "\n" leaves the model mid-token.

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from specserve.cluster.builder import serve_config_yaml
-from specserve.cluster.config import SpecServeConfig, WorkerResources
+from specserve.common.config import SpecServeConfig, WorkerResources
 
 DEFAULT_IMAGE = "specserve:0.1.0-gpu"  # built from k8s/Dockerfile
 RAY_VERSION = "2.60.0"

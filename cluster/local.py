@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
-import os
 import re
 import socket
 import time
@@ -16,8 +14,8 @@ import ray
 from ray import serve
 from ray.serve.schema import ApplicationStatus, DeploymentStatus
 
-from specserve.cluster.builder import APP_NAME, build_app
-from specserve.cluster.config import SpecServeConfig
+from specserve.cluster.builder import APP_NAME, build_app, custom_resources_needed, logical_cpus_needed
+from specserve.common.config import SpecServeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -33,29 +31,6 @@ _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
 class StartupError(RuntimeError):
     """A deployment could not start: the message is its replica's own exception (the CLI prints it)."""
-
-
-def logical_cpus_needed(config: SpecServeConfig) -> int:
-    """Ray's CPU accounting is logical: reserve what the deployments ask for at their max replicas
-    (an autoscaled pool must find room to grow on a single machine), at least the cores."""
-    needed = sum(d.replica_bounds[1] * d.num_cpus for d in (config.ingress, config.router))
-    for workers in (config.target_workers, config.draft_workers):
-        needed += workers.replica_bounds[1] * (workers.num_cpus * workers.tensor_parallel_size + 0.02)
-    if config.draft_training.enabled:
-        needed += config.draft_training.num_cpus
-    return max(os.cpu_count() or 1, math.ceil(needed) + 1)
-
-
-def custom_resources_needed(config: SpecServeConfig) -> dict[str, float]:
-    """Custom Ray resources the worker engines ask for at max replicas (one node offers them all)."""
-    needed: dict[str, float] = {}
-    for workers in (config.target_workers, config.draft_workers):
-        for name, amount in workers.resources.items():
-            needed[name] = needed.get(name, 0.0) + amount * workers.replica_bounds[1] * workers.tensor_parallel_size
-    if config.draft_training.enabled:
-        for name, amount in config.draft_training.resources.items():
-            needed[name] = needed.get(name, 0.0) + amount
-    return needed
 
 
 def metrics_system_config(config: SpecServeConfig) -> dict[str, int]:

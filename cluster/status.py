@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from specserve.cluster.messages import POOLS, EngineStats, KvUsage
-from specserve.deployments.naming import DRAFT_TRAINER_PREFIX, ENGINE_NAMESPACE, parse_engine_actor_name
+from specserve.common.messages import POOLS, EngineStats, KvUsage
+from specserve.common.naming import DRAFT_TRAINER_PREFIX, ENGINE_NAMESPACE, parse_engine_actor_name
 
 POOL_DEPLOYMENTS = {"draft": "DraftWorker", "target": "TargetWorker"}
 TRAINING_FIELDS = ("draft_version", "trained_at", "trained_positions", "expected_acceptance_before",

@@ -1,4 +1,4 @@
-"""What verification already computed, kept to teach the draft (issue 31): a bounded buffer of the
+"""What verification already computed, kept to teach the draft (docs/online-learning.md): a bounded buffer of the
 target's distributions at drafted positions.
 
 Why top-k plus the residual: a full row is the vocabulary wide, and the forward KL the draft is

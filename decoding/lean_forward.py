@@ -11,7 +11,7 @@ path, not a second engine: it is kept only while it measures faster (docs/perfor
 vLLM and gpt-fast likewise run their own model code rather than the reference implementation.
 
 On the default pair its logits are bit-identical to the transformers forward over the same slot
-cache, and a step costs less (`python -m specserve.bench.lean_forward`; figures in docs/performance.md).
+cache, and a step costs less (`python -m specserve.bench.figures.lean_forward`; figures in docs/performance.md).
 Fusing q/k/v and gate/up into one product each was tried and was slower on a CPU (MKL picks a
 worse kernel for the wider matrix), so the projections stay separate.
 

@@ -286,8 +286,7 @@ def _group_layout(tables: Sequence[Sequence[int]], first_write: tuple[int, int],
 
 class LayerPools:
     """Keys and values per layer (per slot, when KV cache groups share them), each [units, kv
-    heads, unit_len, head size]: the storage of a KV cache whose unit is a block (PagedKVCache) or
-    a whole sequence's slot (bench/slot_cache.py).
+    heads, unit_len, head size]: the storage of a KV cache whose unit is a block (PagedKVCache).
 
     A layer's tensors are shaped lazily from the first keys it writes (kv heads and head size
     differ between architectures), so they need no model configuration; `grow` adds units to
@@ -500,7 +499,7 @@ class PagedBatchView:
     """One batched forward's access to the paged cache, handed to every attention layer
     (decoding.paged_attention): `attend` stores the layer's new keys/values in their blocks and
     attends over each row's blocks under the layer's sliding window and soft-cap; `update` is the
-    store-and-gather half, which the lean forward and bench/slot_cache.py share."""
+    store-and-gather half, which the lean forward uses."""
 
     def __init__(self, cache: PagedKVCache, layout: PagedLayout) -> None:
         self.cache = cache

@@ -50,7 +50,7 @@ MIRRORED_CALLS = ("forward_batch", "release", "rollback", "fork", "adopt")
 READ_ONLY_CALLS = ("num_cached", "blocks_held", "cached_prefix_length", "prefix_cached_tokens", "kv_usage",
                    "active_sequences", "serve_as", "from_model", "weights_mismatch")
 # Calls a group never takes: a trained draft version's weights are whole, not a rank's shard, and
-# the config refuses draft training on a split draft (cluster.config).
+# the config refuses draft training on a split draft (common.config).
 UNSPLIT_CALLS = ("load_weights",)
 _STOP = "stop"
 

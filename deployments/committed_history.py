@@ -2,7 +2,7 @@
 
 The router owns a request's committed history (prompt + committed output; it only grows). For
 each engine a request uses it keeps a `HistorySender`: how many committed tokens it has told that
-engine, so each call carries only the tokens committed since (cluster.messages.HistoryUpdate),
+engine, so each call carries only the tokens committed since (common.messages.HistoryUpdate),
 plus a digest of the whole committed history. The engine keeps the history it was told in
 `CommittedHistories` and checks every update against the digest; when it cannot rebuild the
 history (it never saw the request, forgot it, or the digest disagrees) it answers
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specserve.cluster.messages import HistoryUpdate
+from specserve.common.messages import HistoryUpdate
 from specserve.decoding.sequence import RequestState
 
 DIGEST_MODULUS = (1 << 61) - 1

@@ -34,12 +34,11 @@ from typing import Any
 import ray
 import torch
 
-from specserve.cluster.config import SpecServeConfig
+from specserve.common.config import SpecServeConfig
 from specserve.decoding.capture import CapturedBlock, save_blocks
 from specserve.decoding.checkpoint import checkpoint_dtype
 from specserve.decoding.model_runner import checkpoint_weights
-from specserve.deployments.naming import ENGINE_NAMESPACE, draft_trainer_name
-from specserve.policies.decision import policy_actor_name
+from specserve.common.naming import ENGINE_NAMESPACE, draft_trainer_name, policy_actor_name
 from specserve.policies.slack import has_own_device
 from specserve.training.online_distill import this_process_training_device
 from specserve.training.online_trainer import OnlineTrainer

@@ -28,18 +28,17 @@ import ray
 import torch
 from ray import serve
 
-from specserve.cluster.messages import CallSpan, HistoryUpdate, UnknownHistory
+from specserve.common.messages import CallSpan, HistoryUpdate, UnknownHistory
 from specserve.decoding.batched_runner import ForwardCall, load_runner
 from specserve.decoding.model_runner import checkpoint_weights
-from specserve.decoding.grammar import GrammarMatchers
-from specserve.decoding.proposers import DraftModelProposer, NgramProposer, Proposal, ProposeCall, empty_proposal
+from specserve.decoding.proposers import Proposal, ProposeCall, empty_proposal, proposer_kind
 from specserve.decoding.sampling import SamplingParams, make_generator
 from specserve.decoding.speculation_cache import Predraft, block_of, continues, may_continue, predrafts, tokens_thrown_away
 from specserve.decoding.scheduler import CallShape, Schedule
 from specserve.deployments.engine_host import EngineCore, EngineHost, StepOutput, timed_forward
 from specserve.deployments.engine_loop import SequenceReleasedError
-from specserve.deployments.metrics import DraftVersionMetrics
-from specserve.deployments.naming import ENGINE_NAMESPACE
+from specserve.common.metrics import DraftVersionMetrics
+from specserve.common.naming import ENGINE_NAMESPACE
 
 OBJECT_STORE = "object store"  # DraftEngine.draft_source of weights sent through Ray's object store
 REGISTER_INTERVAL_S = 5.0  # how often an engine tells the draft trainer its version (a new one learns the latest)
@@ -81,18 +80,16 @@ class DraftEngine(EngineCore):
 
     pool = "draft"
 
-    def __init__(self, proposer_kind: str, model_spec: dict | None, target_path: str, engine_options: dict,
+    def __init__(self, proposer_name: str, model_spec: dict | None, target_path: str, engine_options: dict,
                  name: str = "") -> None:
-        if proposer_kind == "ngram":
-            runner = None
-            self.proposer = NgramProposer()
-        else:
+        kind = proposer_kind(proposer_name)
+        runner = None
+        if kind.needs_model:
             assert model_spec is not None, "a draft-model proposer needs a model spec"
             # The pair was checked before the app started (cluster.builder.served_model_specs): a
             # refusal here would only make Serve retry this deployment while the rest serves.
             runner = load_runner(model_spec)
-            self.proposer = DraftModelProposer(runner, GrammarMatchers.for_runner(
-                runner, model_spec.get("tokenizer_path") or model_spec["path"]), engine_options.get("draft_top_k"))
+        self.proposer = kind.build(runner, model_spec, engine_options)
         self.generators: dict[str, torch.Generator] = {}
         self.model_spec = model_spec
         self.draft_version, self.draft_path = 0, None if model_spec is None else model_spec["path"]
@@ -365,7 +362,8 @@ class DraftEngine(EngineCore):
     def _propose_call(self, call: DraftCall) -> ProposeCall:
         generator = self.generators.get(call.seq_id)
         if generator is None:
-            generator = self.generators[call.seq_id] = make_generator(call.seed, self.runner.device)
+            device = self.runner.device if self.runner is not None else torch.device("cpu")   # a model-free proposer
+            generator = self.generators[call.seq_id] = make_generator(call.seed, device)
             if call.stream_state is not None:
                 generator.set_state(call.stream_state)
         return ProposeCall(call.seq_id, call.history, call.num_tokens, call.params, generator, call.prompt_len,

@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 
-from specserve.cluster.messages import RankStats
+from specserve.common.messages import RankStats
 from specserve.decoding.batched_runner import load_runner
 from specserve.decoding.tensor_parallel import GroupBrokenError, host_store
 

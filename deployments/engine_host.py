@@ -10,7 +10,7 @@ per request through Serve. If the replica dies, its engine dies with it (the rep
 `EngineCore` is what the draft and target engines share. Its `step` is one iteration of the
 batching loop (engine_loop.py), shaped like nano-vllm's `LLMEngine.step`: the scheduler plans,
 the engine's `run` runs the plan on its runner, the answers go back. Around it: release, the
-stats the policy actor and `specserve status` read (cluster.messages.EngineStats), and the
+stats the policy actor and `specserve status` read (common.messages.EngineStats), and the
 small pieces of engine_parts.py.
 """
 
@@ -26,7 +26,7 @@ import torch
 from ray.util import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from specserve.cluster.messages import CallSpan, CostSample, EngineStats, HistoryUpdate, KvUsage, RankStats, UnknownHistory
+from specserve.common.messages import CallSpan, CostSample, EngineStats, HistoryUpdate, KvUsage, RankStats, UnknownHistory
 from specserve.decoding.batched_runner import ForwardCall
 from specserve.decoding.scheduler import CallShape, Schedule, Scheduler
 from specserve.decoding.tensor_parallel import MirroredRunner
@@ -34,8 +34,8 @@ from specserve.deployments.committed_history import CommittedHistories
 from specserve.deployments.engine_group import RankFollower, end_process, group_store, rank_spec, rank_stats
 from specserve.deployments.engine_loop import EngineLoop
 from specserve.deployments.engine_parts import CallLog, IdleSequences, LoadReporter, ReleasedIds
-from specserve.deployments.metrics import EngineMetrics
-from specserve.deployments.naming import ENGINE_NAMESPACE, current_replica_id, engine_actor_name, rank_actor_name
+from specserve.common.metrics import EngineMetrics
+from specserve.common.naming import ENGINE_NAMESPACE, current_replica_id, engine_actor_name, rank_actor_name
 from specserve.deployments.round_stages import profiling_enabled
 
 ENGINE_BUNDLE_INDEX = 1

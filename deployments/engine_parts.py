@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import ray
 
-from specserve.cluster.messages import ENGINE_COST_SAMPLES_KEPT, CallSpan, CostSample, EngineStats
+from specserve.common.messages import ENGINE_COST_SAMPLES_KEPT, CallSpan, CostSample, EngineStats
 from specserve.deployments.engine_loop import SequenceReleasedError
 
 RELEASED_IDS_KEPT = 4096  # recently released request ids: calls that arrive late for them are refused

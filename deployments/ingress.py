@@ -31,7 +31,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
-from specserve.cluster.config import SpecServeConfig
+from specserve.common.config import SpecServeConfig
 from specserve.decoding.checkpoint import GENERATION_DEFAULT_FIELDS, eos_token_ids, generation_defaults, max_model_len
 from specserve.decoding.grammar import GrammarCompiler, GrammarDeadEndError, GrammarSpec, StructuredOutputError
 from specserve.decoding.model_runner import output_width, served_vocab_size

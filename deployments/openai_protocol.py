@@ -42,7 +42,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt,
                       field_validator, model_validator)
 
-from specserve.cluster.config import hash_key
+from specserve.common.config import hash_key
 from specserve.decoding.grammar import GrammarSpec, StructuredOutputError
 from specserve.decoding.sampling import (MAX_LOGPROBS, MAX_STOP_STRINGS, FrequencyPenalty, MinP, PresencePenalty,
                                RepetitionPenalty, Seed, Temperature, TopP, check_stop_strings,

@@ -21,8 +21,8 @@ import ray
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
-from specserve.cluster.config import LimitsSpec
-from specserve.cluster.messages import UnknownHistory
+from specserve.common.config import LimitsSpec
+from specserve.common.messages import UnknownHistory
 from specserve.decoding.proposers import Proposal
 from specserve.decoding.sampling import draft_seed
 from specserve.decoding.sequence import RequestState

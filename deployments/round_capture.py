@@ -15,10 +15,10 @@ import logging
 import time
 from dataclasses import replace
 
-from specserve.cluster.config import SpecServeConfig
-from specserve.cluster.messages import PositionCounts
+from specserve.common.config import SpecServeConfig
+from specserve.common.messages import PositionCounts
 from specserve.decoding.capture import CaptureBuffer, CapturedBlock
-from specserve.deployments.metrics import RouterMetrics
+from specserve.common.metrics import RouterMetrics
 
 PUSH_INTERVAL_S = 1.0       # least time between two pushes of one router
 PUSH_BLOCKS = 32            # ... unless this many blocks wait

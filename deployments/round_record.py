@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specserve.decoding.capture import CapturedBlock
-from specserve.deployments.metrics import RouterMetrics
+from specserve.common.metrics import RouterMetrics
 from specserve.deployments.round_capture import RoundCapture
 from specserve.policies.depth_chooser import DepthChooser
 

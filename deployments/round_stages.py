@@ -17,7 +17,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from specserve.cluster.messages import CallSpan
+from specserve.common.messages import CallSpan
 
 PROFILE_ENV = "SPECSERVE_PROFILE_ROUNDS"
 

@@ -21,14 +21,14 @@ from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 from transformers import AutoTokenizer
 
-from specserve.cluster.config import SpecServeConfig
-from specserve.cluster.messages import REQUEST_CLASSES, RouterReport
+from specserve.common.config import SpecServeConfig
+from specserve.common.messages import REQUEST_CLASSES, RouterReport
 from specserve.decoding.checkpoint import eos_token_ids, max_model_len
 from specserve.decoding.sampling import SamplingParams
 from specserve.decoding.sequence import RequestState
 from specserve.deployments.admission import Admission
-from specserve.deployments.metrics import RouterMetrics
-from specserve.deployments.naming import current_replica_id
+from specserve.common.metrics import RouterMetrics
+from specserve.common.naming import current_replica_id
 from specserve.deployments.pool_health import PoolHealth
 from specserve.deployments.request_engines import RequestEngines
 from specserve.deployments.round_capture import RoundCapture

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 from ray import serve
 
-from specserve.cluster.messages import CallSpan, HistoryUpdate, UnknownHistory
+from specserve.common.messages import CallSpan, HistoryUpdate, UnknownHistory
 from specserve.decoding.batched_runner import ForwardCall, load_runner
 from specserve.decoding.capture import top_rows
 from specserve.decoding.grammar import GrammarDeadEndError, GrammarMatcher, GrammarMatchers

@@ -82,7 +82,7 @@ def estimate_acceptance_rate(num_accepted: int, num_drafted: int, num_rounds: in
 # model then under-rates deep blocks. So rounds are also counted by position: `reached[j]` rounds
 # drafted position j+1 with every earlier draft accepted, and `accepted[j]` of them accepted it
 # too; with geometric acceptance the rates come out equal and nothing changes (on the shipped pair
-# it is close to geometric: `python -m specserve.bench.streaks`, docs/depth-and-autoscaling.md). Beware the
+# it is close to geometric: docs/depth-and-autoscaling.md). Beware the
 # benchmark's "accept" column: it is accepted / drafted, not alpha.
 POSITION_PRIOR_WEIGHT = 4.0  # pseudo-rounds: a position's rate leans on the one before until seen this often
 

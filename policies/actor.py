@@ -23,9 +23,9 @@ from typing import Any
 
 import ray
 
-from specserve.cluster.messages import POOLS, RAY_NAMESPACE, EngineStats, PolicyDecision, RouterReport
+from specserve.common.messages import POOLS, RAY_NAMESPACE, EngineStats, PolicyDecision, RouterReport
 from specserve.policies.cost_curve import fit_cost_curve
-from specserve.policies.decision import Decider, PolicySettings, policy_actor_name
+from specserve.policies.decision import Decider, PolicySettings
 from specserve.policies.load import LoadTracker
 from specserve.policies.slack import has_slack
 
@@ -33,7 +33,7 @@ POLICY_ACTOR_NAME = PolicySettings().actor_name   # the default application's (m
 POLICY_NAMESPACE = RAY_NAMESPACE
 
 __all__ = ["POLICY_ACTOR_NAME", "POLICY_NAMESPACE", "PolicyActor", "get_or_create_policy_actor",
-           "kill_policy_actor", "policy_actor_name"]
+           "kill_policy_actor"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class PolicyActor:
         self._decider = Decider(self._settings)
         self._loop_task: asyncio.Task | None = None
         self._started_at = time.time()
-        from specserve.deployments.metrics import PolicyMetrics  # the one place metric names live
+        from specserve.common.metrics import PolicyMetrics  # the one place metric names live
 
         self._metrics = PolicyMetrics()
 

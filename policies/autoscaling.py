@@ -21,7 +21,7 @@ from typing import Any
 
 import ray
 
-from specserve.cluster.messages import PolicyDecision
+from specserve.common.messages import PolicyDecision
 from specserve.policies.actor import POLICY_ACTOR_NAME, POLICY_NAMESPACE, get_or_create_policy_actor
 
 logger = logging.getLogger(__name__)

@@ -11,22 +11,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from specserve.cluster.messages import POOLS, REQUEST_CLASSES, PolicyDecision
+from specserve.common.messages import POOLS, REQUEST_CLASSES, PolicyDecision
+from specserve.common.naming import policy_actor_name
 from specserve.policies.cost_curve import fit_cost_curve
 from specserve.policies.fan_out import fan_out_under_load
 from specserve.policies.goodput import choose_depths
 from specserve.policies.load import ClusterLoad
 from specserve.policies.replicas import ScalingThresholds, decide_replicas
-
-
-POLICY_ACTOR_PREFIX = "specserve-policy"
-
-
-def policy_actor_name(model_name: str) -> str:
-    """The policy actor of the application serving model_name. One per application, not one per
-    cluster: two specserve apps in one Ray cluster (two model pairs, or benchmark variants side
-    by side) must not mix their pools' load reports nor read each other's decisions."""
-    return f"{POLICY_ACTOR_PREFIX}:{model_name}"
 
 
 @dataclass(frozen=True)
@@ -47,7 +38,7 @@ class PolicySettings:
 
     @classmethod
     def from_config(cls, config: Any) -> "PolicySettings":
-        """From a `cluster.config.SpecServeConfig` (duck-typed: policies/ does not import cluster/)."""
+        """From a `common.config.SpecServeConfig` (duck-typed: policies/ does not import cluster/)."""
         spec = config.speculation
         draft = config.draft_workers.replica_bounds if config.uses_draft_workers else None
         return cls(min_k=spec.min_draft_tokens, max_k=spec.max_draft_tokens, default_k=spec.num_draft_tokens,

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specserve.cluster.config import SpeculationSpec
-from specserve.cluster.messages import REQUEST_CLASSES, ClassReport, PolicyDecision
+from specserve.common.config import SpeculationSpec
+from specserve.common.messages import REQUEST_CLASSES, ClassReport, PolicyDecision
 from specserve.decoding.sequence import RequestState
 from specserve.decoding.speculation_cache import allocate_fan_out
 from specserve.policies.acceptance import count_round_positions, position_accept_rates, request_position_rates

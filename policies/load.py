@@ -1,6 +1,6 @@
 """Cluster-wide load from the reports engines and routers send the policy actor (no Ray here).
 
-Engines send their `EngineStats` about once a second (cluster.messages), busy_s and idle_s
+Engines send their `EngineStats` about once a second (common.messages), busy_s and idle_s
 cumulative, cost_samples the (batch_tokens, seconds) of forwards since the last report.
 Routers send a `RouterReport`: active requests by class and, per class, cumulative round
 counters (`ClassReport`; by draft position too, policies.acceptance.count_round_positions). A
@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from specserve.cluster.messages import (MAX_DRAFT_TOKENS, POOL_COST_SAMPLES_KEPT, REQUEST_CLASSES, ClassReport, EngineStats,
+from specserve.common.messages import (MAX_DRAFT_TOKENS, POOL_COST_SAMPLES_KEPT, REQUEST_CLASSES, ClassReport, EngineStats,
                               RouterReport)
 from specserve.policies.acceptance import acceptance_from_tokens_per_round, estimate_acceptance_rate, position_accept_rates
 from specserve.policies.goodput import ClassLoad

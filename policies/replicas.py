@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from specserve.cluster.messages import POOLS
+from specserve.common.messages import POOLS
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, Llam
                           MistralForCausalLM, Phi3Config, Phi3ForCausalLM, PreTrainedModel, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
-from specserve.cluster.config import DEFAULT_MODELS_DIR
+from specserve.common.config import DEFAULT_MODELS_DIR
 
 SHIPPED_TOKENIZER = DEFAULT_MODELS_DIR / "tokenizer" / "tokenizer.json"
 EOS_PROMPT = "def add(a, b):"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import ray
 
-from specserve.cluster.config import SpecServeConfig
+from specserve.common.config import SpecServeConfig
 from specserve.cluster.local import start_local, wait_healthy
 from tests.tiny_pair import make_tiny_pair, tiny_pair_config
 

@@ -3,7 +3,7 @@ check the ingress applies to every /v1/* route (deployments/openai_protocol.py).
 
 import hashlib
 
-from specserve.cluster.config import SpecServeConfig, load_config
+from specserve.common.config import SpecServeConfig, load_config
 from specserve.deployments.openai_protocol import authorization_error
 
 DIGEST_A = "sha256:" + hashlib.sha256(b"key-a").hexdigest()

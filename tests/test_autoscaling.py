@@ -7,9 +7,9 @@ from pydantic import ValidationError
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeDeploySchema
 
-from specserve.cluster.builder import POOL_POLICY, deployment_options, serve_config_yaml
-from specserve.cluster.config import PROJECT_ROOT, SpecServeConfig, WorkerResources, load_config
-from specserve.cluster.local import custom_resources_needed, logical_cpus_needed
+from specserve.cluster.builder import (POOL_POLICY, custom_resources_needed, deployment_options, logical_cpus_needed,
+                                       serve_config_yaml)
+from specserve.common.config import PROJECT_ROOT, SpecServeConfig, WorkerResources, load_config
 from specserve.policies.decision import PolicySettings
 
 RANGED = {"target_workers": {"min_replicas": 1, "max_replicas": 4, "upscale_delay_s": 1, "downscale_delay_s": 5},

@@ -8,7 +8,9 @@ by README.md, a docs/*.md, or bench/ or tests/ code, and the folder stays under 
 
 from __future__ import annotations
 
+import ast
 import re
+import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,3 +66,30 @@ def test_an_uncited_file_is_an_orphan_and_a_glob_or_stem_citation_counts(tmp_pat
     assert orphans(tmp_path) == ["old.json"]
     (tmp_path / "docs" / "x.md").write_text("(`bench/results/old.json`)")
     assert orphans(tmp_path) == []
+
+
+def out_defaults(source: str) -> list[str]:
+    """The source text of every `--out` argument's default (an AST walk over add_argument calls)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument" and node.args
+                and isinstance(node.args[0], ast.Constant) and node.args[0].value == "--out"):
+            found.extend(ast.unparse(k.value) for k in node.keywords if k.arg == "default")
+    return found
+
+
+def test_the_tools_users_run_write_to_a_git_ignored_folder_by_default():
+    """bench/results/ holds cited figures only: a trial `specserve bench` must not add files there
+    (the scripts in bench/figures/ reproduce a cited file, so they write into it on purpose)."""
+    from specserve.bench import DEFAULT_OUT_DIR
+
+    defaults = {str(p.relative_to(REPO)): out_defaults(p.read_text()) for p in (REPO / "bench").glob("*.py")}
+    assert {path: found for path, found in defaults.items() if any("results" in d for d in found)} == {}
+    assert all(found for path, found in defaults.items() if path.endswith(("run.py", "load_sweep.py", "soak.py")))
+    ignored = subprocess.run(["git", "check-ignore", "-q", f"{DEFAULT_OUT_DIR}/run.json"], cwd=REPO)
+    assert ignored.returncode == 0, f"{DEFAULT_OUT_DIR}/ must be in .gitignore"
+
+
+def test_an_out_default_is_read_from_the_source():
+    assert out_defaults('p.add_argument("--out", default="bench/results")\np.add_argument("--n", default=3)') == [
+        "'bench/results'"]

@@ -15,7 +15,7 @@ import torch
 from scipy.stats import chisquare
 
 import specserve.decoding.rejection as rejection
-from specserve.cluster.config import SpeculationSpec
+from specserve.common.config import SpeculationSpec
 from specserve.decoding.rejection import (PLACEHOLDER_TOKEN_ID, block_verify, expected_num_accepted, greedy_verify,
                                 rejection_sample)
 from specserve.decoding.sampling import SamplingParams, make_generator, sample_from_probs

@@ -6,7 +6,7 @@ from ray._common.utils import import_attr
 from ray.serve.schema import ServeDeploySchema
 
 from specserve.cluster.builder import IMPORT_PATH, build_app, deployment_options, serve_config_yaml
-from specserve.cluster.config import SpecServeConfig
+from specserve.common.config import SpecServeConfig
 
 
 def test_serve_config_yaml_is_valid_for_serve_deploy():
@@ -82,7 +82,7 @@ def test_no_draft_deployment_without_speculation():
 
 
 def test_committed_kuberay_manifest_is_generated_from_the_gpu_config():
-    from specserve.cluster.config import PROJECT_ROOT, load_config
+    from specserve.common.config import PROJECT_ROOT, load_config
     from specserve.cluster.kuberay import rayservice_yaml
 
     config = load_config(PROJECT_ROOT / "k8s" / "specserve-gpu.yaml", environ={})
@@ -91,7 +91,7 @@ def test_committed_kuberay_manifest_is_generated_from_the_gpu_config():
 
 
 def test_kuberay_manifest_pins_draft_and_target_to_their_own_gpu_groups():
-    from specserve.cluster.config import PROJECT_ROOT, load_config
+    from specserve.common.config import PROJECT_ROOT, load_config
     from specserve.cluster.kuberay import rayservice_manifest
 
     manifest = rayservice_manifest(load_config(PROJECT_ROOT / "k8s" / "specserve-gpu.yaml", environ={}))
@@ -130,7 +130,7 @@ def test_a_tensor_parallel_target_gets_a_bundle_per_rank_packed_on_one_node():
 
 
 def test_kuberay_gives_a_tensor_parallel_targets_pods_one_gpu_per_rank():
-    from specserve.cluster.config import PROJECT_ROOT, load_config
+    from specserve.common.config import PROJECT_ROOT, load_config
     from specserve.cluster.kuberay import rayservice_manifest
 
     config = load_config(PROJECT_ROOT / "k8s" / "specserve-gpu.yaml", environ={})

@@ -13,8 +13,9 @@ from ray import serve
 
 from specserve.cluster.builder import APP_NAME
 from specserve.cluster.local import RAY_SYSTEM_CONFIG, init_local_ray
-from specserve.deployments.naming import ENGINE_NAMESPACE, parse_engine_actor_name
-from specserve.policies.actor import POLICY_NAMESPACE, policy_actor_name
+from specserve.common.naming import ENGINE_NAMESPACE, parse_engine_actor_name
+from specserve.common.naming import policy_actor_name
+from specserve.policies.actor import POLICY_NAMESPACE
 from tests.local_server import serve_tiny_pair
 from tests.test_serving import MODEL, PROMPTS
 

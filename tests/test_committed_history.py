@@ -3,7 +3,7 @@ what the router sends and what an engine rebuilds, and every way an engine says 
 
 from dataclasses import replace
 
-from specserve.cluster.messages import HistoryUpdate
+from specserve.common.messages import HistoryUpdate
 from specserve.decoding.sampling import SamplingParams
 from specserve.decoding.sequence import RequestState
 from specserve.deployments.committed_history import CommittedHistories, HistorySender, RunningDigest, history_digest

@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from specserve.cluster.config import SpecServeConfig, env_overrides, load_config
+from specserve.common.config import SpecServeConfig, env_overrides, load_config
 
 
 def test_defaults_point_at_the_shipped_pair():

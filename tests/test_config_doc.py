@@ -3,10 +3,10 @@ regenerating it fails here."""
 
 from pathlib import Path
 
-from specserve.cluster.config_doc import render, type_name
+from specserve.common.config_doc import render, type_name
 
 CONFIGURATION_MD = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
-REGENERATE = "python -m specserve.cluster.config_doc > docs/configuration.md"
+REGENERATE = "python -m specserve.common.config_doc > docs/configuration.md"
 
 
 def test_the_committed_configuration_reference_is_current():

@@ -5,7 +5,10 @@ launch flags, over real HTTP with the official `openai` client. For each: greedy
 `generate` with the folder's generation config (greedy forced; near-ties told apart), chat prompts
 are the tokenizer's apply_chat_template ids, and requests stop on the EOS list and on
 stop_token_ids; the any-decoder pairs batch concurrent requests into one forward, each answered as
-it would be alone."""
+it would be alone.
+
+The equalities asserted here hold on CPU in float32, where the tests run; on a GPU in bf16 greedy
+output may differ at near-ties and with what shares a batch (docs/gpu.md)."""
 
 from __future__ import annotations
 

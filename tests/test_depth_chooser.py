@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.cluster.config import SpecServeConfig
-from specserve.cluster.messages import PolicyDecision
+from specserve.common.config import SpecServeConfig
+from specserve.common.messages import PolicyDecision
 from specserve.decoding.sampling import SamplingParams
 from specserve.decoding.sequence import RequestState
 from specserve.deployments.router import Router

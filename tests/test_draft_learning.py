@@ -1,4 +1,4 @@
-"""Online draft training (issue 31), in-process: hot-swapping the draft engine's weights mid-request
+"""Online draft training (docs/online-learning.md), in-process: hot-swapping the draft engine's weights mid-request
 is lossless (greedy text identical; seeded sampled tokens follow the target, and verifying a block
 against the other version's q rows is caught), a failed load keeps the serving draft, the router's
 capture is off by default, and the trainer's pass writes a version only when the canary passes,
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.cluster.config import SpecServeConfig
-from specserve.cluster.messages import PositionCounts
+from specserve.common.config import SpecServeConfig
+from specserve.common.messages import PositionCounts
 from specserve.decoding.capture import save_blocks, top_rows
 from specserve.decoding.proposers import Proposal
 from specserve.decoding.sampling import SamplingParams
@@ -22,7 +22,7 @@ from specserve.decoding.batched_runner import ForwardCall
 from specserve.decoding.speculation import accept_round, target_rows
 from specserve.deployments.committed_history import HistorySender, RunningDigest
 from specserve.deployments.draft_worker import DraftEngine
-from specserve.deployments.metrics import RouterMetrics
+from specserve.common.metrics import RouterMetrics
 from specserve.deployments.round_capture import RoundCapture
 from specserve.deployments.target_worker import TargetEngine
 from tests.test_engines import options, spec, whole
@@ -218,7 +218,7 @@ def test_capture_is_off_by_default_and_samples_its_rounds_when_on(monkeypatch):
     assert off._trainer is None and not off._blocks  # nothing kept, nothing looked up
     monkeypatch.setenv("SPECSERVE__DRAFT_TRAINING__ENABLED", "true")
     monkeypatch.setenv("SPECSERVE__DRAFT_TRAINING__SAMPLE_EVERY", "3")
-    from specserve.cluster.config import load_config
+    from specserve.common.config import load_config
 
     on = RoundCapture(load_config(), RouterMetrics())
     assert [on.top_k_for_round() for _ in range(6)] == [None, None, 32, None, None, 32]
@@ -416,7 +416,7 @@ def test_rollback_compares_like_with_like_so_a_better_draft_at_a_larger_k_is_kep
     before = PositionCounts(*live_rounds(0.75, 4, 2000, seed=1))
     better_deeper = PositionCounts(*live_rounds(0.8, 8, 1000, seed=2))
     worse = PositionCounts(*live_rounds(0.5, 4, 1000, seed=3))
-    assert better_deeper.acceptance() < before.acceptance() - 0.05     # the old rule would roll it back
+    assert better_deeper.acceptance() < before.acceptance() - 0.05     # a rule on overall acceptance alone would roll it back
     assert not rolls_back(before, better_deeper, min_drafted=500, margin=0.05)
     assert rolls_back(before, worse, min_drafted=500, margin=0.05)
     assert not rolls_back(before, PositionCounts(*live_rounds(0.5, 4, 50, seed=4)), min_drafted=500, margin=0.05)

@@ -1,4 +1,4 @@
-"""Online draft learning across nodes (issue 40) on a real multi-node Ray cluster started on this
+"""Online draft learning across nodes (docs/online-learning.md) on a real multi-node Ray cluster started on this
 machine with `ray start` (tests/test_multinode.py's machinery): the trainer runs on the head (the
 only node offering `trainer_node`), the draft engine on a node of its own. With no shared
 versions_dir, a trained version reaches the draft engine through Ray's object store: the engine
@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from specserve.deployments.draft_worker import OBJECT_STORE
-from specserve.deployments.naming import ENGINE_NAMESPACE, parse_engine_actor_name
+from specserve.common.naming import ENGINE_NAMESPACE, parse_engine_actor_name
 from tests.test_draft_learning_served import PROMPTS, complete, traffic, wait_for_a_trained_version
 from tests.test_multinode import MODEL, multinode_app
 

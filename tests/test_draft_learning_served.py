@@ -1,4 +1,4 @@
-"""Online draft training end to end on the tiny pair (issue 31): real Ray Serve, HTTP and the
+"""Online draft training end to end on the tiny pair (docs/online-learning.md): real Ray Serve, HTTP and the
 official openai client. Traffic comes in, the trainer distils the draft while the cluster is
 idle, the canary passes, every draft engine swaps, and the next responses carry draft_version 1
 with greedy texts still equal to the target's own; `specserve status` shows the version and the

@@ -1,11 +1,11 @@
 """The small pieces an engine keeps beside its step (deployments.engine_parts) and the typed
-messages engines, routers and the policy actor exchange (cluster.messages)."""
+messages engines, routers and the policy actor exchange (common.messages)."""
 
 import pickle
 
 import pytest
 
-from specserve.cluster.messages import CallSpan, ClassReport, EngineStats, KvUsage, PolicyDecision, RouterReport
+from specserve.common.messages import CallSpan, ClassReport, EngineStats, KvUsage, PolicyDecision, RouterReport
 from specserve.deployments.engine_loop import SequenceReleasedError
 from specserve.deployments.engine_parts import IdleSequences, ReleasedIds
 

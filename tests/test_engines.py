@@ -1,5 +1,8 @@
 """The engine actors' bodies, in-process (no Ray): calls waiting together share one forward, the
-answers equal unbatched ones, releases and full slots behave."""
+answers equal unbatched ones, releases and full slots behave.
+
+The equalities asserted here hold on CPU in float32, where the tests run; on a GPU in bf16 greedy
+output may differ at near-ties and with what shares a batch (docs/gpu.md)."""
 
 import asyncio
 import time
@@ -7,11 +10,11 @@ import time
 import pytest
 import torch
 
-from specserve.cluster.config import SpecServeConfig
-from specserve.cluster.messages import CallSpan, HistoryUpdate
+from specserve.common.config import SpecServeConfig
+from specserve.common.messages import CallSpan, HistoryUpdate
 from specserve.decoding.batched_runner import BatchedModelRunner
 from specserve.decoding.sampling import SamplingParams, make_generator
-from specserve.decoding.proposers import DraftModelProposer, Proposal
+from specserve.decoding.proposers import PROPOSERS, DraftModelProposer, Proposal, ProposerKind
 from specserve.deployments.committed_history import history_digest, whole_history as whole
 from specserve.deployments.draft_worker import DraftEngine
 from specserve.deployments.engine_loop import EngineOverloadedError, SequenceReleasedError
@@ -471,3 +474,52 @@ def test_stats_are_read_between_iterations_and_a_lone_forward_leaves_the_event_l
 
     sequences, read_during_forward = asyncio.run(scenario())
     assert sequences == 1 and read_during_forward and not any(read_during_forward)
+
+
+class RepeatLastProposer:
+    """A proposer outside the shipped ones: it proposes the last token again, num_tokens times."""
+
+    def propose(self, seq_id, history, num_tokens, params, generator=None, prompt_len=None) -> Proposal:
+        return Proposal([history[-1]] * num_tokens, None)
+
+    def propose_batch(self, calls) -> list[Proposal]:
+        return [self.propose(c.seq_id, c.history, c.num_tokens, c.params) for c in calls]
+
+    def release(self, seq_id) -> None:
+        pass
+
+
+def test_a_proposer_registered_by_name_is_accepted_by_the_config_and_built_by_the_draft_engine(pair, monkeypatch):
+    """Adding a proposer is one entry in decoding.proposers.PROPOSERS (docs/extending.md): the config
+    validates the name and the draft engine builds and calls it, with no other edit."""
+    target_path, _ = pair
+    monkeypatch.setitem(PROPOSERS, "repeat", ProposerKind(False, lambda *_: RepeatLastProposer(), "repeat the last token"))
+    config = SpecServeConfig.model_validate({"speculation": {"proposer": "repeat"}, "draft": None})
+    assert config.uses_draft_workers and not config.speculation.needs_draft_model
+    with pytest.raises(ValueError, match=r"unknown proposer 'eagle': choose one of \['draft', 'ngram', 'repeat'\]"):
+        SpecServeConfig.model_validate({"speculation": {"proposer": "eagle"}, "draft": None})
+
+    async def scenario():
+        engine = DraftEngine("repeat", None, str(target_path), options())
+        try:
+            return await engine.propose("r", whole(HISTORIES[0]), 3, GREEDY, None)
+        finally:
+            await engine.release("r")
+
+    proposal, _ = asyncio.run(scenario())
+    assert proposal.token_ids == [HISTORIES[0][-1]] * 3
+
+
+def test_the_ngram_proposer_drafts_in_the_draft_engine(pair):
+    """A model-free proposer has no runner: its per-request generators live on the CPU."""
+    target_path, _ = pair
+
+    async def scenario():
+        engine = DraftEngine("ngram", None, str(target_path), options())
+        try:
+            return await engine.propose("n", whole([5, 6, 7, 5, 6]), 2, GREEDY, None)
+        finally:
+            await engine.release("n")
+
+    proposal, _ = asyncio.run(scenario())
+    assert proposal.token_ids == [7, 5]

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from specserve.cluster.config import DEFAULT_MODELS_DIR
+from specserve.common.config import DEFAULT_MODELS_DIR
 from tests.tiny_pair import make_tiny_pair
 from specserve.training.evaluate import CARD_COMMAND, evaluate_pair, load_training, main, render_card
 from specserve.training.held_out import held_out_corpus

@@ -171,7 +171,7 @@ def test_a_costly_round_trip_argues_for_deeper_rounds():
 
 
 def test_the_load_view_carries_the_routers_measured_overhead():
-    from specserve.cluster.messages import RouterReport
+    from specserve.common.messages import RouterReport
     from specserve.policies.load import LoadTracker
 
     tracker = LoadTracker()

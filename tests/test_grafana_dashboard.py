@@ -1,11 +1,11 @@
 """The shipped Grafana dashboard queries only metrics that exist: the project's (introspected from
-deployments.metrics) or Serve's own (names read from ray/serve/_private, listed below)."""
+common.metrics) or Serve's own (names read from ray/serve/_private, listed below)."""
 
 import json
 import re
 from pathlib import Path
 
-from specserve.deployments.metrics import prometheus_metric_names
+from specserve.common.metrics import prometheus_metric_names
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "monitoring" / "specserve_grafana_dashboard.json"
 # ray/serve/_private/deployment_state.py (replica health) and request_ingress_metrics.py

@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from specserve.bench.load_step import Phase, autoscaled_config, run_load_step, step_bodies
-from specserve.cluster.config import load_config
+from specserve.common.config import load_config
 from specserve.cluster.local import start_local, stop_local
 from tests.local_server import free_port
 

@@ -1,4 +1,4 @@
-"""deployments.metrics without a cluster: names, which response field feeds which counter, labels."""
+"""common.metrics without a cluster: names, which response field feeds which counter, labels."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from ray.util import metrics as ray_metrics
 
 from specserve.decoding.sequence import SpecStats
-from specserve.deployments.metrics import (
+from specserve.common.metrics import (
     DISCARDED_AHEAD_FIELD,
     METRICS,
     REQUEST_COUNTER_FIELDS,
@@ -147,7 +147,7 @@ def test_policy_decisions_are_gauges_per_class_and_pool(recorded):
 
 
 def test_rounds_count_by_draft_version_and_a_draft_engine_shows_its_version(recorded):
-    from specserve.deployments.metrics import DraftVersionMetrics
+    from specserve.common.metrics import DraftVersionMetrics
 
     router = RouterMetrics()
     router.record_version_round(0, drafted=5, accepted=3)

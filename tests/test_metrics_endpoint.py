@@ -1,5 +1,5 @@
 """The local Prometheus endpoint: which port it gets, and (on a real local Ray cluster) that it
-serves Prometheus text carrying what deployments.metrics records, under the documented names."""
+serves Prometheus text carrying what common.metrics records, under the documented names."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from specserve.cluster.config import SpecServeConfig
+from specserve.common.config import SpecServeConfig
 from specserve.cluster.local import init_local_ray, metrics_export_port, metrics_system_config, metrics_url
-from specserve.deployments.metrics import METRICS, EngineMetrics, RouterMetrics
+from specserve.common.metrics import METRICS, EngineMetrics, RouterMetrics
 
 
 def _free_port() -> int:
@@ -45,7 +45,7 @@ def test_port_zero_means_any_free_port():
 
 @ray.remote(num_cpus=0)
 class TinyEngine:
-    """Stands in for an engine and a router: records through deployments.metrics only. It keeps
+    """Stands in for an engine and a router: records through common.metrics only. It keeps
     its metric objects alive, as real ones do: a gauge whose object is collected stops exporting."""
 
     def record(self, pool: str) -> float:

@@ -1,4 +1,7 @@
-"""BatchedModelRunner: the full-history protocol (reuse, rollback, release, errors) and the pair checks, on tiny random Llamas (fp32, CPU)."""
+"""BatchedModelRunner: the full-history protocol (reuse, rollback, release, errors) and the pair checks, on tiny random Llamas (fp32, CPU).
+
+The equalities asserted here hold on CPU in float32, where the tests run; on a GPU in bf16 greedy
+output may differ at near-ties and with what shares a batch (docs/gpu.md)."""
 
 import shutil
 

@@ -27,7 +27,7 @@ import pytest
 import ray
 from ray import serve
 
-from specserve.cluster.config import SpecServeConfig
+from specserve.common.config import SpecServeConfig
 from specserve.cluster.builder import APP_NAME, build_app
 from specserve.cluster.local import wait_healthy
 from tests.local_server import free_port
@@ -159,7 +159,7 @@ def reference(cluster):
 def engine_nodes(pool: str) -> dict:
     """pool's named engine actors -> their stats (node id, sequences held); only that pool's, so
     an engine lost with another node is never waited on."""
-    from specserve.deployments.naming import ENGINE_NAMESPACE, parse_engine_actor_name
+    from specserve.common.naming import ENGINE_NAMESPACE, parse_engine_actor_name
 
     found = {}
     for entry in ray.util.list_named_actors(all_namespaces=True):

@@ -1,4 +1,4 @@
-"""The draft learns from captured verify rows (issue 31, the Ray-free core): the capture buffer's
+"""The draft learns from captured verify rows (docs/online-learning.md, the Ray-free core): the capture buffer's
 bound and held-back split, persistence round trip, the top-k KL and expected acceptance against
 exact full-row values, and distillation on captures moving a mismatched draft toward its target
 while the canary refuses a candidate that is worse."""

@@ -7,6 +7,9 @@ penalties: the first three emitted tokens of seeded sampled requests follow the 
 distribution (enumerated), and the same test rejects a target whose verify rows do not see the
 block's earlier draft tokens. A draft identical to the target is always accepted, which fails when
 draft steps do not see their own earlier tokens: draft and target rows are processed alike.
+
+The equalities asserted here hold on CPU in float32, where the tests run; on a GPU in bf16 greedy
+output may differ at near-ties and with what shares a batch (docs/gpu.md).
 """
 
 from __future__ import annotations

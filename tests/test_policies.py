@@ -35,7 +35,7 @@ def test_estimate_recovers_per_token_alpha_from_totals():
 
 
 def test_accepted_over_drafted_is_not_alpha():
-    """The ratio the policy used to read as alpha is (E - 1) / K: about 0.84 at alpha 0.93, K 4."""
+    """accepted / drafted, easily mistaken for alpha, is (E - 1) / K: about 0.84 at alpha 0.93, K 4."""
     accepted, drafted, rounds, _ = simulate_rounds(0.93, 4, 5000)
     assert accepted / drafted == pytest.approx((expected_tokens_per_round(0.93, 4) - 1) / 4, abs=0.01)
     assert accepted / drafted < 0.86 < estimate_acceptance_rate(accepted, drafted, rounds)

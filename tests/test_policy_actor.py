@@ -9,9 +9,10 @@ import pytest
 import ray
 from ray import serve
 
-from specserve.cluster.messages import ClassReport, EngineStats, PolicyDecision, RouterReport
+from specserve.common.messages import ClassReport, EngineStats, PolicyDecision, RouterReport
 from specserve.policies.actor import POLICY_ACTOR_NAME, POLICY_NAMESPACE, get_or_create_policy_actor, kill_policy_actor
-from specserve.policies.decision import PolicySettings, policy_actor_name
+from specserve.common.naming import policy_actor_name
+from specserve.policies.decision import PolicySettings
 from specserve.policies.replicas import ScalingThresholds
 
 pytestmark = pytest.mark.ray
@@ -123,9 +124,9 @@ def test_a_redeploy_with_a_new_draft_replaces_the_draft_trainer(cluster):
     """A trainer built for the old draft would offer versions of it to engines serving the new
     one: the lookup with the new config makes the old trainer exit and a new one take over; the
     same config keeps the running trainer."""
-    from specserve.cluster.config import SpecServeConfig
+    from specserve.common.config import SpecServeConfig
     from specserve.deployments.draft_trainer import get_or_create_draft_trainer
-    from specserve.deployments.naming import ENGINE_NAMESPACE, draft_trainer_name
+    from specserve.common.naming import ENGINE_NAMESPACE, draft_trainer_name
 
     def config(draft_path: str) -> SpecServeConfig:
         return SpecServeConfig.model_validate({"model_name": "redeployed-trainer", "draft": {"path": draft_path},

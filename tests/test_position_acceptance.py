@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from specserve.cluster.messages import ClassReport, RouterReport
+from specserve.common.messages import ClassReport, RouterReport
 from specserve.policies.acceptance import (count_round_positions, expected_tokens_by_position, expected_tokens_per_round,
                                  position_accept_rates)
 from specserve.policies.cost_curve import CostCurve
@@ -64,7 +64,7 @@ def test_from_shallow_rounds_it_predicts_a_deep_round_better_than_the_geometric_
     geometric = expected_tokens_per_round(accept_rate_from_rounds(rounds, 4 * rounds, took), 8)
     by_position = expected_tokens_by_position(position_accept_rates(reached, accepted, 8), 8)
     truth = true_tokens(STREAKY, 8)
-    assert geometric < 0.85 * truth                      # the old model: more than 15% short
+    assert geometric < 0.85 * truth                      # one alpha for every position: more than 15% short
     assert abs(by_position - truth) < 0.5 * abs(geometric - truth)
 
 

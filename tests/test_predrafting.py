@@ -3,7 +3,10 @@ branches share KV safely, a round whose outcome was pre-drafted is answered from
 cache, greedy output equals the target's own, nothing is held after release, and sampled output
 over several rounds follows the target's exact joint distribution with hits and misses both
 frequent (and the same test rejects pre-drafts that replay their request's draft stream); seeded
-sampled output is token for token the same with the cache as with plain rounds."""
+sampled output is token for token the same with the cache as with plain rounds.
+
+The equalities asserted here hold on CPU in float32, where the tests run; on a GPU in bf16 greedy
+output may differ at near-ties and with what shares a batch (docs/gpu.md)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from specserve.cluster.messages import ClassReport, EngineStats, RouterReport
+from specserve.common.messages import ClassReport, EngineStats, RouterReport
 from specserve.policies.decision import Decider, PolicySettings
 from specserve.policies.depth import expected_tokens_per_round
 from specserve.policies.load import LoadTracker, accept_rate_from_rounds

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from specserve.cluster.config import LimitsSpec, SpeculationSpec
-from specserve.cluster.messages import HistoryUpdate, UnknownHistory
+from specserve.common.config import LimitsSpec, SpeculationSpec
+from specserve.common.messages import HistoryUpdate, UnknownHistory
 from specserve.decoding.sampling import SamplingParams
 from specserve.decoding.sequence import RequestState
 from specserve.deployments.draft_worker import DraftEngine
-from specserve.deployments.metrics import RouterMetrics
+from specserve.common.metrics import RouterMetrics
 from specserve.deployments.request_engines import RequestEngines
 from specserve.deployments.round_loop import RoundLoop
 from specserve.deployments.round_record import RoundObserver, RoundTimings

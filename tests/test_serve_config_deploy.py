@@ -12,9 +12,9 @@ import httpx
 import pytest
 import ray
 
-from specserve.cluster.builder import serve_config_yaml
-from specserve.cluster.config import SpecServeConfig
-from specserve.cluster.local import RAY_SYSTEM_CONFIG, init_local_ray, logical_cpus_needed, wait_healthy
+from specserve.cluster.builder import logical_cpus_needed, serve_config_yaml
+from specserve.common.config import SpecServeConfig
+from specserve.cluster.local import RAY_SYSTEM_CONFIG, init_local_ray, wait_healthy
 from tests.local_server import stop_test_cluster
 from tests.test_serving import _free_port
 from tests.tiny_pair import make_tiny_pair

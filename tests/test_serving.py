@@ -3,6 +3,9 @@
 One Serve application (ingress -> router -> draft/target workers) on a tiny random pair is shared
 by the tests in this module (and the other modules using `tiny_pair_server`); each test checks that
 no per-request state is left behind.
+
+The equalities asserted here hold on CPU in float32, where the tests run; on a GPU in bf16 greedy
+output may differ at near-ties and with what shares a batch (docs/gpu.md).
 """
 
 from __future__ import annotations

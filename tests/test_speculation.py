@@ -22,7 +22,7 @@ def test_target_rows_mask_eos_for_output_positions_below_min_tokens():
     probs = target_rows(logits, params.model_copy(update={"temperature": 1.0}), eos, 3)
     assert probs[:2, eos].tolist() == [0.0, 0.0] and (probs[2:, eos] > 0.9).all()
     assert torch.equal(logits, before)             # the caller's logits are untouched
-    # The old two-argument call and min_tokens 0 leave EOS alone.
+    # The two-argument call and min_tokens 0 leave EOS alone.
     assert target_rows(logits, params).tolist() == [eos] * 4
     assert target_rows(logits, SamplingParams(temperature=0), eos, 0).tolist() == [eos] * 4
 

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 import ray
 
-from specserve.cluster.config import DEFAULT_MODELS_DIR, SpecServeConfig
+from specserve.common.config import DEFAULT_MODELS_DIR, SpecServeConfig
 from specserve.cluster.local import PortInUseError, StartupError, check_port_free, init_local_ray, start_local
 
 

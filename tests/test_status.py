@@ -1,6 +1,6 @@
 """`specserve status`: the document and table built from engine stats, the router and Serve."""
 
-from specserve.cluster.messages import EngineStats, KvUsage
+from specserve.common.messages import EngineStats, KvUsage
 from specserve.cluster.status import UnreachableEngine, render_table, summarize
 
 ENGINES = [
@@ -53,7 +53,7 @@ def test_the_table_names_every_pool_and_an_unreachable_engine():
 def test_a_tensor_parallel_engine_shows_its_group_and_each_rank():
     from dataclasses import replace
 
-    from specserve.cluster.messages import RankStats
+    from specserve.common.messages import RankStats
 
     mib = 1 << 20
     ranks = (RankStats(0, "node0123456789", ("0",), 300 * mib, 4096, 256, 700 * mib),

@@ -25,7 +25,7 @@ from tests.local_server import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = REPO / "specserve"
-BARE_IMPORT = re.compile(r"^\s*(?:from|import)\s+(decoding|deployments|policies|cluster|bench|training)\b", re.M)
+BARE_IMPORT = re.compile(r"^\s*(?:from|import)\s+(decoding|deployments|policies|cluster|common|bench|training)\b", re.M)
 
 
 def top_level_packages() -> list[str]:
@@ -51,7 +51,7 @@ def test_no_module_imports_a_top_level_folder_by_its_bare_name():
 
 def test_the_bare_import_check_sees_a_bare_import():
     assert BARE_IMPORT.search("import torch\n    from cluster.config import load_config\n")  # namespace-rewrite: keep
-    assert not BARE_IMPORT.search("from specserve.cluster.config import load_config\nimport clusters\n")
+    assert not BARE_IMPORT.search("from specserve.common.config import load_config\nimport clusters\n")
 
 
 def build_wheel(out: Path) -> Path:
@@ -96,7 +96,7 @@ def test_the_wheel_installs_one_namespace_and_generate_answers_outside_the_check
 
     installed = {p.name for p in purelib.iterdir() if p.is_dir() and not p.name.endswith(".dist-info")}
     assert installed - {"__pycache__"} == {"specserve"}
-    probe = ("import specserve.cluster.config as c, importlib.util as u; "
+    probe = ("import specserve.common.config as c, importlib.util as u; "
              "print(c.__file__); print(c.DEFAULT_MODELS_DIR); print(u.find_spec('cluster'))")
     where, models, bare = subprocess.run([python, "-c", probe], check=True, cwd=away, env=env,
                                          capture_output=True, text=True).stdout.split()

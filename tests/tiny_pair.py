@@ -32,7 +32,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from specserve.cluster.config import DEFAULT_MODELS_DIR, SpecServeConfig
+from specserve.common.config import DEFAULT_MODELS_DIR, SpecServeConfig
 
 TOKENIZER_DIR = DEFAULT_MODELS_DIR / "tokenizer"
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.cluster.config import DEFAULT_MODELS_DIR, DraftTrainingSpec
+from specserve.common.config import DEFAULT_MODELS_DIR, DraftTrainingSpec
 from specserve.decoding.capture import load_blocks
 from specserve.training.online_trainer import OnlineTrainer
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.cluster.config import DEFAULT_MODELS_DIR
+from specserve.common.config import DEFAULT_MODELS_DIR
 from specserve.training.held_out import corpus_info, held_out_stream
 from specserve.training.model_card import (
     ACCEPTANCE_THRESHOLD,

@@ -1,4 +1,5 @@
-"""Distil the draft on captured verify rows (decoding/capture.py) and judge a candidate (issue 31).
+"""Distil the draft on captured verify rows (decoding/capture.py) and judge a candidate
+(docs/online-learning.md).
 
 The loss is the forward KL from the target to the draft over the partition {each captured top-k
 id, everything else}: KL(p || q) = sum_top p log(p / q) + r log(r / q_rest), with r the target's

@@ -1,4 +1,4 @@
-"""The draft trainer's state and one training pass, without Ray (issue 31, docs/online-learning.md).
+"""The draft trainer's state and one training pass, without Ray (docs/online-learning.md).
 
 `OnlineTrainer` holds the captured blocks, the numbered draft versions and the live acceptance
 routers report per version. A pass distils a copy of the serving version on the training slice,
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from specserve.cluster.messages import PositionCounts
+from specserve.common.messages import PositionCounts
 from specserve.decoding.capture import CaptureBuffer, CapturedBlock
 from specserve.training.online_distill import (DistillSettings, TrainingDevice, canary_accepts, distill_on_positions,
                                      mean_expected_acceptance, position_batch)

@@ -1,7 +1,7 @@
 """What the lean decoder forward saves per step: ms per forward of the default pair through
 decoding.lean_forward against transformers' own forward, over the same slot KV cache.
 
-    python -m specserve.bench.lean_forward [--device cpu] [--dtype float32] [--threads 1] [--reps 200]
+    python -m specserve.bench.figures.lean_forward [--device cpu] [--dtype float32] [--threads 1] [--reps 200]
 
 Shapes an engine sees: one sequence with `--cached` tokens (145) taking 1, 5 or 8 new tokens (a
 draft step, a K=4 verify, a K=7 verify), and 4 sequences taking 5 each (batched verifies). The two
@@ -23,7 +23,7 @@ import torch
 from specserve.decoding.batched_runner import BatchedModelRunner
 from specserve.decoding.model_runner import ForwardCall, load_causal_lm
 
-MODELS = Path(__file__).resolve().parents[1] / "models" / "default"
+MODELS = Path(__file__).resolve().parents[2] / "models" / "default"
 SHAPES = ((1, 1), (1, 5), (1, 8), (4, 5))  # (sequences, new tokens each)
 
 
@@ -66,13 +66,13 @@ def time_shape(runners: dict[str, BatchedModelRunner], rows: int, new_tokens: in
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m specserve.bench.lean_forward", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m specserve.bench.figures.lean_forward", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cached", type=int, default=145)
     parser.add_argument("--reps", type=int, default=200)
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     results = []
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{model:6s} {rows} x {new_tokens}: transformers {row['transformers_ms']:7.3f} ms, "
                   f"lean {row['lean_ms']:7.3f} ms ({row['speedup']:.2f}x), max |diff| {row['max_abs_logit_diff']:.2e}")
     out = Path(args.out) / f"lean-forward-{args.device}.json"
-    out.write_text(json.dumps({"command": "python -m specserve.bench.lean_forward " + " ".join(argv or []),
+    out.write_text(json.dumps({"command": "python -m specserve.bench.figures.lean_forward " + " ".join(argv or []),
                                "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
                                "dtype": args.dtype, "threads": args.threads, "cached_tokens": args.cached,
                                "rows": results}, indent=2) + "\n")

@@ -1,20 +1,22 @@
-"""Names by which tools outside the data path find the engine actors (``specserve status``).
+"""Names by which processes find the named actors: engines, their follower ranks, each
+application's policy actor and draft trainer.
 
-Engines are named Ray actors in their own namespace, so a process that joins the cluster can list
-and query them without going through Serve; the name format lives here only, for the engines
-that take a name and the tools that parse it.
+They are named Ray actors in specserve's namespace, so a process that joins the cluster
+(``specserve status``, a router, a trainer) can find them without going through Serve; each name
+format lives here only, for the actors that take a name and the tools that parse it.
 """
 
 from __future__ import annotations
 
 import os
 
-from specserve.cluster.messages import POOLS, RAY_NAMESPACE
+from specserve.common.messages import POOLS, RAY_NAMESPACE
 
 ENGINE_NAMESPACE = RAY_NAMESPACE
 ENGINE_NAME_PREFIX = "engine"
 RANK_NAME_PREFIX = "rank"
 DRAFT_TRAINER_PREFIX = "draft-trainer:"
+POLICY_ACTOR_PREFIX = "specserve-policy"
 
 
 def engine_actor_name(pool: str, replica_id: str) -> str:
@@ -55,3 +57,10 @@ def draft_trainer_name(model_name: str) -> str:
     """The draft trainer actor of the application serving model_name (one per application, in
     ENGINE_NAMESPACE, as its policy actor: two apps must not train each other's drafts)."""
     return f"{DRAFT_TRAINER_PREFIX}{model_name}"
+
+
+def policy_actor_name(model_name: str) -> str:
+    """The policy actor of the application serving model_name. One per application, not one per
+    cluster: two specserve apps in one Ray cluster (two model pairs, or benchmark variants side
+    by side) must not mix their pools' load reports nor read each other's decisions."""
+    return f"{POLICY_ACTOR_PREFIX}:{model_name}"

@@ -15,9 +15,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, field_validator, model_validator
 
-from specserve.deployments.naming import draft_trainer_name
-from specserve.policies.decision import policy_actor_name
-from specserve.cluster.messages import MAX_DRAFT_TOKENS
+from specserve.common.messages import MAX_DRAFT_TOKENS
+from specserve.common.naming import draft_trainer_name, policy_actor_name
+from specserve.decoding.proposers import NO_PROPOSER, PROPOSERS, proposer_kind
 
 MAX_FAN_OUT = 16  # pre-drafted blocks per request per round: past this the pre-drafts crowd out the rounds
 
@@ -122,7 +122,8 @@ class SpeculationSpec(_Strict):
     (policies.depth); ``adaptive: false`` pins it at ``num_draft_tokens``.
     """
 
-    proposer: Literal["draft", "ngram", "none"] = "draft"
+    proposer: str = Field("draft", description="; ".join(
+        [f"`{name}`: {kind.description}" for name, kind in PROPOSERS.items()] + [f"`{NO_PROPOSER}`: target-only"]))
     num_draft_tokens: int = Field(4, ge=0, le=MAX_DRAFT_TOKENS)
     min_draft_tokens: int = Field(1, ge=0, le=MAX_DRAFT_TOKENS)
     max_draft_tokens: int = Field(8, ge=0, le=MAX_DRAFT_TOKENS)
@@ -143,6 +144,18 @@ class SpeculationSpec(_Strict):
     verification: Literal["block", "token"] = Field(
         "block", description="how a sampled request's draft-model block is verified: jointly (block verification, "
         "docs/block-verification.md) or token by token; greedy requests and n-gram drafts are always token-wise")
+
+    @field_validator("proposer")
+    @classmethod
+    def _registered_proposer(cls, name: str) -> str:
+        if name != NO_PROPOSER:
+            proposer_kind(name)   # raises, naming the choices
+        return name
+
+    @property
+    def needs_draft_model(self) -> bool:
+        """The proposer drafts with a draft checkpoint (draft.path), rather than without a model or not at all."""
+        return self.proposer != NO_PROPOSER and proposer_kind(self.proposer).needs_model
 
     @model_validator(mode="after")
     def _bounds(self) -> "SpeculationSpec":
@@ -312,9 +325,9 @@ class SpecServeConfig(_Strict):
 
     @model_validator(mode="after")
     def _draft_needed(self) -> "SpecServeConfig":
-        if self.speculation.proposer == "draft" and self.draft is None:
-            raise ValueError("speculation.proposer 'draft' needs a draft model (set draft.path)")
-        if self.draft_training.enabled and (self.draft is None or self.speculation.proposer != "draft"):
+        if self.speculation.needs_draft_model and self.draft is None:
+            raise ValueError(f"speculation.proposer {self.speculation.proposer!r} needs a draft model (set draft.path)")
+        if self.draft_training.enabled and (self.draft is None or not self.speculation.needs_draft_model):
             raise ValueError("draft_training.enabled needs a draft model (speculation.proposer 'draft')")
         return self
 
@@ -326,7 +339,7 @@ class SpecServeConfig(_Strict):
         if self.draft_training.enabled and self.draft_workers.tensor_parallel_size > 1:
             # A trained version is copied into one process's serving weights: not yet per rank's shards.
             raise ValueError("draft_training.enabled needs draft_workers.tensor_parallel_size 1")
-        if self.draft_workers.tensor_parallel_size > 1 and self.speculation.proposer != "draft":
+        if self.draft_workers.tensor_parallel_size > 1 and not self.speculation.needs_draft_model:
             raise ValueError("draft_workers.tensor_parallel_size > 1 needs a draft model (speculation.proposer "
                              "'draft'): an n-gram proposer has no weights to split")
         return self
@@ -334,7 +347,7 @@ class SpecServeConfig(_Strict):
     @model_validator(mode="after")
     def _device_matches_gpus(self) -> "SpecServeConfig":
         pools = [("target", self.target, "target_workers", self.target_workers)]
-        if self.draft is not None and self.speculation.proposer == "draft":
+        if self.draft is not None and self.speculation.needs_draft_model:
             pools.append(("draft", self.draft, "draft_workers", self.draft_workers))
         for role, spec, pool, workers in pools:
             if spec.device.startswith("cuda") and workers.num_gpus == 0:
@@ -361,7 +374,7 @@ class SpecServeConfig(_Strict):
 
     @property
     def uses_draft_workers(self) -> bool:
-        return self.speculation.proposer != "none"
+        return self.speculation.proposer != NO_PROPOSER
 
     def engine_options(self) -> dict[str, Any]:
         """What an engine's batching loop needs: the batching section plus the largest step a

@@ -2,7 +2,7 @@
 with its own question, through the target engine in process (scheduler, chunked prefill, paged
 cache; no Ray, no HTTP), with prefix caching on and off in one run.
 
-    python -m specserve.bench.prefix_cache [--system-tokens 3000] [--context 4096] [--requests 16] [--out FILE.md]
+    python -m specserve.bench.figures.prefix_cache [--system-tokens 3000] [--context 4096] [--requests 16] [--out FILE.md]
 
 The model is a look-alike of the shipped target (its architecture and tokenizer, random weights,
 max_position_embeddings = --context): time to first token depends on the shapes, not the weights.
@@ -27,13 +27,13 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from specserve.cluster.config import SpecServeConfig
+from specserve.common.config import SpecServeConfig
 from specserve.decoding.sampling import SamplingParams
 from specserve.deployments.committed_history import whole_history as whole
 from specserve.deployments.target_worker import TargetEngine
 
-DEFAULT_TARGET = Path(__file__).resolve().parents[1] / "models" / "default" / "target"
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DEFAULT_TARGET = Path(__file__).resolve().parents[2] / "models" / "default" / "target"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 GREEDY = SamplingParams(temperature=0, max_tokens=1)
 CHAT_TURNS = 10
 CHAT_ANSWER_TOKENS = 64   # each turn's answer, taken from docs text (its KV computed as decoding would)
@@ -204,7 +204,7 @@ def main() -> None:
         model_dir = look_alike(Path(tmp), args.context)
         system, questions, answers = prompts(model_dir, args.system_tokens, max(args.requests, CHAT_TURNS))
         histories = [system + question for question in questions[:args.requests]]
-        record = {"command": "python -m specserve.bench.prefix_cache " + " ".join(
+        record = {"command": "python -m specserve.bench.figures.prefix_cache " + " ".join(
                       f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out" and v is not None),
                   "requests": args.requests, "system_tokens": args.system_tokens, "context": args.context,
                   "prefill_token_budget": SpecServeConfig().batching.prefill_token_budget,

@@ -1,12 +1,12 @@
 """Structured outputs over HTTP: many sampled JSON-schema requests against the served default pair,
 every output checked against its schema.
 
-The in-process benchmark (bench.structured_outputs) measures speed and grammar cost on the round
+The in-process benchmark (bench.figures.structured_outputs) measures speed and grammar cost on the round
 path; this one checks the served path end to end as a client sees it: the `openai` client, vLLM's
 `structured_outputs` (compact JSON, `disable_any_whitespace`) and OpenAI's `response_format`
 `json_schema` in turn, sampled at temperature 1 with speculation on, `streams` requests at a time.
 
-    python -m specserve.bench.structured_http --requests 1000 --out bench/results/cpu-2core-structured-http.md
+    python -m specserve.bench.figures.structured_http --requests 1000 --out bench/results/cpu-2core-structured-http.md
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 import jsonschema
 from openai import OpenAI
 
-from specserve.bench.structured_outputs import PROMPTS, SCHEMAS
-from specserve.cluster.config import SpecServeConfig
+from specserve.bench.figures.structured_outputs import PROMPTS, SCHEMAS
+from specserve.common.config import SpecServeConfig
 
 MAX_TOKENS = 96
 PORT = 8767
@@ -105,9 +105,9 @@ def main() -> None:
         stop_local()
     lines = [
         "# Structured outputs over HTTP (default pair, sampled, speculation on)", "",
-        f"`python -m specserve.bench.structured_http --requests {args.requests} --flexible {args.flexible} --streams "
+        f"`python -m specserve.bench.figures.structured_http --requests {args.requests} --flexible {args.flexible} --streams "
         f"{args.streams}`: the `openai` client against `specserve serve`'s default config, temperature 1, max_tokens "
-        f"{MAX_TOKENS}, {len(PROMPTS)} prompts x {len(SCHEMAS)} JSON schemas (bench/structured_outputs.py), "
+        f"{MAX_TOKENS}, {len(PROMPTS)} prompts x {len(SCHEMAS)} JSON schemas (bench/figures/structured_outputs.py), "
         f"{args.streams} requests at a time; 1-minute load average {os.getloadavg()[0]:.1f} on 2 cores when it ended.", "",
         f"Compact JSON ({' / '.join(COMPACT_FORMS)}, in turn):", "", *summary(compact, seconds, args.streams), ""]
     for form in COMPACT_FORMS:

@@ -17,7 +17,7 @@ from typing import Any
 RAY_NAMESPACE = "specserve"  # where the engines and the policy actor are named actors
 POOLS = ("target", "draft")
 REQUEST_CLASSES = ("greedy", "sampled")
-MAX_DRAFT_TOKENS = 32  # the deepest K a config allows (cluster.config bounds its depths by it)
+MAX_DRAFT_TOKENS = 32  # the deepest K a config allows (common.config bounds its depths by it)
 # An engine keeps the (new tokens, seconds) of its recent forwards and sends the ones not sent yet
 # with each load report; the policy actor keeps more per pool: enough for a cost-curve fit,
 # recent enough to follow the load.

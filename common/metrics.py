@@ -21,7 +21,7 @@ from typing import Literal
 
 from ray.util import metrics
 
-from specserve.cluster.messages import MAX_DRAFT_TOKENS
+from specserve.common.messages import MAX_DRAFT_TOKENS
 
 PROMETHEUS_PREFIX = "ray_"  # Ray's metrics agent prefixes every application metric with it
 

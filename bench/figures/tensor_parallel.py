@@ -1,6 +1,6 @@
 """Tensor parallelism on this box: memory per rank and what TP=2 costs per forward against TP=1.
 
-    python -m specserve.bench.tensor_parallel [--hidden 1024] [--layers 8] [--reps 20] [--out bench/results/...]
+    python -m specserve.bench.figures.tensor_parallel [--hidden 1024] [--layers 8] [--reps 20] [--out bench/results/...]
 
 A random Llama checkpoint (default 160M parameters: 0.32 GB in bfloat16 on disk, 0.64 GB loaded
 in float32) is written to a temp dir, then, each phase in fresh processes (torch.multiprocessing, gloo, one torch thread each):
@@ -79,7 +79,7 @@ def histories(rows: int) -> dict[str, list[int]]:
 
 def time_shapes(runners: dict, reps: int) -> dict:
     """Median ms per forward of each runner per shape (taking turns), and their largest logit gap."""
-    from specserve.bench.lean_forward import forwards_in_turns
+    from specserve.bench.figures.lean_forward import forwards_in_turns
 
     shapes = {}
     for rows, new in SHAPES:
@@ -171,7 +171,7 @@ def report(result: dict) -> str:
     mib = 2 ** 20
     model, memory = result["model"], result["memory"]
     whole = memory["tp1"][0]
-    lines = [f"# TP=1 vs TP=2 on {result['machine']['cpus']} CPU cores (gloo), `python -m specserve.bench.tensor_parallel`", "",
+    lines = [f"# TP=1 vs TP=2 on {result['machine']['cpus']} CPU cores (gloo), `python -m specserve.bench.figures.tensor_parallel`", "",
              f"A random Llama of {model['parameters']:,} parameters (hidden {model['hidden']}, {model['layers']} layers, "
              f"{model['hidden'] // 64} heads / {model['hidden'] // 128} KV heads, vocabulary {model['vocab']:,}), "
              f"bfloat16 on disk, loaded in float32: {whole['weight_bytes'] / mib:.0f} MiB of weights. "
@@ -197,7 +197,7 @@ def report(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m specserve.bench.tensor_parallel", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m specserve.bench.figures.tensor_parallel", description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)

@@ -2,7 +2,7 @@
 decoding in process (decoding.generate.generate_batch: the engines' round path, batched drafting
 and one target forward per round for every stream), at 1 and at N streams.
 
-    python -m specserve.bench.decoder_throughput --baseline-tree /tmp/specserve-before [--rounds 3] [--streams 8]
+    python -m specserve.bench.figures.decoder_throughput --baseline-tree /tmp/specserve-before [--rounds 3] [--streams 8]
 
 Pairs: the shipped default pair on the third-party prompts (bench/prompts_thirdparty_v1.json), and
 tiny random look-alikes of the Qwen3, Qwen3-MoE + Qwen3, Gemma 3 and Phi-3 pairs
@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAIRS = ("default", "qwen3", "qwen3_moe", "gemma3", "phi3")
 
 
@@ -78,7 +78,7 @@ def measure(tree: Path, pair: str, streams: int, max_tokens: int, fixtures: str)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m specserve.bench.decoder_throughput", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m specserve.bench.figures.decoder_throughput", description=__doc__.splitlines()[0])
     parser.add_argument("--baseline-tree", help="a checkout of the code before the change (git worktree)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--streams", type=int, default=8)
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
                          "tok_s_1": round(one, 1), f"tok_s_{args.streams}": round(many, 1),
                          "ratio": round(many / one, 2),
                          "acceptance": round(statistics.median(s["acceptance"] for s in samples[(pair, 1, tree_name)]), 3)})
-    command = "python -m specserve.bench.decoder_throughput " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m specserve.bench.figures.decoder_throughput " + " ".join(argv if argv is not None else sys.argv[1:])
     out = ROOT / "bench/results" / args.name
     out.with_suffix(".json").write_text(json.dumps({"command": command, "rounds": args.rounds,
                                                     "max_tokens": args.max_tokens, "rows": rows}, indent=2))

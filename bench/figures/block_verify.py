@@ -1,6 +1,6 @@
 """Block verification against token-wise, in process on the shipped default pair.
 
-    python -m specserve.bench.block_verify [--max-tokens 64] [--runs 2] [--num-prompts 12] [--name block-verify]
+    python -m specserve.bench.figures.block_verify [--max-tokens 64] [--runs 2] [--num-prompts 12] [--name block-verify]
 
 The third-party prompts, sampled (temperatures 1.0 and 0.7, no top-k/top-p), K pinned at 4 and 8,
 through decoding.generate (the reference loop the router shares accept_round with). For every
@@ -35,7 +35,7 @@ from transformers import AutoTokenizer
 import specserve.decoding.generate
 from specserve import decoding
 from specserve.bench.inprocess import load_pair, run_specserve
-from specserve.cluster.config import load_config
+from specserve.common.config import load_config
 from specserve.decoding.rejection import block_verify, expected_num_accepted, rejection_sample
 from specserve.decoding.sampling import SamplingParams
 from specserve.decoding.speculation import as_tensor
@@ -164,7 +164,7 @@ def render(result: dict) -> str:
              f"{settings['max_tokens']} tokens each, sampled (no top-k/top-p), K pinned; the two verifiers take "
              f"turns on the same requests (same seeds). Load average {settings['loadavg_start']} -> "
              f"{settings['loadavg_end']} (a shared box: tok/s is noisy, tokens per pass is not). "
-             "`python -m specserve.bench.block_verify`", "",
+             "`python -m specserve.bench.figures.block_verify`", "",
              "| T | K | verifier | tok/pass | tok/round | accept | tok/s | exact accepted/round (same rows) |",
              "|---|---|---|---|---|---|---|---|"]
     for cell in result["cells"]:
@@ -191,7 +191,7 @@ def render(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m specserve.bench.block_verify", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m specserve.bench.figures.block_verify", description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="specserve YAML (default: the shipped pair)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=2)
