@@ -164,23 +164,35 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_running_verifies(pair):
     assert len(steps) == 3 and engine.loop.stats.iterations >= 4
 
 
-def test_prompt_logprobs_come_from_one_prefill_even_past_the_chunk_budget(pair):
-    """A prefill asked for the prompt's log-probabilities keeps every prompt row (it runs whole
-    though the prompt is three chunks long), and they equal HF's forward of the whole prompt; the
-    first token has none, and the usual answer (the first output token) is unchanged."""
+def test_prompt_logprobs_are_computed_chunk_by_chunk_and_equal_the_whole_prompts(pair):
+    """A prefill asked for the prompt's log-probabilities runs in chunks like any prefill: no
+    forward returns more rows than a chunk's (32 here, the prompt is 100 tokens), and the entries
+    equal HF's forward of the whole prompt at once; the first token has none, and the usual answer
+    (the first output token) is unchanged."""
     from transformers import AutoModelForCausalLM
 
     target_path, _ = pair
     long_prompt = [(7 * i) % 90 + 3 for i in range(100)]
+    most_rows = []   # the rows of each forward's largest logits tensor
 
     async def scenario():
         engine = TargetEngine(spec(target_path), options(prefill_token_budget=32))
+        forward_batch = engine.runner.forward_batch
+
+        def recording(calls):
+            logits = forward_batch(calls)
+            most_rows.append(max(rows.shape[0] for rows in logits))
+            return logits
+
+        engine.runner.forward_batch = recording
         plain, _ = await verify(engine, "plain", long_prompt, 1, GREEDY)
         with_prompt, _ = await asyncio.wait_for(verify(engine, "echo", long_prompt, 1, GREEDY, prompt_logprobs=2), 60)
         return engine, plain, with_prompt
 
     engine, plain, (rows, entries) = asyncio.run(scenario())
     assert rows == plain and engine.runner.num_cached("echo") == len(long_prompt)
+    assert max(most_rows) <= 32 and len(most_rows) >= 8, most_rows   # 4 chunks each, plain and scored
+    assert not engine.prompt_entries
     model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=torch.float32).eval()
     with torch.no_grad():
         expected = torch.log_softmax(model(torch.tensor([long_prompt])).logits[0].float(), dim=-1)
