@@ -15,7 +15,7 @@ set, every /v1/* path needs ``Authorization: Bearer <key>`` (checked before the 
 /health stays open for load balancers and Serve's health checks.
 
 One readiness truth: until every engine pool has answered once, nothing here answers 200: /health
-says "starting" (503) and every /v1/* path, /v1/models included, answers 503 with Retry-After.
+says "starting" (503) and every other path, /v1/models included, answers 503 with Retry-After.
 Serve routes to this replica as soon as it runs, long before the engines have loaded (or failed
 to); a client that waits for /v1/models, as it would for vLLM, must not see a server that cannot
 serve yet, or one whose start is about to fail.
@@ -71,18 +71,20 @@ app = FastAPI(title="specserve", description="OpenAI-compatible speculative deco
 
 
 @app.middleware("http")
-async def _require_api_key(request: Request, call_next):
+async def _admit(request: Request, call_next):
     # A middleware, not a route dependency: it runs before the body is parsed (a stranger learns
-    # nothing about the schema) and covers every /v1/* path, unknown ones included.
+    # nothing about the schema) and covers every path, unknown ones included: the API key on
+    # /v1/*, then readiness everywhere but /health (which says "starting" itself).
+    ingress = serve.get_replica_context().servable_object
     if request.url.path.startswith("/v1/"):
-        ingress = serve.get_replica_context().servable_object
         refusal = authorization_error(request.headers.get("authorization"), ingress.api_key_digests)
         if refusal is not None:
             return JSONResponse(status_code=401, content=refusal, headers={"WWW-Authenticate": "Bearer"})
-        if not ingress.serving and (await ingress.health_report())["status"] == "starting":
-            return JSONResponse(status_code=503, headers={"Retry-After": str(STARTING_RETRY_AFTER_S)},
-                                content=error_body("specserve is starting: the engines are still loading",
-                                                   error_type="service_unavailable"))
+    starting = not ingress.serving and request.url.path != "/health"
+    if starting and (await ingress.health_report())["status"] == "starting":
+        return JSONResponse(status_code=503, headers={"Retry-After": str(STARTING_RETRY_AFTER_S)},
+                            content=error_body("specserve is starting: the engines are still loading",
+                                               error_type="service_unavailable"))
     return await call_next(request)
 
 

@@ -93,7 +93,8 @@ def served_and_stopped(tmp_path_factory) -> dict:
             assert server.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.5)
         poller.join(timeout=30)
-        seen["after_ready"] = {route: httpx.get(url + route, timeout=10).status_code for route in ("/v1/models", "/health")}
+        seen["after_ready"] = {route: httpx.get(url + route, timeout=10).status_code
+                               for route in ("/v1/models", "/health")}
         result: dict = {}
         started = threading.Event()
         client = threading.Thread(target=_stream, args=(url, result, started))
