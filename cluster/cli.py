@@ -92,20 +92,20 @@ def stream_completion(url: str, model: str, prompt: str, max_tokens: int, temper
     return final
 
 
-def _print_stats(final: dict, elapsed_s: float) -> None:
+def _print_stats(final: dict, elapsed_s: float, out=sys.stdout) -> None:
     usage, spec = final.get("usage") or {}, final.get("speculation") or {}
     tokens = usage.get("completion_tokens", 0)
     print(f"--- {tokens} tokens in {elapsed_s:.2f} s ({tokens / max(elapsed_s, 1e-9):.1f} tok/s), "
-          f"finish_reason={final.get('choices', [{}])[0].get('finish_reason')}")
-    print("--- speculation: " + json.dumps(spec))
+          f"finish_reason={final.get('choices', [{}])[0].get('finish_reason')}", file=out)
+    print("--- speculation: " + json.dumps(spec), file=out, flush=True)
 
 
-def _demo(url: str, model: str, prompt: str, max_tokens: int, temperature: float | None) -> None:
-    print(f"--- POST {url}/v1/completions  prompt={prompt!r}")
-    print(prompt, end="")
+def _demo(url: str, model: str, prompt: str, max_tokens: int, temperature: float | None, out) -> None:
+    print(f"--- POST {url}/v1/completions  prompt={prompt!r}", file=out)
+    print(prompt, end="", file=out)
     started = time.perf_counter()
-    final = stream_completion(url, model, prompt, max_tokens, temperature)
-    _print_stats(final, time.perf_counter() - started)
+    final = stream_completion(url, model, prompt, max_tokens, temperature, out=out)
+    _print_stats(final, time.perf_counter() - started, out)
 
 
 class Terminated(Exception):
@@ -139,45 +139,63 @@ def _start(config, dashboard: bool = False) -> str:
         raise SystemExit(f"specserve: {exc}") from None
 
 
+def _console(args: argparse.Namespace, command: str):
+    """specserve_console for a command that runs Ray: Ray's output to a log file unless --verbose;
+    the first line says where it went."""
+    from specserve.cluster.console import default_log_path, specserve_console
+
+    log_path = None if args.verbose else default_log_path(command)
+    if log_path is not None:
+        print(f"specserve: Ray's own output goes to {log_path} (--verbose prints it here)", flush=True)
+    return specserve_console(log_path)
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
+    config = _config(args)
+    with _console(args, "serve") as console:
+        _serve(args, config, console)
+
+
+def _serve(args: argparse.Namespace, config, console) -> None:
     from specserve.cluster.local import drain_local, metrics_url, stop_local
 
-    config = _config(args)
     url = _start(config, dashboard=args.dashboard)
     # SIGTERM is how docker stop, systemd and Kubernetes ask a server to stop. Ray's driver
     # handler (installed by ray.init) dumps a stack and exits without a drain; replace it after
     # start-up so SIGTERM takes the same path as Ctrl-C: stop_local drains and stops everything.
     signal.signal(signal.SIGTERM, _raise_terminated)
-    print(f"specserve is serving '{config.model_name}' at {url}  (OpenAI API under {url}/v1)", flush=True)
-    print(f"metrics: {metrics_url()}", flush=True)
+    console.say(f"specserve is serving '{config.model_name}' at {url}  (OpenAI API under {url}/v1)")
+    console.say(f"metrics: {metrics_url()}")
     try:
         if args.demo:
-            _demo(url, config.model_name, args.demo, args.max_tokens, args.temperature)
+            _demo(url, config.model_name, args.demo, args.max_tokens, args.temperature, console.out)
         if args.exit_after_demo:
             return
-        print("Ctrl-C to stop.", flush=True)
+        console.say("Ctrl-C to stop.")
         while True:
             time.sleep(3600)
     except (KeyboardInterrupt, Terminated):
         grace_s = config.limits.shutdown_grace_s
-        print(f"specserve: stopping; requests in flight get up to {grace_s:.0f} s to finish", flush=True)
+        console.say(f"specserve: stopping; requests in flight get up to {grace_s:.0f} s to finish")
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the drain short
         left = drain_local(grace_s)
         if left:
-            print(f"specserve: {left} requests still running after {grace_s:.0f} s are cancelled", flush=True)
+            console.say(f"specserve: {left} requests still running after {grace_s:.0f} s are cancelled")
     finally:
         stop_local()
+        console.say("specserve: stopped")
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from specserve.cluster.local import stop_local
 
     config = _config(args)
-    url = _start(config)
-    try:
-        _demo(url, config.model_name, args.prompt, args.max_tokens, args.temperature)
-    finally:
-        stop_local()
+    with _console(args, "generate") as console:
+        url = _start(config)
+        try:
+            _demo(url, config.model_name, args.prompt, args.max_tokens, args.temperature, console.out)
+        finally:
+            stop_local()
 
 
 def cmd_serve_config(args: argparse.Namespace) -> None:
@@ -217,6 +235,8 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--max-tokens", type=int, default=96)
         p.add_argument("--temperature", type=float, default=None,
                        help="default: the target's generation_config.json (else 1.0); 0 = greedy")
+        p.add_argument("--verbose", action="store_true",
+                       help="print Ray's own output too (default: to a log file, named at start)")
         add_model_args(p)
 
     serve_parser = sub.add_parser("serve", help="start a local Ray cluster and serve the OpenAI API")

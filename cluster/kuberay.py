@@ -52,21 +52,33 @@ AUTOSCALER_OPTIONS = {"upscalingMode": "Default", "idleTimeoutSeconds": 120,
                                     "requests": {"cpu": "500m", "memory": "512Mi"}}}
 
 
-def _worker_group(pool: str, workers: WorkerResources, image: str, models_claim: str | None) -> dict[str, Any]:
+def readiness_probe(http_port: int) -> dict[str, Any]:
+    """A worker pod is Ready (Kubernetes sends it Serve traffic) when /health answers 200 through
+    its Serve proxy: every engine pool has answered once (deployments/ingress.py), not merely when
+    the proxy runs (KubeRay's default probe). The head keeps KubeRay's own probes: KubeRay submits
+    the Serve application only once the head is Ready, so a head gated on the application would
+    never get one."""
+    return {"httpGet": {"path": "/health", "port": http_port}, "periodSeconds": 5, "timeoutSeconds": 5,
+            "failureThreshold": 3}
+
+
+def _worker_group(pool: str, workers: WorkerResources, image: str, models_claim: str | None,
+                  http_port: int) -> dict[str, Any]:
     """One node per engine: node counts follow the pool's replica bounds. A draft pool with
     num_gpus 0 becomes a CPU group (heterogeneous placement: small drafts need no GPU). A
     tensor-parallel engine's N ranks share one node (STRICT_PACK): its pod gets N ranks' GPUs and CPUs."""
     size = workers.tensor_parallel_size
     gpus_per_node = max(1, int(workers.num_gpus)) * size if workers.num_gpus else 0
     low, high = workers.replica_bounds
+    spec = _pod(image, max(2.0, workers.num_cpus * size + 1), gpus_per_node, workers.node_memory_gb, models_claim)
+    spec["containers"][0]["readinessProbe"] = readiness_probe(http_port)
     return {
         "groupName": f"{pool}-{'gpu' if gpus_per_node else 'cpu'}",
         "replicas": workers.initial_replicas,
         "minReplicas": low,
         "maxReplicas": high,
         "rayStartParams": {"resources": json.dumps(workers.resources)} if workers.resources else {},
-        "template": {"spec": _pod(image, max(2.0, workers.num_cpus * size + 1), gpus_per_node, workers.node_memory_gb,
-                                  models_claim)},
+        "template": {"spec": spec},
     }
 
 
@@ -91,8 +103,9 @@ def rayservice_manifest(config: SpecServeConfig, image: str = DEFAULT_IMAGE, nam
                 "autoscalerOptions": AUTOSCALER_OPTIONS,
                 "headGroupSpec": {"rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0"},
                                   "template": {"spec": head}},
-                "workerGroupSpecs": [_worker_group("draft", config.draft_workers, image, models_claim),
-                                     _worker_group("target", config.target_workers, image, models_claim)],
+                "workerGroupSpecs": [_worker_group("draft", config.draft_workers, image, models_claim, config.http.port),
+                                     _worker_group("target", config.target_workers, image, models_claim,
+                                                   config.http.port)],
             },
         },
     }

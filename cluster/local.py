@@ -117,7 +117,9 @@ def init_local_ray(**ray_init_kwargs) -> None:
 
 
 def start_local(config: SpecServeConfig, dashboard: bool = False, timeout_s: float = 300.0) -> str:
-    """Start Ray + Serve + the app; block until /health answers; return the base URL.
+    """Start Ray + Serve + the app; block until /health answers 200 (every engine pool has
+    answered: deployments/ingress.py); return the base URL. Progress goes to this module's
+    logger (the CLI prints it).
 
     If anything after Ray starts fails (a deployment that cannot start, no health in time), what
     this call started is stopped before the error propagates: a failed start-up leaves no cluster
@@ -126,12 +128,14 @@ def start_local(config: SpecServeConfig, dashboard: bool = False, timeout_s: flo
     check_port_free(config.http.host, config.http.port)
     started_ray = not ray.is_initialized()
     if started_ray:
+        logger.info("starting Ray on this machine")
         init_local_ray(num_cpus=logical_cpus_needed(config), resources=custom_resources_needed(config),
                        include_dashboard=dashboard, _metrics_export_port=metrics_export_port(config),
                        _system_config={**RAY_SYSTEM_CONFIG, **metrics_system_config(config)})
     try:
         serve.start(http_options={"host": config.http.host, "port": config.http.port})
         deadline = time.monotonic() + timeout_s
+        logger.info("deploying '%s'; its engines are loading", config.model_name)
         deploy_and_wait(config, timeout_s)
         url = f"http://{config.http.host}:{config.http.port}"
         wait_healthy(url, max(deadline - time.monotonic(), 1.0))

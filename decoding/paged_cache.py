@@ -168,7 +168,7 @@ def kv_capacity(config, dtype: torch.dtype, budget_bytes: float, max_model_len: 
                           max_model_len, layers_per_block, num_layers, sequence_blocks)
     if capacity.full_length_sequences < 1:
         raise ValueError(
-            f"the KV cache budget of {budget_bytes / GIB:.3f} GiB holds {capacity.tokens:,} tokens "
+            f"the KV cache budget of {budget_bytes / GIB:.6g} GiB ({budget_bytes / (1 << 20):.6g} MiB) holds {capacity.tokens:,} tokens "
             f"({bytes_per_token:,} bytes a token), fewer than max_model_len={max_model_len:,}: raise "
             "kv_cache_memory_gb (or gpu_memory_utilization) or lower max_model_len")
     return capacity

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -50,6 +50,50 @@ class ProposeCall:
     num_candidates: int = 0        # also return the draft's top tokens at each position (Proposal.candidates)
     guess_first: bool = False      # the first token is the draft's argmax, drawn with no randomness (a guess)
     keep_stream_states: bool = False  # return the generator's state after each draw (Proposal.stream_states)
+
+
+@dataclass
+class Drafting:
+    """One call's block while it is drafted (DraftModelProposer.start, then a token per `step`)."""
+
+    call: ProposeCall
+    budget: int                      # tokens it may draft (fewer near the draft's context end; 0: none)
+    history: list[int]               # the call's history and the tokens drafted so far
+    matcher: object | None = None    # the call's grammar matcher, synced to its history
+    processor: HistoryProcessor | None = None
+    drafted: list[int] = field(default_factory=list)
+    ranked: list[list[int]] = field(default_factory=list)
+    q_rows: list[DraftSupport] = field(default_factory=list)
+    states: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return len(self.drafted) >= self.budget
+
+    def advance(self, token: int | None, top: list[int] | None, q: DraftSupport | None) -> None:
+        """Take one step's token (None: the grammar allows nothing here; the target will say so,
+        the draft just stops)."""
+        if token is None:
+            self.budget = len(self.drafted)
+            return
+        call = self.call
+        if top is not None:
+            self.ranked.append(top)
+        if q is not None:
+            self.q_rows.append(q)
+        if call.keep_stream_states and call.generator is not None and not (call.guess_first and not self.drafted):
+            self.states.append(call.generator.get_state())
+        if self.processor is not None:
+            self.processor.advance([token])
+        self.drafted.append(token)
+        self.history.append(token)
+
+    def proposal(self) -> Proposal:
+        if not self.drafted:
+            return empty_proposal()
+        return Proposal(token_ids=self.drafted, support=None if self.call.params.is_greedy else
+                        DraftSupport.stack(self.q_rows), candidates=self.ranked or None,
+                        stream_states=self.states if self.call.keep_stream_states else None)
 
 
 def empty_proposal() -> Proposal:
@@ -101,53 +145,38 @@ class DraftModelProposer:
         return self.propose_batch([ProposeCall(seq_id, history, num_tokens, params, generator, prompt_len)])[0]
 
     def propose_batch(self, calls: Sequence[ProposeCall]) -> list[Proposal]:
-        """`propose` for every call (distinct seq_ids) in max(num_tokens) batched draft steps.
+        """`propose` for every call (distinct seq_ids) in max(num_tokens) batched draft steps
+        (`start`, then `step` while any is drafting)."""
+        drafts = [self.start(call) for call in calls]
+        while drafting := [draft for draft in drafts if not draft.done]:
+            self.step(drafting)
+        return [draft.proposal() for draft in drafts]
 
-        The first step brings each row's history up to date (several new tokens for a row whose
-        last round accepted some); each later step feeds one token per row. A row leaves the batch
-        once it has its num_tokens. Each row is drawn with its own generator, so a seeded
-        request's draft does not depend on what else shares the batch."""
+    def start(self, call: ProposeCall) -> Drafting:
+        """A block to draft for call, one `step` at a time: no forward yet."""
         # The last drafted token is never fed, so the draft sees at most len(history) + K - 1 tokens.
-        budgets = [max(0, min(call.num_tokens, self.runner.max_context - len(call.history) + 1))
-                   for call in calls]
-        histories = [list(call.history) for call in calls]
-        drafted: list[list[int]] = [[] for _ in calls]
-        ranked: list[list[list[int]]] = [[] for _ in calls]
-        states: list[list[torch.Tensor]] = [[] for _ in calls]
-        q_rows: list[list[DraftSupport]] = [[] for _ in calls]
-        matchers = [self._grammar(call) if budget > 0 else None for call, budget in zip(calls, budgets)]
-        budgets = [0 if matcher is False else budget for matcher, budget in zip(matchers, budgets)]
-        processors: list[HistoryProcessor | None] = [None] * len(calls)
-        drafting = [i for i, budget in enumerate(budgets) if budget > 0]
-        while drafting:
-            logits = self.runner.forward_batch([ForwardCall(calls[i].seq_id, histories[i], 1) for i in drafting])
-            rows = torch.cat([row_logits[-1:] for row_logits in logits])
-            for i in drafting:  # built on the first step, where the rows' width and device are known
-                if processors[i] is None and calls[i].params.uses_history:
-                    processors[i] = history_processor(calls[i].params, calls[i].history, calls[i].prompt_len,
-                                                      rows.shape[-1], rows.device, matchers[i] or None)
-            step = draft_step(rows, [calls[i] for i in drafting], [processors[i] for i in drafting],
-                              [not drafted[i] for i in drafting], self.max_candidates)
-            for i, (token, top, q) in zip(drafting, step):
-                call = calls[i]
-                if token is None:  # the grammar allows nothing here: the target will say so; the draft just stops
-                    budgets[i] = len(drafted[i])
-                    continue
-                if top is not None:
-                    ranked[i].append(top)
-                if q is not None:
-                    q_rows[i].append(q)
-                if call.keep_stream_states and call.generator is not None and not (call.guess_first and not drafted[i]):
-                    states[i].append(call.generator.get_state())
-                if processors[i] is not None:
-                    processors[i].advance([token])
-                drafted[i].append(token)
-                histories[i].append(token)
-            drafting = [i for i in drafting if len(drafted[i]) < budgets[i]]
-        return [Proposal(token_ids=tokens, support=None if call.params.is_greedy else DraftSupport.stack(rows),
-                         candidates=top or None, stream_states=kept if call.keep_stream_states else None)
-                if tokens else empty_proposal()
-                for call, tokens, rows, top, kept in zip(calls, drafted, q_rows, ranked, states)]
+        budget = max(0, min(call.num_tokens, self.runner.max_context - len(call.history) + 1))
+        matcher = self._grammar(call) if budget > 0 else None
+        return Drafting(call, 0 if matcher is False else budget, list(call.history), matcher or None)
+
+    def step(self, drafts: Sequence[Drafting]) -> None:
+        """One draft forward for drafts (distinct seq_ids, none done), each advanced by one token.
+
+        A draft's first step brings its row's history up to date (several new tokens for a row
+        whose last round accepted some); each later step feeds one token. Each row is drawn with
+        its own generator, so a seeded request's draft does not depend on what else shares the
+        step, nor on which steps it shared: a draft engine may start new drafts between the steps
+        of others (continuous batching), and each block is the one drafting it alone draws."""
+        logits = self.runner.forward_batch([ForwardCall(draft.call.seq_id, draft.history, 1) for draft in drafts])
+        rows = torch.cat([row_logits[-1:] for row_logits in logits])
+        for draft in drafts:  # built on the first step, where the rows' width and device are known
+            if draft.processor is None and draft.call.params.uses_history:
+                draft.processor = history_processor(draft.call.params, draft.call.history, draft.call.prompt_len,
+                                                    rows.shape[-1], rows.device, draft.matcher)
+        step = draft_step(rows, [draft.call for draft in drafts], [draft.processor for draft in drafts],
+                          [not draft.drafted for draft in drafts], self.max_candidates)
+        for draft, (token, top, q) in zip(drafts, step):
+            draft.advance(token, top, q)
 
     def _grammar(self, call: ProposeCall):
         """The call's grammar matcher synced to its history, None (no grammar, or drafting

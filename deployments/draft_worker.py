@@ -1,5 +1,11 @@
 """Draft worker: proposes K tokens (and, when sampling, the q each was drawn from as (ids, probs))
-per round, for every request drafting now in K batched decode steps.
+per round, for every request drafting now in batched decode steps.
+
+Batching is continuous at step granularity: an engine iteration runs ONE decode step for every
+block being drafted, and a propose that arrives meanwhile joins the next step, rather than waiting
+for the other blocks' K steps to end. A block unfinished at the end of an iteration stays queued
+with what it drafted so far (decoding.proposers.Drafting); each row draws with its own generator,
+so the block is the one drafting it alone draws.
 
 While the target verifies a block, the engine pre-drafts the next block for the verification's
 likely outcomes into its speculation cache (speculative speculative decoding,
@@ -31,7 +37,7 @@ from ray import serve
 from specserve.common.messages import CallSpan, HistoryUpdate, UnknownHistory
 from specserve.decoding.batched_runner import ForwardCall, load_runner
 from specserve.decoding.model_runner import checkpoint_weights
-from specserve.decoding.proposers import Proposal, ProposeCall, empty_proposal, proposer_kind
+from specserve.decoding.proposers import Drafting, Proposal, ProposeCall, empty_proposal, proposer_kind
 from specserve.decoding.sampling import SamplingParams, make_generator
 from specserve.decoding.speculation_cache import Predraft, block_of, continues, may_continue, predrafts, tokens_thrown_away
 from specserve.decoding.scheduler import CallShape, Schedule
@@ -99,6 +105,7 @@ class DraftEngine(EngineCore):
         self.trainer_name = engine_options.get("draft_trainer")
         self._registered_at = 0.0
         self.speculation: dict[str, list[_Branch]] = {}   # per request: its pre-drafts for the verify running now
+        self.drafting: dict[str, Drafting] = {}   # blocks drafted over several iterations, by sequence
         self._branch_count = 0
         self.speculative_s = 0.0
         super().__init__(runner, engine_options, name)
@@ -136,7 +143,7 @@ class DraftEngine(EngineCore):
         """The draft version serving now, the path it names and where its weights were read."""
         return {"draft_version": self.draft_version, "draft_path": self.draft_path, "draft_source": self.draft_source}
 
-    def step(self, calls: list[DraftCall]) -> dict[int, Any]:
+    def step(self, calls: list[DraftCall]) -> tuple[dict[int, Any], int]:
         """An iteration, on the loaded version if one waits: it takes over here, between forwards.
         A pre-draft's sequence is forked from its request's here, in the worker thread. An
         iteration of pre-drafts only is speculative work: its seconds are counted apart
@@ -146,13 +153,15 @@ class DraftEngine(EngineCore):
         dropped = self._fork_predrafts(calls)
         if dropped:
             kept = [index for index in range(len(calls)) if index not in dropped]
-            results = {kept[index]: result for index, result in super().step([calls[i] for i in kept]).items()}
+            kept_results, ran = super().step([calls[i] for i in kept])
+            results = {kept[index]: result for index, result in kept_results.items()}
             results.update(dropped)
+            ran += len(dropped)
         else:
-            results = super().step(calls)
+            results, ran = super().step(calls)
         if calls and all(call.fork_of is not None for call in calls):
             self.speculative_s += time.perf_counter() - started
-        return results
+        return results, ran
 
     def _fork_predrafts(self, calls: list[DraftCall]) -> dict[int, None]:
         """Fork each new pre-draft's sequence from its request's while a sequence slot is free
@@ -165,6 +174,9 @@ class DraftEngine(EngineCore):
             1 for call in calls if call.fork_of is None and not self.runner.num_cached(call.seq_id))
         for index, call in enumerate(calls):
             if call.fork_of is None or self.runner.num_cached(call.seq_id):
+                continue
+            if self.drafting.pop(call.seq_id, None) is not None:   # preempted mid-block: its fork is gone
+                dropped[index] = None
                 continue
             if free <= 0:
                 dropped[index] = None
@@ -312,21 +324,29 @@ class DraftEngine(EngineCore):
 
     def forget(self, seq_id: str) -> None:
         super().forget(seq_id)
+        self.drafting.pop(seq_id, None)
         self._drop_predrafts(seq_id)
         self.generators.pop(seq_id, None)
         if self.runner is not None:
             self.proposer.grammars.release(seq_id)
 
     def shape(self, call: DraftCall) -> CallShape:
-        return CallShape(call.seq_id, call.history, extra_tokens=max(call.num_tokens - 1, 0))
+        return CallShape(call.seq_id, self._tokens(call))
+
+    def _tokens(self, call: DraftCall) -> Sequence[int]:
+        """The history call's next forward runs over: with the tokens drafted so far, mid-block."""
+        drafting = self.drafting.get(call.seq_id)
+        return call.history if drafting is None else drafting.history
 
     def run(self, calls: list[DraftCall], schedule: Schedule) -> StepOutput:
-        """Prefill what the cache lacks (prompts, or a replica's first sight of a request), then
-        draft for every call in one batch of decode steps."""
+        """Prefill what the cache lacks (prompts, or a replica's first sight of a request), then one
+        batched decode step for every call drafting a block; a block finished is answered, the
+        others stay queued for the next iteration, which new calls join."""
         output = StepOutput()
         if self.runner is not None:  # a block past the draft's context: none
             for index, call in enumerate(calls):
-                if len(call.history) + max(call.num_tokens - 1, 0) > self.runner.max_context:
+                if (call.seq_id not in self.drafting
+                        and len(call.history) + max(call.num_tokens - 1, 0) > self.runner.max_context):
                     output.results[index] = None if call.num_tokens == 0 else empty_proposal()
         runnable = self._prefill(calls, schedule, output) + schedule.plan.steps
         to_draft = []
@@ -335,13 +355,25 @@ class DraftEngine(EngineCore):
                 output.results.setdefault(index, None)
             elif index not in output.results:
                 to_draft.append(index)
-        if to_draft:
-            started = time.perf_counter()
+        if not to_draft:
+            return output
+        if self.runner is None:   # a model-free proposer: every block at once
             proposals = self.proposer.propose_batch([self._propose_call(calls[index]) for index in to_draft])
-            num_steps = max(calls[index].num_tokens for index in to_draft)
-            output.costs.append((len(to_draft), (time.perf_counter() - started) / num_steps))  # per decode step
-            for index, proposal in zip(to_draft, proposals):
-                output.results[index] = self._to_wire(proposal)
+            output.results.update((index, self._to_wire(proposal)) for index, proposal in zip(to_draft, proposals))
+            return output
+        drafts = {index: self.drafting.get(calls[index].seq_id) or self.proposer.start(self._propose_call(calls[index]))
+                  for index in to_draft}
+        stepping = [draft for draft in drafts.values() if not draft.done]
+        if stepping:
+            started = time.perf_counter()
+            self.proposer.step(stepping)
+            output.costs.append((len(stepping), time.perf_counter() - started))   # one decode step
+        for index, draft in drafts.items():
+            if draft.done:
+                self.drafting.pop(draft.call.seq_id, None)
+                output.results[index] = self._to_wire(draft.proposal())
+            else:
+                self.drafting[draft.call.seq_id] = draft
         return output
 
     def _prefill(self, calls: list[DraftCall], schedule: Schedule, output: StepOutput) -> list[int]:
@@ -350,9 +382,9 @@ class DraftEngine(EngineCore):
             return []
         forward_calls, complete = [], []
         for index, chunk in schedule.plan.prefills:
-            call = calls[index]
+            tokens = self._tokens(calls[index])
             end = schedule.calls[index].chunk_end(chunk)
-            forward_calls.append(ForwardCall(call.seq_id, call.history if end is None else call.history[:end], 1))
+            forward_calls.append(ForwardCall(calls[index].seq_id, tokens if end is None else tokens[:end], 1))
             if end is None:
                 complete.append(index)
         _, cost = timed_forward(self.runner, forward_calls)

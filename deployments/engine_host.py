@@ -120,15 +120,17 @@ class EngineCore:
     def run(self, calls: list[Any], schedule: Schedule) -> StepOutput:
         raise NotImplementedError
 
-    def step(self, calls: list[Any]) -> dict[int, Any]:
+    def step(self, calls: list[Any]) -> tuple[dict[int, Any], int]:
         """One iteration over the waiting calls (in the loop's worker thread): the scheduler plans,
-        `run` runs the plan, the answers go back by call index."""
+        `run` runs the plan, the answers go back by call index, with how many calls ran (some, a
+        prefill mid-chunk or a block mid-draft, run without an answer yet)."""
         schedule = self.scheduler.schedule([self.shape(call) for call in calls])
         output = self.run(calls, schedule)
         self.reporter.record(output.costs)
         ran = schedule.plan.steps + [index for index, _ in schedule.plan.prefills]
         self.idle.touch((calls[index].seq_id for index in ran), time.monotonic())
-        return {**output.results, **schedule.errors}
+        results = {**output.results, **schedule.errors}
+        return results, len(set(ran) | set(results))
 
     async def submit(self, call: Any) -> tuple[Any, CallSpan]:
         """Queue a call (it has a seq_id) on the batching loop: its result, and the span it spent

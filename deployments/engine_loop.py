@@ -64,10 +64,13 @@ class _Queued:
 
 
 class EngineLoop:
-    """Queue + batching loop. `iterate(calls) -> {index: result or Exception}` runs in the worker
-    thread; indices it leaves out stay queued for the next iteration."""
+    """Queue + batching loop. `iterate(calls) -> ({index: result or Exception}, calls run)` runs in
+    the worker thread; indices it leaves out stay queued for the next iteration. Calls run but not
+    answered (a prefill mid-chunk, a block mid-draft) make progress: the next iteration starts at
+    once. An iteration that ran none (everything waits for a slot or blocks) is followed by a
+    short wait for a release or a new call."""
 
-    def __init__(self, iterate: Callable[[list[Any]], dict[int, Any]], release: Callable[[str], None],
+    def __init__(self, iterate: Callable[[list[Any]], tuple[dict[int, Any], int]], release: Callable[[str], None],
                  admission_timeout_s: float = 30.0,
                  on_iteration: Callable[[int, float, float], None] | None = None,
                  admitted: Callable[[str], bool] | None = None) -> None:
@@ -170,18 +173,19 @@ class EngineLoop:
             for queued in batch:  # a call left waiting is stamped again by the next iteration
                 queued.started_s = busy_from
             try:
-                results = await loop.run_in_executor(self._executor, self._iterate_isolating, [q.call for q in batch])
+                results, ran = await loop.run_in_executor(self._executor, self._iterate_isolating,
+                                                          [q.call for q in batch])
             finally:
                 self._running = False
                 self._busy_since = None
                 self._iteration_ended.set_result(None)
             busy_s = time.perf_counter() - busy_from
             self._stats.busy_s += busy_s
-            if results:
+            if ran:
                 self._stats.iterations += 1
-                self._stats.rows_total += len(results)
+                self._stats.rows_total += ran
                 if self._on_iteration is not None:
-                    self._on_iteration(len(results), busy_s, self._idle_before_s)
+                    self._on_iteration(ran, busy_s, self._idle_before_s)
                 self._idle_before_s = 0.0
             for index, result in results.items():
                 future = batch[index].future
@@ -197,32 +201,34 @@ class EngineLoop:
             self._expire_waiting()
             for _ in range(LET_ARRIVALS_IN):  # calls Ray delivered meanwhile join the next batch
                 await asyncio.sleep(0)
-            if not results and self._queue:  # everything waits for a slot: look again shortly
+            if not ran and self._queue:  # everything waits for a slot: look again shortly
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), WAIT_FOR_SLOT_POLL_S)
                 except asyncio.TimeoutError:
                     pass
 
-    def _iterate_isolating(self, calls: list[Any]) -> dict[int, Any]:
+    def _iterate_isolating(self, calls: list[Any]) -> tuple[dict[int, Any], int]:
         """iterate(calls); if it fails as a whole, each call again alone (in the worker thread), so
         a failure is answered to the call that cannot run, not to every call that shared its batch."""
         try:
             return self._iterate(calls)
         except Exception as exc:
             if len(calls) == 1:
-                return {0: exc}
+                return {0: exc}, 1
             logger.warning("an iteration over %d calls failed (%s: %s); running each call alone",
                            len(calls), type(exc).__name__, exc)
         results: dict[int, Any] = {}
+        ran = 0
         for index, call in enumerate(calls):
             try:
-                alone = self._iterate([call])
+                alone, ran_alone = self._iterate([call])
             except Exception as exc:
-                alone = {0: exc}
+                alone, ran_alone = {0: exc}, 1
+            ran += ran_alone
             if 0 in alone:  # left out: it waits in the queue, as it would have in the batch
                 results[index] = alone[0]
-        return results
+        return results, ran
 
     def _expire_waiting(self) -> None:
         """Calls that waited to be admitted past the admission deadline get EngineOverloadedError;

@@ -13,6 +13,12 @@ Every client error is a 4xx with OpenAI's {"error": {...}} body, never a 5xx: wh
 served, ignored or refused is decided in deployments/openai_protocol.py. With ``auth.api_keys``
 set, every /v1/* path needs ``Authorization: Bearer <key>`` (checked before the body is read);
 /health stays open for load balancers and Serve's health checks.
+
+One readiness truth: until every engine pool has answered once, nothing here answers 200: /health
+says "starting" (503) and every other path, /v1/models included, answers 503 with Retry-After.
+Serve routes to this replica as soon as it runs, long before the engines have loaded (or failed
+to); a client that waits for /v1/models, as it would for vLLM, must not see a server that cannot
+serve yet, or one whose start is about to fail.
 """
 
 import asyncio
@@ -54,6 +60,9 @@ DEFAULT_CHAT_SUFFIX = "assistant:"
 # As vLLM's CompletionRequest: a completion without max_tokens makes OpenAI's default 16 tokens
 # (a chat runs to the rest of the context).
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+STARTING_RETRY_AFTER_S = 5  # what a request refused while the engines load is told to wait
+READINESS_CHECK_S = 3.0  # how long a request before readiness waits for the router's verdict
+UNHEALTHY = ("starting", "unavailable")  # /health statuses answered 503
 # Template variables a request's chat_template_kwargs may not replace.
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "conversation", "tokenize", "add_generation_prompt",
                                          "chat_template", "tools", "documents", "return_dict"})
@@ -62,14 +71,20 @@ app = FastAPI(title="specserve", description="OpenAI-compatible speculative deco
 
 
 @app.middleware("http")
-async def _require_api_key(request: Request, call_next):
+async def _admit(request: Request, call_next):
     # A middleware, not a route dependency: it runs before the body is parsed (a stranger learns
-    # nothing about the schema) and covers every /v1/* path, unknown ones included.
+    # nothing about the schema) and covers every path, unknown ones included: the API key on
+    # /v1/*, then readiness everywhere but /health (which says "starting" itself).
+    ingress = serve.get_replica_context().servable_object
     if request.url.path.startswith("/v1/"):
-        ingress = serve.get_replica_context().servable_object
         refusal = authorization_error(request.headers.get("authorization"), ingress.api_key_digests)
         if refusal is not None:
             return JSONResponse(status_code=401, content=refusal, headers={"WWW-Authenticate": "Bearer"})
+    starting = not ingress.serving and request.url.path != "/health"
+    if starting and (await ingress.health_report())["status"] == "starting":
+        return JSONResponse(status_code=503, headers={"Retry-After": str(STARTING_RETRY_AFTER_S)},
+                            content=error_body("specserve is starting: the engines are still loading",
+                                               error_type="service_unavailable"))
     return await call_next(request)
 
 
@@ -231,16 +246,28 @@ class Ingress:
         # Ids a token-id prompt may hold: the tokenizer's (padding rows of the embedding are not tokens).
         self.vocab_size = served_vocab_size(self.tokenizer, output_width(self.config.target.path))
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first structured request
+        self.serving = False  # every engine pool has answered once: /v1/* is open
+
+    async def health_report(self) -> dict[str, Any]:
+        """The router's pool report (deployments.pool_health); "starting" while no router answers
+        within READINESS_CHECK_S before this replica has served (the router's own first wait)."""
+        try:
+            ask = self.router.pool_health.remote()
+            health = await (ask if self.serving else asyncio.wait_for(ask, READINESS_CHECK_S))
+        except asyncio.TimeoutError:
+            health = {"status": "starting", "pools": {}}
+        except Exception as exc:  # the router itself is down
+            health = {"status": "starting" if not self.serving else "unavailable", "pools": {}, "error": str(exc)}
+        self.serving = self.serving or health["status"] != "starting"
+        return health
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        """200 "ok", 200 "degraded" (no draft engine answers: requests run target-only) or 503
-        "unavailable" (no target engine answers), with each pool's state."""
-        try:
-            health = await self.router.pool_health.remote()
-        except Exception as exc:  # the router itself is down
-            health = {"status": "unavailable", "pools": {}, "error": str(exc)}
-        return JSONResponse(status_code=503 if health["status"] == "unavailable" else 200, content=health)
+        """200 "ok", 200 "degraded" (no draft engine answers: requests run target-only), 503
+        "unavailable" (no target engine answers) or 503 "starting" (not every pool has answered
+        yet), with each pool's state."""
+        health = await self.health_report()
+        return JSONResponse(status_code=503 if health["status"] in UNHEALTHY else 200, content=health)
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:

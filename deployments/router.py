@@ -81,7 +81,7 @@ class Router:
                 "policy": None if decision is None else decision.to_dict()}
 
     async def pool_health(self) -> dict[str, Any]:
-        """{"status": "ok" | "degraded" | "unavailable", "pools": {pool: "ok" | "unavailable"}}
+        """{"status": "starting" | "ok" | "degraded" | "unavailable", "pools": {pool: "ok" | "unavailable"}}
         from the background monitor (deployments/pool_health.py): a busy engine is a live one.
         A draining router reports "unavailable" so load balancers stop sending to it."""
         report = await self.health.report()

@@ -1,5 +1,10 @@
 """Target worker: scores draft blocks, every request waiting on it in ONE batched forward, and
-answers each with what its verification needs (decoding.speculation.verify_answer): O(K) numbers."""
+answers each with what its verification needs (decoding.speculation.verify_answer): O(K) numbers.
+
+A prefill asked for the prompt's log-probabilities runs chunk by chunk like any prefill, each
+chunk's full-vocabulary rows reduced to the prompt's entries (log-probability, top alternatives,
+rank) as soon as its forward ends: the rows alive at once are one chunk's, never the whole
+prompt's (an 8K-token prompt at a 128k vocabulary would be 4 GB of fp32 logits)."""
 
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ class VerifyCall:
     num_rows: int             # rows wanted: K + 1 (1 for a prefill)
     params: SamplingParams
     first_output_index: int | None = None  # output position of the first row (min_tokens EOS masking)
-    prompt_logprobs: int | None = None     # a prefill whose rows span the prompt (see TargetEngine.verify)
+    prompt_logprobs: int | None = None     # a prefill that also scores the prompt (see TargetEngine.verify)
     capture_top_k: int | None = None       # also answer the raw rows' top-k (decoding.capture.top_rows)
     proposal: Proposal | None = None       # the block verified (its q, for a sampled answer); None: a prefill
     verification: str = "block"            # how the owner verifies a sampled block (speculation.verification)
@@ -44,12 +49,16 @@ class TargetEngine(EngineCore):
         runner = load_runner(model_spec)
         self.grammars = GrammarMatchers.for_runner(runner, model_spec.get("tokenizer_path") or model_spec["path"])
         self.generators: dict[str, torch.Generator] = {}
+        # A prompt being scored chunk by chunk: the entries of its tokens so far (the first token's
+        # included), one more than the prompt positions whose rows were reduced.
+        self.prompt_entries: dict[str, list[dict]] = {}
         super().__init__(runner, engine_options, name)
 
     def forget(self, seq_id: str) -> None:
         super().forget(seq_id)
         self.grammars.release(seq_id)
         self.generators.pop(seq_id, None)
+        self.prompt_entries.pop(seq_id, None)
 
     async def verify(self, seq_id: str, history: HistoryUpdate, proposal: Proposal | None, params: SamplingParams,
                      first_output_index: int | None = None, draft_block: list | None = None,
@@ -73,7 +82,8 @@ class TargetEngine(EngineCore):
         row); the router, which sees the same answer, cancels it. The call enters this engine when
         its block is here.
 
-        prompt_logprobs: a prefill whose rows span the whole prompt (its log-probabilities).
+        prompt_logprobs: a prefill that also scores every prompt token (its log-probability, the
+        prompt_logprobs most likely alternatives, its rank), chunk by chunk.
         capture_top_k: a round sampled for the draft's online training (docs/online-learning.md):
         the answer becomes (answer, (top ids, top log-probabilities)) of the raw distribution at
         every row, k columns each. Only sampled rounds ask, so the others pay nothing.
@@ -97,38 +107,61 @@ class TargetEngine(EngineCore):
         return rows, span
 
     def shape(self, call: VerifyCall) -> CallShape:
-        return CallShape(call.seq_id, call.token_ids, call.num_rows)
+        return CallShape(call.seq_id, call.token_ids, self._rows_wanted(call))
+
+    def _rows_scored(self, call: VerifyCall) -> int:
+        """Prompt positions whose rows a scoring prefill has reduced already (its cache holds
+        exactly them); 0 when it starts, or starts again because its KV was let go (preempted)."""
+        entries = self.prompt_entries.get(call.seq_id)
+        if call.prompt_logprobs is None or not entries:
+            return 0
+        if self.runner.num_cached(call.seq_id) != len(entries) - 1:
+            del self.prompt_entries[call.seq_id]
+            return 0
+        return len(entries) - 1
+
+    def _rows_wanted(self, call: VerifyCall) -> int:
+        """Rows the call's next forward must return: a scoring prefill's every position not scored yet."""
+        return len(call.token_ids) - self._rows_scored(call) if call.prompt_logprobs is not None else call.num_rows
 
     def run(self, calls: list[VerifyCall], schedule: Schedule) -> StepOutput:
-        """One iteration: the step batch (verifies), then one chunk of waiting prefills."""
+        """One iteration: the step batch (verifies), then one chunk of waiting prefills. An early
+        chunk fills the cache and returns no rows, or, for a prompt being scored, the chunk's rows,
+        reduced to its entries at once."""
         output = StepOutput()
         self._forward_rows([(index, calls[index]) for index in schedule.plan.steps], output)
-        finishing, chunks = [], []
+        finishing, chunks, scoring = [], [], []
         for index, chunk in schedule.plan.prefills:
             call = calls[index]
             end = schedule.calls[index].chunk_end(chunk)
-            # An early chunk fills the cache and returns no rows; a call whose rows span more than
-            # a chunk (prompt log-probabilities) runs whole, its rows from one forward.
-            if call.num_rows <= chunk and end is not None:
+            if end is None:
+                finishing.append((index, call))
+            elif call.prompt_logprobs is None:
                 chunks.append(ForwardCall(call.seq_id, call.token_ids[:end], 1))
             else:
-                finishing.append((index, call))
-        self._forward_rows(finishing, output, extra=chunks)
+                start = self._rows_scored(call)
+                scoring.append((call, start, len(chunks)))
+                chunks.append(ForwardCall(call.seq_id, call.token_ids[:end], end - start))
+        chunk_rows = self._forward_rows(finishing, output, extra=chunks)
+        for call, start, position in scoring if chunk_rows else ():
+            self.prompt_entries[call.seq_id] = self.prompt_entries.get(call.seq_id, []) + prompt_logprob_entries(
+                call.token_ids, chunk_rows[position], call.prompt_logprobs, start)
         return output
 
     def _forward_rows(self, indexed_calls: list[tuple[int, VerifyCall]], output: StepOutput,
-                      extra: list[ForwardCall] = ()) -> None:
-        """One forward for indexed_calls (+ prefill chunks whose rows nobody wants); rows into output."""
+                      extra: list[ForwardCall] = ()) -> list[torch.Tensor]:
+        """One forward for indexed_calls (+ prefill chunks, not answered); rows into output. ->
+        the extra chunks' rows (none when the forward failed: they stay queued)."""
         results = output.results
-        forward_calls = [ForwardCall(call.seq_id, call.token_ids, call.num_rows) for _, call in indexed_calls]
+        forward_calls = [ForwardCall(call.seq_id, call.token_ids, self._rows_wanted(call)) for _, call in indexed_calls]
         if not forward_calls and not extra:
-            return
+            return []
         try:
             logits, cost = timed_forward(self.runner, forward_calls + list(extra))
         except SequenceStateError as exc:
             for index, _ in indexed_calls:
                 results[index] = exc
-            return
+            return []
         output.costs.append(cost)
         # Every call's rows are processed and answered together (one pass of batched ops, one
         # transfer to the host); a call whose grammar fails answers its error alone.
@@ -152,10 +185,13 @@ class TargetEngine(EngineCore):
                 results[index] = (answer, LogprobEntries.of(
                     last_rows[i], call.params.logprobs, tokens_each_row_may_commit(call.proposal, answer)))
             if call.prompt_logprobs is not None:
-                results[index] = (results[index], prompt_logprob_entries(call.token_ids, rows[:-1],
-                                                                         call.prompt_logprobs))
+                start = len(call.token_ids) - rows.shape[0]
+                entries = self.prompt_entries.pop(call.seq_id, []) + prompt_logprob_entries(
+                    call.token_ids, rows[:-1], call.prompt_logprobs, start)
+                results[index] = (results[index], entries)
             if call.capture_top_k is not None:
                 results[index] = (results[index], top_rows(last_rows[i], call.capture_top_k))
+        return logits[len(forward_calls):]
 
     def _generator(self, call: VerifyCall) -> torch.Generator | None:
         """The sequence's own stream for its residual and bonus draws (seeded requests reproduce)."""
@@ -180,13 +216,17 @@ class TargetEngine(EngineCore):
         return matcher
 
 
-def prompt_logprob_entries(token_ids: Sequence[int], logits: torch.Tensor, num_alternatives: int) -> list[dict]:
-    """Per prompt token, its log-probability under the target given the tokens before it (row i of
-    logits predicts token i + 1), the num_alternatives most likely tokens and its rank among all
-    (1 = the most likely); the first token has none (logprob, top and rank None), as in OpenAI/vLLM."""
+def prompt_logprob_entries(token_ids: Sequence[int], logits: torch.Tensor, num_alternatives: int,
+                           start: int = 0) -> list[dict]:
+    """The entries of the prompt tokens logits predicts (row j is position start + j and predicts
+    token start + j + 1): each token's log-probability under the target given the tokens before
+    it, the num_alternatives most likely tokens and its rank among all (1 = the most likely). From
+    start 0 the first token's entry comes first, with none (logprob, top and rank None), as in
+    OpenAI/vLLM."""
     logprob_rows = torch.log_softmax(logits.float(), dim=-1)
-    entries = [{"token_id": int(token_ids[0]), "logprob": None, "top": None, "rank": None}]
-    for entry, row in zip(token_logprobs(token_ids[1:], logprob_rows, num_alternatives), logprob_rows):
+    entries = [{"token_id": int(token_ids[0]), "logprob": None, "top": None, "rank": None}] if start == 0 else []
+    predicted = token_ids[start + 1:start + 1 + logits.shape[0]]
+    for entry, row in zip(token_logprobs(predicted, logprob_rows, num_alternatives), logprob_rows):
         entry["rank"] = int((row > entry["logprob"]).sum()) + 1
         entries.append(entry)
     return entries

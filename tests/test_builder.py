@@ -103,6 +103,21 @@ def test_kuberay_manifest_pins_draft_and_target_to_their_own_gpu_groups():
         assert group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
 
 
+def test_kuberay_worker_pods_are_ready_only_when_health_answers_and_the_head_keeps_kuberays_probes():
+    """Kubernetes sends Serve traffic to Ready pods: a worker's readiness is specserve's /health
+    on the Serve port (every engine pool has answered), not the proxy merely running. The head has
+    no probe of ours: KubeRay deploys the app only once the head is Ready."""
+    from specserve.common.config import PROJECT_ROOT, load_config
+    from specserve.cluster.kuberay import rayservice_manifest
+
+    config = load_config(PROJECT_ROOT / "k8s" / "specserve-gpu.yaml", environ={})
+    cluster = rayservice_manifest(config)["spec"]["rayClusterConfig"]
+    for group in cluster["workerGroupSpecs"]:
+        probe = group["template"]["spec"]["containers"][0]["readinessProbe"]
+        assert probe["httpGet"] == {"path": "/health", "port": config.http.port}
+    assert "readinessProbe" not in cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
+
+
 def test_each_application_names_its_own_policy_actor():
     """Engines, routers and the pools' autoscaling policy of one app all address the policy actor
     named after its model, and two apps' names differ (tests/test_policy_actor.py: two actors)."""

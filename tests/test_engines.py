@@ -167,23 +167,35 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_running_verifies(pair):
     assert len(steps) == 3 and engine.loop.stats.iterations >= 4
 
 
-def test_prompt_logprobs_come_from_one_prefill_even_past_the_chunk_budget(pair):
-    """A prefill asked for the prompt's log-probabilities keeps every prompt row (it runs whole
-    though the prompt is three chunks long), and they equal HF's forward of the whole prompt; the
-    first token has none, and the usual answer (the first output token) is unchanged."""
+def test_prompt_logprobs_are_computed_chunk_by_chunk_and_equal_the_whole_prompts(pair):
+    """A prefill asked for the prompt's log-probabilities runs in chunks like any prefill: no
+    forward returns more rows than a chunk's (32 here, the prompt is 100 tokens), and the entries
+    equal HF's forward of the whole prompt at once; the first token has none, and the usual answer
+    (the first output token) is unchanged."""
     from transformers import AutoModelForCausalLM
 
     target_path, _ = pair
     long_prompt = [(7 * i) % 90 + 3 for i in range(100)]
+    most_rows = []   # the rows of each forward's largest logits tensor
 
     async def scenario():
         engine = TargetEngine(spec(target_path), options(prefill_token_budget=32))
+        forward_batch = engine.runner.forward_batch
+
+        def recording(calls):
+            logits = forward_batch(calls)
+            most_rows.append(max(rows.shape[0] for rows in logits))
+            return logits
+
+        engine.runner.forward_batch = recording
         plain, _ = await verify(engine, "plain", long_prompt, 1, GREEDY)
         with_prompt, _ = await asyncio.wait_for(verify(engine, "echo", long_prompt, 1, GREEDY, prompt_logprobs=2), 60)
         return engine, plain, with_prompt
 
     engine, plain, (rows, entries) = asyncio.run(scenario())
     assert rows == plain and engine.runner.num_cached("echo") == len(long_prompt)
+    assert max(most_rows) <= 32 and len(most_rows) >= 8, most_rows   # 4 chunks each, plain and scored
+    assert not engine.prompt_entries
     model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=torch.float32).eval()
     with torch.no_grad():
         expected = torch.log_softmax(model(torch.tensor([long_prompt])).logits[0].float(), dim=-1)
@@ -270,6 +282,40 @@ def test_batched_drafts_equal_drafts_made_alone(pair):
     assert stats.batch_rows_total > stats.forwards  # drafting was batched
 
 
+def test_a_propose_arriving_mid_block_joins_the_next_step_and_drafts_what_it_would_alone(pair):
+    """Continuous batching at step granularity: a propose that arrives while another request's
+    8-token block is being drafted has its first forward before that block's last one (counted
+    in forwards, not time); each block equals the one drafted alone (seeded sampled and greedy)."""
+    target_path, draft_path = pair
+    alone = DraftModelProposer(BatchedModelRunner(str(draft_path)), max_candidates=options()["draft_top_k"])
+    forwards: list[list[str]] = []   # the sequences in each draft forward, in order
+
+    async def scenario():
+        engine = DraftEngine("draft", spec(draft_path), str(target_path), options())
+        loop, late = asyncio.get_running_loop(), []
+        forward_batch = engine.runner.forward_batch
+
+        def recording(calls):   # in the engine's worker thread, while the event loop takes calls
+            forwards.append([call.seq_id for call in calls])
+            if not late:
+                late.append(asyncio.run_coroutine_threadsafe(
+                    engine.propose("late", whole(HISTORIES[1]), 2, GREEDY, None), loop))
+            return forward_batch(calls)
+
+        engine.runner.forward_batch = recording
+        long = await engine.propose("long", whole(HISTORIES[0]), 8, SAMPLED, 5)
+        return long[0], (await asyncio.wrap_future(late[0]))[0]
+
+    long, late = asyncio.run(scenario())
+    with_long = [i for i, seqs in enumerate(forwards) if "long" in seqs]
+    with_late = [i for i, seqs in enumerate(forwards) if "late" in seqs]
+    assert len(with_long) >= 8 and with_late[0] < with_long[-1], forwards
+    expected = alone.propose("a", HISTORIES[0], 8, SAMPLED, make_generator(5))
+    assert long.token_ids == expected.token_ids and len(long.token_ids) == 8
+    torch.testing.assert_close(torch.as_tensor(long.support.probs), expected.support.probs, atol=1e-4, rtol=0)
+    assert late.token_ids == alone.propose("b", HISTORIES[1], 2, GREEDY).token_ids
+
+
 def test_an_idle_loop_reads_idle_now_not_as_busy_as_at_its_last_forward():
     """The policy scales a pool down from busy shares between reports: an engine with no calls
     must show its idle time as it passes, not only once the next call ends the wait."""
@@ -280,7 +326,7 @@ def test_an_idle_loop_reads_idle_now_not_as_busy_as_at_its_last_forward():
     def slow_iteration(calls):
         import time
         time.sleep(0.05)
-        return {index: "done" for index in range(len(calls))}
+        return {index: "done" for index in range(len(calls))}, len(calls)
 
     async def scenario():
         loop = EngineLoop(slow_iteration, lambda seq_id: None)
@@ -423,7 +469,7 @@ def test_a_preempted_sequences_waiting_call_gets_the_full_deadline_again():
         iterations.append(len(calls))
         if len(iterations) == 15:
             held.discard("a")
-        return {0: "done"} if len(iterations) == 17 else {}
+        return ({0: "done"}, 1) if len(iterations) == 17 else ({}, 0)
 
     async def scenario():
         loop = EngineLoop(iterate, lambda seq_id: None, admission_timeout_s=0.25,

@@ -226,3 +226,10 @@ def test_engine_specs_carry_their_gpu_share_and_the_largest_planned_forwards(tmp
                                          [1, engine["prefill_token_budget"]]]
     assert target["gpu_share"] == draft["gpu_share"] == 1.0
     assert target["rollback_tokens"] == draft["rollback_tokens"] == engine["max_step_tokens"]
+
+
+def test_a_budget_too_small_is_named_as_given_not_rounded():
+    """0.0005 GiB said as 0.001 GiB (three decimals) reads as a different setting than the one
+    the user gave: the message names the budget's own value, and in MiB."""
+    with pytest.raises(ValueError, match=r"budget of 0\.0005 GiB \(0\.512 MiB\) holds"):
+        kv_capacity(LLAMA_31_8B, torch.bfloat16, 0.0005 * GIB, max_model_len=1024)

@@ -32,6 +32,9 @@ def test_overall_status():
     assert overall_status({"target": "ok", "draft": "unavailable"}) == "degraded"
     assert overall_status({"target": "unavailable", "draft": "ok"}) == "unavailable"
     assert overall_status({"target": "ok"}) == "ok"
+    assert overall_status({"target": "ok", "draft": "unavailable"}, started=False) == "starting"
+    assert overall_status({"target": "unavailable", "draft": "ok"}, started=False) == "starting"
+    assert overall_status({"target": "ok", "draft": "ok"}, started=False) == "ok"
 
 def test_first_report_waits_for_a_verdict_then_a_busy_engine_stays_ok(monkeypatch):
     monkeypatch.setattr(pool_health, "PROBE_INTERVAL_S", 0.0)
@@ -50,13 +53,37 @@ def test_first_report_waits_for_a_verdict_then_a_busy_engine_stays_ok(monkeypatc
 
     asyncio.run(scenario())
 
+def _started(target: _Engine, draft: _Engine) -> PoolHealth:
+    """A monitor that has seen both pools answer (start-up is over)."""
+    health = PoolHealth({"target": _Pool(target), "draft": _Pool(draft)})
+    assert asyncio.run(health.report())["status"] == "ok"
+    return health
+
 def test_dead_draft_is_degraded_dead_target_unavailable_slow_probe_times_out(monkeypatch):
     monkeypatch.setattr(pool_health, "PROBE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(pool_health, "PROBE_INTERVAL_S", 0.0)
+
+    async def scenario(health: PoolHealth, pool: str, engine: _Engine) -> str:
+        health.pools[pool] = _Pool(engine)
+        await health.report()  # the probe that finds it
+        await asyncio.sleep(0.3)
+        return (await health.report())["status"]
+
+    assert asyncio.run(scenario(_started(_Engine(), _Engine()), "draft", _Engine(dead=True))) == "degraded"
+    assert asyncio.run(scenario(_started(_Engine(), _Engine()), "target", _Engine(ping_s=1.0))) == "unavailable"
+
+def test_a_server_whose_pools_have_not_all_answered_is_starting_and_says_so_in_seconds(monkeypatch):
+    """A draft still loading (its probe never answers) is not "degraded": the start is not over,
+    and may yet fail. The report does not wait out the probe's timeout to say so."""
+    monkeypatch.setattr(pool_health, "FIRST_VERDICT_WAIT_S", 0.2)
 
     async def scenario():
-        degraded = PoolHealth({"target": _Pool(_Engine()), "draft": _Pool(_Engine(dead=True))})
-        assert await degraded.report() == {"status": "degraded", "pools": {"target": "ok", "draft": "unavailable"}}
-        down = PoolHealth({"target": _Pool(_Engine(ping_s=1.0)), "draft": _Pool(_Engine())})
-        assert (await down.report())["status"] == "unavailable"
+        loading = PoolHealth({"target": _Pool(_Engine()), "draft": _Pool(_Engine(ping_s=60.0))})
+        started = asyncio.get_running_loop().time()
+        report = await loading.report()
+        assert asyncio.get_running_loop().time() - started < 1.0
+        assert report == {"status": "starting", "pools": {"target": "ok", "draft": "unavailable"}}
+        failed = PoolHealth({"target": _Pool(_Engine(dead=True)), "draft": _Pool(_Engine())})
+        assert (await failed.report())["status"] == "starting"
 
     asyncio.run(scenario())

@@ -69,25 +69,51 @@ def test_replica_cause_is_the_innermost_exception_of_a_serve_status_message():
 
 @pytest.mark.ray
 @pytest.mark.slow   # in make reliability (a whole `specserve serve` start-up); the message's parts are tested above
-def test_a_replica_that_cannot_start_ends_the_cli_with_its_own_error_and_no_ray_traceback():
-    """A KV budget too small for one sequence: the engine's own message is the CLI's last line,
-    at the first failed replica (not after Serve's retries), with no traceback through Ray. The
-    shipped target alone (no draft): one engine to start, the same failure path."""
+def test_a_start_that_fails_never_answers_200_and_ends_with_the_replicas_own_error():
+    """A KV budget too small for one sequence. Polled from the moment the command starts, neither
+    /v1/models nor /health ever answers 200 (the engines never answered: the server was never
+    ready), though the app answered while it started. The engine's own message, its budget as
+    given, is the CLI's last line, at the first failed replica (not after Serve's retries), with no
+    traceback through Ray. The shipped target alone (no draft): one engine to start, the same
+    failure path."""
     import os
-    import subprocess
     import sys
+    import threading
+    import time
     from pathlib import Path
 
+    import httpx
+
     repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "SPECSERVE__HTTP__PORT": str(_free_port()), "PYTHONPATH": str(repo)}
+    port = _free_port()
+    env = {**os.environ, "SPECSERVE__HTTP__PORT": str(port), "PYTHONPATH": str(repo)}
     command = [sys.executable, "-m", "specserve.cluster.cli", "serve", "--target", str(DEFAULT_MODELS_DIR / "target"),
                "--kv-cache-memory-gb", "0.0005"]
-    done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 1, done.stderr[-2000:]
-    last_line = done.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("specserve: TargetWorker failed to start: ValueError: the KV cache budget"), last_line
+    statuses: list = []
+
+    def poll(server: subprocess.Popen) -> None:
+        while server.poll() is None:
+            for route in ("/v1/models", "/health"):
+                try:
+                    statuses.append((route, httpx.get(f"http://127.0.0.1:{port}{route}", timeout=10).status_code))
+                except httpx.HTTPError:
+                    statuses.append((route, None))
+            time.sleep(0.2)
+
+    server = subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    poller = threading.Thread(target=poll, args=(server,))
+    poller.start()
+    stdout, stderr = server.communicate(timeout=600)
+    poller.join(timeout=30)
+    assert server.returncode == 1, stderr[-2000:]
+    answered = [status for _, status in statuses if status is not None]
+    assert answered and 200 not in answered, statuses
+    last_line = stderr.strip().splitlines()[-1]
+    assert last_line.startswith("specserve: TargetWorker failed to start: ValueError: the KV cache budget of "
+                                "0.0005 GiB"), last_line
     assert "kv_cache_memory_gb" in last_line and "max_model_len=512" in last_line
-    assert "Traceback" not in done.stderr and "Deploying application" not in done.stderr
+    assert "Traceback" not in stderr and "Deploying application" not in stderr
+    assert "Token authentication" not in stdout + stderr and "(raylet)" not in stdout + stderr
 
 
 def test_a_ray_start_that_misses_its_limits_is_tried_once_more_and_leaves_nothing_of_the_failed_try(monkeypatch):
