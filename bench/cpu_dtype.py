@@ -16,9 +16,10 @@ import torch
 
 from specserve.cluster.config import DEFAULT_MODELS_DIR
 from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.scheduler import Scheduler
 
 
-def step_ms(runner: BatchedModelRunner, prompt: list[int], new: int, repeats: int) -> float:
+def step_ms(runner: Scheduler, prompt: list[int], new: int, repeats: int) -> float:
     runner.forward("s", prompt)
     times = []
     for _ in range(repeats):
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     prompt = list(range(100, 100 + args.cached))
     results = {}
     for model in ("draft", "target"):
-        runners = {dtype: BatchedModelRunner(str(DEFAULT_MODELS_DIR / model), dtype=dtype, device="cpu")
+        runners = {dtype: Scheduler(BatchedModelRunner(str(DEFAULT_MODELS_DIR / model), dtype=dtype, device="cpu"))
                    for dtype in ("float32", "bfloat16")}
         for new in (1, 8):
             samples = {dtype: [] for dtype in runners}

@@ -22,6 +22,7 @@ from specserve.cluster.cli import DEMO_PROMPT
 from specserve.cluster.config import DEFAULT_MODELS_DIR
 from specserve.decoding.generate import generate
 from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.scheduler import Scheduler
 from specserve.decoding.sampling import SamplingParams
 from specserve.decoding.sequence import RequestState
 
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     path = DEFAULT_MODELS_DIR / "target"
     tokenizer = AutoTokenizer.from_pretrained(path)
-    runner = BatchedModelRunner(str(path), dtype="float32", device="cpu")
+    engine = Scheduler(BatchedModelRunner(str(path), dtype="float32", device="cpu"))
     held_out = json.loads(Path("bench/prompts_thirdparty_v1.json").read_text())["prompts"][:args.prompts]
     prompts = [DEMO_PROMPT] + [p["text"] for p in held_out]
     results = []
@@ -60,9 +61,9 @@ def main(argv: list[str] | None = None) -> None:
                 params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=args.max_tokens,
                                         ignore_eos=True)
                 state = RequestState(request_id="b", prompt_ids=tokenizer.encode(prompt), params=params,
-                                     eos_token_id=None, max_context=runner.max_context,
+                                     eos_token_id=None, max_context=engine.max_context,
                                      detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-                for _ in generate(runner, state):
+                for _ in generate(engine, state):
                     pass
                 shares.append(repeated_share(state.output_ids))
                 if index == 0 and seed == 0:

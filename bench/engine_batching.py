@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from specserve.decoding.batched_runner import BatchedModelRunner
-from specserve.decoding.model_runner import ForwardCall, load_causal_lm
+from specserve.decoding.scheduler import engine_for_model
+from specserve.decoding.block_manager import ForwardCall
+from specserve.decoding.model_runner import load_causal_lm
 from specserve.decoding.proposers import DraftModelProposer, ProposeCall
 from specserve.decoding.sampling import SamplingParams
 
@@ -88,8 +89,8 @@ def main() -> None:
     load_at_start = list(os.getloadavg())
 
     model = load_causal_lm(args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
-    batched = BatchedModelRunner.from_model(model, max_sequences=max(ROWS))
-    per_sequence = BatchedModelRunner.from_model(model, max_sequences=max(ROWS))
+    batched = engine_for_model(model, max_sequences=max(ROWS))
+    per_sequence = engine_for_model(model, max_sequences=max(ROWS))
     generator = torch.Generator().manual_seed(0)
     vocab_size = batched.vocab_size
 
@@ -121,8 +122,8 @@ def main() -> None:
     drafting = []
     if args.draft:
         draft = load_causal_lm(args.draft, dtype=args.dtype, device=args.device)
-        proposers = {"slot": DraftModelProposer(BatchedModelRunner.from_model(draft, max_sequences=max(ROWS))),
-                     "per_sequence_loop": DraftModelProposer(BatchedModelRunner.from_model(draft, max_sequences=max(ROWS)))}
+        proposers = {"slot": DraftModelProposer(engine_for_model(draft, max_sequences=max(ROWS))),
+                     "per_sequence_loop": DraftModelProposer(engine_for_model(draft, max_sequences=max(ROWS)))}
         print(f"\n| draft rows (K={args.draft_tokens}, greedy) | slot propose_batch ms (min) "
               "| per-sequence loop ms (min) |\n|---|---|---|")
         for num_rows in DRAFT_ROWS:

@@ -32,9 +32,10 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
-from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.scheduler import engine_for_model
 from specserve.decoding.lean_forward import LeanDecoder
-from specserve.decoding.model_runner import ForwardCall, load_causal_lm
+from specserve.decoding.block_manager import ForwardCall
+from specserve.decoding.model_runner import load_causal_lm
 from specserve.decoding.paged_cache import GIB, PagedKVCache, blocks_for, kv_bytes_per_token, kv_capacity, paged_layout
 from specserve.bench.slot_cache import SlotKVCache, batch_layout
 
@@ -59,7 +60,8 @@ class _Filled:
         else:
             self.cache = PagedKVCache(layers, num_blocks=4096, block_size=block_size)
             per_row = blocks_for(CACHED + 8, block_size)
-            pool = self.cache.allocate(rows * per_row)
+            self.cache.reserve(rows * per_row)
+            pool = list(range(rows * per_row))
             self.tables = [pool[row::rows] for row in range(rows)]   # interleaved, as concurrent growth leaves them
         generator = torch.Generator().manual_seed(rows)
         prompt = torch.randint(2, model.config.vocab_size, (rows, CACHED), generator=generator)
@@ -105,26 +107,26 @@ def forward_times(model, reps: int) -> list[dict]:
 def stream_memory(model, streams: int, seed: int) -> dict:
     """Speculative rounds for `streams` streams of mixed lengths through the paged runner."""
     rng = random.Random(seed)
-    runner = BatchedModelRunner.from_model(model, max_sequences=streams)
-    max_len = runner.max_context
+    engine = engine_for_model(model, max_sequences=streams)
+    max_len = engine.max_context
     lengths = {f"s{i}": (rng.randint(8, 300), rng.randint(16, 160)) for i in range(streams)}  # (prompt, output)
     histories = {seq_id: [rng.randint(2, 8000) for _ in range(prompt)] for seq_id, (prompt, _) in lengths.items()}
-    bytes_per_token = runner.kv_capacity.bytes_per_token
-    block_bytes = bytes_per_token * runner.block_size
-    runner.forward_batch([ForwardCall(seq_id, history) for seq_id, history in histories.items()])
+    bytes_per_token = engine.runner.kv_capacity.bytes_per_token
+    block_bytes = bytes_per_token * engine.runner.block_size
+    engine.forward_batch([ForwardCall(seq_id, history) for seq_id, history in histories.items()])
     samples = []
     while live := [s for s in histories if len(histories[s]) < sum(lengths[s])]:
         block = {s: [rng.randint(2, 8000) for _ in range(5)] for s in live}
-        runner.forward_batch([ForwardCall(s, histories[s] + block[s], 6) for s in live])
+        engine.forward_batch([ForwardCall(s, histories[s] + block[s], 6) for s in live])
         for s in live:   # keep 1..6 tokens of the round; the next call crops the rest
             histories[s] += (block[s] + [rng.randint(2, 8000)])[:rng.randint(1, 6)]
-        usage = runner.kv_usage()
+        usage = engine.kv_usage()
         samples.append({"reserved": usage["kv_bytes_reserved"], "in_blocks": usage["kv_blocks_used"] * block_bytes,
                         "held": usage["kv_tokens_held"] * bytes_per_token, "blocks": usage["kv_blocks_used"],
                         "tokens": usage["kv_tokens_held"]})
     for seq_id in histories:
-        runner.release(seq_id)
-    assert runner.kv_usage()["kv_blocks_used"] == 0, "blocks leaked"
+        engine.release(seq_id)
+    assert engine.kv_usage()["kv_blocks_used"] == 0, "blocks leaked"
     slot = SlotKVCache(model.config.num_hidden_layers, max_len=max_len, max_slots=streams)
     for _ in range(streams):
         slot.allocate()
@@ -134,7 +136,7 @@ def stream_memory(model, streams: int, seed: int) -> dict:
     # The same streams' blocks and tokens at Llama-3.1-8B's bytes a token and context.
     llama = kv_bytes_per_token(LlamaConfig(**LLAMA_31_8B), torch.bfloat16)
     llama_slots = -(-streams // 8) * 8
-    projected = {"bytes_per_token": llama, "in_blocks": peak["blocks"] * runner.block_size * llama,
+    projected = {"bytes_per_token": llama, "in_blocks": peak["blocks"] * engine.runner.block_size * llama,
                  "held": peak["tokens"] * llama,
                  "slot_reserved": llama_slots * LLAMA_31_8B["max_position_embeddings"] * llama}
     return {"streams": streams, "rounds": len(samples), "max_model_len": max_len,

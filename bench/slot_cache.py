@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.decoding.model_runner import NoFreeSlotError
+from specserve.decoding.errors import NoFreeSlotError
 from specserve.decoding.paged_attention import sdpa_over_gathered
 from specserve.decoding.paged_cache import LayerPools, positions_and_mask
 

@@ -29,7 +29,8 @@ import torch
 from ray import serve
 
 from specserve.cluster.messages import CallSpan, HistoryUpdate, UnknownHistory
-from specserve.decoding.batched_runner import ForwardCall, load_runner
+from specserve.decoding.batched_runner import load_runner
+from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.model_runner import checkpoint_weights
 from specserve.decoding.grammar import GrammarMatchers
 from specserve.decoding.proposers import DraftModelProposer, NgramProposer, Proposal, ProposeCall, empty_proposal
@@ -85,14 +86,11 @@ class DraftEngine(EngineCore):
                  name: str = "") -> None:
         if proposer_kind == "ngram":
             runner = None
-            self.proposer = NgramProposer()
         else:
             assert model_spec is not None, "a draft-model proposer needs a model spec"
             # The pair was checked before the app started (cluster.builder.served_model_specs): a
             # refusal here would only make Serve retry this deployment while the rest serves.
             runner = load_runner(model_spec)
-            self.proposer = DraftModelProposer(runner, GrammarMatchers.for_runner(
-                runner, model_spec.get("tokenizer_path") or model_spec["path"]), engine_options.get("draft_top_k"))
         self.generators: dict[str, torch.Generator] = {}
         self.model_spec = model_spec
         self.draft_version, self.draft_path = 0, None if model_spec is None else model_spec["path"]
@@ -105,6 +103,10 @@ class DraftEngine(EngineCore):
         self._branch_count = 0
         self.speculative_s = 0.0
         super().__init__(runner, engine_options, name)
+        # The proposer drafts through the engine's scheduler: its steps are planned forwards too.
+        self.proposer = NgramProposer() if runner is None else DraftModelProposer(
+            self.scheduler, GrammarMatchers.for_runner(runner, model_spec.get("tokenizer_path") or model_spec["path"]),
+            engine_options.get("draft_top_k"))
         self.version_metrics = DraftVersionMetrics(name.rsplit(":", 1)[-1] if name else "local")
         self.version_metrics.set_version(0)
 
@@ -164,15 +166,15 @@ class DraftEngine(EngineCore):
         dropped: dict[int, None] = {}
         if self.runner is None:
             return dropped
-        free = self.runner.num_free_slots - sum(
-            1 for call in calls if call.fork_of is None and not self.runner.num_cached(call.seq_id))
+        blocks = self.scheduler.blocks
+        free = blocks.num_free_slots - sum(1 for call in calls if call.fork_of is None and not blocks.num_cached(call.seq_id))
         for index, call in enumerate(calls):
-            if call.fork_of is None or self.runner.num_cached(call.seq_id):
+            if call.fork_of is None or blocks.num_cached(call.seq_id):
                 continue
             if free <= 0:
                 dropped[index] = None
                 continue
-            self.runner.fork(call.fork_of, call.seq_id)
+            blocks.fork(call.fork_of, call.seq_id)
             free -= 1
         return dropped
 
@@ -184,7 +186,7 @@ class DraftEngine(EngineCore):
             return
         version, path, source, state = pending
         # Its prefix cache is salted with the version: no block of other weights is found.
-        self.runner.load_weights(state, cache_salt=f"{path}@draft-v{version}")
+        self.scheduler.load_weights(state, cache_salt=f"{path}@draft-v{version}")
         self.draft_version, self.draft_path, self.draft_source = version, path, source
         self.version_metrics.set_version(self.draft_version)
 
@@ -264,7 +266,7 @@ class DraftEngine(EngineCore):
         except Exception:
             self._drop([maybe])
             raise
-        self.runner.adopt(seq_id, maybe.seq_id)   # its KV holds history and the block: the next pre-drafts fork it
+        self.scheduler.blocks.adopt(seq_id, maybe.seq_id)   # its KV holds history and the block: the next pre-drafts fork it
         if drafted.stream_states:   # the request's stream goes on from where drafting this block now would leave it
             self.generators[seq_id].set_state(drafted.stream_states[num_tokens - 1])
         self.generators.pop(maybe.seq_id, None)
@@ -358,7 +360,7 @@ class DraftEngine(EngineCore):
             forward_calls.append(ForwardCall(call.seq_id, call.history if end is None else call.history[:end], 1))
             if end is None:
                 complete.append(index)
-        _, cost = timed_forward(self.runner, forward_calls)
+        _, cost = timed_forward(self.scheduler, forward_calls)
         output.costs.append(cost)
         return complete
 
