@@ -179,8 +179,9 @@ class BatchingSpec(_Strict):
     """How an engine batches the calls waiting on it (continuous batching of rounds)."""
 
     max_batch_rows: int = Field(64, ge=1, description="most sequences in one forward")
-    prefill_token_budget: int = Field(256, ge=1, description="prompt tokens prefilled per engine iteration "
-                                      "(chunked prefill: a long prompt never stalls running rounds for long)")
+    prefill_token_budget: int = Field(2048, ge=1, description="prompt tokens prefilled per engine iteration "
+                                      "(chunked prefill, vLLM's default: a long prompt never stalls running "
+                                      "rounds for long)")
     admission_timeout_s: float = Field(30.0, gt=0, description="how long a new sequence waits to be admitted "
                                        "(a free KV slot and blocks) before the request gets 503")
     idle_sequence_ttl_s: float = Field(900.0, gt=0, description="a KV slot untouched this long is freed "

@@ -46,6 +46,7 @@ from specserve.decoding.paged_cache import (
     blocks_for,
     gpu_kv_budget_bytes,
     kv_capacity,
+    step_peak_bytes,
     kv_groups,
     paged_layout,
 )
@@ -59,7 +60,7 @@ DEFAULT_KV_CACHE_MEMORY_GB = 4.0
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 # The largest forwards an engine plans with the default batching settings: a step batch of
 # max_batch_rows rows of up to max_step_tokens, and one prefill chunk of prefill_token_budget.
-DEFAULT_PROFILE_BATCHES = ((64, 16), (1, 256))
+DEFAULT_PROFILE_BATCHES = ((64, 16), (1, 2048))
 # How far back from its end a later call may crop a sequence and still find its windowed layers'
 # keys (the engine's max_step_tokens default: a verify step's speculative tail); deeper, it recomputes.
 DEFAULT_ROLLBACK_TOKENS = 16
@@ -114,9 +115,11 @@ class BatchedModelRunner(RunnerBase):
         self.rollback_tokens = rollback_tokens
         groups = kv_groups(self._layer_windows(block_size, flash))
         if self.device.type == "cuda":
+            # This engine's own weights, not what the process holds: another runner's weights and
+            # pool on the same device are paid from that runner's share.
             budget = gpu_kv_budget_bytes(torch.cuda.get_device_properties(self.device).total_memory,
                                          gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION, gpu_share,
-                                         torch.cuda.memory_allocated(self.device),
+                                         weight_bytes(model),
                                          max(self._peak_activation_bytes(rows, tokens, block_size, flash, groups)
                                              for rows, tokens in profile_batches))
         else:
@@ -137,20 +140,24 @@ class BatchedModelRunner(RunnerBase):
 
     def _peak_activation_bytes(self, rows: int, tokens: int, block_size: int, flash: bool,
                                groups: Sequence[KVGroup]) -> int:
-        """CUDA only (never run here: no GPU): device memory a forward of rows x tokens new tokens
-        takes beyond its keys and values, measured on a throw-away cache, as vLLM profiles a dummy
-        batch before sizing its KV cache."""
+        """CUDA only (never run here: no GPU): device memory a step of rows x tokens new tokens
+        takes at its peak beyond its keys and values (step_peak_bytes), measured on a throw-away
+        cache, as vLLM profiles a dummy batch before sizing its KV cache. A step batch (tokens up
+        to rollback_tokens, the engine's max_step_tokens) keeps every row, as a batch of verifies
+        does; a prefill chunk keeps its last. Measured from what the device holds before it, so
+        another runner's pool in this process is not counted as this one's activations."""
         scratch = PagedKVCache(num_layers=self.config.num_hidden_layers,
                                num_blocks=len(groups) * rows * blocks_for(tokens, block_size), block_size=block_size,
                                device=self.device, flash=flash, groups=groups)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        self._dummy_forward(scratch, rows, tokens)
+        kept = tokens if tokens <= self.rollback_tokens else 1
+        self._dummy_forward(scratch, rows, tokens, kept)
         peak = torch.cuda.max_memory_allocated(self.device) - before - scratch.reserved_bytes()
         del scratch
         torch.cuda.empty_cache()
-        return max(0, peak)
+        return step_peak_bytes(max(0, peak), rows * kept, self.vocab_size)
 
     def _layer_windows(self, block_size: int, flash: bool) -> list[int | None]:
         """One 1-token forward at load over a one-block scratch cache: every layer must have stored
@@ -175,10 +182,10 @@ class BatchedModelRunner(RunnerBase):
         return [None if window is None or window >= self.max_context else int(window)
                 for window in (view.windows[layer] for layer in range(num_layers))]
 
-    def _dummy_forward(self, cache: PagedKVCache, rows: int, tokens: int):
+    def _dummy_forward(self, cache: PagedKVCache, rows: int, tokens: int, kept: int = 1):
         """One forward of rows new sequences of `tokens` tokens over distinct blocks of `cache`
-        (nothing else holds them: at load, or a throw-away cache); -> its PagedBatchView (which
-        layers attended through it)."""
+        (nothing else holds them: at load, or a throw-away cache), keeping each row's last `kept`
+        logits; -> its PagedBatchView (which layers attended through it)."""
         per_table = blocks_for(tokens, cache.block_size)
         cache.reserve(len(cache.groups) * rows * per_table)
         ids = iter(range(len(cache.groups) * rows * per_table))
@@ -187,8 +194,8 @@ class BatchedModelRunner(RunnerBase):
                               device=self.device)
         view = cache.view(layout)
         keep = torch.zeros((rows, tokens), dtype=torch.bool, device=self.device)
-        keep[:, -1] = True
-        self._logits(torch.zeros((rows, tokens), dtype=torch.long, device=self.device), layout, keep, view)
+        keep[:, tokens - kept:] = True
+        self._logits(torch.zeros((rows, tokens), dtype=torch.long, device=self.device), layout, keep, view).float()
         return view
 
     def run(self, plan: StepPlan, want_logits: bool = True) -> list[torch.Tensor]:

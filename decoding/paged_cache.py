@@ -170,10 +170,24 @@ def gpu_kv_budget_bytes(total_bytes: int, gpu_memory_utilization: float, device_
                         activation_bytes: int) -> int:
     """vLLM's rule, per engine: the engine may use gpu_memory_utilization of ITS share of the device
     (Ray's num_gpus: two engines at 0.5 on one GPU get half each, not 90% each); the KV cache gets
-    what is left of that after what the process already holds (the weights) and the peak
-    activations of the largest forward the scheduler can plan (profiled at start)."""
+    what is left of that after what this engine holds (in_use_bytes: its own weights, never another
+    engine's weights or pool in the same process, which its own share already pays for) and the
+    peak activations of the largest step the scheduler can plan (step_peak_bytes, profiled at start)."""
     allowed = int(total_bytes * gpu_memory_utilization * min(1.0, device_share))
     return max(0, allowed - in_use_bytes - activation_bytes)
+
+
+# Rows x vocabulary float32 tensors alive at once while a step's kept rows are sampled and verified
+# (decoding/sampling.py's process_rows and the verify): the float32 logits, their processed copy, a
+# sort's values and int64 indices (two) for top-k/top-p, the probabilities and their cumulative sum.
+SAMPLER_ROW_COPIES = 7
+
+
+def step_peak_bytes(forward_peak_bytes: int, kept_rows: int, vocab_size: int) -> int:
+    """Device memory at the peak of one planned step beyond its keys and values: the forward's own
+    (measured on a throw-away cache) and the sampler's temporaries over the rows it keeps (a verify
+    keeps K + 1 rows a sequence, so a batch of B verifies samples B x (K + 1) vocabulary rows)."""
+    return forward_peak_bytes + kept_rows * vocab_size * 4 * SAMPLER_ROW_COPIES
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

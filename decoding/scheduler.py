@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from specserve.decoding.batched_runner import runner_for_model
 from specserve.decoding.block_manager import BlockManager, ForwardCall
 from specserve.decoding.errors import SequenceStateError
 
@@ -304,6 +305,4 @@ def engine_for_model(model, scheduler_options: dict | None = None, **runner_opti
     """An engine core over an already built model: a Scheduler over its BatchedModelRunner
     (runner_options: decoding.batched_runner.runner_for_model's; scheduler_options: Scheduler's
     batching settings). In-process generation, benches and tests drive it through forward_batch."""
-    from specserve.decoding.batched_runner import runner_for_model
-
     return Scheduler(runner_for_model(model, **runner_options), **(scheduler_options or {}))

@@ -16,7 +16,8 @@ from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.errors import NoFreeBlocksError, NoFreeSlotError
 from specserve.decoding.scheduler import Scheduler, engine_for_model
 from tests.reference_runner import ReferenceRunner
-from specserve.decoding.paged_cache import GIB, PagedKVCache, gpu_kv_budget_bytes, kv_bytes_per_token, kv_capacity
+from specserve.decoding.paged_cache import (GIB, SAMPLER_ROW_COPIES, PagedKVCache, gpu_kv_budget_bytes, kv_bytes_per_token,
+                                            kv_capacity, step_peak_bytes)
 from tests.test_batched_runner import ATOL, assert_rows_match, random_ids, ragged_rounds
 from tests.tiny_pair import tiny_model
 
@@ -210,6 +211,32 @@ def test_a_gpu_kv_budget_is_the_engines_share_less_weights_and_peak_activations(
     assert gpu_kv_budget_bytes(total, 0.9, 1.0, 16 * GIB, 2 * GIB) == int(54 * GIB)
     assert gpu_kv_budget_bytes(total, 0.9, 2.0, 16 * GIB, 2 * GIB) == int(54 * GIB)   # a group's rank: its device
     assert gpu_kv_budget_bytes(total, 0.9, 0.25, 16 * GIB, 8 * GIB) == 0               # nothing left: refused later
+
+
+def test_two_engines_sharing_a_device_in_one_process_stay_within_it():
+    """A draft and a target at num_gpus 0.5 in one process (the in-process bench, `specserve
+    generate`): each subtracts only its own weights and activations from its own share, so together
+    they use at most gpu_memory_utilization of the device. Subtracting what the process already
+    holds (the first engine's weights and whole pool) as the second's would leave it nothing."""
+    total, utilization = 80 * GIB, 0.9
+    engines = [(2 * GIB, 1 * GIB), (16 * GIB, 3 * GIB)]   # (weights, step peak) of draft and target
+    budgets = [gpu_kv_budget_bytes(total, utilization, 0.5, weights, peak) for weights, peak in engines]
+    assert sum(budgets) + sum(weights + peak for weights, peak in engines) <= total * utilization
+    assert budgets == [int(33 * GIB), int(17 * GIB)]
+    first_pool = budgets[0]
+    held_by_the_process = engines[0][0] + first_pool   # what memory_allocated() shows the second engine
+    assert gpu_kv_budget_bytes(total, utilization, 0.5, held_by_the_process + engines[1][0], engines[1][1]) == 0
+
+
+def test_a_steps_peak_counts_the_samplers_rows_for_every_kept_row():
+    """The profile's peak is the forward's plus the sampler's vocabulary-wide temporaries over the
+    rows the step keeps: 64 verifies of K = 4 keep 320 rows, five times what keeping one row a
+    sequence (the old profile) counted: at Llama 3's 128,256 ids that is gigabytes."""
+    vocab = 128_256
+    verify_batch = step_peak_bytes(forward_peak_bytes=GIB, kept_rows=64 * 5, vocab_size=vocab)
+    one_row_each = step_peak_bytes(forward_peak_bytes=GIB, kept_rows=64, vocab_size=vocab)
+    assert verify_batch - GIB == 5 * (one_row_each - GIB) == 320 * vocab * 4 * SAMPLER_ROW_COPIES
+    assert verify_batch > 2 * GIB
 
 
 def test_engine_specs_carry_their_gpu_share_and_the_largest_planned_forwards(tmp_path):

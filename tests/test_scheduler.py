@@ -1,5 +1,7 @@
 """The engine's iteration planner: which waiting calls share the next forward."""
 
+import torch
+
 from specserve.decoding.batched_runner import BatchedModelRunner
 from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.errors import SequenceStateError
@@ -122,3 +124,34 @@ def test_a_new_sequence_whose_prefix_is_cached_plans_its_prefill_from_there():
     schedule = scheduler.schedule([CallShape("second", prompt)])
     assert schedule.plan.prefills == [(0, 8)] and schedule.calls[0].chunk_end(8) is None
     assert (schedule.calls[0].holds_slot, schedule.calls[0].num_cached) == (False, 32)
+
+
+def test_decodes_keep_flowing_beside_a_long_prompts_chunked_prefill():
+    """The default budget (vLLM's 2,048 tokens a step) chunks a 5,000-token prompt over three
+    iterations; the sequences decoding meanwhile take a step in every one of them, in their own
+    forward, and the prompt's rows equal one whole forward's."""
+    from specserve.cluster.config import BatchingSpec
+    from tests.reference_runner import full_logits
+
+    assert BatchingSpec().prefill_token_budget == 2048
+    model = tiny_model("llama", max_position_embeddings=8192)
+    scheduler = Scheduler(BatchedModelRunner.from_model(model, max_sequences=4), max_step_tokens=10,
+                          prefill_token_budget=BatchingSpec().prefill_token_budget, max_batch_rows=8)
+    decoding = {"a": [3, 4, 5], "b": [6, 7]}
+    scheduler.forward_batch([ForwardCall(seq_id, history) for seq_id, history in decoding.items()])
+    prompt = [2 + i % 90 for i in range(5000)]
+    chunks, last_rows = [], None
+    while last_rows is None:
+        shapes = [CallShape(seq_id, history + [8]) for seq_id, history in decoding.items()] + [CallShape("p", prompt)]
+        schedule = scheduler.schedule(shapes)
+        assert schedule.plan.steps == [0, 1]   # both decodes run in every iteration of the prefill
+        (index, chunk), = schedule.plan.prefills
+        chunks.append(chunk)
+        scheduler.forward_batch([ForwardCall(shape.seq_id, shape.token_ids) for shape in shapes[:2]])
+        for history in decoding.values():
+            history.append(8)
+        end = schedule.calls[index].chunk_end(chunk)
+        rows = scheduler.forward_batch([ForwardCall("p", prompt if end is None else prompt[:end])])[0]
+        last_rows = rows if end is None else None
+    assert chunks == [2048, 2048, 904]
+    torch.testing.assert_close(last_rows, full_logits(model, prompt)[-1:], atol=1e-4, rtol=0)
