@@ -162,7 +162,7 @@ def test_padded_pair_is_accepted_and_both_runners_score_the_tokenizers_ids(check
     target_spec, draft_spec = served_model_specs(pair_config(qwen.target, qwen.draft))
     assert target_spec["vocab_size"] == draft_spec["vocab_size"] == qwen.tokenizer_size
     assert target_spec["eos_token_ids"] == sorted(qwen.eos_ids)
-    target, draft = load_runner(target_spec), load_runner(draft_spec)
+    target, draft = Scheduler(load_runner(target_spec)), Scheduler(load_runner(draft_spec))
     history = [5, 6, 7]
     assert target.forward("s", history).shape[-1] == draft.forward("s", history).shape[-1] == qwen.tokenizer_size
     assert target.eos_token_ids == frozenset(qwen.eos_ids)

@@ -269,7 +269,7 @@ def test_greedy_constrained_output_equals_hf_generate_with_the_same_mask(tokeniz
     for prompt_text in ("Answer: ", "def f(x):"):
         prompt = tokenizer.encode(prompt_text)
         with torch.no_grad():
-            hf = target.model.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, pad_token_id=0,
+            hf = target.runner.model.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, pad_token_id=0,
                                        logits_processor=LogitsProcessorList([LLGuidanceProcessor(compiler, spec,
                                                                                                  len(prompt))]))
         expected = hf[0, len(prompt):].tolist()
