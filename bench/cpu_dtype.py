@@ -19,12 +19,12 @@ from specserve.decoding.batched_runner import BatchedModelRunner
 from specserve.decoding.scheduler import Scheduler
 
 
-def step_ms(runner: Scheduler, prompt: list[int], new: int, repeats: int) -> float:
-    runner.forward("s", prompt)
+def step_ms(engine: Scheduler, prompt: list[int], new: int, repeats: int) -> float:
+    engine.forward("s", prompt)
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
-        runner.forward("s", prompt + list(range(10, 10 + new)), num_rows=new)
+        engine.forward("s", prompt + list(range(10, 10 + new)), num_rows=new)
         times.append(time.perf_counter() - started)
     return 1000 * statistics.median(times)
 

@@ -9,7 +9,7 @@ iteration from them (no timer: a lone call runs at once, so a single stream pays
   prompt would cost that verify ~60x its compute, and one chunk per iteration bounds how long
   a running round waits behind a prompt;
 - a call for a sequence the engine does not hold yet needs a free KV slot, and every call needs
-  the KV blocks its new tokens will fill (decoding.paged_cache): while they are not free it waits
+  the KV blocks its new tokens will fill (decoding.block_manager): while they are not free it waits
   in the queue (the engine answers "overloaded" past a deadline), in arrival order.
 
 `plan_iteration` is pure: it is passed what is known of each call and gives back the plan.

@@ -384,7 +384,7 @@ def test_logprobs_are_the_targets_raw_log_probabilities(server, client):
     sampled = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=1.0, seed=3,
                                         logprobs=2, extra_body={"return_tokens_as_token_ids": True}).choices[0]
     sampled_ids = [int(token.removeprefix("token_id:")) for token in sampled.logprobs.tokens]
-    raw = torch.log_softmax(runner.forward("lp-sampled", prompt_ids + sampled_ids[:-1], len(sampled_ids)), dim=-1)
+    raw = torch.log_softmax(engine.forward("lp-sampled", prompt_ids + sampled_ids[:-1], len(sampled_ids)), dim=-1)
     assert len(sampled_ids) == 16
     assert sampled.logprobs.token_logprobs == pytest.approx(
         [float(raw[i, token]) for i, token in enumerate(sampled_ids)], abs=1e-3)
