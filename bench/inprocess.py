@@ -22,7 +22,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from specserve.bench.records import RequestRecord, StepLatency
 from specserve.decoding.generate import generate
-from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.scheduler import Scheduler, engine_for_model
 from specserve.decoding.proposers import DraftModelProposer
 from specserve.decoding.sampling import SamplingParams
 from specserve.decoding.sequence import RequestState
@@ -68,24 +68,24 @@ class ForwardClock:
 
 @dataclass
 class LoadedPair:
-    """HF models (for assisted generation) and ModelRunners over the very same modules."""
+    """HF models (for assisted generation) and engines over the very same modules."""
 
     target_model: torch.nn.Module
     draft_model: torch.nn.Module
-    target: BatchedModelRunner
-    draft: BatchedModelRunner
+    target: Scheduler
+    draft: Scheduler
     clock: ForwardClock
 
 
 def load_pair(target_path: str, draft_path: str, device: str = "cpu", dtype: str = "float32") -> LoadedPair:
-    """Load both models once; BatchedModelRunner.from_model wraps them so every row uses the same weights."""
+    """Load both models once; engine_for_model wraps them so every row uses the same weights."""
     models = []
     for path in (target_path, draft_path):
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=_DTYPES[dtype])
         models.append(model.to(torch.device(device)).eval())
     target_model, draft_model = models
-    return LoadedPair(target_model, draft_model, BatchedModelRunner.from_model(target_model),
-                      BatchedModelRunner.from_model(draft_model), ForwardClock(models))
+    return LoadedPair(target_model, draft_model, engine_for_model(target_model), engine_for_model(draft_model),
+                      ForwardClock(models))
 
 
 # -- step latencies -----------------------------------------------------------------------------
@@ -124,7 +124,7 @@ def run_specserve(pair: LoadedPair, prompt_id: str, run: int, prompt_ids: list[i
     verification "block" or "token" (decoding.speculation.accept_round)."""
     proposer = DraftModelProposer(pair.draft) if num_draft_tokens > 0 else None
     state = RequestState(request_id=f"{prompt_id}-{run}", prompt_ids=prompt_ids, params=params,
-                         eos_token_id=pair.target.eos_token_id, max_context=pair.target.max_context)
+                         eos_token_id=pair.target.runner.eos_token_id, max_context=pair.target.max_context)
     clock = pair.clock
     overheads: list[float] = []
     ttft_s = None
@@ -207,7 +207,7 @@ def run_hf_assisted(pair: LoadedPair, prompt_id: str, run: int, prompt_ids: list
         torch.manual_seed(seed)
         started = time.perf_counter()
         output = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=draft,
-                                 max_new_tokens=max_tokens, streamer=streamer, pad_token_id=pair.target.eos_token_id,
+                                 max_new_tokens=max_tokens, streamer=streamer, pad_token_id=pair.target.runner.eos_token_id,
                                  **sampling)
         wall_s = time.perf_counter() - started
     finally:

@@ -38,7 +38,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from specserve.common.config import SpeculationSpec
-from specserve.decoding.batched_runner import runner_for_model
+from specserve.decoding.scheduler import Scheduler, engine_for_model
 from specserve.decoding.generate import generate
 from specserve.decoding.proposers import DraftModelProposer
 from specserve.decoding.sampling import SamplingParams
@@ -94,8 +94,9 @@ def peaked(model, prompts: list[torch.Tensor]) -> float:
     return mean_entropy_nats(logits * high)
 
 
-def timed_forwards(runner, seconds: list[float]):
-    """The runner, its model calls (`_logits`) adding their wall time to seconds[0]."""
+def timed_forwards(engine: Scheduler, seconds: list[float]) -> Scheduler:
+    """The engine, its runner's model calls (`_logits`) adding their wall time to seconds[0]."""
+    runner = engine.runner
     model_call = runner._logits
 
     def timed(*args, **kwargs):
@@ -106,7 +107,7 @@ def timed_forwards(runner, seconds: list[float]):
             seconds[0] += time.perf_counter() - started
 
     runner._logits = timed
-    return runner
+    return engine
 
 
 def measure(num_rounds: int, num_warmup: int) -> tuple[dict, dict]:
@@ -117,9 +118,9 @@ def measure(num_rounds: int, num_warmup: int) -> tuple[dict, dict]:
     target_model, target_entropy = look_alike("target", 0, prompts)
     draft_model, draft_entropy = look_alike("draft", 1, prompts)
     in_forwards = {"target": [0.0], "draft": [0.0]}
-    target = timed_forwards(runner_for_model(target_model, max_sequences=8, model_path="look-alike-target",
+    target = timed_forwards(engine_for_model(target_model, max_sequences=8, model_path="look-alike-target",
                                              max_model_len=MAX_CONTEXT), in_forwards["target"])
-    proposer = DraftModelProposer(timed_forwards(runner_for_model(draft_model, max_sequences=8,
+    proposer = DraftModelProposer(timed_forwards(engine_for_model(draft_model, max_sequences=8,
                                                                   model_path="look-alike-draft",
                                                                   max_model_len=MAX_CONTEXT), in_forwards["draft"]),
                                   max_candidates=SpeculationSpec().draft_top_k)

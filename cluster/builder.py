@@ -144,8 +144,10 @@ def served_model_specs(config: SpecServeConfig) -> tuple[dict[str, Any], dict[st
     draft = None
     if config.draft is not None and config.speculation.needs_draft_model:
         draft = {**config.draft.model_dump(), **served, "gpu_share": gpu_share(config.draft_workers.num_gpus),
-                 "max_model_len": min(target_len, context_length(config.draft.path))}
-    return {**config.target.model_dump(), **served, "gpu_share": gpu_share(config.target_workers.num_gpus)}, draft
+                 "max_model_len": min(target_len, context_length(config.draft.path)),
+                 "tensor_parallel_timeout_s": config.draft_workers.tensor_parallel_timeout_s}
+    return {**config.target.model_dump(), **served, "gpu_share": gpu_share(config.target_workers.num_gpus),
+            "tensor_parallel_timeout_s": config.target_workers.tensor_parallel_timeout_s}, draft
 
 
 def gpu_share(num_gpus: float) -> float:

@@ -78,6 +78,10 @@ class WorkerResources(_Strict):
     tensor_parallel_size: int = Field(1, ge=1, description="workers only: each replica's engine is a group of this "
                                       "many rank actors (one GPU each on a GPU cluster, on one node), the model's "
                                       "heads and MLP columns split among them (docs/tensor-parallel.md)")
+    tensor_parallel_timeout_s: float = Field(3600.0, gt=0, description="workers only: how long a rank of a "
+                                             "tensor-parallel group waits for the others in a collective; it "
+                                             "must cover the slowest rank's shard load (the first collective "
+                                             "after loading waits for it)")
     resources: dict[str, float] = Field(default_factory=dict,
                                         description="custom Ray resources, e.g. to pin engines to a node group")
     max_ongoing_requests: int = Field(256, ge=1)
@@ -188,8 +192,9 @@ class BatchingSpec(_Strict):
     """How an engine batches the calls waiting on it (continuous batching of rounds)."""
 
     max_batch_rows: int = Field(64, ge=1, description="most sequences in one forward")
-    prefill_token_budget: int = Field(256, ge=1, description="prompt tokens prefilled per engine iteration "
-                                      "(chunked prefill: a long prompt never stalls running rounds for long)")
+    prefill_token_budget: int = Field(2048, ge=1, description="prompt tokens prefilled per engine iteration "
+                                      "(chunked prefill, vLLM's default: a long prompt never stalls running "
+                                      "rounds for long)")
     admission_timeout_s: float = Field(30.0, gt=0, description="how long a new sequence waits to be admitted "
                                        "(a free KV slot and blocks) before the request gets 503")
     idle_sequence_ttl_s: float = Field(900.0, gt=0, description="a KV slot untouched this long is freed "

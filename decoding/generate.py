@@ -6,16 +6,17 @@ The oracle the distributed path is tested against, and the in-process row of the
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from specserve.decoding.grammar import GrammarDeadEndError, GrammarMatcher, GrammarMatchers
-from specserve.decoding.model_runner import ForwardCall, RunnerBase
+from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.proposers import ProposeCall, Proposer, empty_proposal
 from specserve.decoding.sequence import RequestState
 from specserve.decoding.speculation import (RowsCall, accept_round, answer_verifies, target_rows,
                                             verify_answer)
 
 
-def generate(target: RunnerBase, state: RequestState, proposer: Proposer | None = None,
+def generate(target: Any, state: RequestState, proposer: Proposer | None = None,
              num_draft_tokens: int = 4, verification: str = "block",
              grammars: GrammarMatchers | None = None) -> Iterator[list[int]]:
     """Decode state to completion, yielding the (non-empty) tokens committed at each target pass.
@@ -69,7 +70,7 @@ def _target_grammar(state: RequestState, grammars: GrammarMatchers | None) -> Gr
     return matcher
 
 
-def generate_batch(target: RunnerBase, states: Sequence[RequestState], proposer: Proposer | None = None,
+def generate_batch(target: Any, states: Sequence[RequestState], proposer: Proposer | None = None,
                    num_draft_tokens: int = 4, verification: str = "block",
                    grammars: GrammarMatchers | None = None) -> None:
     """`generate` for many requests at once, to completion: each round is one `propose_batch` and

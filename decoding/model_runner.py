@@ -1,17 +1,16 @@
-"""What every model runner shares: loading a local Hugging Face causal LM, the pair checks, and the
-full-history protocol (decoding.batched_runner.BatchedModelRunner is the runner engines use).
+"""What every model runner shares: loading a local Hugging Face causal LM, the model's facts and the
+pair checks (decoding.batched_runner.BatchedModelRunner is the runner engines use).
 
-Protocol: every call names the FULL token history it wants the cache to hold. The runner reuses
-the longest common prefix of that history with what it already cached (cropping the rest: that
-is the rollback) and runs ONE forward over the remainder. So a worker never trusts its own
-speculative tail, and a fresh runner that has never seen a sequence simply prefills it.
+The engine's protocol lives a level up (decoding.scheduler, decoding.block_manager): every call
+names the FULL token history it wants the cache to hold; the block manager reuses the longest
+common prefix of that history with what the sequence holds (cropping the rest: that is the
+rollback) and the runner runs ONE forward over the remainder. So a worker never trusts its own
+speculative tail, and an engine that has never seen a sequence simply prefills it.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -22,39 +21,8 @@ from specserve.decoding.checkpoint import check_weight_files, quantization_metho
 _PROBE_TEXT = "def fibonacci(n):\n    return n"
 
 
-class SequenceStateError(RuntimeError):
-    """A sequence id the runner cannot serve (e.g. too long for the model's context)."""
-
-
-class NoFreeSlotError(SequenceStateError):
-    """A new sequence arrived while the runner already holds max_sequences of them: release
-    finished sequences, or let the request wait for a slot."""
-
-
 class IncompatibleModelsError(ValueError):
     """Draft and target cannot be paired (different vocabulary or tokenization)."""
-
-
-@dataclass
-class ForwardCall:
-    """One sequence's share of a batched forward: make seq_id's cache hold exactly token_ids and
-    return logits for the last num_rows positions (the protocol of `BatchedModelRunner.forward`)."""
-
-    seq_id: str
-    token_ids: Sequence[int]
-    num_rows: int = 1
-
-
-def _common_prefix_length(cached: list[int], wanted: list[int], limit: int) -> int:
-    """Length of the longest common prefix of cached and wanted, at most limit."""
-    limit = min(limit, len(cached), len(wanted))
-    # Hot path: the cache is a prefix of the request (one C-level list comparison).
-    if cached[:limit] == wanted[:limit]:
-        return limit
-    for i in range(limit):
-        if cached[i] != wanted[i]:
-            return i
-    return limit
 
 
 def load_causal_lm(model_path: str, dtype: str = "auto", device: str = "auto",
@@ -106,8 +74,7 @@ def checkpoint_weights(model_path: str, dtype: torch.dtype) -> dict[str, torch.T
 
 
 class RunnerBase:
-    """What every runner shares: loading, the model's facts, and the checks of the full-history
-    protocol. Subclasses hold the per-sequence KV state."""
+    """What every runner shares: loading and the model's facts."""
 
     def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu",
                  num_threads: int | None = None, max_sequences: int = 256) -> None:
@@ -125,7 +92,8 @@ class RunnerBase:
         return runner
 
     def _init_from_model(self, model, max_sequences: int, model_path: str, max_model_len: int | None = None) -> None:
-        """max_model_len: the longest history served (default and upper bound: max_position_embeddings)."""
+        """max_sequences: sequences an engine over it holds at once (its block manager's slots);
+        max_model_len: the longest history served (default and upper bound: max_position_embeddings)."""
         if max_sequences < 1:
             raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
         model.eval()
@@ -168,61 +136,6 @@ class RunnerBase:
     def _served_columns(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [..., width] -> [..., vocab_size] (a no-op when the widths agree)."""
         return logits if logits.shape[-1] == self.vocab_size else logits[..., :self.vocab_size].contiguous()
-
-    # Per-sequence state, kept by subclasses: self._sequences maps seq_id -> an entry whose
-    # token_ids are exactly the tokens its KV holds; self._crop(entry, length) cuts it back.
-
-    def num_cached(self, seq_id: str) -> int:
-        """Tokens of seq_id held in the KV cache (0 if unknown)."""
-        entry = self._sequences.get(seq_id)
-        return 0 if entry is None else len(entry.token_ids)
-
-    def rollback(self, seq_id: str, length: int) -> None:
-        """Crop seq_id's cache to its first `length` tokens."""
-        if length < 0:
-            raise ValueError(f"rollback length must be >= 0, got {length}")
-        entry = self._sequences.get(seq_id)
-        if entry is None:
-            raise SequenceStateError(f"unknown sequence {seq_id!r}")
-        self._crop(entry, length)
-
-    def active_sequences(self) -> list[str]:
-        """Ids of the sequences whose KV caches are held."""
-        return list(self._sequences)
-
-    @property
-    def num_free_slots(self) -> int:
-        """How many NEW sequences can still be admitted before NoFreeSlotError."""
-        return self.max_sequences - len(self._sequences)
-
-    def _checked_history(self, call: ForwardCall) -> list[int]:
-        """call.token_ids as a list, or SequenceStateError if the protocol cannot serve it."""
-        wanted = list(call.token_ids)
-        length = len(wanted)
-        if not 1 <= call.num_rows <= length:
-            raise SequenceStateError(f"sequence {call.seq_id!r}: num_rows={call.num_rows} must be between 1 "
-                                     f"and the history length {length}")
-        if length > self.max_context:
-            raise SequenceStateError(
-                f"sequence {call.seq_id!r}: {length} tokens exceed the model's context of {self.max_context}")
-        return wanted
-
-    def _checked_batch(self, calls: Sequence[ForwardCall]) -> list[list[int]]:
-        """Every call's history, after checking the whole batch up front (distinct ids, valid
-        calls, slots for the new sequences), so a bad batch changes no state."""
-        seq_ids = [call.seq_id for call in calls]
-        if len(set(seq_ids)) != len(seq_ids):
-            duplicated = sorted({seq_id for seq_id in seq_ids if seq_ids.count(seq_id) > 1})
-            raise ValueError(f"a batch must name each sequence once; repeated: {duplicated}")
-        histories = [self._checked_history(call) for call in calls]
-        num_new = sum(seq_id not in self._sequences for seq_id in seq_ids)
-        if num_new > self.num_free_slots:
-            raise self._no_free_slot(f"{num_new} new sequence(s)")
-        return histories
-
-    def _no_free_slot(self, what: str) -> NoFreeSlotError:
-        return NoFreeSlotError(f"cannot hold {what}: already holding {len(self._sequences)} of "
-                               f"max_sequences={self.max_sequences}; release finished sequences first")
 
 
 def model_path_of(model) -> str:

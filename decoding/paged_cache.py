@@ -8,8 +8,9 @@ head_dim] pools, a sequence owns a list of blocks (its block table), gets a new 
 grows past its last one and gives blocks back when it is cropped (rollback) or released. With
 prefix caching (on by default, as in vLLM) a full block given back stays findable by a hash chained
 over its tokens until the pool needs its room, so a later sequence with the same prefix (a shared
-system prompt, n choices, a chat's next turn) shares it instead of computing it again
-(PagedKVCache's allocator; the runner's side is decoding.batched_runner).
+system prompt, n choices, a chat's next turn) shares it instead of computing it again. Block ids,
+tables and the prefix cache live with the scheduler (decoding.block_manager); this module is the
+memory behind the ids (PagedKVCache) and the arithmetic of the budget.
 
 Attention reads a sequence's keys through its table. There is no paged-attention kernel on CPU,
 so `PagedBatchView.update` (the `past_key_values.update` that transformers' attention and
@@ -22,7 +23,7 @@ the slot cache in docs/kv-memory.md.
 Sliding-window layers (Gemma 2/3, Mistral v0.1, Phi-3) need only their window's keys, so their
 blocks are a KV cache group of their own (`KVGroup`, vLLM's hybrid allocator): every group keeps a
 block table per sequence, a windowed group lets go of the blocks wholly older than its window
-(decoding.batched_runner), and all groups draw block ids from this one allocator. A block id is
+(decoding.block_manager), and all groups draw block ids from one allocator. A block id is
 memory for one block of `layers_per_block` layers, the same tensors for every group (a group's
 layers are laid over the pools' slots), so a block freed by a windowed group serves any group. A
 model without windowed layers has one group of all its layers: the pools, tables and arithmetic
@@ -35,25 +36,16 @@ is allocated whole up front on CUDA (growing there would need twice the memory f
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from specserve.decoding.model_runner import NoFreeSlotError
 from specserve.decoding.paged_attention import flash_paged_attention, sdpa_over_gathered
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per block (vLLM's default)
-FIRST_GROWTH_BLOCKS = 64  # blocks the pool starts with on first use (then doubles)
 GIB = 1 << 30
-
-
-class NoFreeBlocksError(NoFreeSlotError):
-    """The KV budget has no free blocks for this batch's new tokens: the call must wait until
-    other sequences finish (the engine queues it, then answers "overloaded" past its deadline)."""
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
@@ -178,10 +170,24 @@ def gpu_kv_budget_bytes(total_bytes: int, gpu_memory_utilization: float, device_
                         activation_bytes: int) -> int:
     """vLLM's rule, per engine: the engine may use gpu_memory_utilization of ITS share of the device
     (Ray's num_gpus: two engines at 0.5 on one GPU get half each, not 90% each); the KV cache gets
-    what is left of that after what the process already holds (the weights) and the peak
-    activations of the largest forward the scheduler can plan (profiled at start)."""
+    what is left of that after what this engine holds (in_use_bytes: its own weights, never another
+    engine's weights or pool in the same process, which its own share already pays for) and the
+    peak activations of the largest step the scheduler can plan (step_peak_bytes, profiled at start)."""
     allowed = int(total_bytes * gpu_memory_utilization * min(1.0, device_share))
     return max(0, allowed - in_use_bytes - activation_bytes)
+
+
+# Rows x vocabulary float32 tensors alive at once while a step's kept rows are sampled and verified
+# (decoding/sampling.py's process_rows and the verify): the float32 logits, their processed copy, a
+# sort's values and int64 indices (two) for top-k/top-p, the probabilities and their cumulative sum.
+SAMPLER_ROW_COPIES = 7
+
+
+def step_peak_bytes(forward_peak_bytes: int, kept_rows: int, vocab_size: int) -> int:
+    """Device memory at the peak of one planned step beyond its keys and values: the forward's own
+    (measured on a throw-away cache) and the sampler's temporaries over the rows it keeps (a verify
+    keeps K + 1 rows a sequence, so a batch of B verifies samples B x (K + 1) vocabulary rows)."""
+    return forward_peak_bytes + kept_rows * vocab_size * 4 * SAMPLER_ROW_COPIES
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -330,45 +336,21 @@ class LayerPools:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
 
 
-BlockKey = tuple[int, tuple[int, ...]]  # (the previous block's hash, this block's tokens)
-
-
-def block_key(parent_hash: int, tokens: Sequence[int]) -> BlockKey:
-    """What identifies a full block's keys and values: its tokens and, through the parent's hash,
-    every token before them (and the cache salt at the chain's root). hash(key) is the next
-    block's parent hash. The key itself, not only its hash, is what the cache is looked up by,
-    so a hash collision can never hand out another prefix's keys."""
-    return parent_hash, tuple(tokens)
-
-
-def salt_hash(salt: str) -> int:
-    """Root of every hash chain: whatever changes the keys and values besides the tokens (the
-    model and its weights' version), so a block computed by other weights is never found."""
-    return hash(("specserve-prefix-cache", salt))
-
-
 class PagedKVCache:
-    """Block pools for every layer and the block allocator; sequences' block tables live with their owner.
-
-    The allocator is nano-vllm's BlockManager idea (prefix caching): a block has a reference
-    count (the sequences whose table holds it) and, once a sequence has filled it, a key
-    (block_key) by which `find` hands it to any later sequence with the same prefix. A block
-    nobody references but that still has a key stays findable, in LRU order, and is evicted
-    (its key dropped) only when `allocate` finds no never-keyed free block and the pool cannot
-    grow. So `num_free` counts those cached blocks as free: they are memory on loan.
-    A block referenced by several sequences is never written: the runner copies it first
-    (`copy_block`) or drops its key (`unpublish`) when only its one owner will write into it.
+    """Block pools for every layer: the memory behind the block ids decoding.block_manager hands
+    out (the ids, their reference counts and the prefix cache live there, with the scheduler).
 
     Layer pools are shaped lazily from the first keys a layer writes (kv heads and head size
     differ between architectures); num_blocks comes from the budget (kv_capacity). With several
     KV cache groups (KVGroup) the pools have one slot per layer of a group, and layer l of group g
-    reads and writes slot `slot_of[l]` at the blocks of group g's tables; keys are per group."""
+    reads and writes slot `slot_of[l]` at the blocks of group g's tables."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
                  device: torch.device | str = "cpu", preallocate: bool | None = None, flash: bool = False,
                  groups: Sequence[KVGroup] | None = None) -> None:
         """flash: pools in flash-attn's layout, read in place by its paged kernel (CUDA only).
-        groups: the KV cache groups (kv_groups; default: one full-attention group of num_layers)."""
+        groups: the KV cache groups (kv_groups; default: one full-attention group of num_layers).
+        preallocate (default: on CUDA): room for every block now, else as `reserve` asks."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -380,100 +362,21 @@ class PagedKVCache:
         self.slot_of = {layer: (g, slot) for g, group in enumerate(self.groups)
                         for slot, layer in enumerate(group.layers)}
         self.pools = LayerPools(len(self.groups[0].layers), block_size, token_major=flash)
-        self._free: list[int] = []   # min-heap of unreferenced blocks without a key
-        self._cached: OrderedDict[int, None] = OrderedDict()   # unreferenced keyed blocks, least recent first
-        self._refs: dict[int, int] = {}            # referenced blocks -> how many tables hold them
-        self._key_of: dict[int, BlockKey] = {}     # keyed blocks (referenced or cached) -> their key
-        self._block_of: dict[BlockKey, int] = {}   # ... and back
         if self.device.type == "cuda" if preallocate is None else preallocate:
-            self._grow(num_blocks)
+            self.reserve(num_blocks)
 
     @property
     def capacity(self) -> int:
         """Blocks the pools have room for so far."""
         return self.pools.capacity
 
-    @property
-    def num_free(self) -> int:
-        """Blocks that can still be handed out: never-keyed free ones, cached ones nobody
-        references (evicted on demand), and those the pools have not grown to yet."""
-        return len(self._free) + len(self._cached) + self.num_blocks - self.capacity
-
-    @property
-    def num_used(self) -> int:
-        """Blocks some sequence references."""
-        return self.num_blocks - self.num_free
-
-    @property
-    def num_cached(self) -> int:
-        """Unreferenced blocks still findable by their key (counted in num_free)."""
-        return len(self._cached)
-
-    def allocate(self, count: int) -> list[int]:
-        """count blocks, each referenced once: never-keyed free blocks first (lowest ids), then
-        new room in the pool, then the least recently used cached blocks (their keys dropped).
-        NoFreeBlocksError, taking none, if fewer are free."""
-        if count > self.num_free:
-            raise NoFreeBlocksError(f"need {count} KV blocks, {self.num_free} of {self.num_blocks} are free; "
-                                    "wait for sequences to finish")
-        short = count - len(self._free)
-        if short > 0 and self.capacity < self.num_blocks:
-            want = max(short + self.capacity, self.capacity * 3 // 2, FIRST_GROWTH_BLOCKS)
-            self._grow(min(self.num_blocks, want) - self.capacity)
-        while len(self._free) < count:   # evict: the pool is at its budget
-            block, _ = self._cached.popitem(last=False)
-            del self._block_of[self._key_of.pop(block)]
-            heapq.heappush(self._free, block)
-        blocks = [heapq.heappop(self._free) for _ in range(count)]
-        for block in blocks:
-            self._refs[block] = 1
-        return blocks
-
-    def free(self, blocks: Sequence[int]) -> None:
-        """Drop one reference to each block. A block nobody references any more stays findable
-        if it has a key (most recently freed last in the eviction order: free a table's blocks
-        tail first, so a shared prefix outlives the tails), else it is simply free (its stale
-        keys never visible: no table points at it)."""
-        for block in blocks:
-            refs = self._refs[block] - 1
-            if refs:
-                self._refs[block] = refs
-                continue
-            del self._refs[block]
-            if block in self._key_of:
-                self._cached[block] = None
-            else:
-                heapq.heappush(self._free, block)
-
-    def find(self, key: BlockKey) -> int | None:
-        """The block holding key's tokens' keys and values, or None."""
-        return self._block_of.get(key)
-
-    def share(self, block: int) -> None:
-        """One more reference to a found block (taken out of the eviction order if it was cached)."""
-        if block in self._refs:
-            self._refs[block] += 1
-        else:
-            del self._cached[block]
-            self._refs[block] = 1
-
-    def refs(self, block: int) -> int:
-        return self._refs.get(block, 0)
-
-    def publish(self, block: int, key: BlockKey) -> None:
-        """Make a referenced block, just filled with key's tokens, findable. A key already held by
-        another block (two sequences computed the same block at once) keeps that block; this one
-        stays private."""
-        if key not in self._block_of and block not in self._key_of:
-            self._block_of[key] = block
-            self._key_of[block] = key
-
-    def unpublish(self, block: int) -> None:
-        """Its one owner is about to overwrite part of the block (a rollback into it): it is no
-        longer what its key says."""
-        key = self._key_of.pop(block, None)
-        if key is not None:
-            del self._block_of[key]
+    def reserve(self, num_blocks: int) -> None:
+        """Room for block ids below num_blocks (at most the budget's): a plan's pool_blocks. The
+        block manager grows it by half again at a time, so the copies growth makes are amortized."""
+        if num_blocks > self.num_blocks:
+            raise ValueError(f"a plan asks for {num_blocks} KV blocks, the pool's budget is {self.num_blocks}")
+        if num_blocks > self.capacity:
+            self.pools.grow(num_blocks - self.capacity)
 
     @torch.inference_mode()   # the pools are inference tensors (made in the forward)
     def copy_block(self, source: int, destination: int) -> None:
@@ -485,10 +388,6 @@ class PagedKVCache:
     def reserved_bytes(self) -> int:
         """Bytes the pools hold now (allocated tensors, used or not)."""
         return self.pools.reserved_bytes()
-
-    def _grow(self, num_blocks: int) -> None:
-        for block in self.pools.grow(num_blocks):
-            heapq.heappush(self._free, block)
 
     def view(self, layout: PagedLayout) -> PagedBatchView:
         """The object to pass as `past_key_values` for one forward laid out by `layout`."""

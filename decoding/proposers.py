@@ -9,7 +9,7 @@ from typing import Any, Protocol
 import torch
 
 from specserve.decoding.grammar import GrammarDeadEndError, GrammarMatchers
-from specserve.decoding.model_runner import ForwardCall, RunnerBase
+from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.row_processors import HistoryProcessor, RowBatch, history_processor
 from specserve.decoding.compact_verify import DraftSupport, draft_support
 from specserve.decoding.sampling import RowParams, SamplingParams, process_rows, sample_rows
@@ -115,21 +115,23 @@ class Proposer(Protocol):
 
 
 class DraftModelProposer:
-    """A small causal LM drafting autoregressively over a runner (KV cache reused across rounds).
+    """A small causal LM drafting autoregressively over an engine (KV cache reused across rounds).
 
-    Over a BatchedModelRunner, every step of `propose_batch` is one draft forward for all the
-    requests still drafting; over a ModelRunner the same code runs one forward per request.
+    Every step of `propose_batch` is one draft forward for all the requests still drafting, through
+    the engine's `forward_batch` (decoding.scheduler.Scheduler; the tests' reference runner has the
+    same protocol).
 
     grammars: the matchers of structured-output requests (one per sequence); with them the draft
     rows are masked as the target's will be, so the draft never proposes a token the grammar
     forbids. None drafts such requests unmasked (still lossless: the target rejects what the
     grammar forbids; bench.figures.structured_outputs measures the difference)."""
 
-    def __init__(self, runner: RunnerBase, grammars: GrammarMatchers | None = None,
+    def __init__(self, runner: Any, grammars: GrammarMatchers | None = None,
                  max_candidates: int | None = None) -> None:
         """max_candidates: a sampled draft token is drawn from its processed row's top
         max_candidates tokens renormalised (decoding.compact_verify.draft_support), which is the q
-        verified against; None: the whole row (`speculation.draft_top_k` on the served path)."""
+        verified against; None: the whole row (`speculation.draft_top_k` on the served path).
+        runner: what the draft forwards run on (a Scheduler: forward_batch, release, max_context)."""
         self.runner = runner
         self.grammars = grammars
         self.max_candidates = max_candidates
@@ -287,15 +289,16 @@ class ProposerKind:
 
     needs_model: it drafts with a draft checkpoint: the config must set `draft.path`, and the engine
     loads it into a runner (which draft training may hot-swap). build makes the proposer in the
-    draft engine from that runner (None when needs_model is False), the draft model's spec (None
-    likewise) and the engine's options (`SpecServeConfig.engine_options`)."""
+    draft engine from the engine's scheduler over that runner, through which its forwards are planned
+    (None when needs_model is False), the draft model's spec (None likewise) and the engine's options
+    (`SpecServeConfig.engine_options`)."""
 
     needs_model: bool
-    build: Callable[[RunnerBase | None, Mapping[str, Any] | None, Mapping[str, Any]], Proposer]
+    build: Callable[[Any, Mapping[str, Any] | None, Mapping[str, Any]], Proposer]
     description: str
 
 
-def _draft_model_proposer(runner: RunnerBase | None, model_spec: Mapping[str, Any] | None,
+def _draft_model_proposer(runner: Any, model_spec: Mapping[str, Any] | None,
                           engine_options: Mapping[str, Any]) -> DraftModelProposer:
     assert runner is not None and model_spec is not None, "a draft-model proposer needs its runner and spec"
     grammars = GrammarMatchers.for_runner(runner, model_spec.get("tokenizer_path") or model_spec["path"])

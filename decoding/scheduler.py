@@ -9,12 +9,16 @@ iteration from them (no timer: a lone call runs at once, so a single stream pays
   prompt would cost that verify ~60x its compute, and one chunk per iteration bounds how long
   a running round waits behind a prompt;
 - a call for a sequence the engine does not hold yet needs a free KV slot, and every call needs
-  the KV blocks its new tokens will fill (decoding.paged_cache): while they are not free it waits
+  the KV blocks its new tokens will fill (decoding.block_manager): while they are not free it waits
   in the queue (the engine answers "overloaded" past a deadline), in arrival order.
 
 `plan_iteration` is pure: it is passed what is known of each call and gives back the plan.
-`Scheduler` asks a runner what it holds, plans with it, and preempts when nothing can run; the
-engine actor only calls `schedule` (deployments.engine_host).
+`Scheduler` is the engine's core, Ray-free (nano-vllm's scheduler and engine step): it owns the
+KV blocks (decoding.block_manager), plans iterations from what they hold, preempts when nothing can
+run, and runs each forward as a fully planned step on its runner (`forward_batch`: the block
+manager plans, the runner runs the plan, the block manager records it). The engine actor calls
+`schedule` and `forward_batch` (deployments.engine_host); in-process generation and the draft
+proposer call `forward_batch` alone.
 """
 
 from __future__ import annotations
@@ -24,7 +28,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from specserve.decoding.model_runner import SequenceStateError
+import torch
+
+from specserve.decoding.batched_runner import runner_for_model
+from specserve.decoding.block_manager import BlockManager, ForwardCall
+from specserve.decoding.errors import SequenceStateError
 
 logger = logging.getLogger(__name__)
 
@@ -129,30 +137,106 @@ class Schedule:
     errors: dict[int, Exception] = field(default_factory=dict)
 
 
+# Batching settings of an engine built without a config (in-process generation, tests, benches):
+# common.config's defaults.
+DEFAULT_MAX_STEP_TOKENS = 16
+DEFAULT_PREFILL_TOKEN_BUDGET = 2048
+DEFAULT_MAX_BATCH_ROWS = 64
+
+
 class Scheduler:
-    """Plans an engine's iterations over its runner's state (free slots, cached tokens, KV blocks).
+    """One engine's core over its runner: the KV blocks (`blocks`, a BlockManager), the plan of
+    each iteration over the waiting calls, and the forwards, each planned in full before the
+    runner runs it.
 
-    runner: a decoding runner (BatchedModelRunner or ModelRunner), or None for a model-free
-    proposer, whose calls all run at once."""
+    runner: a decoding.batched_runner.BatchedModelRunner (or a tensor-parallel group's rank 0,
+    decoding.tensor_parallel.MirroredRunner), or None for a model-free proposer, whose calls all
+    run at once."""
 
-    def __init__(self, runner: Any, max_step_tokens: int, prefill_token_budget: int, max_batch_rows: int,
-                 name: str = "engine") -> None:
+    def __init__(self, runner: Any, max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
+                 prefill_token_budget: int = DEFAULT_PREFILL_TOKEN_BUDGET,
+                 max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS, name: str = "engine") -> None:
         """name: the engine's, for the log."""
         self.runner = runner
+        self.blocks = None if runner is None else BlockManager.for_runner(runner)
         self.name = name
         self.max_step_tokens = max_step_tokens
         self.prefill_token_budget = prefill_token_budget
         self.max_batch_rows = max_batch_rows
         self.preemptions = 0  # sequences whose KV was freed to let older ones grow
+        self.last_num_new_tokens = 0   # tokens the last forward computed (prefix-cache hits excluded)
+
+    # The model's facts, read through the engine
 
     @property
     def paged(self) -> bool:
-        """The runner keeps KV in a block pool (BatchedModelRunner), so calls wait for blocks."""
-        return hasattr(self.runner, "blocks_held")
+        """The engine keeps KV in a block pool, so calls wait for blocks."""
+        return self.blocks is not None
+
+    @property
+    def max_context(self) -> int:
+        return self.runner.max_context
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.runner.eos_token_ids
 
     @property
     def free_slots(self) -> int:
-        return 1 << 30 if self.runner is None else self.runner.num_free_slots
+        return 1 << 30 if self.blocks is None else self.blocks.num_free_slots
+
+    # The core step
+
+    def forward_batch(self, calls: Sequence[ForwardCall]) -> list[torch.Tensor]:
+        """One model forward for every call (distinct seq_ids, each naming its whole history);
+        result i is float32 [calls[i].num_rows, V], as a forward of that call alone would give it
+        (up to float rounding). The block manager plans the step (checking the whole batch before
+        anything changes: ValueError, SequenceStateError, NoFreeSlotError, NoFreeBlocksError), the
+        runner runs it, and the blocks then hold what it computed; a forward that raises leaves
+        every sequence as it was before (cropped back to what it reused)."""
+        if not calls:
+            return []
+        plan = self.blocks.plan(calls)
+        try:
+            logits = self.runner.run(plan)
+        except BaseException:
+            self.blocks.abort(plan)
+            raise
+        self.blocks.commit(plan)
+        self.last_num_new_tokens = plan.num_new_tokens
+        return logits
+
+    def forward(self, seq_id: str, token_ids: Sequence[int], num_rows: int = 1) -> torch.Tensor:
+        """seq_id's cache made to hold exactly token_ids; float32 logits [num_rows, V] for its
+        last num_rows positions (`forward_batch` of one call)."""
+        return self.forward_batch([ForwardCall(seq_id, token_ids, num_rows)])[0]
+
+    def release(self, seq_id: str) -> None:
+        """Forget seq_id and let go of its blocks (idempotent); its full blocks stay cached."""
+        if self.blocks is not None:
+            self.blocks.release(seq_id)
+
+    def load_weights(self, state, cache_salt: str) -> None:
+        """The runner serves `state` from the next forward (BatchedModelRunner.load_weights), and
+        every sequence's keys and values, computed by the old weights, are let go; cached blocks
+        become unfindable (the hash chain's root is the new cache_salt). ValueError, nothing
+        changed, when the weights do not fit the model."""
+        self.runner.load_weights(state)
+        self.blocks.reset(cache_salt)
+
+    def kv_usage(self) -> dict[str, int]:
+        """The block manager's usage and counters, and the bytes the runner's pools reserve."""
+        return {**self.blocks.usage(), "kv_bytes_reserved": self.runner.cache.reserved_bytes()}
+
+    # Planning iterations
 
     def schedule(self, shapes: Sequence[CallShape]) -> Schedule:
         """This iteration's plan over the waiting calls. A call that cannot run (too long, bad row
@@ -170,10 +254,8 @@ class Scheduler:
                 errors[index] = error
         plan = plan_iteration([waiting[index] for index in valid], self.free_slots, self.max_step_tokens,
                               self.prefill_token_budget, self.max_batch_rows,
-                              free_blocks=self.runner.num_free_blocks if self.paged else None,
-                              block_size=self.runner.block_size if self.paged else 1)
-        if self.paged and not plan.steps and not plan.prefills and any(waiting[valid[i]].holds_slot
-                                                                       for i in plan.waiting):
+                              free_blocks=self.blocks.num_free_blocks, block_size=self.blocks.block_size)
+        if not plan.steps and not plan.prefills and any(waiting[valid[i]].holds_slot for i in plan.waiting):
             self._preempt_youngest()
         plan = IterationPlan(steps=[valid[i] for i in plan.steps],
                              prefills=[(valid[i], chunk) for i, chunk in plan.prefills],
@@ -191,26 +273,36 @@ class Scheduler:
         return None
 
     def _waiting_call(self, shape: CallShape) -> WaitingCall:
-        cached = self.runner.num_cached(shape.seq_id) if self.runner is not None else 0
+        if self.blocks is None:
+            return WaitingCall(shape.seq_id, max(shape.num_rows, len(shape.token_ids)), holds_slot=False,
+                               extra_tokens=shape.extra_tokens)
+        cached = self.blocks.num_cached(shape.seq_id)
         # Every KV cache group's table has an entry per block of the tokens held (a windowed
         # group's let-go blocks too: they need no new block).
-        blocks_held = -(-cached // self.runner.block_size) if self.paged else 0
+        blocks_held = -(-cached // self.blocks.block_size)
         holds_slot = cached > 0
-        if not holds_slot and self.paged:
+        if not holds_slot:
             # A new sequence starts from what the prefix cache holds of it: its prefill chunks
             # count from there (its cached blocks still count as blocks needed: an upper bound).
-            cached = self.runner.cached_prefix_length(shape.seq_id, shape.token_ids, shape.num_rows)
+            cached = self.blocks.cached_prefix_length(shape.seq_id, shape.token_ids, shape.num_rows)
         return WaitingCall(shape.seq_id, max(shape.num_rows, len(shape.token_ids) - cached), holds_slot=holds_slot,
                            num_cached=cached, blocks_held=blocks_held, extra_tokens=shape.extra_tokens,
-                           kv_groups=self.runner.num_kv_groups if self.paged else 1)
+                           kv_groups=self.blocks.num_groups)
 
     def _preempt_youngest(self) -> None:
         """Nothing can run and a sequence the engine holds waits for KV blocks to grow: free the
         most recently admitted sequence's KV (vLLM's recompute preemption). Its request goes on:
-        its engine keeps its history and names all of it to the runner, so it is prefilled again
-        once blocks are free, and the older sequences finish first. Without this, sequences that all wait to grow would
-        wait each other out until the admission deadline failed them."""
-        victim = self.runner.active_sequences()[-1]
+        its engine keeps its history and names all of it again, so it is prefilled again once
+        blocks are free, and the older sequences finish first. Without this, sequences that all
+        wait to grow would wait each other out until the admission deadline failed them."""
+        victim = self.blocks.active_sequences()[-1]
         logger.warning("%s: KV blocks exhausted; preempting %s (it will be prefilled again)", self.name, victim)
-        self.runner.release(victim)
+        self.blocks.release(victim)
         self.preemptions += 1
+
+
+def engine_for_model(model, scheduler_options: dict | None = None, **runner_options) -> Scheduler:
+    """An engine core over an already built model: a Scheduler over its BatchedModelRunner
+    (runner_options: decoding.batched_runner.runner_for_model's; scheduler_options: Scheduler's
+    batching settings). In-process generation, benches and tests drive it through forward_batch."""
+    return Scheduler(runner_for_model(model, **runner_options), **(scheduler_options or {}))

@@ -10,17 +10,20 @@ not our own column/row split: the plan already exists for every architecture tra
 with TP (Llama, Qwen2/3, Mistral, Gemma, MoE), and it runs with gloo on CPU, so a second copy of it
 would only be a second thing to keep right (docs/tensor-parallel.md).
 
-Keeping ranks in step: rank 0 holds the engine; its runner is a `MirroredRunner` that broadcasts
-every call that changes KV state (MIRRORED_CALLS: name and arguments) to the followers before
-running it, and each follower (`follow`) runs the same call on its own runner
-and drops the outputs. The paged cache's block allocation is deterministic given the same calls,
-so every rank's block tables and prefix cache equal rank 0's, and the collectives inside the
-forward meet. A rank's pool holds its own heads only (BatchedModelRunner sizes it per rank).
+Keeping ranks in step: rank 0 holds the engine, and with it the only block manager (the
+scheduler's, decoding.block_manager); its runner is a `MirroredRunner` that broadcasts each planned
+step (decoding.block_manager.StepPlan: the tokens to run, positions, block tables, copies; never a
+token history) to the followers before running it, and each follower (`follow`) runs the same plan
+on its own pool and computes no logits rows of its own to answer with. So every rank writes the
+same blocks and the collectives inside the forward meet. A rank's pool holds its own heads only
+(BatchedModelRunner sizes it per rank).
 
-Failure: the calls go over a control group whose timeout is long (an idle follower waits there
-between calls), the forward's collectives over the default group whose timeout is short, so rank 0
-never waits forever on a dead or stuck follower: the failed collective raises GroupBrokenError, and
-the engine ends its process (deployments.engine_group) so the router fails over as for a lost engine.
+Failure: the plans go over a control group whose timeout is long (an idle follower waits there
+between steps), the forward's collectives over the default group, whose timeout (`timeout_s`, a
+setting: tensor_parallel_timeout_s) must cover the slowest rank's shard load, since the first
+collective after the load waits for it (transformers' own default is hours; ours is an hour). Past
+it, a failed collective raises GroupBrokenError and the engine ends its process
+(deployments.engine_group) so the router fails over as for a lost engine.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import datetime
 import functools
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,17 +41,17 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-# A collective inside a forward waits at most this long for the other ranks (a forward of the
-# largest planned batch takes well under a second on this box; a GPU takes less).
-COLLECTIVE_TIMEOUT_S = 60.0
+# A collective waits at most this long for the other ranks by default: the first one after the
+# load waits for the slowest rank's shards (a 70B checkpoint from network storage takes many
+# minutes); a forward of the largest planned batch takes well under a second.
+DEFAULT_GROUP_TIMEOUT_S = 3600.0
 # An idle follower waits this long for rank 0's next call (effectively forever; a dead rank 0
 # closes the connection, which ends the wait at once).
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0
-# The runner calls that change KV state; everything else only reads it, so followers need only these.
+# The runner calls that write KV: a planned step; everything else only reads, so followers need only it.
 # (tests/test_tensor_parallel.py fails on a public runner method named in neither list.)
-MIRRORED_CALLS = ("forward_batch", "release", "rollback", "fork", "adopt")
-READ_ONLY_CALLS = ("num_cached", "blocks_held", "cached_prefix_length", "prefix_cached_tokens", "kv_usage",
-                   "active_sequences", "serve_as", "from_model", "weights_mismatch")
+MIRRORED_CALLS = ("run",)
+READ_ONLY_CALLS = ("serve_as", "from_model", "weights_mismatch")
 # Calls a group never takes: a trained draft version's weights are whole, not a rank's shard, and
 # the config refuses draft training on a split draft (common.config).
 UNSPLIT_CALLS = ("load_weights",)
@@ -68,15 +71,16 @@ class TensorParallelRank:
     rank: int
     size: int
     store_address: str
+    timeout_s: float = DEFAULT_GROUP_TIMEOUT_S   # how long a collective waits for the other ranks
 
 
-def host_store(host: str) -> tuple[Any, str]:
+def host_store(host: str, timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> tuple[Any, str]:
     """A torch.distributed TCPStore for one group, served by the calling process on a port the OS
     picks while binding it (no port picked first and bound later, which another process on a busy
     node could take in between); -> (the store, which must live as long as the group, its
     address). The worker replica hosts its engine group's; a test, its processes'."""
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                          timeout=datetime.timedelta(seconds=timeout_s))
     return store, f"{host}:{store.port}"
 
 
@@ -95,7 +99,7 @@ def join_group(member: TensorParallelRank, device: str = "cpu") -> Any:
     whatever the device) the runner calls and load-time agreements travel over. The default
     process group carries the model's collectives (NCCL on CUDA)."""
     host, port = member.store_address.rsplit(":", 1)
-    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    timeout = datetime.timedelta(seconds=member.timeout_s)
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
     dist.init_process_group(backend_for(device), store=store, rank=member.rank, world_size=member.size,
                             timeout=timeout)
@@ -157,34 +161,19 @@ class MirroredRunner:
             try:
                 dist.broadcast_object_list([(name, args)], src=0, group=self.control_group)
                 return getattr(self.runner, name)(*args)
-            except _refusals():
-                raise   # the followers refused it alike: the ranks are still in step
             except Exception as error:
-                # Whatever else failed (a collective, or anything between two of them), the
-                # followers cannot be known to be where rank 0 is: the group is done.
+                # A plan reaches here whole and checked (the block manager refuses a bad batch
+                # before planning it), so whatever failed (a collective, or anything between two of
+                # them), the followers cannot be known to be where rank 0 is: the group is done.
                 broken = GroupBrokenError(f"tensor-parallel group broken in {name}: {error}")
                 if self.on_broken is not None:
                     self.on_broken(broken)
                 raise broken from error
 
-    def forward(self, seq_id: str, token_ids: Sequence[int], num_rows: int = 1) -> torch.Tensor:
-        """The runner's `forward`, mirrored as the forward_batch it is."""
-        from specserve.decoding.model_runner import ForwardCall
-
-        return self._mirrored("forward_batch", [ForwardCall(seq_id, list(token_ids), num_rows)])[0]
-
     def stop_followers(self) -> None:
         """Let the followers' `follow` return (a clean shutdown)."""
         with self._lock:
             dist.broadcast_object_list([(_STOP, ())], src=0, group=self.control_group)
-
-
-def _refusals() -> tuple[type[BaseException], ...]:
-    """What a runner's own checks raise before anything changes: every rank raises it alike."""
-    from specserve.decoding.model_runner import SequenceStateError
-    from specserve.decoding.paged_cache import NoFreeBlocksError
-
-    return SequenceStateError, NoFreeBlocksError, ValueError
 
 
 class Follower:
@@ -204,9 +193,9 @@ def in_group(runner: Any, rank: int, control_group: Any) -> "MirroredRunner | Fo
 
 
 def follow(runner: Any, control_group: Any) -> int:
-    """A follower's loop: run each call rank 0 sends on this rank's runner, until rank 0 stops the
-    group (-> the number of calls run) or a collective fails (GroupBrokenError). A call that rank 0's
-    own checks refuse (a bad batch, no free blocks) is refused here alike and changes no state."""
+    """A follower's loop: run each planned step rank 0 sends on this rank's pool, computing no
+    logits to answer with, until rank 0 stops the group (-> the number of steps run) or a
+    collective fails (GroupBrokenError)."""
     calls = 0
     while True:
         message: list[Any] = [None]
@@ -220,9 +209,7 @@ def follow(runner: Any, control_group: Any) -> int:
         if name not in MIRRORED_CALLS:
             raise GroupBrokenError(f"rank 0 sent an unknown call {name!r}")
         try:
-            getattr(runner, name)(*args)
-        except _refusals():
-            pass   # rank 0 saw the same error, raised by the same checks on the same state
+            runner.run(*args, want_logits=False)
         except Exception as error:
             raise GroupBrokenError(f"tensor-parallel group lost a rank (in {name}): {error}") from error
         calls += 1

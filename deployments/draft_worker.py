@@ -35,7 +35,8 @@ import torch
 from ray import serve
 
 from specserve.common.messages import CallSpan, HistoryUpdate, UnknownHistory
-from specserve.decoding.batched_runner import ForwardCall, load_runner
+from specserve.decoding.batched_runner import load_runner
+from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.model_runner import checkpoint_weights
 from specserve.decoding.proposers import Drafting, Proposal, ProposeCall, empty_proposal, proposer_kind
 from specserve.decoding.sampling import SamplingParams, make_generator
@@ -95,7 +96,6 @@ class DraftEngine(EngineCore):
             # The pair was checked before the app started (cluster.builder.served_model_specs): a
             # refusal here would only make Serve retry this deployment while the rest serves.
             runner = load_runner(model_spec)
-        self.proposer = kind.build(runner, model_spec, engine_options)
         self.generators: dict[str, torch.Generator] = {}
         self.model_spec = model_spec
         self.draft_version, self.draft_path = 0, None if model_spec is None else model_spec["path"]
@@ -109,6 +109,8 @@ class DraftEngine(EngineCore):
         self._branch_count = 0
         self.speculative_s = 0.0
         super().__init__(runner, engine_options, name)
+        # The proposer drafts through the engine's scheduler: its steps are planned forwards too.
+        self.proposer = kind.build(None if runner is None else self.scheduler, model_spec, engine_options)
         self.version_metrics = DraftVersionMetrics(name.rsplit(":", 1)[-1] if name else "local")
         self.version_metrics.set_version(0)
 
@@ -170,10 +172,10 @@ class DraftEngine(EngineCore):
         dropped: dict[int, None] = {}
         if self.runner is None:
             return dropped
-        free = self.runner.num_free_slots - sum(
-            1 for call in calls if call.fork_of is None and not self.runner.num_cached(call.seq_id))
+        blocks = self.scheduler.blocks
+        free = blocks.num_free_slots - sum(1 for call in calls if call.fork_of is None and not blocks.num_cached(call.seq_id))
         for index, call in enumerate(calls):
-            if call.fork_of is None or self.runner.num_cached(call.seq_id):
+            if call.fork_of is None or blocks.num_cached(call.seq_id):
                 continue
             if self.drafting.pop(call.seq_id, None) is not None:   # preempted mid-block: its fork is gone
                 dropped[index] = None
@@ -181,7 +183,7 @@ class DraftEngine(EngineCore):
             if free <= 0:
                 dropped[index] = None
                 continue
-            self.runner.fork(call.fork_of, call.seq_id)
+            blocks.fork(call.fork_of, call.seq_id)
             free -= 1
         return dropped
 
@@ -193,7 +195,7 @@ class DraftEngine(EngineCore):
             return
         version, path, source, state = pending
         # Its prefix cache is salted with the version: no block of other weights is found.
-        self.runner.load_weights(state, cache_salt=f"{path}@draft-v{version}")
+        self.scheduler.load_weights(state, cache_salt=f"{path}@draft-v{version}")
         self.draft_version, self.draft_path, self.draft_source = version, path, source
         self.version_metrics.set_version(self.draft_version)
 
@@ -273,7 +275,7 @@ class DraftEngine(EngineCore):
         except Exception:
             self._drop([maybe])
             raise
-        self.runner.adopt(seq_id, maybe.seq_id)   # its KV holds history and the block: the next pre-drafts fork it
+        self.scheduler.blocks.adopt(seq_id, maybe.seq_id)   # its KV holds history and the block: the next pre-drafts fork it
         if drafted.stream_states:   # the request's stream goes on from where drafting this block now would leave it
             self.generators[seq_id].set_state(drafted.stream_states[num_tokens - 1])
         self.generators.pop(maybe.seq_id, None)
@@ -387,7 +389,7 @@ class DraftEngine(EngineCore):
             forward_calls.append(ForwardCall(calls[index].seq_id, tokens if end is None else tokens[:end], 1))
             if end is None:
                 complete.append(index)
-        _, cost = timed_forward(self.runner, forward_calls)
+        _, cost = timed_forward(self.scheduler, forward_calls)
         output.costs.append(cost)
         return complete
 

@@ -33,8 +33,12 @@ def group_store() -> tuple[Any, str]:
 
 
 def rank_spec(model_spec: dict, rank: int, size: int, store_address: str) -> dict:
-    """The model spec rank `rank` loads: the engine's, plus its place in the group."""
-    return {**model_spec, "tensor_parallel": {"rank": rank, "size": size, "store_address": store_address}}
+    """The model spec rank `rank` loads: the engine's, plus its place in the group (and how long
+    its collectives wait: the spec's tensor_parallel_timeout_s, common.config)."""
+    member = {"rank": rank, "size": size, "store_address": store_address}
+    if "tensor_parallel_timeout_s" in model_spec:
+        member["timeout_s"] = model_spec["tensor_parallel_timeout_s"]
+    return {**model_spec, "tensor_parallel": member}
 
 
 def private_rss_bytes() -> int:

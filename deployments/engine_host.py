@@ -27,7 +27,7 @@ from ray.util import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from specserve.common.messages import CallSpan, CostSample, EngineStats, HistoryUpdate, KvUsage, RankStats, UnknownHistory
-from specserve.decoding.batched_runner import ForwardCall
+from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.scheduler import CallShape, Schedule, Scheduler
 from specserve.decoding.tensor_parallel import MirroredRunner
 from specserve.deployments.committed_history import CommittedHistories
@@ -66,13 +66,12 @@ def spawn_engine(engine_class: type, num_cpus: float, num_gpus: float, resources
     return ray.remote(engine_class).options(**options).remote(*args)
 
 
-def timed_forward(runner: Any, calls: list[ForwardCall]) -> tuple[list[torch.Tensor], CostSample]:
-    """runner.forward_batch, and its cost (new tokens, seconds) for the policy's cost curve: the
-    tokens it computed (a paged runner says, prefix-cache hits excluded)."""
-    new_tokens = sum(max(call.num_rows, len(call.token_ids) - runner.num_cached(call.seq_id)) for call in calls)
+def timed_forward(scheduler: Scheduler, calls: list[ForwardCall]) -> tuple[list[torch.Tensor], CostSample]:
+    """scheduler.forward_batch, and its cost (new tokens, seconds) for the policy's cost curve: the
+    tokens it computed (prefix-cache hits excluded)."""
     started = time.perf_counter()
-    logits = runner.forward_batch(calls)
-    return logits, (getattr(runner, "last_num_new_tokens", new_tokens), time.perf_counter() - started)
+    logits = scheduler.forward_batch(calls)
+    return logits, (scheduler.last_num_new_tokens, time.perf_counter() - started)
 
 
 @dataclass
@@ -154,21 +153,20 @@ class EngineCore:
 
     def _holds(self, seq_id: str) -> bool:
         """The runner holds seq_id's KV (between iterations: the loop asks then)."""
-        return self.runner is not None and self.runner.num_cached(seq_id) > 0
+        return self.scheduler.paged and self.scheduler.blocks.num_cached(seq_id) > 0
 
     def forget(self, seq_id: str) -> None:
         """Free seq_id's state (the loop calls it between iterations)."""
         self.idle.forget(seq_id)
         self.histories.forget(seq_id)
-        if self.runner is not None:
-            self.runner.release(seq_id)
+        self.scheduler.release(seq_id)
 
     def _record_iteration(self, rows: int, busy_s: float, idle_s: float) -> None:
         self.metrics.record_forward(rows, busy_s, idle_s)
-        held = 0 if self.runner is None else len(self.runner.active_sequences())
+        held = len(self.scheduler.blocks.active_sequences()) if self.scheduler.paged else 0
         self.metrics.set_load(self.loop.queue_depth, held)
         if self.scheduler.paged:
-            counted = (self.runner.prefix_cache_queries, self.runner.prefix_cache_hits)
+            counted = (self.scheduler.blocks.prefix_cache_queries, self.scheduler.blocks.prefix_cache_hits)
             self.metrics.record_prefix_cache(counted[0] - self._prefix_cache_recorded[0],
                                              counted[1] - self._prefix_cache_recorded[1])
             self._prefix_cache_recorded = counted
@@ -206,7 +204,7 @@ class EngineCore:
     async def active_sequences(self) -> list[str]:
         """Ids whose KV caches this engine holds (what a leak check must see)."""
         await self.loop.between_iterations()
-        return [] if self.runner is None else sorted(self.runner.active_sequences())
+        return sorted(self.scheduler.blocks.active_sequences()) if self.scheduler.paged else []
 
     async def stats(self) -> EngineStats:
         """Load and cost figures for the policy actor, metrics and `specserve status`. Read between
@@ -215,7 +213,7 @@ class EngineCore:
         for seq_id in self.idle.expired(time.monotonic()):
             self.loop.release(seq_id)
         loop = self.loop.stats
-        held = 0 if self.runner is None else len(self.runner.active_sequences())
+        held = len(self.scheduler.blocks.active_sequences()) if self.scheduler.paged else 0
         return EngineStats(self.pool, self.name, sequences=held,
                            free_slots=self.scheduler.free_slots, queue_depth=self.loop.queue_depth,
                            forwards=loop.iterations, batch_rows_total=loop.rows_total, busy_s=loop.busy_s,
@@ -226,7 +224,7 @@ class EngineCore:
     def _kv_usage(self) -> KvUsage | None:
         if not self.scheduler.paged:
             return None
-        usage = self.runner.kv_usage()
+        usage = self.scheduler.kv_usage()
         return KvUsage(usage["kv_blocks_used"], usage["kv_blocks_free"], usage["kv_block_size"],
                        usage["kv_tokens_held"], usage["kv_bytes_reserved"], self.scheduler.preemptions,
                        usage["kv_blocks_cached"], usage["prefix_cache_queries"], usage["prefix_cache_hits"])

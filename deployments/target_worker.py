@@ -15,10 +15,11 @@ import torch
 from ray import serve
 
 from specserve.common.messages import CallSpan, HistoryUpdate, UnknownHistory
-from specserve.decoding.batched_runner import ForwardCall, load_runner
+from specserve.decoding.batched_runner import load_runner
+from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.capture import top_rows
 from specserve.decoding.grammar import GrammarDeadEndError, GrammarMatcher, GrammarMatchers
-from specserve.decoding.model_runner import SequenceStateError
+from specserve.decoding.errors import SequenceStateError
 from specserve.decoding.proposers import Proposal, empty_proposal
 from specserve.decoding.sampling import SamplingParams, make_generator, verify_seed
 from specserve.decoding.scheduler import CallShape, Schedule
@@ -102,7 +103,7 @@ class TargetEngine(EngineCore):
         num_rows = len(token_ids) if prompt_logprobs is not None else len(proposal.token_ids) + 1
         rows, span = await self.submit(VerifyCall(seq_id, token_ids, num_rows, params, first_output_index,
                                                   prompt_logprobs, capture_top_k, proposal, verification))
-        span = replace(span, cached_tokens=self.runner.prefix_cached_tokens(seq_id))
+        span = replace(span, cached_tokens=self.scheduler.blocks.prefix_cached_tokens(seq_id))
         self.call_log.record("verify", seq_id, span)
         return rows, span
 
@@ -157,7 +158,7 @@ class TargetEngine(EngineCore):
         if not forward_calls and not extra:
             return []
         try:
-            logits, cost = timed_forward(self.runner, forward_calls + list(extra))
+            logits, cost = timed_forward(self.scheduler, forward_calls + list(extra))
         except SequenceStateError as exc:
             for index, _ in indexed_calls:
                 results[index] = exc

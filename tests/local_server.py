@@ -33,17 +33,18 @@ def greedy_reference(target_path: str):
     from specserve.decoding.generate import generate
     from specserve.decoding.batched_runner import BatchedModelRunner
     from specserve.decoding.sampling import SamplingParams
+    from specserve.decoding.scheduler import Scheduler
     from specserve.decoding.sequence import RequestState
 
-    runner = BatchedModelRunner(target_path)
+    engine = Scheduler(BatchedModelRunner(target_path))
     tokenizer = AutoTokenizer.from_pretrained(target_path)
 
     def greedy_text(prompt: str, max_tokens: int) -> str:
         state = RequestState(request_id="ref", prompt_ids=tokenizer.encode(prompt, add_special_tokens=False),
                              params=SamplingParams(temperature=0, max_tokens=max_tokens),
-                             eos_token_id=tokenizer.eos_token_id, max_context=runner.max_context,
+                             eos_token_id=tokenizer.eos_token_id, max_context=engine.max_context,
                              detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-        for _ in generate(runner, state):
+        for _ in generate(engine, state):
             pass
         return state.output_text
 

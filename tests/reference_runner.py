@@ -9,7 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from specserve.decoding.model_runner import ForwardCall, RunnerBase
+from specserve.decoding.block_manager import ForwardCall, checked_history
+from specserve.decoding.errors import NoFreeSlotError
+from specserve.decoding.model_runner import RunnerBase
 
 
 @dataclass
@@ -18,7 +20,7 @@ class _Sequence:
 
 
 class ReferenceRunner(RunnerBase):
-    """The tests' oracle, with the runner protocol: every call runs ONE cache-free forward of a
+    """The tests' oracle, with the engine's protocol (decoding.scheduler.Scheduler.forward_batch): every call runs ONE cache-free forward of a
     private copy of the model (transformers' own attention and masks; no cache, no paging, no
     batching, nothing of the engine's in the forward) over the whole history. Slow, and right by
     construction (transformers' DynamicCache is not: its sliding-window layers drop keys a
@@ -35,20 +37,32 @@ class ReferenceRunner(RunnerBase):
 
     def forward(self, seq_id: str, token_ids: Sequence[int], num_rows: int = 1) -> torch.Tensor:
         """float32 logits [num_rows, V] of the last num_rows positions of token_ids."""
-        wanted = self._checked_history(ForwardCall(seq_id, token_ids, num_rows))
+        wanted = checked_history(ForwardCall(seq_id, token_ids, num_rows), self.max_context)
         if seq_id not in self._sequences and len(self._sequences) >= self.max_sequences:
-            raise self._no_free_slot(f"sequence {seq_id!r}")
+            raise NoFreeSlotError(f"cannot hold sequence {seq_id!r}: already holding max_sequences="
+                                  f"{self.max_sequences}")
         with torch.inference_mode():
             logits = self.model(input_ids=torch.tensor([wanted], device=self.device)).logits[0, -num_rows:]
         self._sequences[seq_id] = _Sequence(wanted)
         return self._served_columns(logits.float())
 
     def forward_batch(self, calls: Sequence[ForwardCall]) -> list[torch.Tensor]:
-        histories = self._checked_batch(calls)
-        return [self.forward(call.seq_id, history, call.num_rows) for call, history in zip(calls, histories)]
+        """The engine's checks first (the whole batch, before anything changes), then each call."""
+        seq_ids = [call.seq_id for call in calls]
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"a batch must name each sequence once: {seq_ids}")
+        for call in calls:
+            checked_history(call, self.max_context)
+        if sum(seq_id not in self._sequences for seq_id in seq_ids) > self.max_sequences - len(self._sequences):
+            raise NoFreeSlotError(f"cannot hold the batch's new sequences: max_sequences={self.max_sequences}")
+        return [self.forward(call.seq_id, call.token_ids, call.num_rows) for call in calls]
 
-    def _crop(self, entry: _Sequence, length: int) -> None:
-        del entry.token_ids[length:]
+    def num_cached(self, seq_id: str) -> int:
+        entry = self._sequences.get(seq_id)
+        return 0 if entry is None else len(entry.token_ids)
+
+    def active_sequences(self) -> list[str]:
+        return list(self._sequences)
 
     def release(self, seq_id: str) -> None:
         self._sequences.pop(seq_id, None)

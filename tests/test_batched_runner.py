@@ -11,18 +11,13 @@ import pytest
 import torch
 
 import specserve.decoding.batched_runner as batched_runner_module
-from specserve.decoding.batched_runner import (
-    BatchedModelRunner,
-    ForwardCall,
-    NoFreeSlotError,
-    load_runner,
-    UnsupportedModelError,
-    runner_for_model,
-)
+from specserve.decoding.batched_runner import BatchedModelRunner, UnsupportedModelError, load_runner
+from specserve.decoding.block_manager import ForwardCall
+from specserve.decoding.errors import NoFreeSlotError, SequenceStateError
 from specserve.decoding.generate import generate
-from specserve.decoding.model_runner import SequenceStateError
 from specserve.decoding.proposers import DraftModelProposer
 from specserve.decoding.sampling import SamplingParams
+from specserve.decoding.scheduler import Scheduler, engine_for_model
 from specserve.decoding.sequence import RequestState
 from specserve.decoding.paged_cache import PagedBatchView, paged_layout
 from tests.reference_runner import ReferenceRunner, full_logits
@@ -57,7 +52,7 @@ def ragged_rounds() -> list[list[ForwardCall]]:
     ]
 
 
-def assert_rows_match(batched: BatchedModelRunner, reference: ReferenceRunner, calls: list[ForwardCall]) -> None:
+def assert_rows_match(batched: Scheduler, reference: ReferenceRunner, calls: list[ForwardCall]) -> None:
     rows = batched.forward_batch(calls)
     for call, got in zip(calls, rows):
         expected = reference.forward(call.seq_id, call.token_ids, call.num_rows)
@@ -86,29 +81,29 @@ def test_paged_layout_numbers_new_tokens_after_each_rows_cache_and_masks_causall
 @pytest.mark.parametrize("architecture, lean_forward", [(architecture, False) for architecture in ARCHITECTURES]
                          + [(architecture, True) for architecture in ("llama", "qwen2", "mistral")])
 def test_ragged_batches_give_the_unbatched_rows(monkeypatch, architecture, lean_forward):
-    # Whatever attention the model was built with, the runner runs decoding.paged_attention;
+    # Whatever attention the model was built with, the engine runs decoding.paged_attention;
     # the lean forward (Llama-shaped models only) runs the same attention with its own layers.
     model = tiny_model(architecture)
-    batched, reference = runner_for_model(model, max_sequences=256, lean_forward=lean_forward), ReferenceRunner.from_model(model)
-    assert isinstance(batched, BatchedModelRunner)
+    batched, reference = engine_for_model(model, max_sequences=256, lean_forward=lean_forward), ReferenceRunner.from_model(model)
+    assert isinstance(batched.runner, BatchedModelRunner)
     for calls in ragged_rounds():
         assert_rows_match(batched, reference, calls)
     # A released sequence's blocks are reused by a new one, which must not see the old keys.
-    freed = list(batched._sequences["b"].tables[0])
+    freed = list(batched.blocks._sequences["b"].tables[0])
     batched.release("b")
     reference.release("b")
     assert_rows_match(batched, reference, [ForwardCall("e", random_ids(5, 9), 3),
                                            ForwardCall("a", random_ids(1, 40)[:36], 2)])
-    assert batched._sequences["e"].tables[0] == freed[:1]
+    assert batched.blocks._sequences["e"].tables[0] == freed[:1]
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_batched_rows_equal_a_cache_free_forward(architecture):
     model = tiny_model(architecture)
-    runner = BatchedModelRunner.from_model(model)
+    engine = engine_for_model(model)
     histories = {"x": random_ids(6, 17), "y": random_ids(7, 60), "z": random_ids(8, 3)}
-    runner.forward_batch([ForwardCall(seq_id, history[:-2], 1) for seq_id, history in histories.items()])
-    rows = runner.forward_batch([ForwardCall(seq_id, history, 3) for seq_id, history in histories.items()])
+    engine.forward_batch([ForwardCall(seq_id, history[:-2], 1) for seq_id, history in histories.items()])
+    rows = engine.forward_batch([ForwardCall(seq_id, history, 3) for seq_id, history in histories.items()])
     for (seq_id, history), got in zip(histories.items(), rows):
         torch.testing.assert_close(got, full_logits(model, history)[-3:], atol=ATOL, rtol=0)
 
@@ -129,7 +124,7 @@ def test_the_tolerance_catches_wrong_positions(monkeypatch, architecture):
     model = tiny_model(architecture)
     reference = ReferenceRunner.from_model(model)
     monkeypatch.setattr(batched_runner_module, "paged_layout", positions_without_the_cached_length(paged_layout))
-    broken = runner_for_model(model, lean_forward=False)
+    broken = engine_for_model(model, lean_forward=False)
     worst = 0.0
     for calls in ragged_rounds():
         for call, got in zip(calls, broken.forward_batch(calls)):
@@ -143,26 +138,26 @@ def test_greedy_generation_through_the_batched_runner_equals_model_runner(archit
     model = tiny_model(architecture)
     params = SamplingParams(temperature=0, max_tokens=40)
 
-    def decode(runner, prompt: list[int]) -> list[int]:
+    def decode(engine, prompt: list[int]) -> list[int]:
         state = RequestState(request_id="r", prompt_ids=prompt, params=params, eos_token_id=None,
-                             max_context=runner.max_context)
-        for _ in generate(runner, state):
+                             max_context=engine.max_context)
+        for _ in generate(engine, state):
             pass
         return state.output_ids
 
     for seed, length in [(10, 5), (11, 23), (12, 1)]:
         prompt = random_ids(seed, length)
-        assert decode(BatchedModelRunner.from_model(model), prompt) == decode(ReferenceRunner.from_model(model), prompt)
+        assert decode(engine_for_model(model), prompt) == decode(ReferenceRunner.from_model(model), prompt)
 
 
 def test_speculative_greedy_over_batched_target_and_draft_equals_target_only():
     target, draft = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
     params = SamplingParams(temperature=0, max_tokens=30)
     outputs = []
-    for proposer in (None, DraftModelProposer(BatchedModelRunner.from_model(draft))):
+    for proposer in (None, DraftModelProposer(engine_for_model(draft))):
         state = RequestState(request_id="r", prompt_ids=random_ids(13, 6), params=params, eos_token_id=None,
                              max_context=128)
-        for _ in generate(BatchedModelRunner.from_model(target), state, proposer, num_draft_tokens=4):
+        for _ in generate(engine_for_model(target), state, proposer, num_draft_tokens=4):
             pass
         outputs.append(state.output_ids)
     assert outputs[0] == outputs[1] and len(outputs[0]) == 30
@@ -173,10 +168,10 @@ def test_lockstep_greedy_decoding_of_many_requests_equals_each_alone():
     model = tiny_model("llama")
     prompts = {f"r{i}": random_ids(20 + i, length) for i, length in enumerate([3, 17, 8, 30, 1])}
     num_new = {seq_id: 10 + 5 * i for i, seq_id in enumerate(prompts)}   # requests finish at different steps
-    runner = BatchedModelRunner.from_model(model, max_sequences=len(prompts))
+    engine = engine_for_model(model, max_sequences=len(prompts))
     histories = {seq_id: list(prompt) for seq_id, prompt in prompts.items()}
     while live := [seq_id for seq_id in histories if len(histories[seq_id]) < len(prompts[seq_id]) + num_new[seq_id]]:
-        rows = runner.forward_batch([ForwardCall(seq_id, histories[seq_id]) for seq_id in live])
+        rows = engine.forward_batch([ForwardCall(seq_id, histories[seq_id]) for seq_id in live])
         for seq_id, row in zip(live, rows):
             histories[seq_id].append(int(row[0].argmax()))
     for seq_id, prompt in prompts.items():
@@ -186,89 +181,90 @@ def test_lockstep_greedy_decoding_of_many_requests_equals_each_alone():
         assert histories[seq_id] == ids
 
 
-def count_processed_tokens(runner: BatchedModelRunner) -> list[tuple[int, int]]:
+def count_processed_tokens(engine: Scheduler) -> list[tuple[int, int]]:
     """Record the [rows, new tokens] shape each forward feeds through the model."""
     shapes: list[tuple[int, int]] = []
-    runner.model.get_input_embeddings().register_forward_hook(
+    engine.runner.model.get_input_embeddings().register_forward_hook(
         lambda module, args, output: shapes.append(tuple(args[0].shape)))
     return shapes
 
 
 def test_forward_batch_reuses_cached_prefixes_and_pads_to_the_longest_remainder():
-    runner = BatchedModelRunner.from_model(tiny_model("llama"))
-    shapes = count_processed_tokens(runner)
+    engine = engine_for_model(tiny_model("llama"))
+    shapes = count_processed_tokens(engine)
     a, b = random_ids(30, 20), random_ids(31, 10)
-    runner.forward_batch([ForwardCall("a", a), ForwardCall("b", b)])
-    runner.forward_batch([ForwardCall("a", a + [5, 6, 7], 4), ForwardCall("b", b[:6] + [9], 1)])
+    engine.forward_batch([ForwardCall("a", a), ForwardCall("b", b)])
+    engine.forward_batch([ForwardCall("a", a + [5, 6, 7], 4), ForwardCall("b", b[:6] + [9], 1)])
     assert shapes == [(2, 20), (2, 4)]
-    assert (runner.num_cached("a"), runner.num_cached("b")) == (23, 7)
+    assert (engine.blocks.num_cached("a"), engine.blocks.num_cached("b")) == (23, 7)
 
 
 def test_rollback_crops_to_a_length_and_the_next_call_recomputes_from_there():
     model = tiny_model("llama")
-    runner = BatchedModelRunner.from_model(model)
-    shapes = count_processed_tokens(runner)
+    engine = engine_for_model(model)
+    shapes = count_processed_tokens(engine)
     committed = random_ids(32, 12)
-    runner.forward("s", committed + [70, 71, 72], num_rows=4)
-    runner.rollback("s", len(committed))
-    assert runner.num_cached("s") == len(committed)
-    rows = runner.forward("s", committed + [33], num_rows=1)
+    engine.forward("s", committed + [70, 71, 72], num_rows=4)
+    engine.blocks.rollback("s", len(committed))
+    assert engine.blocks.num_cached("s") == len(committed)
+    rows = engine.forward("s", committed + [33], num_rows=1)
     assert shapes[-1] == (1, 1)
     torch.testing.assert_close(rows, full_logits(model, committed + [33])[-1:], atol=ATOL, rtol=0)
     with pytest.raises(SequenceStateError, match="unknown"):
-        runner.rollback("never-seen", 0)
+        engine.blocks.rollback("never-seen", 0)
 
 
 def test_slots_run_out_at_max_sequences_and_release_frees_one():
-    runner = BatchedModelRunner.from_model(tiny_model("llama"), max_sequences=3)
-    assert runner.num_free_slots == 3
-    runner.forward_batch([ForwardCall("a", [3, 4]), ForwardCall("b", [5])])
-    assert runner.num_free_slots == 1
+    engine = engine_for_model(tiny_model("llama"), max_sequences=3)
+    assert engine.blocks.num_free_slots == 3
+    engine.forward_batch([ForwardCall("a", [3, 4]), ForwardCall("b", [5])])
+    assert engine.blocks.num_free_slots == 1
     # A batch admitting two new sequences where one fits: refused whole, nothing admitted.
     with pytest.raises(NoFreeSlotError, match="max_sequences=3"):
-        runner.forward_batch([ForwardCall("c", [6]), ForwardCall("d", [7]), ForwardCall("a", [3, 4, 8])])
-    assert sorted(runner.active_sequences()) == ["a", "b"] and runner.num_cached("a") == 2
-    runner.forward("c", [6])
+        engine.forward_batch([ForwardCall("c", [6]), ForwardCall("d", [7]), ForwardCall("a", [3, 4, 8])])
+    assert sorted(engine.blocks.active_sequences()) == ["a", "b"] and engine.blocks.num_cached("a") == 2
+    engine.forward("c", [6])
     with pytest.raises(NoFreeSlotError):
-        runner.forward("d", [7])
+        engine.forward("d", [7])
     assert issubclass(NoFreeSlotError, SequenceStateError)
-    runner.release("a")
-    runner.release("a")
-    runner.release("never-seen")
-    assert runner.num_free_slots == 1
-    runner.forward("d", [7])
-    assert sorted(runner.active_sequences()) == ["b", "c", "d"]
+    engine.release("a")
+    engine.release("a")
+    engine.release("never-seen")
+    assert engine.blocks.num_free_slots == 1
+    engine.forward("d", [7])
+    assert sorted(engine.blocks.active_sequences()) == ["b", "c", "d"]
 
 
 def test_a_failed_forward_leaves_held_sequences_valid_and_admits_nothing(monkeypatch):
     model = tiny_model("llama")
-    runner, reference = BatchedModelRunner.from_model(model), ReferenceRunner.from_model(model)
+    engine, reference = engine_for_model(model), ReferenceRunner.from_model(model)
     history = random_ids(33, 15)
-    runner.forward("a", history)
+    engine.forward("a", history)
 
     def failing_forward(*args, **kwargs):
         raise RuntimeError("out of memory")
     with monkeypatch.context() as patch:
-        patch.setattr(runner, "_logits", failing_forward)
+        patch.setattr(engine.runner, "_logits", failing_forward)
         with pytest.raises(RuntimeError):
-            runner.forward_batch([ForwardCall("a", history[:10] + [4, 5], 2), ForwardCall("new", [3, 4])])
-    assert runner.active_sequences() == ["a"] and runner.num_cached("a") == 10
-    torch.testing.assert_close(runner.forward("a", history, 3), reference.forward("a", history, 3),
+            engine.forward_batch([ForwardCall("a", history[:10] + [4, 5], 2), ForwardCall("new", [3, 4])])
+    assert engine.blocks.active_sequences() == ["a"] and engine.blocks.num_cached("a") == 10
+    torch.testing.assert_close(engine.forward("a", history, 3), reference.forward("a", history, 3),
                                atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("runner_class", [BatchedModelRunner, ReferenceRunner])
-def test_forward_batch_rejects_bad_batches_before_changing_anything(runner_class):
-    runner = runner_class.from_model(tiny_model("llama", max_position_embeddings=16))
-    runner.forward("a", [3, 4, 5])
+@pytest.mark.parametrize("make_engine", [engine_for_model, ReferenceRunner.from_model])
+def test_forward_batch_rejects_bad_batches_before_changing_anything(make_engine):
+    engine = make_engine(tiny_model("llama", max_position_embeddings=16))
+    engine.forward("a", [3, 4, 5])
     with pytest.raises(ValueError, match="once"):
-        runner.forward_batch([ForwardCall("a", [3, 4]), ForwardCall("a", [3, 4, 5])])
+        engine.forward_batch([ForwardCall("a", [3, 4]), ForwardCall("a", [3, 4, 5])])
     with pytest.raises(SequenceStateError, match="num_rows"):
-        runner.forward_batch([ForwardCall("b", [3]), ForwardCall("a", [3, 4], 3)])
+        engine.forward_batch([ForwardCall("b", [3]), ForwardCall("a", [3, 4], 3)])
     with pytest.raises(SequenceStateError, match="context"):
-        runner.forward_batch([ForwardCall("b", [3]), ForwardCall("c", list(range(17)))])
-    assert runner.active_sequences() == ["a"] and runner.num_cached("a") == 3
-    assert runner.forward_batch([]) == []
+        engine.forward_batch([ForwardCall("b", [3]), ForwardCall("c", list(range(17)))])
+    held = engine.blocks if isinstance(engine, Scheduler) else engine
+    assert held.active_sequences() == ["a"] and held.num_cached("a") == 3
+    assert engine.forward_batch([]) == []
 
 
 def test_every_layer_honours_its_own_sliding_window(monkeypatch):
@@ -276,12 +272,12 @@ def test_every_layer_honours_its_own_sliding_window(monkeypatch):
     them: the rows equal the model's own. Ignoring the window (every layer global) is caught."""
     model = tiny_model("gemma3")
     histories = {"x": random_ids(9, 40), "y": random_ids(10, 23)}
-    runner = runner_for_model(model)
-    rows = runner.forward_batch([ForwardCall(seq_id, history, 4) for seq_id, history in histories.items()])
+    engine = engine_for_model(model)
+    rows = engine.forward_batch([ForwardCall(seq_id, history, 4) for seq_id, history in histories.items()])
     for history, got in zip(histories.values(), rows):
         torch.testing.assert_close(got, full_logits(model, history)[-4:], atol=ATOL, rtol=0)
     monkeypatch.setattr(PagedBatchView, "mask", lambda view, sliding_window: view.layout.attention_mask)
-    broken = runner_for_model(tiny_model("gemma3"))
+    broken = engine_for_model(tiny_model("gemma3"))
     got = broken.forward_batch([ForwardCall("x", histories["x"], 4)])[0]
     assert float((got - full_logits(model, histories["x"])[-4:]).abs().max()) > 100 * ATOL
 
@@ -299,14 +295,14 @@ def test_a_model_with_a_layer_outside_the_attention_interface_is_refused_at_load
 
     attention.forward = forward_without_the_interface
     with pytest.raises(UnsupportedModelError, match=r"layers \[1\] of 2 do not attend through"):
-        runner_for_model(model, lean_forward=False)
+        engine_for_model(model, lean_forward=False)
 
 
 def test_an_encoder_decoder_is_refused_naming_why():
     model = tiny_model("llama")
     model.config.is_encoder_decoder = True
     with pytest.raises(UnsupportedModelError, match="encoder-decoder"):
-        runner_for_model(model)
+        engine_for_model(model)
 
 
 def test_load_runner_loads_a_saved_model(tmp_path):
@@ -317,6 +313,7 @@ def test_load_runner_loads_a_saved_model(tmp_path):
     assert type(runner) is BatchedModelRunner
     assert (runner.vocab_size, runner.max_context, runner.eos_token_id, runner.max_sequences) == (96, 128, 1, 4)
     assert runner.model_path == str(tmp_path)
+    engine = Scheduler(runner)
     history = random_ids(36, 7)
-    torch.testing.assert_close(runner.forward("s", history, num_rows=2), full_logits(model, history)[-2:],
+    torch.testing.assert_close(engine.forward("s", history, num_rows=2), full_logits(model, history)[-2:],
                                atol=ATOL, rtol=0)

@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from specserve.cluster.builder import build_app, served_model_specs
 from specserve.cluster.cli import add_model_args, config_from_args
 from specserve.common.config import SpecServeConfig
-from specserve.decoding.batched_runner import BatchedModelRunner, load_runner, runner_for_model
+from specserve.decoding.batched_runner import load_runner
+from specserve.decoding.scheduler import Scheduler, engine_for_model
 from specserve.decoding.checkpoint import (check_weight_files, eos_token_ids, generation_defaults, max_model_len,
                                  resolve_dtype)
 from specserve.decoding.model_runner import IncompatibleModelsError, load_causal_lm
@@ -95,10 +96,10 @@ def test_lean_forward_equals_transformers_with_scaled_rope(checkpoint_families, 
             vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2,
             rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})).eval()
-    runner = runner_for_model(model, max_sequences=2)
-    assert runner.lean is not None
+    engine = engine_for_model(model, max_sequences=2)
+    assert engine.runner.lean is not None
     history = torch.randint(0, 96, (300,), generator=torch.Generator().manual_seed(1)).tolist()
-    served = runner.forward("s", history, num_rows=40)
+    served = engine.forward("s", history, num_rows=40)
     with torch.no_grad():
         reference = model(torch.tensor([history])).logits[0, -40:].float()
     torch.testing.assert_close(served, reference, atol=1e-4, rtol=1e-4)
@@ -164,7 +165,7 @@ def test_padded_pair_is_accepted_and_both_runners_score_the_tokenizers_ids(check
     target_spec, draft_spec = served_model_specs(pair_config(qwen.target, qwen.draft))
     assert target_spec["vocab_size"] == draft_spec["vocab_size"] == qwen.tokenizer_size
     assert target_spec["eos_token_ids"] == sorted(qwen.eos_ids)
-    target, draft = load_runner(target_spec), load_runner(draft_spec)
+    target, draft = Scheduler(load_runner(target_spec)), Scheduler(load_runner(draft_spec))
     history = [5, 6, 7]
     assert target.forward("s", history).shape[-1] == draft.forward("s", history).shape[-1] == qwen.tokenizer_size
     assert target.eos_token_ids == frozenset(qwen.eos_ids)
@@ -215,11 +216,11 @@ def test_speculation_over_a_padded_pair_samples_the_targets_distribution_over_th
     processed distribution over the 32 ids (chi-square p > 1e-3, TV < 0.02), never a padding id;
     the uncut rows (a broken server) are rejected by the same test."""
     vocab, history = 32, [3, 1, 4, 1, 5]
-    target = BatchedModelRunner.from_model(_padded_model(vocab, 48, seed=0))
-    draft = BatchedModelRunner.from_model(_padded_model(vocab, 40, seed=1))
+    target = engine_for_model(_padded_model(vocab, 48, seed=0))
+    draft = engine_for_model(_padded_model(vocab, 40, seed=1))
     uncut_target_logits = target.forward("s", history)[0]
-    for runner in (target, draft):
-        runner.serve_as(vocab_size=vocab)
+    for engine in (target, draft):
+        engine.runner.serve_as(vocab_size=vocab)
     params = SamplingParams(temperature=1.0)
     p = logits_to_probs(target.forward("s", history)[0], params).double()
     q = logits_to_probs(draft.forward("s", history)[0], params)
@@ -390,7 +391,7 @@ def test_a_torchao_int8_checkpoint_is_served_through_its_own_quantized_weights(t
                           "max_sequences": 4, "lean_forward": lean_forward})
     assert (runner.lean is not None) == lean_forward
     history = list(range(3, 40))
-    rows = runner.forward("s", history, num_rows=3)
+    rows = Scheduler(runner).forward("s", history, num_rows=3)
     with torch.no_grad():
         own = AutoModelForCausalLM.from_pretrained(tmp_path / "int8")(torch.tensor([history])).logits[0, -3:]
         unquantized = float_model(torch.tensor([history])).logits[0, -3:]

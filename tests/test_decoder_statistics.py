@@ -12,7 +12,7 @@ the draft's marginal: a sampler that emitted the draft's tokens would fail."""
 import pytest
 import torch
 
-from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.scheduler import engine_for_model
 from specserve.decoding.generate import generate_batch
 from specserve.decoding.proposers import DraftModelProposer
 from specserve.decoding.sampling import SamplingParams, logits_to_probs
@@ -59,8 +59,8 @@ def test_sampled_speculation_follows_the_target_on_new_architectures(architectur
         joint01 = p0[:, None] * p1
         marginals[name] = (joint01.sum(0), torch.einsum("ab,abc->c", joint01, p2))
 
-    target = BatchedModelRunner.from_model(target_model, max_sequences=CHUNK)
-    draft = BatchedModelRunner.from_model(draft_model, max_sequences=CHUNK)
+    target = engine_for_model(target_model, max_sequences=CHUNK)
+    draft = engine_for_model(draft_model, max_sequences=CHUNK)
     # Seeds drawn at random (from a fixed stream), as an unseeded request's are (docs/testing.md
     # says what seeds 0, 1, 2, ... gave).
     seeds = torch.randint(0, 2**62, (num_requests,), generator=torch.Generator().manual_seed(2026)).tolist()

@@ -18,7 +18,7 @@ from specserve.decoding.capture import save_blocks, top_rows
 from specserve.decoding.proposers import Proposal
 from specserve.decoding.sampling import SamplingParams
 from specserve.decoding.sequence import RequestState
-from specserve.decoding.batched_runner import ForwardCall
+from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.speculation import accept_round, target_rows
 from specserve.deployments.committed_history import HistorySender, RunningDigest
 from specserve.deployments.draft_worker import DraftEngine
@@ -143,13 +143,13 @@ def test_an_engine_loads_a_version_from_the_object_store_into_its_serving_runner
             fresh = DraftEngine("draft", spec(unrelated, 8), str(target), options(max_batch_rows=8))
             old, _ = await draft.propose("warm", whole(PROMPT), 4, SAMPLED, 0)
             runner, pool = draft.runner, draft.runner.cache
-            reserved = runner.kv_usage()["kv_bytes_reserved"]
+            reserved = draft.scheduler.kv_usage()["kv_bytes_reserved"]
             await draft.load_draft(1, str(version_dir), ray.get(weights))  # fetched, as Ray does for an actor call
             swapped, _ = await draft.propose("new", whole(PROMPT), 4, SAMPLED, 0)
             expected, _ = await fresh.propose("new", whole(PROMPT), 4, SAMPLED, 0)
             assert (await draft.version())["draft_source"] == "object store"
             return (draft.runner is runner and draft.runner.cache is pool, reserved,
-                    draft.runner.kv_usage()["kv_bytes_reserved"], await draft.active_sequences(), old, swapped,
+                    draft.scheduler.kv_usage()["kv_bytes_reserved"], await draft.active_sequences(), old, swapped,
                     expected)
 
         same_pool, reserved_before, reserved_after, held, old, swapped, expected = asyncio.run(scenario())
@@ -182,7 +182,7 @@ def _first_tokens_across_a_swap(pairs, samples: int) -> tuple[torch.Tensor, torc
         mixed = [Proposal(p.token_ids, q.support, 1) for (p, _), (q, _) in zip(new, old)]  # verified against v0's q
         mixed_rows = await asyncio.gather(*[target.verify(s.request_id, whole(s.history), p, s.params, 0)
                                             for s, p in zip(states, mixed)])
-        logits = target.runner.forward_batch([ForwardCall("exact", PROMPT, 1)])[0]
+        logits = target.scheduler.forward_batch([ForwardCall("exact", PROMPT, 1)])[0]
         return old, new, (rows, mixed_rows), mixed, target_rows(logits, SAMPLED)[0]
 
     old, new, rows, mixed, exact = asyncio.run(scenario())

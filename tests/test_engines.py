@@ -13,6 +13,7 @@ import torch
 from specserve.common.config import SpecServeConfig
 from specserve.common.messages import CallSpan, HistoryUpdate
 from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.scheduler import Scheduler
 from specserve.decoding.sampling import SamplingParams, make_generator
 from specserve.decoding.proposers import PROPOSERS, DraftModelProposer, Proposal, ProposerKind
 from specserve.deployments.committed_history import history_digest, whole_history as whole
@@ -49,7 +50,7 @@ async def verify(engine: TargetEngine, seq_id: str, token_ids, num_rows: int, pa
 
 def test_concurrent_verifies_share_a_forward_and_match_unbatched_rows(pair):
     target_path, _ = pair
-    reference = BatchedModelRunner(str(target_path))
+    reference = Scheduler(BatchedModelRunner(str(target_path)))
 
     async def scenario():
         engine = TargetEngine(spec(target_path), options())
@@ -135,7 +136,7 @@ def test_a_sampled_answer_holds_the_processed_target_rows_numbers(pair):
     """A sampled verify answers O(K) numbers (decoding.compact_verify.TargetNumbers): p(x) of the
     block's token under the processed target row, and draws from the rows' support."""
     target_path, _ = pair
-    reference = BatchedModelRunner(str(target_path))
+    reference = Scheduler(BatchedModelRunner(str(target_path)))
 
     async def scenario():
         engine = TargetEngine(spec(target_path), options())
@@ -150,7 +151,7 @@ def test_a_sampled_answer_holds_the_processed_target_rows_numbers(pair):
 
 def test_a_long_prompt_is_prefilled_in_chunks_beside_running_verifies(pair):
     target_path, _ = pair
-    reference = BatchedModelRunner(str(target_path))
+    reference = Scheduler(BatchedModelRunner(str(target_path)))
     long_prompt = [(7 * i) % 90 + 3 for i in range(100)]
 
     async def scenario():
@@ -162,7 +163,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_running_verifies(pair):
 
     engine, (rows, _), steps = asyncio.run(scenario())
     assert rows == torch.argmax(reference.forward("p", long_prompt, 1), dim=-1).tolist()
-    assert engine.runner.num_cached("prompt") == len(long_prompt)
+    assert engine.scheduler.blocks.num_cached("prompt") == len(long_prompt)
     # Every running step finished while the 100-token prompt went through in 32-token chunks.
     assert len(steps) == 3 and engine.loop.stats.iterations >= 4
 
@@ -193,7 +194,7 @@ def test_prompt_logprobs_are_computed_chunk_by_chunk_and_equal_the_whole_prompts
         return engine, plain, with_prompt
 
     engine, plain, (rows, entries) = asyncio.run(scenario())
-    assert rows == plain and engine.runner.num_cached("echo") == len(long_prompt)
+    assert rows == plain and engine.scheduler.blocks.num_cached("echo") == len(long_prompt)
     assert max(most_rows) <= 32 and len(most_rows) >= 8, most_rows   # 4 chunks each, plain and scored
     assert not engine.prompt_entries
     model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=torch.float32).eval()
@@ -258,7 +259,7 @@ def test_a_call_past_the_context_fails_alone(pair):
 
 def test_batched_drafts_equal_drafts_made_alone(pair):
     target_path, draft_path = pair
-    alone = DraftModelProposer(BatchedModelRunner(str(draft_path)), max_candidates=options()["draft_top_k"])
+    alone = DraftModelProposer(Scheduler(BatchedModelRunner(str(draft_path))), max_candidates=options()["draft_top_k"])
 
     async def scenario():
         engine = DraftEngine("draft", spec(draft_path), str(target_path), options())
@@ -372,7 +373,7 @@ def test_a_held_sequence_that_cannot_grow_preempts_the_youngest_which_is_prefill
     verifies now, the younger's next call is prefilled again once blocks free up, from the committed
     history the engine kept (the router need not know), rows unchanged."""
     target_path, _ = pair
-    reference = BatchedModelRunner(str(target_path))
+    reference = Scheduler(BatchedModelRunner(str(target_path)))
     older, younger = [5 + i % 80 for i in range(160)], [7 + i % 80 for i in range(160)]
 
     async def scenario():
@@ -419,7 +420,7 @@ def test_a_call_that_breaks_the_forward_fails_alone_and_its_neighbours_get_their
     """A token id past the vocabulary makes the shared forward raise (as an out-of-memory prompt
     would): the batch's calls are run again alone, so only that call fails, with its own error."""
     target_path, _ = pair
-    reference = BatchedModelRunner(str(target_path))
+    reference = Scheduler(BatchedModelRunner(str(target_path)))
 
     async def scenario():
         engine = TargetEngine(spec(target_path), options())
@@ -440,7 +441,7 @@ def test_a_prompt_prefilled_in_chunks_for_longer_than_the_admission_deadline_is_
     """The admission deadline is for waiting to be admitted: a prompt that is admitted and makes
     progress chunk by chunk finishes however long its chunks take together."""
     target_path, _ = pair
-    reference = BatchedModelRunner(str(target_path))
+    reference = Scheduler(BatchedModelRunner(str(target_path)))
     prompt = [5 + i % 80 for i in range(240)]
     deadline_s = 0.05
 
@@ -499,13 +500,13 @@ def test_stats_are_read_between_iterations_and_a_lone_forward_leaves_the_event_l
             go_on.wait(5)
 
         engine.runner.model.get_input_embeddings().register_forward_pre_hook(hold)
-        active_sequences = engine.runner.active_sequences
+        active_sequences = engine.scheduler.blocks.active_sequences
 
         def spy():
             read_during_forward.append(in_forward.is_set() and not go_on.is_set())
             return active_sequences()
 
-        engine.runner.active_sequences = spy
+        engine.scheduler.blocks.active_sequences = spy
         running = asyncio.create_task(verify(engine, "a", HISTORIES[0], 1, GREEDY))
         while not in_forward.is_set():
             await asyncio.sleep(0.01)

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import specserve.decoding.paged_attention as paged_attention
-from specserve.decoding.batched_runner import ForwardCall, runner_for_model
+from specserve.decoding.block_manager import ForwardCall
+from specserve.decoding.scheduler import engine_for_model
 from specserve.decoding.paged_cache import NO_BLOCK
 from tests.reference_runner import full_logits
 from tests.tiny_pair import tiny_model
@@ -65,15 +66,15 @@ def stand_in_flash(monkeypatch):
 @pytest.mark.parametrize("architecture", ["llama", "gemma2", "gemma3"])
 def test_flash_path_rows_equal_the_models_own(stand_in_flash, architecture):
     model = tiny_model(architecture)
-    runner = runner_for_model(model)
-    assert runner.cache.flash and runner.block_size == 4
+    engine = engine_for_model(model)
+    assert engine.runner.cache.flash and engine.runner.block_size == 4
     histories = {"a": list(range(3, 40)), "b": list(range(50, 63)), "c": [7, 9, 11, 13, 15]}
-    runner.forward_batch([ForwardCall(seq_id, history[:-3], 1) for seq_id, history in histories.items()])
-    rows = runner.forward_batch([ForwardCall(seq_id, history, 4 if len(history) > 4 else 1)
+    engine.forward_batch([ForwardCall(seq_id, history[:-3], 1) for seq_id, history in histories.items()])
+    rows = engine.forward_batch([ForwardCall(seq_id, history, 4 if len(history) > 4 else 1)
                                  for seq_id, history in histories.items()])
     for history, got in zip(histories.values(), rows):
         torch.testing.assert_close(got, full_logits(model, history)[-len(got):], atol=ATOL, rtol=0)
     # Gemma's windowed layers' groups read through their own tables, whose blocks before the
     # window were let go (read as block 0, outside the window flash-attn is given).
-    let_go = [NO_BLOCK in table for table in runner._sequences["a"].tables]
+    let_go = [NO_BLOCK in table for table in engine.blocks._sequences["a"].tables]
     assert any(let_go) == (architecture != "llama") and not all(let_go)

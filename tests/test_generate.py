@@ -15,7 +15,7 @@ from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specserve.decoding.generate import generate
-from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.scheduler import engine_for_model
 from specserve.decoding.proposers import DraftModelProposer, NgramProposer
 from specserve.decoding.sampling import SamplingParams, logits_to_probs
 from specserve.decoding.sequence import RequestState
@@ -67,7 +67,7 @@ def new_state(prompt: list[int], params: SamplingParams, request_id: str = "r",
 
 
 def run(target_model, prompt, params=GREEDY, proposer=None, num_draft_tokens=4, **state_kwargs):
-    target = BatchedModelRunner.from_model(target_model)
+    target = engine_for_model(target_model)
     state = new_state(prompt, params, **state_kwargs)
     steps = list(generate(target, state, proposer, num_draft_tokens))
     assert [token for step in steps for token in step] == state.output_ids
@@ -92,7 +92,7 @@ def test_greedy_with_a_draft_model_equals_target_only(target_model, close_draft_
                                                       num_draft_tokens):
     accepted = drafted = 0
     for prompt, expected in zip(PROMPTS, target_only_outputs):
-        proposer = DraftModelProposer(BatchedModelRunner.from_model(close_draft_model))
+        proposer = DraftModelProposer(engine_for_model(close_draft_model))
         state = run(target_model, prompt, proposer=proposer, num_draft_tokens=num_draft_tokens)
         assert state.output_ids == expected
         assert len(state.output_ids) == NUM_OUTPUT_TOKENS
@@ -105,12 +105,12 @@ def test_greedy_with_a_draft_model_equals_target_only(target_model, close_draft_
 def test_greedy_with_an_unrelated_draft_model_equals_target_only(target_model, unrelated_draft_model,
                                                                  target_only_outputs):
     for prompt, expected in zip(PROMPTS, target_only_outputs):
-        proposer = DraftModelProposer(BatchedModelRunner.from_model(unrelated_draft_model))
+        proposer = DraftModelProposer(engine_for_model(unrelated_draft_model))
         assert run(target_model, prompt, proposer=proposer, num_draft_tokens=4).output_ids == expected
 
 
 def test_greedy_with_the_target_as_draft_accepts_every_token(target_model, target_only_outputs):
-    proposer = DraftModelProposer(BatchedModelRunner.from_model(target_model))
+    proposer = DraftModelProposer(engine_for_model(target_model))
     state = run(target_model, PROMPTS[0], proposer=proposer, num_draft_tokens=4)
     assert state.output_ids == target_only_outputs[0]
     assert state.stats.acceptance_rate == 1.0
@@ -127,7 +127,7 @@ def test_greedy_with_ngram_lookup_equals_target_only(target_model, target_only_o
 
 
 def test_stats_are_consistent(target_model, close_draft_model):
-    proposer = DraftModelProposer(BatchedModelRunner.from_model(close_draft_model))
+    proposer = DraftModelProposer(engine_for_model(close_draft_model))
     state = run(target_model, PROMPTS[1], proposer=proposer, num_draft_tokens=4)
     stats = state.stats
     assert stats.num_emitted == len(state.output_ids) == NUM_OUTPUT_TOKENS
@@ -151,33 +151,33 @@ def test_generation_stops_at_eos(target_model, close_draft_model, target_only_ou
     first_index = {token: expected.index(token) for token in expected}
     eos = max(first_index, key=first_index.get)   # the token that shows up last
     assert first_index[eos] >= 20
-    proposer = DraftModelProposer(BatchedModelRunner.from_model(close_draft_model))
+    proposer = DraftModelProposer(engine_for_model(close_draft_model))
     state = run(target_model, PROMPTS[2], proposer=proposer, eos_token_id=eos)
     assert state.output_ids == expected[:first_index[eos]]
     assert state.finish_reason == "stop"
 
 
 def test_generation_releases_sequences_from_both_runners(target_model, close_draft_model):
-    target = BatchedModelRunner.from_model(target_model)
-    draft = BatchedModelRunner.from_model(close_draft_model)
+    target = engine_for_model(target_model)
+    draft = engine_for_model(close_draft_model)
     list(generate(target, new_state(PROMPTS[0], GREEDY, request_id="done"), DraftModelProposer(draft)))
     steps = generate(target, new_state(PROMPTS[0], GREEDY, request_id="closed"), DraftModelProposer(draft))
     next(steps)
     next(steps)
     steps.close()
-    assert target.active_sequences() == [] and draft.active_sequences() == []
+    assert target.blocks.active_sequences() == [] and draft.blocks.active_sequences() == []
 
 
 def test_seeded_sampled_generation_is_reproducible(target_model, unrelated_draft_model):
     params = SamplingParams(temperature=1.0, seed=5, max_tokens=40)
     outputs = [run(target_model, PROMPTS[0], params=params,
-                   proposer=DraftModelProposer(BatchedModelRunner.from_model(unrelated_draft_model))).output_ids
+                   proposer=DraftModelProposer(engine_for_model(unrelated_draft_model))).output_ids
                for _ in range(2)]
     assert outputs[0] == outputs[1]
 
 
 class TableRunner:
-    """Stands in for BatchedModelRunner with a real model's logits looked up by prefix, so thousands of
+    """Stands in for an engine (decoding.scheduler.Scheduler) with a real model's logits looked up by prefix, so thousands of
     sampled requests run through the real generate() loop, DraftModelProposer and accept_round in
     seconds. `logits[prefix]` is the model's next-token logits after that token prefix."""
 
@@ -288,9 +288,9 @@ def null_tv_bound(probs: torch.Tensor, num_samples: int, quantile: float = 0.999
 
 def test_the_logit_table_is_the_model(target_model):
     table = TableRunner(logit_table(target_model, PROMPTS[2], depth=1))
-    runner = BatchedModelRunner.from_model(target_model)
+    engine = engine_for_model(target_model)
     history = PROMPTS[2] + [7]
-    expected = runner.forward("check", history, num_rows=2)
+    expected = engine.forward("check", history, num_rows=2)
     assert torch.allclose(table.forward("check", history, num_rows=2), expected.float(), atol=1e-4)
 
 
@@ -330,7 +330,7 @@ def test_sampled_runs_exercised_both_acceptance_and_rejection(sampled_outputs):
 def test_ignore_eos_commits_eos_as_an_ordinary_token(target_model, close_draft_model, target_only_outputs):
     expected = target_only_outputs[2]
     eos = expected[5]
-    proposer = DraftModelProposer(BatchedModelRunner.from_model(close_draft_model))
+    proposer = DraftModelProposer(engine_for_model(close_draft_model))
     state = run(target_model, PROMPTS[2], params=GREEDY.model_copy(update={"ignore_eos": True}),
                 proposer=proposer, eos_token_id=eos)
     assert state.output_ids == expected           # the whole chain: EOS did not end it
@@ -345,7 +345,7 @@ def test_min_tokens_masks_eos_until_enough_tokens(target_model, close_draft_mode
     target_only = run(target_model, PROMPTS[0], params=params, eos_token_id=eos)
     assert len(target_only.output_ids) >= 12 and eos not in target_only.output_ids[:12]
     if speculate:  # speculative greedy equals target-only greedy under the same mask
-        proposer = DraftModelProposer(BatchedModelRunner.from_model(close_draft_model))
+        proposer = DraftModelProposer(engine_for_model(close_draft_model))
         state = run(target_model, PROMPTS[0], params=params, proposer=proposer, eos_token_id=eos)
         assert state.output_ids == target_only.output_ids
         assert state.stats.num_drafted > 0

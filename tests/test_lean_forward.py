@@ -8,7 +8,9 @@ output may differ at near-ties and with what shares a batch (docs/gpu.md)."""
 import pytest
 import torch
 
-from specserve.decoding.batched_runner import BatchedModelRunner, ForwardCall, load_runner, runner_for_model
+from specserve.decoding.batched_runner import BatchedModelRunner, load_runner, runner_for_model
+from specserve.decoding.block_manager import ForwardCall
+from specserve.decoding.scheduler import Scheduler
 from specserve.decoding.lean_forward import LeanDecoder, lean_support
 from specserve.decoding.model_runner import load_causal_lm
 from tests.test_batched_runner import ATOL, ragged_rounds, random_ids
@@ -25,17 +27,18 @@ VARIANTS = [
 ]
 
 
-def runner_pair(model) -> tuple[BatchedModelRunner, BatchedModelRunner]:
+def engine_pair(model) -> tuple[Scheduler, Scheduler]:
+    """Engines over the same model: one runs the lean forward, the other transformers'."""
     lean, reference = (BatchedModelRunner.__new__(BatchedModelRunner) for _ in range(2))
     lean._init_from_model(model, max_sequences=8, model_path="tiny", lean=True)
     reference._init_from_model(model, max_sequences=8, model_path="tiny", lean=False)
     assert lean.lean is not None and reference.lean is None
-    return lean, reference
+    return Scheduler(lean), Scheduler(reference)
 
 
 @pytest.mark.parametrize("architecture, overrides", VARIANTS)
 def test_lean_rows_equal_the_transformers_forward_over_ragged_batches(architecture, overrides):
-    lean, reference = runner_pair(tiny_model(architecture, **overrides))
+    lean, reference = engine_pair(tiny_model(architecture, **overrides))
     rounds = ragged_rounds() + [[ForwardCall("e", random_ids(5, 9), 3), ForwardCall("a", random_ids(1, 40)[:36], 2)]]
     for index, calls in enumerate(rounds):
         if index == len(rounds) - 1:   # a released slot is reused: the old keys must stay hidden
@@ -47,10 +50,11 @@ def test_lean_rows_equal_the_transformers_forward_over_ragged_batches(architectu
 
 def test_the_tolerance_catches_a_lean_forward_without_rotary_positions(monkeypatch):
     """The comparison above can fail: a lean forward that ignores positions is caught."""
-    lean, reference = runner_pair(tiny_model("llama"))
+    lean, reference = engine_pair(tiny_model("llama"))
+    decoder = lean.runner.lean
     def no_rotation(hidden, positions):
-        return torch.ones(*positions.shape, lean.lean.head_dim), torch.zeros(*positions.shape, lean.lean.head_dim)
-    monkeypatch.setattr(lean.lean, "rotary", no_rotation)
+        return torch.ones(*positions.shape, decoder.head_dim), torch.zeros(*positions.shape, decoder.head_dim)
+    monkeypatch.setattr(decoder, "rotary", no_rotation)
     calls = ragged_rounds()[0]
     differences = [(got - expected).abs().max().item()
                    for got, expected in zip(lean.forward_batch(calls), reference.forward_batch(calls))]
@@ -59,7 +63,7 @@ def test_the_tolerance_catches_a_lean_forward_without_rotary_positions(monkeypat
 
 def test_greedy_steps_on_the_shipped_target_are_bit_identical():
     model = load_causal_lm(SHIPPED_TARGET)
-    lean, reference = runner_pair(model)
+    lean, reference = engine_pair(model)
     history = random_ids(7, 120, vocab_size=model.config.vocab_size)
     for _ in range(6):   # a prefill, then verifies of 5 rows and single steps, as an engine sees them
         rows = lean.forward("s", history, num_rows=5)

@@ -1,4 +1,5 @@
-"""BatchedModelRunner: the full-history protocol (reuse, rollback, release, errors) and the pair checks, on tiny random Llamas (fp32, CPU).
+"""The engine's full-history protocol over a BatchedModelRunner (reuse, rollback, release, errors) and the
+pair checks, on tiny random Llamas (fp32, CPU).
 
 The equalities asserted here hold on CPU in float32, where the tests run; on a GPU in bf16 greedy
 output may differ at near-ties and with what shares a batch (docs/gpu.md)."""
@@ -13,22 +14,19 @@ from tokenizers.pre_tokenizers import Whitespace
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specserve.decoding.batched_runner import BatchedModelRunner
-from specserve.decoding.model_runner import (
-    IncompatibleModelsError,
-    SequenceStateError,
-    check_compatible,
-    check_compatible_paths,
-)
+from specserve.decoding.errors import SequenceStateError
+from specserve.decoding.model_runner import IncompatibleModelsError, check_compatible, check_compatible_paths
+from specserve.decoding.scheduler import Scheduler, engine_for_model
 from tests.reference_runner import full_logits
 from tests.tiny_pair import make_tiny_pair, tiny_config, tiny_llama
 
 ATOL = 1e-4
 
 
-def count_processed_tokens(runner: BatchedModelRunner) -> list[int]:
+def count_processed_tokens(engine: Scheduler) -> list[int]:
     """Record how many tokens each forward feeds through the model."""
     counts: list[int] = []
-    runner.model.model.embed_tokens.register_forward_hook(
+    engine.runner.model.model.embed_tokens.register_forward_hook(
         lambda module, args, output: counts.append(args[0].shape[1]))
     return counts
 
@@ -40,11 +38,11 @@ def model() -> LlamaForCausalLM:
 
 def test_verify_block_rows_equal_step_by_step_decode_rows(model):
     history = [5, 17, 42, 8, 3, 77, 12, 30, 64, 9, 11, 2]
-    block_runner = BatchedModelRunner.from_model(model)
-    step_runner = BatchedModelRunner.from_model(model)
+    block_engine = engine_for_model(model)
+    step_engine = engine_for_model(model)
     prefix_length = 7
-    block_rows = block_runner.forward("s", history, num_rows=len(history) - prefix_length + 1)
-    step_rows = [step_runner.forward("s", history[:end], num_rows=1)[0]
+    block_rows = block_engine.forward("s", history, num_rows=len(history) - prefix_length + 1)
+    step_rows = [step_engine.forward("s", history[:end], num_rows=1)[0]
                  for end in range(prefix_length, len(history) + 1)]
     assert block_rows.dtype == torch.float32
     assert block_rows.shape == (len(history) - prefix_length + 1, model.config.vocab_size)
@@ -54,82 +52,82 @@ def test_verify_block_rows_equal_step_by_step_decode_rows(model):
 
 def test_rollback_then_redecode_equals_runner_that_never_speculated(model):
     committed = [4, 8, 15, 16, 23, 42]
-    speculative = BatchedModelRunner.from_model(model)
+    speculative = engine_for_model(model)
     speculative.forward("s", committed + [70, 71, 72], num_rows=4)   # a rejected speculative tail
-    speculative.rollback("s", len(committed))
-    assert speculative.num_cached("s") == len(committed)
+    speculative.blocks.rollback("s", len(committed))
+    assert speculative.blocks.num_cached("s") == len(committed)
     after_rollback = speculative.forward("s", committed + [33], num_rows=1)
 
-    plain = BatchedModelRunner.from_model(model)
+    plain = engine_for_model(model)
     reference = plain.forward("s", committed + [33], num_rows=1)
     torch.testing.assert_close(after_rollback, reference, atol=ATOL, rtol=0)
 
 
 def test_forward_reuses_the_cached_prefix(model):
-    runner = BatchedModelRunner.from_model(model)
-    processed = count_processed_tokens(runner)
+    engine = engine_for_model(model)
+    processed = count_processed_tokens(engine)
     prompt = list(range(10, 30))
-    runner.forward("s", prompt, num_rows=1)
-    runner.forward("s", prompt + [7, 8, 9], num_rows=3)
+    engine.forward("s", prompt, num_rows=1)
+    engine.forward("s", prompt + [7, 8, 9], num_rows=3)
     assert processed == [20, 3]
-    assert runner.num_cached("s") == 23
+    assert engine.blocks.num_cached("s") == 23
 
 
 def test_forward_crops_a_diverged_tail(model):
-    runner = BatchedModelRunner.from_model(model)
-    processed = count_processed_tokens(runner)
+    engine = engine_for_model(model)
+    processed = count_processed_tokens(engine)
     shared = list(range(10, 30))
-    runner.forward("s", shared + [50, 51, 52, 53], num_rows=5)
-    logits = runner.forward("s", shared + [60, 61], num_rows=1)
+    engine.forward("s", shared + [50, 51, 52, 53], num_rows=5)
+    logits = engine.forward("s", shared + [60, 61], num_rows=1)
     assert processed == [24, 2]
-    assert runner.num_cached("s") == 22
+    assert engine.blocks.num_cached("s") == 22
     torch.testing.assert_close(logits[0], full_logits(model, shared + [60, 61])[-1], atol=ATOL, rtol=0)
 
 
 def test_forward_recomputes_at_least_num_rows_of_a_cached_history(model):
-    runner = BatchedModelRunner.from_model(model)
-    processed = count_processed_tokens(runner)
+    engine = engine_for_model(model)
+    processed = count_processed_tokens(engine)
     history = list(range(10, 25))
-    runner.forward("s", history, num_rows=1)
-    rows = runner.forward("s", history, num_rows=3)
+    engine.forward("s", history, num_rows=1)
+    rows = engine.forward("s", history, num_rows=3)
     assert processed == [15, 3]
     torch.testing.assert_close(rows, full_logits(model, history)[-3:], atol=ATOL, rtol=0)
 
 
 def test_release_is_idempotent_and_frees_the_sequence(model):
-    runner = BatchedModelRunner.from_model(model)
-    runner.forward("a", [3, 4, 5], num_rows=1)
-    runner.forward("b", [3, 4], num_rows=1)
-    assert sorted(runner.active_sequences()) == ["a", "b"]
-    runner.release("a")
-    runner.release("a")
-    runner.release("never-seen")
-    assert runner.active_sequences() == ["b"]
-    assert runner.num_cached("a") == 0
+    engine = engine_for_model(model)
+    engine.forward("a", [3, 4, 5], num_rows=1)
+    engine.forward("b", [3, 4], num_rows=1)
+    assert sorted(engine.blocks.active_sequences()) == ["a", "b"]
+    engine.release("a")
+    engine.release("a")
+    engine.release("never-seen")
+    assert engine.blocks.active_sequences() == ["b"]
+    assert engine.blocks.num_cached("a") == 0
 
 
 def test_forward_rejects_a_history_longer_than_the_context():
-    runner = BatchedModelRunner.from_model(tiny_llama(max_position_embeddings=16))
-    runner.forward("s", list(range(16)), num_rows=1)  # exactly the context is fine
+    engine = engine_for_model(tiny_llama(max_position_embeddings=16))
+    engine.forward("s", list(range(16)), num_rows=1)  # exactly the context is fine
     with pytest.raises(SequenceStateError, match="context"):
-        runner.forward("s", list(range(17)), num_rows=1)
+        engine.forward("s", list(range(17)), num_rows=1)
 
 
 def test_forward_rejects_more_rows_than_tokens(model):
-    runner = BatchedModelRunner.from_model(model)
+    engine = engine_for_model(model)
     with pytest.raises(SequenceStateError, match="num_rows"):
-        runner.forward("s", [3, 4], num_rows=3)
+        engine.forward("s", [3, 4], num_rows=3)
 
 
 def test_forward_rejects_more_than_max_sequences(model):
-    runner = BatchedModelRunner.from_model(model, max_sequences=2)
-    runner.forward("a", [3], num_rows=1)
-    runner.forward("b", [3], num_rows=1)
+    engine = engine_for_model(model, max_sequences=2)
+    engine.forward("a", [3], num_rows=1)
+    engine.forward("b", [3], num_rows=1)
     with pytest.raises(SequenceStateError, match="max_sequences"):
-        runner.forward("c", [3], num_rows=1)
-    runner.release("a")
-    runner.forward("c", [3], num_rows=1)
-    assert sorted(runner.active_sequences()) == ["b", "c"]
+        engine.forward("c", [3], num_rows=1)
+    engine.release("a")
+    engine.forward("c", [3], num_rows=1)
+    assert sorted(engine.blocks.active_sequences()) == ["b", "c"]
 
 
 def word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
@@ -174,7 +172,7 @@ def test_runner_loads_a_saved_model_from_a_local_directory(model, tmp_path):
     assert (runner.vocab_size, runner.max_context, runner.eos_token_id) == (96, 128, 1)
     assert runner.model_path == str(tmp_path)
     history = [5, 6, 7, 8]
-    torch.testing.assert_close(runner.forward("s", history, num_rows=2), full_logits(model, history)[-2:],
+    torch.testing.assert_close(Scheduler(runner).forward("s", history, num_rows=2), full_logits(model, history)[-2:],
                                atol=ATOL, rtol=0)
 
 

@@ -21,10 +21,9 @@ import torch
 from scipy.stats import chisquare
 from transformers import LogitsProcessor, LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
-from specserve.decoding.batched_runner import runner_for_model
 from specserve.decoding.generate import generate
-from specserve.decoding.model_runner import ForwardCall
-from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.block_manager import ForwardCall
+from specserve.decoding.scheduler import engine_for_model
 from specserve.decoding.proposers import DraftModelProposer, ProposeCall, empty_proposal
 from specserve.decoding.row_processors import Penalties, history_processor
 from specserve.decoding.sampling import SamplingParams, apply_penalties, logits_to_probs
@@ -121,8 +120,8 @@ def test_requests_without_penalties_get_no_processor():
 def ours_greedy(target_model, prompt: list[int], max_tokens: int, penalties: dict, draft_model=None) -> list[int]:
     state = RequestState("g", prompt, SamplingParams(temperature=0, max_tokens=max_tokens, **penalties),
                          eos_token_id=target_model.config.eos_token_id, max_context=128)
-    proposer = None if draft_model is None else DraftModelProposer(BatchedModelRunner.from_model(draft_model))
-    for _ in generate(BatchedModelRunner.from_model(target_model), state, proposer, num_draft_tokens=4):
+    proposer = None if draft_model is None else DraftModelProposer(engine_for_model(draft_model))
+    for _ in generate(engine_for_model(target_model), state, proposer, num_draft_tokens=4):
         pass
     return state.output_ids
 
@@ -193,8 +192,8 @@ def speculative_samples(target_model, draft_model, prompt: list[int], num_sample
     """The first NUM_EMITTED tokens of num_samples seeded speculative requests, run BATCH at a time
     through the production pieces (batched runners, DraftModelProposer, rows, accept_round), and
     the acceptance rate."""
-    target = runner_for_model(target_model, max_sequences=BATCH)
-    proposer = DraftModelProposer(runner_for_model(draft_model, max_sequences=BATCH))
+    target = engine_for_model(target_model, max_sequences=BATCH)
+    proposer = DraftModelProposer(engine_for_model(draft_model, max_sequences=BATCH))
     observed, drafted, accepted = Counter(), 0, 0
     for start in range(0, num_samples, BATCH):
         states = [RequestState(f"s{seed}", prompt, SamplingParams(**SAMPLING, seed=seed), None, 128)

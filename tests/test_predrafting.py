@@ -19,6 +19,7 @@ from transformers import LlamaForCausalLM
 
 import specserve.deployments.draft_worker as draft_worker
 from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.scheduler import Scheduler
 from specserve.decoding.generate import generate
 from specserve.decoding.proposers import Proposal
 from specserve.decoding.sampling import SamplingParams, draft_seed, logits_to_probs, make_generator
@@ -94,26 +95,26 @@ async def decode(draft: DraftEngine, target: TargetEngine, state: RequestState, 
 
 def test_a_forked_branch_shares_blocks_and_neither_sequence_sees_the_others_tokens(pair):
     target_path, _ = pair
-    runner = BatchedModelRunner(str(target_path))
-    fresh = BatchedModelRunner(str(target_path))
+    engine = Scheduler(BatchedModelRunner(str(target_path)))
+    fresh = Scheduler(BatchedModelRunner(str(target_path)))
     history = list(range(20, 60))                     # 40 tokens: two full blocks and a partial one
-    runner.forward("parent", history, 1)
-    used = runner.kv_usage()["kv_blocks_used"]
-    runner.fork("parent", "child")
-    assert runner.kv_usage()["kv_blocks_used"] == used   # shared, not copied
+    engine.forward("parent", history, 1)
+    used = engine.kv_usage()["kv_blocks_used"]
+    engine.blocks.fork("parent", "child")
+    assert engine.kv_usage()["kv_blocks_used"] == used   # shared, not copied
     child = history[:33] + [7, 8]
-    torch.testing.assert_close(runner.forward("child", child, 2), fresh.forward("c", child, 2))
+    torch.testing.assert_close(engine.forward("child", child, 2), fresh.forward("c", child, 2))
     parent = history + [9]
-    torch.testing.assert_close(runner.forward("parent", parent, 2), fresh.forward("p", parent, 2))
-    runner.adopt("parent", "child")                   # the parent takes over the child's KV
-    torch.testing.assert_close(runner.forward("parent", child + [3], 1), fresh.forward("c2", child + [3], 1))
-    runner.release("parent")
-    assert runner.kv_usage()["kv_blocks_used"] == 0 and runner.active_sequences() == []
+    torch.testing.assert_close(engine.forward("parent", parent, 2), fresh.forward("p", parent, 2))
+    engine.blocks.adopt("parent", "child")                   # the parent takes over the child's KV
+    torch.testing.assert_close(engine.forward("parent", child + [3], 1), fresh.forward("c2", child + [3], 1))
+    engine.release("parent")
+    assert engine.kv_usage()["kv_blocks_used"] == 0 and engine.blocks.active_sequences() == []
 
 
 def test_greedy_rounds_hit_the_speculation_cache_and_equal_the_targets_greedy_output(distant_pair):
     target_path, _ = distant_pair
-    reference = BatchedModelRunner(str(target_path))
+    reference = Scheduler(BatchedModelRunner(str(target_path)))
     params = SamplingParams(temperature=0, max_tokens=40)
 
     async def scenario():
@@ -132,7 +133,7 @@ def test_greedy_rounds_hit_the_speculation_cache_and_equal_the_targets_greedy_ou
         assert state.output_ids == expected.output_ids
     every = [hit for request in hits for hit in request]
     assert 0 < sum(every) < len(every), "both hits and misses must happen"
-    assert draft.runner.active_sequences() == [] and draft.runner.kv_usage()["kv_blocks_used"] == 0
+    assert draft.scheduler.blocks.active_sequences() == [] and draft.scheduler.kv_usage()["kv_blocks_used"] == 0
     assert draft.speculation == {}
 
 
@@ -168,7 +169,7 @@ def test_a_request_released_right_after_its_propose_leaves_no_pre_draft_behind(d
         await draft.release("gone")          # before the pre-drafts' tasks ran
         await asyncio.sleep(0.5)
         await draft.loop.between_iterations()
-        return draft.runner.active_sequences(), draft.speculation, draft.runner.kv_usage()["kv_blocks_used"]
+        return draft.scheduler.blocks.active_sequences(), draft.speculation, draft.scheduler.kv_usage()["kv_blocks_used"]
 
     assert asyncio.run(scenario()) == ([], {}, 0)
 
@@ -205,7 +206,7 @@ def sample_joint(pair, params: SamplingParams, seeds: range) -> tuple[list[tuple
                 decode(draft, target, state, JOINT_K, lambda r, pick=pick: FAN_OUTS[pick[r]])
                 for state, pick in zip(states, picks)])
             outputs += [tuple(state.output_ids) for state in states]
-        return outputs, hits, target.runner.prefix_cache_hits
+        return outputs, hits, target.scheduler.blocks.prefix_cache_hits
 
     outputs, hits, prefix_hits = asyncio.run(scenario())
     every = [hit for request in hits for hit in request]

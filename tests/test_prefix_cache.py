@@ -1,38 +1,39 @@
-"""Prefix caching in the paged KV cache (decoding.paged_cache allocator, BatchedModelRunner): full
+"""Prefix caching in the engine (decoding.block_manager, run on BatchedModelRunner): full
 blocks stay findable by their chained hash after their sequence lets go of them, a new or diverging
 sequence starts from its longest cached block-aligned prefix, blocks other sequences hold are never
 written (copy-on-write), cached blocks are evicted LRU only when the pool needs the room, and every
 reference is given back. Rows with the cache on must equal rows with it off and the cache-free
-reference runner's (tiny random models, fp32, CPU)."""
+reference engine's (tiny random models, fp32, CPU)."""
 
 import random
 
 import pytest
 import torch
 
-from specserve.decoding.batched_runner import BatchedModelRunner, ForwardCall, NoFreeBlocksError
-from specserve.decoding.paged_cache import PagedKVCache, block_key, salt_hash
+from specserve.decoding.block_manager import BlockAllocator, ForwardCall, block_key, salt_hash
+from specserve.decoding.errors import NoFreeBlocksError
+from specserve.decoding.scheduler import Scheduler
 from tests.reference_runner import ReferenceRunner
 from tests.test_batched_runner import ATOL, assert_rows_match, random_ids
-from tests.test_paged_cache import paged_runner
+from tests.test_paged_cache import paged_engine
 from tests.tiny_pair import tiny_model
 
 BLOCK = 4
 
 
-def runners(architecture: str = "llama", budget_blocks: int | None = None, **model_options
-            ) -> tuple[BatchedModelRunner, BatchedModelRunner, ReferenceRunner]:
+def engines(architecture: str = "llama", budget_blocks: int | None = None, **model_options
+            ) -> tuple[Scheduler, Scheduler, ReferenceRunner]:
     """(cache on, cache off, cache-free reference) over one tiny model, blocks of 4 tokens; the
     cache on gets budget_blocks (the others need more: they share nothing)."""
     model = tiny_model(architecture, **model_options)
-    return (paged_runner(model, block_size=BLOCK, budget_blocks=budget_blocks),
-            paged_runner(model, block_size=BLOCK, prefix_caching=False),
+    return (paged_engine(model, block_size=BLOCK, budget_blocks=budget_blocks),
+            paged_engine(model, block_size=BLOCK, prefix_caching=False),
             ReferenceRunner.from_model(model))
 
 
-def assert_same_rows(runners_: tuple, calls: list[ForwardCall]) -> list[torch.Tensor]:
-    """Every runner gives the same rows for calls; -> the cached runner's rows."""
-    cached, uncached, reference = runners_
+def assert_same_rows(engines_: tuple, calls: list[ForwardCall]) -> list[torch.Tensor]:
+    """Every engine gives the same rows for calls; -> the cached engine's rows."""
+    cached, uncached, reference = engines_
     rows = cached.forward_batch(calls)
     for call, got, off in zip(calls, rows, uncached.forward_batch(calls)):
         expected = reference.forward(call.seq_id, call.token_ids, call.num_rows)
@@ -41,20 +42,20 @@ def assert_same_rows(runners_: tuple, calls: list[ForwardCall]) -> list[torch.Te
     return rows
 
 
-def assert_no_leak(runner: BatchedModelRunner) -> None:
+def assert_no_leak(engine: Scheduler) -> None:
     """Nothing referenced once every sequence is released; every cached block is findable by the
     key it holds and by nothing else."""
-    cache = runner.cache
-    assert runner.active_sequences() == []
+    cache = engine.blocks.allocator
+    assert engine.blocks.active_sequences() == []
     assert cache._refs == {} and cache.num_used == 0 and cache.num_free == cache.num_blocks
     assert set(cache._cached) == set(cache._key_of)
     assert {block: key for key, block in cache._block_of.items()} == cache._key_of
 
 
-def greedy_lockstep(runners_: tuple, histories: dict[str, list[int]], steps: int) -> None:
-    """Decode every history greedily in one batch per step, on all runners alike."""
+def greedy_lockstep(engines_: tuple, histories: dict[str, list[int]], steps: int) -> None:
+    """Decode every history greedily in one batch per step, on all engines alike."""
     for _ in range(steps):
-        rows = assert_same_rows(runners_, [ForwardCall(seq_id, h) for seq_id, h in histories.items()])
+        rows = assert_same_rows(engines_, [ForwardCall(seq_id, h) for seq_id, h in histories.items()])
         for history, row in zip(histories.values(), rows):
             history.append(int(row[0].argmax()))
 
@@ -63,35 +64,35 @@ def greedy_lockstep(runners_: tuple, histories: dict[str, list[int]], steps: int
 def test_choices_of_one_prompt_share_its_full_blocks_and_give_the_uncached_rows(architecture):
     """n > 1: the second choice finds the first one's prompt blocks (the block holding the last
     prompt token is recomputed: its row is asked for), and both decode as they would alone."""
-    trio = runners(architecture)
+    trio = engines(architecture)
     cached = trio[0]
     prompt = random_ids(1, 19)                                   # 4 full blocks + 3 tokens
     assert_same_rows(trio, [ForwardCall("n0", prompt)])
     assert_same_rows(trio, [ForwardCall("n1", prompt)])
-    assert cached.prefix_cached_tokens("n0") == 0 and cached.prefix_cached_tokens("n1") == 16
-    assert cached._sequences["n1"].tables[0][:4] == cached._sequences["n0"].tables[0][:4]
-    assert all(cached.cache.refs(block) == 2 for block in cached._sequences["n0"].tables[0][:4])
+    assert cached.blocks.prefix_cached_tokens("n0") == 0 and cached.blocks.prefix_cached_tokens("n1") == 16
+    assert cached.blocks._sequences["n1"].tables[0][:4] == cached.blocks._sequences["n0"].tables[0][:4]
+    assert all(cached.blocks.allocator.refs(block) == 2 for block in cached.blocks._sequences["n0"].tables[0][:4])
     greedy_lockstep(trio, {"n0": list(prompt), "n1": list(prompt), "n2": list(prompt)}, steps=6)
     # vLLM's counters: each admission looked up all but the row it asked for; decode steps none.
-    assert cached.prefix_cache_hits == 16 + 16 and cached.prefix_cache_queries == 18 * 3
+    assert cached.blocks.prefix_cache_hits == 16 + 16 and cached.blocks.prefix_cache_queries == 18 * 3
     for seq_id in ("n0", "n1", "n2"):
         cached.release(seq_id)
     assert_no_leak(cached)
 
 
 def test_a_chats_next_turn_prefills_only_what_the_last_turn_did_not_hold():
-    trio = runners()
+    trio = engines()
     cached = trio[0]
     turn1 = random_ids(2, 13)
     history = {"turn1": list(turn1)}
     greedy_lockstep(trio, history, steps=8)
-    for runner in trio:
-        runner.release("turn1")
-    assert cached.cache.num_cached == 5                          # 21 tokens held: 5 full blocks stay cached
+    for engine in trio:
+        engine.release("turn1")
+    assert cached.blocks.allocator.num_cached == 5                          # 21 tokens held: 5 full blocks stay cached
     turn2 = history["turn1"] + random_ids(3, 7)                  # the answer is in, then the next question
-    assert cached.cached_prefix_length("turn2", turn2) == 20
+    assert cached.blocks.cached_prefix_length("turn2", turn2) == 20
     assert_same_rows(trio, [ForwardCall("turn2", turn2, 2)])
-    assert cached.prefix_cached_tokens("turn2") == 20 and cached.cache.num_cached == 0
+    assert cached.blocks.prefix_cached_tokens("turn2") == 20 and cached.blocks.allocator.num_cached == 0
     assert cached.last_num_new_tokens == len(turn2) - 20      # what the engine's cost sample counts
     cached.release("turn2")
     assert_no_leak(cached)
@@ -100,42 +101,42 @@ def test_a_chats_next_turn_prefills_only_what_the_last_turn_did_not_hold():
 def test_a_prefill_chunk_takes_the_blocks_another_sequence_finished_meanwhile():
     """Two requests with one prompt arrive together: the engine chunks both prefills. The second's
     next chunk finds the blocks the first one's chunk filled, and its cached_tokens count them."""
-    trio = runners()
+    trio = engines()
     cached = trio[0]
     prompt = random_ids(16, 30)
     assert_same_rows(trio, [ForwardCall("first", prompt[:20]), ForwardCall("second", prompt[:6])])
     assert_same_rows(trio, [ForwardCall("first", prompt), ForwardCall("second", prompt[:22])])
-    assert cached.prefix_cached_tokens("second") == 16 and cached.prefix_cached_tokens("first") == 0
-    assert cached._sequences["second"].tables[0][1:5] == cached._sequences["first"].tables[0][1:5]
-    assert cached._sequences["second"].tables[0][0] != cached._sequences["first"].tables[0][0]
+    assert cached.blocks.prefix_cached_tokens("second") == 16 and cached.blocks.prefix_cached_tokens("first") == 0
+    assert cached.blocks._sequences["second"].tables[0][1:5] == cached.blocks._sequences["first"].tables[0][1:5]
+    assert cached.blocks._sequences["second"].tables[0][0] != cached.blocks._sequences["first"].tables[0][0]
     for seq_id in ("first", "second"):
         cached.release(seq_id)
     assert_no_leak(cached)
 
 
 def test_a_call_always_recomputes_the_rows_it_asks_for_even_when_all_its_blocks_are_cached():
-    trio = runners()
+    trio = engines()
     prompt = random_ids(4, 16)                                   # exactly 4 blocks
     assert_same_rows(trio, [ForwardCall("a", prompt)])
     trio[0].release("a")
     assert_same_rows(trio, [ForwardCall("b", prompt)])           # last block recomputed for its last row
-    assert trio[0].prefix_cached_tokens("b") == 12
+    assert trio[0].blocks.prefix_cached_tokens("b") == 12
     assert_same_rows(trio, [ForwardCall("c", prompt, num_rows=16)])  # prompt log-probabilities: nothing reused
-    assert trio[0].prefix_cached_tokens("c") == 0
+    assert trio[0].blocks.prefix_cached_tokens("c") == 0
 
 
 def test_a_diverging_history_takes_cached_blocks_past_what_it_held():
     """A sequence whose history changes (a router's re-sent history) drops its tail and picks up
     the blocks another sequence computed for the new tokens."""
-    trio = runners()
+    trio = engines()
     cached = trio[0]
     common, left, right = random_ids(5, 6), random_ids(6, 9), random_ids(7, 9)
     assert_same_rows(trio, [ForwardCall("x", common + left), ForwardCall("y", common + right)])
     assert_same_rows(trio, [ForwardCall("x", common + right + [5], 2)])
     # x kept its own first block (both computed it in one batch: y's copy stayed private) and
     # took y's next two.
-    assert cached._sequences["x"].tables[0][1:3] == cached._sequences["y"].tables[0][1:3]
-    assert cached._sequences["x"].tables[0][0] != cached._sequences["y"].tables[0][0]
+    assert cached.blocks._sequences["x"].tables[0][1:3] == cached.blocks._sequences["y"].tables[0][1:3]
+    assert cached.blocks._sequences["x"].tables[0][0] != cached.blocks._sequences["y"].tables[0][0]
     for seq_id in ("x", "y"):
         cached.release(seq_id)
     assert_no_leak(cached)
@@ -146,17 +147,18 @@ def test_rolling_back_into_a_shared_block_copies_it_and_never_writes_the_shared_
     """Two identical sequences share every full block, speculative tail included; one rolls
     back into the middle of a shared block and writes other tokens there: it gets its own copy,
     and the other sequence's rows are untouched. The broken variant writes in place and is caught."""
-    trio = runners()
+    trio = engines()
     cached = trio[0]
     if broken:
-        monkeypatch.setattr(cached, "_make_last_block_writable", lambda entry: cached.cache.unpublish(entry.tables[0][-1]))
+        monkeypatch.setattr(cached.blocks, "_make_last_block_writable",
+                            lambda entry: cached.blocks.allocator.unpublish(entry.tables[0][-1]) or [])
     history = random_ids(8, 14)
     block = random_ids(9, 6)                                     # a verify of K=5: fills blocks 3 and 4
     assert_same_rows(trio, [ForwardCall("a", history)])
     assert_same_rows(trio, [ForwardCall("a", history + block, 6)])
     assert_same_rows(trio, [ForwardCall("b", history + block)])     # finds blocks 0-3
-    shared = cached._sequences["a"].tables[0][3]
-    assert cached._sequences["b"].tables[0][3] == shared and cached.cache.refs(shared) == 2
+    shared = cached.blocks._sequences["a"].tables[0][3]
+    assert cached.blocks._sequences["b"].tables[0][3] == shared and cached.blocks.allocator.refs(shared) == 2
     # a accepted 1 of the 5 (position 15 is mid-block 3) and verifies a new block.
     rolled = history + block[:1] + [2, 3, 4, 5]
     if broken:
@@ -165,11 +167,11 @@ def test_rolling_back_into_a_shared_block_copies_it_and_never_writes_the_shared_
             assert_same_rows(trio, [ForwardCall("b", history + block + [6], 2)])
         return
     assert_same_rows(trio, [ForwardCall("a", rolled, 5)])
-    assert cached._sequences["a"].tables[0][3] != shared and cached.cache.refs(shared) == 1
+    assert cached.blocks._sequences["a"].tables[0][3] != shared and cached.blocks.allocator.refs(shared) == 1
     assert_same_rows(trio, [ForwardCall("b", history + block + [6], 2)])
     # A rollback to a block boundary writes only new blocks: the shared ones before it stay shared.
     assert_same_rows(trio, [ForwardCall("b", history[:12] + [7, 8], 2)])
-    assert cached._sequences["b"].tables[0][:3] == cached._sequences["a"].tables[0][:3]
+    assert cached.blocks._sequences["b"].tables[0][:3] == cached.blocks._sequences["a"].tables[0][:3]
     for seq_id in ("a", "b"):
         cached.release(seq_id)
     assert_no_leak(cached)
@@ -179,7 +181,7 @@ def test_eviction_under_pressure_takes_only_unreferenced_blocks_least_recently_f
     """A pool of 16 blocks: two running sequences share a prompt, finished ones leave cached
     blocks; filling the pool evicts the oldest cached blocks, never a referenced one, and the
     running sequences' rows stay exact throughout."""
-    trio = runners(budget_blocks=16, max_position_embeddings=64)
+    trio = engines(budget_blocks=16, max_position_embeddings=64)
     cached = trio[0]
     prompt = random_ids(10, 17)
     assert_same_rows(trio, [ForwardCall("s1", prompt)])
@@ -190,22 +192,22 @@ def test_eviction_under_pressure_takes_only_unreferenced_blocks_least_recently_f
     for seq_id, ids in (("old", old), ("recent", recent)):
         assert_same_rows(trio, [ForwardCall(seq_id, ids)])
         if seq_id == "old":
-            old_blocks = cached._sequences["old"].tables[0][:2]
-        for runner in trio:
-            runner.release(seq_id)
-    assert (cached.cache.num_used, cached.cache.num_cached, cached.cache.num_free) == (6, 4, 10)
-    referenced = set(cached._sequences["s1"].tables[0] + cached._sequences["s2"].tables[0])
+            old_blocks = cached.blocks._sequences["old"].tables[0][:2]
+        for engine in trio:
+            engine.release(seq_id)
+    assert (cached.blocks.allocator.num_used, cached.blocks.allocator.num_cached, cached.blocks.allocator.num_free) == (6, 4, 10)
+    referenced = set(cached.blocks._sequences["s1"].tables[0] + cached.blocks._sequences["s2"].tables[0])
     # 32 new tokens need 8 blocks: the 6 never-keyed ones, then the 2 least recently freed cached
     # ones (the older sequence's).
     assert_same_rows(trio, [ForwardCall("big", random_ids(13, 32))])
-    assert not referenced & set(cached._sequences["big"].tables[0])
-    assert set(old_blocks) <= set(cached._sequences["big"].tables[0])
-    assert cached.cached_prefix_length("again", old) == 0
-    assert cached.cached_prefix_length("again", recent) == 8   # the recent one is still cached
+    assert not referenced & set(cached.blocks._sequences["big"].tables[0])
+    assert set(old_blocks) <= set(cached.blocks._sequences["big"].tables[0])
+    assert cached.blocks.cached_prefix_length("again", old) == 0
+    assert cached.blocks.cached_prefix_length("again", recent) == 8   # the recent one is still cached
     with pytest.raises(NoFreeBlocksError):                     # 2 free, 3 needed: refused whole
         cached.forward_batch([ForwardCall("s1", histories["s1"] + [1] * 13, 14)])
     greedy_lockstep(trio, histories, steps=3)                  # grows both: evicts the recent blocks too
-    assert cached.cache.num_free == 0 and cached.cache.num_cached == 0
+    assert cached.blocks.allocator.num_free == 0 and cached.blocks.allocator.num_cached == 0
     for seq_id in ("s1", "s2", "big"):
         cached.release(seq_id)
     assert_no_leak(cached)
@@ -213,10 +215,10 @@ def test_eviction_under_pressure_takes_only_unreferenced_blocks_least_recently_f
 
 def test_many_requests_sharing_prefixes_with_rollbacks_and_evictions_stay_exact_and_leak_nothing():
     """A random workload over a small pool: requests share a few system prompts, verify blocks,
-    keep part of each, finish; rows match the reference runner; references are never negative
+    keep part of each, finish; rows match the reference engine; references are never negative
     nor left behind."""
     rng = random.Random(0)
-    cached, _, reference = runners(budget_blocks=40, max_position_embeddings=96)
+    cached, _, reference = engines(budget_blocks=40, max_position_embeddings=96)
     systems = [random_ids(20 + i, rng.randint(5, 14)) for i in range(3)]
     live: dict[str, list[int]] = {}
     for step in range(40):
@@ -233,9 +235,9 @@ def test_many_requests_sharing_prefixes_with_rollbacks_and_evictions_stay_exact_
                 cached.release(call.seq_id)
                 reference.release(call.seq_id)
                 del live[call.seq_id]
-        assert cached.cache.num_used == len({b for s in live for b in cached._sequences[s].tables[0]})
-        assert all(refs > 0 for refs in cached.cache._refs.values())
-    assert cached.prefix_cache_hits > 0
+        assert cached.blocks.allocator.num_used == len({b for s in live for b in cached.blocks._sequences[s].tables[0]})
+        assert all(refs > 0 for refs in cached.blocks.allocator._refs.values())
+    assert cached.blocks.prefix_cache_hits > 0
     for seq_id in list(live):
         cached.release(seq_id)
     assert_no_leak(cached)
@@ -243,27 +245,27 @@ def test_many_requests_sharing_prefixes_with_rollbacks_and_evictions_stay_exact_
 
 def test_the_cache_salt_keeps_blocks_of_other_weights_from_being_found():
     """A draft's hot-swapped version salts its chains differently: the same tokens find nothing."""
-    cached = runners()[0]
+    cached = engines()[0]
     prompt = random_ids(14, 12)
     cached.forward("a", prompt)
     cached.release("a")
-    assert cached.cached_prefix_length("b", prompt) == 8
-    cached._salt = salt_hash("tiny@version-2")
-    assert cached.cached_prefix_length("b", prompt) == 0
+    assert cached.blocks.cached_prefix_length("b", prompt) == 8
+    cached.blocks._salt = salt_hash("tiny@version-2")
+    assert cached.blocks.cached_prefix_length("b", prompt) == 0
 
 
 def test_with_prefix_caching_off_released_blocks_are_simply_free():
-    _, uncached, _ = runners()
+    _, uncached, _ = engines()
     prompt = random_ids(15, 12)
     uncached.forward("a", prompt)
     uncached.release("a")
-    assert uncached.cache.num_cached == 0 and uncached.cached_prefix_length("b", prompt) == 0
+    assert uncached.blocks.allocator.num_cached == 0 and uncached.blocks.cached_prefix_length("b", prompt) == 0
     uncached.forward("b", prompt)
-    assert uncached.prefix_cached_tokens("b") == 0 and uncached.kv_usage()["prefix_cache_hits"] == 0
+    assert uncached.blocks.prefix_cached_tokens("b") == 0 and uncached.kv_usage()["prefix_cache_hits"] == 0
 
 
 def test_the_allocator_evicts_cached_blocks_only_at_its_budget():
-    cache = PagedKVCache(num_layers=1, num_blocks=70, block_size=4)
+    cache = BlockAllocator(num_blocks=70)
     first = cache.allocate(3)
     for index, block in enumerate(first):
         cache.publish(block, block_key(0, [index]))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.scheduler import engine_for_model
 from tests.reference_runner import ReferenceRunner
 from specserve.decoding.proposers import DraftModelProposer, NgramProposer, ProposeCall
 from specserve.decoding.sampling import SamplingParams, logits_to_probs, make_generator, sample_from_probs
@@ -146,10 +146,10 @@ def ragged_propose_calls(params: SamplingParams, seed: int = 0) -> list[ProposeC
             for i, (history, budget) in enumerate(zip(histories, budgets))]
 
 
-@pytest.mark.parametrize("runner_class", [BatchedModelRunner, ReferenceRunner])
-def test_greedy_propose_batch_equals_propose_call_by_call(model, runner_class):
+@pytest.mark.parametrize("make_engine", [engine_for_model, ReferenceRunner.from_model])
+def test_greedy_propose_batch_equals_propose_call_by_call(model, make_engine):
     calls = ragged_propose_calls(GREEDY)
-    batched = DraftModelProposer(runner_class.from_model(model)).propose_batch(calls)
+    batched = DraftModelProposer(make_engine(model)).propose_batch(calls)
     alone = DraftModelProposer(ReferenceRunner.from_model(model))
     for call, proposal in zip(calls, batched):
         expected = alone.propose(call.seq_id, call.history, call.num_tokens, GREEDY)
@@ -158,11 +158,11 @@ def test_greedy_propose_batch_equals_propose_call_by_call(model, runner_class):
 
 
 def test_propose_batch_continues_each_cache_and_rows_drop_out_when_done(model):
-    runner = BatchedModelRunner.from_model(model)
-    proposer = DraftModelProposer(runner)
+    engine = engine_for_model(model)
+    proposer = DraftModelProposer(engine)
     calls = ragged_propose_calls(GREEDY)
     forwarded: list[int] = []
-    hook = runner.model.get_input_embeddings().register_forward_hook(
+    hook = engine.runner.model.get_input_embeddings().register_forward_hook(
         lambda module, args, output: forwarded.append(args[0].shape[0]))
     proposals = proposer.propose_batch(calls)
     hook.remove()
@@ -171,7 +171,7 @@ def test_propose_batch_continues_each_cache_and_rows_drop_out_when_done(model):
     for call, proposal in zip(calls, proposals):
         # The last drafted token is never fed.
         expected_cached = len(call.history) + len(proposal.token_ids) - 1 if proposal.token_ids else 0
-        assert runner.num_cached(call.seq_id) == expected_cached
+        assert engine.blocks.num_cached(call.seq_id) == expected_cached
     # Next round: histories that accepted a prefix plus a bonus token reuse the cache.
     follow = [ProposeCall(call.seq_id, list(call.history) + proposal.token_ids[:1] + [11], 3, GREEDY)
               for call, proposal in zip(calls[:2], proposals[:2])]
@@ -182,12 +182,12 @@ def test_propose_batch_continues_each_cache_and_rows_drop_out_when_done(model):
 
 def test_a_seeded_sampled_draft_does_not_depend_on_what_shares_its_batch(model):
     mine = ProposeCall("mine", [3, 14, 15, 92, 65, 35], 6, SAMPLED, make_generator(7))
-    alone = DraftModelProposer(BatchedModelRunner.from_model(model)).propose_batch([mine])[0]
+    alone = DraftModelProposer(engine_for_model(model)).propose_batch([mine])[0]
     others = [ProposeCall("greedy", list(range(2, 50)), 3, GREEDY),
               ProposeCall("sampled", [8, 8, 8, 8], 6, SAMPLED, make_generator(7)),
               ProposeCall("short", [40, 41], 1, SAMPLED, make_generator(99))]
     mine_again = ProposeCall("mine", mine.history, 6, SAMPLED, make_generator(7))
-    shared = DraftModelProposer(BatchedModelRunner.from_model(model)).propose_batch(others[:2] + [mine_again]
+    shared = DraftModelProposer(engine_for_model(model)).propose_batch(others[:2] + [mine_again]
                                                                                     + others[2:])[2]
     assert shared.token_ids == alone.token_ids
     torch.testing.assert_close(shared.support.probs, alone.support.probs, atol=1e-5, rtol=0)

@@ -1,7 +1,10 @@
 """The engine's iteration planner: which waiting calls share the next forward."""
 
-from specserve.decoding.batched_runner import BatchedModelRunner, ForwardCall
-from specserve.decoding.model_runner import SequenceStateError
+import torch
+
+from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.block_manager import ForwardCall
+from specserve.decoding.errors import SequenceStateError
 from specserve.decoding.scheduler import CallShape, Scheduler, WaitingCall, plan_iteration
 from tests.tiny_pair import tiny_model
 
@@ -73,18 +76,18 @@ def test_a_draft_call_reserves_blocks_for_its_later_decode_steps_and_a_chunk_onl
     assert plan_iteration([prompt], free_slots=1, **PLAN, free_blocks=64, block_size=4).prefills == [(0, 256)]
 
 
-# The Scheduler: plan_iteration over an engine's runner state, with calls that cannot run answered
-# by their error (indices always into the engine's own call list).
+# The Scheduler: plan_iteration over the blocks it owns, with calls that cannot run answered by
+# their error (indices always into the engine's own call list).
 
-def scheduler_over_tiny_runner(max_step_tokens: int = 10) -> tuple[Scheduler, BatchedModelRunner]:
+def scheduler_over_tiny_runner(max_step_tokens: int = 10) -> Scheduler:
     runner = BatchedModelRunner.from_model(tiny_model("llama"), max_sequences=3)
-    return Scheduler(runner, max_step_tokens, prefill_token_budget=64, max_batch_rows=8), runner
+    return Scheduler(runner, max_step_tokens, prefill_token_budget=64, max_batch_rows=8)
 
 
 def test_calls_that_cannot_run_get_their_error_and_the_rest_keep_their_indices():
-    scheduler, runner = scheduler_over_tiny_runner()
-    runner.forward_batch([ForwardCall("held", [3, 4, 5, 6])])
-    too_long = [7] * (runner.max_context + 1)
+    scheduler = scheduler_over_tiny_runner()
+    scheduler.forward_batch([ForwardCall("held", [3, 4, 5, 6])])
+    too_long = [7] * (scheduler.max_context + 1)
     schedule = scheduler.schedule([CallShape("new", list(range(2, 22))), CallShape("long", too_long),
                                    CallShape("held", [3, 4, 5, 6, 8, 9], num_rows=3),
                                    CallShape("rows", [3, 4], num_rows=3)])
@@ -97,8 +100,8 @@ def test_calls_that_cannot_run_get_their_error_and_the_rest_keep_their_indices()
 
 
 def test_a_call_that_needs_a_slot_waits_while_none_is_free():
-    scheduler, runner = scheduler_over_tiny_runner()
-    runner.forward_batch([ForwardCall(name, [3, 4]) for name in ("a", "b", "c")])
+    scheduler = scheduler_over_tiny_runner()
+    scheduler.forward_batch([ForwardCall(name, [3, 4]) for name in ("a", "b", "c")])
     schedule = scheduler.schedule([CallShape("d", [5, 6]), CallShape("a", [3, 4, 9])])
     assert schedule.plan.steps == [1] and schedule.plan.prefills == [] and schedule.plan.waiting == [0]
 
@@ -112,12 +115,43 @@ def test_a_new_sequence_whose_prefix_is_cached_plans_its_prefill_from_there():
     """A second request with the same 40-token prompt: the prefix cache holds its first 32
     tokens (2 full blocks of 16; the last block is recomputed for its row), so one chunk of the
     8 others completes it, where the first request needed chunks of the whole prompt."""
-    scheduler, runner = scheduler_over_tiny_runner(max_step_tokens=4)
+    scheduler = scheduler_over_tiny_runner(max_step_tokens=4)
     scheduler.prefill_token_budget = 16
     prompt = list(range(2, 42))
     assert scheduler.schedule([CallShape("first", prompt)]).plan.prefills == [(0, 16)]
-    runner.forward_batch([ForwardCall("first", prompt)])
-    runner.release("first")
+    scheduler.forward_batch([ForwardCall("first", prompt)])
+    scheduler.release("first")
     schedule = scheduler.schedule([CallShape("second", prompt)])
     assert schedule.plan.prefills == [(0, 8)] and schedule.calls[0].chunk_end(8) is None
     assert (schedule.calls[0].holds_slot, schedule.calls[0].num_cached) == (False, 32)
+
+
+def test_decodes_keep_flowing_beside_a_long_prompts_chunked_prefill():
+    """The default budget (vLLM's 2,048 tokens a step) chunks a 5,000-token prompt over three
+    iterations; the sequences decoding meanwhile take a step in every one of them, in their own
+    forward, and the prompt's rows equal one whole forward's."""
+    from specserve.common.config import BatchingSpec
+    from tests.reference_runner import full_logits
+
+    assert BatchingSpec().prefill_token_budget == 2048
+    model = tiny_model("llama", max_position_embeddings=8192)
+    scheduler = Scheduler(BatchedModelRunner.from_model(model, max_sequences=4), max_step_tokens=10,
+                          prefill_token_budget=BatchingSpec().prefill_token_budget, max_batch_rows=8)
+    decoding = {"a": [3, 4, 5], "b": [6, 7]}
+    scheduler.forward_batch([ForwardCall(seq_id, history) for seq_id, history in decoding.items()])
+    prompt = [2 + i % 90 for i in range(5000)]
+    chunks, last_rows = [], None
+    while last_rows is None:
+        shapes = [CallShape(seq_id, history + [8]) for seq_id, history in decoding.items()] + [CallShape("p", prompt)]
+        schedule = scheduler.schedule(shapes)
+        assert schedule.plan.steps == [0, 1]   # both decodes run in every iteration of the prefill
+        (index, chunk), = schedule.plan.prefills
+        chunks.append(chunk)
+        scheduler.forward_batch([ForwardCall(shape.seq_id, shape.token_ids) for shape in shapes[:2]])
+        for history in decoding.values():
+            history.append(8)
+        end = schedule.calls[index].chunk_end(chunk)
+        rows = scheduler.forward_batch([ForwardCall("p", prompt if end is None else prompt[:end])])[0]
+        last_rows = rows if end is None else None
+    assert chunks == [2048, 2048, 904]
+    torch.testing.assert_close(last_rows, full_logits(model, prompt)[-1:], atol=1e-4, rtol=0)

@@ -25,6 +25,7 @@ from transformers import AutoTokenizer
 from specserve.cluster.builder import APP_NAME
 from specserve.decoding.generate import generate
 from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.scheduler import Scheduler
 from specserve.decoding.sampling import SamplingParams
 from specserve.decoding.sequence import RequestState
 from tests.local_server import SHARED_MODEL, free_port, greedy_reference
@@ -347,16 +348,16 @@ def test_logprobs_are_the_targets_raw_log_probabilities(server, client):
     (what verification already computed), and its 3 most likely alternatives; chat and streaming
     carry the same numbers in their own shapes."""
     _, config = server
-    runner = BatchedModelRunner(config.target.path)
+    engine = Scheduler(BatchedModelRunner(config.target.path))
     tokenizer = AutoTokenizer.from_pretrained(config.target.path)
     prompt_ids = tokenizer.encode(PROMPTS[0], add_special_tokens=False)
     state = RequestState(request_id="lp", prompt_ids=prompt_ids, params=SamplingParams(temperature=0, max_tokens=16),
-                         eos_token_id=tokenizer.eos_token_id, max_context=runner.max_context)
-    for _ in generate(runner, state):
+                         eos_token_id=tokenizer.eos_token_id, max_context=engine.max_context)
+    for _ in generate(engine, state):
         pass
     output_ids = state.output_ids
     # Row i of a forward over prompt + output[:-1] is the distribution output[i] was drawn from.
-    reference = torch.log_softmax(runner.forward("lp-ref", prompt_ids + output_ids[:-1], len(output_ids)), dim=-1)
+    reference = torch.log_softmax(engine.forward("lp-ref", prompt_ids + output_ids[:-1], len(output_ids)), dim=-1)
 
     response = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0, logprobs=3)
     logprobs = response.choices[0].logprobs
@@ -386,7 +387,7 @@ def test_logprobs_are_the_targets_raw_log_probabilities(server, client):
     sampled = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=1.0, seed=3,
                                         logprobs=2, extra_body={"return_tokens_as_token_ids": True}).choices[0]
     sampled_ids = [int(token.removeprefix("token_id:")) for token in sampled.logprobs.tokens]
-    raw = torch.log_softmax(runner.forward("lp-sampled", prompt_ids + sampled_ids[:-1], len(sampled_ids)), dim=-1)
+    raw = torch.log_softmax(engine.forward("lp-sampled", prompt_ids + sampled_ids[:-1], len(sampled_ids)), dim=-1)
     assert len(sampled_ids) == 16
     assert sampled.logprobs.token_logprobs == pytest.approx(
         [float(raw[i, token]) for i, token in enumerate(sampled_ids)], abs=1e-3)

@@ -1,5 +1,5 @@
 """Sliding-window layers' KV memory is bounded by their window (decoding.paged_cache.KVGroup,
-BatchedModelRunner._let_go_outside_windows): windowed layers are KV cache groups of their own and
+BlockManager._let_go_outside_windows): windowed layers are KV cache groups of their own and
 let go of the blocks wholly older than their window, while the rows stay the model's own through
 chunked prefill, decode, K-token verify with rollback, deep rollback and fork/adopt; the freed
 blocks serve other sequences, the KV budget counts the bound (more sequences fit), and freeing
@@ -12,13 +12,14 @@ import pytest
 import torch
 from transformers import Gemma3TextConfig
 
-import specserve.decoding.batched_runner as batched_runner_module
-from specserve.decoding.batched_runner import BatchedModelRunner, ForwardCall
+import specserve.decoding.block_manager as block_manager_module
+from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.block_manager import BlockManager, ForwardCall
+from specserve.decoding.errors import NoFreeBlocksError
 from specserve.decoding.paged_cache import (
     GIB,
     NO_BLOCK,
     KVGroup,
-    NoFreeBlocksError,
     blocks_for,
     kv_bytes_per_token,
     kv_capacity,
@@ -45,12 +46,12 @@ def windowed_model(architecture: str):
         architecture)
 
 
-def windowed_runner(model, budget_bytes: float | None = None, **options) -> BatchedModelRunner:
+def windowed_engine(model, budget_bytes: float | None = None, **options) -> Scheduler:
     runner = BatchedModelRunner.__new__(BatchedModelRunner)
     runner._init_from_model(model, max_sequences=16, model_path="tiny", block_size=BLOCK_SIZE,
                             rollback_tokens=ROLLBACK_TOKENS, profile_batches=PROFILE_BATCHES,
                             kv_cache_memory_gb=None if budget_bytes is None else budget_bytes / GIB, **options)
-    return runner
+    return Scheduler(runner)
 
 
 def common_prefix(a, b) -> int:
@@ -58,30 +59,30 @@ def common_prefix(a, b) -> int:
 
 
 class Session:
-    """Calls a runner the way the engines do and checks every row against the model's own
+    """Calls a engine the way the engines do and checks every row against the model's own
     cache-free forward, and (check_recompute) that each call computed only what it did not hold."""
 
-    def __init__(self, runner: BatchedModelRunner, model, check_recompute: bool = True) -> None:
-        self.runner, self.model, self.check_recompute = runner, model, check_recompute
+    def __init__(self, engine: Scheduler, model, check_recompute: bool = True) -> None:
+        self.engine, self.model, self.check_recompute = engine, model, check_recompute
         self.held: dict[str, list[int]] = {}
 
     def step(self, calls: list[ForwardCall]) -> list[int]:
         expected_new = sum(len(call.token_ids) - min(common_prefix(self.held.get(call.seq_id, []), call.token_ids),
                                                      len(call.token_ids) - call.num_rows) for call in calls)
-        rows = self.runner.forward_batch(calls)
+        rows = self.engine.forward_batch(calls)
         for call, got in zip(calls, rows):
             torch.testing.assert_close(got, full_logits(self.model, list(call.token_ids))[-call.num_rows:],
                                        atol=ATOL, rtol=0, msg=lambda m: f"{call.seq_id}: {m}")
             self.held[call.seq_id] = list(call.token_ids)
         if self.check_recompute:
-            assert self.runner.last_num_new_tokens == expected_new, "a call recomputed what it should hold"
+            assert self.engine.last_num_new_tokens == expected_new, "a call recomputed what it should hold"
         return [int(got[-1].argmax()) for got in rows]
 
 
-def speculative_session(runner: BatchedModelRunner, model, check_recompute: bool = True) -> None:
+def speculative_session(engine: Scheduler, model, check_recompute: bool = True) -> None:
     """Chunked prefill beside another sequence's decode, decode, K=3 verifies with rejections,
     a rollback, fork/adopt of a branch: all far past the window."""
-    session = Session(runner, model, check_recompute)
+    session = Session(engine, model, check_recompute)
     prompt, other = random_ids(5, 37), random_ids(6, 12)
     session.step([ForwardCall("b", other, 1)])
     for end in range(10, len(prompt) + 10, 10):   # chunked prefill, b decoding beside it
@@ -95,15 +96,15 @@ def speculative_session(runner: BatchedModelRunner, model, check_recompute: bool
         session.step([ForwardCall("a", history + drafts, 4)])
         history = history + drafts[:accepted]
         history.append(session.step([ForwardCall("a", history, 1)])[0])
-    runner.rollback("a", len(history) - 2)   # the engine's explicit crop
+    engine.blocks.rollback("a", len(history) - 2)   # the engine's explicit crop
     session.held["a"] = history[:-2]
     session.step([ForwardCall("a", history, 2)])
-    runner.fork("a", "branch")   # a speculation-cache branch: shares a's blocks, copy-on-write
+    engine.blocks.fork("a", "branch")   # a speculation-cache branch: shares a's blocks, copy-on-write
     session.held["branch"] = list(history)
     branch = history + random_ids(7, 3)
     session.step([ForwardCall("branch", branch, 4), ForwardCall("a", history + [9], 1)])
     session.held["a"] = history + [9]
-    runner.adopt("a", "branch")
+    engine.blocks.adopt("a", "branch")
     session.held["a"] = session.held.pop("branch")
     session.step([ForwardCall("a", branch + [11], 2)])
 
@@ -111,31 +112,31 @@ def speculative_session(runner: BatchedModelRunner, model, check_recompute: bool
 @pytest.mark.parametrize("architecture", sorted(WINDOWED))
 def test_windowed_rows_equal_the_models_own_while_blocks_outside_the_window_are_let_go(architecture):
     model = windowed_model(architecture)
-    runner = windowed_runner(model)
-    assert [group.window for group in runner.cache.groups] == WINDOWED[architecture]
-    speculative_session(runner, model)
-    entry = runner._sequences["a"]
-    for group, table in zip(runner.cache.groups, entry.tables):
+    engine = windowed_engine(model)
+    assert [group.window for group in engine.runner.cache.groups] == WINDOWED[architecture]
+    speculative_session(engine, model)
+    entry = engine.blocks._sequences["a"]
+    for group, table in zip(engine.runner.cache.groups, entry.tables):
         if group.window is None:
             assert NO_BLOCK not in table
         else:
-            assert table[0] == NO_BLOCK and runner.blocks_held("a", runner.cache.groups.index(group)) <= window_blocks(
+            assert table[0] == NO_BLOCK and engine.blocks.blocks_held("a", engine.runner.cache.groups.index(group)) <= window_blocks(
                 group.window, BLOCK_SIZE, ROLLBACK_TOKENS, 0)
     # A crop deeper than rollback_tokens finds the windowed keys let go: the call starts over, and
     # finds the let-go blocks (still cached, every group's) in the prefix cache.
-    history, found = runner._sequences["a"].token_ids[:20] + [3], runner.prefix_cached_tokens("a")
-    torch.testing.assert_close(runner.forward("a", history), full_logits(model, history)[-1:], atol=ATOL, rtol=0)
-    assert runner.last_num_new_tokens == 1 and runner.prefix_cached_tokens("a") - found == 20
-    for seq_id in runner.active_sequences():
-        runner.release(seq_id)
-    assert runner.cache.num_used == 0
+    history, found = engine.blocks._sequences["a"].token_ids[:20] + [3], engine.blocks.prefix_cached_tokens("a")
+    torch.testing.assert_close(engine.forward("a", history), full_logits(model, history)[-1:], atol=ATOL, rtol=0)
+    assert engine.last_num_new_tokens == 1 and engine.blocks.prefix_cached_tokens("a") - found == 20
+    for seq_id in engine.blocks.active_sequences():
+        engine.release(seq_id)
+    assert engine.blocks.allocator.num_used == 0
 
 
 def test_kv_groups_follow_each_layers_window_with_as_many_layers_each():
     assert kv_groups([None] * 4) == (KVGroup((0, 1, 2, 3), None),)
     assert kv_groups([8, 8, None, 8, 8, None]) == (KVGroup((0, 1), 8), KVGroup((3, 4), 8), KVGroup((2, 5), None))
     assert kv_groups([8, 8, 8, None]) == (KVGroup((0,), 8), KVGroup((1,), 8), KVGroup((2,), 8), KVGroup((3,), None))
-    assert [len(group.layers) for group in windowed_runner(tiny_model("llama")).cache.groups] == [2]   # unchanged
+    assert [len(group.layers) for group in windowed_engine(tiny_model("llama")).runner.cache.groups] == [2]   # unchanged
 
 
 def test_a_windowed_groups_blocks_stay_bounded_while_the_full_groups_grow_and_freed_ones_serve_others():
@@ -145,18 +146,18 @@ def test_a_windowed_groups_blocks_stay_bounded_while_the_full_groups_grow_and_fr
     sequence decoding beside it, so the pool never grows past its first 64 blocks (every layer
     keeping 110 tokens would take 3 x 28 ids for one sequence)."""
     model = tiny_model("gemma3")
-    runner = windowed_runner(model, prefix_caching=False)
+    engine = windowed_engine(model, prefix_caching=False)
     bound = window_blocks(SHORT_WINDOW, BLOCK_SIZE, ROLLBACK_TOKENS, 0)
     assert bound == 4
     histories = {"a": random_ids(8, 5), "b": random_ids(9, 5)}
     held_before, let_go, by_b, by_global, most = {}, set(), set(), set(), 0
     for step in range(105):
         calls = [ForwardCall(seq_id, history) for seq_id, history in histories.items() if seq_id == "a" or step % 3]
-        for call, rows in zip(calls, runner.forward_batch(calls)):
+        for call, rows in zip(calls, engine.forward_batch(calls)):
             call.token_ids.append(int(rows[-1].argmax()))
-        for index, group in enumerate(runner.cache.groups):
-            table = runner._sequences["a"].tables[index]
-            held = runner.blocks_held("a", index)
+        for index, group in enumerate(engine.runner.cache.groups):
+            table = engine.blocks._sequences["a"].tables[index]
+            held = engine.blocks.blocks_held("a", index)
             if group.window is None:
                 assert held == blocks_for(len(histories["a"]) - 1, BLOCK_SIZE)
             else:
@@ -164,17 +165,17 @@ def test_a_windowed_groups_blocks_stay_bounded_while_the_full_groups_grow_and_fr
                 most = max(most, held)
                 let_go |= {block for block in held_before.get(index, ()) if block not in table}
                 held_before[index] = [block for block in table if block != NO_BLOCK]
-        if "b" in runner._sequences:
-            by_b |= {block for table in runner._sequences["b"].tables for block in table} & let_go
-        by_global |= set(runner._sequences["a"].tables[2]) & let_go
-    assert most == bound and runner.blocks_held("a", 2) == 28
+        if "b" in engine.blocks._sequences:
+            by_b |= {block for table in engine.blocks._sequences["b"].tables for block in table} & let_go
+        by_global |= set(engine.blocks._sequences["a"].tables[2]) & let_go
+    assert most == bound and engine.blocks.blocks_held("a", 2) == 28
     assert len(let_go) >= 10 and by_b and by_global
-    assert runner.cache.capacity == 64
+    assert engine.runner.cache.capacity == 64
     # Without the prefix cache, a crop deeper than rollback_tokens recomputes from the start.
     history = histories["a"]
-    torch.testing.assert_close(runner.forward("a", history[:50]), full_logits(model, history[:50])[-1:],
+    torch.testing.assert_close(engine.forward("a", history[:50]), full_logits(model, history[:50])[-1:],
                                atol=ATOL, rtol=0)
-    assert runner.last_num_new_tokens == 50
+    assert engine.last_num_new_tokens == 50
 
 
 def test_the_budget_counts_the_windowed_bound_so_more_sequences_fit_and_too_small_is_refused():
@@ -197,40 +198,40 @@ def test_the_budget_counts_the_windowed_bound_so_more_sequences_fit_and_too_smal
     per_layer_block = BLOCK_SIZE * kv_bytes_per_token(model.config, torch.float32) / 3
     budget = 120.5 * per_layer_block
     assert kv_capacity(model.config, torch.float32, budget * 3 / 3, 128, BLOCK_SIZE).full_length_sequences == 1
-    runner = windowed_runner(model, budget_bytes=budget)
-    assert runner.kv_capacity.num_blocks == 120 and runner.kv_capacity.full_length_sequences == 2
+    engine = windowed_engine(model, budget_bytes=budget)
+    assert engine.runner.kv_capacity.num_blocks == 120 and engine.runner.kv_capacity.full_length_sequences == 2
     histories = {"x": random_ids(10, 8), "y": random_ids(11, 8)}
     while len(histories["x"]) < 120:
-        rows = runner.forward_batch([ForwardCall(seq_id, history) for seq_id, history in histories.items()])
+        rows = engine.forward_batch([ForwardCall(seq_id, history) for seq_id, history in histories.items()])
         for history, row in zip(histories.values(), rows):
             history.append(int(row[-1].argmax()))
-    assert 2 * 3 * blocks_for(119, BLOCK_SIZE) > 120 and runner.cache.num_used <= 120
-    assert runner.kv_usage()["kv_bytes_reserved"] <= budget
+    assert 2 * 3 * blocks_for(119, BLOCK_SIZE) > 120 and engine.blocks.allocator.num_used <= 120
+    assert engine.kv_usage()["kv_bytes_reserved"] <= budget
     with pytest.raises(ValueError, match="kv_cache_memory_gb"):
-        windowed_runner(model, budget_bytes=43.5 * per_layer_block)
+        windowed_engine(model, budget_bytes=43.5 * per_layer_block)
 
 
 def test_the_scheduler_plans_a_block_in_every_group_so_what_it_plans_runs():
     """Gemma 3's three groups each take a block per 4 tokens: of three 30-token prompts (24 block
     ids each) in 60 free ids the scheduler plans two and keeps one waiting (counting one table, it
-    would plan all three: 72 ids, which the runner refuses); the two run, let go of their
+    would plan all three: 72 ids, which the engine refuses); the two run, let go of their
     windowed blocks outside the window, and the third fits."""
     model = tiny_model("gemma3")
     per_layer_block = BLOCK_SIZE * kv_bytes_per_token(model.config, torch.float32) / 3
-    runner = windowed_runner(model, budget_bytes=60.5 * per_layer_block)
-    scheduler = Scheduler(runner, 16, prefill_token_budget=256, max_batch_rows=8)
+    engine = windowed_engine(model, budget_bytes=60.5 * per_layer_block)
+    scheduler = engine
     prompts = {seq_id: random_ids(20 + i, 30) for i, seq_id in enumerate("xyz")}
     schedule = scheduler.schedule([CallShape(seq_id, prompt) for seq_id, prompt in prompts.items()])
     assert [index for index, _ in schedule.plan.prefills] == [0, 1] and schedule.plan.waiting == [2]
     assert schedule.calls[0].kv_groups == 3
     with pytest.raises(NoFreeBlocksError):
-        runner.forward_batch([ForwardCall(seq_id, prompt) for seq_id, prompt in prompts.items()])
-    runner.forward_batch([ForwardCall(seq_id, prompts[seq_id]) for seq_id in "xy"])
+        engine.forward_batch([ForwardCall(seq_id, prompt) for seq_id, prompt in prompts.items()])
+    engine.forward_batch([ForwardCall(seq_id, prompts[seq_id]) for seq_id in "xy"])
     # Once run, x and y's windowed groups keep 4 blocks each of their 8: z now fits.
-    assert runner.blocks_held("x") == 8 + 4 + 4
+    assert engine.blocks.blocks_held("x") == 8 + 4 + 4
     schedule = scheduler.schedule([CallShape("z", prompts["z"])])
     assert schedule.plan.prefills == [(0, 30)]
-    runner.forward_batch([ForwardCall("z", prompts["z"])])
+    engine.forward_batch([ForwardCall("z", prompts["z"])])
 
 
 @pytest.mark.parametrize("broken", ["one block too many", "one block too many, unguarded"])
@@ -238,10 +239,10 @@ def test_letting_go_of_a_block_still_inside_the_window_is_caught(monkeypatch, br
     """Freeing one block more than blocks_before_window allows: the guard that recomputes a
     sequence whose windowed keys are gone makes calls recompute what they held (caught by the
     recompute count); without the guard the rows leave the model's (caught by the tolerance)."""
-    original = batched_runner_module.blocks_before_window
-    monkeypatch.setattr(batched_runner_module, "blocks_before_window", lambda *args: original(*args) + 1)
+    original = block_manager_module.blocks_before_window
+    monkeypatch.setattr(block_manager_module, "blocks_before_window", lambda *args: original(*args) + 1)
     if broken.endswith("unguarded"):
-        monkeypatch.setattr(BatchedModelRunner, "_servable", lambda self, entry, length: length)
+        monkeypatch.setattr(BlockManager, "_servable", lambda self, entry, length: length)
     model = tiny_model("gemma3")
     with pytest.raises(AssertionError):
-        speculative_session(windowed_runner(model), model, check_recompute=not broken.endswith("unguarded"))
+        speculative_session(windowed_engine(model), model, check_recompute=not broken.endswith("unguarded"))

@@ -19,8 +19,9 @@ from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
 from specserve.decoding.generate import generate, generate_batch
 from specserve.decoding.grammar import GrammarCompiler, GrammarDeadEndError, GrammarMatcher, GrammarMatchers, GrammarSpec
-from specserve.decoding.model_runner import ForwardCall
+from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.scheduler import Scheduler
 from specserve.decoding.proposers import DraftModelProposer, ProposeCall
 from specserve.decoding.row_processors import GrammarMask, history_processor
 from specserve.decoding.sampling import SamplingParams
@@ -253,7 +254,7 @@ class LLGuidanceProcessor(LogitsProcessor):
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
     target_path, draft_path = make_tiny_pair(tmp_path_factory.mktemp("structured-pair"))
-    return BatchedModelRunner(str(target_path)), BatchedModelRunner(str(draft_path))
+    return Scheduler(BatchedModelRunner(str(target_path))), Scheduler(BatchedModelRunner(str(draft_path)))
 
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -271,7 +272,7 @@ def test_greedy_constrained_output_equals_hf_generate_with_the_same_mask(tokeniz
     for prompt_text in ("Answer: ", "def f(x):"):
         prompt = tokenizer.encode(prompt_text)
         with torch.no_grad():
-            hf = target.model.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, pad_token_id=0,
+            hf = target.runner.model.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, pad_token_id=0,
                                        logits_processor=LogitsProcessorList([LLGuidanceProcessor(compiler, spec,
                                                                                                  len(prompt))]))
         expected = hf[0, len(prompt):].tolist()
@@ -312,9 +313,8 @@ TICKET_PROMPTS = ["ticket = ", "# the issue as JSON\nissue = ", "def to_dict(sel
 @pytest.fixture(scope="module")
 def default_pair():
     from specserve.common.config import DEFAULT_MODELS_DIR
-    from specserve.decoding.batched_runner import BatchedModelRunner
-
-    return tuple(BatchedModelRunner(str(DEFAULT_MODELS_DIR / role), max_sequences=16) for role in ("target", "draft"))
+    return tuple(Scheduler(BatchedModelRunner(str(DEFAULT_MODELS_DIR / role), max_sequences=16))
+                 for role in ("target", "draft"))
 
 
 def test_json_schema_requests_to_the_default_pair_parse_and_validate_at_ordinary_max_tokens(tokenizer, default_pair):

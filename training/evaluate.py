@@ -92,7 +92,7 @@ def evaluate_pair(models: str | Path, num_prompts: int = DEFAULT_NUM_PROMPTS, pr
                      "sample_tokens": sample_tokens, "prompt_set": prompt_set.describe()},
         "environment": runtime_environment(threads),
         "corpus": corpus_info(),
-        "models_info": {"target": model_info(target), "draft": model_info(draft)},
+        "models_info": {"target": model_info(target.runner), "draft": model_info(draft.runner)},
         "prompts": [{**p.to_dict(), "tokens": len(ids)} for p, ids in zip(chosen, prompts_ids)],
     }
 
@@ -138,8 +138,8 @@ def evaluate_pair(models: str | Path, num_prompts: int = DEFAULT_NUM_PROMPTS, pr
     if loss_windows > 0:
         log(f"held-out loss over {loss_windows} windows of {seq_len} tokens ...")
         held["recomputed"] = {"seq_len": seq_len, "dtype": "float32",
-                              "target": window_loss(target.model, stream, seq_len, loss_windows),
-                              "draft": window_loss(draft.model, stream, seq_len, loss_windows)}
+                              "target": window_loss(target.runner.model, stream, seq_len, loss_windows),
+                              "draft": window_loss(draft.runner.model, stream, seq_len, loss_windows)}
         log(f"  target {held['recomputed']['target']['loss']}, draft {held['recomputed']['draft']['loss']}")
     result["held_out"] = held
 

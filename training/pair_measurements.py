@@ -17,18 +17,20 @@ from specserve.training.default_pair import held_out_loss
 
 
 def load_runners(models: Path, threads: int):
-    """(target, draft, tokenizer) from models/{target,draft}, fp32 on CPU, checked compatible."""
+    """(target, draft, tokenizer) from models/{target,draft}, fp32 on CPU, checked compatible: the
+    target and draft as engines (decoding.scheduler.Scheduler over each runner)."""
     from transformers import AutoTokenizer
 
     from specserve.decoding.batched_runner import BatchedModelRunner
     from specserve.decoding.model_runner import check_compatible
+    from specserve.decoding.scheduler import Scheduler
 
     target = BatchedModelRunner(str(models / "target"), dtype="float32", device="cpu", num_threads=threads)
     draft = BatchedModelRunner(str(models / "draft"), dtype="float32", device="cpu", num_threads=threads)
     tokenizer = AutoTokenizer.from_pretrained(str(models / "target"))
     draft_tokenizer = AutoTokenizer.from_pretrained(str(models / "draft"))
     check_compatible(draft, target, draft_tokenizer, tokenizer)
-    return target, draft, tokenizer
+    return Scheduler(target), Scheduler(draft), tokenizer
 
 
 def model_info(runner) -> dict:
@@ -50,7 +52,7 @@ def _new_state(request_id: str, prompt_ids: list[int], params, target, draft, to
     from specserve.decoding.sequence import RequestState
 
     return RequestState(request_id=request_id, prompt_ids=prompt_ids, params=params,
-                        eos_token_id=target.eos_token_id,
+                        eos_token_id=target.runner.eos_token_id,
                         max_context=min(target.max_context, draft.max_context),
                         detokenize=lambda ids: tokenizer.decode(ids))
 

@@ -21,17 +21,19 @@ from pathlib import Path
 import torch
 
 from specserve.decoding.batched_runner import BatchedModelRunner
-from specserve.decoding.model_runner import ForwardCall, load_causal_lm
+from specserve.decoding.block_manager import ForwardCall
+from specserve.decoding.model_runner import load_causal_lm
+from specserve.decoding.scheduler import Scheduler
 
 MODELS = Path(__file__).resolve().parents[2] / "models" / "default"
 SHAPES = ((1, 1), (1, 5), (1, 8), (4, 5))  # (sequences, new tokens each)
 
 
-def runner(path: Path, dtype: str, device: str, lean: bool) -> BatchedModelRunner:
+def engine(path: Path, dtype: str, device: str, lean: bool) -> Scheduler:
     built = BatchedModelRunner.__new__(BatchedModelRunner)
     built._init_from_model(load_causal_lm(str(path), dtype=dtype, device=device), max_sequences=8,
                            model_path=str(path), lean=lean)
-    return built
+    return Scheduler(built)
 
 
 def forwards_in_turns(runners: dict, histories: dict[str, list[int]], new_tokens: int, reps: int,
@@ -51,11 +53,11 @@ def forwards_in_turns(runners: dict, histories: dict[str, list[int]], new_tokens
             if rep >= warmup:
                 times[name].append(time.perf_counter() - started)
             for seq_id, history in histories.items():
-                each.rollback(seq_id, len(history))
+                each.blocks.rollback(seq_id, len(history))
     return {name: 1000 * statistics.median(values) for name, values in times.items()}, logits
 
 
-def time_shape(runners: dict[str, BatchedModelRunner], rows: int, new_tokens: int, cached: int,
+def time_shape(runners: dict[str, Scheduler], rows: int, new_tokens: int, cached: int,
                reps: int) -> dict[str, float]:
     """Median ms per forward of each runner, and the largest logit difference between them."""
     histories = {f"s{row}": [(7 * row + 3 * i) % 500 + 2 for i in range(cached)] for row in range(rows)}
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     results = []
     for model in ("target", "draft"):
-        runners = {name: runner(MODELS / model, args.dtype, args.device, lean=name == "lean")
+        runners = {name: engine(MODELS / model, args.dtype, args.device, lean=name == "lean")
                    for name in ("lean", "transformers")}
         for rows, new_tokens in SHAPES:
             row = {"model": model, "sequences": rows, "new_tokens": new_tokens,

@@ -35,6 +35,7 @@ from specserve.common.config import DEFAULT_MODELS_DIR
 from specserve.decoding import grammar as grammar_module
 from specserve.decoding import row_processors
 from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.scheduler import Scheduler
 from specserve.decoding.generate import generate, generate_batch
 from specserve.decoding.grammar import GrammarCompiler, GrammarMatchers, GrammarSpec
 from specserve.decoding.proposers import DraftModelProposer
@@ -90,7 +91,7 @@ class GrammarClock:
         return timed
 
 
-def run_one(variant: str, target: BatchedModelRunner, draft: BatchedModelRunner, compiler: GrammarCompiler, prompt: list[int],
+def run_one(variant: str, target: Scheduler, draft: Scheduler, compiler: GrammarCompiler, prompt: list[int],
             params: SamplingParams, spec: GrammarSpec, eos, clock: GrammarClock, request_id: str) -> dict:
     constrained = "schema" in variant
     params = params.model_copy(update={"structured": spec if constrained else None})
@@ -146,8 +147,8 @@ def speed(target, draft, compiler, tokenizer, eos, clock) -> list[str]:
 
 
 def validity(num_requests: int, tokenizer, eos) -> list[str]:
-    target = BatchedModelRunner(str(DEFAULT_MODELS_DIR / "target"), max_sequences=VALIDITY_BATCH)
-    draft = BatchedModelRunner(str(DEFAULT_MODELS_DIR / "draft"), max_sequences=VALIDITY_BATCH)
+    target = Scheduler(BatchedModelRunner(str(DEFAULT_MODELS_DIR / "target"), max_sequences=VALIDITY_BATCH))
+    draft = Scheduler(BatchedModelRunner(str(DEFAULT_MODELS_DIR / "draft"), max_sequences=VALIDITY_BATCH))
     compiler = GrammarCompiler(tokenizer, target.vocab_size, sorted(eos))
     names = list(SCHEMAS)
     valid, finished, tokens, started = 0, 0, 0, time.perf_counter()
@@ -183,8 +184,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODELS_DIR / "tokenizer")
-    target = BatchedModelRunner(str(DEFAULT_MODELS_DIR / "target"))
-    draft = BatchedModelRunner(str(DEFAULT_MODELS_DIR / "draft"))
+    target = Scheduler(BatchedModelRunner(str(DEFAULT_MODELS_DIR / "target")))
+    draft = Scheduler(BatchedModelRunner(str(DEFAULT_MODELS_DIR / "draft")))
     eos = sorted(target.eos_token_ids)
     compiler = GrammarCompiler(tokenizer, target.vocab_size, eos)
     clock = GrammarClock()

@@ -98,13 +98,16 @@ def time_collectives(control, hidden: int, layers: int, vocab: int, size: int, r
     """Rank 0's view of the collectives one TP forward of each shape makes, timed alone (ms)."""
     import torch.distributed as dist
 
-    from specserve.decoding.model_runner import ForwardCall
+    from specserve.decoding.block_manager import BlockManager, ForwardCall
+    from specserve.decoding.paged_cache import full_attention
 
     out = {}
     for rows, new in SHAPES:
         held = histories(rows)
-        message = [("forward_batch", ([ForwardCall(seq_id, history + history[:new], new)
-                                       for seq_id, history in held.items()],))]
+        blocks = BlockManager(4096, 16, full_attention(layers), rows, CACHED + new)   # what rank 0 sends: a planned step
+        blocks.commit(blocks.plan([ForwardCall(seq_id, history) for seq_id, history in held.items()]))
+        message = [("run", (blocks.plan([ForwardCall(seq_id, history + history[:new], new)
+                                         for seq_id, history in held.items()]),))]
         states = torch.zeros(rows, new, hidden)
         gathered = [torch.zeros(rows * new, vocab // size) for _ in range(size)]
         samples = []
@@ -135,8 +138,10 @@ def _process(rank: int, size: int, store_address: str, path: str, phase: str, op
     measured = {"rank": rank, "size": size, "rss_after_imports_bytes": before, "rss_after_load_bytes": rss_bytes(),
               "weight_bytes": weight_bytes(runner.model)}
     if phase == "time" and rank == 0:
+        from specserve.decoding.scheduler import Scheduler
+
         whole = load_runner(spec(path, None))
-        measured["shapes"] = time_shapes({"tp1": whole, "tp2": loaded}, options["reps"])
+        measured["shapes"] = time_shapes({"tp1": Scheduler(whole), "tp2": Scheduler(loaded)}, options["reps"])
         loaded.stop_followers()
     elif phase == "time":
         loaded.follow()
