@@ -146,23 +146,24 @@ SMOKE_PLAN = Plan(target=TINY_LLAMA, draft=dict(TINY_LLAMA, hidden_size=32, num_
 
 
 # ---------------------------------------------------------------------------------------------
-# The adapter: every call into the engine's runner. The runner's interface is the one part of the
-# engine this check expects to change (who owns the KV blocks); re-point these functions and the
-# sections stay as they are.
+# The adapter: every call into the engine (decoding.scheduler.Scheduler over a BatchedModelRunner;
+# the scheduler's block manager owns the KV blocks). Re-point these functions when the engine's
+# interface changes and the sections stay as they are.
 # ---------------------------------------------------------------------------------------------
 ACTIVATION_ROOM_GIB = 6.0
 
 from specserve.decoding import batched_runner as _batched_runner  # noqa: E402
-from specserve.decoding.batched_runner import DEFAULT_GPU_MEMORY_UTILIZATION, runner_for_model  # noqa: E402
+from specserve.decoding.batched_runner import DEFAULT_GPU_MEMORY_UTILIZATION  # noqa: E402
+from specserve.decoding.block_manager import ForwardCall  # noqa: E402
 from specserve.decoding.lean_forward import lean_support  # noqa: E402
-from specserve.decoding.model_runner import ForwardCall  # noqa: E402
 from specserve.decoding.paged_attention import ATTENTION_NAME, flash_kernel_available  # noqa: E402
 from specserve.decoding.proposers import DraftModelProposer, ProposeCall  # noqa: E402
+from specserve.decoding.scheduler import engine_for_model  # noqa: E402
 
 
 def engine_runner(model, plan: Plan, name: str, kv_gib: float, prefix_caching: bool = True,
                   profile_batches: Sequence[tuple[int, int]] | None = None):
-    """The engine's batched paged runner over model, its KV cache about kv_gib GiB. On CPU that is
+    """The engine (a Scheduler over the batched paged runner) for model, its KV cache about kv_gib GiB. On CPU that is
     the runner's own setting; on CUDA the engine takes gpu_memory_utilization of its share of the
     device less what the process already holds (every model and pool built before it) and its
     profiled activations, so the share is set to leave it kv_gib after ACTIVATION_ROOM_GIB."""
@@ -174,7 +175,7 @@ def engine_runner(model, plan: Plan, name: str, kv_gib: float, prefix_caching: b
         extra["gpu_share"] = min(1.0, wanted / allowed)
     else:
         extra["kv_cache_memory_gb"] = kv_gib
-    return runner_for_model(model, max_sequences=512, model_path=name, max_model_len=plan.max_model_len,
+    return engine_for_model(model, max_sequences=512, model_path=name, max_model_len=plan.max_model_len,
                             prefix_caching=prefix_caching, **extra)
 
 
@@ -189,28 +190,28 @@ def release(runner, seq_ids: Sequence[str]) -> None:
 
 
 def fork(runner, parent: str, child: str) -> None:
-    runner.fork(parent, child)
+    runner.blocks.fork(parent, child)
 
 
 def adopt(runner, seq_id: str, branch: str) -> None:
-    runner.adopt(seq_id, branch)
+    runner.blocks.adopt(seq_id, branch)
 
 
 def block_size(runner) -> int:
-    return runner.block_size
+    return runner.runner.block_size
 
 
 def kv_summary(runner) -> dict:
     """What the engine chose for its KV cache and what it holds now."""
-    capacity = runner.kv_capacity
+    capacity = runner.runner.kv_capacity
     usage = runner.kv_usage()
     return {"describe": capacity.describe(), "tokens": capacity.tokens, "gib": capacity.gib,
             "reserved_bytes": usage["kv_bytes_reserved"], "blocks_used": usage["kv_blocks_used"],
-            "blocks_free": usage["kv_blocks_free"], "groups": runner.num_kv_groups}
+            "blocks_free": usage["kv_blocks_free"], "groups": runner.blocks.num_groups}
 
 
 def blocks_held(runner, seq_id: str) -> list[int]:
-    return [runner.blocks_held(seq_id, group) for group in range(runner.num_kv_groups)]
+    return [runner.blocks.blocks_held(seq_id, group) for group in range(runner.blocks.num_groups)]
 
 
 def draft_proposer(runner) -> DraftModelProposer:
