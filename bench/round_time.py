@@ -1,6 +1,6 @@
 """Per-round time of sampled vs greedy requests and of long vs short histories, on a 128k-vocabulary
-look-alike pair at fixed K (issue 37: a round's cost should follow K, not the sampling mode, the
-history or the vocabulary).
+look-alike pair at fixed K: a round's cost should follow K, not the sampling mode, the history or
+the vocabulary (docs/sampling.md).
 
     python -m specserve.bench.round_time [--rounds 40] [--warmup 2] [--threads 1] [--out bench/results/cpu-2core-round-time.md]
 

@@ -20,8 +20,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = ["decoding", "common", "policies", "training", "deployments", "cluster", "bench"]  # lowest first
-# A circle of error classes the engine work breaks up; once it is gone this test says so, and the entry goes.
-PENDING_CYCLES = {frozenset({"decoding.model_runner", "decoding.paged_cache", "decoding.tensor_parallel"})}
 
 
 def top_level_packages() -> list[str]:
@@ -125,9 +123,7 @@ def test_every_import_runs_down_the_layers():
 
 
 def test_no_modules_import_each_other_in_a_circle():
-    found = cycles(repository_graph())
-    assert found - PENDING_CYCLES == set()
-    assert PENDING_CYCLES <= found, f"these circles are gone, drop them from PENDING_CYCLES: {PENDING_CYCLES - found}"
+    assert cycles(repository_graph()) == set()
 
 
 def test_decoding_imports_no_ray():
