@@ -19,7 +19,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import psutil
@@ -35,7 +34,8 @@ from tests.test_serving import MODEL, PROMPTS
 from tests.tiny_pair import make_tiny_pair
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-RAY_CLI = str(Path(sys.executable).with_name("ray"))
+# The running interpreter's Ray CLI, whether or not its venv has a `ray` script in bin/.
+RAY_CLI = [sys.executable, "-m", "ray.scripts.scripts"]
 AUTH_ENV = ("RAY_AUTH_MODE",)
 ENGINE_CPUS = 0.99  # + the replica's 0.01: a worker node with one CPU holds one worker, nothing else
 
@@ -48,7 +48,7 @@ def ray_start(ports: PortReservation, *args: str, temp_dir: str | None = None) -
     """`ray start` one node, its ports taken from the cluster's reservation as it starts."""
     chosen = [f"{flag}={port}" for flag, port in zip(NODE_PORT_FLAGS, ports.take(len(NODE_PORT_FLAGS)))]
     extra = [f"--temp-dir={temp_dir}"] if temp_dir else []
-    done = subprocess.run([RAY_CLI, "start", *args, *chosen, "--min-worker-port=0", "--max-worker-port=0",
+    done = subprocess.run([*RAY_CLI, "start", *args, *chosen, "--min-worker-port=0", "--max-worker-port=0",
                            "--disable-usage-stats", *extra], capture_output=True, text=True, timeout=180,
                           env=os.environ.copy())
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
