@@ -35,9 +35,10 @@ soak: $(STAMP)
 	$(PY) -m specserve.bench.soak --duration-s $${SOAK_S:-600} --streams 4
 
 # The slow tests CI leaves out (docs/testing.md): node loss on a multi-node `ray start` cluster, served
-# tensor-parallel groups, the other conformance apps, online learning served end to end.
+# tensor-parallel groups, the other conformance apps, online learning served end to end. One pytest
+# process per module (tests/run_each_module.py): a Ray driver reads its auth mode once per process.
 reliability: $(STAMP)
-	$(PY) -m pytest -q -m slow
+	$(PY) tests/run_each_module.py -q -m slow
 
 serve-config: $(STAMP)
 	$(VENV)/bin/specserve serve-config

@@ -28,6 +28,7 @@ from specserve.bench import DEFAULT_OUT_DIR
 from specserve.bench.http_rows import free_port, request_body
 from specserve.common.config import SpecServeConfig, load_config
 from specserve.cluster.status import POOL_DEPLOYMENTS
+from specserve.policies.decision import policy_actor_name
 from specserve.training.prompts import load_prompt_set
 
 
@@ -40,15 +41,24 @@ def autoscaled_config(base: SpecServeConfig, max_replicas: int, port: int) -> Sp
     return SpecServeConfig.model_validate(data)
 
 
-def sample() -> dict:
-    """Running replicas per pool, the router's view of load and depth."""
+def sample(policy_actor: str) -> dict:
+    """Running replicas per pool, the router's view of load and depth, and the load the policy
+    actor's last decision was made from (`PolicyActor.load`: cost curves, acceptance, overhead)."""
+    import ray
+
     from specserve.cluster.status import router_status, running_replicas
+    from specserve.policies.actor import POLICY_NAMESPACE
 
     router = router_status(timeout_s=5) or {}
     policy = router.get("policy") or {}
+    try:
+        policy_load = ray.get(ray.get_actor(policy_actor, namespace=POLICY_NAMESPACE).load.remote(), timeout=5)
+    except (ValueError, ray.exceptions.RayError):  # not created yet, or restarting: this second has none
+        policy_load = None
     return {"replicas": running_replicas(), "num_draft_tokens": router.get("num_draft_tokens"),
             "policy_num_draft_tokens": (policy.get("num_draft_tokens") or {}).get("greedy"),
-            "active_requests": router.get("active_requests"), "policy_reasons": policy.get("reasons", [])}
+            "active_requests": router.get("active_requests"), "policy_reasons": policy.get("reasons", []),
+            "policy_load": policy_load}
 
 
 def step_bodies(model_name: str, prompt_set: str, max_tokens: int) -> list[dict]:
@@ -154,10 +164,11 @@ class LoadStep:
         return [point for point in self.trace if point["streams"] == streams]
 
 
-def run_load_step(url: str, bodies: list[dict], phases: list[Phase], echo: bool = False) -> LoadStep:
+def run_load_step(url: str, bodies: list[dict], phases: list[Phase], policy_actor: str,
+                  echo: bool = False) -> LoadStep:
     """Drive the app at url through the phases, sampling every second: running replicas per pool,
-    the policy's depth for a greedy request (and why), active requests, and the tokens clients
-    received meanwhile."""
+    the policy's depth for a greedy request (and why, and the load policy_actor decided it from),
+    active requests, and the tokens clients received meanwhile."""
     clients = Clients(url, bodies)
     trace: list[dict] = []
     started = time.monotonic()
@@ -169,7 +180,7 @@ def run_load_step(url: str, bodies: list[dict], phases: list[Phase], echo: bool 
             while True:
                 time.sleep(1.0)
                 now = time.monotonic()
-                point = {"t_s": round(now - started, 1), "streams": phase.streams, **sample(),
+                point = {"t_s": round(now - started, 1), "streams": phase.streams, **sample(policy_actor),
                          "tokens_per_s": (clients.tokens - last_tokens) / (now - last_t)}
                 last_tokens, last_t = clients.tokens, now
                 trace.append(point)
@@ -203,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         phases = [Phase(1, args.phase_s), Phase(args.streams, args.phase_s), Phase(1, args.phase_s),
                   Phase(0, args.idle_s)]
-        step = run_load_step(url, bodies, phases, echo=True)
+        step = run_load_step(url, bodies, phases, policy_actor_name(config.model_name), echo=True)
     finally:
         stop_local()
     trace = step.trace

@@ -26,7 +26,7 @@ import ray
 from specserve.common.messages import POOLS, RAY_NAMESPACE, EngineStats, PolicyDecision, RouterReport
 from specserve.policies.cost_curve import fit_cost_curve
 from specserve.policies.decision import Decider, PolicySettings
-from specserve.policies.load import LoadTracker
+from specserve.policies.load import ClusterLoad, LoadTracker
 from specserve.policies.slack import has_slack
 
 POLICY_ACTOR_NAME = PolicySettings().actor_name   # the default application's (model "specserve-default")
@@ -46,6 +46,7 @@ class PolicyActor:
         self._settings = PolicySettings.from_dict(settings)
         self._tracker = LoadTracker(ttl_s=self._settings.report_ttl_s)
         self._decider = Decider(self._settings)
+        self._decided_from: ClusterLoad | None = None  # the load the last decision was made from
         self._loop_task: asyncio.Task | None = None
         self._started_at = time.time()
         from specserve.common.metrics import PolicyMetrics  # the one place metric names live
@@ -62,6 +63,7 @@ class PolicyActor:
         self._settings = new
         self._tracker.ttl_s = new.report_ttl_s
         self._decider = Decider(new)
+        self._decided_from = None
         return True
 
     async def settings(self) -> dict[str, Any]:
@@ -82,7 +84,9 @@ class PolicyActor:
             await asyncio.sleep(self._settings.decide_interval_s)
 
     def _decide(self) -> PolicyDecision:
-        decision = self._decider.decide(self._tracker.snapshot(time.monotonic()), time.monotonic())
+        load = self._tracker.snapshot(time.monotonic())
+        decision = self._decider.decide(load, time.monotonic())
+        self._decided_from = load
         replicas = {pool: decision.replicas(pool) for pool in POOLS if decision.replicas(pool) is not None}
         self._metrics.record_decision(decision.num_draft_tokens, replicas)
         return decision
@@ -109,13 +113,19 @@ class PolicyActor:
                          max_active_requests, max_busy_share)
 
     async def load(self) -> dict[str, Any]:
-        """The load the last decision saw, for `specserve status` and debugging."""
+        """The load the last decision saw and the depths it chose from it (`num_draft_tokens`,
+        None before the first decision, when the load is the reports so far), for `specserve
+        status` and debugging: with the cost curves, each class's acceptance by position and the
+        overhead, policies.goodput can evaluate any depth at exactly that load."""
         self._ensure_loop()
-        load = self._tracker.snapshot(time.monotonic())
+        decided = self._decided_from is not None
+        load = self._decided_from if decided else self._tracker.snapshot(time.monotonic())
         return {"active_requests": load.active_requests,
+                "num_draft_tokens": dict(self._decider.decision.num_draft_tokens) if decided else None,
                 "pools": {pool: {"replicas": p.replicas, "busy_share": p.busy_share, "queue_depth": p.queue_depth,
                                  "sequences": load.sequences.get(pool, 0)} for pool, p in load.pools.items()},
-                "classes": {c: {"active_requests": cl.active_requests, "accept_rate": cl.accept_rate}
+                "classes": {c: {"active_requests": cl.active_requests, "accept_rate": cl.accept_rate,
+                                "accept_by_position": list(cl.accept_by_position)}
                             for c, cl in load.classes.items()},
                 "cost_curves": {pool: asdict(curve) for pool, samples in load.cost_samples.items()
                                 if (curve := fit_cost_curve(samples)) is not None},

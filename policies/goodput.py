@@ -104,6 +104,12 @@ def goodput_tokens_per_s(loads: Mapping[str, ClassLoad], depths: Mapping[str, in
     return tokens / seconds if seconds > 0 else 0.0
 
 
+def planned_loads(loads: Mapping[str, ClassLoad]) -> dict[str, ClassLoad]:
+    """The loads depths are chosen for: a class with nobody active is planned as one newcomer
+    beside the current load (the depth a request of that class arriving now should use)."""
+    return {c: load if load.active_requests > 0 else replace(load, active_requests=1) for c, load in loads.items()}
+
+
 def choose_depths(loads: Mapping[str, ClassLoad], target_cost: CostCurve, draft_cost: CostCurve | None,
                   target_replicas: int, draft_replicas: int, min_k: int, max_k: int,
                   allow_target_only: bool = True, incumbent: Mapping[str, int] | None = None,
@@ -113,8 +119,7 @@ def choose_depths(loads: Mapping[str, ClassLoad], target_cost: CostCurve, draft_
     Candidates per class: {0 if allowed} ∪ [min_k, max_k]; an exhaustive search (at most 33^2
     evaluations). Among near-equal depths the incumbent wins (KEEP_MARGIN), then the smaller K.
     """
-    # A class with nobody active is planned as one newcomer beside the current load.
-    planned = {c: load if load.active_requests > 0 else replace(load, active_requests=1) for c, load in loads.items()}
+    planned = planned_loads(loads)
     candidates = sorted(set(range(min_k, max_k + 1)) | ({0} if allow_target_only else set()))
     classes = list(planned)
 

@@ -52,9 +52,68 @@ def greedy_reference(target_path: str):
 
 
 def free_port() -> int:
+    """One free port, for one server that binds it next. Not for several ports of one cluster:
+    the socket is closed before the next draw, so two draws can return the same port
+    (PortReservation holds them instead)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+class PortReservation:
+    """`count` distinct free ports for the processes of one multi-process cluster, held by bound
+    sockets until `take` hands some of them to the process about to bind them.
+
+    Why: ports drawn one at a time (free_port) are free when drawn, but nothing stops the kernel
+    from handing the same one out again, or to a Ray node started meanwhile, so two components
+    of a cluster can be given one port (`ray start` then refuses to start). Held together, the
+    ports are distinct by construction and no other process is given them until they are taken.
+    Bound on all interfaces, so a bind on any address conflicts with the hold."""
+
+    def __init__(self, count: int) -> None:
+        if count < 1:
+            raise ValueError(f"reserve at least one port, not {count}")
+        self._held: list[socket.socket] = []
+        try:
+            for _ in range(count):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                self._held.append(sock)
+                sock.bind(("", 0))
+        except OSError:
+            self.close()
+            raise
+
+    @property
+    def held(self) -> tuple[int, ...]:
+        """The ports still held, in the order `take` hands them out."""
+        return tuple(sock.getsockname()[1] for sock in self._held)
+
+    @property
+    def held(self) -> tuple[int, ...]:
+        """The ports still held, in the order `take` hands them out."""
+        return tuple(sock.getsockname()[1] for sock in self._held)
+
+    def take(self, count: int) -> list[int]:
+        """Release `count` of the held ports and return them, for a process to bind at once."""
+        if count > len(self._held):
+            raise ValueError(f"{count} ports wanted, {len(self._held)} left of the reservation")
+        taken, self._held = self._held[:count], self._held[count:]
+        ports = [sock.getsockname()[1] for sock in taken]
+        for sock in taken:
+            sock.close()
+        return ports
+
+    def close(self) -> None:
+        """Release whatever is still held."""
+        for sock in self._held:
+            sock.close()
+        self._held = []
+
+    def __enter__(self) -> "PortReservation":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
 
 def stop_test_cluster() -> None:

@@ -19,7 +19,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import psutil
@@ -30,22 +29,27 @@ from ray import serve
 from specserve.common.config import SpecServeConfig
 from specserve.cluster.builder import APP_NAME, build_app
 from specserve.cluster.local import wait_healthy
-from tests.local_server import free_port
+from tests.local_server import PortReservation, free_port
 from tests.test_serving import MODEL, PROMPTS
 from tests.tiny_pair import make_tiny_pair
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-RAY_CLI = str(Path(sys.executable).with_name("ray"))
+# The running interpreter's Ray CLI, whether or not its venv has a `ray` script in bin/.
+RAY_CLI = [sys.executable, "-m", "ray.scripts.scripts"]
 AUTH_ENV = ("RAY_AUTH_MODE",)
 ENGINE_CPUS = 0.99  # + the replica's 0.01: a worker node with one CPU holds one worker, nothing else
 
 
-def ray_start(*args: str, temp_dir: str | None = None) -> None:
-    ports = [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-             f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
-             "--min-worker-port=0", "--max-worker-port=0", "--disable-usage-stats"]
+NODE_PORT_FLAGS = ("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
+                   "--metrics-export-port")  # every node's own; the head's GCS and client ports come on top
+
+
+def ray_start(ports: PortReservation, *args: str, temp_dir: str | None = None) -> None:
+    """`ray start` one node, its ports taken from the cluster's reservation as it starts."""
+    chosen = [f"{flag}={port}" for flag, port in zip(NODE_PORT_FLAGS, ports.take(len(NODE_PORT_FLAGS)))]
     extra = [f"--temp-dir={temp_dir}"] if temp_dir else []
-    done = subprocess.run([RAY_CLI, "start", *args, *ports, *extra], capture_output=True, text=True, timeout=180,
+    done = subprocess.run([*RAY_CLI, "start", *args, *chosen, "--min-worker-port=0", "--max-worker-port=0",
+                           "--disable-usage-stats", *extra], capture_output=True, text=True, timeout=180,
                           env=os.environ.copy())
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
@@ -93,19 +97,22 @@ def multinode_app(tmp_path_factory, workers: dict, head_resources: dict | None =
     all torn down by PID."""
     target_path, draft_path = make_tiny_pair(tmp_path_factory.mktemp("pair"))
     temp_dir = tempfile.mkdtemp(prefix="ssmn")  # short: Ray's socket paths must fit in 107 bytes
-    gcs_port = free_port()
+    # Every port of the cluster reserved at once: distinct, and held until its node starts.
+    ports = PortReservation(2 + len(NODE_PORT_FLAGS) * (1 + sum(workers.values())))
+    gcs_port, client_server_port = ports.take(2)
     # Token authentication off for this throwaway cluster: the test driver's Ray reads its auth
     # mode once per process (off here), so every `ray start` must agree with it (restored after).
     saved = {name: os.environ.get(name) for name in AUTH_ENV}
     os.environ["RAY_AUTH_MODE"] = "disabled"
     try:
         head = [f"--resources={json.dumps(head_resources)}"] if head_resources else []
-        ray_start("--head", f"--port={gcs_port}", "--num-cpus=3", "--include-dashboard=false",
-                  f"--ray-client-server-port={free_port()}", *head, temp_dir=temp_dir)
+        ray_start(ports, "--head", f"--port={gcs_port}", f"--ray-client-server-port={client_server_port}",
+                  "--num-cpus=3", "--include-dashboard=false", *head, temp_dir=temp_dir)
         address = f"127.0.0.1:{gcs_port}"
         for resource, count in workers.items():
             for _ in range(count):
-                ray_start(f"--address={address}", "--num-cpus=1", f"--resources={json.dumps({resource: 1})}")
+                ray_start(ports, f"--address={address}", "--num-cpus=1", f"--resources={json.dumps({resource: 1})}")
+        ports.close()
         ray.init(address=address, configure_logging=False, log_to_driver=False)
         config = SpecServeConfig.model_validate({
             "model_name": MODEL, "target": {"path": str(target_path)}, "draft": {"path": str(draft_path)},
@@ -123,6 +130,7 @@ def multinode_app(tmp_path_factory, workers: dict, head_resources: dict | None =
         wait_healthy(url, timeout_s=300)
         yield url, config
     finally:
+        ports.close()
         if ray.is_initialized():
             try:
                 serve.shutdown()

@@ -6,7 +6,6 @@ import path built with its args is the app every served test deploys."""
 
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
@@ -34,8 +33,8 @@ def test_generated_serve_config_runs_with_serve_run_and_answers(tmp_path):
     # A cluster with the logical CPUs the header names, as `ray start --head --num-cpus N` gives.
     init_local_ray(num_cpus=logical_cpus_needed(config), include_dashboard=False, _system_config=RAY_SYSTEM_CONFIG)
     try:
-        serve_cli = Path(sys.executable).with_name("serve")
-        deployed = subprocess.run([str(serve_cli), "run", "--non-blocking", "--address",
+        # Serve's CLI of the running interpreter, whether or not its venv has a `serve` script in bin/.
+        deployed = subprocess.run([sys.executable, "-m", "ray.serve.scripts", "run", "--non-blocking", "--address",
                                    ray.get_runtime_context().gcs_address, str(config_path)],
                                   timeout=300, capture_output=True, text=True)
         assert deployed.returncode == 0, deployed.stderr[-3000:]
