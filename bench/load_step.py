@@ -28,7 +28,7 @@ from specserve.bench import DEFAULT_OUT_DIR
 from specserve.bench.http_rows import free_port, request_body
 from specserve.common.config import SpecServeConfig, load_config
 from specserve.cluster.status import POOL_DEPLOYMENTS
-from specserve.policies.decision import policy_actor_name
+from specserve.common.naming import policy_actor_name
 from specserve.training.prompts import load_prompt_set
 
 

@@ -26,7 +26,8 @@ from specserve.bench.load_step import Phase, autoscaled_config, run_load_step, s
 from specserve.common.config import load_config
 from specserve.cluster.local import start_local, stop_local
 from specserve.policies.cost_curve import CostCurve
-from specserve.policies.decision import PolicySettings, policy_actor_name
+from specserve.common.naming import policy_actor_name
+from specserve.policies.decision import PolicySettings
 from specserve.policies.goodput import KEEP_MARGIN, ClassLoad, choose_depths, goodput_tokens_per_s, planned_loads
 from tests.local_server import free_port
 
