@@ -116,7 +116,7 @@ class TargetEngine(EngineCore):
         entries = self.prompt_entries.get(call.seq_id)
         if call.prompt_logprobs is None or not entries:
             return 0
-        if self.runner.num_cached(call.seq_id) != len(entries) - 1:
+        if self.scheduler.blocks.num_cached(call.seq_id) != len(entries) - 1:
             del self.prompt_entries[call.seq_id]
             return 0
         return len(entries) - 1

@@ -181,14 +181,14 @@ def test_prompt_logprobs_are_computed_chunk_by_chunk_and_equal_the_whole_prompts
 
     async def scenario():
         engine = TargetEngine(spec(target_path), options(prefill_token_budget=32))
-        forward_batch = engine.runner.forward_batch
+        forward_batch = engine.scheduler.forward_batch
 
         def recording(calls):
             logits = forward_batch(calls)
             most_rows.append(max(rows.shape[0] for rows in logits))
             return logits
 
-        engine.runner.forward_batch = recording
+        engine.scheduler.forward_batch = recording
         plain, _ = await verify(engine, "plain", long_prompt, 1, GREEDY)
         with_prompt, _ = await asyncio.wait_for(verify(engine, "echo", long_prompt, 1, GREEDY, prompt_logprobs=2), 60)
         return engine, plain, with_prompt
@@ -288,13 +288,13 @@ def test_a_propose_arriving_mid_block_joins_the_next_step_and_drafts_what_it_wou
     8-token block is being drafted has its first forward before that block's last one (counted
     in forwards, not time); each block equals the one drafted alone (seeded sampled and greedy)."""
     target_path, draft_path = pair
-    alone = DraftModelProposer(BatchedModelRunner(str(draft_path)), max_candidates=options()["draft_top_k"])
+    alone = DraftModelProposer(Scheduler(BatchedModelRunner(str(draft_path))), max_candidates=options()["draft_top_k"])
     forwards: list[list[str]] = []   # the sequences in each draft forward, in order
 
     async def scenario():
         engine = DraftEngine("draft", spec(draft_path), str(target_path), options())
         loop, late = asyncio.get_running_loop(), []
-        forward_batch = engine.runner.forward_batch
+        forward_batch = engine.scheduler.forward_batch
 
         def recording(calls):   # in the engine's worker thread, while the event loop takes calls
             forwards.append([call.seq_id for call in calls])
@@ -303,7 +303,7 @@ def test_a_propose_arriving_mid_block_joins_the_next_step_and_drafts_what_it_wou
                     engine.propose("late", whole(HISTORIES[1]), 2, GREEDY, None), loop))
             return forward_batch(calls)
 
-        engine.runner.forward_batch = recording
+        engine.scheduler.forward_batch = recording
         long = await engine.propose("long", whole(HISTORIES[0]), 8, SAMPLED, 5)
         return long[0], (await asyncio.wrap_future(late[0]))[0]
 
