@@ -148,4 +148,6 @@ def test_start_and_stop_print_what_specserve_did_and_none_of_rays_lines(served_a
         assert any(line.startswith(expected) for line in lines), (expected, lines)
     assert all(line.startswith(("specserve", "metrics: ", READY_LINE)) for line in lines), lines
     log_path = lines[0].split(" goes to ")[1].split(" ")[0]
-    assert "Token authentication" in Path(log_path).read_text()
+    # Ray's own lines landed in the log instead (which notices Ray prints varies: its token notice
+    # only comes with a token it has just made, so the check names a line every start has).
+    assert 'Started Serve in namespace "serve"' in Path(log_path).read_text()
