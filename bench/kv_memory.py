@@ -72,10 +72,9 @@ class _Filled:
         else:
             layout = paged_layout([self.tables], starts, [new] * rows, self.cache.block_size, torch.float32,
                                   torch.device("cpu"))
-        keep = torch.zeros(input_ids.shape, dtype=torch.bool)
-        keep[:, -1] = True
+        keep_index = torch.arange(rows) * new + new - 1   # each row's last position
         with torch.inference_mode():
-            return self.lean.forward(input_ids, layout.position_ids, self.cache.view(layout), keep)
+            return self.lean.forward(input_ids, layout.position_ids, self.cache.view(layout, keep_index))
 
 
 def forward_times(model, reps: int) -> list[dict]:

@@ -122,9 +122,10 @@ class SlotKVCache:
             self.lengths.append(0)
             heapq.heappush(self._free, slot)
 
-    def view(self, layout: BatchLayout) -> SlotBatchView:
-        """The object to pass as `past_key_values` for one forward laid out by `layout`."""
-        return SlotBatchView(self, layout)
+    def view(self, layout: BatchLayout, keep_index: torch.Tensor | None = None) -> SlotBatchView:
+        """The object to pass as `past_key_values` for one forward laid out by `layout`
+        (keep_index: the flat b * T + t positions that reach the LM head)."""
+        return SlotBatchView(self, layout, keep_index)
 
 
 class SlotBatchView:
@@ -133,9 +134,10 @@ class SlotBatchView:
     row's keys/values over [0, kv_length); `attend` runs the lean forward's attention over them
     (full attention only: the baseline serves the default pair)."""
 
-    def __init__(self, cache: SlotKVCache, layout: BatchLayout) -> None:
+    def __init__(self, cache: SlotKVCache, layout: BatchLayout, keep_index: torch.Tensor | None = None) -> None:
         self.cache = cache
         self.layout = layout
+        self.keep_index = keep_index
 
     def attend(self, layer_idx: int, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
                scaling: float | None = None) -> torch.Tensor:

@@ -41,6 +41,7 @@ from specserve.decoding.model_runner import (
     load_causal_lm,
     model_path_of,
 )
+from specserve.decoding.compiled_forward import CompiledForward, graph_batch_size, pad_rows
 from specserve.decoding.lean_forward import LeanDecoder, lean_support
 from specserve.decoding.checkpoint import resolve_device
 from specserve.decoding.tensor_parallel import TensorParallelRank, agreed_minimum, in_group, join_group, weight_bytes
@@ -116,8 +117,10 @@ class BatchedModelRunner(RunnerBase):
                          block_size: int = DEFAULT_BLOCK_SIZE, gpu_share: float = 1.0,
                          profile_batches: Sequence[tuple[int, int]] = DEFAULT_PROFILE_BATCHES,
                          prefix_caching: bool = True, cache_salt: str | None = None,
-                         rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS) -> None:
-        """lean: run decoding.lean_forward where the architecture has one (else transformers' forward).
+                         rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS, enforce_eager: bool = False) -> None:
+        """enforce_eager: run the forward uncompiled (so does every runner of a process where
+        SPECSERVE_ENFORCE_EAGER=1; decoding.compiled_forward).
+        lean: run decoding.lean_forward where the architecture has one (else transformers' forward).
         max_model_len: longest sequence served (default: the model's max_position_embeddings).
         kv_cache_memory_gb: the KV budget on CPU; on CUDA, gpu_memory_utilization of the engine's
         gpu_share of the device, less the weights and the peak activations of the largest forwards
@@ -146,6 +149,12 @@ class BatchedModelRunner(RunnerBase):
             logger.warning("%s: flash-attn with a paged kernel is not installed: attention gathers each sequence's "
                            "blocks per layer (the CPU path); install flash-attn for the paged kernel", model_path)
         self.lean = LeanDecoder(model) if lean and lean_support(model)[0] else None
+        decoder = model.get_decoder()
+        if self.lean is None and not getattr(decoder, "_specserve_keeps_rows", False):
+            # The model's own forward: its decoder's output narrowed to the kept rows (once per model).
+            decoder.register_forward_hook(_keep_rows, with_kwargs=True)
+            decoder._specserve_keeps_rows = True
+        self.step_forward = CompiledForward(self._model_logits, self.device, enforce_eager)
         # One rank of a tensor-parallel group (decoding.tensor_parallel): its pool holds its heads.
         self.tensor_parallel_size = int(getattr(model, "tp_size", None) or 1)
         self.rollback_tokens = rollback_tokens
@@ -176,8 +185,11 @@ class BatchedModelRunner(RunnerBase):
         self.prefix_cache_hits = 0
         self.last_num_new_tokens = 0   # tokens the last forward computed
         # A forward over the cache shapes every pool: on CUDA the whole budget is allocated here,
-        # so an out-of-memory shows at start, not on the first request.
-        self._dummy_forward(self.cache, rows=1, tokens=1)
+        # so an out-of-memory shows at start, not on the first request. Then the forward is
+        # compiled (over shaped pools: a graph traced before them would not be reused).
+        self._dummy_forward(self.cache, rows=1, tokens=1, eager=True)
+        self.step_forward.warm_up(lambda: [self._dummy_forward(self.cache, rows=2, tokens=tokens)
+                                           for tokens in (1, 2)], model_path)
 
     def _peak_activation_bytes(self, rows: int, tokens: int, block_size: int, flash: bool,
                                groups: Sequence[KVGroup]) -> int:
@@ -207,7 +219,7 @@ class BatchedModelRunner(RunnerBase):
         probe = PagedKVCache(num_layers=num_layers, num_blocks=1, block_size=block_size, device=self.device,
                              flash=flash)
         try:
-            view = self._dummy_forward(probe, rows=1, tokens=1)
+            view = self._dummy_forward(probe, rows=1, tokens=1, eager=True)
         except PagedAttentionError as error:
             raise UnsupportedModelError(f"{self.model_path}: {error}") from error
         missing = sorted(set(range(num_layers)) - view.windows.keys())
@@ -219,17 +231,22 @@ class BatchedModelRunner(RunnerBase):
         return [None if window is None or window >= self.max_context else int(window)
                 for window in (view.windows[layer] for layer in range(num_layers))]
 
-    def _dummy_forward(self, cache: PagedKVCache, rows: int, tokens: int):
+    def _dummy_forward(self, cache: PagedKVCache, rows: int, tokens: int, eager: bool = False):
         """One forward of rows new sequences of `tokens` tokens over blocks of `cache`, given back
-        after; -> its PagedBatchView (which layers attended through it)."""
+        after (eager: without compiling); -> its PagedBatchView (which layers attended through it)."""
         tables = [[cache.allocate(blocks_for(tokens, cache.block_size)) for _ in range(rows)] for _ in cache.groups]
         try:
             layout = paged_layout(tables, [0] * rows, [tokens] * rows, cache.block_size, dtype=self._dtype,
                                   device=self.device)
-            view = cache.view(layout)
-            keep = torch.zeros((rows, tokens), dtype=torch.bool, device=self.device)
-            keep[:, -1] = True
-            self._logits(torch.zeros((rows, tokens), dtype=torch.long, device=self.device), layout, keep, view)
+            keep_index = torch.arange(rows, device=self.device) * tokens + tokens - 1
+            kernel = "gather" if eager else self.step_forward.attention_kernel
+            view = cache.view(layout, keep_index, kernel)
+            input_ids = torch.zeros((rows, tokens), dtype=torch.long, device=self.device)
+            if eager:
+                with torch.inference_mode():
+                    self._model_logits(input_ids, view)
+            else:
+                self._logits(input_ids, layout, keep_index, view)
         finally:
             cache.free([block for group in tables for table in group for block in table])
         return view
@@ -262,10 +279,10 @@ class BatchedModelRunner(RunnerBase):
         # Padding id 0 is never stored nor seen by a real token; its rows are not kept.
         input_ids = torch.tensor([history[start:] + [0] * (num_columns - n)
                                   for history, start, n in zip(histories, starts, num_new)], dtype=torch.long)
-        keep = torch.tensor([[n - call.num_rows <= t < n for t in range(num_columns)]
-                             for call, n in zip(calls, num_new)], dtype=torch.bool)
+        keep_index = torch.tensor([b * num_columns + t for b, (call, n) in enumerate(zip(calls, num_new))
+                                   for t in range(n - call.num_rows, n)], dtype=torch.long)
         try:
-            logits = self._logits(input_ids.to(self.device), layout, keep.to(self.device))
+            logits = self._logits(input_ids.to(self.device), layout, keep_index.to(self.device))
         except BaseException:
             # Tokens past a sequence's reused prefix are never read, so the held sequences stay
             # valid once cropped back to it; the sequences this batch admitted are given back.
@@ -279,7 +296,7 @@ class BatchedModelRunner(RunnerBase):
             if self.prefix_caching:
                 self._publish_full_blocks(entry)
             self._let_go_outside_windows(entry)
-        # The boolean keep mask flattens the kept rows in (row, column) order.
+        # keep_index lists the kept rows in (row, column) order.
         logits = self._served_columns(logits.float())
         offsets = [0]
         for call in calls:
@@ -287,15 +304,25 @@ class BatchedModelRunner(RunnerBase):
         return [logits[offsets[i]:offsets[i + 1]] for i in range(len(calls))]
 
     @torch.inference_mode()
-    def _logits(self, input_ids: torch.Tensor, layout, keep: torch.Tensor, view=None) -> torch.Tensor:
-        """The model's logits for the kept (row, column) positions, in that order: [kept, V]."""
-        view = self.cache.view(layout) if view is None else view
+    def _logits(self, input_ids: torch.Tensor, layout, keep_index: torch.Tensor, view=None) -> torch.Tensor:
+        """The model's logits for the kept positions (keep_index: flat b * T + t), in that
+        order: [kept, V]; compiled unless enforce_eager (decoding.compiled_forward)."""
+        if view is None:
+            rows = None if self.step_forward.eager or self.device.type != "cuda" else graph_batch_size(input_ids.shape[0])
+            if rows is not None:   # a rung of the CUDA-graph ladder
+                input_ids, layout = pad_rows(input_ids, layout, keep_index, rows)
+            view = self.cache.view(layout, keep_index, self.step_forward.attention_kernel)
+        return self.step_forward(input_ids, view)
+
+    def _model_logits(self, input_ids: torch.Tensor, view) -> torch.Tensor:
+        """The forward that is compiled: the lean forward, or the model's own. The model keeps no
+        cache of its own (use_cache=False): its attention stores keys and values in the paged view
+        it receives as a keyword (decoding.paged_attention), and its decoder's output is narrowed
+        to the kept positions before the LM head (`_keep_rows`)."""
         if self.lean is not None:
-            return self.lean.forward(input_ids, layout.position_ids, view, keep)
-        # The model keeps no cache of its own (use_cache=False): its attention stores keys and
-        # values in the paged view it receives as a keyword (decoding.paged_attention).
-        return self.model(input_ids=input_ids, position_ids=layout.position_ids, use_cache=False,
-                          logits_to_keep=keep, paged_batch=view).logits
+            return self.lean.forward(input_ids, view.layout.position_ids, view)
+        return self.model(input_ids=input_ids, position_ids=view.layout.position_ids, use_cache=False,
+                          logits_to_keep=0, paged_batch=view).logits[0]
 
     def _reuse(self, history: list[int], num_rows: int, entry: _PagedSequence | None) -> _Reuse:
         """Where a call starts: the longest prefix of history its own table holds (cropping the
@@ -562,6 +589,19 @@ class BatchedModelRunner(RunnerBase):
                 "kv_bytes_reserved": self.cache.reserved_bytes()}
 
 
+def _keep_rows(decoder, args, kwargs, output):
+    """Forward hook on the model's decoder: its last hidden states [B, T, H] narrowed to the
+    positions the paged view's keep_index names, [1, kept, H], so the model's own head (and
+    whatever it applies to logits: soft-caps, scales) runs only over them, and no boolean mask
+    (a host sync) selects them."""
+    view = kwargs.get("paged_batch")
+    if view is None or view.keep_index is None:
+        return None
+    hidden = output.last_hidden_state
+    output.last_hidden_state = hidden.reshape(-1, hidden.shape[-1]).index_select(0, view.keep_index).unsqueeze(0)
+    return output
+
+
 def _first_held(table: list[int]) -> int:
     """Index of a table's first block that is not NO_BLOCK (a windowed group lets go of a
     leading run; binary search: a table may have thousands of entries)."""
@@ -594,7 +634,8 @@ def runner_for_model(model, max_sequences: int = 256, model_path: str | None = N
                      gpu_memory_utilization: float | None = None, gpu_share: float = 1.0,
                      profile_batches: Sequence[tuple[int, int]] = DEFAULT_PROFILE_BATCHES,
                      prefix_caching: bool = True, cache_salt: str | None = None,
-                     rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS) -> BatchedModelRunner:
+                     rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS,
+                     enforce_eager: bool = False) -> BatchedModelRunner:
     """BatchedModelRunner over `model` (running the lean forward where the architecture has one and
     lean_forward is set); logs one line saying which forward, the KV capacity and whether prefix
     caching is on (see BatchedModelRunner._init_from_model). UnsupportedModelError for a model it
@@ -606,12 +647,12 @@ def runner_for_model(model, max_sequences: int = 256, model_path: str | None = N
                             max_model_len=max_model_len, kv_cache_memory_gb=kv_cache_memory_gb,
                             gpu_memory_utilization=gpu_memory_utilization, gpu_share=gpu_share,
                             profile_batches=profile_batches, prefix_caching=prefix_caching, cache_salt=cache_salt,
-                            rollback_tokens=rollback_tokens)
+                            rollback_tokens=rollback_tokens, enforce_eager=enforce_eager)
     group = "" if runner.tensor_parallel_size == 1 else (
         f"tensor-parallel rank {torch.distributed.get_rank()} of {runner.tensor_parallel_size}: "
         f"{weight_bytes(model) / 2 ** 20:,.1f} MiB of weights; ")
-    logger.info("%s: batched paged-KV runner (%s; %s); %s%s; prefix caching %s", path, decoder_support(model)[1],
-                lean_reason if lean else f"transformers forward: {lean_reason}", group,
+    logger.info("%s: batched paged-KV runner (%s; %s; %s); %s%s; prefix caching %s", path, decoder_support(model)[1],
+                lean_reason if lean else f"transformers forward: {lean_reason}", runner.step_forward.describe(), group,
                 runner.kv_capacity.describe(), "on" if prefix_caching else "off")
     return runner
 
@@ -637,6 +678,7 @@ def load_runner(spec: dict):
                               gpu_share=spec.get("gpu_share", 1.0),
                               profile_batches=[tuple(batch) for batch in spec.get("profile_batches", DEFAULT_PROFILE_BATCHES)],
                               prefix_caching=spec.get("prefix_caching", True), cache_salt=spec.get("cache_salt"),
-                              rollback_tokens=spec.get("rollback_tokens", DEFAULT_ROLLBACK_TOKENS))
+                              rollback_tokens=spec.get("rollback_tokens", DEFAULT_ROLLBACK_TOKENS),
+                              enforce_eager=spec.get("enforce_eager", False))
     runner.serve_as(spec.get("vocab_size"), spec.get("eos_token_ids"))
     return runner if group is None else in_group(runner, group.rank, control)
