@@ -310,7 +310,7 @@ class BatchedModelRunner(RunnerBase):
         if view is None:
             rows = None if self.step_forward.eager or self.device.type != "cuda" else graph_batch_size(input_ids.shape[0])
             if rows is not None:   # a rung of the CUDA-graph ladder
-                input_ids, layout = pad_rows(input_ids, layout, keep_index, rows)
+                input_ids, layout = pad_rows(input_ids, layout, rows)
             view = self.cache.view(layout, keep_index, self.step_forward.attention_kernel)
         return self.step_forward(input_ids, view)
 

@@ -62,11 +62,11 @@ def graph_batch_size(rows: int, ladder: Sequence[int] = CUDA_GRAPH_BATCH_SIZES) 
     return next((size for size in sorted(ladder) if size >= rows), None)
 
 
-def pad_rows(input_ids: torch.Tensor, layout, keep_index: torch.Tensor, rows: int):
-    """(input_ids, layout) of a step padded from B to `rows` rows for a captured graph: a padding
-    row holds no blocks (its table is all NO_BLOCK, so the in-place kernels visit none), sits at
-    position 0 and writes to the pools' scratch slot; keep_index (flat b * T + t) is unchanged,
-    so no padding row reaches the LM head. -> (input_ids [rows, T], the padded layout)."""
+def pad_rows(input_ids: torch.Tensor, layout, rows: int):
+    """(input_ids, layout) of a step padded from B to `rows` rows for a captured graph. A padding
+    row repeats row 0 (its tokens, positions, tables and token slots), and its stores take row
+    0's own keys (write_source), so it writes exactly what row 0 writes; the kept positions
+    (keep_index, flat b * T + t) are the real rows', so none of it reaches the LM head."""
     from dataclasses import replace
 
     batch, columns = input_ids.shape
@@ -75,16 +75,17 @@ def pad_rows(input_ids: torch.Tensor, layout, keep_index: torch.Tensor, rows: in
         raise ValueError(f"cannot pad {batch} rows down to {rows}")
     if extra == 0:
         return input_ids, layout
-    device = input_ids.device
-    groups = tuple(replace(group,
-                           tables=torch.cat([group.tables, group.tables.new_full((extra, group.tables.shape[1]), -1)]),
-                           write_slots=torch.cat([group.write_slots, group.write_slots.new_full((extra * columns,), -1)]))
-                   for group in layout.groups)
-    padded = replace(layout, groups=groups,
-                     position_ids=torch.cat([layout.position_ids, layout.position_ids.new_zeros((extra, columns))]),
-                     num_new=torch.cat([layout.num_new, layout.num_new.new_ones(extra)]))
-    del keep_index, device   # the kept positions are the real rows' own
-    return torch.cat([input_ids, input_ids.new_zeros((extra, columns))]), padded
+
+    def repeat_first(tensor: torch.Tensor, width: int = 1) -> torch.Tensor:
+        """tensor's first row (its first `width` entries, flat) repeated for the padding rows."""
+        first = tensor[:width] if width > 1 else tensor[:1]
+        return torch.cat([tensor, first.repeat(extra, *([1] * (tensor.dim() - 1)))])
+
+    groups = tuple(replace(group, tables=repeat_first(group.tables),
+                           write_slots=repeat_first(group.write_slots, columns)) for group in layout.groups)
+    padded = replace(layout, groups=groups, position_ids=repeat_first(layout.position_ids),
+                     num_new=repeat_first(layout.num_new), write_source=repeat_first(layout.write_source, columns))
+    return repeat_first(input_ids), padded
 
 
 class CompiledForward:

@@ -227,7 +227,7 @@ class GroupLayout:
 
     tables: torch.Tensor        # LongTensor [B, nb]: each row's first nb table entries; NO_BLOCK past its own
     write_slots: torch.Tensor   # LongTensor [B * T]: token slot (block * block_size + offset) of each
-    #                             (row, column); padding columns: -1, the pools' scratch slot
+    #                             (row, column)'s position (a padding column: its row's last token's)
 
 
 @dataclass(frozen=True)
@@ -239,6 +239,8 @@ class PagedLayout:
     groups: tuple[GroupLayout, ...]   # one per KV cache group, in the cache's group order
     position_ids: torch.Tensor     # LongTensor [B, T]; padding repeats the row's last position
     num_new: torch.Tensor          # LongTensor [B]: real new tokens a row brings
+    write_source: torch.Tensor     # LongTensor [B * T]: flat b * T + t' of the token whose keys go to each
+    #                                write slot: t' = t for a real token, its row's last real one for padding
     real_tokens: torch.Tensor      # LongTensor [N]: flat index b * T + t of each real new token
     kv_length: int                 # longest row after this forward (host-known: the gathering reference, flash-attn)
     block_size: int
@@ -251,9 +253,10 @@ def paged_layout(group_tables: Sequence[Sequence[Sequence[int]]], starts: Sequen
     >= 1 new ones, right-padded to T = max(num_new) (group_tables[g][b], row b's table in KV cache
     group g, must already cover starts[b] + num_new[b] tokens). Token t of row b sits at position
     starts[b] + t; a padding token is treated as a copy of the row's last real token (so no query
-    row is ever fully masked, and positions stay within the context), and is written to the
-    pools' scratch slot. One host-to-device copy of the tables and row lengths; positions and
-    slots are computed there."""
+    row is ever fully masked, and positions stay within the context), and its slot is rewritten
+    with that token's own keys (so every store has the batch's shape, known without a host sync,
+    and writes nothing wrong). One host-to-device copy of the tables and row lengths; positions
+    and slots are computed there."""
     num_columns = max(num_new)
     kv_length = max(start + n for start, n in zip(starts, num_new))
     num_read = blocks_for(kv_length, block_size)
@@ -263,16 +266,19 @@ def paged_layout(group_tables: Sequence[Sequence[Sequence[int]]], starts: Sequen
     host, lengths = host.to(device), lengths.to(device)
     start, new = lengths[0], lengths[1]
     columns = torch.arange(num_columns, device=device)
-    position_ids = start.unsqueeze(1) + torch.minimum(columns.unsqueeze(0), (new - 1).unsqueeze(1))   # [B, T]
-    real = columns.unsqueeze(0) < new.unsqueeze(1)                                                      # [B, T]
+    last_real = torch.minimum(columns.unsqueeze(0), (new - 1).unsqueeze(1))                             # [B, T]
+    rows = torch.arange(len(starts), device=device).unsqueeze(1)
+    write_source = (rows * num_columns + last_real).reshape(-1)
+    position_ids = start.unsqueeze(1) + last_real                                                       # [B, T]
     real_tokens = torch.tensor([b * num_columns + t for b, n in enumerate(num_new) for t in range(n)],
                                dtype=torch.long).to(device)
     block_index, offset = position_ids // block_size, position_ids % block_size
     groups = []
     for g in range(len(group_tables)):
         slots = host[g].gather(1, block_index) * block_size + offset
-        groups.append(GroupLayout(tables=host[g], write_slots=torch.where(real, slots, -1).reshape(-1)))
-    return PagedLayout(groups=tuple(groups), position_ids=position_ids, num_new=new, real_tokens=real_tokens,
+        groups.append(GroupLayout(tables=host[g], write_slots=slots.reshape(-1)))
+    return PagedLayout(groups=tuple(groups), position_ids=position_ids, num_new=new, write_source=write_source,
+                       real_tokens=real_tokens,
                        kv_length=kv_length, block_size=block_size, dtype=dtype)
 
 
@@ -287,13 +293,11 @@ class LayerPools:
 
     Token-major pools ([units, unit_len, kv heads, D], the paged cache's) are one [tokens, kv
     heads, D] tensor seen flat, which the in-place kernels read and the stores scatter into by
-    token slot; they end in one scratch unit past `capacity`, never handed out, where a forward's
-    padding tokens are written (so a forward's stores have a shape known without a host sync)."""
+    token slot."""
 
     def __init__(self, num_layers: int, unit_len: int, token_major: bool = False) -> None:
         self.unit_len = unit_len
         self.token_major = token_major
-        self.spare_units = 1 if token_major else 0   # the scratch unit
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.capacity = 0  # units every layer has room for so far
@@ -314,9 +318,8 @@ class LayerPools:
         if self.keys[layer_idx] is None:
             _, kv_heads, _, head_dim = like_keys.shape
             middle = (self.unit_len, kv_heads) if self.token_major else (kv_heads, self.unit_len)
-            units = self.capacity + self.spare_units
-            self.keys[layer_idx] = like_keys.new_zeros((units, *middle, head_dim))
-            self.values[layer_idx] = like_values.new_zeros((units, *middle, like_values.shape[-1]))
+            self.keys[layer_idx] = like_keys.new_zeros((self.capacity, *middle, head_dim))
+            self.values[layer_idx] = like_values.new_zeros((self.capacity, *middle, like_values.shape[-1]))
         keys = self.keys[layer_idx]
         heads, head_dim = (keys.shape[2], keys.shape[3]) if self.token_major else (keys.shape[1], keys.shape[3])
         if (heads, head_dim) != (like_keys.shape[1], like_keys.shape[3]):
@@ -527,8 +530,7 @@ class PagedBatchView:
         self.windows: dict[int, int | None] = {}
         self._masks: dict[int | None, torch.Tensor] = {}
         if self.kernel == "flex":
-            units = cache.pools.capacity + cache.pools.spare_units
-            self._flex_tables = [flex_block_tables(group.tables, units) for group in layout.groups]
+            self._flex_tables = [flex_block_tables(group.tables, cache.pools.capacity) for group in layout.groups]
 
     def attend(self, layer_idx: int, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
                scaling: float | None = None, sliding_window: int | None = None,
@@ -575,15 +577,15 @@ class PagedBatchView:
 
     def _store(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write every (row, column) of [B, H, T, D] to its token slot (padding to the scratch
-        slot) in one scatter per pool; -> the layer's pools [units, block_size, H, D]."""
+        """Write the new tokens of [B, H, T, D] to their token slots in one scatter per pool (a
+        padding column's slot gets its row's last real token again: the same keys, so the
+        repeated index writes one value); -> the layer's pools [units, block_size, H, D]."""
         group, slot = self.cache.slot_of[layer_idx]
         keys, values = self.cache.pools.layer(slot, key_states, value_states)
-        slots = self.layout.groups[group].write_slots
-        heads, head_dim = key_states.shape[1], key_states.shape[3]
-        keys.view(-1, heads, head_dim)[slots] = key_states.transpose(1, 2).reshape(-1, heads, head_dim)
-        values.view(-1, heads, values.shape[-1])[slots] = value_states.transpose(1, 2).reshape(
-            -1, heads, value_states.shape[-1])
+        slots, source = self.layout.groups[group].write_slots, self.layout.write_source
+        for pool, states in ((keys, key_states), (values, value_states)):
+            heads, width = states.shape[1], states.shape[3]
+            pool.view(-1, heads, width)[slots] = states.transpose(1, 2).reshape(-1, heads, width).index_select(0, source)
         return keys, values
 
     def _read(self, pool: torch.Tensor, group: int) -> torch.Tensor:

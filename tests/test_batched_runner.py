@@ -76,9 +76,11 @@ def test_paged_layout_numbers_new_tokens_after_each_rows_cache_and_masks_causall
     assert visible == [[[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]],
                        [[1, 0, 0, 0, 0], [1, 0, 0, 0, 0]]]
     assert set(view.mask(None).unique().tolist()) == {0.0, torch.finfo(torch.float32).min}
-    # Every (row, column) has a token slot (block * 4 + offset); padding writes to the scratch slot (-1).
+    # Every (row, column) has a token slot (block * 4 + offset); a padding column rewrites its row's
+    # last token's slot with that token's keys (write_source).
     blocks = layout.groups[0]
-    assert blocks.write_slots.tolist() == [5 * 4 + 3, 9 * 4 + 0, 2 * 4 + 0, -1]
+    assert blocks.write_slots.tolist() == [5 * 4 + 3, 9 * 4 + 0, 2 * 4 + 0, 2 * 4 + 0]
+    assert layout.write_source.tolist() == [0, 1, 2, 2]
     assert blocks.tables.tolist() == [[5, 9], [2, -1]]
     assert layout.real_tokens.tolist() == [0, 1, 2]
 

@@ -136,22 +136,23 @@ def test_the_cuda_graph_ladder_picks_the_smallest_rung_that_holds_the_batch():
 
 @pytest.mark.parametrize("kernel", ["gather", "flex"])
 def test_padding_rows_for_a_graph_leaves_the_real_rows_and_the_cache_alone(kernel):
-    """A step padded to a rung (rows with no blocks, writing to the scratch slot) gives the real
-    rows' logits, and no real block is written by a padding row."""
+    """A step padded to a rung (rows repeating row 0) gives the real rows' logits, and the pools
+    hold what the unpadded step stores."""
     runner = runner_for_model(tiny_model("llama"))
     histories = {"a": list(range(3, 20)), "b": list(range(30, 36)), "c": list(range(50, 61))}
-    runner.forward_batch([ForwardCall(seq_id, history, 1) for seq_id, history in histories.items()])
+    runner.forward_batch([ForwardCall(seq_id, history[:-2], 1) for seq_id, history in histories.items()])
     tables = [[runner._sequences[seq_id].tables[0] for seq_id in histories]]
-    starts = [len(history) - 1 for history in histories.values()]
-    layout = paged_layout(tables, starts, [1, 1, 1], runner.block_size, torch.float32, torch.device("cpu"))
-    input_ids = torch.tensor([[history[-1]] for history in histories.values()])
-    keep_index = torch.arange(3)
+    starts = [len(history) - 2 for history in histories.values()]
+    layout = paged_layout(tables, starts, [2, 1, 2], runner.block_size, torch.float32, torch.device("cpu"))
+    input_ids = torch.tensor([history[-2:] for history in histories.values()])
+    input_ids[1, 1] = 0   # b brings one token: a padding column
+    keep_index = torch.tensor([0, 1, 2, 4, 5])
     with torch.inference_mode():
         plain = runner._model_logits(input_ids, runner.cache.view(layout, keep_index, kernel))
-        pools = [pool.clone() for pool in runner.cache.pools.keys]
-        padded_ids, padded = pad_rows(input_ids, layout, keep_index, 8)
-        assert padded_ids.shape == (8, 1) and padded.groups[0].tables.shape[0] == 8
+        stored = [pool.clone() for pool in runner.cache.pools.keys]
+        padded_ids, padded = pad_rows(input_ids, layout, 8)
+        assert padded_ids.shape == (8, 2) and padded.groups[0].tables.shape[0] == 8
         got = runner._model_logits(padded_ids, runner.cache.view(padded, keep_index, kernel))
     torch.testing.assert_close(got, plain, atol=ATOL, rtol=0)
-    for before, after in zip(pools, runner.cache.pools.keys):
-        torch.testing.assert_close(after[:-1], before[:-1], atol=0, rtol=0)   # all but the scratch block
+    for before, after in zip(stored, runner.cache.pools.keys):
+        torch.testing.assert_close(after, before, atol=ATOL, rtol=0)
