@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from specserve.bench.round_time import timed_forwards
 from specserve.decoding.batched_runner import ForwardCall, runner_for_model
 from specserve.decoding.compiled_forward import compile_cache_dir
 from specserve.decoding.model_runner import load_causal_lm
@@ -36,31 +37,19 @@ CACHED = 100
 SHAPES = {"draft": [(1, 1), (8, 1)], "target": [(1, 1), (1, 5), (8, 1), (8, 5)]}   # (rows, new tokens a row)
 
 
-def models() -> dict[tuple[str, str], torch.nn.Module]:
-    """(pair, role) -> model: the default pair's checkpoints and their 128k-vocabulary look-alikes."""
+def models(pairs: list[str]) -> dict[tuple[str, str], torch.nn.Module]:
+    """(pair, role) -> model: the default pair's checkpoints ("default") and their 128k-vocabulary
+    look-alikes ("llama3-width")."""
     built = {}
     for role in ("draft", "target"):
-        built[("default", role)] = load_causal_lm(str(DEFAULT_PAIR / role), dtype="float32", device="cpu")
-        config = AutoConfig.from_pretrained(DEFAULT_PAIR / role, local_files_only=True)
-        config.vocab_size, config.tie_word_embeddings = LLAMA3_VOCAB, False
-        torch.manual_seed(0)
-        built[("llama3-width", role)] = AutoModelForCausalLM.from_config(config).eval()
+        if "default" in pairs:
+            built[("default", role)] = load_causal_lm(str(DEFAULT_PAIR / role), dtype="float32", device="cpu")
+        if "llama3-width" in pairs:
+            config = AutoConfig.from_pretrained(DEFAULT_PAIR / role, local_files_only=True)
+            config.vocab_size, config.tie_word_embeddings = LLAMA3_VOCAB, False
+            torch.manual_seed(0)
+            built[("llama3-width", role)] = AutoModelForCausalLM.from_config(config).eval()
     return built
-
-
-def timed_model_calls(runner, seconds: list[float]):
-    """The runner, its model calls (`_logits`) adding their wall time to seconds[0]."""
-    model_call = runner._logits
-
-    def timed(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return model_call(*args, **kwargs)
-        finally:
-            seconds[0] += time.perf_counter() - started
-
-    runner._logits = timed
-    return runner
 
 
 def compiled_runner(model) -> tuple[object, dict]:
@@ -126,18 +115,20 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m specserve.bench.engine_step", description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=60, help="timed steps per runner and shape")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--pairs", nargs="+", default=["default", "llama3-width"], help="which pairs to run")
     parser.add_argument("--out", type=Path, help="write the table here (and its numbers beside it as .json)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    command = f"python -m specserve.bench.engine_step --reps {args.reps} --threads {args.threads}"
+    command = (f"python -m specserve.bench.engine_step --reps {args.reps} --threads {args.threads} "
+               f"--pairs {' '.join(args.pairs)}")
     print(f"compile cache: {compile_cache_dir()}", flush=True)
     rows, startup = [], {}
-    for (pair, role), model in models().items():
+    for (pair, role), model in models(args.pairs).items():
         compiled, startup[f"{pair}/{role}"] = compiled_runner(model)
         print(pair, role, startup[f"{pair}/{role}"], flush=True)
         runners = {"eager": (runner_for_model(model, max_sequences=16, enforce_eager=True), [0.0]),
                    "compiled": (compiled, [0.0])}
-        runners = {name: (timed_model_calls(runner, seconds), seconds) for name, (runner, seconds) in runners.items()}
+        runners = {name: (timed_forwards(runner, seconds), seconds) for name, (runner, seconds) in runners.items()}
         for batch, new_tokens in SHAPES[role]:
             row = {"pair": pair, "role": role, "rows": batch, "new_tokens": new_tokens,
                    **step_times(runners, batch, new_tokens, args.reps)}

@@ -79,6 +79,10 @@ DEFAULT_PROFILE_BATCHES = ((64, 16), (1, 256))
 # How far back from its end a later call may crop a sequence and still find its windowed layers'
 # keys (the engine's max_step_tokens default: a verify step's speculative tail); deeper, it recomputes.
 DEFAULT_ROLLBACK_TOKENS = 16
+# The (rows, new tokens a row) the compiled forward is traced for at start: a single stream's
+# decode step, a batch's, and any longer step (verify, prefill); shapes of 1 specialize in
+# flex_attention and the stores, so each traces apart (decoding.compiled_forward).
+WARM_UP_SHAPES = ((1, 1), (2, 1), (2, 2))
 
 
 class UnsupportedModelError(ValueError):
@@ -188,8 +192,8 @@ class BatchedModelRunner(RunnerBase):
         # so an out-of-memory shows at start, not on the first request. Then the forward is
         # compiled (over shaped pools: a graph traced before them would not be reused).
         self._dummy_forward(self.cache, rows=1, tokens=1, eager=True)
-        self.step_forward.warm_up(lambda: [self._dummy_forward(self.cache, rows=2, tokens=tokens)
-                                           for tokens in (1, 2)], model_path)
+        self.step_forward.warm_up(lambda: [self._dummy_forward(self.cache, rows, tokens)
+                                           for rows, tokens in WARM_UP_SHAPES], model_path)
 
     def _peak_activation_bytes(self, rows: int, tokens: int, block_size: int, flash: bool,
                                groups: Sequence[KVGroup]) -> int:

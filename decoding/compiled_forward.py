@@ -103,9 +103,9 @@ class CompiledForward:
         self._compiled = None
         if not self.eager:
             compile_cache_dir()
-            # One graph for every number of rows and cached tokens: sizes of 1 are not
-            # specialized (one graph for a single stream and a batch alike). Decode (one new token
-            # a row) and longer steps still trace apart, which warm-up covers.
+            # Sizes of 1 are not specialized where the shapes alone decide; flex_attention's and
+            # the stores' own checks still trace a single token, a decode batch and longer steps
+            # apart, which the runner's warm-up covers.
             torch.fx.experimental._config.backed_size_oblivious = True
             # On CUDA, CUDA graphs (inductor's cudagraph trees) per padded batch size of the ladder.
             mode = "reduce-overhead" if self.device.type == "cuda" else None
@@ -118,8 +118,7 @@ class CompiledForward:
         return "gather" if self.eager else "flex"
 
     def warm_up(self, run: Callable[[], object], model_path: str) -> None:
-        """Run `run` (forwards through this object: one new token a row, and two) once,
-        compiling; on failure log one warning naming why and serve eager from then on (`run` is
+        """Run `run` (forwards through this object, of the shapes to trace) once, compiling; on failure log one warning naming why and serve eager from then on (`run` is
         then repeated eagerly)."""
         if self.eager:
             run()

@@ -11,10 +11,13 @@ ATTENTION_NAME and passes the batch's `PagedBatchView` as the `paged_batch` keyw
 values in the sequence's blocks (nothing is kept by the model: it runs with use_cache=False) and
 attends over each row's blocks under that layer's own sliding window and logit soft-cap.
 
-On CPU a row's blocks are gathered into a padded tensor and SDPA runs with an additive mask (there
-is no paged kernel for CPU); with a soft-cap, the same arithmetic runs eagerly. On CUDA with
-flash-attn installed, `flash_attn_varlen_func` reads the blocks through the block table and nothing
-is gathered (`flash_paged_attention`; never run here: no GPU).
+Three kernels read the paged cache (decoding.paged_cache.PagedBatchView picks one per forward):
+flex_attention reading the blocks in place through a block mask made from the block tables
+(`flex_paged_attention`: causality and sliding windows as its mask_mod, soft-caps as its
+score_mod; C++ on CPU and Triton on CUDA once compiled, so it runs in the compiled forward);
+gathering each row's blocks for SDPA (`sdpa_over_gathered`: the eager forward's, and the tests'
+reference); and on CUDA with flash-attn installed, its varlen kernel through the block table
+(`flash_paged_attention`; never run here: no GPU).
 """
 
 from __future__ import annotations
@@ -168,8 +171,10 @@ def flex_paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool
     block_mask = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=(FLEX_QUERY_BLOCK, block_size),
                                           mask_mod=mask_mod, seq_lengths=(columns, units * block_size),
                                           compute_q_blocks=False)
-    keys = key_pool.view(1, units * block_size, kv_heads, head_dim).transpose(1, 2)
-    values = value_pool.view(1, units * block_size, kv_heads, value_pool.shape[-1]).transpose(1, 2)
+    # The pool seen as every row's keys (a stride-0 batch: nothing is copied).
+    keys = key_pool.view(1, units * block_size, kv_heads, head_dim).transpose(1, 2).expand(batch, -1, -1, -1)
+    values = value_pool.view(1, units * block_size, kv_heads, value_pool.shape[-1]).transpose(1, 2).expand(
+        batch, -1, -1, -1)
     return flex_attention(query, keys, values, score_mod=score_mod, block_mask=block_mask, scale=scaling,
                           enable_gqa=heads != kv_heads)
 

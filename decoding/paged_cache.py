@@ -11,13 +11,12 @@ over its tokens until the pool needs its room, so a later sequence with the same
 system prompt, n choices, a chat's next turn) shares it instead of computing it again
 (PagedKVCache's allocator; the runner's side is decoding.batched_runner).
 
-Attention reads a sequence's keys through its table. There is no paged-attention kernel on CPU,
-so `PagedBatchView.update` (the `past_key_values.update` that transformers' attention and
-decoding.lean_forward call) writes the new tokens into their blocks and gathers each row's blocks
-into a padded [B, kv_heads, L, head_dim] tensor, L = the longest sequence in THIS batch, with ONE
-index_select per layer (the gather index is built once per forward). The additive mask hides a
-row's padding and everything past its own tokens, exactly as for the slot cache. Measured against
-the slot cache in docs/kv-memory.md.
+Attention reads a sequence's keys through its table. `paged_layout` turns a forward's tables and
+row lengths into device tensors once (positions, each new token's slot), and `PagedBatchView` (the
+object every layer's attention receives) stores the new tokens in their blocks and attends: inside
+the compiled forward with flex_attention reading the blocks in place through a block mask made
+from the tables, eagerly by gathering each row's blocks into a padded tensor under a mask built on
+the device (decoding.paged_attention; docs/performance.md has the measurements).
 
 Sliding-window layers (Gemma 2/3, Mistral v0.1, Phi-3) need only their window's keys, so their
 blocks are a KV cache group of their own (`KVGroup`, vLLM's hybrid allocator): every group keeps a
