@@ -107,6 +107,9 @@ class CompiledForward:
             # the stores' own checks still trace a single token, a decode batch and longer steps
             # apart, which the runner's warm-up covers.
             torch.fx.experimental._config.backed_size_oblivious = True
+            # Sizes that happen to be equal at trace time (rows and new tokens, both 1) stay
+            # separate symbols, not one guarded equality.
+            torch.fx.experimental._config.use_duck_shape = False
             # On CUDA, CUDA graphs (inductor's cudagraph trees) per padded batch size of the ladder.
             mode = "reduce-overhead" if self.device.type == "cuda" else None
             self._compiled = torch.compile(forward, dynamic=True, mode=mode)

@@ -369,7 +369,8 @@ class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
                  device: torch.device | str = "cpu", preallocate: bool | None = None, flash: bool = False,
                  groups: Sequence[KVGroup] | None = None) -> None:
-        """flash: pools in flash-attn's layout, read in place by its paged kernel (CUDA only).
+        """flash: attention by flash-attn's paged kernel (CUDA only; the pools are token-major, the
+        layout it and flex_attention read in place, whatever the kernel).
         groups: the KV cache groups (kv_groups; default: one full-attention group of num_layers)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
