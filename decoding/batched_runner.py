@@ -80,9 +80,9 @@ DEFAULT_PROFILE_BATCHES = ((64, 16), (1, 256))
 # keys (the engine's max_step_tokens default: a verify step's speculative tail); deeper, it recomputes.
 DEFAULT_ROLLBACK_TOKENS = 16
 # The (rows, new tokens a row) the compiled forward is traced for at start: a single stream's
-# decode step, a batch's, and any longer step (verify, prefill); shapes of 1 specialize in
+# decode step and longer step (verify, prefill), and a batch's; shapes of 1 specialize in
 # flex_attention and the stores, so each traces apart (decoding.compiled_forward).
-WARM_UP_SHAPES = ((1, 1), (2, 1), (2, 2))
+WARM_UP_SHAPES = ((1, 1), (1, 2), (2, 1), (2, 2))
 
 
 class UnsupportedModelError(ValueError):

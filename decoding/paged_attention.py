@@ -171,10 +171,10 @@ def flex_paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool
     block_mask = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=(FLEX_QUERY_BLOCK, block_size),
                                           mask_mod=mask_mod, seq_lengths=(columns, units * block_size),
                                           compute_q_blocks=False)
-    # The pool seen as every row's keys (a stride-0 batch: nothing is copied).
-    keys = key_pool.view(1, units * block_size, kv_heads, head_dim).transpose(1, 2).expand(batch, -1, -1, -1)
-    values = value_pool.view(1, units * block_size, kv_heads, value_pool.shape[-1]).transpose(1, 2).expand(
-        batch, -1, -1, -1)
+    # The pool as one batch of keys, broadcast over the rows (a stride-0 batch crashed inductor's
+    # CPU kernel).
+    keys = key_pool.view(1, units * block_size, kv_heads, head_dim).transpose(1, 2)
+    values = value_pool.view(1, units * block_size, kv_heads, value_pool.shape[-1]).transpose(1, 2)
     return flex_attention(query, keys, values, score_mod=score_mod, block_mask=block_mask, scale=scaling,
                           enable_gqa=heads != kv_heads)
 
