@@ -67,7 +67,7 @@ def step_times(runners: dict, rows: int, new_tokens: int, reps: int, warmup: int
     calls = [ForwardCall(seq_id, history + history[:new_tokens], new_tokens) for seq_id, history in histories.items()]
     samples = {name: {"step": [], "forward": []} for name in runners}
     logits = {}
-    for runner in runners.values():
+    for runner, _ in runners.values():
         runner.forward_batch([ForwardCall(seq_id, history, 1) for seq_id, history in histories.items()])
     for rep in range(reps + warmup):
         for name, (runner, seconds) in (runners.items() if rep % 2 == 0 else reversed(runners.items())):
@@ -134,12 +134,12 @@ def main(argv: list[str] | None = None) -> None:
                    **step_times(runners, batch, new_tokens, args.reps)}
             print(json.dumps(row), flush=True)
             rows.append(row)
-    text = table(rows, startup, command)
+        text = table(rows, startup, command)   # written after each model: a long run keeps what it measured
+        if args.out:
+            args.out.write_text(text)
+            args.out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows,
+                                                                "startup": startup}, indent=1))
     print(text)
-    if args.out:
-        args.out.write_text(text)
-        args.out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows, "startup": startup},
-                                                            indent=1))
 
 
 if __name__ == "__main__":

@@ -142,9 +142,10 @@ def flex_paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool
     batch, heads, columns, _ = query.shape
     units, _, kv_heads, head_dim = key_pool.shape
     kv_num_blocks, kv_indices, logical_block = block_tables
-    query_blocks = (columns + FLEX_QUERY_BLOCK - 1) // FLEX_QUERY_BLOCK   # symbolic: no branch on the length
-    kv_num_blocks = kv_num_blocks.expand(batch, 1, query_blocks)
-    kv_indices = kv_indices.expand(batch, 1, query_blocks, units)
+    query_blocks = -(-columns // FLEX_QUERY_BLOCK)
+    if query_blocks > 1:   # a prefill chunk longer than a query block (traced apart)
+        kv_num_blocks = kv_num_blocks.expand(batch, 1, query_blocks)
+        kv_indices = kv_indices.expand(batch, 1, query_blocks, units)
 
     # The compiled kernels visit only the blocks the block mask lists; flex_attention's eager
     # reference evaluates the mask over the whole pool, so there the block must be checked to be
