@@ -40,6 +40,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights dtype of both models (default auto: the checkpoint's on GPU, float32 on CPU)")
     p.add_argument("--tensor-parallel-size", type=int, help="split each target engine over this many rank actors "
                    "(one GPU each on a GPU cluster; target_workers.tensor_parallel_size)")
+    p.add_argument("--enforce-eager", action="store_true", help="run both models' forwards uncompiled (no "
+                   "torch.compile, no CUDA graphs: faster start, slower steps; enforce_eager)")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -65,6 +67,10 @@ def config_from_args(args: argparse.Namespace):
         for role in ("target", "draft"):
             if data.get(role):
                 data[role]["dtype"] = args.dtype
+    if getattr(args, "enforce_eager", False):
+        for role in ("target", "draft"):
+            if data.get(role):
+                data[role]["enforce_eager"] = True
     return type(config).model_validate(data)
 
 

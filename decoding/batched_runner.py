@@ -32,6 +32,7 @@ import torch
 
 from specserve.decoding.block_manager import StepPlan
 from specserve.decoding.model_runner import RunnerBase, load_causal_lm, model_path_of
+from specserve.decoding.compiled_forward import CompiledForward, graph_batch_size, pad_rows
 from specserve.decoding.lean_forward import LeanDecoder, lean_support
 from specserve.decoding.checkpoint import resolve_device
 from specserve.decoding.tensor_parallel import TensorParallelRank, agreed_minimum, in_group, join_group, weight_bytes
@@ -64,6 +65,10 @@ DEFAULT_PROFILE_BATCHES = ((64, 16), (1, 2048))
 # How far back from its end a later call may crop a sequence and still find its windowed layers'
 # keys (the engine's max_step_tokens default: a verify step's speculative tail); deeper, it recomputes.
 DEFAULT_ROLLBACK_TOKENS = 16
+# The (rows, new tokens a row) the compiled forward is traced for at start: a single stream's
+# decode step and longer step (verify, prefill), and a batch's; shapes of 1 specialize in
+# flex_attention and the stores, so each traces apart (decoding.compiled_forward).
+WARM_UP_SHAPES = ((1, 1), (1, 2), (2, 1), (2, 2))
 
 
 class UnsupportedModelError(ValueError):
@@ -80,8 +85,10 @@ class BatchedModelRunner(RunnerBase):
                          block_size: int = DEFAULT_BLOCK_SIZE, gpu_share: float = 1.0,
                          profile_batches: Sequence[tuple[int, int]] = DEFAULT_PROFILE_BATCHES,
                          prefix_caching: bool = True, cache_salt: str | None = None,
-                         rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS) -> None:
-        """lean: run decoding.lean_forward where the architecture has one (else transformers' forward).
+                         rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS, enforce_eager: bool = False) -> None:
+        """enforce_eager: run the forward uncompiled (so does every runner of a process where
+        SPECSERVE_ENFORCE_EAGER=1; decoding.compiled_forward).
+        lean: run decoding.lean_forward where the architecture has one (else transformers' forward).
         max_model_len: longest sequence served (default: the model's max_position_embeddings).
         kv_cache_memory_gb: the KV budget on CPU; on CUDA, gpu_memory_utilization of the engine's
         gpu_share of the device, less the weights and the peak activations of the largest forwards
@@ -110,6 +117,12 @@ class BatchedModelRunner(RunnerBase):
             logger.warning("%s: flash-attn with a paged kernel is not installed: attention gathers each sequence's "
                            "blocks per layer (the CPU path); install flash-attn for the paged kernel", model_path)
         self.lean = LeanDecoder(model) if lean and lean_support(model)[0] else None
+        decoder = model.get_decoder()
+        if self.lean is None and not getattr(decoder, "_specserve_keeps_rows", False):
+            # The model's own forward: its decoder's output narrowed to the kept rows (once per model).
+            decoder.register_forward_hook(_keep_rows, with_kwargs=True)
+            decoder._specserve_keeps_rows = True
+        self.step_forward = CompiledForward(self._model_logits, self.device, enforce_eager)
         # One rank of a tensor-parallel group (decoding.tensor_parallel): its pool holds its heads.
         self.tensor_parallel_size = int(getattr(model, "tp_size", None) or 1)
         self.rollback_tokens = rollback_tokens
@@ -135,8 +148,11 @@ class BatchedModelRunner(RunnerBase):
         self.prefix_caching = prefix_caching
         self.cache_salt = cache_salt or model_path
         # A forward over the cache shapes every pool: on CUDA the whole budget is allocated here,
-        # so an out-of-memory shows at start, not on the first request.
-        self._dummy_forward(self.cache, rows=1, tokens=1)
+        # so an out-of-memory shows at start, not on the first request. Then the forward is
+        # compiled (over shaped pools: a graph traced before them would not be reused).
+        self._dummy_forward(self.cache, rows=1, tokens=1, eager=True)
+        self.step_forward.warm_up(lambda: [self._dummy_forward(self.cache, rows, tokens)
+                                           for rows, tokens in WARM_UP_SHAPES], model_path)
 
     def _peak_activation_bytes(self, rows: int, tokens: int, block_size: int, flash: bool,
                                groups: Sequence[KVGroup]) -> int:
@@ -153,7 +169,7 @@ class BatchedModelRunner(RunnerBase):
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         kept = tokens if tokens <= self.rollback_tokens else 1
-        self._dummy_forward(scratch, rows, tokens, kept)
+        self._dummy_forward(scratch, rows, tokens, kept, eager=True)
         peak = torch.cuda.max_memory_allocated(self.device) - before - scratch.reserved_bytes()
         del scratch
         torch.cuda.empty_cache()
@@ -170,7 +186,7 @@ class BatchedModelRunner(RunnerBase):
         probe = PagedKVCache(num_layers=num_layers, num_blocks=1, block_size=block_size, device=self.device,
                              flash=flash)
         try:
-            view = self._dummy_forward(probe, rows=1, tokens=1)
+            view = self._dummy_forward(probe, rows=1, tokens=1, eager=True)
         except PagedAttentionError as error:
             raise UnsupportedModelError(f"{self.model_path}: {error}") from error
         missing = sorted(set(range(num_layers)) - view.windows.keys())
@@ -182,20 +198,26 @@ class BatchedModelRunner(RunnerBase):
         return [None if window is None or window >= self.max_context else int(window)
                 for window in (view.windows[layer] for layer in range(num_layers))]
 
-    def _dummy_forward(self, cache: PagedKVCache, rows: int, tokens: int, kept: int = 1):
+    def _dummy_forward(self, cache: PagedKVCache, rows: int, tokens: int, kept: int = 1, eager: bool = False):
         """One forward of rows new sequences of `tokens` tokens over distinct blocks of `cache`
         (nothing else holds them: at load, or a throw-away cache), keeping each row's last `kept`
-        logits; -> its PagedBatchView (which layers attended through it)."""
+        logits (eager: without compiling); -> its PagedBatchView (which layers attended through it)."""
         per_table = blocks_for(tokens, cache.block_size)
         cache.reserve(len(cache.groups) * rows * per_table)
         ids = iter(range(len(cache.groups) * rows * per_table))
         tables = [[[next(ids) for _ in range(per_table)] for _ in range(rows)] for _ in cache.groups]
         layout = paged_layout(tables, [0] * rows, [tokens] * rows, cache.block_size, dtype=self._dtype,
                               device=self.device)
-        view = cache.view(layout)
-        keep = torch.zeros((rows, tokens), dtype=torch.bool, device=self.device)
-        keep[:, tokens - kept:] = True
-        self._logits(torch.zeros((rows, tokens), dtype=torch.long, device=self.device), layout, keep, view).float()
+        keep_index = ((torch.arange(rows, device=self.device) * tokens).unsqueeze(1)
+                      + torch.arange(tokens - kept, tokens, device=self.device)).reshape(-1)
+        kernel = "gather" if eager else self.step_forward.attention_kernel
+        view = cache.view(layout, keep_index, kernel)
+        input_ids = torch.zeros((rows, tokens), dtype=torch.long, device=self.device)
+        if eager:
+            with torch.inference_mode():
+                self._model_logits(input_ids, view)
+        else:
+            self._logits(input_ids, layout, keep_index, view)
         return view
 
     def run(self, plan: StepPlan, want_logits: bool = True) -> list[torch.Tensor]:
@@ -214,24 +236,34 @@ class BatchedModelRunner(RunnerBase):
         # Padding id 0 is never stored nor seen by a real token; its rows are not kept.
         input_ids = torch.tensor([list(ids) + [0] * (num_columns - len(ids)) for ids in plan.input_ids],
                                  dtype=torch.long)
-        keep = torch.tensor([[n - rows <= t < n for t in range(num_columns)]
-                             for rows, n in zip(plan.num_rows, num_new)], dtype=torch.bool)
-        logits = self._logits(input_ids.to(self.device), layout, keep.to(self.device))
+        keep_index = torch.tensor([b * num_columns + t for b, (rows, n) in enumerate(zip(plan.num_rows, num_new))
+                                   for t in range(n - rows, n)], dtype=torch.long)
+        logits = self._logits(input_ids.to(self.device), layout, keep_index.to(self.device))
         if not want_logits:
             return []
-        # The boolean keep mask flattens the kept rows in (row, column) order.
+        # keep_index lists the kept rows in (row, column) order.
         return list(self._served_columns(logits.float()).split(list(plan.num_rows)))
 
     @torch.inference_mode()
-    def _logits(self, input_ids: torch.Tensor, layout, keep: torch.Tensor, view=None) -> torch.Tensor:
-        """The model's logits for the kept (row, column) positions, in that order: [kept, V]."""
-        view = self.cache.view(layout) if view is None else view
+    def _logits(self, input_ids: torch.Tensor, layout, keep_index: torch.Tensor, view=None) -> torch.Tensor:
+        """The model's logits for the kept positions (keep_index: flat b * T + t), in that
+        order: [kept, V]; compiled unless enforce_eager (decoding.compiled_forward)."""
+        if view is None:
+            rows = None if self.step_forward.eager or self.device.type != "cuda" else graph_batch_size(input_ids.shape[0])
+            if rows is not None:   # a rung of the CUDA-graph ladder
+                input_ids, layout = pad_rows(input_ids, layout, rows)
+            view = self.cache.view(layout, keep_index, self.step_forward.attention_kernel)
+        return self.step_forward(input_ids, view)
+
+    def _model_logits(self, input_ids: torch.Tensor, view) -> torch.Tensor:
+        """The forward that is compiled: the lean forward, or the model's own. The model keeps no
+        cache of its own (use_cache=False): its attention stores keys and values in the paged view
+        it receives as a keyword (decoding.paged_attention), and its decoder's output is narrowed
+        to the kept positions before the LM head (`_keep_rows`)."""
         if self.lean is not None:
-            return self.lean.forward(input_ids, layout.position_ids, view, keep)
-        # The model keeps no cache of its own (use_cache=False): its attention stores keys and
-        # values in the paged view it receives as a keyword (decoding.paged_attention).
-        return self.model(input_ids=input_ids, position_ids=layout.position_ids, use_cache=False,
-                          logits_to_keep=keep, paged_batch=view).logits
+            return self.lean.forward(input_ids, view.layout.position_ids, view)
+        return self.model(input_ids=input_ids, position_ids=view.layout.position_ids, use_cache=False,
+                          logits_to_keep=0, paged_batch=view).logits[0]
 
     def weights_mismatch(self, state: Mapping[str, torch.Tensor]) -> str | None:
         """Why `state` cannot replace this runner's weights in place (None: it can): it must name
@@ -262,6 +294,19 @@ class BatchedModelRunner(RunnerBase):
     def block_size(self) -> int:
         return self.cache.block_size
 
+def _keep_rows(decoder, args, kwargs, output):
+    """Forward hook on the model's decoder: its last hidden states [B, T, H] narrowed to the
+    positions the paged view's keep_index names, [1, kept, H], so the model's own head (and
+    whatever it applies to logits: soft-caps, scales) runs only over them, and no boolean mask
+    (a host sync) selects them."""
+    view = kwargs.get("paged_batch")
+    if view is None or view.keep_index is None:
+        return None
+    hidden = output.last_hidden_state
+    output.last_hidden_state = hidden.reshape(-1, hidden.shape[-1]).index_select(0, view.keep_index).unsqueeze(0)
+    return output
+
+
 
 def decoder_support(model) -> tuple[bool, str]:
     """(True, why) when the model is a decoder the paged engine can run, else (False, why not),
@@ -282,7 +327,8 @@ def runner_for_model(model, max_sequences: int = 256, model_path: str | None = N
                      gpu_memory_utilization: float | None = None, gpu_share: float = 1.0,
                      profile_batches: Sequence[tuple[int, int]] = DEFAULT_PROFILE_BATCHES,
                      prefix_caching: bool = True, cache_salt: str | None = None,
-                     rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS) -> BatchedModelRunner:
+                     rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS,
+                     enforce_eager: bool = False) -> BatchedModelRunner:
     """BatchedModelRunner over `model` (running the lean forward where the architecture has one and
     lean_forward is set); logs one line saying which forward, the KV capacity and whether prefix
     caching is on (see BatchedModelRunner._init_from_model). UnsupportedModelError for a model it
@@ -294,12 +340,12 @@ def runner_for_model(model, max_sequences: int = 256, model_path: str | None = N
                             max_model_len=max_model_len, kv_cache_memory_gb=kv_cache_memory_gb,
                             gpu_memory_utilization=gpu_memory_utilization, gpu_share=gpu_share,
                             profile_batches=profile_batches, prefix_caching=prefix_caching, cache_salt=cache_salt,
-                            rollback_tokens=rollback_tokens)
+                            rollback_tokens=rollback_tokens, enforce_eager=enforce_eager)
     group = "" if runner.tensor_parallel_size == 1 else (
         f"tensor-parallel rank {torch.distributed.get_rank()} of {runner.tensor_parallel_size}: "
         f"{weight_bytes(model) / 2 ** 20:,.1f} MiB of weights; ")
-    logger.info("%s: batched paged-KV runner (%s; %s); %s%s; prefix caching %s", path, decoder_support(model)[1],
-                lean_reason if lean else f"transformers forward: {lean_reason}", group,
+    logger.info("%s: batched paged-KV runner (%s; %s; %s); %s%s; prefix caching %s", path, decoder_support(model)[1],
+                lean_reason if lean else f"transformers forward: {lean_reason}", runner.step_forward.describe(), group,
                 runner.kv_capacity.describe(), "on" if prefix_caching else "off")
     return runner
 
@@ -325,6 +371,7 @@ def load_runner(spec: dict):
                               gpu_share=spec.get("gpu_share", 1.0),
                               profile_batches=[tuple(batch) for batch in spec.get("profile_batches", DEFAULT_PROFILE_BATCHES)],
                               prefix_caching=spec.get("prefix_caching", True), cache_salt=spec.get("cache_salt"),
-                              rollback_tokens=spec.get("rollback_tokens", DEFAULT_ROLLBACK_TOKENS))
+                              rollback_tokens=spec.get("rollback_tokens", DEFAULT_ROLLBACK_TOKENS),
+                              enforce_eager=spec.get("enforce_eager", False))
     runner.serve_as(spec.get("vocab_size"), spec.get("eos_token_ids"))
     return runner if group is None else in_group(runner, group.rank, control)

@@ -61,10 +61,10 @@ def lean_support(model) -> tuple[bool, str]:
 
 
 class LeanDecoder:
-    """`forward(input_ids, position_ids, cache, keep) -> logits [kept rows, V]`, taking the
-    arguments BatchedModelRunner builds for the model's forward (cache: the paged or the slot
-    cache's view, whose `attend(layer, q, k, v)` stores the new keys and attends). It holds
-    references to the model's modules, no copies."""
+    """`forward(input_ids, position_ids, cache) -> logits [kept rows, V]`, taking the arguments
+    BatchedModelRunner builds for the model's forward (cache: the paged cache's view, whose
+    `attend(layer, q, k, v)` stores the new keys and attends, and whose keep_index names the rows
+    that reach the LM head). It holds references to the model's modules, no copies."""
 
     def __init__(self, model) -> None:
         supported, reason = lean_support(model)
@@ -84,8 +84,9 @@ class LeanDecoder:
         self.scaling = float(first.scaling)
         self.layers = list(decoder.layers)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: PagedBatchView,
-                keep: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: PagedBatchView) -> torch.Tensor:
+        """Logits [kept rows, V] of the positions cache.keep_index names (flat b * T + t, in
+        that order). No host value is read, so the compiled forward is one graph."""
         batch, length = input_ids.shape
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         hidden = self.embed(input_ids)
@@ -104,7 +105,7 @@ class LeanDecoder:
             hidden = hidden + _linear(attended, attention.o_proj)
             x = F.rms_norm(hidden, (width,), layer.post_attention_layernorm.weight, self.eps)
             hidden = hidden + _linear(mlp.act_fn(_linear(x, mlp.gate_proj)) * _linear(x, mlp.up_proj), mlp.down_proj)
-        kept = hidden[keep]                                      # [rows kept, H], (row, column) order
+        kept = hidden.reshape(batch * length, width).index_select(0, cache.keep_index)
         return self.lm_head(F.rms_norm(kept, (width,), self.final_norm, self.eps))
 
 

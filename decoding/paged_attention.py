@@ -11,10 +11,13 @@ ATTENTION_NAME and passes the batch's `PagedBatchView` as the `paged_batch` keyw
 values in the sequence's blocks (nothing is kept by the model: it runs with use_cache=False) and
 attends over each row's blocks under that layer's own sliding window and logit soft-cap.
 
-On CPU a row's blocks are gathered into a padded tensor and SDPA runs with an additive mask (there
-is no paged kernel for CPU); with a soft-cap, the same arithmetic runs eagerly. On CUDA with
-flash-attn installed, `flash_attn_varlen_func` reads the blocks through the block table and nothing
-is gathered (`flash_paged_attention`; never run here: no GPU).
+Three kernels read the paged cache (decoding.paged_cache.PagedBatchView picks one per forward):
+flex_attention reading the blocks in place through a block mask made from the block tables
+(`flex_paged_attention`: causality and sliding windows as its mask_mod, soft-caps as its
+score_mod; C++ on CPU and Triton on CUDA once compiled, so it runs in the compiled forward);
+gathering each row's blocks for SDPA (`sdpa_over_gathered`: the eager forward's, and the tests'
+reference); and on CUDA with flash-attn installed, its varlen kernel through the block table
+(`flash_paged_attention`; never run here: no GPU).
 """
 
 from __future__ import annotations
@@ -92,34 +95,115 @@ def flash_kernel_available(device: torch.device) -> bool:
 
 # flash-attn's paged kernel reads blocks of a multiple of 256 tokens.
 FLASH_BLOCK_SIZE = 256
+# How a forward's attention reads the paged cache (decoding.paged_cache.PagedBatchView).
+ATTENTION_KERNELS = ("flex", "gather", "flash")
+# Query rows flex_attention's block mask takes per block: one block for any decode, verify or draft
+# step (a prefill chunk of more tokens has several, each listing the row's blocks). A constant, so
+# the compiled kernel does not specialize on the number of new tokens.
+FLEX_QUERY_BLOCK = 128
+
+
+def flex_block_tables(tables: torch.Tensor, units: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """flex_attention's view of one KV cache group's block tables [B, nb] (NO_BLOCK = -1 for
+    blocks a windowed group let go of and past a row's own): (kv_num_blocks [B, 1, 1] int32: the
+    blocks row b holds; kv_indices [B, 1, 1, units] int32: those blocks' ids first, in table order;
+    logical_block [units] long: a held block's index in its row's table, 0 for a block no row
+    holds, so it always indexes the tables). The key tensor is the
+    whole pool ([units x block_size] tokens), so the kernel visits exactly a row's blocks, in place.
+    A block sits at the same table index in every row that holds it (a block's keys are those of
+    its positions: shared blocks are shared prefixes), so one logical_block serves the batch.
+    Device ops only: built once per forward and group, shared by its layers."""
+    batch, num_read = tables.shape
+    held = tables >= 0
+    count = held.sum(-1)
+    order = torch.argsort((~held).to(torch.int8), dim=1, stable=True)     # held entries first, in table order
+    compact = tables.gather(1, order)
+    kv_indices = torch.zeros((batch, units), dtype=torch.int32, device=tables.device)
+    kv_indices[:, :num_read] = compact.clamp_min(0)
+    visited = torch.arange(num_read, device=tables.device).unsqueeze(0) < count.unsqueeze(1)
+    logical_block = torch.zeros(units + 1, dtype=torch.long, device=tables.device)   # + a sink for unheld entries
+    logical_block.scatter_(0, torch.where(visited, compact, units).reshape(-1), order.reshape(-1))
+    return count.to(torch.int32).view(batch, 1, 1), kv_indices.view(batch, 1, 1, units), logical_block[:units]
+
+
+def flex_paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                         tables: torch.Tensor, block_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                         position_ids: torch.Tensor,
+                         block_size: int, scaling: float | None, sliding_window: int | None,
+                         softcap: float | None) -> torch.Tensor:
+    """Attention of query [B, H, T, D] over the blocks of pools [units, block_size, kv heads, D]
+    (the new keys already stored), read in place by flex_attention: the block mask lists each
+    row's blocks (tables [B, nb], NO_BLOCK = -1; block_tables = flex_block_tables(tables)), a key's position is its block's table index x block_size +
+    its offset, and the mask_mod hides keys after the query's position and, with a window of W,
+    those at or before position - W (transformers' rule); a soft-cap is a score_mod applied to the
+    scaled scores, as transformers' eager attention does. -> [B, H, T, D]."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    batch, heads, columns, _ = query.shape
+    units, _, kv_heads, head_dim = key_pool.shape
+    kv_num_blocks, kv_indices, logical_block = block_tables
+    query_blocks = -(-columns // FLEX_QUERY_BLOCK)
+    if query_blocks > 1:   # a prefill chunk longer than a query block (traced apart)
+        kv_num_blocks = kv_num_blocks.expand(batch, 1, query_blocks)
+        kv_indices = kv_indices.expand(batch, 1, query_blocks, units)
+
+    # The compiled kernels visit only the blocks the block mask lists; flex_attention's eager
+    # reference evaluates the mask over the whole pool, so there the block must be checked to be
+    # the row's own (inductor's CPU template cannot compile that lookup, and needs none).
+    check_rows = not torch.compiler.is_compiling()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        block = kv_idx // block_size
+        logical = logical_block[block]
+        key_position = logical * block_size + kv_idx % block_size
+        query_position = position_ids[b, q_idx]
+        visible = key_position <= query_position
+        if check_rows:
+            visible = visible & (tables[b, logical] == block)
+        if sliding_window is not None:
+            visible = visible & (key_position > query_position - sliding_window)
+        return visible
+
+    score_mod = None
+    if softcap is not None:
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return torch.tanh(score / softcap) * softcap
+
+    block_mask = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=(FLEX_QUERY_BLOCK, block_size),
+                                          mask_mod=mask_mod, seq_lengths=(columns, units * block_size),
+                                          compute_q_blocks=False)
+    # The pool as one batch of keys, broadcast over the rows (a stride-0 batch crashed inductor's
+    # CPU kernel).
+    keys = key_pool.view(1, units * block_size, kv_heads, head_dim).transpose(1, 2)
+    values = value_pool.view(1, units * block_size, kv_heads, value_pool.shape[-1]).transpose(1, 2)
+    return flex_attention(query, keys, values, score_mod=score_mod, block_mask=block_mask, scale=scaling,
+                          enable_gqa=heads != kv_heads)
 
 
 def flash_paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, layout,
-                          block_table: torch.Tensor, scaling: float | None, sliding_window: int | None,
+                          tables: torch.Tensor, scaling: float | None, sliding_window: int | None,
                           softcap: float | None) -> torch.Tensor:
     """CUDA only, never run on this project's machines (no GPU): attention of the padded query
-    [B, H, T, D] over the blocks block_table names (the layer's KV cache group's, [B, nb]; blocks a
+    [B, H, T, D] over the blocks `tables` names (the layer's KV cache group's, [B, nb]; blocks a
     windowed group let go of read as block 0, outside the window), read in place by flash-attn's
     varlen kernel (pools [blocks, block_size, kv heads, D], the new keys already stored), so no
     sequence's history is gathered. Causal alignment is bottom-right (the queries are each row's
-    last tokens); a window of W tokens is flash's (W - 1, 0). -> [B, H, T, D]."""
+    last tokens); a window of W tokens is flash's (W - 1, 0). The maximum lengths are host-known
+    bounds (T and the layout's kv_length), so nothing waits on the device. -> [B, H, T, D]."""
     from flash_attn import flash_attn_varlen_func
 
     batch, heads, columns, head_dim = query.shape
-    rows, cols = layout.source_rows, layout.source_columns
-    new_per_row = torch.bincount(rows, minlength=batch)
     kv_per_row = layout.position_ids[:, -1] + 1            # padding repeats the last real position
     zero = torch.zeros(1, dtype=torch.int32, device=query.device)
-    cu_q = torch.cat([zero, new_per_row.cumsum(0).to(torch.int32)])
+    cu_q = torch.cat([zero, layout.num_new.cumsum(0).to(torch.int32)])
     cu_k = torch.cat([zero, kv_per_row.cumsum(0).to(torch.int32)])
+    packed = query.transpose(1, 2).reshape(batch * columns, heads, head_dim).index_select(0, layout.real_tokens)
     out = flash_attn_varlen_func(
-        query.transpose(1, 2)[rows, cols], key_pool, value_pool, cu_q, cu_k,
-        max_seqlen_q=int(new_per_row.max()), max_seqlen_k=int(kv_per_row.max()), softmax_scale=scaling,
-        causal=True, window_size=(sliding_window - 1, 0) if sliding_window else (-1, -1), softcap=softcap or 0.0,
-        block_table=block_table.to(torch.int32))
-    padded = query.new_zeros((batch, columns, heads, head_dim))
-    padded[rows, cols] = out
-    return padded.transpose(1, 2)
+        packed, key_pool, value_pool, cu_q, cu_k, max_seqlen_q=columns, max_seqlen_k=layout.kv_length,
+        softmax_scale=scaling, causal=True, window_size=(sliding_window - 1, 0) if sliding_window else (-1, -1),
+        softcap=softcap or 0.0, block_table=tables.clamp_min(0).to(torch.int32))
+    padded = query.new_zeros((batch * columns, heads, head_dim)).index_copy_(0, layout.real_tokens, out)
+    return padded.view(batch, columns, heads, head_dim).transpose(1, 2)
 
 
 def register() -> None:

@@ -12,13 +12,12 @@ system prompt, n choices, a chat's next turn) shares it instead of computing it 
 tables and the prefix cache live with the scheduler (decoding.block_manager); this module is the
 memory behind the ids (PagedKVCache) and the arithmetic of the budget.
 
-Attention reads a sequence's keys through its table. There is no paged-attention kernel on CPU,
-so `PagedBatchView.update` (the `past_key_values.update` that transformers' attention and
-decoding.lean_forward call) writes the new tokens into their blocks and gathers each row's blocks
-into a padded [B, kv_heads, L, head_dim] tensor, L = the longest sequence in THIS batch, with ONE
-index_select per layer (the gather index is built once per forward). The additive mask hides a
-row's padding and everything past its own tokens, exactly as for the slot cache. Measured against
-the slot cache in docs/kv-memory.md.
+Attention reads a sequence's keys through its table. `paged_layout` turns a forward's tables and
+row lengths into device tensors once (positions, each new token's slot), and `PagedBatchView` (the
+object every layer's attention receives) stores the new tokens in their blocks and attends: inside
+the compiled forward with flex_attention reading the blocks in place through a block mask made
+from the tables, eagerly by gathering each row's blocks into a padded tensor under a mask built on
+the device (decoding.paged_attention; docs/performance.md has the measurements).
 
 Sliding-window layers (Gemma 2/3, Mistral v0.1, Phi-3) need only their window's keys, so their
 blocks are a KV cache group of their own (`KVGroup`, vLLM's hybrid allocator): every group keeps a
@@ -42,7 +41,13 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.decoding.paged_attention import flash_paged_attention, sdpa_over_gathered
+from specserve.decoding.paged_attention import (
+    ATTENTION_KERNELS,
+    flash_paged_attention,
+    flex_block_tables,
+    flex_paged_attention,
+    sdpa_over_gathered,
+)
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per block (vLLM's default)
 GIB = 1 << 30
@@ -216,78 +221,70 @@ def positions_and_mask(starts: Sequence[int], num_new: Sequence[int], dtype: tor
 
 
 # A windowed group's table entry for a block it has let go of (wholly older than its window):
-# never written, read as block 0 and hidden by the window's mask.
+# never written nor visited by the in-place kernels; the gathering reference reads it as block 0,
+# hidden by the window's mask.
 NO_BLOCK = -1
 
 
 @dataclass(frozen=True)
 class GroupLayout:
-    """Where one KV cache group's tables put a forward's tokens."""
+    """Where one KV cache group's tables put a forward's tokens (device tensors)."""
 
-    read_blocks: torch.Tensor      # LongTensor [B, nb]: each row's first nb blocks (padding and NO_BLOCK: block 0)
-    write_blocks: torch.Tensor     # LongTensor [N]: the block each real new token goes to
-    single_write: tuple[int, int] | None  # (block, offset) when one row's new tokens fit one block: a slice copy
+    tables: torch.Tensor        # LongTensor [B, nb]: each row's first nb table entries; NO_BLOCK past its own
+    write_slots: torch.Tensor   # LongTensor [B * T]: token slot (block * block_size + offset) of each
+    #                             (row, column)'s position (a padding column: its row's last token's)
 
 
 @dataclass(frozen=True)
 class PagedLayout:
-    """Index tensors of one batched forward, built once and shared by every layer."""
+    """Index tensors of one batched forward, built on the device once and shared by every layer.
+    Nothing in it is a host-built mask: what a query sees follows from position_ids and each
+    key's position (causal; a layer's window is applied where it attends)."""
 
     groups: tuple[GroupLayout, ...]   # one per KV cache group, in the cache's group order
-    # One entry per real new token (N = sum of n_b):
-    write_offsets: torch.Tensor    # LongTensor [N]: its place in its block
-    source_rows: torch.Tensor      # LongTensor [N]: its row b in the batch ...
-    source_columns: torch.Tensor   # LongTensor [N]: ... and its column t among the new tokens
-    kv_length: int                 # attend over positions [0, kv_length) of each row
     position_ids: torch.Tensor     # LongTensor [B, T]; padding repeats the row's last position
-    attention_mask: torch.Tensor   # float [B, 1, T, kv_length]: 0 visible, finfo.min hidden
+    num_new: torch.Tensor          # LongTensor [B]: real new tokens a row brings
+    write_source: torch.Tensor     # LongTensor [B * T]: flat b * T + t' of the token whose keys go to each
+    #                                write slot: t' = t for a real token, its row's last real one for padding
+    real_tokens: torch.Tensor      # LongTensor [N]: flat index b * T + t of each real new token
+    kv_length: int                 # longest row after this forward (host-known: the gathering reference, flash-attn)
+    block_size: int
+    dtype: torch.dtype             # the model's: the gathering reference's additive mask
 
 
 def paged_layout(group_tables: Sequence[Sequence[Sequence[int]]], starts: Sequence[int], num_new: Sequence[int],
                  block_size: int, dtype: torch.dtype, device: torch.device) -> PagedLayout:
-    """Where each row's new tokens go (group_tables[g][b], row b's table in KV cache group g, must
-    already cover starts[b] + num_new[b] tokens) and what each of them may see (see
-    positions_and_mask)."""
-    position_ids, attention_mask, kv_length = positions_and_mask(starts, num_new, dtype)
+    """The layout of a forward in which row b holds starts[b] cached tokens and brings num_new[b]
+    >= 1 new ones, right-padded to T = max(num_new) (group_tables[g][b], row b's table in KV cache
+    group g, must already cover starts[b] + num_new[b] tokens). Token t of row b sits at position
+    starts[b] + t; a padding token is treated as a copy of the row's last real token (so no query
+    row is ever fully masked, and positions stay within the context), and its slot is rewritten
+    with that token's own keys (so every store has the batch's shape, known without a host sync,
+    and writes nothing wrong). One host-to-device copy of the tables and row lengths; positions
+    and slots are computed there."""
+    num_columns = max(num_new)
+    kv_length = max(start + n for start, n in zip(starts, num_new))
     num_read = blocks_for(kv_length, block_size)
-    first, *others = group_tables
-    # (block in the first group, offset, row, column) of each real new token; other groups put it
-    # at the same offset of their own block of the same index.
-    writes = [(table[position // block_size], position % block_size, b, t)
-              for b, (table, start, n) in enumerate(zip(first, starts, num_new))
-              for t, position in enumerate(range(start, start + n))]
-    write_blocks, write_offsets, source_rows, source_columns = torch.tensor(writes, dtype=torch.long).T.to(device)
-    groups = [_group_layout(first, writes[0][:2], writes[-1][0], write_blocks, num_read, device)]
-    if others:
-        indices = [position // block_size for start, n in zip(starts, num_new) for position in range(start, start + n)]
-        rows = [row for _, _, row, _ in writes]
-        for tables in others:
-            blocks = [tables[b][index] for b, index in zip(rows, indices)]
-            groups.append(_group_layout(tables, (blocks[0], writes[0][1]), blocks[-1],
-                                        torch.tensor(blocks, dtype=torch.long).to(device), num_read, device))
-    return PagedLayout(groups=tuple(groups), write_offsets=write_offsets, source_rows=source_rows,
-                       source_columns=source_columns, kv_length=kv_length,
-                       position_ids=position_ids.to(device), attention_mask=attention_mask.to(device))
-
-
-def _readable(blocks: Sequence[int]) -> list[int]:
-    """blocks with a windowed group's leading NO_BLOCK run read as block 0 (outside the window:
-    masked; flash-attn's window skips them)."""
-    if blocks and blocks[0] == NO_BLOCK:
-        return [max(block, 0) for block in blocks]
-    return list(blocks)
-
-
-def _group_layout(tables: Sequence[Sequence[int]], first_write: tuple[int, int], last_block: int,
-                  write_blocks: torch.Tensor, num_read: int, device: torch.device) -> GroupLayout:
-    """One group's read and write blocks (first_write: its first new token's (block, offset);
-    last_block: its last new token's block)."""
-    read_blocks = [_readable(table[:num_read]) + [0] * (num_read - min(len(table), num_read)) for table in tables]
-    # A lone row's decode step or verify usually lands in one block: write it as a slice (the hot
-    # path of a single stream), not through the scatter.
-    one_block = len(tables) == 1 and first_write[0] == last_block
-    return GroupLayout(read_blocks=torch.tensor(read_blocks, dtype=torch.long).to(device), write_blocks=write_blocks,
-                       single_write=first_write if one_block else None)
+    host = torch.tensor([[list(table[:num_read]) + [NO_BLOCK] * (num_read - min(len(table), num_read))
+                          for table in tables] for tables in group_tables], dtype=torch.long)
+    lengths = torch.tensor([list(starts), list(num_new)], dtype=torch.long)
+    host, lengths = host.to(device), lengths.to(device)
+    start, new = lengths[0], lengths[1]
+    columns = torch.arange(num_columns, device=device)
+    last_real = torch.minimum(columns.unsqueeze(0), (new - 1).unsqueeze(1))                             # [B, T]
+    rows = torch.arange(len(starts), device=device).unsqueeze(1)
+    write_source = (rows * num_columns + last_real).reshape(-1)
+    position_ids = start.unsqueeze(1) + last_real                                                       # [B, T]
+    real_tokens = torch.tensor([b * num_columns + t for b, n in enumerate(num_new) for t in range(n)],
+                               dtype=torch.long).to(device)
+    block_index, offset = position_ids // block_size, position_ids % block_size
+    groups = []
+    for g in range(len(group_tables)):
+        slots = host[g].gather(1, block_index) * block_size + offset
+        groups.append(GroupLayout(tables=host[g], write_slots=slots.reshape(-1)))
+    return PagedLayout(groups=tuple(groups), position_ids=position_ids, num_new=new, write_source=write_source,
+                       real_tokens=real_tokens,
+                       kv_length=kv_length, block_size=block_size, dtype=dtype)
 
 
 class LayerPools:
@@ -296,11 +293,15 @@ class LayerPools:
 
     A layer's tensors are shaped lazily from the first keys it writes (kv heads and head size
     differ between architectures), so they need no model configuration; `grow` adds units to
-    every layer at once."""
+    every layer at once.
+
+    Token-major pools ([units, unit_len, kv heads, D], the paged cache's) are one [tokens, kv
+    heads, D] tensor seen flat, which the in-place kernels read and the stores scatter into by
+    token slot."""
 
     def __init__(self, num_layers: int, unit_len: int, token_major: bool = False) -> None:
         self.unit_len = unit_len
-        self.token_major = token_major   # [units, unit_len, kv heads, D]: the layout flash-attn's paged kernel reads
+        self.token_major = token_major
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.capacity = 0  # units every layer has room for so far
@@ -348,7 +349,8 @@ class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
                  device: torch.device | str = "cpu", preallocate: bool | None = None, flash: bool = False,
                  groups: Sequence[KVGroup] | None = None) -> None:
-        """flash: pools in flash-attn's layout, read in place by its paged kernel (CUDA only).
+        """flash: attention by flash-attn's paged kernel (CUDA only; the pools are token-major, the
+        layout it and flex_attention read in place, whatever the kernel).
         groups: the KV cache groups (kv_groups; default: one full-attention group of num_layers).
         preallocate (default: on CUDA): room for every block now, else as `reserve` asks."""
         if num_blocks < 1 or block_size < 1:
@@ -361,7 +363,7 @@ class PagedKVCache:
         # layer -> (its group's index, its slot in the pools)
         self.slot_of = {layer: (g, slot) for g, group in enumerate(self.groups)
                         for slot, layer in enumerate(group.layers)}
-        self.pools = LayerPools(len(self.groups[0].layers), block_size, token_major=flash)
+        self.pools = LayerPools(len(self.groups[0].layers), block_size, token_major=True)
         if self.device.type == "cuda" if preallocate is None else preallocate:
             self.reserve(num_blocks)
 
@@ -389,51 +391,79 @@ class PagedKVCache:
         """Bytes the pools hold now (allocated tensors, used or not)."""
         return self.pools.reserved_bytes()
 
-    def view(self, layout: PagedLayout) -> PagedBatchView:
-        """The object to pass as `past_key_values` for one forward laid out by `layout`."""
-        return PagedBatchView(self, layout)
+    def view(self, layout: PagedLayout, keep_index: torch.Tensor | None = None, kernel: str = "gather"
+             ) -> PagedBatchView:
+        """The paged cache's side of one forward laid out by `layout` (PagedBatchView: its kernel,
+        and keep_index, the positions that reach the LM head)."""
+        return PagedBatchView(self, layout, keep_index, kernel)
 
 
 class PagedBatchView:
     """One batched forward's access to the paged cache, handed to every attention layer
-    (decoding.paged_attention): `attend` stores the layer's new keys/values in their blocks and
-    attends over each row's blocks under the layer's sliding window and soft-cap; `update` is the
-    store-and-gather half, which the lean forward uses."""
+    (decoding.paged_attention, decoding.lean_forward): `attend` stores the layer's new keys/values
+    in their blocks and attends over each row's blocks under the layer's sliding window and
+    soft-cap, with the view's kernel:
 
-    def __init__(self, cache: PagedKVCache, layout: PagedLayout) -> None:
+    - "flex": PyTorch's flex_attention reads the blocks in place through a block mask made from the
+      block tables (decoding.paged_attention.flex_paged_attention); nothing is gathered. It runs
+      inside the compiled forward (Triton on CUDA, C++ on CPU); uncompiled, flex_attention is a
+      dense reference over the whole pool, so an eager forward does not use it.
+    - "gather": each row's blocks are gathered into a padded tensor and SDPA runs under a mask
+      built on the device: the eager forward's kernel and the tests' reference.
+    - "flash": flash-attn's varlen kernel reads the blocks in place (CUDA, when it is installed).
+
+    Whatever the kernel needs is built here, once per forward, on the device; attend itself reads
+    no host value, so a compiled forward does not break or wait on the host. keep_index: the flat
+    (b * T + t) positions whose hidden states reach the LM head, in order."""
+
+    def __init__(self, cache: PagedKVCache, layout: PagedLayout, keep_index: torch.Tensor | None = None,
+                 kernel: str = "gather") -> None:
+        if kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"unknown attention kernel {kernel!r}: one of {', '.join(ATTENTION_KERNELS)}")
         self.cache = cache
         self.layout = layout
-        self._gathers: dict[int, torch.Tensor] = {}   # group -> [B * H * nb]: (block, head) rows of a pool, in output order
-        self._window_masks: dict[int, torch.Tensor] = {}
+        self.keep_index = keep_index
+        self.kernel = "flash" if cache.flash else kernel
         # The layers that came through attend, and each one's window (the start-up check and grouping).
         self.windows: dict[int, int | None] = {}
+        self._masks: dict[int | None, torch.Tensor] = {}
+        if self.kernel == "flex":
+            self._flex_tables = [flex_block_tables(group.tables, cache.pools.capacity) for group in layout.groups]
 
     def attend(self, layer_idx: int, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
                scaling: float | None = None, sliding_window: int | None = None,
                softcap: float | None = None) -> torch.Tensor:
         """query [B, H, T, D] and this forward's keys/values [B, kv heads, T, D] -> [B, H, T, D]."""
         self.windows[layer_idx] = sliding_window
-        if self.cache.flash:
-            keys, values = self._store(key_states, value_states, layer_idx)
-            block_table = self.layout.groups[self.cache.slot_of[layer_idx][0]].read_blocks
-            return flash_paged_attention(query, keys, values, self.layout, block_table, scaling, sliding_window,
-                                         softcap)
-        keys, values = self.update(key_states, value_states, layer_idx)
-        return sdpa_over_gathered(query, keys, values, self.mask(sliding_window), scaling, softcap)
+        group = self.cache.slot_of[layer_idx][0]
+        keys, values = self._store(key_states, value_states, layer_idx)
+        if self.kernel == "flex":
+            return flex_paged_attention(query, keys, values, self.layout.groups[group].tables, self._flex_tables[group],
+                                        self.layout.position_ids,
+                                        self.layout.block_size, scaling, sliding_window, softcap)
+        if self.kernel == "flash":
+            return flash_paged_attention(query, keys, values, self.layout, self.layout.groups[group].tables,
+                                         scaling, sliding_window, softcap)
+        return sdpa_over_gathered(query, self._read(keys, group), self._read(values, group), self.mask(sliding_window),
+                                  scaling, softcap)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
-        """The additive mask [B, 1, T, kv_length] of a layer whose window is sliding_window tokens
-        (None: full attention). transformers' rule: a query at position q sees keys at positions
-        (q - window, q]. Built once per window and forward."""
-        layout = self.layout
-        if sliding_window is None or sliding_window >= layout.kv_length:
-            return layout.attention_mask
-        mask = self._window_masks.get(sliding_window)
+        """The gathering reference's additive mask [B, 1, T, kv_length] of a layer whose window is
+        sliding_window tokens (None: full attention), built on the device from the positions:
+        transformers' rule, a query at position q sees keys at positions (q - window, q]. Built
+        once per window and forward."""
+        mask = self._masks.get(sliding_window)
         if mask is None:
-            keys = torch.arange(layout.kv_length, device=layout.position_ids.device).view(1, 1, -1)
-            too_old = keys <= layout.position_ids.unsqueeze(2) - sliding_window           # [B, T, L]
-            mask = layout.attention_mask.masked_fill(too_old.unsqueeze(1), torch.finfo(layout.attention_mask.dtype).min)
-            self._window_masks[sliding_window] = mask
+            layout = self.layout
+            queries = layout.position_ids.unsqueeze(2)                                          # [B, T, 1]
+            keys = torch.arange(layout.kv_length, device=queries.device).view(1, 1, -1)      # [1, 1, L]
+            hidden = keys > queries
+            if sliding_window is not None:
+                hidden |= keys <= queries - sliding_window
+            dtype = layout.dtype
+            mask = torch.zeros(hidden.shape, dtype=dtype, device=queries.device).masked_fill_(
+                hidden, torch.finfo(dtype).min).unsqueeze(1)
+            self._masks[sliding_window] = mask
         return mask
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
@@ -445,37 +475,22 @@ class PagedBatchView:
 
     def _store(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the real new tokens [B, H, T, D] to their (block, offset); -> the layer's pools."""
-        layout = self.layout
+        """Write the new tokens of [B, H, T, D] to their token slots in one scatter per pool (a
+        padding column's slot gets its row's last real token again: the same keys, so the
+        repeated index writes one value); -> the layer's pools [units, block_size, H, D]."""
         group, slot = self.cache.slot_of[layer_idx]
-        blocks = layout.groups[group]
         keys, values = self.cache.pools.layer(slot, key_states, value_states)
-        if self.cache.flash:   # pools [blocks, block_size, H, D]
-            rows, columns = layout.source_rows, layout.source_columns
-            keys[blocks.write_blocks, layout.write_offsets] = key_states.transpose(1, 2)[rows, columns]
-            values[blocks.write_blocks, layout.write_offsets] = value_states.transpose(1, 2)[rows, columns]
-        elif blocks.single_write is not None:
-            block, offset = blocks.single_write   # one row, no padding, one block
-            keys[block, :, offset:offset + key_states.shape[2]] = key_states[0]
-            values[block, :, offset:offset + value_states.shape[2]] = value_states[0]
-        else:
-            # [B, H, T, D] -> [N, H, D] for the real tokens, scattered to (block, offset).
-            rows, columns = layout.source_rows, layout.source_columns
-            keys[blocks.write_blocks, :, layout.write_offsets] = key_states.transpose(1, 2)[rows, columns]
-            values[blocks.write_blocks, :, layout.write_offsets] = value_states.transpose(1, 2)[rows, columns]
+        slots, source = self.layout.groups[group].write_slots, self.layout.write_source
+        for pool, states in ((keys, key_states), (values, value_states)):
+            heads, width = states.shape[1], states.shape[3]
+            pool.view(-1, heads, width)[slots] = states.transpose(1, 2).reshape(-1, heads, width).index_select(0, source)
         return keys, values
 
     def _read(self, pool: torch.Tensor, group: int) -> torch.Tensor:
-        """Rows' blocks as [B, H, kv_length, D] in one copy: the pool seen as [(block, head), bs, D]
-        rows, picked in (row, head, block) order, is already the padded batch tensor."""
-        gather = self._gathers.get(group)
-        if gather is None:   # once per forward and group: its layers have the same heads and blocks
-            num_pool_blocks, heads, block_size, head_dim = pool.shape
-            read_blocks = self.layout.groups[group].read_blocks
-            batch, num_read = read_blocks.shape
-            head = torch.arange(heads, device=pool.device).view(1, heads, 1)
-            gather = self._gathers[group] = (read_blocks.unsqueeze(1) * heads + head).reshape(-1)
-            self._rows_shape = (-1, block_size, head_dim)
-            self._batch_shape = (batch, heads, num_read * block_size, head_dim)
-        gathered = pool.view(self._rows_shape).index_select(0, gather).view(self._batch_shape)
-        return gathered[:, :, :self.layout.kv_length]
+        """Rows' blocks as [B, H, kv_length, D] in one copy (NO_BLOCK and padding read block 0,
+        which the mask hides)."""
+        tables = self.layout.groups[group].tables
+        batch, num_read = tables.shape
+        _, block_size, heads, head_dim = pool.shape
+        gathered = pool.index_select(0, tables.clamp_min(0).reshape(-1))
+        return gathered.view(batch, num_read * block_size, heads, head_dim)[:, :self.layout.kv_length].transpose(1, 2)

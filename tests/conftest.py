@@ -1,9 +1,15 @@
 """Shared test fixtures. Tests run on CPU in float32 with one torch thread (CI has 2 cores)."""
 
+import os
+
 import pytest
 import torch
 
 torch.set_num_threads(1)
+# Runners built by tests run the eager forward: compiling costs tens of seconds a model on this
+# machine, and the suite builds hundreds of runners. The tests that compile ask for it
+# (enforce_eager=False; tests/test_compiled_forward.py); docs/testing.md says which.
+os.environ.setdefault("SPECSERVE_ENFORCE_EAGER", "1")
 
 SHARED_SERVER = "tiny_pair_server"  # the fixture of the one served default tiny pair modules share
 

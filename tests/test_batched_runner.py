@@ -19,7 +19,7 @@ from specserve.decoding.proposers import DraftModelProposer
 from specserve.decoding.sampling import SamplingParams
 from specserve.decoding.scheduler import Scheduler, engine_for_model
 from specserve.decoding.sequence import RequestState
-from specserve.decoding.paged_cache import PagedBatchView, paged_layout
+from specserve.decoding.paged_cache import PagedBatchView, PagedKVCache, paged_layout
 from tests.reference_runner import ReferenceRunner, full_logits
 from tests.tiny_pair import ARCHITECTURES, tiny_model
 
@@ -68,14 +68,19 @@ def test_paged_layout_numbers_new_tokens_after_each_rows_cache_and_masks_causall
                           device=torch.device("cpu"))   # one KV cache group
     assert layout.position_ids.tolist() == [[3, 4], [0, 0]]
     assert layout.kv_length == 5
-    visible = (layout.attention_mask[:, 0] == 0).int().tolist()
+    # The mask is built on the device from the positions; the padding token copies the last real one.
+    view = PagedKVCache(num_layers=1, num_blocks=16, block_size=4).view(layout)
+    visible = (view.mask(None)[:, 0] == 0).int().tolist()
     assert visible == [[[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]],
-                       [[1, 0, 0, 0, 0], [1, 0, 0, 0, 0]]]   # the padding token copies the last real one
-    assert set(layout.attention_mask.unique().tolist()) == {0.0, torch.finfo(torch.float32).min}
-    # Only real tokens are written: (block, offset) pairs; a row reads its blocks, padded with block 0.
+                       [[1, 0, 0, 0, 0], [1, 0, 0, 0, 0]]]
+    assert set(view.mask(None).unique().tolist()) == {0.0, torch.finfo(torch.float32).min}
+    # Every (row, column) has a token slot (block * 4 + offset); a padding column rewrites its row's
+    # last token's slot with that token's keys (write_source).
     blocks = layout.groups[0]
-    assert list(zip(blocks.write_blocks.tolist(), layout.write_offsets.tolist())) == [(5, 3), (9, 0), (2, 0)]
-    assert blocks.read_blocks.tolist() == [[5, 9], [2, 0]]
+    assert blocks.write_slots.tolist() == [5 * 4 + 3, 9 * 4 + 0, 2 * 4 + 0, 2 * 4 + 0]
+    assert layout.write_source.tolist() == [0, 1, 2, 2]
+    assert blocks.tables.tolist() == [[5, 9], [2, -1]]
+    assert layout.real_tokens.tolist() == [0, 1, 2]
 
 
 @pytest.mark.parametrize("architecture, lean_forward", [(architecture, False) for architecture in ARCHITECTURES]
@@ -276,7 +281,8 @@ def test_every_layer_honours_its_own_sliding_window(monkeypatch):
     rows = engine.forward_batch([ForwardCall(seq_id, history, 4) for seq_id, history in histories.items()])
     for history, got in zip(histories.values(), rows):
         torch.testing.assert_close(got, full_logits(model, history)[-4:], atol=ATOL, rtol=0)
-    monkeypatch.setattr(PagedBatchView, "mask", lambda view, sliding_window: view.layout.attention_mask)
+    full_attention_mask = PagedBatchView.mask
+    monkeypatch.setattr(PagedBatchView, "mask", lambda view, sliding_window: full_attention_mask(view, None))
     broken = engine_for_model(tiny_model("gemma3"))
     got = broken.forward_batch([ForwardCall("x", histories["x"], 4)])[0]
     assert float((got - full_logits(model, histories["x"])[-4:]).abs().max()) > 100 * ATOL

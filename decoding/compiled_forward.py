@@ -1,0 +1,150 @@
+"""The engine's forward compiled: torch.compile of the model's forward, its on-disk cache, and the
+CUDA-graph batch ladder.
+
+Why: eager PyTorch pays Python and op dispatch for every kernel, tens per layer, every draft step
+and every verify; for a small draft that overhead is most of a step, and on a GPU the launches
+outrun the arithmetic. torch.compile traces the forward once (the lean forward or the model's own,
+through the attention interface, as vLLM's Transformers backend compiles Hugging Face modules) into
+fused kernels, dynamic in the number of rows, new tokens and cached tokens, so one graph serves
+every step. On CUDA the compiled forward runs under CUDA graphs (inductor's "reduce-overhead"),
+one per rung of a ladder of batch sizes: a step's rows are padded up to the next rung
+(`graph_batch_size`, `pad_rows`), and a batch beyond the ladder runs the compiled forward without
+a graph.
+
+Compiling costs start-up time, paid once per machine: inductor's artifacts are cached on disk
+under the specserve cache directory (`compile_cache_dir`), so a restart reuses them (figures in
+docs/performance.md). `enforce_eager` (vLLM's name) turns compilation off; a model whose forward
+fails to compile serves eager, with one warning naming why (`CompiledForward.warm_up`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.fx.experimental._config
+
+logger = logging.getLogger(__name__)
+
+CACHE_DIR_ENV = "SPECSERVE_CACHE_DIR"
+# Set (to 1) where runners should not compile unless asked: the test suite, whose hundreds of
+# runners would each pay a compile (docs/testing.md).
+ENFORCE_EAGER_ENV = "SPECSERVE_ENFORCE_EAGER"
+# Batch sizes CUDA graphs are captured for (vLLM's ladder starts 1, 2, 4, 8 and then steps by 8).
+CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+
+def compile_cache_dir() -> Path:
+    """Where inductor keeps compiled artifacts: $TORCHINDUCTOR_CACHE_DIR if set, else
+    <specserve cache>/inductor, the specserve cache being $SPECSERVE_CACHE_DIR or
+    $XDG_CACHE_HOME/specserve (~/.cache/specserve). Sets TORCHINDUCTOR_CACHE_DIR, which inductor
+    reads when it first looks for its cache."""
+    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        root = os.environ.get(CACHE_DIR_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specserve"
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(root) / "inductor")
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+
+def eager_by_default() -> bool:
+    """True where ENFORCE_EAGER_ENV asks runners not to compile (the tests)."""
+    return os.environ.get(ENFORCE_EAGER_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def graph_batch_size(rows: int, ladder: Sequence[int] = CUDA_GRAPH_BATCH_SIZES) -> int | None:
+    """The smallest rung of the ladder that holds rows (the batch a CUDA graph was captured for),
+    or None beyond the ladder: that step runs without a graph."""
+    if rows < 1:
+        raise ValueError(f"a step has at least one row, got {rows}")
+    return next((size for size in sorted(ladder) if size >= rows), None)
+
+
+def pad_rows(input_ids: torch.Tensor, layout, rows: int):
+    """(input_ids, layout) of a step padded from B to `rows` rows for a captured graph. A padding
+    row repeats row 0 (its tokens, positions, tables and token slots), and its stores take row
+    0's own keys (write_source), so it writes exactly what row 0 writes; the kept positions
+    (keep_index, flat b * T + t) are the real rows', so none of it reaches the LM head."""
+    from dataclasses import replace
+
+    batch, columns = input_ids.shape
+    extra = rows - batch
+    if extra < 0:
+        raise ValueError(f"cannot pad {batch} rows down to {rows}")
+    if extra == 0:
+        return input_ids, layout
+
+    def repeat_first(tensor: torch.Tensor, width: int = 1) -> torch.Tensor:
+        """tensor's first row (its first `width` entries, flat) repeated for the padding rows."""
+        first = tensor[:width] if width > 1 else tensor[:1]
+        return torch.cat([tensor, first.repeat(extra, *([1] * (tensor.dim() - 1)))])
+
+    groups = tuple(replace(group, tables=repeat_first(group.tables),
+                           write_slots=repeat_first(group.write_slots, columns)) for group in layout.groups)
+    padded = replace(layout, groups=groups, position_ids=repeat_first(layout.position_ids),
+                     num_new=repeat_first(layout.num_new), write_source=repeat_first(layout.write_source, columns))
+    return repeat_first(input_ids), padded
+
+
+class CompiledForward:
+    """`forward(input_ids, view) -> logits` compiled with torch.compile (dynamic shapes), falling
+    back to the eager function when compiling fails at warm-up. `eager` says which one runs and
+    `reason` why. enforce_eager, or ENFORCE_EAGER_ENV set in the process (and so in the Ray
+    workers it starts), keeps it eager."""
+
+    def __init__(self, forward: Callable, device: torch.device, enforce_eager: bool) -> None:
+        self.eager_forward = forward
+        self.device = torch.device(device)
+        self.eager = enforce_eager or eager_by_default()
+        self.reason = "enforce_eager" if enforce_eager else f"{ENFORCE_EAGER_ENV} is set" if self.eager else "compiled"
+        self.compile_seconds = 0.0
+        self._compiled = None
+        if not self.eager:
+            compile_cache_dir()
+            # Sizes of 1 are not specialized where the shapes alone decide; flex_attention's and
+            # the stores' own checks still trace a single token, a decode batch and longer steps
+            # apart, which the runner's warm-up covers.
+            torch.fx.experimental._config.backed_size_oblivious = True
+            # Sizes that happen to be equal at trace time (rows and new tokens, both 1) stay
+            # separate symbols, not one guarded equality.
+            torch.fx.experimental._config.use_duck_shape = False
+            # On CUDA, CUDA graphs (inductor's cudagraph trees) per padded batch size of the ladder.
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            self._compiled = torch.compile(forward, dynamic=True, mode=mode)
+
+    @property
+    def attention_kernel(self) -> str:
+        """The attention kernel the forward's view should use: flex inside a compiled graph, the
+        gathering SDPA eagerly (eager flex_attention is a dense reference over the whole pool)."""
+        return "gather" if self.eager else "flex"
+
+    def warm_up(self, run: Callable[[], object], model_path: str) -> None:
+        """Run `run` (forwards through this object, of the shapes to trace) once, compiling; on failure log one warning naming why and serve eager from then on (`run` is
+        then repeated eagerly)."""
+        if self.eager:
+            run()
+            return
+        started = time.perf_counter()
+        try:
+            run()
+        except Exception as error:  # a model dynamo or inductor cannot compile serves eager
+            self.eager, self._compiled = True, None
+            self.reason = f"compiling failed ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
+            logger.warning("%s: torch.compile of the forward failed, serving eager: %s", model_path, self.reason)
+            run()
+        self.compile_seconds = time.perf_counter() - started
+
+    def __call__(self, input_ids: torch.Tensor, view) -> torch.Tensor:
+        forward = self.eager_forward if self.eager else self._compiled
+        return forward(input_ids, view)
+
+    def describe(self) -> str:
+        """For the start-up line: eager or compiled, and what compiling cost."""
+        if self.eager:
+            return f"eager forward ({self.reason})"
+        graphs = ", CUDA graphs for batches of " + "/".join(map(str, CUDA_GRAPH_BATCH_SIZES)) \
+            if self.device.type == "cuda" else ""
+        return (f"compiled forward{graphs} ({self.compile_seconds:.1f} s to compile at start; cache "
+                f"{compile_cache_dir()})")

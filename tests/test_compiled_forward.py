@@ -1,0 +1,87 @@
+"""The compiled forward (decoding.compiled_forward) gives the eager forward's rows, on every
+architecture of the conformance suite, and a model that fails to compile serves eager with one
+warning.
+
+Compiling costs minutes of a loaded 2-core machine per model (inductor's C++ kernels), so the
+per-architecture comparisons are marked slow (`make reliability`); `make test` keeps the eager
+forward everywhere (tests/conftest.py sets SPECSERVE_ENFORCE_EAGER) and runs the fallback check,
+which compiles nothing (docs/testing.md)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from specserve.decoding import compiled_forward
+from specserve.decoding.batched_runner import ForwardCall, runner_for_model
+from tests.tiny_pair import tiny_model
+
+# fp32: fused kernels reassociate sums (~1e-6 on these logits); a wrong mask or position moves
+# them by orders of magnitude more (tests/test_batched_runner.py's tolerance tests).
+ATOL = 1e-4
+
+
+def ragged_steps() -> list[list[ForwardCall]]:
+    """A prefill of ragged rows, a verify of ragged depth, then decode steps of one token a row."""
+    a, b, c = list(range(3, 43)), list(range(50, 63)), list(range(70, 100))
+    return [[ForwardCall("a", a[:30], 1), ForwardCall("b", b[:6], 1), ForwardCall("c", c[:20], 1)],
+            [ForwardCall("a", a[:35], 6), ForwardCall("b", b[:8], 3), ForwardCall("c", c[:21], 1)],
+            [ForwardCall("a", a[:36], 1), ForwardCall("b", b[:9], 1), ForwardCall("c", c[:22], 1)],
+            [ForwardCall("a", a[:37], 1)]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("architecture, lean", [("llama", True), ("llama", False), ("qwen2", True),
+                                                ("qwen3", False), ("qwen3_moe", False), ("gemma3", False),
+                                                ("phi3", False), ("mistral", False)])
+def test_compiled_rows_equal_eager_rows(monkeypatch, architecture, lean):
+    monkeypatch.setenv(compiled_forward.ENFORCE_EAGER_ENV, "0")
+    model = tiny_model(architecture)
+    eager = runner_for_model(model, lean_forward=lean, enforce_eager=True)
+    compiled = runner_for_model(model, lean_forward=lean)
+    assert not compiled.step_forward.eager and compiled.step_forward.attention_kernel == "flex"
+    for calls in ragged_steps():
+        for call, got, expected in zip(calls, compiled.forward_batch(calls), eager.forward_batch(calls)):
+            torch.testing.assert_close(got, expected, atol=ATOL, rtol=0, msg=lambda m: f"{call.seq_id}: {m}")
+
+
+def test_a_model_that_fails_to_compile_serves_eager_with_one_warning(monkeypatch, caplog):
+    """What a machine without a C++ compiler (or a model dynamo cannot trace) sees: the first
+    compiled call raises; the runner says why, once, and its rows are the eager ones."""
+    monkeypatch.setenv(compiled_forward.ENFORCE_EAGER_ENV, "0")
+
+    def compile_that_fails(forward, **options):
+        def compiled(*args, **kwargs):
+            raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+        return compiled
+
+    monkeypatch.setattr(compiled_forward.torch, "compile", compile_that_fails)
+    model = tiny_model("llama")
+    with caplog.at_level(logging.WARNING, logger=compiled_forward.__name__):
+        runner = runner_for_model(model)
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "No working C++ compiler" in warnings[0], warnings
+    assert runner.step_forward.eager and runner.step_forward.attention_kernel == "gather"
+    assert "compiling failed" in runner.step_forward.describe()
+    reference = runner_for_model(model, enforce_eager=True)
+    for calls in ragged_steps()[:2]:
+        for got, expected in zip(runner.forward_batch(calls), reference.forward_batch(calls)):
+            torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def test_enforce_eager_and_the_environment_keep_the_forward_uncompiled(monkeypatch):
+    model = tiny_model("llama")
+    monkeypatch.setenv(compiled_forward.ENFORCE_EAGER_ENV, "0")
+    assert runner_for_model(model, enforce_eager=True).step_forward.describe() == "eager forward (enforce_eager)"
+    monkeypatch.setenv(compiled_forward.ENFORCE_EAGER_ENV, "1")
+    assert "SPECSERVE_ENFORCE_EAGER" in runner_for_model(model).step_forward.describe()
+
+
+def test_the_compile_cache_lives_under_the_specserve_cache(monkeypatch, tmp_path):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv(compiled_forward.CACHE_DIR_ENV, str(tmp_path))
+    assert compiled_forward.compile_cache_dir() == tmp_path / "inductor"
+    import os
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")

@@ -1,0 +1,158 @@
+"""The paged cache's attention kernels agree, and a step's forward reads no host value.
+
+The in-place flex_attention kernel (decoding.paged_attention.flex_paged_attention: a block mask
+from the block tables, windows and causality as a mask_mod, soft-caps as a score_mod) is checked
+against the gathering SDPA reference over the same stores: ragged rows, padding columns, blocks
+scattered over the pool, a windowed group's let-go blocks (NO_BLOCK), GQA. Then the runner's
+forward, eager, under a dispatch mode that counts the operations that make the host wait on the
+device (a scalar read, an output whose size depends on the data): none may run in a step. On
+CUDA, torch.cuda.set_sync_debug_mode says the same of a real device; here the ops themselves are
+counted, which is what a device would wait on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from specserve.decoding.batched_runner import ForwardCall, runner_for_model
+from specserve.decoding.compiled_forward import CUDA_GRAPH_BATCH_SIZES, graph_batch_size, pad_rows
+from specserve.decoding.paged_cache import NO_BLOCK, KVGroup, PagedKVCache, paged_layout
+from tests.tiny_pair import tiny_model
+
+ATOL = 1e-5
+BLOCK = 4
+
+
+def filled_cache(heads: int, head_dim: int, seed: int, windowed: bool) -> tuple[PagedKVCache, list, list, list]:
+    """A one-layer cache whose 3 rows hold 13, 5 and 22 tokens in scattered blocks and bring 3, 1
+    and 2 new ones (ragged: padding columns); with windowed, row 2's first 3 blocks were let go."""
+    torch.manual_seed(seed)
+    cache = PagedKVCache(num_layers=1, num_blocks=40, block_size=BLOCK, groups=(KVGroup((0,), 6 if windowed else None),))
+    starts, num_new = [13, 5, 22], [3, 1, 2]
+    blocks = cache.allocate(40)
+    order = torch.randperm(40).tolist()
+    tables, used = [], 0
+    for start, n in zip(starts, num_new):
+        count = -(-(start + n) // BLOCK)
+        tables.append([blocks[i] for i in order[used:used + count]])
+        used += count
+    # Every block holds keys (as if earlier forwards stored them): random keys and values.
+    layout = paged_layout([tables], [0] * 3, [start for start in starts], BLOCK, torch.float32, torch.device("cpu"))
+    cache.view(layout).update(torch.randn(3, heads, max(starts), head_dim),
+                              torch.randn(3, heads, max(starts), head_dim), 0)
+    if windowed:
+        tables[2][:3] = [NO_BLOCK] * 3
+    return cache, tables, starts, num_new
+
+
+@pytest.mark.parametrize("window, softcap, query_heads", [(None, None, 4), (None, None, 8), (6, None, 4),
+                                                           (None, 5.0, 8), (6, 5.0, 8)])
+def test_flex_paged_attention_equals_the_gathering_reference(window, softcap, query_heads):
+    outputs = {}
+    for kernel in ("gather", "flex"):
+        cache, tables, starts, num_new = filled_cache(heads=4, head_dim=8, seed=0, windowed=window is not None)
+        layout = paged_layout([tables], starts, num_new, BLOCK, torch.float32, torch.device("cpu"))
+        generator = torch.Generator().manual_seed(1)
+        query = torch.randn(3, query_heads, 3, 8, generator=generator)
+        keys, values = torch.randn(3, 4, 3, 8, generator=generator), torch.randn(3, 4, 3, 8, generator=generator)
+        outputs[kernel] = cache.view(layout, kernel=kernel).attend(0, query, keys, values, scaling=0.3,
+                                                                   sliding_window=window, softcap=softcap)
+    real = [(b, t) for b, n in enumerate(num_new) for t in range(n)]   # padding columns are never read
+    for b, t in real:
+        torch.testing.assert_close(outputs["flex"][b, :, t], outputs["gather"][b, :, t], atol=ATOL, rtol=0)
+
+
+def test_the_comparison_catches_a_kernel_that_ignores_the_window():
+    """The agreement above can fail: flex without the window differs from the windowed reference."""
+    cache, tables, starts, num_new = filled_cache(heads=4, head_dim=8, seed=0, windowed=False)
+    layout = paged_layout([tables], starts, num_new, BLOCK, torch.float32, torch.device("cpu"))
+    query, keys, values = torch.randn(3, 4, 3, 8), torch.randn(3, 4, 3, 8), torch.randn(3, 4, 3, 8)
+    windowed = cache.view(layout).attend(0, query, keys, values, sliding_window=6)
+    unwindowed = cache.view(layout, kernel="flex").attend(0, query, keys, values)
+    assert float((windowed[0, :, 0] - unwindowed[0, :, 0]).abs().max()) > 100 * ATOL
+
+
+class HostSyncCounter(TorchDispatchMode):
+    """Counts the aten operations that make the host wait for the device: reading a scalar
+    (.item(), int(), bool()), and ops whose output size depends on the data (nonzero, boolean-mask
+    indexing, masked_select, unique, bincount)."""
+
+    SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_dim",
+               "unique_consecutive", "bincount", "repeat_interleave")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        boolean_index = name in ("index", "index_put", "index_put_") and any(
+            isinstance(index, torch.Tensor) and index.dtype == torch.bool for index in (args[1] or ()) if index is not None)
+        if name in self.SYNCING or boolean_index:
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_counter_sees_scalar_reads_and_boolean_indexing():
+    x = torch.randn(4, 3)
+    with HostSyncCounter() as counter:
+        int(x.argmax())
+        x[x[:, 0] > 0]
+        torch.bincount(torch.tensor([1, 2]))
+    assert len(counter.seen) == 3, counter.seen
+
+
+@pytest.mark.parametrize("architecture, lean", [("llama", True), ("llama", False), ("gemma3", False),
+                                                ("qwen3_moe", False)])
+def test_a_step_forward_makes_the_host_wait_on_nothing(architecture, lean):
+    """The forward of a ragged verify step (its layout and view built, the model run) has no
+    syncing operation; the runner's one host copy is of the logits it returns."""
+    runner = runner_for_model(tiny_model(architecture), lean_forward=lean)
+    histories = {"a": list(range(3, 30)), "b": list(range(40, 49))}
+    runner.forward_batch([ForwardCall(seq_id, history, 1) for seq_id, history in histories.items()])
+    seen = []
+    original = runner._logits
+
+    def counted(*args, **kwargs):
+        with HostSyncCounter() as counter:
+            logits = original(*args, **kwargs)
+        seen.extend(counter.seen)
+        return logits
+
+    runner._logits = counted
+    runner.forward_batch([ForwardCall("a", histories["a"] + [5, 6, 7], 4), ForwardCall("b", histories["b"] + [9], 2)])
+    assert seen == []
+
+
+def test_the_cuda_graph_ladder_picks_the_smallest_rung_that_holds_the_batch():
+    assert graph_batch_size(1) == 1 and graph_batch_size(3) == 4 and graph_batch_size(9) == 16
+    assert graph_batch_size(CUDA_GRAPH_BATCH_SIZES[-1]) == CUDA_GRAPH_BATCH_SIZES[-1]
+    assert graph_batch_size(CUDA_GRAPH_BATCH_SIZES[-1] + 1) is None   # beyond the ladder: no graph
+    assert graph_batch_size(5, ladder=(8, 2)) == 8
+    with pytest.raises(ValueError):
+        graph_batch_size(0)
+
+
+@pytest.mark.parametrize("kernel", ["gather", "flex"])
+def test_padding_rows_for_a_graph_leaves_the_real_rows_and_the_cache_alone(kernel):
+    """A step padded to a rung (rows repeating row 0) gives the real rows' logits, and the pools
+    hold what the unpadded step stores."""
+    runner = runner_for_model(tiny_model("llama"))
+    histories = {"a": list(range(3, 20)), "b": list(range(30, 36)), "c": list(range(50, 61))}
+    runner.forward_batch([ForwardCall(seq_id, history[:-2], 1) for seq_id, history in histories.items()])
+    tables = [[runner._sequences[seq_id].tables[0] for seq_id in histories]]
+    starts = [len(history) - 2 for history in histories.values()]
+    layout = paged_layout(tables, starts, [2, 1, 2], runner.block_size, torch.float32, torch.device("cpu"))
+    input_ids = torch.tensor([history[-2:] for history in histories.values()])
+    input_ids[1, 1] = 0   # b brings one token: a padding column
+    keep_index = torch.tensor([0, 1, 2, 4, 5])
+    with torch.inference_mode():
+        plain = runner._model_logits(input_ids, runner.cache.view(layout, keep_index, kernel))
+        stored = [pool.clone() for pool in runner.cache.pools.keys]
+        padded_ids, padded = pad_rows(input_ids, layout, 8)
+        assert padded_ids.shape == (8, 2) and padded.groups[0].tables.shape[0] == 8
+        got = runner._model_logits(padded_ids, runner.cache.view(padded, keep_index, kernel))
+    torch.testing.assert_close(got, plain, atol=ATOL, rtol=0)
+    for before, after in zip(stored, runner.cache.pools.keys):
+        torch.testing.assert_close(after, before, atol=ATOL, rtol=0)
