@@ -46,8 +46,10 @@ class ModelSpec(_Strict):
     max_sequences: int = Field(256, ge=1, description="KV caches a worker holds at once")
     lean_forward: bool = Field(True, description="run decoding.lean_forward for Llama-shaped models "
                                                  "(false: transformers' own forward)")
-    enforce_eager: bool = Field(False, description="run the forward uncompiled (vLLM's name; default: "
-                                "torch.compile, CUDA graphs on a GPU, artifacts cached on disk; docs/performance.md)")
+    enforce_eager: bool | None = Field(None, description="true: run the forward uncompiled (vLLM's name); false: "
+                                       "torch.compile it (CUDA graphs on a GPU, artifacts cached on disk); unset: "
+                                       "compiled on a GPU, eager on CPU, where compiling costs minutes of start-up "
+                                       "for little (docs/performance.md)")
     kv_cache_memory_gb: float = Field(4.0, gt=0, description="KV cache budget (GiB) per engine replica on CPU "
                                       "(per rank of a tensor-parallel engine, whose pool holds its heads only); "
                                       "the pool grows with use up to it (docs/kv-memory.md)")

@@ -85,9 +85,9 @@ class BatchedModelRunner(RunnerBase):
                          block_size: int = DEFAULT_BLOCK_SIZE, gpu_share: float = 1.0,
                          profile_batches: Sequence[tuple[int, int]] = DEFAULT_PROFILE_BATCHES,
                          prefix_caching: bool = True, cache_salt: str | None = None,
-                         rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS, enforce_eager: bool = False) -> None:
-        """enforce_eager: run the forward uncompiled (so does every runner of a process where
-        SPECSERVE_ENFORCE_EAGER=1; decoding.compiled_forward).
+                         rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS, enforce_eager: bool | None = None) -> None:
+        """enforce_eager: True runs the forward uncompiled, False compiles it, None compiles on CUDA
+        only (and not where SPECSERVE_ENFORCE_EAGER=1; decoding.compiled_forward.CompiledForward).
         lean: run decoding.lean_forward where the architecture has one (else transformers' forward).
         max_model_len: longest sequence served (default: the model's max_position_embeddings).
         kv_cache_memory_gb: the KV budget on CPU; on CUDA, gpu_memory_utilization of the engine's
@@ -328,7 +328,7 @@ def runner_for_model(model, max_sequences: int = 256, model_path: str | None = N
                      profile_batches: Sequence[tuple[int, int]] = DEFAULT_PROFILE_BATCHES,
                      prefix_caching: bool = True, cache_salt: str | None = None,
                      rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS,
-                     enforce_eager: bool = False) -> BatchedModelRunner:
+                     enforce_eager: bool | None = None) -> BatchedModelRunner:
     """BatchedModelRunner over `model` (running the lean forward where the architecture has one and
     lean_forward is set); logs one line saying which forward, the KV capacity and whether prefix
     caching is on (see BatchedModelRunner._init_from_model). UnsupportedModelError for a model it
@@ -372,6 +372,6 @@ def load_runner(spec: dict):
                               profile_batches=[tuple(batch) for batch in spec.get("profile_batches", DEFAULT_PROFILE_BATCHES)],
                               prefix_caching=spec.get("prefix_caching", True), cache_salt=spec.get("cache_salt"),
                               rollback_tokens=spec.get("rollback_tokens", DEFAULT_ROLLBACK_TOKENS),
-                              enforce_eager=spec.get("enforce_eager", False))
+                              enforce_eager=spec.get("enforce_eager"))
     runner.serve_as(spec.get("vocab_size"), spec.get("eos_token_ids"))
     return runner if group is None else in_group(runner, group.rank, control)

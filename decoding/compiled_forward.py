@@ -91,14 +91,23 @@ def pad_rows(input_ids: torch.Tensor, layout, rows: int):
 class CompiledForward:
     """`forward(input_ids, view) -> logits` compiled with torch.compile (dynamic shapes), falling
     back to the eager function when compiling fails at warm-up. `eager` says which one runs and
-    `reason` why. enforce_eager, or ENFORCE_EAGER_ENV set in the process (and so in the Ray
-    workers it starts), keeps it eager."""
+    `reason` why. enforce_eager True keeps it eager and False compiles; None (the default) compiles
+    on CUDA only, unless ENFORCE_EAGER_ENV is set in the process (and so in the Ray workers it
+    starts). Why not on a CPU by default: there compiling buys little per step and costs minutes
+    of start-up per model on a cold cache (docs/performance.md), which a server that should answer
+    its first request soon does not pay unless asked."""
 
-    def __init__(self, forward: Callable, device: torch.device, enforce_eager: bool) -> None:
+    def __init__(self, forward: Callable, device: torch.device, enforce_eager: bool | None = None) -> None:
         self.eager_forward = forward
         self.device = torch.device(device)
-        self.eager = enforce_eager or eager_by_default()
-        self.reason = "enforce_eager" if enforce_eager else f"{ENFORCE_EAGER_ENV} is set" if self.eager else "compiled"
+        if enforce_eager is not None:
+            self.eager, self.reason = enforce_eager, "enforce_eager" if enforce_eager else "compiled"
+        elif eager_by_default():
+            self.eager, self.reason = True, f"{ENFORCE_EAGER_ENV} is set"
+        elif self.device.type != "cuda":
+            self.eager, self.reason = True, "on CPU unless enforce_eager is false"
+        else:
+            self.eager, self.reason = False, "compiled"
         self.compile_seconds = 0.0
         self._compiled = None
         if not self.eager:

@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from specserve.decoding.batched_runner import ForwardCall, runner_for_model
+from specserve.decoding.block_manager import ForwardCall
+from specserve.decoding.scheduler import engine_for_model
 from specserve.decoding.compiled_forward import CUDA_GRAPH_BATCH_SIZES, graph_batch_size, pad_rows
 from specserve.decoding.paged_cache import NO_BLOCK, KVGroup, PagedKVCache, paged_layout
 from tests.tiny_pair import tiny_model
@@ -30,7 +31,8 @@ def filled_cache(heads: int, head_dim: int, seed: int, windowed: bool) -> tuple[
     torch.manual_seed(seed)
     cache = PagedKVCache(num_layers=1, num_blocks=40, block_size=BLOCK, groups=(KVGroup((0,), 6 if windowed else None),))
     starts, num_new = [13, 5, 22], [3, 1, 2]
-    blocks = cache.allocate(40)
+    cache.reserve(40)   # the pools' memory (the block manager, not the cache, hands out block ids)
+    blocks = list(range(40))
     order = torch.randperm(40).tolist()
     tables, used = [], 0
     for start, n in zip(starts, num_new):
@@ -108,9 +110,10 @@ def test_the_counter_sees_scalar_reads_and_boolean_indexing():
 def test_a_step_forward_makes_the_host_wait_on_nothing(architecture, lean):
     """The forward of a ragged verify step (its layout and view built, the model run) has no
     syncing operation; the runner's one host copy is of the logits it returns."""
-    runner = runner_for_model(tiny_model(architecture), lean_forward=lean)
+    engine = engine_for_model(tiny_model(architecture), lean_forward=lean)
+    runner = engine.runner
     histories = {"a": list(range(3, 30)), "b": list(range(40, 49))}
-    runner.forward_batch([ForwardCall(seq_id, history, 1) for seq_id, history in histories.items()])
+    engine.forward_batch([ForwardCall(seq_id, history, 1) for seq_id, history in histories.items()])
     seen = []
     original = runner._logits
 
@@ -121,7 +124,7 @@ def test_a_step_forward_makes_the_host_wait_on_nothing(architecture, lean):
         return logits
 
     runner._logits = counted
-    runner.forward_batch([ForwardCall("a", histories["a"] + [5, 6, 7], 4), ForwardCall("b", histories["b"] + [9], 2)])
+    engine.forward_batch([ForwardCall("a", histories["a"] + [5, 6, 7], 4), ForwardCall("b", histories["b"] + [9], 2)])
     assert seen == []
 
 
@@ -138,10 +141,11 @@ def test_the_cuda_graph_ladder_picks_the_smallest_rung_that_holds_the_batch():
 def test_padding_rows_for_a_graph_leaves_the_real_rows_and_the_cache_alone(kernel):
     """A step padded to a rung (rows repeating row 0) gives the real rows' logits, and the pools
     hold what the unpadded step stores."""
-    runner = runner_for_model(tiny_model("llama"))
+    engine = engine_for_model(tiny_model("llama"))
+    runner = engine.runner
     histories = {"a": list(range(3, 20)), "b": list(range(30, 36)), "c": list(range(50, 61))}
-    runner.forward_batch([ForwardCall(seq_id, history[:-2], 1) for seq_id, history in histories.items()])
-    tables = [[runner._sequences[seq_id].tables[0] for seq_id in histories]]
+    engine.forward_batch([ForwardCall(seq_id, history[:-2], 1) for seq_id, history in histories.items()])
+    tables = [[engine.blocks._sequences[seq_id].tables[0] for seq_id in histories]]
     starts = [len(history) - 2 for history in histories.values()]
     layout = paged_layout(tables, starts, [2, 1, 2], runner.block_size, torch.float32, torch.device("cpu"))
     input_ids = torch.tensor([history[-2:] for history in histories.values()])
