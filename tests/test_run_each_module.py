@@ -7,6 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# It runs pytest in subprocesses (seconds each): it belongs with the runner it checks, in `make reliability`.
+pytestmark = pytest.mark.slow
+
 RUNNER = Path(__file__).with_name("run_each_module.py")
 MODULES = {
     # Process-wide state set by one module, as a Ray driver's auth mode is read once per process.
