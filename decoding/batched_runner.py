@@ -4,9 +4,9 @@ paged KV cache, for any decoder.
 The runner does not allocate: the scheduler's block manager (decoding.block_manager) plans each
 forward as a `StepPlan` (per row the tokens to run, where they start, its block table in every KV
 cache group, copy-on-write copies to make first) and `run` runs it: right-padded input ids,
-per-row position ids and a boolean `logits_to_keep` built from the plan (decoding.paged_cache.
-paged_layout), keys and values in blocks of a budgeted pool, so only the rows asked for reach the
-LM head. The model runs its own forward, whatever its architecture (q/k norms, fused projections,
+per-row position ids and the kept positions as an index (no boolean mask: selecting by one
+would wait on the host) built from the plan (decoding.paged_cache.paged_layout), keys and values
+in blocks of a budgeted pool, so only the rows asked for reach the LM head. The model runs its own forward, whatever its architecture (q/k norms, fused projections,
 MoE, soft-capping, sliding windows per layer): its attention is decoding.paged_attention's,
 registered in transformers' AttentionInterface, as vLLM's Transformers backend does. For
 full-attention Llama-shaped models decoding.lean_forward runs the same attention with less Python
