@@ -131,9 +131,8 @@ class CompiledForward:
 
     def warm_up(self, run: Callable[[], object], model_path: str) -> None:
         """Run `run` (forwards through this object, of the shapes to trace) once, compiling; on failure log one warning naming why and serve eager from then on (`run` is
-        then repeated eagerly)."""
+        then repeated eagerly). An eager forward has nothing to trace: it runs nothing at start."""
         if self.eager:
-            run()
             return
         started = time.perf_counter()
         try:
