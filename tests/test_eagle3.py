@@ -4,7 +4,8 @@ from the same forward, the head's cached drafting equals drafting from scratch, 
 with a head equals target-only output, and a sampled head's tokens follow the q it reports over
 the target's vocabulary (docs/eagle3.md).
 
-The equalities hold on CPU in float32, where the tests run."""
+The equalities asserted here hold on CPU in float32, where the tests run; on a GPU in bf16 greedy
+output may differ at near-ties and with what shares a batch (docs/gpu.md)."""
 
 from __future__ import annotations
 
