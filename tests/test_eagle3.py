@@ -367,3 +367,29 @@ def test_sampled_speculation_with_a_head_preserves_the_target_distribution(small
 def test_sampled_runs_exercised_both_acceptance_and_rejection(sampled_outputs):
     """Otherwise the statistics above would say nothing about one of the two paths."""
     assert 0.1 < sampled_outputs[1] < 0.9
+
+
+def test_training_computes_what_drafting_computes(small):
+    """The training-time test's scores at depth j for committed position i equal the proposer's
+    head steps drafting j tokens ahead from i (fed the same tokens): a head trained on other
+    arithmetic than it drafts with would learn the wrong thing."""
+    from training.train_eagle3 import ttt_forward
+
+    target, loaded = small
+    head = loaded.head
+    window = torch.tensor([[12, 40, 21, 7, 30, 5, 9, 61, 2, 44]])
+    with torch.no_grad():
+        hidden = target(window[:, :-1], output_hidden_states=True).hidden_states
+        features = torch.cat([hidden[layer] for layer in loaded.aux_layers], dim=-1)
+        trained = ttt_forward(head, features, window, ttt_steps=3)
+        tokens = window[0].tolist()
+        for i in (0, 3, 5):
+            committed = head.step(torch.tensor(tokens[1:i + 2]), head.fuse(features[0, :i + 1]), torch.arange(i + 1))
+            keys, values, prenorm = committed.keys, committed.values, committed.prenorm[-1:]
+            assert torch.allclose(trained[0][0, i], committed.logits[-1], atol=1e-4)
+            for depth in (1, 2):
+                step = head.step(torch.tensor([tokens[i + 1 + depth]]), prenorm, torch.tensor([i + depth]),
+                                 keys, values)
+                assert torch.allclose(trained[depth][0, i], step.logits[0], atol=1e-4)
+                keys, values = torch.cat([keys, step.keys], 1), torch.cat([values, step.values], 1)
+                prenorm = step.prenorm
