@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from specserve.decoding.batched_runner import TargetFeatures
 from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.eagle3_checkpoint import (Eagle3CheckpointError, default_aux_layers, head_format,
                                                   load_eagle3_head)
@@ -361,3 +362,20 @@ def test_training_computes_what_drafting_computes(small):
                 assert torch.allclose(trained[depth][0, i], step.logits[0], atol=1e-4)
                 keys, values = torch.cat([keys, step.keys], 1), torch.cat([values, step.values], 1)
                 prenorm = step.prenorm
+
+
+def test_a_head_without_the_targets_features_says_which_positions_it_needs(small):
+    """A target run without the head's aux layers (or whose prefix cache skipped positions) gives
+    the proposer nothing to make its entries from: it says so instead of drafting from garbage."""
+    from specserve.decoding.errors import SequenceStateError
+
+    target, loaded = small
+    engine = engine_for_model(target, aux_layers=loaded.aux_layers)
+    proposer = Eagle3Proposer(loaded)
+    history = SAMPLED_PROMPT + [7, 30]
+    with pytest.raises(SequenceStateError, match=r"positions 0\.\.3, it has none"):
+        proposer.propose("s", history, 2, SamplingParams(temperature=0))
+    _, (features,) = engine.forward_batch_with_features([ForwardCall("late", history)])
+    proposer.observe("late", TargetFeatures(2, features.hidden[2:]))
+    with pytest.raises(SequenceStateError, match=r"positions 0\.\.3, it has 2\.\.4"):
+        proposer.propose("late", history, 2, SamplingParams(temperature=0))
