@@ -397,8 +397,8 @@ def runner_for_model(model, max_sequences: int = 256, model_path: str | None = N
 def load_runner(spec: dict):
     """The runner for a model spec mapping (path, dtype, device, torch_threads, max_sequences,
     lean_forward, and optionally max_model_len, kv_cache_memory_gb, gpu_memory_utilization,
-    prefix_caching, cache_salt, and the builder's gpu_share, profile_batches and rollback_tokens: see
-    BatchedModelRunner._init_from_model).
+    prefix_caching, cache_salt, aux_layers (an EAGLE-3 head's target), and the builder's gpu_share,
+    profile_batches and rollback_tokens: see BatchedModelRunner._init_from_model).
 
     With `tensor_parallel` ({rank, size, store_address}: this process is one rank of a group) it
     joins the group and loads this rank's shards; rank 0 gets the MirroredRunner the engine
@@ -416,6 +416,6 @@ def load_runner(spec: dict):
                               profile_batches=[tuple(batch) for batch in spec.get("profile_batches", DEFAULT_PROFILE_BATCHES)],
                               prefix_caching=spec.get("prefix_caching", True), cache_salt=spec.get("cache_salt"),
                               rollback_tokens=spec.get("rollback_tokens", DEFAULT_ROLLBACK_TOKENS),
-                              enforce_eager=spec.get("enforce_eager"))
+                              enforce_eager=spec.get("enforce_eager"), aux_layers=spec.get("aux_layers", ()))
     runner.serve_as(spec.get("vocab_size"), spec.get("eos_token_ids"))
     return runner if group is None else in_group(runner, group.rank, control)
