@@ -145,7 +145,7 @@ class SpeculationSpec(_Strict):
                                    "requests in flight (Saguaro's batch-size fallback): where draft and target share "
                                    "a device or a CPU, pre-drafts for a batch slow the target more than hits save "
                                    "(docs/speculation-cache.md); raise it when the draft has its own GPU")
-    saguaro_downweight: float = Field(0.5, gt=0, le=1, description="with a fan-out, a sampled draft draws "
+    saguaro_downweight: float = Field(0.05, gt=0, le=1, description="with a fan-out, a sampled draft draws "
                                       "from its row with its likeliest tokens scaled by this (Saguaro sampling): a "
                                       "rejection's recovered token then falls on the tokens pre-drafted for far more "
                                       "often, for some acceptance. Exact for any value; 1: off "
