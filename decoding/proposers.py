@@ -88,6 +88,7 @@ class ProposeCall:
     num_candidates: int = 0        # also return the draft's top tokens at each position (Proposal.candidates)
     guess_rank: int | None = None  # the first token is the draft's guess_rank-th likeliest, drawn with no randomness
     keep_stream_states: bool = False  # return the generator's state after each draw (Proposal.stream_states)
+    lowered: bool = False          # a sampled row draws from its Saguaro-lowered q (DraftModelProposer.saguaro)
 
 
 @dataclass
@@ -250,7 +251,7 @@ def draft_step(logits: torch.Tensor, calls: Sequence[ProposeCall], processors: S
     tensor ops on the rows' device: penalties and grammar masks (decoding.row_processors.RowBatch),
     one argmax for the greedy rows, the sampled rows' processing (decoding.sampling.process_rows)
     cut to max_candidates (draft_support), lowered by saguaro (compact_verify.saguaro_support)
-    and drawn each with its request's generator, and ONE transfer of the chosen ids (and the
+    where the call asks (ProposeCall.lowered), and drawn each with its request's generator, and ONE transfer of the chosen ids (and the
     candidates and odds asked for) to the host. Per row: (token, its candidates or None, the q it
     was drawn from (None when greedy), its DraftOdds or None); token None where the row's grammar
     allows nothing. The caller advances processors[j] by the token. first[j]: the row is its call's
@@ -280,8 +281,12 @@ def draft_step(logits: torch.Tensor, calls: Sequence[ProposeCall], processors: S
         if own is not None:
             own = own.index_copy(0, rows, processed)
         q = draft_support(processed, max_candidates)
-        if saguaro is not None:
-            q = saguaro_support(q, saguaro.num_lowered, saguaro.downweight)
+        lowering = [k for k, j in enumerate(sampled) if calls[j].lowered] if saguaro is not None else []
+        if lowering:
+            rows_lowered = torch.tensor(lowering, device=logits.device)
+            down = saguaro_support(DraftSupport(q.ids[rows_lowered], q.probs[rows_lowered]), saguaro.num_lowered,
+                                   saguaro.downweight)
+            q = DraftSupport(q.ids, q.probs.index_copy(0, rows_lowered, down.probs))
         drawing = [k for k, j in enumerate(sampled) if j not in guesses]
         if drawing:
             pick = sample_rows(q.probs[drawing], [calls[sampled[k]].generator for k in drawing])

@@ -424,6 +424,10 @@ class DraftEngine(EngineCore):
         return complete
 
     def _propose_call(self, call: DraftCall) -> ProposeCall:
+        """The proposer's call. A sampled draft draws from its Saguaro-lowered row on rounds that
+        pre-draft (docs/speculation-cache.md), where it puts the residual on the blocks pre-drafted;
+        elsewhere it would cost acceptance for nothing. A seeded request's rows are always lowered:
+        its output must not depend on whether load let a round pre-draft."""
         generator = self.generators.get(call.seq_id)
         if generator is None:
             device = self.runner.device if self.runner is not None else torch.device("cpu")   # a model-free proposer
@@ -431,7 +435,8 @@ class DraftEngine(EngineCore):
             if call.stream_state is not None:
                 generator.set_state(call.stream_state)
         return ProposeCall(call.seq_id, call.history, call.num_tokens, call.params, generator, call.prompt_len,
-                           call.num_candidates, call.guess_rank, keep_stream_states=call.stream_state is not None)
+                           call.num_candidates, call.guess_rank, keep_stream_states=call.stream_state is not None,
+                           lowered=call.seed is not None or call.num_candidates > 0)
 
     def _to_wire(self, proposal: Proposal) -> Proposal:
         return replace(proposal, support=None if proposal.support is None else proposal.support.wire(),

@@ -142,7 +142,7 @@ def test_saguaro_rows_are_the_q_drawn_and_shipped_and_the_odds_read_the_drafts_o
     pre-draft's guess of rank r is the row's r-th likeliest token, drawn with no randomness."""
     logits = mixed_logits(6)
     saguaro = SaguaroSampling(2, 0.25)
-    calls = [ProposeCall(f"s{j}", HISTORY, 1, p, make_generator(j), len(PROMPT), num_candidates=3)
+    calls = [ProposeCall(f"s{j}", HISTORY, 1, p, make_generator(j), len(PROMPT), num_candidates=3, lowered=True)
              for j, p in enumerate(MIXED)]
     step = draft_step(logits, calls, [processor(p) for p in MIXED], [True] * len(MIXED), 5, saguaro)
     exact = exact_rows(logits, MIXED)
@@ -157,9 +157,16 @@ def test_saguaro_rows_are_the_q_drawn_and_shipped_and_the_odds_read_the_drafts_o
         base = DraftSupport(top.indices, top.values / top.values.sum())
         torch.testing.assert_close(q.probs, saguaro_support(base, 2, 0.25).probs)
         assert odds.drafted_drawn == pytest.approx(float(q.probs_of(torch.tensor(token))), abs=1e-6)
-    guessing = [ProposeCall(f"g{j}", HISTORY, 1, p, make_generator(j), len(PROMPT), guess_rank=1)
+    guessing = [ProposeCall(f"g{j}", HISTORY, 1, p, make_generator(j), len(PROMPT), guess_rank=1, lowered=True)
                 for j, p in enumerate(MIXED)]
     guessed = draft_step(logits, guessing, [processor(p) for p in MIXED], [True] * len(MIXED), 5, saguaro)
+    plain = [ProposeCall(f"p{j}", HISTORY, 1, p, make_generator(j), len(PROMPT), num_candidates=3)
+             for j, p in enumerate(MIXED)]
+    for (_, _, q, _), request_params, row in zip(draft_step(logits, plain, [processor(p) for p in MIXED],
+                                                            [True] * len(MIXED), 5, saguaro), MIXED, exact):
+        if not request_params.is_greedy:   # a row not asked to be lowered keeps its own q
+            top = torch.topk(row, 5)
+            torch.testing.assert_close(q.probs, top.values / top.values.sum())
     second = [torch.topk(row, 2) for row in exact]
     assert all(token == top.indices[1].item() for (token, *_), top, request_params in zip(guessed, second, MIXED)
                if not request_params.is_greedy and top.values[1] > 0)
