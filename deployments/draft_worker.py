@@ -241,6 +241,7 @@ class DraftEngine(EngineCore):
         committed = self.committed(seq_id, history)
         if isinstance(committed, UnknownHistory):
             self._drop_predrafts(seq_id)
+            self.verifying.pop(seq_id, None)   # its outcome will not be seen
             return committed
         entered_s = time.perf_counter()
         num_candidates = max(sum(fan_out) + 1, MAX_BONUS_GUESSES) if any(fan_out) and self.runner is not None else 0
