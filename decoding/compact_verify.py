@@ -87,6 +87,25 @@ def draft_support(probs: torch.Tensor, max_candidates: int | None) -> DraftSuppo
     return DraftSupport(top.indices, top.values / top.values.sum(-1, keepdim=True))
 
 
+
+def saguaro_support(support: DraftSupport, num_lowered: int, downweight: float) -> DraftSupport:
+    """The draft's q with its num_lowered most likely tokens per row scaled by downweight (< 1)
+    and renormalised: Saguaro sampling (Kumar, Dao, May, "Speculative Speculative Decoding",
+    2026). The draft samples from, and is verified against, this q. Where the target rejects, it
+    emits a token from the residual norm(max(p - q, 0)); taking mass off the draft's top tokens
+    puts that residual on them, and those are the tokens the speculation cache pre-drafts for
+    (docs/speculation-cache.md). Exact for any downweight, since verification uses the q sampled
+    from; it costs acceptance, the mass moved to the tail. downweight 1 or num_lowered 0: q as it is."""
+    if downweight >= 1.0 or num_lowered <= 0:
+        return support
+    if not 0.0 < downweight:
+        raise ValueError(f"the Saguaro downweight must be in (0, 1], got {downweight}")
+    probs = support.probs.float()
+    lowered = torch.topk(probs, min(num_lowered, probs.shape[-1]), dim=-1).indices
+    scale = torch.ones_like(probs).scatter_(-1, lowered, downweight)
+    scaled = probs * scale
+    return DraftSupport(support.ids, scaled / scaled.sum(-1, keepdim=True))
+
 @dataclass(frozen=True)
 class TargetNumbers:
     """What the target engine answers for a sampled block of K draft tokens (batch B):

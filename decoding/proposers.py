@@ -11,7 +11,7 @@ import torch
 from specserve.decoding.grammar import GrammarDeadEndError, GrammarMatchers
 from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.row_processors import HistoryProcessor, RowBatch, history_processor
-from specserve.decoding.compact_verify import DraftSupport, draft_support
+from specserve.decoding.compact_verify import DraftSupport, draft_support, saguaro_support
 from specserve.decoding.sampling import RowParams, SamplingParams, process_rows, sample_rows
 
 
@@ -26,6 +26,9 @@ class Proposal:
     # ProposeCall.num_candidates): where the speculation cache looks for the target's token. The
     # draft engine keeps them; they never leave it.
     candidates: list[list[int]] | None = None
+    # The draft's own numbers at each drafted position (with candidates): what the fan-out is
+    # shared out by (policies.fan_out.share_fan_out). Engine-internal like candidates.
+    odds: list["DraftOdds"] | None = None
     # Set by the draft engine: the block was pre-drafted during the last verify (a speculation
     # cache hit, decoding.speculation_cache), and the pre-drafted tokens thrown away when this
     # round's outcome was known.
@@ -35,6 +38,41 @@ class Proposal:
     # engine-internal): a pre-draft that is used leaves the request's stream where drafting its
     # block just in time would have.
     stream_states: list[torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class DraftOdds:
+    """One drafted position's numbers, for guessing the verification's outcome there: the
+    draft's own probability (its processed row, the target's stand-in) of each candidate
+    (`Proposal.candidates`, best first) and of the drafted token, and the probability the draft
+    drew them with (the Saguaro-lowered q; None when greedy: the argmax, no draw)."""
+
+    candidate_q: tuple[float, ...]
+    candidate_drawn: tuple[float, ...] | None
+    drafted_q: float
+    drafted_drawn: float | None
+    # sum over the vocabulary of max(own - drawn, 0): where a rejection's residual would be if the
+    # target were the draft (0 when greedy, or when the draft draws from its own row).
+    residual_mass: float = 0.0
+
+
+# How many of a sampled draft row's likeliest tokens Saguaro sampling lowers: those the speculation
+# cache pre-drafts for at a rejected position (the drafted token may be one of them).
+SAGUARO_LOWERED = 3
+
+
+@dataclass(frozen=True)
+class SaguaroSampling:
+    """How a sampled draft lowers its top tokens (decoding.compact_verify.saguaro_support):
+    the num_lowered most likely tokens of each row, scaled by downweight."""
+
+    num_lowered: int
+    downweight: float
+
+    def __post_init__(self) -> None:
+        if self.num_lowered < 0 or not 0.0 < self.downweight <= 1.0:
+            raise ValueError(f"Saguaro sampling needs num_lowered >= 0 and downweight in (0, 1], got "
+                             f"{self.num_lowered}, {self.downweight}")
 
 
 @dataclass
@@ -48,8 +86,9 @@ class ProposeCall:
     generator: torch.Generator | None = None
     prompt_len: int | None = None  # tokens of history that are prompt (penalties count the rest as output)
     num_candidates: int = 0        # also return the draft's top tokens at each position (Proposal.candidates)
-    guess_first: bool = False      # the first token is the draft's argmax, drawn with no randomness (a guess)
+    guess_rank: int | None = None  # the first token is the draft's guess_rank-th likeliest, drawn with no randomness
     keep_stream_states: bool = False  # return the generator's state after each draw (Proposal.stream_states)
+    lowered: bool = False          # a sampled row draws from its Saguaro-lowered q (DraftModelProposer.saguaro)
 
 
 @dataclass
@@ -63,6 +102,7 @@ class Drafting:
     processor: HistoryProcessor | None = None
     drafted: list[int] = field(default_factory=list)
     ranked: list[list[int]] = field(default_factory=list)
+    odds: list[DraftOdds] = field(default_factory=list)
     q_rows: list[DraftSupport] = field(default_factory=list)
     states: list[torch.Tensor] = field(default_factory=list)
 
@@ -70,7 +110,8 @@ class Drafting:
     def done(self) -> bool:
         return len(self.drafted) >= self.budget
 
-    def advance(self, token: int | None, top: list[int] | None, q: DraftSupport | None) -> None:
+    def advance(self, token: int | None, top: list[int] | None, q: DraftSupport | None,
+                odds: DraftOdds | None = None) -> None:
         """Take one step's token (None: the grammar allows nothing here; the target will say so,
         the draft just stops)."""
         if token is None:
@@ -79,9 +120,11 @@ class Drafting:
         call = self.call
         if top is not None:
             self.ranked.append(top)
+        if odds is not None:
+            self.odds.append(odds)
         if q is not None:
             self.q_rows.append(q)
-        if call.keep_stream_states and call.generator is not None and not (call.guess_first and not self.drafted):
+        if call.keep_stream_states and call.generator is not None and not (call.guess_rank is not None and not self.drafted):
             self.states.append(call.generator.get_state())
         if self.processor is not None:
             self.processor.advance([token])
@@ -92,7 +135,7 @@ class Drafting:
         if not self.drafted:
             return empty_proposal()
         return Proposal(token_ids=self.drafted, support=None if self.call.params.is_greedy else
-                        DraftSupport.stack(self.q_rows), candidates=self.ranked or None,
+                        DraftSupport.stack(self.q_rows), candidates=self.ranked or None, odds=self.odds or None,
                         stream_states=self.states if self.call.keep_stream_states else None)
 
 
@@ -133,12 +176,15 @@ class DraftModelProposer:
     grammar forbids; bench.figures.structured_outputs measures the difference)."""
 
     def __init__(self, runner: Any, grammars: GrammarMatchers | None = None,
-                 max_candidates: int | None = None) -> None:
+                 max_candidates: int | None = None, saguaro: SaguaroSampling | None = None) -> None:
         """max_candidates: a sampled draft token is drawn from its processed row's top
         max_candidates tokens renormalised (decoding.compact_verify.draft_support), which is the q
         verified against; None: the whole row (`speculation.draft_top_k` on the served path).
-        runner: what the draft forwards run on (a Scheduler: forward_batch, release, max_context)."""
+        runner: what the draft forwards run on (a Scheduler: forward_batch, release, max_context).
+        saguaro: sampled drafts lower their top tokens so that a rejection's residual lands on the
+        tokens the speculation cache pre-drafts for (`speculation.saguaro_downweight`); None: q as it is."""
         self.runner = runner
+        self.saguaro = saguaro
         self.grammars = grammars
         self.max_candidates = max_candidates
 
@@ -182,9 +228,9 @@ class DraftModelProposer:
                 draft.processor = history_processor(draft.call.params, draft.call.history, draft.call.prompt_len,
                                                     rows.shape[-1], rows.device, draft.matcher)
         step = draft_step(rows, [draft.call for draft in drafts], [draft.processor for draft in drafts],
-                          [not draft.drafted for draft in drafts], self.max_candidates)
-        for draft, (token, top, q) in zip(drafts, step):
-            draft.advance(token, top, q)
+                          [not draft.drafted for draft in drafts], self.max_candidates, self.saguaro)
+        for draft, (token, top, q, odds) in zip(drafts, step):
+            draft.advance(token, top, q, odds)
 
     def _grammar(self, call: ProposeCall):
         """The call's grammar matcher synced to its history, None (no grammar, or drafting
@@ -205,17 +251,18 @@ class DraftModelProposer:
 
 
 def draft_step(logits: torch.Tensor, calls: Sequence[ProposeCall], processors: Sequence[HistoryProcessor | None],
-               first: Sequence[bool], max_candidates: int | None = None,
-               ) -> list[tuple[int | None, list[int] | None, DraftSupport | None]]:
+               first: Sequence[bool], max_candidates: int | None = None, saguaro: SaguaroSampling | None = None,
+               ) -> list[tuple[int | None, list[int] | None, DraftSupport | None, DraftOdds | None]]:
     """One draft step for the rows logits [B, V] (row j: calls[j]'s next token), in batched
     tensor ops on the rows' device: penalties and grammar masks (decoding.row_processors.RowBatch),
-    one argmax for the greedy rows (and a pre-draft's guessed first token), the sampled rows'
-    processing (decoding.sampling.process_rows) cut to max_candidates (draft_support) and drawn
-    each with its request's generator, and ONE transfer of the chosen ids (and the candidates
-    asked for) to the host. Per row: (token, its candidates or None, the q it was drawn from
-    (None when greedy)); token None where the row's grammar allows nothing. The caller advances
-    processors[j] by the token. first[j]: the row is its call's first token (a pre-draft guesses
-    it when call.guess_first). max_candidates as DraftModelProposer's."""
+    one argmax for the greedy rows, the sampled rows' processing (decoding.sampling.process_rows)
+    cut to max_candidates (draft_support), lowered by saguaro (compact_verify.saguaro_support)
+    where the call asks (ProposeCall.lowered), and drawn each with its request's generator, and ONE transfer of the chosen ids (and the
+    candidates and odds asked for) to the host. Per row: (token, its candidates or None, the q it
+    was drawn from (None when greedy), its DraftOdds or None); token None where the row's grammar
+    allows nothing. The caller advances processors[j] by the token. first[j]: the row is its call's
+    first token (a pre-draft guesses it when call.guess_rank is set: the row's guess_rank-th most
+    likely token, no draw). max_candidates as DraftModelProposer's."""
     batch, dead = RowBatch(), set()
     for j, (call, processor) in enumerate(zip(calls, processors)):
         if processor is not None:
@@ -225,32 +272,71 @@ def draft_step(logits: torch.Tensor, calls: Sequence[ProposeCall], processors: S
                 dead.add(j)
     logits = batch.apply(logits)
     tokens = logits.argmax(dim=-1)
-    guessing = {j for j, call in enumerate(calls) if call.guess_first and first[j]}
+    guesses = {j: call.guess_rank for j, call in enumerate(calls) if call.guess_rank is not None and first[j]}
+    num_candidates = max((call.num_candidates for call in calls), default=0)
+    width = min(max([num_candidates, *(rank + 1 for rank in guesses.values())]), logits.shape[-1])
+    # The draft's processed rows (the target's stand-in when its odds are guessed): softmax for
+    # greedy rows, process_rows for sampled ones. Ranked once, for candidates and guesses alike.
+    own = torch.softmax(logits.float(), dim=-1) if width else None
     sampled = [j for j, call in enumerate(calls) if not call.params.is_greedy]
     supports: dict[int, DraftSupport] = {}
     if sampled:
         rows = torch.tensor(sampled, device=logits.device)
-        q = draft_support(process_rows(logits[rows], RowParams.of([calls[j].params for j in sampled],
-                                                                  logits.shape[-1], logits.device)),
-                          max_candidates)
-        drawing = [k for k, j in enumerate(sampled) if j not in guessing]
+        processed = process_rows(logits[rows], RowParams.of([calls[j].params for j in sampled],
+                                                            logits.shape[-1], logits.device))
+        if own is not None:
+            own = own.index_copy(0, rows, processed)
+        q = draft_support(processed, max_candidates)
+        lowering = [k for k, j in enumerate(sampled) if calls[j].lowered] if saguaro is not None else []
+        if lowering:
+            rows_lowered = torch.tensor(lowering, device=logits.device)
+            down = saguaro_support(DraftSupport(q.ids[rows_lowered], q.probs[rows_lowered]), saguaro.num_lowered,
+                                   saguaro.downweight)
+            q = DraftSupport(q.ids, q.probs.index_copy(0, rows_lowered, down.probs))
+        drawing = [k for k, j in enumerate(sampled) if j not in guesses]
         if drawing:
             pick = sample_rows(q.probs[drawing], [calls[sampled[k]].generator for k in drawing])
             chosen = q.ids[drawing].gather(-1, pick.unsqueeze(-1)).squeeze(-1)
             tokens = tokens.index_copy(0, rows[drawing], chosen)
+    top = torch.topk(own, width, dim=-1) if width else None
+    if guesses:
+        guessed = torch.tensor(list(guesses), device=logits.device)
+        ranks = torch.tensor(list(guesses.values()), device=logits.device)
+        tokens = tokens.index_copy(0, guessed, top.indices[guessed, ranks])
+    if sampled:
         for k, j in enumerate(sampled):
             # A guess's row is one-hot at it, so the q rows stay one per token (it is never verified).
-            probs = (q.ids[k] == tokens[j]).to(q.probs.dtype) if j in guessing else q.probs[k]
+            probs = (q.ids[k] == tokens[j]).to(q.probs.dtype) if j in guesses else q.probs[k]
             supports[j] = DraftSupport(q.ids[k], probs)
-    num_candidates = max((call.num_candidates for call in calls), default=0)
+    # To the host in one copy: token | candidates | their q | their drawn q | the token's q, drawn q.
+    columns = [tokens.unsqueeze(-1).double()]
     if num_candidates:
-        top = torch.topk(logits, min(num_candidates, logits.shape[-1]), dim=-1).indices
-        on_host = torch.cat([tokens.unsqueeze(-1), top], dim=-1).tolist()
-    else:
-        on_host = tokens.unsqueeze(-1).tolist()
-    return [(None, None, None) if j in dead else
-            (row[0], row[1:1 + call.num_candidates] if call.num_candidates else None, supports.get(j))
-            for j, (call, row) in enumerate(zip(calls, on_host))]
+        drawn_top = torch.zeros_like(top.values)
+        drawn_token = torch.zeros_like(tokens, dtype=torch.float32)
+        residual = torch.zeros_like(drawn_token)
+        for k, j in enumerate(sampled):
+            drawn_top[j] = supports[j].probs_of(top.indices[j])
+            drawn_token[j] = supports[j].probs_of(tokens[j])
+            residual[j] = (own[j] - supports[j].dense(own.shape[-1])).clamp(min=0).sum()
+        columns += [top.indices[:, :num_candidates].double(), top.values[:, :num_candidates].double(),
+                    drawn_top[:, :num_candidates].double(), residual.unsqueeze(-1).double(),
+                    own.gather(-1, tokens.unsqueeze(-1)).double(), drawn_token.unsqueeze(-1).double()]
+    on_host = torch.cat(columns, dim=-1).tolist()
+    steps = []
+    for j, (call, row) in enumerate(zip(calls, on_host)):
+        if j in dead:
+            steps.append((None, None, None, None))
+            continue
+        n, greedy = call.num_candidates, call.params.is_greedy
+        ranked = odds = None
+        if n:
+            ids, q_top, drawn_top = row[1:1 + n], row[1 + num_candidates:1 + num_candidates + n], \
+                row[1 + 2 * num_candidates:1 + 2 * num_candidates + n]
+            ranked = [int(token) for token in ids]
+            odds = DraftOdds(tuple(q_top), None if greedy else tuple(drawn_top), row[-2],
+                             None if greedy else row[-1], 0.0 if greedy else row[-3])
+        steps.append((int(row[0]), ranked, supports.get(j), odds))
+    return steps
 
 
 class NgramProposer:
@@ -308,7 +394,9 @@ def _draft_model_proposer(runner: Any, model_spec: Mapping[str, Any] | None,
                           engine_options: Mapping[str, Any]) -> DraftModelProposer:
     assert runner is not None and model_spec is not None, "a draft-model proposer needs its runner and spec"
     grammars = GrammarMatchers.for_runner(runner, model_spec.get("tokenizer_path") or model_spec["path"])
-    return DraftModelProposer(runner, grammars, engine_options.get("draft_top_k"))
+    downweight = engine_options.get("saguaro_downweight")
+    saguaro = None if downweight is None or downweight >= 1.0 else SaguaroSampling(SAGUARO_LOWERED, downweight)
+    return DraftModelProposer(runner, grammars, engine_options.get("draft_top_k"), saguaro)
 
 
 # Every proposer `speculation.proposer` can name: an entry here is all a new one needs (the config

@@ -17,9 +17,10 @@ order that does not depend on the verification), and it carries the q rows (and 
 it was drawn from, which the owner verifies it against. Which block is used depends on the
 verification; what is in the chosen block does not.
 
-The bonus outcome's t is not known before one more draft step, so that block is drafted from
-h + d1..dK with one token more: its first token is the guess of the bonus token, the rest the block
-(`Predraft.guesses_next`), as SSD's bonus pre-draft and the draft-ahead path this replaces did.
+The bonus outcome's t is not known before one more draft step, so each of its blocks is drafted
+from h + d1..dK with one token more: its first token is a guess of the bonus token (the draft's
+i-th most likely there, `Predraft.guess_rank`), the rest the block, as SSD's bonus pre-drafts do.
+Which outcomes get blocks is policies.fan_out.share_fan_out's choice, from the draft's own numbers.
 
 Everything here is pure: the draft engine (deployments/draft_worker.py) runs the drafts.
 """
@@ -31,69 +32,33 @@ from dataclasses import dataclass, replace
 
 from specserve.decoding.proposers import Proposal
 
-# How much likelier the draft's i-th candidate is to be the target's token than its (i+1)-th, when
-# the fan-out is shared out (`allocate_fan_out`): a prior, not a measurement (docs/speculation-cache.md).
-CANDIDATE_DECAY = 0.5
-
 
 @dataclass(frozen=True)
 class Predraft:
     """One outcome's block to draft: the history it continues (committed + accepted drafts +
     the emitted token; for the bonus outcome, committed + the whole block, and its first drafted
-    token is the guess of the bonus token)."""
+    token is the guess of the bonus token: the draft's guess_rank-th most likely there)."""
 
     history: tuple[int, ...]
-    guesses_next: bool = False
+    guess_rank: int | None = None
+
+    @property
+    def guesses_next(self) -> bool:
+        return self.guess_rank is not None
 
 
-def outcome_probabilities(accept_rates: Sequence[float], num_drafted: int) -> list[float]:
-    """P(the target keeps exactly a draft tokens), a = 0..K, from per-position acceptance rates
-    (policies.acceptance's by-position rates: position j's rate given the first j were kept)."""
-    probabilities, reached = [], 1.0
-    for position in range(num_drafted):
-        rate = min(max(accept_rates[position] if position < len(accept_rates) else accept_rates[-1], 0.0), 1.0)
-        probabilities.append(reached * (1.0 - rate))
-        reached *= rate
-    probabilities.append(reached)
-    return probabilities
-
-
-def allocate_fan_out(accept_rates: Sequence[float], num_drafted: int, fan_out: int,
-                     decay: float = CANDIDATE_DECAY) -> tuple[int, ...]:
-    """How many blocks to pre-draft for each accepted length a = 0..K: fan_out blocks in all,
-    each to the (outcome, candidate rank) most likely to be the one that happens. Candidate i at
-    outcome a is assumed to be the emitted token with probability P(a) (1 - decay) decay^i, a
-    geometric prior over the draft's ranking (SSD's geometric fan-out); the bonus outcome has one
-    block (its guess is the draft's own next token). A request whose drafts are mostly kept puts
-    its blocks on the bonus and late rejections, one whose drafts fail early on the first positions."""
-    counts = [0] * (num_drafted + 1)
-    if fan_out <= 0 or num_drafted <= 0:
-        return tuple(counts)
-    probabilities = outcome_probabilities(accept_rates, num_drafted)
-    options = [(probabilities[num_drafted], num_drafted, 0)]
-    for outcome in range(num_drafted):
-        options += [(probabilities[outcome] * (1.0 - decay) * decay ** rank, outcome, rank)
-                    for rank in range(fan_out)]
-    options.sort(key=lambda option: (-option[0], option[1], option[2]))
-    for _, outcome, _ in options[:fan_out]:
-        counts[outcome] += 1
-    return tuple(counts)
-
-
-def predrafts(history: Sequence[int], block: Sequence[int], candidates: Sequence[Sequence[int]] | None,
-              allocation: Sequence[int]) -> list[Predraft]:
-    """The blocks to draft for allocation's outcomes of verifying block after history: for a < K,
-    the first allocation[a] of the draft's candidates at position a (its ranking, most likely
-    first) other than block[a]; for a = K, the bonus block if allocation[K] > 0."""
+def predrafts(history: Sequence[int], block: Sequence[int], picks: Sequence[tuple[int, int]]) -> list[Predraft]:
+    """The blocks to draft for picks' outcomes of verifying block after history: (a, t) with
+    a < len(block) is the outcome that keeps block[:a] and emits t (never block[a]: a rejected
+    token is not emitted there); (len(block), i) is the bonus outcome, its token guessed as the
+    draft's i-th most likely (policies.fan_out.share_fan_out picks them)."""
     history, block = tuple(history), tuple(block)
     wanted: list[Predraft] = []
-    for outcome, count in enumerate(allocation[:len(block)]):
-        if count <= 0 or candidates is None or outcome >= len(candidates):
-            continue
-        others = [token for token in candidates[outcome] if token != block[outcome]][:count]
-        wanted += [Predraft(history + block[:outcome] + (token,)) for token in others]
-    if len(allocation) > len(block) and allocation[len(block)] > 0 and block:
-        wanted.append(Predraft(history + block, guesses_next=True))
+    for outcome, token in picks:
+        if outcome < len(block) and token != block[outcome]:
+            wanted.append(Predraft(history + block[:outcome] + (token,)))
+        elif outcome == len(block) and block:
+            wanted.append(Predraft(history + block, guess_rank=token))
     return wanted
 
 
@@ -114,12 +79,14 @@ def may_continue(predraft: Predraft, history: Sequence[int]) -> bool:
 
 def block_of(predraft: Predraft, drafted: Proposal, num_tokens: int) -> Proposal:
     """The proposal a hit answers: predraft's block cut to num_tokens (without its guess), its q
-    rows and candidates cut alike (the next pre-drafts start from its candidates)."""
+    rows, candidates and odds cut alike (the next pre-drafts start from its candidates)."""
     start = 1 if predraft.guesses_next else 0
     stop = min(len(drafted.token_ids), start + num_tokens)
     support = None if drafted.support is None else drafted.support.rows(start, stop)
     candidates = None if drafted.candidates is None else drafted.candidates[start:stop]
-    return replace(drafted, token_ids=list(drafted.token_ids[start:stop]), support=support, candidates=candidates)
+    odds = None if drafted.odds is None else drafted.odds[start:stop]
+    return replace(drafted, token_ids=list(drafted.token_ids[start:stop]), support=support, candidates=candidates,
+                   odds=odds)
 
 
 def tokens_thrown_away(predraft: Predraft, drafted: Proposal | None, used: Proposal | None) -> int:

@@ -41,6 +41,7 @@ from specserve.decoding.model_runner import checkpoint_weights
 from specserve.decoding.proposers import Drafting, Proposal, ProposeCall, empty_proposal, proposer_kind
 from specserve.decoding.sampling import SamplingParams, make_generator
 from specserve.decoding.speculation_cache import Predraft, block_of, continues, may_continue, predrafts, tokens_thrown_away
+from specserve.policies.fan_out import MAX_BONUS_GUESSES, OutcomeCalibration, share_fan_out
 from specserve.decoding.scheduler import CallShape, Schedule
 from specserve.deployments.engine_host import EngineCore, EngineHost, StepOutput, timed_forward
 from specserve.deployments.engine_loop import SequenceReleasedError
@@ -64,7 +65,7 @@ class DraftCall:
     num_candidates: int = 0          # also rank the draft's top tokens per position (Proposal.candidates)
     fork_of: str | None = None       # a pre-draft: its sequence starts from this one's KV (shared blocks)
     stream_state: torch.Tensor | None = None   # a sampled pre-draft: its stream starts from this state
-    guess_first: bool = False        # a bonus pre-draft: its first token is the guess (ProposeCall.guess_first)
+    guess_rank: int | None = None    # a bonus pre-draft: its first token is a guess (ProposeCall.guess_rank)
 
 
 @dataclass
@@ -105,6 +106,10 @@ class DraftEngine(EngineCore):
         self.trainer_name = engine_options.get("draft_trainer")
         self._registered_at = 0.0
         self.speculation: dict[str, list[_Branch]] = {}   # per request: its pre-drafts for the verify running now
+        # per request: the block being verified (its history's length, the proposal), whose outcome
+        # the next propose shows; what the draft's numbers mean, learned from those outcomes
+        self.verifying: dict[str, tuple[int, Proposal, bool]] = {}
+        self.calibration = {greedy: OutcomeCalibration() for greedy in (True, False)}
         self.drafting: dict[str, Drafting] = {}   # blocks drafted over several iterations, by sequence
         self._branch_count = 0
         self.speculative_s = 0.0
@@ -231,14 +236,15 @@ class DraftEngine(EngineCore):
         This is the one place a round's block is found in the speculation cache or drafted: the
         block pre-drafted for the history the round now has is answered at once (a hit,
         Proposal.cached), else one is drafted just in time; the other pre-drafts are dropped.
-        fan_out[a]: blocks to pre-draft, once this one is answered, for the outcomes that keep a
-        of its tokens (policies.fan_out; empty: none)."""
+        sum(fan_out): blocks to pre-draft, once this one is answered, for its likely outcomes
+        (shared out by policies.fan_out.share_fan_out from the draft's own numbers; empty: none)."""
         committed = self.committed(seq_id, history)
         if isinstance(committed, UnknownHistory):
             self._drop_predrafts(seq_id)
+            self.verifying.pop(seq_id, None)   # its outcome will not be seen
             return committed
         entered_s = time.perf_counter()
-        num_candidates = sum(fan_out) + 1 if any(fan_out) and self.runner is not None else 0
+        num_candidates = max(sum(fan_out) + 1, MAX_BONUS_GUESSES) if any(fan_out) and self.runner is not None else 0
         proposal, thrown_away = await self._take_predraft(seq_id, committed, num_tokens)
         if proposal is not None:
             span = CallSpan(entered_s, time.perf_counter(), time.perf_counter())
@@ -249,24 +255,29 @@ class DraftEngine(EngineCore):
         if num_candidates and proposal.token_ids:
             self._start_predrafts(seq_id, committed, proposal, fan_out, DraftCall(
                 seq_id, (), num_tokens, params, None, prompt_len, num_candidates, fork_of=seq_id))
-        return replace(proposal, candidates=None, stream_states=None, predrafted_thrown_away=thrown_away), span
+        return replace(proposal, candidates=None, odds=None, stream_states=None,
+                       predrafted_thrown_away=thrown_away), span
 
     async def _take_predraft(self, seq_id: str, history: list[int], num_tokens: int) -> tuple[Proposal | None, int]:
         """(the block pre-drafted for history, cut to num_tokens, or None; pre-drafted tokens thrown
         away). The pre-draft that may continue history is waited for if still drafting; every other
         one is dropped at once, so it stops taking draft forwards."""
         branches = self.speculation.pop(seq_id, [])
-        maybe = next((branch for branch in branches if may_continue(branch.predraft, history)), None)
-        thrown_away = self._drop(branch for branch in branches if branch is not maybe)
+        maybes = [branch for branch in branches if may_continue(branch.predraft, history)]
+        thrown_away = self._drop(branch for branch in branches if branch not in maybes)
+        maybe = drafted = None
+        for branch in maybes:   # several bonus guesses may: the one whose guess came true
+            try:
+                await branch.answer
+            except Exception:   # released, overloaded or failed: drafting now is the fallback
+                pass
+            if maybe is None and branch.drafted() is not None and continues(branch.predraft, branch.drafted(), history):
+                maybe, drafted = branch, branch.drafted()
+        thrown_away += self._drop(branch for branch in maybes if branch is not maybe)
+        self._learn_outcome(seq_id, history, maybes)
         if maybe is None:
             return None, thrown_away
-        try:
-            await maybe.answer
-        except Exception:   # released, overloaded or failed: drafting now is the fallback
-            pass
-        drafted = maybe.drafted()
-        if (drafted is None or not continues(maybe.predraft, drafted, history)
-                or len(drafted.token_ids) - maybe.predraft.guesses_next < num_tokens):
+        if len(drafted.token_ids) - maybe.predraft.guesses_next < num_tokens:
             return None, thrown_away + self._drop([maybe])
         used = replace(block_of(maybe.predraft, drafted, num_tokens), cached=True)
         await self.loop.between_iterations()
@@ -295,15 +306,34 @@ class DraftEngine(EngineCore):
         stream = self.generators.get(seq_id)
         state = None if stream is None or like.params.is_greedy else branch_stream_state(stream)
         branches = []
-        for predraft in predrafts(history, proposal.token_ids, proposal.candidates, fan_out):
+        picks = share_fan_out(proposal.token_ids, proposal.candidates or [], proposal.odds or [], sum(fan_out),
+                              self.calibration[like.params.is_greedy])
+        self.verifying[seq_id] = (len(history), proposal, like.params.is_greedy)
+        for predraft in predrafts(history, proposal.token_ids, picks):
             self._branch_count += 1
             call = replace(like, seq_id=f"{seq_id}#predraft{self._branch_count}", history=list(predraft.history),
                            num_tokens=like.num_tokens + predraft.guesses_next, stream_state=state,
-                           guess_first=predraft.guesses_next)
+                           guess_rank=predraft.guess_rank)
             answer = asyncio.ensure_future(self._submit_predraft(seq_id, call))
             answer.add_done_callback(_observed)
             branches.append(_Branch(call.seq_id, predraft, answer))
         self.speculation[seq_id] = branches
+
+    def _learn_outcome(self, seq_id: str, history: list[int], bonus_branches: Sequence[_Branch]) -> None:
+        """The last pre-drafting round's outcome, now in history: what its block's numbers meant
+        (bonus_branches: its bonus pre-drafts, answered, whose guesses say the bonus token's rank)."""
+        verified = self.verifying.pop(seq_id, None)
+        if verified is None or verified[1].odds is None:
+            return
+        length, proposal, greedy = verified
+        guesses: dict[int, int | None] = {}
+        for branch in bonus_branches:
+            if branch.predraft.guess_rank is not None:
+                drafted = branch.drafted()
+                guesses[branch.predraft.guess_rank] = drafted.token_ids[0] if drafted and drafted.token_ids else None
+        ranked = [guesses.get(rank) for rank in range(max(guesses, default=-1) + 1)]
+        self.calibration[greedy].observe(proposal.token_ids, proposal.candidates or [], proposal.odds,
+                                         history[length:], ranked)
 
     async def _submit_predraft(self, seq_id: str, call: DraftCall) -> tuple[Proposal | None, CallSpan]:
         """Queue a pre-draft, unless it was dropped before its task started (its request released,
@@ -327,6 +357,7 @@ class DraftEngine(EngineCore):
     def forget(self, seq_id: str) -> None:
         super().forget(seq_id)
         self.drafting.pop(seq_id, None)
+        self.verifying.pop(seq_id, None)
         self._drop_predrafts(seq_id)
         self.generators.pop(seq_id, None)
         if self.runner is not None:
@@ -394,6 +425,10 @@ class DraftEngine(EngineCore):
         return complete
 
     def _propose_call(self, call: DraftCall) -> ProposeCall:
+        """The proposer's call. A sampled draft draws from its Saguaro-lowered row on rounds that
+        pre-draft (docs/speculation-cache.md), where it puts the residual on the blocks pre-drafted;
+        elsewhere it would cost acceptance for nothing. A seeded request's rows are always lowered:
+        its output must not depend on whether load let a round pre-draft."""
         generator = self.generators.get(call.seq_id)
         if generator is None:
             device = self.runner.device if self.runner is not None else torch.device("cpu")   # a model-free proposer
@@ -401,7 +436,8 @@ class DraftEngine(EngineCore):
             if call.stream_state is not None:
                 generator.set_state(call.stream_state)
         return ProposeCall(call.seq_id, call.history, call.num_tokens, call.params, generator, call.prompt_len,
-                           call.num_candidates, call.guess_first, keep_stream_states=call.stream_state is not None)
+                           call.num_candidates, call.guess_rank, keep_stream_states=call.stream_state is not None,
+                           lowered=call.seed is not None or call.num_candidates > 0)
 
     def _to_wire(self, proposal: Proposal) -> Proposal:
         return replace(proposal, support=None if proposal.support is None else proposal.support.wire(),

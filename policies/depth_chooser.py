@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from specserve.common.config import SpeculationSpec
 from specserve.common.messages import REQUEST_CLASSES, ClassReport, PolicyDecision
 from specserve.decoding.sequence import RequestState
-from specserve.decoding.speculation_cache import allocate_fan_out
 from specserve.policies.acceptance import count_round_positions, position_accept_rates, request_position_rates
 from specserve.policies.depth import RoundCosts, RoundWallFit, best_depth_by_position, choose_draft_depth
 from specserve.policies.load import accept_rate_from_rounds
@@ -114,9 +113,9 @@ class DepthChooser:
                                              num_active))
 
     def fan_out(self, state: RequestState, num_draft: int, num_active: int, now: float) -> tuple[int, ...]:
-        """Blocks to pre-draft for each outcome of this round (a = 0..K kept draft tokens,
-        decoding.speculation_cache.allocate_fan_out), from the request's acceptance by position.
-        The fan-out is the configured one alone, the policy's (lowered as the draft pool fills)
+        """(blocks to pre-draft for this round's outcomes,) or () for none: the draft engine shares
+        them out over the outcomes from its own numbers once the block is drafted
+        (policies.fan_out.share_fan_out). The fan-out is the configured one alone, the policy's (lowered as the draft pool fills)
         beside other requests, and none past speculation.fan_out_max_batch requests in flight, nor
         while the class's recent rounds hit less than MIN_HIT_SHARE (but for a probe one round in
         PROBE_EVERY, to see whether that changed). Load may decide it even for a seeded request: a
@@ -134,9 +133,7 @@ class DepthChooser:
             budget = min(budget, decision.fan_out)
         if budget <= 0 or num_draft <= 0:
             return ()
-        rates = request_position_rates(state.draft_reached, state.draft_accepted_at,
-                                       self.class_counters[klass].position_rates(num_draft))
-        return allocate_fan_out(rates, num_draft, budget)
+        return (budget,)
 
     def observe_cache(self, klass: str, hit: bool) -> None:
         """A round of this class whose previous round pre-drafted: was its block there?"""

@@ -1,4 +1,5 @@
-"""How many blocks a request pre-drafts per round (the speculation cache's fan-out) under load.
+"""How many blocks a request pre-drafts per round (the speculation cache's fan-out) under load,
+and which verification outcomes they go to (`share_fan_out`).
 
 Pre-drafts are optional work on the draft pool: on a hit they take the draft off the round's
 critical path, but every block pre-drafted costs draft forwards whether it is used or not. While
@@ -12,6 +13,9 @@ docs/speculation-cache.md has the measurements.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from specserve.decoding.proposers import DraftOdds
 from specserve.policies.replicas import PoolLoad, ScalingThresholds
 
 
@@ -29,3 +33,115 @@ def fan_out_under_load(configured: int, draft: PoolLoad | None,
     if share >= high:
         return 0
     return int(configured * (high - share) / (high - low))
+
+
+# Past this many of the draft's ranks, a guess of the bonus token is not worth a block.
+MAX_BONUS_GUESSES = 4
+ACCEPT_BINS = 10         # the draft's acceptance estimate is calibrated in bins of this width 1/ACCEPT_BINS
+PRIOR_ROUNDS = 2.0       # how many observations the priors below are worth
+MAX_RANKS = 16           # ranks of candidates tracked (the fan-out's bound)
+
+
+def accept_odds(odds: DraftOdds) -> float:
+    """The draft's own estimate that the target keeps its drafted token, its row standing in for
+    the target's: greedy, its probability of its argmax; sampled, min(1, q(d) / q_drawn(d))
+    (rejection sampling's acceptance where p = q). Raw: OutcomeCalibration says what it means."""
+    if odds.drafted_drawn is None:
+        return min(max(odds.drafted_q, 0.0), 1.0)
+    return 1.0 if odds.drafted_drawn <= 0 else min(odds.drafted_q / odds.drafted_drawn, 1.0)
+
+
+def recovered_order(odds: DraftOdds, candidates: Sequence[int], drafted: int) -> list[int]:
+    """The candidates other than the drafted token, likeliest first to be the token emitted where
+    the drafted one is rejected, the draft's row standing in for the target's: sampled from a
+    lowered q (Saguaro sampling), by the residual max(q - q_drawn, 0), then by q; greedy, by q
+    (a greedy target's argmax differs from a rejected token)."""
+    drawn = odds.candidate_drawn or (0.0,) * len(candidates)
+    keyed = [(-max(q - d, 0.0) if odds.candidate_drawn is not None else 0.0, -q, rank, token)
+             for rank, (token, q, d) in enumerate(zip(candidates, odds.candidate_q, drawn)) if token != drafted]
+    return [token for *_, token in sorted(keyed)]
+
+
+class OutcomeCalibration:
+    """What the draft's numbers turn out to mean, learned from the rounds its engine sees: the
+    share of drafted tokens kept by acceptance estimate (accept_odds, in bins), and how often the
+    token emitted at a rejection is the draft's i-th alternative (recovered_order), and the bonus
+    token its i-th likeliest. A small draft's raw probabilities are far from calibrated (its argmax
+    is often kept at a probability of 0.1), so these, not the raw numbers, share the fan-out out.
+    Priors worth PRIOR_ROUNDS observations: the estimate itself, and the draft's average ranking."""
+
+    def __init__(self) -> None:
+        self.kept = [PRIOR_ROUNDS * (index + 0.5) / ACCEPT_BINS for index in range(ACCEPT_BINS)]
+        self.seen = [PRIOR_ROUNDS] * ACCEPT_BINS
+        geometric = [PRIOR_ROUNDS * 0.5 ** (rank + 1) for rank in range(MAX_RANKS)]
+        self.recovered = list(geometric)      # by rank among the alternatives; the rest: none of them
+        self.recovered_total = PRIOR_ROUNDS
+        self.bonus = list(geometric)
+        self.bonus_total = PRIOR_ROUNDS
+
+    def accept(self, estimate: float) -> float:
+        index = min(int(min(max(estimate, 0.0), 1.0) * ACCEPT_BINS), ACCEPT_BINS - 1)
+        return self.kept[index] / self.seen[index]
+
+    def recovered_chance(self, rank: int) -> float:
+        return self.recovered[rank] / self.recovered_total if rank < MAX_RANKS else 0.0
+
+    def bonus_chance(self, rank: int) -> float:
+        return self.bonus[rank] / self.bonus_total if rank < MAX_RANKS else 0.0
+
+    def observe(self, block: Sequence[int], candidates: Sequence[Sequence[int]], odds: Sequence[DraftOdds],
+                emitted: Sequence[int], bonus_guesses: Sequence[int | None] = ()) -> None:
+        """One verified block: emitted, the tokens the round committed after it (the kept drafted
+        tokens, then the recovered or bonus token); bonus_guesses[i], the bonus pre-draft's guess
+        of rank i where it was drafted (None: not known)."""
+        kept = 0
+        while kept < min(len(block), len(emitted)) and emitted[kept] == block[kept]:
+            kept += 1
+        for position in range(min(kept + 1, len(block), len(odds))):
+            if position == kept and len(emitted) <= kept:
+                break    # the request ended there: no verdict
+            index = min(int(min(max(accept_odds(odds[position]), 0.0), 1.0) * ACCEPT_BINS), ACCEPT_BINS - 1)
+            self.seen[index] += 1
+            self.kept[index] += position < kept
+        if kept < len(block) and len(emitted) > kept and kept < len(candidates) and kept < len(odds):
+            order = recovered_order(odds[kept], candidates[kept], block[kept])
+            self.recovered_total += 1
+            if emitted[kept] in order[:MAX_RANKS]:
+                self.recovered[order.index(emitted[kept])] += 1
+        elif kept == len(block) and len(emitted) > kept:
+            known = list(bonus_guesses)
+            if emitted[kept] in known:
+                self.bonus_total += 1
+                self.bonus[known.index(emitted[kept])] += 1
+            elif known and None not in known:   # none of the guesses: beyond them
+                self.bonus_total += 1
+
+
+def share_fan_out(block: Sequence[int], candidates: Sequence[Sequence[int]], odds: Sequence[DraftOdds],
+                  budget: int, calibration: OutcomeCalibration | None = None,
+                  max_bonus_guesses: int = MAX_BONUS_GUESSES) -> list[tuple[int, int]]:
+    """Which budget blocks to pre-draft for the outcomes of verifying block: the budget most
+    likely (outcome, token) pairs, most likely first, as decoding.speculation_cache.predrafts
+    takes them ((a, t): keep a drafted tokens and emit t; (K, i): all kept, the bonus token
+    guessed as the draft's i-th most likely). P(a) = acc_1 ... acc_a (1 - acc_(a+1)), each
+    position's acc its accept_odds as calibration reads it; the emitted token is the i-th of the
+    position's recovered_order with calibration's chance for rank i, the bonus token the draft's
+    i-th likeliest with its chance. From this round's own numbers, so a confident block puts its
+    blocks on the bonus and a shaky one on its first positions."""
+    if budget <= 0 or not block:
+        return []
+    if len(candidates) < len(block) or len(odds) < len(block):
+        raise ValueError(f"need candidates and odds for each of the {len(block)} drafted tokens, "
+                         f"got {len(candidates)} and {len(odds)}")
+    calibration = calibration or OutcomeCalibration()
+    options: list[tuple[float, int, int]] = []
+    reached = 1.0
+    for position, (drafted, ranked, numbers) in enumerate(zip(block, candidates, odds)):
+        accept = calibration.accept(accept_odds(numbers))
+        for rank, token in enumerate(recovered_order(numbers, ranked, drafted)[:MAX_RANKS]):
+            options.append((reached * (1.0 - accept) * calibration.recovered_chance(rank), position, token))
+        reached *= accept
+    for rank in range(min(max_bonus_guesses, budget)):
+        options.append((reached * calibration.bonus_chance(rank), len(block), rank))
+    options.sort(key=lambda option: (-option[0], option[1], option[2]))
+    return [(outcome, token) for _, outcome, token in options[:budget]]

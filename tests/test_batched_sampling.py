@@ -21,8 +21,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.decoding.compact_verify import DraftSupport
-from specserve.decoding.proposers import Proposal, ProposeCall, draft_step
+from specserve.decoding.compact_verify import DraftSupport, saguaro_support
+from specserve.decoding.proposers import Proposal, ProposeCall, SaguaroSampling, draft_step
 from specserve.decoding.row_processors import history_processor
 from specserve.decoding.sampling import RowParams, SamplingParams, logits_to_probs, make_generator, process_rows
 from specserve.decoding.speculation import RowsCall, target_rows, target_rows_batch, verify_answer, verify_answers
@@ -74,7 +74,7 @@ def step_draws(logits: torch.Tensor, params: list[SamplingParams], num_draws: in
     shared = [processor(request_params) for request_params in params]  # contribute does not change a processor
     processors = shared * num_draws
     step = draft_step(logits.repeat(num_draws, 1), calls, processors, [True] * len(calls))
-    return torch.tensor([token for token, _, _ in step]).reshape(num_draws, len(params))
+    return torch.tensor([token for token, *_ in step]).reshape(num_draws, len(params))
 
 
 def test_mixed_rows_are_processed_as_each_row_alone():
@@ -127,13 +127,49 @@ def test_draft_step_returns_the_q_each_token_was_drawn_from():
     calls = [ProposeCall(f"s{j}", HISTORY, 1, p, make_generator(j), len(PROMPT)) for j, p in enumerate(MIXED)]
     step = draft_step(logits, calls, [processor(p) for p in MIXED], [True] * len(MIXED), max_candidates=5)
     exact = exact_rows(logits, MIXED)
-    for (token, _, q), request_params, row in zip(step, MIXED, exact):
+    for (token, _, q, _), request_params, row in zip(step, MIXED, exact):
         if request_params.is_greedy:
             assert q is None
             continue
         top = torch.topk(row, 5)
         torch.testing.assert_close(q.probs, top.values / top.values.sum())
         assert token in q.ids.tolist()
+
+
+def test_saguaro_rows_are_the_q_drawn_and_shipped_and_the_odds_read_the_drafts_own_row():
+    """With Saguaro sampling the q a sampled token is drawn from, and shipped for verification, is
+    the lowered row; the odds give the draft's own probabilities (its processed row) beside it; a
+    pre-draft's guess of rank r is the row's r-th likeliest token, drawn with no randomness."""
+    logits = mixed_logits(6)
+    saguaro = SaguaroSampling(2, 0.25)
+    calls = [ProposeCall(f"s{j}", HISTORY, 1, p, make_generator(j), len(PROMPT), num_candidates=3, lowered=True)
+             for j, p in enumerate(MIXED)]
+    step = draft_step(logits, calls, [processor(p) for p in MIXED], [True] * len(MIXED), 5, saguaro)
+    exact = exact_rows(logits, MIXED)
+    for (token, ranked, q, odds), request_params, row in zip(step, MIXED, exact):
+        top = torch.topk(row, 5)
+        if request_params.is_greedy:   # its own row: the softmax of its logits, the argmax drawn
+            assert ranked[0] == token and q is None and odds.candidate_drawn is None
+            continue
+        likely = torch.topk(row, 3)
+        assert ranked[:int((likely.values > 0).sum())] == likely.indices[likely.values > 0].tolist()
+        assert odds.drafted_q == pytest.approx(float(row[token]), abs=1e-6)
+        base = DraftSupport(top.indices, top.values / top.values.sum())
+        torch.testing.assert_close(q.probs, saguaro_support(base, 2, 0.25).probs)
+        assert odds.drafted_drawn == pytest.approx(float(q.probs_of(torch.tensor(token))), abs=1e-6)
+    guessing = [ProposeCall(f"g{j}", HISTORY, 1, p, make_generator(j), len(PROMPT), guess_rank=1, lowered=True)
+                for j, p in enumerate(MIXED)]
+    guessed = draft_step(logits, guessing, [processor(p) for p in MIXED], [True] * len(MIXED), 5, saguaro)
+    plain = [ProposeCall(f"p{j}", HISTORY, 1, p, make_generator(j), len(PROMPT), num_candidates=3)
+             for j, p in enumerate(MIXED)]
+    for (_, _, q, _), request_params, row in zip(draft_step(logits, plain, [processor(p) for p in MIXED],
+                                                            [True] * len(MIXED), 5, saguaro), MIXED, exact):
+        if not request_params.is_greedy:   # a row not asked to be lowered keeps its own q
+            top = torch.topk(row, 5)
+            torch.testing.assert_close(q.probs, top.values / top.values.sum())
+    second = [torch.topk(row, 2) for row in exact]
+    assert all(token == top.indices[1].item() for (token, *_), top, request_params in zip(guessed, second, MIXED)
+               if not request_params.is_greedy and top.values[1] > 0)
 
 
 def test_target_rows_batch_equals_each_call_alone():
@@ -173,4 +209,4 @@ def test_rows_and_generators_stay_on_the_rows_device(device):
     logits = mixed_logits(6).to(device)
     calls = [ProposeCall(f"s{j}", HISTORY, 1, p, make_generator(j, device), len(PROMPT)) for j, p in enumerate(MIXED)]
     step = draft_step(logits, calls, [None] * len(MIXED), [True] * len(MIXED))
-    assert all(q is None or q.probs.device.type == device for _, _, q in step)
+    assert all(q is None or q.probs.device.type == device for _, _, q, _ in step)

@@ -96,7 +96,7 @@ def test_the_fan_out_is_the_configured_one_alone_and_the_policys_beside_others()
     chooser = DepthChooser(SpecServeConfig(speculation={"fan_out_max_batch": 4}).speculation)
     configured = chooser.spec.fan_out
     alone = chooser.fan_out(request("a"), 4, 1, NOW)
-    assert sum(alone) == configured and len(alone) == 5
+    assert alone == (configured,)   # a budget: the draft engine shares it out over the outcomes
     chooser.set_policy_decision(PolicyDecision({"greedy": 4, "sampled": 4}, None, None, 1, fan_out=0), NOW)
     assert chooser.fan_out(request("a"), 4, 1, NOW) == alone
     assert chooser.fan_out(request("b"), 4, 3, NOW) == ()

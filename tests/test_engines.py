@@ -15,7 +15,8 @@ from specserve.common.messages import CallSpan, HistoryUpdate
 from specserve.decoding.batched_runner import BatchedModelRunner
 from specserve.decoding.scheduler import Scheduler
 from specserve.decoding.sampling import SamplingParams, make_generator
-from specserve.decoding.proposers import PROPOSERS, DraftModelProposer, Proposal, ProposerKind
+from specserve.decoding.proposers import (PROPOSERS, SAGUARO_LOWERED, DraftModelProposer, Proposal, ProposeCall,
+                                          ProposerKind, SaguaroSampling)
 from specserve.deployments.committed_history import history_digest, whole_history as whole
 from specserve.deployments.draft_worker import DraftEngine
 from specserve.deployments.engine_loop import EngineOverloadedError, SequenceReleasedError
@@ -257,9 +258,22 @@ def test_a_call_past_the_context_fails_alone(pair):
     assert len(ok[0]) == 1
 
 
+def drafting_alone(draft_path) -> DraftModelProposer:
+    """The draft engine's proposer, made alone: the same q cut and Saguaro sampling."""
+    engine_options = options()
+    return DraftModelProposer(Scheduler(BatchedModelRunner(str(draft_path))), max_candidates=engine_options["draft_top_k"],
+                              saguaro=SaguaroSampling(SAGUARO_LOWERED, engine_options["saguaro_downweight"]))
+
+
+def seeded_alone(alone: DraftModelProposer, seq_id: str, history, num_tokens: int, seed: int):
+    """A seeded sampled block drafted alone: a seeded request's rows are Saguaro-lowered."""
+    return alone.propose_batch([ProposeCall(seq_id, history, num_tokens, SAMPLED, make_generator(seed),
+                                            lowered=True)])[0]
+
+
 def test_batched_drafts_equal_drafts_made_alone(pair):
     target_path, draft_path = pair
-    alone = DraftModelProposer(Scheduler(BatchedModelRunner(str(draft_path))), max_candidates=options()["draft_top_k"])
+    alone = drafting_alone(draft_path)
 
     async def scenario():
         engine = DraftEngine("draft", spec(draft_path), str(target_path), options())
@@ -275,7 +289,7 @@ def test_batched_drafts_equal_drafts_made_alone(pair):
     greedy, sampled, stats = asyncio.run(scenario())
     for i, history in enumerate(HISTORIES):
         assert greedy[i][0].token_ids == alone.propose(f"g{i}", history, 2 + i, GREEDY).token_ids
-        expected = alone.propose(f"x{i}", history, 3, SAMPLED, make_generator(100 + i))
+        expected = seeded_alone(alone, f"x{i}", history, 3, 100 + i)
         assert sampled[i][0].token_ids == expected.token_ids
         torch.testing.assert_close(torch.as_tensor(sampled[i][0].support.probs), expected.support.probs, atol=1e-4,
                                    rtol=0)
@@ -288,7 +302,7 @@ def test_a_propose_arriving_mid_block_joins_the_next_step_and_drafts_what_it_wou
     8-token block is being drafted has its first forward before that block's last one (counted
     in forwards, not time); each block equals the one drafted alone (seeded sampled and greedy)."""
     target_path, draft_path = pair
-    alone = DraftModelProposer(Scheduler(BatchedModelRunner(str(draft_path))), max_candidates=options()["draft_top_k"])
+    alone = drafting_alone(draft_path)
     forwards: list[list[str]] = []   # the sequences in each draft forward, in order
 
     async def scenario():
@@ -311,7 +325,7 @@ def test_a_propose_arriving_mid_block_joins_the_next_step_and_drafts_what_it_wou
     with_long = [i for i, seqs in enumerate(forwards) if "long" in seqs]
     with_late = [i for i, seqs in enumerate(forwards) if "late" in seqs]
     assert len(with_long) >= 8 and with_late[0] < with_long[-1], forwards
-    expected = alone.propose("a", HISTORIES[0], 8, SAMPLED, make_generator(5))
+    expected = seeded_alone(alone, "a", HISTORIES[0], 8, 5)
     assert long.token_ids == expected.token_ids and len(long.token_ids) == 8
     torch.testing.assert_close(torch.as_tensor(long.support.probs), expected.support.probs, atol=1e-4, rtol=0)
     assert late.token_ids == alone.propose("b", HISTORIES[1], 2, GREEDY).token_ids

@@ -17,11 +17,13 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+import specserve.decoding.proposers as proposers
 import specserve.deployments.draft_worker as draft_worker
 from specserve.decoding.batched_runner import BatchedModelRunner
+from specserve.decoding.compact_verify import DraftSupport
 from specserve.decoding.scheduler import Scheduler
 from specserve.decoding.generate import generate
-from specserve.decoding.proposers import Proposal
+from specserve.decoding.proposers import Proposal, SaguaroSampling
 from specserve.decoding.sampling import SamplingParams, draft_seed, logits_to_probs, make_generator
 from specserve.decoding.sequence import RequestState
 from specserve.decoding.speculation import accept_round
@@ -44,6 +46,8 @@ DISTANT_NOISE = 0.02
 JOINT_TOKENS, JOINT_K, JOINT_TOP_K, NUM_REQUESTS, CONCURRENCY = 4, 2, 3, 2000, 100
 FAN_OUTS = [(8, 8, 1), (8, 8, 1), (8, 8, 1), ()]
 P_VALUE_FLOOR = 1e-3
+# The joint test's drafts sample with Saguaro sampling: the likeliest of the 3 tokens scaled by 0.3.
+JOINT_LOWERED, JOINT_DOWNWEIGHT = 1, 0.3
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +66,9 @@ def distant_pair(tmp_path_factory):
     return root / "target", root / "draft"
 
 
-def new_engines(pair, max_sequences: int) -> tuple[DraftEngine, TargetEngine]:
+def new_engines(pair, max_sequences: int, **overrides) -> tuple[DraftEngine, TargetEngine]:
     target, draft = pair
-    batching = options(max_batch_rows=8 * max_sequences, prefill_token_budget=16 * max_sequences)
+    batching = options(max_batch_rows=8 * max_sequences, prefill_token_budget=16 * max_sequences, **overrides)
     return (DraftEngine("draft", spec(draft, 8 * max_sequences), str(target), batching),
             TargetEngine(spec(target, max_sequences), batching))
 
@@ -196,7 +200,10 @@ def sample_joint(pair, params: SamplingParams, seeds: range) -> tuple[list[tuple
     choices = torch.randint(len(FAN_OUTS), (len(seeds), JOINT_TOKENS), generator=rounds).tolist()
 
     async def scenario():
-        draft, target = new_engines(pair, CONCURRENCY)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(proposers, "SAGUARO_LOWERED", JOINT_LOWERED)
+            draft, target = new_engines(pair, CONCURRENCY, saguaro_downweight=JOINT_DOWNWEIGHT)
+        assert draft.proposer.saguaro == SaguaroSampling(JOINT_LOWERED, JOINT_DOWNWEIGHT)
         outputs, hits = [], []
         for start in range(0, len(seeds), CONCURRENCY):
             states = [RequestState(f"s{seed}", list(SHARED_PROMPT), params.model_copy(update={"seed": seed}),
@@ -228,8 +235,9 @@ def joint_case(distant_pair):
 
 
 def test_sampled_rounds_with_hits_and_misses_follow_the_targets_exact_joint(distant_pair, joint_case):
-    """2,000 seeded requests of 4 tokens (3 of them from speculative rounds, K = 2), each round's
-    fan-out drawn from FAN_OUTS so that some rounds hit the speculation cache and some miss, the
+    """2,000 seeded requests of 4 tokens (3 of them from speculative rounds, K = 2), drafted with
+    Saguaro sampling, each round's fan-out drawn from FAN_OUTS so that some rounds hit the
+    speculation cache and some miss, the
     prompt's two full blocks found in the prefix caches by all but the first batch: the joint of
     the 4 tokens (81 cells) must pass chi-square at 1e-3 and stay under exact sampling's 99.9% TV
     quantile for this joint and sample count."""
@@ -249,6 +257,23 @@ def test_the_joint_test_rejects_pre_drafts_that_replay_the_requests_draft_stream
     params, joint, _ = joint_case
     monkeypatch.setattr(draft_worker, "branch_stream_state",
                         lambda stream: make_generator(stream.initial_seed()).get_state())
+    outputs, hits, _, _ = sample_joint(distant_pair, params, range(NUM_REQUESTS))
+    assert hits > 0
+    p_value, _ = fit(outputs, joint)
+    assert p_value < P_VALUE_FLOOR, p_value
+
+
+def test_the_joint_test_rejects_drafts_verified_against_the_row_they_were_not_drawn_from(distant_pair, joint_case,
+                                                                                         monkeypatch):
+    """The same test with Saguaro sampling broken: the draft draws from its lowered row but ships
+    its own row as the q to verify against. Must be rejected."""
+    params, joint, _ = joint_case
+    lower = proposers.saguaro_support
+    monkeypatch.setattr(proposers, "saguaro_support", lambda support, num_lowered, downweight: support)
+    draw = proposers.sample_rows
+    monkeypatch.setattr(proposers, "sample_rows", lambda probs, generators: draw(
+        lower(DraftSupport(torch.arange(probs.shape[-1]).expand_as(probs), probs), JOINT_LOWERED,
+              JOINT_DOWNWEIGHT).probs, generators))
     outputs, hits, _, _ = sample_joint(distant_pair, params, range(NUM_REQUESTS))
     assert hits > 0
     p_value, _ = fit(outputs, joint)

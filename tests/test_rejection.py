@@ -10,6 +10,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from specserve.decoding.compact_verify import DraftSupport, saguaro_support
 from specserve.decoding.rejection import PLACEHOLDER_TOKEN_ID, greedy_verify, rejection_sample
 from specserve.decoding.sampling import SamplingParams, logits_to_probs, make_generator, sample_from_probs
 
@@ -361,3 +362,65 @@ def test_processed_target_distribution_is_preserved():
     assert check_positions(target_tables, draft_token_ids, output) >= 2
     assert_differs(output[:, 0], draft_tables[0])
     assert_differs(output[:, 0], torch.softmax(target_logits[0], dim=-1))   # the unprocessed target
+
+
+# --- Saguaro sampling: the draft lowers its top tokens, the output stays the target's ------------
+
+def lowered(rows: torch.Tensor, num_lowered: int, downweight: float) -> torch.Tensor:
+    """rows [..., V] as a draft sampling with Saguaro sampling draws from them."""
+    ids = torch.arange(rows.shape[-1]).expand_as(rows)
+    return saguaro_support(DraftSupport(ids, rows), num_lowered, downweight).probs
+
+
+def saguaro_case(seed: int = 11, vocab_size: int = 8):
+    """A toy pair of K = 2: target tables, and the draft's tables close to them."""
+    generator = make_generator(seed)
+    target = [random_rows((vocab_size,) * i, vocab_size, 1, generator) for i in range(3)]
+    noise = [random_rows((vocab_size,) * i, vocab_size, 0, generator) for i in range(2)]
+    draft = [0.7 * target[i] + 0.3 * noise[i] for i in range(2)]
+    return target, draft
+
+
+def test_a_draft_sampling_from_its_lowered_rows_keeps_the_targets_distribution():
+    """Drafted from q' (top 2 of each row scaled by 0.3), verified against that q': the first token
+    is the target's; and a recovered token falls on the lowered tokens (those the speculation cache
+    pre-drafts for) far more often than when the draft samples from its own q."""
+    target, draft = saguaro_case()
+    saguaro = [lowered(table, 2, 0.3) for table in draft]
+    draft_ids, output = speculate(target, saguaro, NUM_SAMPLES, seed=3)
+    assert_matches(output[:, 0], target[0])
+
+    def recovered_on_top(draft_tables) -> float:
+        ids, out = speculate(target, draft_tables, NUM_SAMPLES, seed=4)
+        rejected = out[:, 0] != ids[:, 0]
+        top = torch.topk(draft[0], 2).indices
+        return torch.isin(out[rejected, 0], top).double().mean().item()
+
+    assert recovered_on_top(saguaro) > 0.8 > recovered_on_top(draft) + 0.3
+
+
+def test_the_saguaro_test_rejects_a_draft_verified_against_the_row_it_did_not_sample_from():
+    """Drawn from q' but verified against the draft's own q: not the target's distribution."""
+    target, draft = saguaro_case()
+    generator = make_generator(3)
+    drawn = lowered(draft[0], 2, 0.3).expand(NUM_SAMPLES, -1)
+    first = sample_from_probs(drawn, generator)
+    second_rows = lowered(draft[1], 2, 0.3)[first]
+    second = sample_from_probs(second_rows, generator)
+    draft_ids = torch.stack([first, second], dim=1)
+    claimed = torch.stack([draft[0].expand(NUM_SAMPLES, -1), draft[1][first]], dim=1)
+    target_rows = torch.stack([target[0].expand(NUM_SAMPLES, -1), target[1][first], target[2][first, second]], dim=1)
+    output = rejection_sample(draft_ids, claimed, target_rows, generator)
+    assert_differs(output[:, 0], target[0])
+
+
+def test_saguaro_support_lowers_the_top_tokens_and_refuses_a_bad_downweight():
+    row = torch.tensor([[0.5, 0.3, 0.2, 0.0]])
+    ids = torch.tensor([[2, 0, 1, 3]])
+    out = saguaro_support(DraftSupport(ids, row), 1, 0.5)
+    assert torch.equal(out.ids, ids)
+    assert torch.allclose(out.probs, torch.tensor([[0.25, 0.3, 0.2, 0.0]]) / 0.75)
+    assert saguaro_support(DraftSupport(ids, row), 1, 1.0).probs is row
+    assert torch.allclose(saguaro_support(DraftSupport(ids, row), 3, 0.2).probs, row)   # all lowered: as it was
+    with pytest.raises(ValueError, match="downweight"):
+        saguaro_support(DraftSupport(ids, row), 1, 0.0)

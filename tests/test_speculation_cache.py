@@ -1,4 +1,4 @@
-"""decoding.speculation_cache: which outcomes get a pre-drafted block, and when a block continues
+"""decoding.speculation_cache: the blocks pre-drafted for picked outcomes, and when a block continues
 the history a round ends with (the pure half of speculative speculative decoding)."""
 
 from __future__ import annotations
@@ -8,37 +8,21 @@ import pytest
 
 from specserve.decoding.compact_verify import DraftSupport
 from specserve.decoding.proposers import Proposal
-from specserve.decoding.speculation_cache import (Predraft, allocate_fan_out, block_of, continues, may_continue,
-                                        outcome_probabilities, predrafts, tokens_thrown_away)
+from specserve.decoding.speculation_cache import Predraft, block_of, continues, may_continue, predrafts, tokens_thrown_away
 
 HISTORY = (5, 6, 7)
 BLOCK = [10, 11, 12]
-CANDIDATES = [[10, 20, 21], [30, 11, 31], [12, 40, 41]]   # the draft's ranking at each position
 
 
-def test_outcome_probabilities_are_a_distribution_over_accepted_lengths():
-    probabilities = outcome_probabilities([0.8, 0.5, 0.9], 3)
-    assert probabilities == pytest.approx([0.2, 0.8 * 0.5, 0.8 * 0.5 * 0.1, 0.8 * 0.5 * 0.9])
-    assert sum(probabilities) == pytest.approx(1.0)
-    assert outcome_probabilities([0.7], 3)[-1] == pytest.approx(0.7 ** 3)   # the last rate carries on
-
-
-def test_the_fan_out_goes_where_the_outcomes_are_likely():
-    assert allocate_fan_out([0.95] * 4, 4, 1) == (0, 0, 0, 0, 1)          # mostly kept: the bonus block
-    assert allocate_fan_out([0.1] * 4, 4, 2) == (2, 0, 0, 0, 0)           # mostly rejected at once
-    spread = allocate_fan_out([0.7] * 4, 4, 6)
-    assert sum(spread) == 6 and spread[-1] == 1 and spread[0] >= spread[1] >= spread[2]
-    assert allocate_fan_out([0.7] * 4, 4, 0) == (0,) * 5
-    assert allocate_fan_out([0.7] * 4, 0, 3) == (0,)
-
-
-def test_predrafts_continue_each_outcome_with_the_drafts_candidates_never_the_rejected_token():
-    wanted = predrafts(HISTORY, BLOCK, CANDIDATES, (2, 1, 0, 1))
+def test_predrafts_continue_each_picked_outcome_never_with_the_rejected_token():
+    picks = [(0, 20), (0, 21), (1, 30), (3, 0), (3, 2), (0, 10)]
+    wanted = predrafts(HISTORY, BLOCK, picks)
     assert wanted == [Predraft(HISTORY + (20,)), Predraft(HISTORY + (21,)),      # d1 rejected
                       Predraft(HISTORY + (10, 30)),                               # d1 kept, d2 rejected
-                      Predraft(HISTORY + (10, 11, 12), guesses_next=True)]        # all kept: bonus
-    assert predrafts(HISTORY, BLOCK, None, (1, 1, 1, 1)) == [Predraft(HISTORY + (10, 11, 12), True)]
-    assert predrafts(HISTORY, BLOCK, CANDIDATES, (0, 0, 0, 0)) == []
+                      Predraft(HISTORY + (10, 11, 12), guess_rank=0),             # all kept: bonus guesses
+                      Predraft(HISTORY + (10, 11, 12), guess_rank=2)]             # (0, 10): the drafted token, none
+    assert predrafts(HISTORY, BLOCK, []) == []
+    assert predrafts(HISTORY, [], [(0, 20)]) == []
 
 
 def test_a_block_continues_exactly_its_history_and_a_bonus_block_only_when_its_guess_came_true():
@@ -47,7 +31,7 @@ def test_a_block_continues_exactly_its_history_and_a_bonus_block_only_when_its_g
     assert not continues(rejected_first, None, HISTORY + (21,))
     assert not continues(rejected_first, None, HISTORY + (20, 1))
     assert not continues(rejected_first, None, (1,) + HISTORY[1:] + (20,))
-    bonus = Predraft(HISTORY + tuple(BLOCK), guesses_next=True)
+    bonus = Predraft(HISTORY + tuple(BLOCK), guess_rank=0)
     drafted = Proposal([13, 14, 15], None)   # 13 is the guess of the bonus token
     assert may_continue(bonus, HISTORY + tuple(BLOCK) + (99,))
     assert continues(bonus, drafted, HISTORY + tuple(BLOCK) + (13,))
@@ -61,7 +45,7 @@ def test_a_hit_is_cut_to_the_rounds_depth_and_its_q_rows_follow_its_tokens():
     probs = np.arange(4 * 3, dtype=np.float32).reshape(4, 3)
     drafted = Proposal([13, 14, 15, 16], DraftSupport(ids, probs), draft_version=2,
                        candidates=[[13, 1], [14, 2], [15, 3], [16, 4]])
-    bonus = Predraft(HISTORY + tuple(BLOCK), guesses_next=True)
+    bonus = Predraft(HISTORY + tuple(BLOCK), guess_rank=0)
     used = block_of(bonus, drafted, 2)
     assert used.token_ids == [14, 15] and used.draft_version == 2 and used.candidates == [[14, 2], [15, 3]]
     np.testing.assert_array_equal(used.support.ids, ids[1:3])
