@@ -111,9 +111,9 @@ class Eagle3Proposer:
             if drafting.processor is None and call.params.uses_history:
                 drafting.processor = history_processor(call.params, call.history, call.prompt_len, rows.shape[-1],
                                                        rows.device, None)
-            token, top, q = draft_step(rows, [call], [drafting.processor], [not drafting.drafted],
-                                       self.max_candidates)[0]
-            drafting.advance(token, top, q)
+            token, top, q, odds = draft_step(rows, [call], [drafting.processor], [not drafting.drafted],
+                                             self.max_candidates)[0]
+            drafting.advance(token, top, q, odds)
             if drafting.done:
                 return drafting.proposal()
             step = self.head.step(torch.tensor([token], device=prenorm.device), prenorm.unsqueeze(0),
