@@ -288,9 +288,10 @@ class EngineHost:
         return engine_args, followers
 
     def get_engine(self, affinity_key: str | None = None) -> EngineEndpoint:
-        """This replica's engine: its actor and its channel's address. affinity_key: what Serve's request router chose the replica by
-        (the target pool's deployments.prefix_router); the replica itself has no use for it."""
-        return self.engine
+        """This replica's engine: its actor and its channel's address. affinity_key: what Serve's
+        request router chose the replica by (the target pool's deployments.prefix_router); the
+        replica itself has no use for it."""
+        return self.endpoint
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """What Serve's request router balances on (it polls this): the engine's sequences."""

@@ -3,13 +3,13 @@
 Serve picks which replica's engine a request uses, once, at its start (deployments/engine_host.py:
 the engine's actor and its channel's address); every round's call then goes over this router
 process's channel to that engine (common.channel), batched with the other requests' calls of the
-same event-loop turn. A channel that closes or goes silent is a lost engine. Engines keep each request's committed
-history; a call carries only what was committed since that engine's last call, and an engine
-that does not hold the history answers UnknownHistory, which makes this side send all of it once
-(deployments/committed_history.py). So a replacement engine re-prefills from the router's
-history: a dead target is swapped for another replica's engine, a dead draft makes the request
-continue target-only. Nothing committed is lost. `touched` lists every engine the request used,
-so the router can release it on all of them.
+same event-loop turn. A channel that closes or goes silent is a lost engine. Engines keep each
+request's committed history; a call carries only what was committed since that engine's last
+call, and an engine that does not hold the history answers UnknownHistory, which makes this side
+send all of it once (deployments/committed_history.py). So a replacement engine re-prefills from
+the router's history: a dead target is swapped for another replica's engine, a dead draft makes
+the request continue target-only. Nothing committed is lost. `touched` lists every engine the
+request used, so the router can release it on all of them.
 """
 
 from __future__ import annotations
@@ -105,22 +105,11 @@ class RequestEngines:
             return None
         return reply
 
-    def send_verify(self, state: RequestState, proposal: Proposal | None = None, prompt_logprobs: int | None = None,
-                    capture_top_k: int | None = None) -> tuple[asyncio.Future, float]:
-        """Send one verify of proposal's block (and its q); none: a prefill. -> (the answer's
-        future, when it was sent). prompt_logprobs: a prefill that also returns the prompt's
-        log-probabilities; capture_top_k: a round captured for online training (TargetEngine.verify)."""
-        sent_s = time.perf_counter()
-        answer = self._call(self.target, "verify", state.request_id, self.target_history.update(state),
-                            proposal if proposal and proposal.token_ids else None, state.params,
-                            state.next_output_index, prompt_logprobs, capture_top_k, self.verification)
-        return answer, sent_s
-
-    async def verify(self, state: RequestState, proposal: Proposal | None = None,
-                     sent: tuple[asyncio.Future, float] | None = None, prompt_logprobs: int | None = None,
+    async def verify(self, state: RequestState, proposal: Proposal | None = None, prompt_logprobs: int | None = None,
                      capture_top_k: int | None = None) -> tuple[Any, EngineCall]:
-        """One target forward -> (rows, the call's timing). sent: the verify already sent
-        (`send_verify`), else it is sent now.
+        """One target forward over proposal's block (and its q; none: a prefill) -> (rows, the
+        call's timing). prompt_logprobs: a prefill that also returns the prompt's log-probabilities;
+        capture_top_k: a round captured for online training (TargetEngine.verify).
 
         On a lost engine, ask Serve for one again until TARGET_RECOVERY_S passes: another
         replica's engine, or the replacement Serve starts once the dead replica fails its health
@@ -131,10 +120,10 @@ class RequestEngines:
         resent_history = False
         while True:
             try:
-                answer, sent_s = sent if sent is not None else self.send_verify(
-                    state, proposal, prompt_logprobs=prompt_logprobs, capture_top_k=capture_top_k)
-                sent = None
-                reply = await answer
+                sent_s = time.perf_counter()
+                reply = await self._call(self.target, "verify", state.request_id, self.target_history.update(state),
+                                         proposal if proposal and proposal.token_ids else None, state.params,
+                                         state.next_output_index, prompt_logprobs, capture_top_k, self.verification)
                 if isinstance(reply, UnknownHistory):
                     if resent_history:
                         raise RuntimeError(f"target engine refused {state.request_id}'s whole history")
