@@ -193,10 +193,13 @@ def compare_trees(args) -> None:
         for turn in range(args.turns):
             for label, tree in trees:
                 name = f"{label}-turn{turn}"
-                env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
-                subprocess.run(child + ["--name", name, "--out", scratch], env=env, check=True,
-                               stdout=subprocess.DEVNULL)
-                runs[label].append(json.loads((Path(scratch) / f"{name}.json").read_text()))
+                root = Path(tree).resolve()   # its specserve/ serves: first on the path, the cwd Ray's workers get
+                subprocess.run(child + ["--name", name, "--out", scratch], env={**os.environ, "PYTHONPATH": str(root)},
+                               cwd=root, check=True, stdout=subprocess.DEVNULL)
+                run = json.loads((Path(scratch) / f"{name}.json").read_text())
+                if Path(run["code"]) != root:
+                    raise SystemExit(f"{label}: {run['code']}'s code served, not {root}'s")
+                runs[label].append(run)
     command = "python -m specserve.bench.round_profile " + " ".join(sys.argv[1:])
     result = {"name": args.name, "command": command, "machine": f"{os.cpu_count()} CPUs",
               "trees": {label: tree for label, tree in trees}, "turns": args.turns,
@@ -317,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
         "stages_fresh_rounds": stage_summary(fresh), "rounds_profiled": len(stages),
         "pipelined_share": round(len(pipelined) / len(stages), 3) if stages else None,
         "cpu_ms_per_target_pass": {role: ms for role, ms in cpu_per_round_ms.items() if ms > 0.0},
+        "code": str(Path(sys.modules["specserve"].__file__).resolve().parents[1]),
         "classes": {mode: class_summary([r for r in records if r["prompt_id"].startswith(mode + ":")],
                                         sum(r["wall_s"] for r in records if r["prompt_id"].startswith(mode + ":")))
                     for mode in modes},

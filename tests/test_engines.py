@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from specserve.common.channel import EngineChannel
 from specserve.common.config import SpecServeConfig
 from specserve.common.messages import HistoryUpdate
 from specserve.decoding.batched_runner import BatchedModelRunner
@@ -64,6 +65,24 @@ def test_concurrent_verifies_share_a_forward_and_match_unbatched_rows(pair):
         assert rows[i] == expected
     assert engine.loop.stats.iterations == 1 and engine.loop.stats.rows_total == len(HISTORIES)
     assert sorted(asyncio.run(engine.active_sequences())) == [f"s{i}" for i in range(len(HISTORIES))]
+
+
+def test_an_engine_answers_only_the_round_calls_over_a_channel(pair):
+    """Routers reach an engine's verify and release over its channel (common.channel); nothing
+    else an engine actor offers (stats, weight loads) is reachable that way."""
+    target_path, _ = pair
+
+    async def scenario():
+        engine = TargetEngine(spec(target_path), options())
+        channel = EngineChannel(await engine.open_channel("127.0.0.1"))
+        rows, _ = await channel.call("verify", "a", whole(HISTORIES[0]), None, GREEDY)
+        with pytest.raises(ValueError, match="no 'stats'"):
+            await channel.call("stats")
+        await channel.call("release", "a")
+        return rows, await engine.active_sequences()
+
+    rows, held = asyncio.run(scenario())
+    assert len(rows) == 1 and held == []
 
 
 def test_draft_calls_that_arrive_after_their_release_hold_nothing(pair):
