@@ -26,6 +26,19 @@ the two cores the engines need.
 
 Also reports tok/s, mean K, acceptance and the share of pipelined rounds. Writes
 bench/results/<name>.json and .md.
+
+`--modes greedy,sampled` sends each prompt once per request class (sampled: temperature 0.8,
+seeded), one at a time, the classes taking turns, and reports per class the orchestration of a
+round: its wall time minus the time the round waited in the engines (each engine's forwards and
+its batching loop's wait for a forward in progress), i.e. the hops and the router's own work.
+
+`--compare LABEL=TREE` (given twice or more) runs this file once per tree and turn, the trees
+taking turns (`--turns`), each tree's own code serving (PYTHONPATH=TREE: a `git worktree` of the
+commit to compare), and writes one table of the classes' orchestration per tree:
+
+    git worktree add /tmp/specserve-before <commit>
+    python -m specserve.bench.round_profile --modes greedy,sampled --turns 2 \
+        --compare before=/tmp/specserve-before --compare after=. --name <name> --out bench/results
 """
 
 from __future__ import annotations
@@ -35,7 +48,9 @@ import json
 import os
 import re
 import statistics
+import subprocess
 import sys
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -132,6 +147,92 @@ def median_ms(values: list[float]) -> float | None:
     return round(1000 * statistics.median(values), 3) if values else None
 
 
+ENGINE_STAGES = ("draft_loop_wait", "draft_compute", "target_loop_wait", "target_compute")
+
+
+def orchestration_ms(stages: dict[str, float]) -> float:
+    """A round's wall time minus the time it waited in the engines (their forwards, and their
+    batching loops' wait for a forward in progress): the hops and the router's own work."""
+    return stages["wall"] - sum(stages.get(stage, 0.0) for stage in ENGINE_STAGES)
+
+
+def class_summary(records: list[dict], span_s: float) -> dict:
+    """One request class's figures: tok/s over its requests' own wall time, and per round the
+    orchestration (median, mean), the hops and the engines' share."""
+    stages = [r for record in records for r in (record.get("round_stages_ms") or [])]
+    orchestration = [orchestration_ms(r) for r in stages]
+    tokens = sum(r["num_output_tokens"] for r in records)
+    drafted = sum(r["num_drafted"] for r in records)
+    hops = [sum(r.get(k, 0.0) for k in ("draft_hop_out", "draft_hop_back", "target_hop_out", "target_hop_back"))
+            for r in stages]
+    return {"requests": len(records), "rounds_profiled": len(stages),
+            "tokens_per_s": round(tokens / span_s, 1) if span_s > 0 else None,
+            "acceptance": round(sum(r["num_accepted"] for r in records) / drafted, 3) if drafted else None,
+            "orchestration_median_ms": round(statistics.median(orchestration), 3) if stages else None,
+            "orchestration_mean_ms": round(statistics.fmean(orchestration), 3) if stages else None,
+            "hops_median_ms": round(statistics.median(hops), 3) if stages else None,
+            "wall_median_ms": round(statistics.median(r["wall"] for r in stages), 3) if stages else None,
+            "engines_median_ms": round(statistics.median(
+                sum(r.get(s, 0.0) for s in ENGINE_STAGES) for r in stages), 3) if stages else None}
+
+
+def compare_trees(args) -> None:
+    """Run this file under each tree (PYTHONPATH), the trees taking turns; one table per class."""
+    trees = [entry.split("=", 1) for entry in args.compare]
+    if any(len(tree) != 2 for tree in trees):
+        raise SystemExit("--compare takes LABEL=TREE")
+    child = [sys.executable, str(Path(__file__).resolve()), "--passes", str(args.passes), "--max-tokens",
+             str(args.max_tokens), "--prompts", args.prompts, "--modes", args.modes]
+    if args.config:
+        child += ["--config", args.config]
+    if args.num_draft_tokens is not None:
+        child += ["-K", str(args.num_draft_tokens)]
+    modes = args.modes.split(",")
+    runs: dict[str, list[dict]] = defaultdict(list)
+    with tempfile.TemporaryDirectory() as scratch:
+        for turn in range(args.turns):
+            for label, tree in trees:
+                name = f"{label}-turn{turn}"
+                root = Path(tree).resolve()   # its specserve/ serves: first on the path, the cwd Ray's workers get
+                subprocess.run(child + ["--name", name, "--out", scratch], env={**os.environ, "PYTHONPATH": str(root)},
+                               cwd=root, check=True, stdout=subprocess.DEVNULL)
+                run = json.loads((Path(scratch) / f"{name}.json").read_text())
+                if Path(run["code"]) != root:
+                    raise SystemExit(f"{label}: {run['code']}'s code served, not {root}'s")
+                runs[label].append(run)
+    command = "python -m specserve.bench.round_profile " + " ".join(sys.argv[1:])
+    result = {"name": args.name, "command": command, "machine": f"{os.cpu_count()} CPUs",
+              "trees": {label: tree for label, tree in trees}, "turns": args.turns,
+              "runs": {label: [run["classes"] for run in label_runs] for label, label_runs in runs.items()}}
+    lines = [f"# round orchestration: {args.name}", "", f"- command: `{command}`",
+             f"- trees: {', '.join(f'{label} = {tree}' for label, tree in trees)}; {args.turns} turns, "
+             f"the trees taking turns; per turn {args.passes} passes of the {args.prompts} prompts, one request at a "
+             f"time, {args.max_tokens} tokens, {result['machine']}",
+             "- orchestration per round = round wall time minus the time it waited in the engines "
+             "(forwards and batching-loop waits): hops plus the router's own work", "",
+             "| class | tree | orchestration ms per round, median (per turn) | mean | hops ms, median | "
+             "round wall ms, median | engines ms, median | tok/s (per turn) |", "|---|---|---|---|---|---|---|---|"]
+    summary = {}
+    for mode in modes:
+        for label, _ in trees:
+            per_turn = [run["classes"][mode] for run in runs[label]]
+            median = lambda key: round(statistics.median(c[key] for c in per_turn), 3)  # noqa: E731
+            summary[f"{mode}/{label}"] = {key: median(key) for key in (
+                "orchestration_median_ms", "orchestration_mean_ms", "hops_median_ms", "wall_median_ms",
+                "engines_median_ms", "tokens_per_s")}
+            lines.append(f"| {mode} | {label} | {median('orchestration_median_ms')} "
+                         f"({', '.join(str(c['orchestration_median_ms']) for c in per_turn)}) | "
+                         f"{median('orchestration_mean_ms')} | {median('hops_median_ms')} | {median('wall_median_ms')} | "
+                         f"{median('engines_median_ms')} | {median('tokens_per_s')} "
+                         f"({', '.join(str(c['tokens_per_s']) for c in per_turn)}) |")
+    result["summary"] = summary
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m specserve.bench.round_profile", description=__doc__.splitlines()[0])
     parser.add_argument("--config")
@@ -144,9 +245,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-stages", dest="stages", action="store_false",
                         help="leave the profiling switch off (SPECSERVE_PROFILE_ROUNDS): no stages, hops "
                              "or outside check, only tok/s and the overhead")
+    parser.add_argument("--modes", default="greedy", help="request classes, comma-separated: greedy, sampled")
+    parser.add_argument("--compare", action="append", default=[], metavar="LABEL=TREE",
+                        help="run once per tree (its code serving), the trees taking turns")
+    parser.add_argument("--turns", type=int, default=2, help="with --compare: turns per tree")
     parser.add_argument("--name", default="round-profile-thirdparty")
     parser.add_argument("--out", default=DEFAULT_OUT_DIR, help="results folder (publish to bench/results/)")
     args = parser.parse_args(argv)
+    modes = args.modes.split(",")
+    if not set(modes) <= {"greedy", "sampled"}:
+        raise SystemExit(f"--modes takes greedy and/or sampled, not {args.modes!r}")
+    if args.compare:
+        if not args.stages:
+            raise SystemExit("--compare reads the rounds' stages: leave --no-stages out")
+        compare_trees(args)
+        return
 
     from specserve.cluster.local import start_local, stop_local
 
@@ -159,8 +272,8 @@ def main(argv: list[str] | None = None) -> None:
         data["speculation"] = {**data["speculation"], "adaptive": False, "num_draft_tokens": args.num_draft_tokens}
     config = type(base).model_validate(data)
     prompts = load_prompt_set(args.prompts).prompts
-    bodies = [(p.prompt_id, request_body(config.model_name, p.text, "greedy", args.max_tokens, seed=i))
-              for i, p in enumerate(prompts)]
+    bodies = [(f"{mode}:{p.prompt_id}", request_body(config.model_name, p.text, mode, args.max_tokens, seed=i))
+              for i, p in enumerate(prompts) for mode in modes]
     if args.stages:
         from specserve.deployments.round_stages import PROFILE_ENV
 
@@ -207,14 +320,18 @@ def main(argv: list[str] | None = None) -> None:
         "stages_fresh_rounds": stage_summary(fresh), "rounds_profiled": len(stages),
         "pipelined_share": round(len(pipelined) / len(stages), 3) if stages else None,
         "cpu_ms_per_target_pass": {role: ms for role, ms in cpu_per_round_ms.items() if ms > 0.0},
+        "code": str(Path(sys.modules["specserve"].__file__).resolve().parents[1]),
+        "classes": {mode: class_summary([r for r in records if r["prompt_id"].startswith(mode + ":")],
+                                        sum(r["wall_s"] for r in records if r["prompt_id"].startswith(mode + ":")))
+                    for mode in modes},
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
     lines = [f"# round profile: {args.name}", "", f"- command: `{result['command']}`",
-             f"- {result['requests']} single-stream requests, {args.prompts} prompts, greedy, {args.max_tokens} tokens, "
+             f"- {result['requests']} single-stream requests, {args.prompts} prompts, {args.modes}, {args.max_tokens} tokens, "
              f"{result['machine']}", "", "| measure | value |", "|---|---|"]
-    tables = ("stages_all_rounds", "stages_pipelined_rounds", "stages_fresh_rounds", "cpu_ms_per_target_pass")
+    tables = ("stages_all_rounds", "stages_pipelined_rounds", "stages_fresh_rounds", "cpu_ms_per_target_pass", "classes")
     lines += [f"| {key} | {value} |" for key, value in result.items()
               if key not in ("name", "command", "machine", *tables)]
     for key in tables[:3]:

@@ -73,6 +73,34 @@ class UnknownHistory:
 
 
 @dataclass(frozen=True)
+class EngineEndpoint:
+    """What a worker replica hands the router once per request: its engine's Ray actor (for
+    health, stats and tests) and the address (host:port on the engine's node) its channel listens
+    on, over which every round's calls go (common.channel)."""
+
+    actor: Any
+    address: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelCall:
+    """One call in a channel frame: `method` of the engine with `args`; its reply carries call_id."""
+
+    call_id: int
+    method: str
+    args: tuple
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelReply:
+    """An engine's answer to one ChannelCall: its value, or the error the call raised."""
+
+    call_id: int
+    value: Any = None
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
 class KvUsage:
     """A paged engine's KV blocks (decoding.paged_cache) and the sequences it preempted."""
 

@@ -87,6 +87,7 @@ class DraftEngine(EngineCore):
     """Holds the proposer and, per request id, its KV slot and its seeded draft generator."""
 
     pool = "draft"
+    channel_methods = frozenset({"prefill", "propose", "release"})
 
     def __init__(self, proposer_name: str, model_spec: dict | None, target_path: str, engine_options: dict,
                  name: str = "") -> None:

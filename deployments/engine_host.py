@@ -1,11 +1,14 @@
 """A worker deployment's replica owns one engine actor; the router talks to the engine directly.
 
 Why two actors per replica: Serve gives us lifecycle, health checks, scaling and placement, but
-a DeploymentHandle call costs several times a plain Ray actor call (docs/transport.md), paid twice
-per speculative round. So each worker replica spawns its engine (the model) inside the replica's
-own placement group (bundle 1 carries the engine's CPUs/GPUs, so on a GPU cluster draft and
-target engines land on distinct GPUs), and hands the engine's actor handle to the router once
-per request through Serve. If the replica dies, its engine dies with it (the replica owns it).
+a DeploymentHandle call costs several times a plain Ray actor call, and a Ray actor call costs
+far more than a round's bytes on a socket (docs/transport.md), paid twice per speculative round.
+So each worker replica spawns its engine (the model) inside the replica's own placement group
+(bundle 1 carries the engine's CPUs/GPUs, so on a GPU cluster draft and target engines land on
+distinct GPUs); the engine listens for channels (common.channel) on its node's address, and the
+replica hands the engine's actor handle and that address (EngineEndpoint) to the router once per
+request through Serve. The rounds then go over the router's channel to the engine. If the
+replica dies, its engine dies with it (the replica owns it).
 
 `EngineCore` is what the draft and target engines share. Its `step` is one iteration of the
 batching loop (engine_loop.py), shaped like nano-vllm's `LLMEngine.step`: the scheduler plans,
@@ -26,7 +29,9 @@ import torch
 from ray.util import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from specserve.common.messages import CallSpan, CostSample, EngineStats, HistoryUpdate, KvUsage, RankStats, UnknownHistory
+from specserve.common.channel import ChannelServer
+from specserve.common.messages import (CallSpan, CostSample, EngineEndpoint, EngineStats, HistoryUpdate, KvUsage,
+                                       RankStats, UnknownHistory)
 from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.scheduler import CallShape, Schedule, Scheduler
 from specserve.decoding.tensor_parallel import MirroredRunner
@@ -84,10 +89,12 @@ class StepOutput:
 
 
 class EngineCore:
-    """Shared body of the draft and target engine actors. Subclasses set `pool` and implement
-    `shape(call)` (what the call asks of the runner) and `run(calls, schedule)`."""
+    """Shared body of the draft and target engine actors. Subclasses set `pool` and
+    `channel_methods` (what routers may call over a channel) and implement `shape(call)` (what
+    the call asks of the runner) and `run(calls, schedule)`."""
 
     pool: str
+    channel_methods: frozenset[str] = frozenset({"release"})
     speculative_s = 0.0   # seconds of forwards that only did optional work (the draft's pre-drafts)
 
     def __init__(self, runner: Any, engine_options: dict, name: str = "") -> None:
@@ -112,6 +119,20 @@ class EngineCore:
         self.followers: list[Any] = []
         if isinstance(runner, MirroredRunner):
             runner.on_broken = end_process
+        self.channel: ChannelServer | None = None
+
+    async def open_channel(self, host: str | None = None) -> str:
+        """Listen for routers' channels (common.channel) on host (default: this node's address,
+        the one Ray uses) at a port the OS picks; -> the address routers connect to."""
+        if self.channel is None:
+            self.channel = ChannelServer(self._answer_channel_call)
+            await self.channel.start(host or ray.util.get_node_ip_address())
+        return self.channel.address
+
+    async def _answer_channel_call(self, method: str, args: tuple) -> Any:
+        if method not in self.channel_methods:
+            raise ValueError(f"a {self.pool} engine answers no {method!r} over a channel")
+        return await getattr(self, method)(*args)
 
     def shape(self, call: Any) -> CallShape:
         raise NotImplementedError
@@ -252,6 +273,7 @@ class EngineHost:
         ray.get([self.engine.ping.remote()] + [follower.ping.remote() for follower in self.followers])
         if self.followers:
             ray.get(self.engine.set_followers.remote(self.followers))
+        self.endpoint = EngineEndpoint(self.engine, ray.get(self.engine.open_channel.remote()))
         self.startup_s = time.monotonic() - started
 
     def _spawn_followers(self, name: str, size: int, placement: tuple, engine_args: list[Any]
@@ -265,10 +287,11 @@ class EngineHost:
         engine_args[self.model_spec_arg] = rank_spec(spec, 0, size, address)
         return engine_args, followers
 
-    def get_engine(self, affinity_key: str | None = None) -> "ray.actor.ActorHandle":
-        """This replica's engine. affinity_key: what Serve's request router chose the replica by
-        (the target pool's deployments.prefix_router); the replica itself has no use for it."""
-        return self.engine
+    def get_engine(self, affinity_key: str | None = None) -> EngineEndpoint:
+        """This replica's engine: its actor and its channel's address. affinity_key: what Serve's
+        request router chose the replica by (the target pool's deployments.prefix_router); the
+        replica itself has no use for it."""
+        return self.endpoint
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """What Serve's request router balances on (it polls this): the engine's sequences."""

@@ -39,7 +39,7 @@ class PoolHealth:
     """Last known liveness of each pool's engine, refreshed in the background."""
 
     def __init__(self, pools: dict[str, Any]) -> None:
-        """pools: name -> a Serve handle whose get_engine() returns an engine actor with ping()."""
+        """pools: name -> a Serve handle whose get_engine() returns an EngineEndpoint (its actor has ping())."""
         self.pools = {name: handle for name, handle in pools.items() if handle is not None}
         self.verdicts: dict[str, str] = {}
         self._probes: dict[str, asyncio.Task] = {}
@@ -68,7 +68,7 @@ class PoolHealth:
     async def _probe(self, name: str) -> None:
         async def ping() -> None:
             engine = await self.pools[name].get_engine.remote()
-            await engine.ping.remote()
+            await engine.actor.ping.remote()
 
         try:
             await asyncio.wait_for(ping(), PROBE_TIMEOUT_S)

@@ -1,13 +1,15 @@
 """The engines one request talks to, and what happens when one of them is lost.
 
-Engines are plain Ray actors reached directly (deployments/engine_host.py); Serve picks which
-replica's engine a request uses, once, at its start. Engines keep each request's committed
-history; a call carries only what was committed since that engine's last call, and an engine
-that does not hold the history answers UnknownHistory, which makes this side send all of it once
-(deployments/committed_history.py). So a replacement engine re-prefills from the router's
-history: a dead target is swapped for another replica's engine, a dead draft makes the request
-continue target-only. Nothing committed is lost. `touched` lists every engine the request used,
-so the router can release it on all of them.
+Serve picks which replica's engine a request uses, once, at its start (deployments/engine_host.py:
+the engine's actor and its channel's address); every round's call then goes over this router
+process's channel to that engine (common.channel), batched with the other requests' calls of the
+same event-loop turn. A channel that closes or goes silent is a lost engine. Engines keep each
+request's committed history; a call carries only what was committed since that engine's last
+call, and an engine that does not hold the history answers UnknownHistory, which makes this side
+send all of it once (deployments/committed_history.py). So a replacement engine re-prefills from
+the router's history: a dead target is swapped for another replica's engine, a dead draft makes
+the request continue target-only. Nothing committed is lost. `touched` lists every engine the
+request used, so the router can release it on all of them.
 """
 
 from __future__ import annotations
@@ -17,12 +19,11 @@ import logging
 import time
 from typing import Any
 
-import ray
-from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
+from specserve.common.channel import ChannelLostError, ChannelPool
 from specserve.common.config import LimitsSpec
-from specserve.common.messages import UnknownHistory
+from specserve.common.messages import EngineEndpoint, UnknownHistory
 from specserve.decoding.proposers import Proposal
 from specserve.decoding.sampling import draft_seed
 from specserve.decoding.sequence import RequestState
@@ -34,24 +35,25 @@ from specserve.policies.prefix_routing import prefix_key
 
 logger = logging.getLogger("ray.serve")
 TARGET_RECOVERY_S = 60.0  # how long a request waits for a replacement target engine
-ENGINE_ERRORS = (RayActorError, ray.exceptions.ActorUnavailableError)
+ENGINE_ERRORS = (ChannelLostError,)
 
 
 class RequestEngines:
     """A request's target engine and, while it has one, its draft engine."""
 
     def __init__(self, target_workers: DeploymentHandle, draft_workers: DeploymentHandle | None,
-                 limits: LimitsSpec, verification: str = "block") -> None:
-        """verification: how sampled blocks are verified (speculation.verification); the target's
-        answers are computed for it."""
+                 limits: LimitsSpec, channels: ChannelPool, verification: str = "block") -> None:
+        """channels: this router process's channels to engines; verification: how sampled blocks
+        are verified (speculation.verification); the target's answers are computed for it."""
         self.verification = verification
         self.target_workers = target_workers
         self.draft_workers = draft_workers
         self.limits = limits
-        self.target: Any = None
-        self.draft: Any = None
+        self.channels = channels
+        self.target: EngineEndpoint | None = None
+        self.draft: EngineEndpoint | None = None
         self.affinity_key: str | None = None   # the prompt's prefix key (set by acquire)
-        self.touched: list[Any] = []
+        self.touched: list[EngineEndpoint] = []
         digest = RunningDigest()
         self.target_history = HistorySender(digest)  # what the target engine was told of the committed history
         self.draft_history = HistorySender(digest)
@@ -78,18 +80,22 @@ class RequestEngines:
             logger.warning("no draft engine available; serving target-only", exc_info=True)
             return False
         self.touched.append(self.draft)
-        self.draft.prefill.remote(state.request_id, self.draft_history.update(state))
+        prefill = self._call(self.draft, "prefill", state.request_id, self.draft_history.update(state))
+        prefill.add_done_callback(_observed)   # a lost draft shows at the first propose
         return True
+
+    def _call(self, engine: EngineEndpoint, method: str, *args: Any) -> asyncio.Future:
+        return self.channels.to(engine.address).call(method, *args)
 
     def lose_draft(self) -> None:
         self.draft = None
 
-    def propose(self, state: RequestState, num_tokens: int, fan_out: tuple[int, ...] = ()):
-        """ObjectRef of the draft engine's (proposal, span) for num_tokens continuing the committed
-        history, or of its UnknownHistory (`draft_reply`); fan_out: the blocks it then pre-drafts
-        per outcome of verifying this one (DraftEngine.propose)."""
-        return self.draft.propose.remote(state.request_id, self.draft_history.update(state), num_tokens,
-                                         state.params, draft_seed(state.params.seed), len(state.prompt_ids), fan_out)
+    def propose(self, state: RequestState, num_tokens: int, fan_out: tuple[int, ...] = ()) -> asyncio.Future:
+        """The draft engine's (proposal, span) for num_tokens continuing the committed history, or
+        its UnknownHistory (`draft_reply`); fan_out: the blocks it then pre-drafts per outcome of
+        verifying this one (DraftEngine.propose)."""
+        return self._call(self.draft, "propose", state.request_id, self.draft_history.update(state), num_tokens,
+                          state.params, draft_seed(state.params.seed), len(state.prompt_ids), fan_out)
 
     def draft_reply(self, reply: Any) -> tuple[Proposal, Any] | None:
         """A propose's answer, or None when the draft engine did not hold the history: the next
@@ -99,41 +105,25 @@ class RequestEngines:
             return None
         return reply
 
-    def send_verify(self, state: RequestState, proposal: Proposal | None = None, draft_answer: Any = None,
-                    prompt_logprobs: int | None = None, capture_top_k: int | None = None) -> tuple[Any, float, Any]:
-        """Send one verify: of proposal's block (and its q), or of the block a draft engine is
-        drafting (draft_answer: its propose ObjectRef, handed to the target unresolved). -> (ObjectRef
-        of the answer, when it was sent, draft_answer). prompt_logprobs: a prefill that also returns
-        the prompt's log-probabilities; capture_top_k: a round captured for online training
-        (TargetEngine.verify)."""
-        sent_s = time.perf_counter()
-        answer = self.target.verify.remote(state.request_id, self.target_history.update(state),
-                                           proposal if proposal and proposal.token_ids else None, state.params,
-                                           state.next_output_index,
-                                           None if draft_answer is None else [draft_answer], prompt_logprobs,
-                                           capture_top_k, self.verification)
-        return answer, sent_s, draft_answer
-
-    async def verify(self, state: RequestState, proposal: Proposal | None = None,
-                     sent: tuple[Any, float, Any] | None = None, prompt_logprobs: int | None = None,
+    async def verify(self, state: RequestState, proposal: Proposal | None = None, prompt_logprobs: int | None = None,
                      capture_top_k: int | None = None) -> tuple[Any, EngineCall]:
-        """One target forward -> (rows, the call's timing). sent: the verify already sent
-        (`send_verify`), else it is sent now.
+        """One target forward over proposal's block (and its q; none: a prefill) -> (rows, the
+        call's timing). prompt_logprobs: a prefill that also returns the prompt's log-probabilities;
+        capture_top_k: a round captured for online training (TargetEngine.verify).
 
         On a lost engine, ask Serve for one again until TARGET_RECOVERY_S passes: another
         replica's engine, or the replacement Serve starts once the dead replica fails its health
         check. The new engine answers UnknownHistory and is sent the whole history, which it
-        re-prefills, so nothing committed is lost. (A chained verify's block is re-sent from
-        proposal.) A full engine (no KV slot within its admission deadline) makes the request fail
-        with 503."""
+        re-prefills, so nothing committed is lost. A full engine (no KV slot within its admission
+        deadline) makes the request fail with 503."""
         deadline = time.monotonic() + TARGET_RECOVERY_S
         resent_history = False
         while True:
             try:
-                answer, sent_s, _ = sent if sent is not None else self.send_verify(
-                    state, proposal, prompt_logprobs=prompt_logprobs, capture_top_k=capture_top_k)
-                sent = None
-                reply = await answer
+                sent_s = time.perf_counter()
+                reply = await self._call(self.target, "verify", state.request_id, self.target_history.update(state),
+                                         proposal if proposal and proposal.token_ids else None, state.params,
+                                         state.next_output_index, prompt_logprobs, capture_top_k, self.verification)
                 if isinstance(reply, UnknownHistory):
                     if resent_history:
                         raise RuntimeError(f"target engine refused {state.request_id}'s whole history")
@@ -153,14 +143,13 @@ class RequestEngines:
                 try:
                     self.target = await self.target_workers.get_engine.remote(self.affinity_key)
                     self.target_history.forget()
-                    self.touched.append(self.target)
+                    if all(engine.address != self.target.address for engine in self.touched):
+                        self.touched.append(self.target)
                 except Exception:  # the replica itself may be going down: try again shortly
                     logger.warning("no target replica reachable yet for %s", state.request_id)
 
 
-def discard(answer) -> None:
-    """Let an ObjectRef's call finish unobserved: its failure must not be logged as unhandled."""
-    try:
-        ray.cancel(answer)
-    except Exception:
-        pass
+def _observed(answer: asyncio.Future) -> None:
+    """An answer nobody awaits: its failure must not be logged as unhandled."""
+    if not answer.cancelled():
+        answer.exception()

@@ -5,12 +5,12 @@ forward -> `accept_round` (rejection sampling) commits tokens to the request's h
 go out as a chunk. Each round ends with one `RoundRecord` handed to the observer
 (deployments/round_record.py), which keeps every statistic; this loop keeps none.
 
-Two things make a round cheaper than its three steps in a row. The verify is sent before the
-draft's answer is back, carrying the draft's ObjectRef, so the block goes draft -> target without
-this process in between. And while the target verifies, the draft engine pre-drafts the next block
-for the verification's likely outcomes (the speculation cache, decoding/speculation_cache.py); the
-next propose finds the block of the actual outcome ready (a hit) or drafts it just in time. The
-draft engine decides hit or miss; this loop only says how many blocks to pre-draft (`choose_fan_out`).
+Both calls go over this router's channels (deployments/request_engines.py, common/channel.py): the
+draft's block comes back here and goes out in the verify, a few hundred bytes each way. While the
+target verifies, the draft engine pre-drafts the next block for the verification's likely outcomes
+(the speculation cache, decoding/speculation_cache.py); the next propose finds the block of the
+actual outcome ready (a hit) or drafts it just in time. The draft engine decides hit or miss;
+this loop only says how many blocks to pre-draft (`choose_fan_out`).
 """
 
 from __future__ import annotations
@@ -18,15 +18,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
-from typing import Any
 
 from specserve.common.config import SpeculationSpec
 from specserve.decoding.capture import captured_block
 from specserve.decoding.proposers import Proposal
 from specserve.decoding.sequence import RequestState
 from specserve.decoding.speculation import accept_round
-from specserve.deployments.request_engines import ENGINE_ERRORS, RequestEngines, discard
+from specserve.deployments.request_engines import ENGINE_ERRORS, RequestEngines
 from specserve.deployments.round_record import RoundObserver, RoundRecord
 from specserve.deployments.round_stages import EngineCall, RoundStages
 from specserve.deployments.streaming import step_chunk
@@ -89,26 +87,21 @@ class RoundLoop:
         num_draft = self.choose_depth(state) if engines.draft is not None else 0
         capture_k = self.observer.capture_top_k() if num_draft > 0 else None  # online training's sample
         stages.mark("depth")
-        proposal, draft_s, draft_hops_s, sent, draft_calls = Proposal([], None), 0.0, 0.0, None, []
+        proposal, draft_s, draft_hops_s, draft_calls = Proposal([], None), 0.0, 0.0, []
         if num_draft > 0:
             try:
-                proposal, draft_s, draft_hops_s, sent = await self._propose(num_draft, stages, draft_calls, capture_k)
+                proposal, draft_s, draft_hops_s = await self._propose(num_draft, stages, draft_calls)
             except ENGINE_ERRORS:
                 logger.warning("draft engine lost for %s; continuing target-only", state.request_id)
                 self.observer.draft_lost()
                 state.stats.draft_failures += 1
                 engines.lose_draft()
         stages.mark("proposed")
-        if sent is None:  # target-only, or the draft was lost
-            sent = engines.send_verify(state, proposal, capture_top_k=capture_k)
-        rows, verify = await engines.verify(state, proposal, sent, capture_top_k=capture_k)
+        rows, verify = await engines.verify(state, proposal, capture_top_k=capture_k)
         top, context = None, None
         if capture_k is not None:  # the target also answered its top-k at the block's positions
             rows, top = rows
             context = state.history
-        if stages.draft is not None and sent[2] is not None:  # the block went draft -> target
-            verify = replace(verify, sent_s=stages.draft.left_s)
-            stages.chained = True
         stages.target = verify
         accepted_before = state.stats.num_accepted
         rows, logprob_rows = split_logprobs(state, rows)
@@ -131,34 +124,24 @@ class RoundLoop:
         if stages.enabled:
             self.observer.round_stages(stages.stages())
 
-    async def _propose(self, num_draft: int, stages: RoundStages, draft_calls: list[tuple[float, int]],
-                       capture_k: int | None = None) -> tuple[Proposal, float, float, Any]:
-        """This round's draft block, the draft engine seconds and the RPC hop seconds the round
-        waited on, and the verify sent for it. draft_calls gets (engine seconds, tokens) of a block
-        drafted now, for the draft's cost estimate (a pre-drafted block cost the round nothing).
+    async def _propose(self, num_draft: int, stages: RoundStages, draft_calls: list[tuple[float, int]]
+                       ) -> tuple[Proposal, float, float]:
+        """This round's draft block, the draft engine seconds and the hop seconds the round waited
+        on. draft_calls gets (engine seconds, tokens) of a block drafted now, for the draft's cost
+        estimate (a pre-drafted block cost the round nothing).
 
-        The verify is sent at once, carrying the draft's answer as an ObjectRef
-        (TargetEngine.verify's draft_block): the block goes draft -> target while this router
-        awaits the same answer. The draft engine answers from its speculation cache (a hit:
-        Proposal.cached) or drafts now, and pre-drafts this block's outcomes while it is verified."""
+        The draft engine answers from its speculation cache (a hit: Proposal.cached) or drafts now,
+        and pre-drafts this block's outcomes while it is verified."""
         state, engines = self.state, self.engines
         sent_s = time.perf_counter()
         fan_out = self.choose_fan_out(state, num_draft)
-        answer = engines.propose(state, num_draft, fan_out)
-        sent = engines.send_verify(state, None, answer, capture_top_k=capture_k)
-        try:
-            reply = engines.draft_reply(await answer)
-            if reply is None:  # the draft did not hold the history: it drafts again from all of it
-                discard(sent[0])
-                sent, sent_s = None, time.perf_counter()
-                reply = engines.draft_reply(await engines.propose(state, num_draft, fan_out))
-                if reply is None:
-                    raise RuntimeError(f"draft engine refused {state.request_id}'s whole history")
-            proposal, span = reply
-        except BaseException:  # a lost draft: the caller goes on target-only with a verify of its own
-            if sent is not None:
-                discard(sent[0])
-            raise
+        reply = engines.draft_reply(await engines.propose(state, num_draft, fan_out))
+        if reply is None:  # the draft did not hold the history: it drafts again from all of it
+            sent_s = time.perf_counter()
+            reply = engines.draft_reply(await engines.propose(state, num_draft, fan_out))
+            if reply is None:
+                raise RuntimeError(f"draft engine refused {state.request_id}'s whole history")
+        proposal, span = reply
         state.stats.num_discarded_ahead += proposal.predrafted_thrown_away
         self.observer.fan_out(sum(fan_out))
         call = stages.draft = EngineCall.from_span(sent_s, span, time.perf_counter())
@@ -167,10 +150,10 @@ class RoundLoop:
             self.observer.speculation_cache(request_class(state), proposal.cached)
         if proposal.cached:
             state.stats.pipelined_rounds += 1
-            return proposal, 0.0, call.entered_s - call.sent_s, sent
+            return proposal, 0.0, call.hops_s
         state.stats.speculation_cache_misses += predrafted
         draft_calls.append((call.engine_s, len(proposal.token_ids)))
-        return proposal, call.engine_s, call.entered_s - call.sent_s, sent
+        return proposal, call.engine_s, call.hops_s
 
 
 def split_logprobs(state: RequestState, rows):

@@ -49,7 +49,7 @@ class EngineCall:
 
     @property
     def hops_s(self) -> float:
-        """Both RPC hops: pickling, Ray's transport and each event loop picking the message up."""
+        """Both hops: pickling, the channel's transport and each event loop picking the message up."""
         return (self.entered_s - self.sent_s) + (self.answered_s - self.left_s)
 
     def stages(self, pool: str) -> dict[str, float]:
@@ -61,17 +61,13 @@ class RoundStages:
     """Named moments of one round in the router; `stages()` turns them into durations (seconds).
 
     Marks, in order: start, depth (K chosen), proposed (block in hand), accepted (accept_round and
-    counters done), recorded (timings and metrics), chunked (the chunk queued for the stream).
-    `chained`: the verify carried the draft's answer as an ObjectRef, so the block went draft ->
-    target directly (`target_hop_out` is then that relay) while the router's receipt of the block
-    ran beside the target's work, off the round's path."""
+    counters done), recorded (timings and metrics), chunked (the chunk queued for the stream)."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.marks: dict[str, float] = {}
         self.draft: EngineCall | None = None
         self.target: EngineCall | None = None
-        self.chained = False
 
     def mark(self, name: str) -> None:
         if self.enabled:
@@ -85,15 +81,11 @@ class RoundStages:
         out = {"wall": m["chunked"] - m["start"], "policy": m["depth"] - m["start"]}
         if self.draft is not None:
             out.update(self.draft.stages("draft"))
-        if self.chained:
-            out.pop("draft_hop_back")  # the router's copy of the block: beside the target's work
-        else:
-            draft_total = 0.0 if self.draft is None else self.draft.answered_s - self.draft.sent_s
-            out["router_propose"] = m["proposed"] - m["depth"] - draft_total
+        draft_total = 0.0 if self.draft is None else self.draft.answered_s - self.draft.sent_s
+        out["router_propose"] = m["proposed"] - m["depth"] - draft_total
         if self.target is not None:
             out.update(self.target.stages("target"))
-            if not self.chained:
-                out["launch"] = self.target.sent_s - m["proposed"]
+            out["launch"] = self.target.sent_s - m["proposed"]
             out["accept"] = m["accepted"] - self.target.answered_s
         out["record"] = m["recorded"] - m["accepted"]
         out["chunk"] = m["chunked"] - m["recorded"]

@@ -17,12 +17,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
-from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 from transformers import AutoTokenizer
 
+from specserve.common.channel import ChannelPool, EngineGoneError
 from specserve.common.config import SpecServeConfig
-from specserve.common.messages import REQUEST_CLASSES, RouterReport
+from specserve.common.messages import REQUEST_CLASSES, EngineEndpoint, RouterReport
 from specserve.decoding.checkpoint import eos_token_ids, max_model_len
 from specserve.decoding.sampling import SamplingParams
 from specserve.decoding.sequence import RequestState
@@ -61,6 +61,7 @@ class Router:
         self.admission = Admission(limits.max_active_requests, limits.max_queued_requests, limits.queue_timeout_s)
         self.depth = DepthChooser(self.config.speculation)
         self.capture = RoundCapture(self.config, self.metrics)  # online draft training's rounds (off by default)
+        self.channels = ChannelPool()  # this process's channels to engines, opened once, shared by every request
         self._background: set[asyncio.Task] = set()  # releases retried on engines that were unreachable
         self._policy_task: asyncio.Task | None = None
         self.profile_rounds = profiling_enabled()
@@ -149,7 +150,7 @@ class Router:
         request_id = state.request_id
         started = time.perf_counter()
         timings = RoundTimings(round_stages=[] if self.profile_rounds else None)
-        engines = RequestEngines(self.target_workers, self.draft_workers, self.config.limits,
+        engines = RequestEngines(self.target_workers, self.draft_workers, self.config.limits, self.channels,
                                  self.config.speculation.verification)
         observer = RoundObserver(timings, self.depth, self.metrics, self.capture)
         loop = RoundLoop(state, engines, observer, chunks.put_nowait, self._choose_depth, self.num_active_requests,
@@ -183,17 +184,18 @@ class Router:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _release_everywhere(self, engine, request_id: str) -> None:
-        """Release request_id on engine; if the engine is unreachable for now, keep trying in the
-        background until it answers or is gone for good (a dead actor's state died with it)."""
+    def _release_everywhere(self, engine: EngineEndpoint, request_id: str) -> None:
+        """Release request_id on engine (over its channel, with the other requests' calls); if the
+        engine is unreachable for now, keep trying in the background until it answers or is gone
+        for good (nothing listens at its address: its state died with its process)."""
         async def release() -> None:
             deadline = time.monotonic() + RELEASE_RETRY_S
             delay_s = 0.5
             while True:
                 try:
-                    await engine.release.remote(request_id)
+                    await self.channels.to(engine.address).call("release", request_id)
                     return
-                except RayActorError:
+                except EngineGoneError:
                     return  # dead for good
                 except Exception:
                     if time.monotonic() > deadline:

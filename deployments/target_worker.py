@@ -45,6 +45,7 @@ class TargetEngine(EngineCore):
     """Holds the target model and one KV slot per request id (the Ray actor on the data path)."""
 
     pool = "target"
+    channel_methods = frozenset({"verify", "release"})
 
     def __init__(self, model_spec: dict, engine_options: dict, name: str = "") -> None:
         runner = load_runner(model_spec)
@@ -62,9 +63,8 @@ class TargetEngine(EngineCore):
         self.prompt_entries.pop(seq_id, None)
 
     async def verify(self, seq_id: str, history: HistoryUpdate, proposal: Proposal | None, params: SamplingParams,
-                     first_output_index: int | None = None, draft_block: list | None = None,
-                     prompt_logprobs: int | None = None, capture_top_k: int | None = None,
-                     verification: str = "block") -> tuple[object, CallSpan] | UnknownHistory:
+                     first_output_index: int | None = None, prompt_logprobs: int | None = None,
+                     capture_top_k: int | None = None, verification: str = "block") -> tuple[object, CallSpan] | UnknownHistory:
         """The target's answer for [last committed token, *proposal's block] (decoding.speculation.
         verify_answer: argmax ids when greedy, else the O(K) numbers the owner verifies the block on,
         drawn with this sequence's own seeded generator), and the span (entered, forward started,
@@ -74,27 +74,12 @@ class TargetEngine(EngineCore):
         of it again. A prefill has no proposal (one row). When params.logprobs is set the answer
         comes as (answer, raw log-probability rows [num_rows, V]).
 
-        draft_block: [ObjectRef of a draft engine's `propose` answer]; then proposal is None and the
-        drafted one is used. The block and its q go draft -> target without the router's Python in
-        between, while the router awaits the same answer for verification. It is nested in a list
-        so that Ray does not resolve it before sending the call: a caller's actor calls leave in
-        order, so every later call from that router to this engine would wait behind the draft.
-        If the draft engine failed (or did not hold the history), the call verifies no block (one
-        row); the router, which sees the same answer, cancels it. The call enters this engine when
-        its block is here.
-
         prompt_logprobs: a prefill that also scores every prompt token (its log-probability, the
         prompt_logprobs most likely alternatives, its rank), chunk by chunk.
         capture_top_k: a round sampled for the draft's online training (docs/online-learning.md):
         the answer becomes (answer, (top ids, top log-probabilities)) of the raw distribution at
         every row, k columns each. Only sampled rounds ask, so the others pay nothing.
         verification: the owner's ("block" or "token"), which a sampled answer's residuals follow."""
-        if draft_block is not None:
-            try:
-                drafted = await draft_block[0]
-                proposal = None if isinstance(drafted, UnknownHistory) else drafted[0]
-            except Exception:  # the router sees the same failure: it continues target-only
-                proposal = None
         proposal = proposal or empty_proposal()
         committed = self.committed(seq_id, history)
         if isinstance(committed, UnknownHistory):

@@ -34,7 +34,7 @@ def gpu_server(tmp_path_factory):
 
 def engine_stats(deployment: str):
     engine = serve.get_deployment_handle(deployment, APP_NAME).get_engine.remote().result()
-    return ray.get(engine.stats.remote())
+    return ray.get(engine.actor.stats.remote())
 
 
 def test_draft_and_target_engines_hold_distinct_gpus(gpu_server):

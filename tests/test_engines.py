@@ -10,8 +10,9 @@ import time
 import pytest
 import torch
 
+from specserve.common.channel import EngineChannel
 from specserve.common.config import SpecServeConfig
-from specserve.common.messages import CallSpan, HistoryUpdate
+from specserve.common.messages import HistoryUpdate
 from specserve.decoding.batched_runner import BatchedModelRunner
 from specserve.decoding.scheduler import Scheduler
 from specserve.decoding.sampling import SamplingParams, make_generator
@@ -67,51 +68,22 @@ def test_concurrent_verifies_share_a_forward_and_match_unbatched_rows(pair):
     assert sorted(asyncio.run(engine.active_sequences())) == [f"s{i}" for i in range(len(HISTORIES))]
 
 
-def test_a_verify_handed_the_drafts_answer_verifies_its_block_or_none_if_the_draft_failed(pair):
-    """The router passes the draft engine's pending answer (an ObjectRef under Ray; any awaitable
-    here) so the block goes draft -> target directly: same rows as a verify of history + block;
-    a failed draft leaves a one-row target step."""
-    target_path, _ = pair
-
-    async def answer(block=None, error=None):
-        await asyncio.sleep(0.01)  # the draft is still drafting when the verify arrives
-        if error is not None:
-            raise error
-        return Proposal(block, None), CallSpan(0.0, 0.0, 0.0)
-
-    async def scenario():
-        engine = TargetEngine(spec(target_path), options())
-        history = HISTORIES[0]
-        chained, _ = await verify(engine, "a", history, 1, GREEDY, 0, [asyncio.ensure_future(answer([9, 4]))])
-        direct, _ = await verify(engine, "b", history + [9, 4], 3, GREEDY, 0)
-        lost, _ = await verify(engine, "c", history, 1, GREEDY, 0,
-                                      [asyncio.ensure_future(answer(error=ConnectionError("draft engine died")))])
-        direct_lost, _ = await verify(engine, "d", history, 1, GREEDY, 0)
-        return chained, direct, lost, direct_lost
-
-    chained, direct, lost, direct_lost = asyncio.run(scenario())
-    assert len(chained) == 3 and chained == direct
-    assert lost == direct_lost and len(lost) == 1
-
-
-def test_a_verify_whose_request_ended_while_its_block_was_drafted_holds_nothing(pair):
-    """A client drops mid-round: the router releases the sequence while the verify it handed the
-    draft's answer still waits inside the target engine. When the block arrives the verify is
-    refused (SequenceReleasedError), so no KV state is created that nobody would release."""
+def test_an_engine_answers_only_the_round_calls_over_a_channel(pair):
+    """Routers reach an engine's verify and release over its channel (common.channel); nothing
+    else an engine actor offers (stats, weight loads) is reachable that way."""
     target_path, _ = pair
 
     async def scenario():
         engine = TargetEngine(spec(target_path), options())
-        block = asyncio.get_running_loop().create_future()
-        waiting = asyncio.ensure_future(verify(engine, "gone", HISTORIES[0], 1, GREEDY, 0, [block]))
-        await asyncio.sleep(0.01)
-        await engine.release("gone")
-        block.set_result((Proposal([9, 4], None), CallSpan(0.0, 0.0, 0.0)))
-        with pytest.raises(SequenceReleasedError):
-            await waiting
-        return await engine.active_sequences()
+        channel = EngineChannel(await engine.open_channel("127.0.0.1"))
+        rows, _ = await channel.call("verify", "a", whole(HISTORIES[0]), None, GREEDY)
+        with pytest.raises(ValueError, match="no 'stats'"):
+            await channel.call("stats")
+        await channel.call("release", "a")
+        return rows, await engine.active_sequences()
 
-    assert asyncio.run(scenario()) == []
+    rows, held = asyncio.run(scenario())
+    assert len(rows) == 1 and held == []
 
 
 def test_draft_calls_that_arrive_after_their_release_hold_nothing(pair):

@@ -3,6 +3,7 @@ never waits on an engine once the pool has been probed (deployments/pool_health.
 
 import asyncio
 
+from specserve.common.messages import EngineEndpoint
 from specserve.deployments import pool_health
 from specserve.deployments.pool_health import PoolHealth, overall_status
 
@@ -24,7 +25,7 @@ class _Engine:
 class _Pool:
     def __init__(self, engine: _Engine):
         async def get_engine():
-            return engine
+            return EngineEndpoint(engine, "127.0.0.1:9")
         self.get_engine = _Remote(get_engine)
 
 def test_overall_status():

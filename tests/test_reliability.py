@@ -41,7 +41,7 @@ def held_state() -> dict:
     held = {"router_active": router["active_requests"], "router_queued": router["queued_requests"]}
     for name in ("TargetWorker", "DraftWorker"):
         engine = serve.get_deployment_handle(name, APP_NAME).get_engine.remote().result()
-        held[name] = len(ray.get(engine.active_sequences.remote()))
+        held[name] = len(ray.get(engine.actor.active_sequences.remote()))
     return held
 
 

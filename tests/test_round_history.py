@@ -1,16 +1,16 @@
 """A request's rounds send each engine only what was committed since its last call, and an engine
 that lost the request is sent the whole history once: the router's round loop (RoundLoop,
-RequestEngines) over real draft and target engines, in-process (no Ray: an engine's
-`method.remote(...)` runs its coroutine as a task on this event loop, an awaitable as Ray's
-ObjectRef is)."""
+RequestEngines) over real draft and target engines and real channels to them (common.channel),
+all in this process (no Ray: Serve's get_engine is played by an awaitable giving the endpoint)."""
 
 import asyncio
 from types import SimpleNamespace
 
 import pytest
 
+from specserve.common.channel import ChannelPool
 from specserve.common.config import LimitsSpec, SpeculationSpec
-from specserve.common.messages import HistoryUpdate, UnknownHistory
+from specserve.common.messages import EngineEndpoint, HistoryUpdate, UnknownHistory
 from specserve.decoding.sampling import SamplingParams
 from specserve.decoding.sequence import RequestState
 from specserve.deployments.draft_worker import DraftEngine
@@ -32,45 +32,46 @@ def pair(tmp_path_factory):
     return make_tiny_pair(tmp_path_factory.mktemp("pair"))
 
 
-class InProcessHandle:
-    """An engine as the router holds it; keeps every HistoryUpdate it was sent and its answers."""
+class ListeningEngine:
+    """An engine listening for channels on 127.0.0.1; keeps every HistoryUpdate it was sent over
+    them and counts its UnknownHistory answers."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
         self.updates: list[HistoryUpdate] = []
         self.unknown = 0
 
-    def __getattr__(self, name: str):
-        method = getattr(self.engine, name)
+    async def listen(self) -> EngineEndpoint:
+        address = await self.engine.open_channel("127.0.0.1")
+        answer = self.engine.channel.answer
 
-        def remote(*args, **kwargs):
+        async def recording(method: str, args: tuple):
             self.updates.extend(arg for arg in args if isinstance(arg, HistoryUpdate))
-            return asyncio.ensure_future(self._answer(method(*args, **kwargs)))
+            reply = await answer(method, args)
+            self.unknown += isinstance(reply, UnknownHistory)
+            return reply
 
-        return SimpleNamespace(remote=remote)
-
-    async def _answer(self, call):
-        answer = await call
-        self.unknown += isinstance(answer, UnknownHistory)
-        return answer
+        self.engine.channel.answer = recording
+        return EngineEndpoint(None, address)
 
 
 class InProcessWorkers:
-    def __init__(self, handle: InProcessHandle) -> None:
-        self.get_engine = SimpleNamespace(remote=lambda affinity_key=None: asyncio.sleep(0, handle))
+    def __init__(self, endpoint: EngineEndpoint) -> None:
+        self.get_engine = SimpleNamespace(remote=lambda affinity_key=None: asyncio.sleep(0, endpoint))
 
 
-def run_request(pair, forget_at: dict[str, int]) -> tuple[RequestState, InProcessHandle, InProcessHandle]:
+def run_request(pair, forget_at: dict[str, int]) -> tuple[RequestState, ListeningEngine, ListeningEngine]:
     """One greedy request (drafting ahead, as a lone greedy request does) to the end; at round
     forget_at[pool] that engine forgets the request, as its idle-sequence expiry would."""
     target_path, draft_path = pair
 
     async def scenario():
-        target = InProcessHandle(TargetEngine(spec(target_path), options()))
-        draft = InProcessHandle(DraftEngine("draft", spec(draft_path), str(target_path), options()))
+        target = ListeningEngine(TargetEngine(spec(target_path), options()))
+        draft = ListeningEngine(DraftEngine("draft", spec(draft_path), str(target_path), options()))
         state = RequestState("r", PROMPT, SamplingParams(temperature=0, max_tokens=48), None, 256,
                              detokenize=lambda ids: " ".join(map(str, ids)))
-        engines = RequestEngines(InProcessWorkers(target), InProcessWorkers(draft), LimitsSpec())
+        engines = RequestEngines(InProcessWorkers(await target.listen()), InProcessWorkers(await draft.listen()),
+                                 LimitsSpec(), ChannelPool())
         rounds = 0
 
         def choose_depth(state: RequestState) -> int:

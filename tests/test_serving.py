@@ -62,7 +62,7 @@ def _leftover_state() -> dict[str, list]:
     for name in ("TargetWorker", "DraftWorker"):
         engine = serve.get_deployment_handle(name, APP_NAME).get_engine.remote().result()
         try:
-            leftovers[name] = ray.get(engine.active_sequences.remote())
+            leftovers[name] = ray.get(engine.actor.active_sequences.remote())
         except ray.exceptions.RayActorError:
             leftovers[name] = "dead"
     return leftovers
@@ -474,7 +474,7 @@ def stream_killing_midway(url: str, prompt: str, max_tokens: int, kill, after_ch
 def _stream_killing_engine_midway(url: str, prompt: str, max_tokens: int, pool: str) -> dict:
     """stream_killing_midway, killing pool's engine after the first chunk."""
     engine = serve.get_deployment_handle(pool, APP_NAME).get_engine.remote().result()
-    return stream_killing_midway(url, prompt, max_tokens, lambda: ray.kill(engine))
+    return stream_killing_midway(url, prompt, max_tokens, lambda: ray.kill(engine.actor))
 
 
 def test_draft_engine_lost_mid_stream_the_request_continues_target_only(server, reference):
