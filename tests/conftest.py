@@ -18,22 +18,39 @@ def _shares_the_server(module_items: list) -> bool:
     return any(SHARED_SERVER in item.fixturenames for item in module_items)
 
 
-def pytest_collection_modifyitems(items):
+RAY_GROUP = "ray"  # the xdist group of every test that starts a Ray cluster (make test: docs/testing.md)
+
+
+def pytest_collection_modifyitems(config, items):
     """Run the modules that use the shared served tiny pair one after another (each module whole,
     in collection order, at the place of the first of them), so its Ray cluster and Serve app
-    start once for all of them instead of once per module."""
+    start once for all of them instead of once per module.
+
+    Under pytest-xdist (`make test`: two workers, --dist loadgroup) the tests that start Ray go
+    first and together to one worker, in that order, and every other module is a unit of its own
+    for the other: one Ray cluster at a time on the machine, the shared server's modules in one
+    process, and the Ray-free tests filling the cores the Ray tests leave idle while they wait on
+    their servers."""
     modules: dict = {}
     for item in items:
         modules.setdefault(getattr(item, "module", None), []).append(item)
     sharing = [group for group in modules.values() if _shares_the_server(group)]
-    if len(sharing) < 2:
-        return
-    position = {id(item): i for i, item in enumerate(items)}
-    first = position[id(sharing[0][0])]
-    grouped = [item for group in sharing for item in group]
-    rest = [item for group in modules.values() if not _shares_the_server(group) for item in group]
-    before = [item for item in rest if position[id(item)] < first]
-    items[:] = before + grouped + rest[len(before):]
+    if len(sharing) >= 2:
+        position = {id(item): i for i, item in enumerate(items)}
+        first = position[id(sharing[0][0])]
+        grouped = [item for group in sharing for item in group]
+        rest = [item for group in modules.values() if not _shares_the_server(group) for item in group]
+        before = [item for item in rest if position[id(item)] < first]
+        items[:] = before + grouped + rest[len(before):]
+    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadgroup":
+        starts_ray = [item for item in items if _starts_ray(item)]
+        items[:] = starts_ray + [item for item in items if not _starts_ray(item)]
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group(RAY_GROUP if _starts_ray(item) else item.module.__name__))
+
+
+def _starts_ray(item) -> bool:
+    return item.get_closest_marker("ray") is not None or SHARED_SERVER in item.fixturenames
 
 
 def _next_module_shares_the_server(request) -> bool:

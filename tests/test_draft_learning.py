@@ -103,6 +103,7 @@ def test_a_swap_mid_request_keeps_greedy_text_and_a_failed_load_keeps_the_servin
     assert state.stats.draft_version == 1
 
 
+@pytest.mark.ray
 def test_an_engine_loads_a_version_from_the_object_store_into_its_serving_runner(pairs, tmp_path):
     """The trainer's versions folder is on its node only: the engine loads the version from Ray's
     object store after the folder is gone, into the runner that serves (same KV pool, no more
