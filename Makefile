@@ -8,9 +8,17 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install serve generate test fuzz soak reliability stat-full bench serve-config gpu-check
 
+# uv installs in seconds what pip installs in minutes. It reads no pip configuration, so the wheel
+# folder pip is pointed at (where a machine keeps its CPU torch wheel) is handed to it; elsewhere
+# UV_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu finds that wheel (docs/testing.md).
+UV_VERSION := 0.13.9
+FIND_LINKS := $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c $(CONSTRAINTS) -e '.[test,bench]'
+	$(PY) -m pip install --quiet --disable-pip-version-check uv==$(UV_VERSION)
+	$(VENV)/bin/uv pip install --quiet --python $(PY) $(if $(FIND_LINKS),--find-links $(FIND_LINKS)) \
+		-c $(CONSTRAINTS) -e '.[test,bench]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -52,7 +52,8 @@ from specserve.decoding.paged_cache import (
     paged_layout,
 )
 
-__all__ = ["BatchedModelRunner", "UnsupportedModelError", "decoder_support", "load_runner", "runner_for_model"]
+__all__ = ["BatchedModelRunner", "TargetFeatures", "UnsupportedModelError", "decoder_support", "load_runner",
+           "runner_for_model"]
 
 logger = logging.getLogger(__name__)
 # KV budget per engine on CPU when none is given: vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE). The
@@ -71,6 +72,16 @@ DEFAULT_ROLLBACK_TOKENS = 16
 WARM_UP_SHAPES = ((1, 1), (1, 2), (2, 1), (2, 2))
 
 
+@dataclass(frozen=True)
+class TargetFeatures:
+    """One row's auxiliary hidden states from a forward: the inputs of the runner's aux_layers at
+    the positions start, start + 1, ... the forward computed, concatenated in layer order
+    ([new tokens, len(aux_layers) x hidden], the model's dtype): what an EAGLE-3 head fuses."""
+
+    start: int
+    hidden: torch.Tensor
+
+
 class UnsupportedModelError(ValueError):
     """The model is not a decoder whose every layer attends through transformers' attention
     interface, so the paged engine cannot serve it (raised at load, naming what is unsupported)."""
@@ -85,7 +96,8 @@ class BatchedModelRunner(RunnerBase):
                          block_size: int = DEFAULT_BLOCK_SIZE, gpu_share: float = 1.0,
                          profile_batches: Sequence[tuple[int, int]] = DEFAULT_PROFILE_BATCHES,
                          prefix_caching: bool = True, cache_salt: str | None = None,
-                         rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS, enforce_eager: bool | None = None) -> None:
+                         rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS, enforce_eager: bool | None = None,
+                         aux_layers: Sequence[int] = ()) -> None:
         """enforce_eager: True runs the forward uncompiled, False compiles it, None compiles on CUDA
         only (and not where SPECSERVE_ENFORCE_EAGER=1; decoding.compiled_forward.CompiledForward).
         lean: run decoding.lean_forward where the architecture has one (else transformers' forward).
@@ -99,7 +111,11 @@ class BatchedModelRunner(RunnerBase):
         cache_salt: what besides the tokens decides the keys and values (default: model_path; a
         draft engine adds the version it serves), the root of every block's hash chain.
         rollback_tokens: how far back from its end a later call may crop a sequence and still find
-        its sliding-window layers' keys (the engine's max_step_tokens); a deeper crop recomputes."""
+        its sliding-window layers' keys (the engine's max_step_tokens); a deeper crop recomputes.
+        aux_layers: the layers whose inputs `run_with_features` returns for an EAGLE-3 head
+        (docs/eagle3.md); empty, the forward computes nothing for them. A head needs every
+        committed position's features, and a prefix-cache hit computes none, so with aux_layers
+        prefix caching is off."""
         supported, reason = decoder_support(model)
         if not supported:
             raise UnsupportedModelError(f"{model_path}: specserve's engine cannot serve this model: {reason}")
@@ -110,13 +126,17 @@ class BatchedModelRunner(RunnerBase):
         except (ValueError, KeyError) as error:   # transformers refuses a custom attention for it
             raise UnsupportedModelError(f"{model_path}: its attention cannot be replaced: {error}") from error
         self._dtype = next(model.parameters()).dtype
+        self.aux_layers = tuple(int(layer) for layer in aux_layers)
+        num_layers = self.config.num_hidden_layers
+        if not all(0 <= layer < num_layers for layer in self.aux_layers):
+            raise ValueError(f"{model_path}: aux_layers {list(self.aux_layers)} must be layers of its {num_layers}")
         flash = flash_kernel_available(self.device)
         if flash:
             block_size = FLASH_BLOCK_SIZE
         elif self.device.type == "cuda":
             logger.warning("%s: flash-attn with a paged kernel is not installed: attention gathers each sequence's "
                            "blocks per layer (the CPU path); install flash-attn for the paged kernel", model_path)
-        self.lean = LeanDecoder(model) if lean and lean_support(model)[0] else None
+        self.lean = LeanDecoder(model, self.aux_layers) if lean and lean_support(model)[0] else None
         decoder = model.get_decoder()
         if self.lean is None and not getattr(decoder, "_specserve_keeps_rows", False):
             # The model's own forward: its decoder's output narrowed to the kept rows (once per model).
@@ -145,7 +165,7 @@ class BatchedModelRunner(RunnerBase):
         self.cache = PagedKVCache(num_layers=self.config.num_hidden_layers, num_blocks=self.kv_capacity.num_blocks,
                                   block_size=block_size, device=self.device, flash=flash, groups=groups)
         # What the block manager over this pool is built with (decoding.block_manager.BlockManager.for_runner).
-        self.prefix_caching = prefix_caching
+        self.prefix_caching = prefix_caching and not self.aux_layers
         self.cache_salt = cache_salt or model_path
         # A forward over the cache shapes every pool: on CUDA the whole budget is allocated here,
         # so an out-of-memory shows at start, not on the first request. Then the forward is
@@ -226,6 +246,17 @@ class BatchedModelRunner(RunnerBase):
         positions through its tables; -> per row, float32 logits [num_rows, V] of its last
         num_rows tokens. want_logits False (a tensor-parallel follower, which answers nothing):
         the forward runs, the logits are neither converted nor split."""
+        return self._run(plan, want_logits)[0]
+
+    def run_with_features(self, plan: StepPlan) -> tuple[list[torch.Tensor], list[TargetFeatures]]:
+        """`run`, and per row the aux_layers' features of every token it computed (TargetFeatures),
+        from the same forward."""
+        if not self.aux_layers:
+            raise ValueError(f"{self.model_path}: this runner was built without aux_layers; it computes no features")
+        logits, features = self._run(plan, True)
+        return logits, [TargetFeatures(start, hidden) for start, hidden in zip(plan.starts, features)]
+
+    def _run(self, plan: StepPlan, want_logits: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         self.cache.reserve(plan.pool_blocks)
         for source, destination in plan.copies:
             self.cache.copy_block(source, destination)
@@ -239,10 +270,16 @@ class BatchedModelRunner(RunnerBase):
         keep_index = torch.tensor([b * num_columns + t for b, (rows, n) in enumerate(zip(plan.num_rows, num_new))
                                    for t in range(n - rows, n)], dtype=torch.long)
         logits = self._logits(input_ids.to(self.device), layout, keep_index.to(self.device))
+        features: list[torch.Tensor] = []
+        if self.aux_layers:
+            logits, hidden = logits
+            computed = torch.tensor([b * num_columns + t for b, n in enumerate(num_new) for t in range(n)],
+                                    dtype=torch.long, device=self.device)
+            features = list(hidden.index_select(0, computed).split(num_new))
         if not want_logits:
-            return []
+            return [], features
         # keep_index lists the kept rows in (row, column) order.
-        return list(self._served_columns(logits.float()).split(list(plan.num_rows)))
+        return list(self._served_columns(logits.float()).split(list(plan.num_rows))), features
 
     @torch.inference_mode()
     def _logits(self, input_ids: torch.Tensor, layout, keep_index: torch.Tensor, view=None) -> torch.Tensor:
@@ -255,15 +292,21 @@ class BatchedModelRunner(RunnerBase):
             view = self.cache.view(layout, keep_index, self.step_forward.attention_kernel)
         return self.step_forward(input_ids, view)
 
-    def _model_logits(self, input_ids: torch.Tensor, view) -> torch.Tensor:
+    def _model_logits(self, input_ids: torch.Tensor, view):
         """The forward that is compiled: the lean forward, or the model's own. The model keeps no
         cache of its own (use_cache=False): its attention stores keys and values in the paged view
         it receives as a keyword (decoding.paged_attention), and its decoder's output is narrowed
-        to the kept positions before the LM head (`_keep_rows`)."""
+        to the kept positions before the LM head (`_keep_rows`). With aux_layers: (logits, the
+        aux layers' inputs at every position [B * T, len(aux_layers) x hidden])."""
         if self.lean is not None:
             return self.lean.forward(input_ids, view.layout.position_ids, view)
-        return self.model(input_ids=input_ids, position_ids=view.layout.position_ids, use_cache=False,
-                          logits_to_keep=0, paged_batch=view).logits[0]
+        output = self.model(input_ids=input_ids, position_ids=view.layout.position_ids, use_cache=False,
+                            logits_to_keep=0, paged_batch=view, output_hidden_states=bool(self.aux_layers))
+        if not self.aux_layers:
+            return output.logits[0]
+        # hidden_states[i] is layer i's input (index 0: the embeddings).
+        hidden = torch.cat([output.hidden_states[layer] for layer in self.aux_layers], dim=-1)
+        return output.logits[0], hidden.reshape(-1, hidden.shape[-1])
 
     def weights_mismatch(self, state: Mapping[str, torch.Tensor]) -> str | None:
         """Why `state` cannot replace this runner's weights in place (None: it can): it must name
@@ -328,7 +371,7 @@ def runner_for_model(model, max_sequences: int = 256, model_path: str | None = N
                      profile_batches: Sequence[tuple[int, int]] = DEFAULT_PROFILE_BATCHES,
                      prefix_caching: bool = True, cache_salt: str | None = None,
                      rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS,
-                     enforce_eager: bool | None = None) -> BatchedModelRunner:
+                     enforce_eager: bool | None = None, aux_layers: Sequence[int] = ()) -> BatchedModelRunner:
     """BatchedModelRunner over `model` (running the lean forward where the architecture has one and
     lean_forward is set); logs one line saying which forward, the KV capacity and whether prefix
     caching is on (see BatchedModelRunner._init_from_model). UnsupportedModelError for a model it
@@ -340,21 +383,22 @@ def runner_for_model(model, max_sequences: int = 256, model_path: str | None = N
                             max_model_len=max_model_len, kv_cache_memory_gb=kv_cache_memory_gb,
                             gpu_memory_utilization=gpu_memory_utilization, gpu_share=gpu_share,
                             profile_batches=profile_batches, prefix_caching=prefix_caching, cache_salt=cache_salt,
-                            rollback_tokens=rollback_tokens, enforce_eager=enforce_eager)
+                            rollback_tokens=rollback_tokens, enforce_eager=enforce_eager, aux_layers=aux_layers)
     group = "" if runner.tensor_parallel_size == 1 else (
         f"tensor-parallel rank {torch.distributed.get_rank()} of {runner.tensor_parallel_size}: "
         f"{weight_bytes(model) / 2 ** 20:,.1f} MiB of weights; ")
     logger.info("%s: batched paged-KV runner (%s; %s; %s); %s%s; prefix caching %s", path, decoder_support(model)[1],
                 lean_reason if lean else f"transformers forward: {lean_reason}", runner.step_forward.describe(), group,
-                runner.kv_capacity.describe(), "on" if prefix_caching else "off")
+                runner.kv_capacity.describe(),
+                "on" if runner.prefix_caching else "off" if not aux_layers else "off (an EAGLE-3 head reads every position)")
     return runner
 
 
 def load_runner(spec: dict):
     """The runner for a model spec mapping (path, dtype, device, torch_threads, max_sequences,
     lean_forward, and optionally max_model_len, kv_cache_memory_gb, gpu_memory_utilization,
-    prefix_caching, cache_salt, and the builder's gpu_share, profile_batches and rollback_tokens: see
-    BatchedModelRunner._init_from_model).
+    prefix_caching, cache_salt, aux_layers (an EAGLE-3 head's target), and the builder's gpu_share,
+    profile_batches and rollback_tokens: see BatchedModelRunner._init_from_model).
 
     With `tensor_parallel` ({rank, size, store_address}: this process is one rank of a group) it
     joins the group and loads this rank's shards; rank 0 gets the MirroredRunner the engine
@@ -372,6 +416,6 @@ def load_runner(spec: dict):
                               profile_batches=[tuple(batch) for batch in spec.get("profile_batches", DEFAULT_PROFILE_BATCHES)],
                               prefix_caching=spec.get("prefix_caching", True), cache_salt=spec.get("cache_salt"),
                               rollback_tokens=spec.get("rollback_tokens", DEFAULT_ROLLBACK_TOKENS),
-                              enforce_eager=spec.get("enforce_eager"))
+                              enforce_eager=spec.get("enforce_eager"), aux_layers=spec.get("aux_layers", ()))
     runner.serve_as(spec.get("vocab_size"), spec.get("eos_token_ids"))
     return runner if group is None else in_group(runner, group.rank, control)

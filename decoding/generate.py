@@ -10,7 +10,7 @@ from typing import Any
 
 from specserve.decoding.grammar import GrammarDeadEndError, GrammarMatcher, GrammarMatchers
 from specserve.decoding.block_manager import ForwardCall
-from specserve.decoding.proposers import ProposeCall, Proposer, empty_proposal
+from specserve.decoding.proposers import ProposeCall, Proposer, empty_proposal, reads_target_features
 from specserve.decoding.sequence import RequestState
 from specserve.decoding.speculation import (RowsCall, accept_round, answer_verifies, target_rows,
                                             verify_answer)
@@ -26,9 +26,12 @@ def generate(target: Any, state: RequestState, proposer: Proposer | None = None,
     num_draft_tokens 0 is target-only decoding; verification ("block" or "token") as in accept_round.
     grammars: the target's matchers, needed for a structured output (state.params.structured); the
     proposer keeps its own (DraftModelProposer's grammars), as the draft engine does.
+    A proposer that reads the target's features (an EAGLE-3 head) gets each target forward's
+    (the target engine built with the head's aux_layers).
     The sequence is released from the target runner and the proposer when decoding ends or the
     iterator is closed."""
     speculate = proposer is not None and num_draft_tokens > 0
+    with_features = speculate and reads_target_features(proposer)
     params = state.params
     state.engine_streams_on(target.device)
     try:
@@ -40,7 +43,8 @@ def generate(target: Any, state: RequestState, proposer: Proposer | None = None,
                                          len(state.prompt_ids))
                         if num_tokens > 0 else empty_proposal())
             num_drafted = len(proposal.token_ids)
-            logits = target.forward(state.request_id, history + proposal.token_ids, num_rows=num_drafted + 1)
+            logits = _target_forward(target, [ForwardCall(state.request_id, history + proposal.token_ids,
+                                                          num_drafted + 1)], proposer if with_features else None)[0]
             grammar = _target_grammar(state, grammars)
             rows = target_rows(logits, params, state.eos_token_id, state.next_output_index,
                                history + proposal.token_ids, grammar)
@@ -55,6 +59,17 @@ def generate(target: Any, state: RequestState, proposer: Proposer | None = None,
             grammars.release(state.request_id)
         if proposer is not None:
             proposer.release(state.request_id)
+
+
+def _target_forward(target: Any, calls: list[ForwardCall], feature_reader: Any) -> list:
+    """The target's logits for calls; with a feature reader (an EAGLE-3 proposer), from a forward
+    that also returns the features, each handed to it."""
+    if feature_reader is None:
+        return target.forward_batch(calls)
+    logits, features = target.forward_batch_with_features(calls)
+    for call, computed in zip(calls, features):
+        feature_reader.observe(call.seq_id, computed)
+    return logits
 
 
 def _target_grammar(state: RequestState, grammars: GrammarMatchers | None) -> GrammarMatcher | None:
@@ -79,6 +94,7 @@ def generate_batch(target: Any, states: Sequence[RequestState], proposer: Propos
     quickly. A request whose grammar allows nothing (GrammarDeadEndError) finishes with
     finish_reason "error" and the others go on, as on the engines. Sequences are released after."""
     speculate = proposer is not None and num_draft_tokens > 0
+    feature_reader = proposer if speculate and reads_target_features(proposer) else None
     prefilled: set[str] = set()
     for state in states:
         state.engine_streams_on(target.device)
@@ -88,8 +104,8 @@ def generate_batch(target: Any, states: Sequence[RequestState], proposer: Propos
                                  if speculate and s.request_id in prefilled else 0, s.params, s.draft_generator,
                                  len(s.prompt_ids)) for s in running]
             proposals = proposer.propose_batch(calls) if speculate else [empty_proposal() for _ in running]
-            logits = target.forward_batch([ForwardCall(s.request_id, s.history + p.token_ids, len(p.token_ids) + 1)
-                                           for s, p in zip(running, proposals)])
+            logits = _target_forward(target, [ForwardCall(s.request_id, s.history + p.token_ids, len(p.token_ids) + 1)
+                                              for s, p in zip(running, proposals)], feature_reader)
             # As the target engine: every request's rows processed in one batched pass, answered together.
             row_calls = []
             for state, proposal, rows in zip(running, proposals, logits):

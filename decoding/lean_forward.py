@@ -66,7 +66,8 @@ class LeanDecoder:
     `attend(layer, q, k, v)` stores the new keys and attends, and whose keep_index names the rows
     that reach the LM head). It holds references to the model's modules, no copies."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, aux_layers: tuple[int, ...] = ()) -> None:
+        """aux_layers: layers whose inputs `forward` also returns (an EAGLE-3 head's features)."""
         supported, reason = lean_support(model)
         if not supported:
             raise ValueError(f"no lean forward for this model: {reason}")
@@ -83,33 +84,42 @@ class LeanDecoder:
         self.num_kv_heads = int(config.num_key_value_heads)
         self.scaling = float(first.scaling)
         self.layers = list(decoder.layers)
+        self.aux_layers = tuple(aux_layers)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: PagedBatchView) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: PagedBatchView):
         """Logits [kept rows, V] of the positions cache.keep_index names (flat b * T + t, in
-        that order). No host value is read, so the compiled forward is one graph."""
+        that order). No host value is read, so the compiled forward is one graph. With
+        aux_layers: (logits, those layers' inputs at every position [B * T, len(aux_layers) x hidden])."""
         batch, length = input_ids.shape
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         hidden = self.embed(input_ids)
         cos, sin = self.rotary(hidden, position_ids)            # [B, T, D]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         width = hidden.shape[-1]
+        captured = {}
         for index, layer in enumerate(self.layers):
+            if index in self.aux_layers:
+                captured[index] = hidden
             attention, mlp = layer.self_attn, layer.mlp
             x = F.rms_norm(hidden, (width,), layer.input_layernorm.weight, self.eps)
             q = _linear(x, attention.q_proj).view(batch, length, heads, head_dim).transpose(1, 2)
             k = _linear(x, attention.k_proj).view(batch, length, kv_heads, head_dim).transpose(1, 2)
             v = _linear(x, attention.v_proj).view(batch, length, kv_heads, head_dim).transpose(1, 2)
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
             attended = cache.attend(index, q, k, v, scaling=self.scaling)
             attended = attended.transpose(1, 2).reshape(batch, length, heads * head_dim)
             hidden = hidden + _linear(attended, attention.o_proj)
             x = F.rms_norm(hidden, (width,), layer.post_attention_layernorm.weight, self.eps)
             hidden = hidden + _linear(mlp.act_fn(_linear(x, mlp.gate_proj)) * _linear(x, mlp.up_proj), mlp.down_proj)
         kept = hidden.reshape(batch * length, width).index_select(0, cache.keep_index)
-        return self.lm_head(F.rms_norm(kept, (width,), self.final_norm, self.eps))
+        logits = self.lm_head(F.rms_norm(kept, (width,), self.final_norm, self.eps))
+        if not self.aux_layers:
+            return logits
+        features = torch.cat([captured[layer] for layer in self.aux_layers], dim=-1)
+        return logits, features.reshape(batch * length, -1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """[x1, x2] -> [-x2, x1] over the last dimension: RoPE's pairing, as transformers' Llama."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -96,6 +96,12 @@ class Drafting:
                         stream_states=self.states if self.call.keep_stream_states else None)
 
 
+def reads_target_features(proposer: object) -> bool:
+    """The proposer drafts from the target's hidden features (an EAGLE-3 head): the round runs the
+    target with its aux layers' features and hands each forward's to `proposer.observe`."""
+    return bool(getattr(proposer, "reads_target_features", False))
+
+
 def empty_proposal() -> Proposal:
     """No draft tokens: the round degenerates to one plain target step."""
     return Proposal(token_ids=[], support=None)

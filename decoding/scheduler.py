@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from specserve.decoding.batched_runner import runner_for_model
+from specserve.decoding.batched_runner import TargetFeatures, runner_for_model
 from specserve.decoding.block_manager import BlockManager, ForwardCall
 from specserve.decoding.errors import SequenceStateError
 
@@ -202,17 +202,24 @@ class Scheduler:
         anything changes: ValueError, SequenceStateError, NoFreeSlotError, NoFreeBlocksError), the
         runner runs it, and the blocks then hold what it computed; a forward that raises leaves
         every sequence as it was before (cropped back to what it reused)."""
-        if not calls:
-            return []
+        return self._forward(calls, self.runner.run) if calls else []
+
+    def forward_batch_with_features(self, calls: Sequence[ForwardCall]) -> tuple[list[torch.Tensor], list[TargetFeatures]]:
+        """`forward_batch`, and per call the target's features of every token the forward computed
+        (decoding.batched_runner.TargetFeatures: an EAGLE-3 head's input), from the same forward.
+        The engine's runner must have been built with aux_layers."""
+        return self._forward(calls, self.runner.run_with_features) if calls else ([], [])
+
+    def _forward(self, calls: Sequence[ForwardCall], run):
         plan = self.blocks.plan(calls)
         try:
-            logits = self.runner.run(plan)
+            result = run(plan)
         except BaseException:
             self.blocks.abort(plan)
             raise
         self.blocks.commit(plan)
         self.last_num_new_tokens = plan.num_new_tokens
-        return logits
+        return result
 
     def forward(self, seq_id: str, token_ids: Sequence[int], num_rows: int = 1) -> torch.Tensor:
         """seq_id's cache made to hold exactly token_ids; float32 logits [num_rows, V] for its

@@ -88,11 +88,6 @@ class PortReservation:
         """The ports still held, in the order `take` hands them out."""
         return tuple(sock.getsockname()[1] for sock in self._held)
 
-    @property
-    def held(self) -> tuple[int, ...]:
-        """The ports still held, in the order `take` hands them out."""
-        return tuple(sock.getsockname()[1] for sock in self._held)
-
     def take(self, count: int) -> list[int]:
         """Release `count` of the held ports and return them, for a process to bind at once."""
         if count > len(self._held):

@@ -1,0 +1,131 @@
+"""An EAGLE-3 draft head as a torch module: what one drafting step of the head computes.
+
+Why a module of its own: an EAGLE-3 head is not a causal LM a runner can load. It is one Llama
+decoder layer fed by the *target*: a fusion layer (`fc`) maps three of the target's hidden layers
+(3 x target hidden) to one feature; the layer's attention reads [token embedding ; feature] (2 x
+hidden in, with the target's embeddings); its own norm and lm_head score a reduced vocabulary, and
+a draft -> target id map (`d2t`) says which target token each row is. vLLM's and SGLang's
+`llama_eagle3.py` compute the same (docs/eagle3.md); this is our own writing of it.
+
+The head's step for one sequence: rows (feature, token) at positions p, p+1, ... each attend to
+the head's earlier entries of that sequence and to each other causally; each row's output is the
+next token's scores and the pre-norm hidden state that feeds the head's next step when the
+target's feature is not known yet (a drafted position). Keys and values are returned, not kept:
+the proposer (decoding.eagle3_proposer) owns each sequence's entries and crops them on rollback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from specserve.decoding.lean_forward import rotate_half
+
+
+@dataclass(frozen=True)
+class Eagle3Shape:
+    """The numbers a head's weights are built from (read from its config.json, decoding.eagle3_checkpoint)."""
+
+    hidden_size: int
+    target_hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int              # the target's vocabulary (what d2t maps into)
+    draft_vocab_size: int        # the head's lm_head rows
+    rms_norm_eps: float
+    norm_before_residual: bool   # the residual is the normed feature (speculators' option), else the raw one
+    rope_config: LlamaConfig     # rotary embedding settings (rope_theta, rope_scaling) of the head's layer
+
+
+@dataclass
+class HeadStep:
+    """One head step's results for rows at consecutive positions of one sequence."""
+
+    logits: torch.Tensor     # [T, draft_vocab] scores over the head's vocabulary
+    prenorm: torch.Tensor    # [T, hidden]: the feature of the head's next step at a drafted position
+    keys: torch.Tensor       # [kv_heads, T, head_dim] the rows' keys and values, for the caller to keep
+    values: torch.Tensor
+
+
+class Eagle3Head(nn.Module):
+    """fc, one decoder layer over [embedding ; feature], norm, lm_head over the reduced vocabulary,
+    and `draft_to_target` (absolute target ids of the head's rows). `embed` is the target's input
+    embedding (shared, not copied) unless the checkpoint ships its own."""
+
+    def __init__(self, shape: Eagle3Shape, embed: nn.Embedding) -> None:
+        super().__init__()
+        self.shape = shape
+        hidden, heads, kv_heads, head_dim = shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim
+        self.embed = embed
+        self.fc = nn.Linear(3 * shape.target_hidden_size, hidden, bias=False)
+        self.input_layernorm = nn.Parameter(torch.ones(hidden))
+        self.hidden_norm = nn.Parameter(torch.ones(hidden))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(hidden))
+        self.q_proj = nn.Linear(2 * hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.gate_proj = nn.Linear(hidden, shape.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden, shape.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(shape.intermediate_size, hidden, bias=False)
+        self.norm = nn.Parameter(torch.ones(hidden))
+        self.lm_head = nn.Linear(hidden, shape.draft_vocab_size, bias=False)
+        self.register_buffer("draft_to_target", torch.arange(shape.draft_vocab_size), persistent=False)
+        self.rotary = LlamaRotaryEmbedding(shape.rope_config)
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.shape.rms_norm_eps)
+
+    def fuse(self, target_features: torch.Tensor) -> torch.Tensor:
+        """[T, 3 x target hidden] (the target's three layers, concatenated in layer order) -> [T, hidden]."""
+        return self.fc(target_features)
+
+    def step(self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+             past_keys: torch.Tensor | None = None, past_values: torch.Tensor | None = None) -> HeadStep:
+        """Rows t = 0..T-1 of one sequence: token_ids [T] (the token AFTER each row's feature's
+        position), features [T, hidden] (fused target features or the head's own prenorm),
+        positions [T] (the features' positions, consecutive). Each row attends to the past entries
+        ([kv_heads, P, head_dim], positions before positions[0]) and to rows <= t."""
+        shape = self.shape
+        length = token_ids.shape[0]
+        embeds = self._rms(self.embed(token_ids).to(features.dtype), self.input_layernorm)
+        if shape.norm_before_residual:
+            normed = self._rms(features, self.hidden_norm)
+            residual = normed
+        else:
+            residual = features
+            normed = self._rms(features, self.hidden_norm)
+        x = torch.cat([embeds, normed], dim=-1)
+        q = self.q_proj(x).view(length, shape.num_heads, shape.head_dim).transpose(0, 1)
+        k = self.k_proj(x).view(length, shape.num_kv_heads, shape.head_dim).transpose(0, 1)
+        v = self.v_proj(x).view(length, shape.num_kv_heads, shape.head_dim).transpose(0, 1)
+        cos, sin = self.rotary(x, positions.unsqueeze(0))        # [1, T, D]
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        all_keys = k if past_keys is None else torch.cat([past_keys, k], dim=1)
+        all_values = v if past_values is None else torch.cat([past_values, v], dim=1)
+        past = all_keys.shape[1] - length
+        # Row t sees every past entry and the new rows up to itself.
+        visible = torch.arange(all_keys.shape[1], device=x.device) <= past + torch.arange(length, device=x.device)[:, None]
+        groups = shape.num_heads // shape.num_kv_heads
+        attended = F.scaled_dot_product_attention(q, all_keys.repeat_interleave(groups, 0),
+                                                  all_values.repeat_interleave(groups, 0), attn_mask=visible)
+        hidden = self.o_proj(attended.transpose(0, 1).reshape(length, -1)) + residual
+        x = self._rms(hidden, self.post_attention_layernorm)
+        prenorm = hidden + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        logits = self.lm_head(self._rms(prenorm, self.norm))
+        return HeadStep(logits, prenorm, k, v)
+
+    def target_logits(self, draft_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Scores over the target's vocabulary [T, vocab_size]: the head's rows at their target ids,
+        -inf elsewhere, so any processing (temperature, top-k/p) gives zero probability to tokens
+        the head cannot propose, and q stays the distribution the token was drawn from."""
+        full = draft_logits.new_full((draft_logits.shape[0], vocab_size), float("-inf"))
+        return full.index_copy(1, self.draft_to_target, draft_logits)
+

@@ -1,0 +1,161 @@
+"""Drafting with an EAGLE-3 head (decoding.eagle3_head) fed by the target's features.
+
+The head's entry at position p reads the target's fused feature at p and the token at p + 1, and
+its output scores the token at p + 2 (EAGLE-3 at inference, as vLLM's and SGLang's proposers).
+After a round commits, the target has computed features for every committed position but the
+last (the bonus or recovered token was never fed), so a sequence with committed history x_0..x_n
+has head entries 0..n-1 from target features, and the last of them scores the first draft token.
+Each further draft token is one head step at the next position whose feature is the head's own
+pre-norm output of the step before (the target's is not known yet). Those speculative entries
+are never kept: the next round crops back to the committed ones and feeds the target's features
+of the newly committed positions in their place.
+
+Exactness: the head scores its reduced vocabulary; its rows are placed at their target ids with
+-inf elsewhere before any processing (Eagle3Head.target_logits), so q over the target's
+vocabulary is zero where the head cannot propose and the token is drawn from exactly the q that
+verification receives (decoding.proposers.draft_step), as for a draft model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.decoding.batched_runner import TargetFeatures
+from specserve.decoding.eagle3_checkpoint import LoadedHead
+from specserve.decoding.errors import SequenceStateError
+from specserve.decoding.proposers import Drafting, Proposal, ProposeCall, draft_step, empty_proposal
+from specserve.decoding.row_processors import history_processor
+from specserve.decoding.sampling import SamplingParams
+
+
+@dataclass
+class HeadSequence:
+    """One sequence's head state: entries 0..len(tokens)-1 computed from the target's features
+    (keys/values [kv_heads, entries, head_dim]), the tokens they read (entry p read token p + 1),
+    the last entry's output, and target features not yet made entries (from `pending_start`)."""
+
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    tokens: list[int] = field(default_factory=list)
+    last_logits: torch.Tensor | None = None    # [draft_vocab] the last entry's scores
+    last_prenorm: torch.Tensor | None = None   # [hidden] its pre-norm output
+    pending_start: int = 0
+    pending: torch.Tensor | None = None        # [n, 3 x target hidden]
+
+    @property
+    def num_entries(self) -> int:
+        return len(self.tokens)
+
+    def crop(self, num_entries: int) -> None:
+        """Keep entries 0..num_entries-1 (their output is no longer the last one's when cropped)."""
+        if num_entries < self.num_entries:
+            self.tokens = self.tokens[:num_entries]
+            self.keys, self.values = self.keys[:, :num_entries], self.values[:, :num_entries]
+            self.last_logits = self.last_prenorm = None
+
+    def add_features(self, features: TargetFeatures) -> None:
+        """The target's features of positions features.start, ...: they replace any pending ones
+        from that position on (a forward recomputing positions gives them afresh)."""
+        start, hidden = features.start, features.hidden
+        if self.pending is not None and self.pending_start < start <= self.pending_start + self.pending.shape[0]:
+            hidden = torch.cat([self.pending[:start - self.pending_start], hidden])
+            start = self.pending_start
+        self.pending_start, self.pending = start, hidden
+
+
+class Eagle3Proposer:
+    """Proposes with an EAGLE-3 head; `observe` hands it the target's features of each forward.
+
+    reads_target_features tells the round loop (decoding.generate) to run the target with its
+    aux layers' features and pass them on."""
+
+    reads_target_features = True
+
+    def __init__(self, loaded: LoadedHead, max_candidates: int | None = None) -> None:
+        """max_candidates: as DraftModelProposer's (a sampled token is drawn from its row's top
+        max_candidates tokens renormalised; None: the whole row)."""
+        self.head = loaded.head
+        self.aux_layers = loaded.aux_layers
+        self.max_candidates = max_candidates
+        self.vocab_size = loaded.head.shape.vocab_size
+        self.sequences: dict[str, HeadSequence] = {}
+
+    def observe(self, seq_id: str, features: TargetFeatures) -> None:
+        """The target's features from a forward over seq_id (positions it computed, whether or
+        not they are committed: `propose` takes the committed ones)."""
+        self.sequences.setdefault(seq_id, HeadSequence()).add_features(features)
+
+    def propose(self, seq_id: str, history: Sequence[int], num_tokens: int, params: SamplingParams,
+                generator: torch.Generator | None = None, prompt_len: int | None = None) -> Proposal:
+        return self.propose_batch([ProposeCall(seq_id, history, num_tokens, params, generator, prompt_len)])[0]
+
+    def propose_batch(self, calls: Sequence[ProposeCall]) -> list[Proposal]:
+        """Up to num_tokens head steps per call, one sequence at a time (a head step is one layer)."""
+        return [self._propose(call) for call in calls]
+
+    @torch.inference_mode()
+    def _propose(self, call: ProposeCall) -> Proposal:
+        history = list(call.history)
+        if call.num_tokens <= 0 or len(history) < 2:
+            return empty_proposal()
+        sequence = self._caught_up(call.seq_id, history)
+        drafting = Drafting(call, call.num_tokens, list(history))
+        logits, prenorm = sequence.last_logits, sequence.last_prenorm
+        keys, values = sequence.keys, sequence.values
+        position = len(history) - 1   # the position of the next entry: the last committed token's
+        while True:
+            rows = self.head.target_logits(logits.unsqueeze(0), self.vocab_size).float()
+            if drafting.processor is None and call.params.uses_history:
+                drafting.processor = history_processor(call.params, call.history, call.prompt_len, rows.shape[-1],
+                                                       rows.device, None)
+            token, top, q = draft_step(rows, [call], [drafting.processor], [not drafting.drafted],
+                                       self.max_candidates)[0]
+            drafting.advance(token, top, q)
+            if drafting.done:
+                return drafting.proposal()
+            step = self.head.step(torch.tensor([token], device=prenorm.device), prenorm.unsqueeze(0),
+                                  torch.tensor([position], device=prenorm.device), keys, values)
+            keys, values = torch.cat([keys, step.keys], dim=1), torch.cat([values, step.values], dim=1)
+            logits, prenorm, position = step.logits[0], step.prenorm[0], position + 1
+
+    def _caught_up(self, seq_id: str, history: list[int]) -> HeadSequence:
+        """seq_id's entries made to cover positions 0..len(history)-2 from the target's features,
+        the last entry's output kept (the first draft token's scores)."""
+        sequence = self.sequences.setdefault(seq_id, HeadSequence())
+        wanted = len(history) - 1
+        agreed = 0
+        while agreed < min(sequence.num_entries, wanted) and sequence.tokens[agreed] == history[agreed + 1]:
+            agreed += 1
+        sequence.crop(agreed)
+        if sequence.num_entries == wanted and sequence.last_logits is not None:
+            return sequence
+        start = sequence.num_entries if sequence.last_logits is not None or sequence.num_entries == 0 else \
+            sequence.num_entries - 1
+        sequence.crop(start)   # an entry whose output was let go is computed again
+        pending = sequence.pending
+        if pending is None or not sequence.pending_start <= start or \
+                sequence.pending_start + pending.shape[0] < wanted:
+            have = "none" if pending is None else \
+                f"{sequence.pending_start}..{sequence.pending_start + pending.shape[0] - 1}"
+            raise SequenceStateError(f"{seq_id}: the EAGLE-3 head needs the target's features of positions "
+                                     f"{start}..{wanted - 1}, it has {have} (the target must return every "
+                                     "position it computes: run it with the head's aux layers and no prefix cache)")
+        head = self.head
+        features = pending[start - sequence.pending_start:wanted - sequence.pending_start]
+        device = features.device
+        step = head.step(torch.tensor(history[start + 1:wanted + 1], device=device), head.fuse(features),
+                         torch.arange(start, wanted, device=device), sequence.keys, sequence.values)
+        sequence.keys = step.keys if sequence.keys is None else torch.cat([sequence.keys, step.keys], dim=1)
+        sequence.values = step.values if sequence.values is None else torch.cat([sequence.values, step.values], dim=1)
+        sequence.tokens.extend(history[start + 1:wanted + 1])
+        sequence.last_logits, sequence.last_prenorm = step.logits[-1], step.prenorm[-1]
+        # Features of positions from `wanted` on were computed over tokens not committed (or are the
+        # next round's): the next forward gives them again.
+        sequence.pending = None
+        return sequence
+
+    def release(self, seq_id: str) -> None:
+        self.sequences.pop(seq_id, None)

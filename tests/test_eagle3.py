@@ -1,0 +1,381 @@
+"""EAGLE-3 heads, in-process (no Ray): both checkpoint formats load for a Llama-3 look-alike target,
+malformed heads are refused naming why, the target engine returns the features the head reads
+from the same forward, the head's cached drafting equals drafting from scratch, greedy output
+with a head equals target-only output, and a sampled head's tokens follow the q it reports over
+the target's vocabulary (docs/eagle3.md).
+
+The equalities asserted here hold on CPU in float32, where the tests run; on a GPU in bf16 greedy
+output may differ at near-ties and with what shares a batch (docs/gpu.md)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specserve.decoding.batched_runner import TargetFeatures
+from specserve.decoding.block_manager import ForwardCall
+from specserve.decoding.eagle3_checkpoint import (Eagle3CheckpointError, default_aux_layers, head_format,
+                                                  load_eagle3_head)
+from specserve.decoding.eagle3_proposer import Eagle3Proposer
+from specserve.decoding.generate import generate
+from specserve.decoding.model_runner import load_causal_lm
+from specserve.decoding.proposers import ProposeCall
+from specserve.decoding.sampling import SamplingParams, make_generator
+from specserve.decoding.scheduler import engine_for_model
+from specserve.decoding.sequence import RequestState
+from tests.checkpoint_fixtures import build_llama3
+from tests.eagle3_fixtures import build_eagle3_head
+from tests.test_generate import assert_follows_target_not_draft
+
+FORMATS = ("eagle", "speculators")
+SPECULATORS_LAYERS = [1, 0, 1]
+PROMPTS = [[5, 17, 42, 8, 3, 33], [60, 2, 2, 9, 14, 27, 50, 11, 7], [12, 40, 21]]
+NUM_OUTPUT_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory):
+    """(family, target model in float32, {format: head folder})."""
+    root = tmp_path_factory.mktemp("eagle3")
+    family = build_llama3(root)
+    heads = {"eagle": build_eagle3_head(family.target, root / "head-eagle", "eagle"),
+             "speculators": build_eagle3_head(family.target, root / "head-speculators", "speculators",
+                                              aux_layers=SPECULATORS_LAYERS)}
+    target = load_causal_lm(str(family.target), dtype="float32", device="cpu")
+    return family, target, heads
+
+
+def test_the_format_is_read_from_config_json(llama3):
+    family, _, heads = llama3
+    assert head_format(heads["eagle"]) == "eagle"
+    assert head_format(heads["speculators"]) == "speculators"
+    assert head_format(family.draft) is None
+
+
+@pytest.mark.parametrize("form", FORMATS)
+def test_a_head_loads_the_files_weights_under_their_names(llama3, form):
+    """Each of the layer's weights lands where the format's name says (a swapped k/v or a missed
+    prefix would not)."""
+    _, target, heads = llama3
+    folder = heads[form]
+    saved = (load_file(str(folder / "model.safetensors")) if form == "speculators"
+             else torch.load(folder / "pytorch_model.bin", weights_only=True))
+    prefix = "layers.0." if form == "speculators" else "midlayer."
+    head = load_eagle3_head(folder, target).head
+    pairs = {"self_attn.q_proj.weight": head.q_proj.weight, "self_attn.k_proj.weight": head.k_proj.weight,
+             "self_attn.v_proj.weight": head.v_proj.weight, "self_attn.o_proj.weight": head.o_proj.weight,
+             "mlp.down_proj.weight": head.down_proj.weight, "hidden_norm.weight": head.hidden_norm,
+             "input_layernorm.weight": head.input_layernorm}
+    for name, loaded in pairs.items():
+        assert torch.equal(loaded, saved[prefix + name].float()), name
+    assert torch.equal(head.fc.weight, saved["fc.weight"].float())
+    assert torch.equal(head.draft_to_target, torch.arange(len(saved["d2t"])) + saved["d2t"])
+    assert torch.equal(head.draft_to_target, saved["t2d"].nonzero().squeeze(-1))
+    assert head.embed is target.get_input_embeddings()
+    assert head.shape.norm_before_residual == (form == "speculators")
+
+
+def test_the_target_layers_come_from_the_config_else_the_common_default(llama3):
+    _, target, heads = llama3
+    assert load_eagle3_head(heads["speculators"], target).aux_layers == tuple(SPECULATORS_LAYERS)
+    assert load_eagle3_head(heads["eagle"], target).aux_layers == default_aux_layers(2)
+    assert default_aux_layers(32) == (2, 16, 29)       # Llama-3.1-8B, as vLLM picks
+    assert default_aux_layers(8) == (2, 4, 5)          # the shipped target
+
+
+def test_the_heads_rotary_embedding_is_the_targets(llama3):
+    """Llama-3 rope scaling read from the head's config, as the target reads its own."""
+    _, target, heads = llama3
+    head = load_eagle3_head(heads["eagle"], target).head
+    assert head.rotary.rope_type == "llama3"
+    assert torch.allclose(head.rotary.inv_freq, target.model.rotary_emb.inv_freq)
+
+
+def malformed(folder, tmp_path, edit_config=None, edit_weights=None):
+    copy = tmp_path / "malformed"
+    shutil.copytree(folder, copy)
+    if edit_config:
+        config = json.loads((copy / "config.json").read_text())
+        edit_config(config)
+        (copy / "config.json").write_text(json.dumps(config))
+    if edit_weights:
+        weights = load_file(str(copy / "model.safetensors"))
+        edit_weights(weights)
+        save_file(weights, str(copy / "model.safetensors"))
+    return copy
+
+
+@pytest.mark.parametrize("edit_config, edit_weights, why", [
+    (lambda c: c.update(target_hidden_size=128), None, "hidden size 128"),
+    (None, lambda w: w.update({"fc.weight": torch.zeros(64, 3 * 128)}), "fusion layer fc"),
+    (None, lambda w: w.pop("d2t"), "no d2t"),
+    (None, lambda w: w.update(d2t=w["d2t"] + 10 ** 6), "outside the target's vocabulary"),
+    (lambda c: c["transformer_layer_config"].update(vocab_size=32000), None, "vocabulary has 32000"),
+    (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 1, 5]), None, "must name 3 of the target's 2 layers"),
+    (lambda c: c["transformer_layer_config"].update(num_hidden_layers=2), None, "2 decoder layers"),
+    (lambda c: c.pop("speculators_model_type"), None, "names no EAGLE-3 head"),
+])
+def test_a_malformed_head_is_refused_naming_why(llama3, tmp_path, edit_config, edit_weights, why):
+    _, target, heads = llama3
+    with pytest.raises(Eagle3CheckpointError, match=why):
+        load_eagle3_head(malformed(heads["speculators"], tmp_path, edit_config, edit_weights), target)
+
+
+@pytest.mark.parametrize("lean_forward", [True, False])
+def test_the_engine_returns_the_aux_layers_inputs_of_every_computed_position(llama3, lean_forward):
+    """Compared with transformers' own hidden_states (layer i's input is hidden_states[i]), for a
+    prefill and for a verify-like step over a held sequence."""
+    _, target, _ = llama3
+    layers = (1, 0, 1)
+    engine = engine_for_model(target, aux_layers=layers, lean_forward=lean_forward)
+    assert not engine.runner.prefix_caching
+    history = PROMPTS[1]
+    _, (prefill,) = engine.forward_batch_with_features([ForwardCall("s", history[:5])])
+    _, (step,) = engine.forward_batch_with_features([ForwardCall("s", history, 4)])
+    with torch.no_grad():
+        hidden = target(torch.tensor([history]), output_hidden_states=True).hidden_states
+    expected = torch.cat([hidden[layer][0] for layer in layers], dim=-1)
+    assert prefill.start == 0 and prefill.hidden.shape == (5, 3 * 64)
+    assert step.start == 5 and step.hidden.shape == (4, 3 * 64)
+    assert torch.allclose(torch.cat([prefill.hidden, step.hidden]), expected, atol=1e-5)
+
+
+def test_an_engine_without_aux_layers_computes_no_features(llama3):
+    _, target, _ = llama3
+    engine = engine_for_model(target)
+    with pytest.raises(ValueError, match="without aux_layers"):
+        engine.forward_batch_with_features([ForwardCall("s", PROMPTS[0])])
+
+
+def head_from_scratch(loaded, target, history: list[int], num_tokens: int) -> list[int]:
+    """Greedy drafting with no cache: every step recomputes the head over the whole sequence from
+    the target's features of history[:-1] and the head's own outputs after them."""
+    head = loaded.head
+    with torch.no_grad():
+        hidden = target(torch.tensor([history]), output_hidden_states=True).hidden_states
+    features = head.fuse(torch.cat([hidden[layer][0] for layer in loaded.aux_layers], dim=-1))[:-1]
+    tokens, drafted = list(history), []
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            step = head.step(torch.tensor(tokens[1:]), features, torch.arange(len(tokens) - 1))
+            best = int(head.draft_to_target[step.logits[-1].argmax()])
+            drafted.append(best)
+            tokens.append(best)
+            features = torch.cat([features, step.prenorm[-1:]])
+    return drafted
+
+
+@pytest.mark.parametrize("form", FORMATS)
+def test_drafting_over_the_heads_kept_entries_equals_drafting_from_scratch(llama3, form):
+    """Round after round (the target verifying, the history growing by what it commits), the
+    proposer's greedy block is the one the head drafts recomputing everything."""
+    _, target, heads = llama3
+    loaded = load_eagle3_head(heads[form], target)
+    engine = engine_for_model(target, aux_layers=loaded.aux_layers)
+    proposer = Eagle3Proposer(loaded)
+    state = RequestState(request_id="r", prompt_ids=PROMPTS[0], params=SamplingParams(temperature=0, max_tokens=12),
+                         eos_token_id=None, max_context=256)
+    rounds = 0
+    for _ in generate(engine, state, proposer, num_draft_tokens=3):
+        if state.finished:
+            break
+        rounds += 1
+        probe = Eagle3Proposer(loaded)
+        reference = head_from_scratch(loaded, target, state.history, 3)
+        _, (features,) = engine.forward_batch_with_features([ForwardCall("probe", state.history)])
+        probe.observe("probe", features)
+        assert probe.propose("probe", state.history, 3, state.params).token_ids == reference
+        assert proposer._propose(ProposeCall("r", state.history, 3, state.params)).token_ids == reference
+        engine.release("probe")
+    assert rounds >= 3
+
+
+@pytest.fixture(scope="module")
+def target_only_outputs(llama3):
+    _, target, _ = llama3
+    outputs = []
+    for prompt in PROMPTS:
+        state = RequestState(request_id="t", prompt_ids=prompt, params=SamplingParams(temperature=0,
+                             max_tokens=NUM_OUTPUT_TOKENS), eos_token_id=None, max_context=256)
+        list(generate(engine_for_model(target), state))
+        outputs.append(state.output_ids)
+    return outputs
+
+
+@pytest.mark.parametrize("form", FORMATS)
+def test_greedy_with_an_eagle3_head_equals_target_only(llama3, target_only_outputs, form):
+    _, target, heads = llama3
+    loaded = load_eagle3_head(heads[form], target)
+    engine = engine_for_model(target, aux_layers=loaded.aux_layers)
+    proposer = Eagle3Proposer(loaded)
+    drafted = 0
+    for prompt, expected in zip(PROMPTS, target_only_outputs):
+        state = RequestState(request_id="h", prompt_ids=prompt, params=SamplingParams(temperature=0,
+                             max_tokens=NUM_OUTPUT_TOKENS), eos_token_id=None, max_context=256)
+        list(generate(engine, state, proposer, num_draft_tokens=3))
+        assert state.output_ids == expected
+        drafted += state.stats.num_drafted
+    assert drafted > 0 and proposer.sequences == {}
+
+
+# The sampled tests run on a target with a vocabulary small enough to enumerate (as
+# tests/test_generate.py's), four layers so the head reads three distinct ones, and a head whose
+# q is spread over 40 of the 64 tokens, so a block is accepted part of the time.
+SMALL_VOCAB, SMALL_DRAFT_VOCAB = 64, 40
+SAMPLED = SamplingParams(temperature=0.9, top_k=16, top_p=0.95, max_tokens=3)
+NUM_SAMPLED_RUNS = 3_000
+SAMPLED_PROMPT = [12, 40, 21]
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """(target model, loaded head) over a 64-token vocabulary."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("eagle3-small")
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=SMALL_VOCAB, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=256, initializer_range=0.2, bos_token_id=0,
+                                          eos_token_id=1, pad_token_id=None)).eval()
+    target.save_pretrained(root / "target")
+    folder = build_eagle3_head(root / "target", root / "head", "speculators", draft_vocab=SMALL_DRAFT_VOCAB,
+                               aux_layers=[1, 2, 3], lm_head_scale=0.05)
+    return target, load_eagle3_head(folder, target)
+
+
+def head_q(loaded, target, history: list[int], params: SamplingParams) -> torch.Tensor:
+    """The head's first-token distribution over the target's vocabulary, computed from the
+    definition: its softmax under params over its own rows, placed at their target ids."""
+    from specserve.decoding.sampling import logits_to_probs
+
+    head = loaded.head
+    with torch.no_grad():
+        hidden = target(torch.tensor([history]), output_hidden_states=True).hidden_states
+        features = head.fuse(torch.cat([hidden[layer][0] for layer in loaded.aux_layers], dim=-1))[:-1]
+        logits = head.step(torch.tensor(history[1:]), features, torch.arange(len(history) - 1)).logits[-1]
+    full = torch.full((SMALL_VOCAB,), float("-inf"))
+    full[head.draft_to_target] = logits
+    return logits_to_probs(full.unsqueeze(0), params)[0].double()
+
+
+def test_a_sampled_heads_tokens_follow_the_q_it_reports_over_the_targets_vocabulary(small):
+    """10,000 seeded first draft tokens for one history: the q the proposal carries is the head's
+    distribution placed at its target ids (zero elsewhere), and the drawn tokens pass a chi-square
+    test against it (p > 1e-3) with TV under exact sampling's 99.9% quantile, while the head's
+    distribution read at its own row indices as if they were target ids (d2t ignored) is rejected
+    with TV over 5 times that bound."""
+    target, loaded = small
+    params = SamplingParams(temperature=1.0, max_tokens=8)
+    engine = engine_for_model(target, aux_layers=loaded.aux_layers)
+    history = SAMPLED_PROMPT + [7, 30]
+    _, (features,) = engine.forward_batch_with_features([ForwardCall("q", history[:-1])])
+    proposer = Eagle3Proposer(loaded)
+    proposer.observe("q", features)
+    expected = head_q(loaded, target, history, params)
+    counts = torch.zeros(SMALL_VOCAB, dtype=torch.float64)
+    for seed in range(10_000):
+        proposal = proposer.propose("q", history, 1, params, make_generator(seed))
+        counts[proposal.token_ids[0]] += 1
+    q = torch.zeros(SMALL_VOCAB, dtype=torch.float64)
+    q[torch.as_tensor(proposal.support.ids[0]).long()] = torch.as_tensor(proposal.support.probs[0]).double()
+    assert torch.allclose(q, expected, atol=1e-5)
+    assert float(q[loaded.head.draft_to_target].sum()) == pytest.approx(1.0)
+    unmapped = torch.zeros(SMALL_VOCAB, dtype=torch.float64)
+    unmapped[:SMALL_DRAFT_VOCAB] = expected[loaded.head.draft_to_target]
+    assert_follows_target_not_draft(counts, expected, unmapped)
+
+
+@pytest.fixture(scope="module")
+def sampled_outputs(small):
+    """NUM_SAMPLED_RUNS seeded requests of 3 tokens with K=1 from the head: token 0 is the
+    prefill's, token 1 the first speculative position (the head's accepted token or the
+    recovered one), token 2 the bonus or a plain step's. Run through generate_batch in batches of 250 (the engine's slots).
+    At 3,000 runs the head's marginal is rejected with TV about 13 times exact sampling's bound,
+    and about 15% of drafts are accepted."""
+    from specserve.decoding.generate import generate_batch
+
+    target, loaded = small
+    engine = engine_for_model(target, aux_layers=loaded.aux_layers)
+    proposer = Eagle3Proposer(loaded)
+    outputs, accepted = [], 0
+    for first in range(0, NUM_SAMPLED_RUNS, 250):
+        states = [RequestState(request_id=f"r{seed}", prompt_ids=SAMPLED_PROMPT, eos_token_id=None, max_context=256,
+                               params=SamplingParams(**{**SAMPLED.__dict__, "seed": seed}))
+                  for seed in range(first, first + 250)]
+        generate_batch(engine, states, proposer, num_draft_tokens=1)
+        outputs += [state.output_ids for state in states]
+        accepted += sum(state.stats.num_accepted for state in states)
+    return torch.tensor(outputs), accepted / NUM_SAMPLED_RUNS
+
+
+def test_sampled_speculation_with_a_head_preserves_the_target_distribution(small, sampled_outputs):
+    """The first speculative position's tokens against the target's exact marginal there
+    (enumerating the first token): chi-square does not reject at 1e-3 and TV is under exact
+    sampling's 99.9% quantile, while the same test rejects the marginal the head's q would give
+    if every draft were accepted, with TV over 5 times the bound."""
+    from specserve.decoding.sampling import logits_to_probs
+
+    target, loaded = small
+    outputs, _ = sampled_outputs
+    with torch.no_grad():
+        p0 = logits_to_probs(target(torch.tensor([SAMPLED_PROMPT])).logits[:, -1], SAMPLED)[0].double()
+        prefixes = torch.tensor([SAMPLED_PROMPT + [a] for a in range(SMALL_VOCAB)])
+        p1 = logits_to_probs(target(prefixes).logits[:, -1], SAMPLED).double()
+    target_marginal = p0 @ p1
+    head_marginal = sum(p0[a] * head_q(loaded, target, SAMPLED_PROMPT + [a], SAMPLED)
+                        for a in range(SMALL_VOCAB) if p0[a] > 0)
+    assert_follows_target_not_draft(torch.bincount(outputs[:, 1], minlength=SMALL_VOCAB).double(), target_marginal,
+                                    head_marginal)
+
+
+def test_sampled_runs_exercised_both_acceptance_and_rejection(sampled_outputs):
+    """Otherwise the statistics above would say nothing about one of the two paths."""
+    assert 0.1 < sampled_outputs[1] < 0.9
+
+
+def test_training_computes_what_drafting_computes(small):
+    """The training-time test's scores at depth j for committed position i equal the proposer's
+    head steps drafting j tokens ahead from i (fed the same tokens): a head trained on other
+    arithmetic than it drafts with would learn the wrong thing."""
+    from training.train_eagle3 import ttt_forward
+
+    target, loaded = small
+    head = loaded.head
+    window = torch.tensor([[12, 40, 21, 7, 30, 5, 9, 61, 2, 44]])
+    with torch.no_grad():
+        hidden = target(window[:, :-1], output_hidden_states=True).hidden_states
+        features = torch.cat([hidden[layer] for layer in loaded.aux_layers], dim=-1)
+        trained = ttt_forward(head, features, window, ttt_steps=3)
+        tokens = window[0].tolist()
+        for i in (0, 3, 5):
+            committed = head.step(torch.tensor(tokens[1:i + 2]), head.fuse(features[0, :i + 1]), torch.arange(i + 1))
+            keys, values, prenorm = committed.keys, committed.values, committed.prenorm[-1:]
+            assert torch.allclose(trained[0][0, i], committed.logits[-1], atol=1e-4)
+            for depth in (1, 2):
+                step = head.step(torch.tensor([tokens[i + 1 + depth]]), prenorm, torch.tensor([i + depth]),
+                                 keys, values)
+                assert torch.allclose(trained[depth][0, i], step.logits[0], atol=1e-4)
+                keys, values = torch.cat([keys, step.keys], 1), torch.cat([values, step.values], 1)
+                prenorm = step.prenorm
+
+
+def test_a_head_without_the_targets_features_says_which_positions_it_needs(small):
+    """A target run without the head's aux layers (or whose prefix cache skipped positions) gives
+    the proposer nothing to make its entries from: it says so instead of drafting from garbage."""
+    from specserve.decoding.errors import SequenceStateError
+
+    target, loaded = small
+    engine = engine_for_model(target, aux_layers=loaded.aux_layers)
+    proposer = Eagle3Proposer(loaded)
+    history = SAMPLED_PROMPT + [7, 30]
+    with pytest.raises(SequenceStateError, match=r"positions 0\.\.3, it has none"):
+        proposer.propose("s", history, 2, SamplingParams(temperature=0))
+    _, (features,) = engine.forward_batch_with_features([ForwardCall("late", history)])
+    proposer.observe("late", TargetFeatures(2, features.hidden[2:]))
+    with pytest.raises(SequenceStateError, match=r"positions 0\.\.3, it has 2\.\.4"):
+        proposer.propose("late", history, 2, SamplingParams(temperature=0))
