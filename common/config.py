@@ -165,6 +165,20 @@ class SpeculationSpec(_Strict):
         """The proposer drafts with a draft checkpoint (draft.path), rather than without a model or not at all."""
         return self.proposer != NO_PROPOSER and proposer_kind(self.proposer).needs_model
 
+    @property
+    def needs_draft_path(self) -> bool:
+        """The proposer reads draft.path: a draft model, or an EAGLE-3 head."""
+        if self.proposer == NO_PROPOSER:
+            return False
+        kind = proposer_kind(self.proposer)
+        return kind.needs_model or kind.needs_path
+
+    @property
+    def draft_kind(self) -> str:
+        """What drafts, in words (the start-up line, `specserve status`)."""
+        return {"draft": "draft model", "eagle3": "EAGLE-3 head", "ngram": "n-gram",
+                NO_PROPOSER: "none (target-only)"}.get(self.proposer, self.proposer)
+
     @model_validator(mode="after")
     def _bounds(self) -> "SpeculationSpec":
         if not self.min_draft_tokens <= self.num_draft_tokens <= self.max_draft_tokens:
@@ -334,7 +348,7 @@ class SpecServeConfig(_Strict):
 
     @model_validator(mode="after")
     def _draft_needed(self) -> "SpecServeConfig":
-        if self.speculation.needs_draft_model and self.draft is None:
+        if self.speculation.needs_draft_path and self.draft is None:
             raise ValueError(f"speculation.proposer {self.speculation.proposer!r} needs a draft model (set draft.path)")
         if self.draft_training.enabled and (self.draft is None or not self.speculation.needs_draft_model):
             raise ValueError("draft_training.enabled needs a draft model (speculation.proposer 'draft')")

@@ -302,6 +302,9 @@ class ProposerKind:
     needs_model: bool
     build: Callable[[Any, Mapping[str, Any] | None, Mapping[str, Any]], Proposer]
     description: str
+    # It reads draft.path without a runner (an EAGLE-3 head: the config must set it, the engine
+    # hands the spec to build).
+    needs_path: bool = False
 
 
 def _draft_model_proposer(runner: Any, model_spec: Mapping[str, Any] | None,
@@ -311,10 +314,26 @@ def _draft_model_proposer(runner: Any, model_spec: Mapping[str, Any] | None,
     return DraftModelProposer(runner, grammars, engine_options.get("draft_top_k"))
 
 
+def _eagle3_proposer(runner: Any, model_spec: Mapping[str, Any] | None, engine_options: Mapping[str, Any]):
+    """The head in model_spec["path"] over the target's embeddings, read from model_spec["target_path"]
+    (the draft engine loads those, not the target's layers)."""
+    from specserve.decoding.checkpoint import resolve_device, resolve_dtype
+    from specserve.decoding.eagle3_checkpoint import load_eagle3_head, target_embeddings
+    from specserve.decoding.eagle3_proposer import Eagle3Proposer
+
+    assert model_spec is not None and "target_path" in model_spec, "a head needs its spec and its target's path"
+    device = resolve_device(model_spec["device"])
+    target = target_embeddings(model_spec["target_path"],
+                               resolve_dtype(model_spec["dtype"], model_spec["target_path"], device), device)
+    return Eagle3Proposer(load_eagle3_head(model_spec["path"], target), engine_options.get("draft_top_k"))
+
+
 # Every proposer `speculation.proposer` can name: an entry here is all a new one needs (the config
 # accepts its name, the draft engine builds it). NO_PROPOSER, target-only, is the absence of one.
 PROPOSERS: dict[str, ProposerKind] = {
     "draft": ProposerKind(True, _draft_model_proposer, "a draft model drafting autoregressively (draft.path)"),
+    "eagle3": ProposerKind(False, _eagle3_proposer, "an EAGLE-3 head (draft.path) fed the target's hidden features "
+                           "each round (docs/eagle3.md)", needs_path=True),
     "ngram": ProposerKind(False, lambda runner, model_spec, engine_options: NgramProposer(),
                           "prompt lookup: continue a suffix that occurred earlier in the text, no model"),
 }

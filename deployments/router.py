@@ -160,7 +160,8 @@ class Router:
                 self.active_requests[request_id] = state
                 self.metrics.set_active_requests(len(self.active_requests))
                 await loop.run(started, started + self.config.limits.request_timeout_s, prompt_logprobs)
-            speculation = {**state.stats.to_dict(), **timings.to_dict(), "proposer": self.config.speculation.proposer}
+            speculation = {**state.stats.to_dict(), **timings.to_dict(), "proposer": self.config.speculation.proposer,
+                           "draft_kind": self.config.speculation.draft_kind}
             chunks.put_nowait(final_chunk(state, speculation))
         except Exception as exc:  # hand it to the stream, which raises it to the caller
             chunks.put_nowait(exc)
@@ -176,6 +177,8 @@ class Router:
         return self.depth.choose(state, len(self.active_requests), time.monotonic())
 
     def _choose_fan_out(self, state: RequestState, num_draft: int) -> tuple[int, ...]:
+        if not self.config.speculation.needs_draft_model:   # only a draft model's engine pre-drafts
+            return ()
         return self.depth.fan_out(state, num_draft, len(self.active_requests), time.monotonic())
 
     def _spawn(self, coroutine) -> None:

@@ -379,3 +379,29 @@ def test_a_head_without_the_targets_features_says_which_positions_it_needs(small
     proposer.observe("late", TargetFeatures(2, features.hidden[2:]))
     with pytest.raises(SequenceStateError, match=r"positions 0\.\.3, it has 2\.\.4"):
         proposer.propose("late", history, 2, SamplingParams(temperature=0))
+
+
+def test_a_proposer_names_the_first_position_it_lacks_and_drafts_once_it_has_it(small):
+    """What a replacement draft engine answers (UnknownFeatures) and what the router then sends:
+    the features from the position it names on, which the target computes again."""
+    target, loaded = small
+    engine = engine_for_model(target, aux_layers=loaded.aux_layers)
+    proposer = Eagle3Proposer(loaded)
+    history = SAMPLED_PROMPT + [7, 30]
+    greedy = SamplingParams(temperature=0)
+    _, (features,) = engine.forward_batch_with_features([ForwardCall("s", history)])
+    assert proposer.missing_features("s", history) == 0
+    proposer.observe("s", TargetFeatures(0, features.hidden[:2]))
+    assert proposer.missing_features("s", history) == 0   # 0..1 held, 2..3 missing: still from 0
+    proposer.observe("s", TargetFeatures(2, features.hidden[2:4]))
+    assert proposer.missing_features("s", history) is None
+    drafted = proposer.propose("s", history, 2, greedy).token_ids
+    assert len(drafted) == 2
+    # once entries exist, a longer history needs only the new positions' features
+    longer = history + [drafted[0], 11]
+    assert proposer.missing_features("s", longer) == len(history) - 1
+    reference = Eagle3Proposer(loaded)
+    _, (whole,) = engine.forward_batch_with_features([ForwardCall("r", longer)])
+    reference.observe("r", whole)
+    proposer.observe("s", TargetFeatures(len(history) - 1, whole.hidden[len(history) - 1:]))
+    assert proposer.propose("s", longer, 3, greedy).token_ids == reference.propose("r", longer, 3, greedy).token_ids
