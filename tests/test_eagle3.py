@@ -27,12 +27,10 @@ from specserve.decoding.proposers import ProposeCall
 from specserve.decoding.sampling import SamplingParams, make_generator
 from specserve.decoding.scheduler import engine_for_model
 from specserve.decoding.sequence import RequestState
-from tests.checkpoint_fixtures import build_llama3
-from tests.eagle3_fixtures import build_eagle3_head
+from tests.eagle3_fixtures import SPECULATORS_LAYERS, build_eagle3_head, llama3_with_heads
 from tests.test_generate import assert_follows_target_not_draft
 
 FORMATS = ("eagle", "speculators")
-SPECULATORS_LAYERS = [1, 0, 1]
 PROMPTS = [[5, 17, 42, 8, 3, 33], [60, 2, 2, 9, 14, 27, 50, 11, 7], [12, 40, 21]]
 NUM_OUTPUT_TOKENS = 40
 
@@ -40,11 +38,7 @@ NUM_OUTPUT_TOKENS = 40
 @pytest.fixture(scope="module")
 def llama3(tmp_path_factory):
     """(family, target model in float32, {format: head folder})."""
-    root = tmp_path_factory.mktemp("eagle3")
-    family = build_llama3(root)
-    heads = {"eagle": build_eagle3_head(family.target, root / "head-eagle", "eagle"),
-             "speculators": build_eagle3_head(family.target, root / "head-speculators", "speculators",
-                                              aux_layers=SPECULATORS_LAYERS)}
+    family, heads = llama3_with_heads(tmp_path_factory.mktemp("eagle3"))
     target = load_causal_lm(str(family.target), dtype="float32", device="cpu")
     return family, target, heads
 

@@ -19,15 +19,13 @@ from specserve.cluster.builder import served_model_specs
 from specserve.cluster.cli import config_from_args, draft_line
 from specserve.cluster.local import check_model_paths, start_local
 from specserve.decoding.eagle3_checkpoint import Eagle3CheckpointError
-from tests.checkpoint_fixtures import build_llama3
-from tests.eagle3_fixtures import build_eagle3_head
+from tests.eagle3_fixtures import SPECULATORS_LAYERS, build_eagle3_head, llama3_with_heads
 from tests.local_server import free_port, stop_test_cluster
 
 openai = pytest.importorskip("openai")
 
 PROMPTS = ["def add(a, b):", "import os\nprint(", "the cat sat on"]
 MAX_TOKENS = 24
-SPECULATORS_LAYERS = [1, 0, 1]   # of the look-alike's two layers
 
 
 def serve_args(target, draft) -> argparse.Namespace:
@@ -38,17 +36,13 @@ def serve_args(target, draft) -> argparse.Namespace:
 
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
-    root = tmp_path_factory.mktemp("eagle3-serving")
-    family = build_llama3(root)
-    heads = {"eagle": build_eagle3_head(family.target, root / "head-eagle", "eagle"),
-             "speculators": build_eagle3_head(family.target, root / "head-speculators", "speculators",
-                                              aux_layers=SPECULATORS_LAYERS)}
-    return family, heads, root
+    """(the Llama-3 look-alike family, {format: head folder})."""
+    return llama3_with_heads(tmp_path_factory.mktemp("eagle3-serving"))
 
 
 @pytest.fixture(scope="module")
 def served(family):
-    family_, heads, _ = family
+    family_, heads = family
     config = config_from_args(serve_args(family_.target, heads["speculators"]))
     config = config.model_copy(update={"http": config.http.model_copy(update={"port": free_port()})})
     url = start_local(config)
@@ -60,7 +54,7 @@ def served(family):
 
 @pytest.mark.parametrize("form", ["eagle", "speculators"])
 def test_a_head_folder_is_served_as_a_head_with_the_target_computing_its_layers(family, form):
-    family_, heads, _ = family
+    family_, heads = family
     config = config_from_args(serve_args(family_.target, heads[form]))
     assert config.speculation.proposer == "eagle3"
     assert "EAGLE-3 head" in draft_line(config) and str(family_.target) in draft_line(config)
@@ -77,7 +71,7 @@ def test_a_head_folder_is_served_as_a_head_with_the_target_computing_its_layers(
     ({"draft_vocab_size": 300}, "lm_head is (256, 64)"),
 ])
 def test_a_malformed_head_is_refused_before_anything_starts_naming_why(family, tmp_path, edit, why):
-    family_, heads, _ = family
+    family_, heads = family
     folder = build_eagle3_head(family_.target, tmp_path / "bad", "speculators", aux_layers=SPECULATORS_LAYERS)
     config_path = folder / "config.json"
     config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **edit}))
@@ -87,7 +81,7 @@ def test_a_malformed_head_is_refused_before_anything_starts_naming_why(family, t
 
 
 def test_a_head_without_its_map_is_refused_naming_why(family, tmp_path):
-    family_, _, _ = family
+    family_, _ = family
     folder = build_eagle3_head(family_.target, tmp_path / "no-map", "eagle")
     weights = torch.load(folder / "pytorch_model.bin", weights_only=True)
     del weights["d2t"]
@@ -116,7 +110,7 @@ def target_greedy(family_, prompt_ids: list[int]) -> list[int]:
 def test_greedy_over_http_with_a_head_equals_the_targets_own(family, served):
     from transformers import AutoTokenizer
 
-    family_, _, _ = family
+    family_, _ = family
     url, config = served
     tokenizer = AutoTokenizer.from_pretrained(str(family_.target))
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
