@@ -515,7 +515,7 @@ def test_a_proposer_registered_by_name_is_accepted_by_the_config_and_built_by_th
     monkeypatch.setitem(PROPOSERS, "repeat", ProposerKind(False, lambda *_: RepeatLastProposer(), "repeat the last token"))
     config = SpecServeConfig.model_validate({"speculation": {"proposer": "repeat"}, "draft": None})
     assert config.uses_draft_workers and not config.speculation.needs_draft_model
-    with pytest.raises(ValueError, match=r"unknown proposer 'eagle': choose one of \['draft', 'ngram', 'repeat'\]"):
+    with pytest.raises(ValueError, match=r"unknown proposer 'eagle': choose one of \['draft', 'eagle3', 'ngram', 'repeat'\]"):
         SpecServeConfig.model_validate({"speculation": {"proposer": "eagle"}, "draft": None})
 
     async def scenario():
