@@ -78,6 +78,7 @@ class Router:
         decision = self.depth.policy_decision
         return {"active_requests": len(self.active_requests), "queued_requests": self.admission.num_waiting,
                 "num_draft_tokens": typical_depth if self.config.uses_draft_workers else 0,
+                "draft_kind": self.config.speculation.draft_kind,
                 "pending_releases": len(self._background),
                 "policy": None if decision is None else decision.to_dict()}
 
