@@ -127,3 +127,47 @@ def test_greedy_over_http_with_a_head_equals_the_targets_own(family, served):
     # The head drafted: the target's features reached it each round (without them it answers
     # UnknownFeatures and every round goes target-only).
     assert drafted > 0
+
+
+def test_a_draft_engine_lacking_a_requests_features_says_so_and_drafts_once_the_target_recomputes_them(family):
+    """A replacement draft engine (in-process, no Ray): it answers UnknownFeatures naming position
+    0; the target asked to compute the features again from there returns them from 0 (it crops
+    its cache first); with them the head drafts."""
+    import asyncio
+
+    from specserve.common.messages import UnknownFeatures
+    from specserve.decoding.proposers import Proposal
+    from specserve.decoding.sampling import SamplingParams
+    from specserve.decoding.sequence import RequestState
+    from specserve.decoding.speculation import accept_round
+    from specserve.deployments.committed_history import HistorySender, RunningDigest
+    from specserve.deployments.draft_worker import DraftEngine
+    from specserve.deployments.target_worker import TargetEngine
+    from tests.test_engines import options, spec
+
+    family_, heads = family
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    prompt = [5, 17, 42, 8, 3, 33]
+
+    async def scenario():
+        target = TargetEngine({**spec(family_.target, 2), "aux_layers": SPECULATORS_LAYERS}, options())
+        draft = DraftEngine("eagle3", {**spec(heads["speculators"], 2), "target_path": str(family_.target)},
+                            str(family_.target), options())
+        state = RequestState(request_id="r", prompt_ids=prompt, params=greedy, eos_token_id=None, max_context=256)
+        digest = RunningDigest()
+        to_draft, to_target = HistorySender(digest), HistorySender(digest)
+        rows, _ = await target.verify("r", to_target.update(state), None, greedy, state.next_output_index)
+        accept_round(state, Proposal([], None), rows)
+        answer = await draft.propose("r", to_draft.update(state), 3, greedy, None, len(prompt))
+        assert answer == UnknownFeatures("r", 0)
+        rows, span = await target.verify("r", to_target.update(state), None, greedy, state.next_output_index,
+                                         features_from=0)
+        accept_round(state, Proposal([], None), rows)
+        assert span.features.start == 0 and span.features.end == len(state.history) - 1
+        proposal, _ = await draft.propose("r", to_draft.update(state), 3, greedy, None, len(prompt), (),
+                                          span.features.before(len(state.history) - 1))
+        assert len(proposal.token_ids) == 3
+        await draft.release("r")
+        await target.release("r")
+
+    asyncio.run(scenario())
