@@ -5,7 +5,8 @@ official openai client) equals the target's own greedy output (docs/eagle3.md#se
 
 One Serve start (a speculators-format head, which names its layers and normalises before the
 residual); the EAGLE authors' format is detected and refused or accepted by the same start-up
-checks, which run before Ray starts."""
+checks, which run before Ray starts. The recovery of a draft engine lacking a request's features
+(UnknownFeatures) runs on the engines in-process."""
 
 from __future__ import annotations
 
