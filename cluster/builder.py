@@ -11,6 +11,7 @@ import math
 import os
 from typing import Any
 
+import torch
 import yaml
 from ray.serve import Application
 
@@ -141,13 +142,35 @@ def served_model_specs(config: SpecServeConfig) -> tuple[dict[str, Any], dict[st
                                   [1, engine["prefill_token_budget"]]],
               # The deepest a step rolls back (its speculative tail): windowed layers keep the keys for it.
               "rollback_tokens": engine["max_step_tokens"]}
+    target = {**config.target.model_dump(), **served, "gpu_share": gpu_share(config.target_workers.num_gpus),
+              "tensor_parallel_timeout_s": config.target_workers.tensor_parallel_timeout_s}
+    if config.speculation.proposer == "eagle3" and config.draft is not None:
+        return head_specs(config, target)
     draft = None
     if config.draft is not None and config.speculation.needs_draft_model:
         draft = {**config.draft.model_dump(), **served, "gpu_share": gpu_share(config.draft_workers.num_gpus),
                  "max_model_len": min(target_len, context_length(config.draft.path)),
                  "tensor_parallel_timeout_s": config.draft_workers.tensor_parallel_timeout_s}
-    return {**config.target.model_dump(), **served, "gpu_share": gpu_share(config.target_workers.num_gpus),
-            "tensor_parallel_timeout_s": config.target_workers.tensor_parallel_timeout_s}, draft
+    return target, draft
+
+
+def head_specs(config: SpecServeConfig, target: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(target spec, head spec) for an EAGLE-3 head: the head is loaded here against the target's
+    embeddings, so a head that does not fit the target (Eagle3CheckpointError, naming why) stops
+    the start before any engine does; the target computes the head's aux layers' features, and
+    the draft engine reads the target's embeddings from target_path."""
+    head = checked_head(config)
+    draft = {**config.draft.model_dump(), "target_path": config.target.path}
+    return {**target, "aux_layers": list(head.aux_layers)}, draft
+
+
+def checked_head(config: SpecServeConfig):
+    """The configured EAGLE-3 head loaded against the target's embeddings on the CPU
+    (decoding.eagle3_checkpoint.LoadedHead): Eagle3CheckpointError, naming why, for a head this
+    target cannot use."""
+    from specserve.decoding.eagle3_checkpoint import load_eagle3_head, target_embeddings
+
+    return load_eagle3_head(config.draft.path, target_embeddings(config.target.path, torch.float32, "cpu"))
 
 
 def gpu_share(num_gpus: float) -> float:

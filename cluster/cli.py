@@ -55,8 +55,11 @@ def config_from_args(args: argparse.Namespace):
         if not args.draft:
             data["draft"], data["speculation"] = None, {**data["speculation"], "proposer": "none"}
     if args.draft:
+        from specserve.decoding.eagle3_checkpoint import head_format
+
         data["draft"] = {**(data["draft"] or data["target"]), "path": args.draft}
-        data["speculation"] = {**data["speculation"], "proposer": "draft"}
+        # A folder holding an EAGLE-3 head (either format) is served as one, else as a draft model.
+        data["speculation"] = {**data["speculation"], "proposer": "eagle3" if head_format(args.draft) else "draft"}
     if args.tokenizer:
         data["tokenizer_path"] = args.tokenizer
     if args.max_model_len:
@@ -72,6 +75,17 @@ def config_from_args(args: argparse.Namespace):
             if data.get(role):
                 data[role]["enforce_eager"] = True
     return type(config).model_validate(data)
+
+
+def draft_line(config) -> str:
+    """What drafts, for the start-up line: its kind and folder; a head's embeddings are the target's."""
+    speculation = config.speculation
+    if not speculation.needs_draft_path:
+        return speculation.draft_kind
+    line = f"{speculation.draft_kind} {config.draft.path}"
+    if speculation.proposer == "eagle3":
+        line += f" (the draft engine reads the target's embeddings and config from {config.target.path})"
+    return line
 
 
 def stream_completion(url: str, model: str, prompt: str, max_tokens: int, temperature: float | None,
@@ -171,6 +185,7 @@ def _serve(args: argparse.Namespace, config, console) -> None:
     # start-up so SIGTERM takes the same path as Ctrl-C: stop_local drains and stops everything.
     signal.signal(signal.SIGTERM, _raise_terminated)
     console.say(f"specserve is serving '{config.model_name}' at {url}  (OpenAI API under {url}/v1)")
+    console.say(f"drafting: {draft_line(config)}")
     console.say(f"metrics: {metrics_url()}")
     try:
         if args.demo:

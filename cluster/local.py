@@ -14,7 +14,7 @@ import ray
 from ray import serve
 from ray.serve.schema import ApplicationStatus, DeploymentStatus
 
-from specserve.cluster.builder import APP_NAME, build_app, custom_resources_needed, logical_cpus_needed
+from specserve.cluster.builder import APP_NAME, build_app, checked_head, custom_resources_needed, logical_cpus_needed
 from specserve.common.config import SpecServeConfig
 
 logger = logging.getLogger(__name__)
@@ -69,12 +69,15 @@ def metrics_url() -> str:
 
 
 def check_model_paths(config: SpecServeConfig) -> None:
-    """Fail before starting anything if a configured model directory is missing."""
+    """Fail before starting anything if a configured model directory is missing, or a configured
+    EAGLE-3 head does not fit the target."""
     specs = [("target", config.target)] + ([("draft", config.draft)] if config.draft is not None else [])
     for role, spec in specs:
         if not (Path(spec.path) / "config.json").is_file():
             raise FileNotFoundError(f"{role} model not found at {spec.path} (no config.json): set {role}.path "
                                     "in your config, or train the default pair with `specserve train-default`")
+    if config.speculation.proposer == "eagle3":   # a head that does not fit the target is refused here, named
+        checked_head(config)
 
 
 class PortInUseError(ValueError):

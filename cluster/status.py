@@ -62,7 +62,8 @@ def summarize(engine_stats: Sequence[EngineStats | UnreachableEngine], router_st
     decision = router.get("policy") or {}
     return {
         "pools": pools,
-        "policy": {"num_draft_tokens": router.get("num_draft_tokens"), "decision": decision or None},
+        "policy": {"num_draft_tokens": router.get("num_draft_tokens"), "draft_kind": router.get("draft_kind"),
+                   "decision": decision or None},
         "load": {"active_requests": int(router.get("active_requests", 0)),
                  "queued_requests": int(router.get("queued_requests", 0))},
         "draft_training": None if trainer_status is None else {
@@ -94,7 +95,8 @@ def render_table(summary: Mapping[str, Any]) -> str:
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     load, policy = summary["load"], summary["policy"]
     lines.append(f"requests: {load['active_requests']} active, {load['queued_requests']} queued; "
-                 f"draft depth for a greedy request now: {fmt(policy['num_draft_tokens'])}")
+                 f"draft depth for a greedy request now: {fmt(policy['num_draft_tokens'])} "
+                 f"(drafting: {fmt(policy.get('draft_kind'))})")
     training = summary.get("draft_training")
     if training:
         trained = "-" if training["trained_at"] is None else time.strftime(

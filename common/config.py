@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, 
 
 from specserve.common.messages import MAX_DRAFT_TOKENS
 from specserve.common.naming import draft_trainer_name, policy_actor_name
-from specserve.decoding.proposers import NO_PROPOSER, PROPOSERS, proposer_kind
+from specserve.decoding.proposer_registry import NO_PROPOSER, PROPOSERS, proposer_kind
 
 MAX_FAN_OUT = 16  # pre-drafted blocks per request per round: past this the pre-drafts crowd out the rounds
 
@@ -139,8 +139,8 @@ class SpeculationSpec(_Strict):
     draft_cost_ratio: float = Field(0.15, gt=0, le=1, description="draft step / target pass latency until measured")
     fan_out: int = Field(3, ge=0, le=MAX_FAN_OUT, description="blocks the draft engine pre-drafts per request "
                          "while the target verifies a round, for the verification's likely outcomes (the speculation "
-                         "cache, docs/speculation-cache.md); the policy actor lowers it as the draft pool fills. "
-                         "0: plain rounds")
+                         "cache, docs/speculation-cache.md; a draft model only); the policy actor lowers it as the draft "
+                         "pool fills. 0: plain rounds")
     fan_out_max_batch: int = Field(1, ge=1, description="pre-draft only while a router has at most this many "
                                    "requests in flight (Saguaro's batch-size fallback): where draft and target share "
                                    "a device or a CPU, pre-drafts for a batch slow the target more than hits save "
@@ -169,6 +169,20 @@ class SpeculationSpec(_Strict):
     def needs_draft_model(self) -> bool:
         """The proposer drafts with a draft checkpoint (draft.path), rather than without a model or not at all."""
         return self.proposer != NO_PROPOSER and proposer_kind(self.proposer).needs_model
+
+    @property
+    def needs_draft_path(self) -> bool:
+        """The proposer reads draft.path: a draft model, or an EAGLE-3 head."""
+        if self.proposer == NO_PROPOSER:
+            return False
+        kind = proposer_kind(self.proposer)
+        return kind.needs_model or kind.needs_path
+
+    @property
+    def draft_kind(self) -> str:
+        """What drafts, in words (the start-up line, `specserve status`)."""
+        return {"draft": "draft model", "eagle3": "EAGLE-3 head", "ngram": "n-gram",
+                NO_PROPOSER: "none (target-only)"}.get(self.proposer, self.proposer)
 
     @model_validator(mode="after")
     def _bounds(self) -> "SpeculationSpec":
@@ -339,7 +353,7 @@ class SpecServeConfig(_Strict):
 
     @model_validator(mode="after")
     def _draft_needed(self) -> "SpecServeConfig":
-        if self.speculation.needs_draft_model and self.draft is None:
+        if self.speculation.needs_draft_path and self.draft is None:
             raise ValueError(f"speculation.proposer {self.speculation.proposer!r} needs a draft model (set draft.path)")
         if self.draft_training.enabled and (self.draft is None or not self.speculation.needs_draft_model):
             raise ValueError("draft_training.enabled needs a draft model (speculation.proposer 'draft')")

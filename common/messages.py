@@ -38,6 +38,10 @@ class CallSpan:
     started_s: float
     left_s: float
     cached_tokens: int = 0   # tokens of the sequence the engine found in its prefix cache when it admitted it
+    # A target run for an EAGLE-3 head: its aux layers' features of every position the answering
+    # forward computed (decoding.batched_runner.TargetFeatures, on the CPU); the router keeps the
+    # committed ones for the draft engine's next propose.
+    features: Any = None
 
     @property
     def engine_s(self) -> float:
@@ -70,6 +74,17 @@ class UnknownHistory:
     the digest disagrees. The sender re-sends the whole history once (an update from 0)."""
 
     seq_id: str
+
+
+@dataclass(frozen=True)
+class UnknownFeatures:
+    """A draft engine's answer to a propose, instead of a block, when its EAGLE-3 head lacks the
+    target's features from position `start` on (a replacement engine, or one that restarted): the
+    router runs the round target-only, asking the target to compute the features again from
+    there, and sends them with the next propose."""
+
+    seq_id: str
+    start: int
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,32 @@ class TargetFeatures:
     start: int
     hidden: torch.Tensor
 
+    @property
+    def end(self) -> int:
+        """One past the last position held."""
+        return self.start + self.hidden.shape[0]
+
+    def followed_by(self, newer: "TargetFeatures") -> "TargetFeatures":
+        """These features with a later forward's laid over them: the newer replace these from
+        newer.start on (a forward recomputing positions gives them afresh). A newer set that leaves
+        a gap after these, or starts before them, is taken alone."""
+        if not self.start <= newer.start <= self.end:
+            return newer
+        return TargetFeatures(self.start, torch.cat([self.hidden[:newer.start - self.start], newer.hidden]))
+
+    def before(self, position: int) -> "TargetFeatures | None":
+        """The positions before `position` (None when there are none)."""
+        if position <= self.start:
+            return None
+        return TargetFeatures(self.start, self.hidden[:position - self.start])
+
+
+def merged_features(older: TargetFeatures | None, newer: TargetFeatures | None) -> TargetFeatures | None:
+    """older followed by newer (either may be None)."""
+    if older is None or newer is None:
+        return newer if older is None else older
+    return older.followed_by(newer)
+
 
 class UnsupportedModelError(ValueError):
     """The model is not a decoder whose every layer attends through transformers' attention

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
-from transformers import LlamaConfig
+from transformers import AutoConfig, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from specserve.decoding.eagle3_head import Eagle3Head, Eagle3Shape
@@ -220,3 +221,36 @@ def _embedding(own: torch.Tensor | None, target_model, hidden: int, target_vocab
     _check(embed.weight.shape[1] == hidden, folder,
            f"it ships no embeddings and its hidden size {hidden} is not the target's {embed.weight.shape[1]}")
     return embed
+
+
+class TargetEmbeddings(torch.nn.Module):
+    """What a head needs of its target, without the target's layers: its config and its input
+    embeddings, read from the target's folder. A draft engine serving a head loads this, not the
+    target (docs/eagle3.md#serving)."""
+
+    def __init__(self, config, embed: torch.Tensor) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = torch.nn.Embedding.from_pretrained(embed, freeze=True)
+
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        return self.embed_tokens
+
+
+def target_embeddings(target_path: str | Path, dtype: torch.dtype, device: str | torch.device) -> TargetEmbeddings:
+    """The target's config and input embedding matrix from its safetensors (one file or an
+    index), in dtype on device; Eagle3CheckpointError when no embedding weight is found."""
+    folder = Path(target_path)
+    config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    index = folder / "model.safetensors.index.json"
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+             else ["model.safetensors"])
+    for name in files:
+        if not (folder / name).is_file():
+            continue
+        with safe_open(str(folder / name), framework="pt") as weights:
+            key = next((key for key in weights.keys() if key.endswith("embed_tokens.weight")), None)
+            if key is not None:
+                return TargetEmbeddings(config, weights.get_tensor(key).to(device=device, dtype=dtype))
+    raise Eagle3CheckpointError(f"{folder}: no embed_tokens weight in its safetensors files (an EAGLE-3 head "
+                                "drafts with its target's input embeddings)")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.decoding.batched_runner import TargetFeatures
+from specserve.decoding.batched_runner import TargetFeatures, merged_features
 from specserve.decoding.eagle3_checkpoint import LoadedHead
 from specserve.decoding.errors import SequenceStateError
 from specserve.decoding.proposers import Drafting, Proposal, ProposeCall, draft_step, empty_proposal
@@ -59,11 +59,9 @@ class HeadSequence:
     def add_features(self, features: TargetFeatures) -> None:
         """The target's features of positions features.start, ...: they replace any pending ones
         from that position on (a forward recomputing positions gives them afresh)."""
-        start, hidden = features.start, features.hidden
-        if self.pending is not None and self.pending_start < start <= self.pending_start + self.pending.shape[0]:
-            hidden = torch.cat([self.pending[:start - self.pending_start], hidden])
-            start = self.pending_start
-        self.pending_start, self.pending = start, hidden
+        pending = None if self.pending is None else TargetFeatures(self.pending_start, self.pending)
+        merged = merged_features(pending, features)
+        self.pending_start, self.pending = merged.start, merged.hidden
 
 
 class Eagle3Proposer:
@@ -86,7 +84,13 @@ class Eagle3Proposer:
     def observe(self, seq_id: str, features: TargetFeatures) -> None:
         """The target's features from a forward over seq_id (positions it computed, whether or
         not they are committed: `propose` takes the committed ones)."""
-        self.sequences.setdefault(seq_id, HeadSequence()).add_features(features)
+        hidden = features.hidden.to(device=self.device, dtype=self.head.fc.weight.dtype)
+        self.sequences.setdefault(seq_id, HeadSequence()).add_features(TargetFeatures(features.start, hidden))
+
+    @property
+    def device(self) -> torch.device:
+        """Where the head runs (its requests' draft generators live there too)."""
+        return self.head.fc.weight.device
 
     def propose(self, seq_id: str, history: Sequence[int], num_tokens: int, params: SamplingParams,
                 generator: torch.Generator | None = None, prompt_len: int | None = None) -> Proposal:
@@ -121,23 +125,26 @@ class Eagle3Proposer:
             keys, values = torch.cat([keys, step.keys], dim=1), torch.cat([values, step.values], dim=1)
             logits, prenorm, position = step.logits[0], step.prenorm[0], position + 1
 
+    def missing_features(self, seq_id: str, history: Sequence[int]) -> int | None:
+        """The position from which seq_id's next propose over history needs target features this
+        proposer does not hold (a draft engine that never saw the request, or lost them), else
+        None. The caller gets the target's features from there on and observes them."""
+        if len(history) < 2:
+            return None
+        sequence = self.sequences.get(seq_id) or HeadSequence()
+        start, wanted = _entries_to_make(sequence, list(history))
+        return None if start == wanted or _holds(sequence, start, wanted) else start
+
     def _caught_up(self, seq_id: str, history: list[int]) -> HeadSequence:
         """seq_id's entries made to cover positions 0..len(history)-2 from the target's features,
         the last entry's output kept (the first draft token's scores)."""
         sequence = self.sequences.setdefault(seq_id, HeadSequence())
-        wanted = len(history) - 1
-        agreed = 0
-        while agreed < min(sequence.num_entries, wanted) and sequence.tokens[agreed] == history[agreed + 1]:
-            agreed += 1
-        sequence.crop(agreed)
-        if sequence.num_entries == wanted and sequence.last_logits is not None:
-            return sequence
-        start = sequence.num_entries if sequence.last_logits is not None or sequence.num_entries == 0 else \
-            sequence.num_entries - 1
+        start, wanted = _entries_to_make(sequence, history)
         sequence.crop(start)   # an entry whose output was let go is computed again
+        if start == wanted:
+            return sequence
         pending = sequence.pending
-        if pending is None or not sequence.pending_start <= start or \
-                sequence.pending_start + pending.shape[0] < wanted:
+        if not _holds(sequence, start, wanted):
             have = "none" if pending is None else \
                 f"{sequence.pending_start}..{sequence.pending_start + pending.shape[0] - 1}"
             raise SequenceStateError(f"{seq_id}: the EAGLE-3 head needs the target's features of positions "
@@ -159,3 +166,24 @@ class Eagle3Proposer:
 
     def release(self, seq_id: str) -> None:
         self.sequences.pop(seq_id, None)
+
+
+def _entries_to_make(sequence: HeadSequence, history: list[int]) -> tuple[int, int]:
+    """(start, wanted): the entries history needs are 0..wanted-1 (one per position but the last);
+    those from start on must be made from the target's features (start == wanted: none). Entries
+    that read tokens history no longer has go, and so does the last kept one when its output was
+    let go (it is computed again)."""
+    wanted = len(history) - 1
+    agreed = 0
+    while agreed < min(sequence.num_entries, wanted) and sequence.tokens[agreed] == history[agreed + 1]:
+        agreed += 1
+    kept_output = agreed == sequence.num_entries and sequence.last_logits is not None
+    if kept_output and agreed == wanted:
+        return wanted, wanted
+    return (agreed if kept_output or agreed == 0 else agreed - 1), wanted
+
+
+def _holds(sequence: HeadSequence, start: int, wanted: int) -> bool:
+    """The sequence's pending target features cover positions start..wanted-1."""
+    return (sequence.pending is not None and sequence.pending_start <= start
+            and sequence.pending_start + sequence.pending.shape[0] >= wanted)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -373,44 +373,3 @@ class NgramProposer:
 
     def release(self, seq_id: str) -> None:
         """Stateless: nothing to drop."""
-
-
-@dataclass(frozen=True)
-class ProposerKind:
-    """One way of proposing draft tokens, as config validation and the draft engine both see it.
-
-    needs_model: it drafts with a draft checkpoint: the config must set `draft.path`, and the engine
-    loads it into a runner (which draft training may hot-swap). build makes the proposer in the
-    draft engine from the engine's scheduler over that runner, through which its forwards are planned
-    (None when needs_model is False), the draft model's spec (None likewise) and the engine's options
-    (`SpecServeConfig.engine_options`)."""
-
-    needs_model: bool
-    build: Callable[[Any, Mapping[str, Any] | None, Mapping[str, Any]], Proposer]
-    description: str
-
-
-def _draft_model_proposer(runner: Any, model_spec: Mapping[str, Any] | None,
-                          engine_options: Mapping[str, Any]) -> DraftModelProposer:
-    assert runner is not None and model_spec is not None, "a draft-model proposer needs its runner and spec"
-    grammars = GrammarMatchers.for_runner(runner, model_spec.get("tokenizer_path") or model_spec["path"])
-    downweight = engine_options.get("saguaro_downweight")
-    saguaro = None if downweight is None or downweight >= 1.0 else SaguaroSampling(SAGUARO_LOWERED, downweight)
-    return DraftModelProposer(runner, grammars, engine_options.get("draft_top_k"), saguaro)
-
-
-# Every proposer `speculation.proposer` can name: an entry here is all a new one needs (the config
-# accepts its name, the draft engine builds it). NO_PROPOSER, target-only, is the absence of one.
-PROPOSERS: dict[str, ProposerKind] = {
-    "draft": ProposerKind(True, _draft_model_proposer, "a draft model drafting autoregressively (draft.path)"),
-    "ngram": ProposerKind(False, lambda runner, model_spec, engine_options: NgramProposer(),
-                          "prompt lookup: continue a suffix that occurred earlier in the text, no model"),
-}
-NO_PROPOSER = "none"
-
-
-def proposer_kind(name: str) -> ProposerKind:
-    """The registered proposer called name; a ValueError naming the choices for any other name."""
-    if name not in PROPOSERS:
-        raise ValueError(f"unknown proposer {name!r}: choose one of {sorted(PROPOSERS)} or {NO_PROPOSER!r}")
-    return PROPOSERS[name]

@@ -18,6 +18,12 @@ fetched (from Ray's object store, or a path) while the old one serves, and copie
 runner between two forwards, in place (the same KV pool), every sequence's draft KV dropped (the engine keeps each request's committed history, so the next propose re-prefills from it). Each Proposal names the
 version that drafted it and carries that version's q, which the router verifies the block
 against, so a swap in the middle of a request changes speed, never the output distribution.
+
+An EAGLE-3 head (proposer "eagle3") drafts from the target's features, which each propose
+carries for the positions committed since the last (`Eagle3Proposer.observe`); an engine lacking
+some answers UnknownFeatures and the router has the target compute them again. It pre-drafts
+nothing: a pre-draft would need the features of positions the running verify is computing
+(docs/eagle3.md#serving).
 """
 
 from __future__ import annotations
@@ -34,11 +40,12 @@ import ray
 import torch
 from ray import serve
 
-from specserve.common.messages import CallSpan, HistoryUpdate, UnknownHistory
+from specserve.common.messages import CallSpan, HistoryUpdate, UnknownFeatures, UnknownHistory
 from specserve.decoding.batched_runner import load_runner
 from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.model_runner import checkpoint_weights
-from specserve.decoding.proposers import Drafting, Proposal, ProposeCall, empty_proposal, proposer_kind
+from specserve.decoding.proposer_registry import proposer_kind
+from specserve.decoding.proposers import Drafting, Proposal, ProposeCall, empty_proposal, reads_target_features
 from specserve.decoding.sampling import SamplingParams, make_generator
 from specserve.decoding.speculation_cache import Predraft, block_of, continues, may_continue, predrafts, tokens_thrown_away
 from specserve.policies.fan_out import MAX_BONUS_GUESSES, OutcomeCalibration, share_fan_out
@@ -227,8 +234,8 @@ class DraftEngine(EngineCore):
         return None
 
     async def propose(self, seq_id: str, history: HistoryUpdate, num_tokens: int, params: SamplingParams,
-                      seed: int | None, prompt_len: int | None = None, fan_out: Sequence[int] = ()
-                      ) -> tuple[Proposal, CallSpan] | UnknownHistory:
+                      seed: int | None, prompt_len: int | None = None, fan_out: Sequence[int] = (),
+                      features=None) -> tuple[Proposal, CallSpan] | UnknownHistory | UnknownFeatures:
         """Up to num_tokens draft tokens continuing the committed history (its update since this
         engine's last call for seq_id, deployments.committed_history), its first prompt_len tokens
         the prompt; and the span it spent in this engine. UnknownHistory when this engine does not
@@ -238,12 +245,21 @@ class DraftEngine(EngineCore):
         block pre-drafted for the history the round now has is answered at once (a hit,
         Proposal.cached), else one is drafted just in time; the other pre-drafts are dropped.
         sum(fan_out): blocks to pre-draft, once this one is answered, for its likely outcomes
-        (shared out by policies.fan_out.share_fan_out from the draft's own numbers; empty: none)."""
+        (shared out by policies.fan_out.share_fan_out from the draft's own numbers; empty: none).
+        features: an EAGLE-3 head's, the target's features of the positions committed since the
+        last propose (decoding.batched_runner.TargetFeatures); UnknownFeatures answers when the head
+        lacks some it needs."""
+        if features is not None:
+            self.proposer.observe(seq_id, features)
         committed = self.committed(seq_id, history)
         if isinstance(committed, UnknownHistory):
             self._drop_predrafts(seq_id)
             self.verifying.pop(seq_id, None)   # its outcome will not be seen
             return committed
+        if num_tokens > 0 and reads_target_features(self.proposer):
+            missing = self.proposer.missing_features(seq_id, committed)
+            if missing is not None:
+                return UnknownFeatures(seq_id, missing)
         entered_s = time.perf_counter()
         num_candidates = max(sum(fan_out) + 1, MAX_BONUS_GUESSES) if any(fan_out) and self.runner is not None else 0
         proposal, thrown_away = await self._take_predraft(seq_id, committed, num_tokens)
@@ -363,6 +379,8 @@ class DraftEngine(EngineCore):
         self.generators.pop(seq_id, None)
         if self.runner is not None:
             self.proposer.grammars.release(seq_id)
+        else:   # a model-free proposer's own state (an EAGLE-3 head's entries)
+            self.proposer.release(seq_id)
 
     def shape(self, call: DraftCall) -> CallShape:
         return CallShape(call.seq_id, self._tokens(call))
@@ -432,7 +450,9 @@ class DraftEngine(EngineCore):
         its output must not depend on whether load let a round pre-draft."""
         generator = self.generators.get(call.seq_id)
         if generator is None:
-            device = self.runner.device if self.runner is not None else torch.device("cpu")   # a model-free proposer
+            # A model-free proposer: where its head runs, if it has one.
+            device = self.runner.device if self.runner is not None else getattr(self.proposer, "device",
+                                                                                 torch.device("cpu"))
             generator = self.generators[call.seq_id] = make_generator(call.seed, device)
             if call.stream_state is not None:
                 generator.set_state(call.stream_state)

@@ -71,12 +71,14 @@ def spawn_engine(engine_class: type, num_cpus: float, num_gpus: float, resources
     return ray.remote(engine_class).options(**options).remote(*args)
 
 
-def timed_forward(scheduler: Scheduler, calls: list[ForwardCall]) -> tuple[list[torch.Tensor], CostSample]:
-    """scheduler.forward_batch, and its cost (new tokens, seconds) for the policy's cost curve: the
-    tokens it computed (prefix-cache hits excluded)."""
+def timed_forward(scheduler: Scheduler, calls: list[ForwardCall], with_features: bool = False
+                  ) -> tuple[Any, CostSample]:
+    """scheduler.forward_batch (with_features: forward_batch_with_features, (logits, features)),
+    and its cost (new tokens, seconds) for the policy's cost curve: the tokens it computed
+    (prefix-cache hits excluded)."""
     started = time.perf_counter()
-    logits = scheduler.forward_batch(calls)
-    return logits, (scheduler.last_num_new_tokens, time.perf_counter() - started)
+    result = scheduler.forward_batch_with_features(calls) if with_features else scheduler.forward_batch(calls)
+    return result, (scheduler.last_num_new_tokens, time.perf_counter() - started)
 
 
 @dataclass

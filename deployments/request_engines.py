@@ -10,6 +10,12 @@ send all of it once (deployments/committed_history.py). So a replacement engine 
 the router's history: a dead target is swapped for another replica's engine, a dead draft makes
 the request continue target-only. Nothing committed is lost. `touched` lists every engine the
 request used, so the router can release it on all of them.
+
+With an EAGLE-3 head for a draft, each verify's answer carries the target's features of the
+positions its forward computed; this side keeps them until the next propose, which carries those
+of the committed positions (docs/eagle3.md#serving). A draft engine lacking a request's features
+(a replacement) answers UnknownFeatures: that round runs target-only, the target computing the
+features again from where the draft needs them.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from ray.serve.handle import DeploymentHandle
 
 from specserve.common.channel import ChannelLostError, ChannelPool
 from specserve.common.config import LimitsSpec
-from specserve.common.messages import EngineEndpoint, UnknownHistory
+from specserve.common.messages import EngineEndpoint, UnknownFeatures, UnknownHistory
+from specserve.decoding.batched_runner import TargetFeatures, merged_features
 from specserve.decoding.proposers import Proposal
 from specserve.decoding.sampling import draft_seed
 from specserve.decoding.sequence import RequestState
@@ -57,6 +64,8 @@ class RequestEngines:
         digest = RunningDigest()
         self.target_history = HistorySender(digest)  # what the target engine was told of the committed history
         self.draft_history = HistorySender(digest)
+        self.features: TargetFeatures | None = None   # the target's, not yet sent to the draft engine
+        self.features_from: int | None = None         # the next verify computes the features again from here
 
     async def acquire(self, state: RequestState) -> bool:
         """A target engine, preferably the one likely to hold the prompt's prefix
@@ -89,13 +98,25 @@ class RequestEngines:
 
     def lose_draft(self) -> None:
         self.draft = None
+        self.features = None
+
+    def needs_features(self, reply: Any) -> bool:
+        """The propose's answer says the draft engine's head lacks the target's features from some
+        position: the next verify computes them again from there (the round goes target-only)."""
+        if not isinstance(reply, UnknownFeatures):
+            return False
+        self.features_from = reply.start
+        return True
 
     def propose(self, state: RequestState, num_tokens: int, fan_out: tuple[int, ...] = ()) -> asyncio.Future:
         """The draft engine's (proposal, span) for num_tokens continuing the committed history, or
         its UnknownHistory (`draft_reply`); fan_out: the blocks it then pre-drafts per outcome of
         verifying this one (DraftEngine.propose)."""
+        # The features of the committed positions the target computed (all but the last token's).
+        features = None if self.features is None else self.features.before(len(state.history) - 1)
+        self.features = None
         return self._call(self.draft, "propose", state.request_id, self.draft_history.update(state), num_tokens,
-                          state.params, draft_seed(state.params.seed), len(state.prompt_ids), fan_out)
+                          state.params, draft_seed(state.params.seed), len(state.prompt_ids), fan_out, features)
 
     def draft_reply(self, reply: Any) -> tuple[Proposal, Any] | None:
         """A propose's answer, or None when the draft engine did not hold the history: the next
@@ -121,9 +142,11 @@ class RequestEngines:
         while True:
             try:
                 sent_s = time.perf_counter()
+                features_from, self.features_from = self.features_from, None
                 reply = await self._call(self.target, "verify", state.request_id, self.target_history.update(state),
                                          proposal if proposal and proposal.token_ids else None, state.params,
-                                         state.next_output_index, prompt_logprobs, capture_top_k, self.verification)
+                                         state.next_output_index, prompt_logprobs, capture_top_k, self.verification,
+                                         features_from)
                 if isinstance(reply, UnknownHistory):
                     if resent_history:
                         raise RuntimeError(f"target engine refused {state.request_id}'s whole history")
@@ -131,6 +154,8 @@ class RequestEngines:
                     self.target_history.forget()
                     continue
                 rows, span = reply
+                if self.draft is not None and span.features is not None:
+                    self.features = merged_features(self.features, span.features)
                 return rows, EngineCall.from_span(sent_s, span, time.perf_counter())
             except EngineOverloadedError as exc:
                 raise ServerOverloadedError(str(exc), retry_after_s=2.0) from None

@@ -135,12 +135,17 @@ class RoundLoop:
         state, engines = self.state, self.engines
         sent_s = time.perf_counter()
         fan_out = self.choose_fan_out(state, num_draft)
-        reply = engines.draft_reply(await engines.propose(state, num_draft, fan_out))
-        if reply is None:  # the draft did not hold the history: it drafts again from all of it
+        answer = await engines.propose(state, num_draft, fan_out)
+        reply = None if engines.needs_features(answer) else engines.draft_reply(answer)
+        if reply is None and engines.features_from is None:
+            # the draft did not hold the history: it drafts again from all of it
             sent_s = time.perf_counter()
-            reply = engines.draft_reply(await engines.propose(state, num_draft, fan_out))
-            if reply is None:
+            answer = await engines.propose(state, num_draft, fan_out)
+            reply = None if engines.needs_features(answer) else engines.draft_reply(answer)
+            if reply is None and engines.features_from is None:
                 raise RuntimeError(f"draft engine refused {state.request_id}'s whole history")
+        if reply is None:   # the head lacks the target's features: this round is target-only
+            return Proposal([], None), 0.0, 0.0
         proposal, span = reply
         state.stats.num_discarded_ahead += proposal.predrafted_thrown_away
         self.observer.fan_out(sum(fan_out))

@@ -78,6 +78,7 @@ class Router:
         decision = self.depth.policy_decision
         return {"active_requests": len(self.active_requests), "queued_requests": self.admission.num_waiting,
                 "num_draft_tokens": typical_depth if self.config.uses_draft_workers else 0,
+                "draft_kind": self.config.speculation.draft_kind,
                 "pending_releases": len(self._background),
                 "policy": None if decision is None else decision.to_dict()}
 
@@ -160,7 +161,8 @@ class Router:
                 self.active_requests[request_id] = state
                 self.metrics.set_active_requests(len(self.active_requests))
                 await loop.run(started, started + self.config.limits.request_timeout_s, prompt_logprobs)
-            speculation = {**state.stats.to_dict(), **timings.to_dict(), "proposer": self.config.speculation.proposer}
+            speculation = {**state.stats.to_dict(), **timings.to_dict(), "proposer": self.config.speculation.proposer,
+                           "draft_kind": self.config.speculation.draft_kind}
             chunks.put_nowait(final_chunk(state, speculation))
         except Exception as exc:  # hand it to the stream, which raises it to the caller
             chunks.put_nowait(exc)
@@ -176,6 +178,8 @@ class Router:
         return self.depth.choose(state, len(self.active_requests), time.monotonic())
 
     def _choose_fan_out(self, state: RequestState, num_draft: int) -> tuple[int, ...]:
+        if not self.config.speculation.needs_draft_model:   # only a draft model's engine pre-drafts
+            return ()
         return self.depth.fan_out(state, num_draft, len(self.active_requests), time.monotonic())
 
     def _spawn(self, coroutine) -> None:

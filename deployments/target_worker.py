@@ -4,7 +4,12 @@ answers each with what its verification needs (decoding.speculation.verify_answe
 A prefill asked for the prompt's log-probabilities runs chunk by chunk like any prefill, each
 chunk's full-vocabulary rows reduced to the prompt's entries (log-probability, top alternatives,
 rank) as soon as its forward ends: the rows alive at once are one chunk's, never the whole
-prompt's (an 8K-token prompt at a 128k vocabulary would be 4 GB of fp32 logits)."""
+prompt's (an 8K-token prompt at a 128k vocabulary would be 4 GB of fp32 logits).
+
+Serving an EAGLE-3 head (the spec's aux_layers), every forward also gives the aux layers'
+features of the positions it computed; a call's answer carries them (CallSpan.features, every
+position its forward computed, a chunked prefill's earlier chunks included): the router keeps the
+committed ones for the draft engine (docs/eagle3.md#serving)."""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import torch
 from ray import serve
 
 from specserve.common.messages import CallSpan, HistoryUpdate, UnknownHistory
-from specserve.decoding.batched_runner import load_runner
+from specserve.decoding.batched_runner import TargetFeatures, load_runner, merged_features
 from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.capture import top_rows
 from specserve.decoding.grammar import GrammarDeadEndError, GrammarMatcher, GrammarMatchers
@@ -54,6 +59,10 @@ class TargetEngine(EngineCore):
         # A prompt being scored chunk by chunk: the entries of its tokens so far (the first token's
         # included), one more than the prompt positions whose rows were reduced.
         self.prompt_entries: dict[str, list[dict]] = {}
+        self.reads_features = bool(model_spec.get("aux_layers"))
+        # Features computed for a sequence and not yet answered (a prefill's earlier chunks, then
+        # its answering forward's), by sequence.
+        self.features: dict[str, TargetFeatures] = {}
         super().__init__(runner, engine_options, name)
 
     def forget(self, seq_id: str) -> None:
@@ -61,10 +70,12 @@ class TargetEngine(EngineCore):
         self.grammars.release(seq_id)
         self.generators.pop(seq_id, None)
         self.prompt_entries.pop(seq_id, None)
+        self.features.pop(seq_id, None)
 
     async def verify(self, seq_id: str, history: HistoryUpdate, proposal: Proposal | None, params: SamplingParams,
                      first_output_index: int | None = None, prompt_logprobs: int | None = None,
-                     capture_top_k: int | None = None, verification: str = "block") -> tuple[object, CallSpan] | UnknownHistory:
+                     capture_top_k: int | None = None, verification: str = "block",
+                     features_from: int | None = None) -> tuple[object, CallSpan] | UnknownHistory:
         """The target's answer for [last committed token, *proposal's block] (decoding.speculation.
         verify_answer: argmax ids when greedy, else the O(K) numbers the owner verifies the block on,
         drawn with this sequence's own seeded generator), and the span (entered, forward started,
@@ -79,16 +90,23 @@ class TargetEngine(EngineCore):
         capture_top_k: a round sampled for the draft's online training (docs/online-learning.md):
         the answer becomes (answer, (top ids, top log-probabilities)) of the raw distribution at
         every row, k columns each. Only sampled rounds ask, so the others pay nothing.
-        verification: the owner's ("block" or "token"), which a sampled answer's residuals follow."""
+        verification: the owner's ("block" or "token"), which a sampled answer's residuals follow.
+        features_from: serving an EAGLE-3 head, compute the features again from this position on
+        (the cache is cropped there first): a replacement draft engine lacks them."""
         proposal = proposal or empty_proposal()
         committed = self.committed(seq_id, history)
         if isinstance(committed, UnknownHistory):
             return committed
+        if features_from is not None and self.reads_features:
+            await self.loop.between_iterations()
+            if self.scheduler.blocks.num_cached(seq_id) > features_from:
+                self.scheduler.blocks.rollback(seq_id, features_from)
         token_ids = committed + list(proposal.token_ids)
         num_rows = len(token_ids) if prompt_logprobs is not None else len(proposal.token_ids) + 1
         rows, span = await self.submit(VerifyCall(seq_id, token_ids, num_rows, params, first_output_index,
                                                   prompt_logprobs, capture_top_k, proposal, verification))
-        span = replace(span, cached_tokens=self.scheduler.blocks.prefix_cached_tokens(seq_id))
+        span = replace(span, cached_tokens=self.scheduler.blocks.prefix_cached_tokens(seq_id),
+                       features=self.features.pop(seq_id, None))
         self.call_log.record("verify", seq_id, span)
         return rows, span
 
@@ -143,12 +161,18 @@ class TargetEngine(EngineCore):
         if not forward_calls and not extra:
             return []
         try:
-            logits, cost = timed_forward(self.scheduler, forward_calls + list(extra))
+            result, cost = timed_forward(self.scheduler, forward_calls + list(extra), self.reads_features)
         except SequenceStateError as exc:
             for index, _ in indexed_calls:
                 results[index] = exc
             return []
         output.costs.append(cost)
+        logits = result
+        if self.reads_features:
+            logits, features = result
+            for call, computed in zip(forward_calls + list(extra), features):
+                self.features[call.seq_id] = merged_features(self.features.get(call.seq_id),
+                                                             TargetFeatures(computed.start, computed.hidden.cpu()))
         # Every call's rows are processed and answered together (one pass of batched ops, one
         # transfer to the host); a call whose grammar fails answers its error alone.
         last_rows, row_calls = [], []

@@ -106,3 +106,18 @@ def build_eagle3_head(target_dir: Path, folder: Path, form: str, draft_vocab: in
         raise ValueError(f"unknown head format {form!r}")
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
+
+
+# The layers the speculators look-alike names (of the Llama-3 look-alike target's two); the EAGLE
+# authors' look-alike names none and takes the default.
+SPECULATORS_LAYERS = [1, 0, 1]
+
+
+def llama3_with_heads(root: Path):
+    """(the Llama-3 look-alike family (tests.checkpoint_fixtures.build_llama3), {format: head folder})."""
+    from tests.checkpoint_fixtures import build_llama3
+
+    family = build_llama3(root)
+    return family, {"eagle": build_eagle3_head(family.target, root / "head-eagle", "eagle"),
+                    "speculators": build_eagle3_head(family.target, root / "head-speculators", "speculators",
+                                                     aux_layers=SPECULATORS_LAYERS)}

@@ -27,12 +27,10 @@ from specserve.decoding.proposers import ProposeCall
 from specserve.decoding.sampling import SamplingParams, make_generator
 from specserve.decoding.scheduler import engine_for_model
 from specserve.decoding.sequence import RequestState
-from tests.checkpoint_fixtures import build_llama3
-from tests.eagle3_fixtures import build_eagle3_head
+from tests.eagle3_fixtures import SPECULATORS_LAYERS, build_eagle3_head, llama3_with_heads
 from tests.test_generate import assert_follows_target_not_draft
 
 FORMATS = ("eagle", "speculators")
-SPECULATORS_LAYERS = [1, 0, 1]
 PROMPTS = [[5, 17, 42, 8, 3, 33], [60, 2, 2, 9, 14, 27, 50, 11, 7], [12, 40, 21]]
 NUM_OUTPUT_TOKENS = 40
 
@@ -40,11 +38,7 @@ NUM_OUTPUT_TOKENS = 40
 @pytest.fixture(scope="module")
 def llama3(tmp_path_factory):
     """(family, target model in float32, {format: head folder})."""
-    root = tmp_path_factory.mktemp("eagle3")
-    family = build_llama3(root)
-    heads = {"eagle": build_eagle3_head(family.target, root / "head-eagle", "eagle"),
-             "speculators": build_eagle3_head(family.target, root / "head-speculators", "speculators",
-                                              aux_layers=SPECULATORS_LAYERS)}
+    family, heads = llama3_with_heads(tmp_path_factory.mktemp("eagle3"))
     target = load_causal_lm(str(family.target), dtype="float32", device="cpu")
     return family, target, heads
 
@@ -379,3 +373,29 @@ def test_a_head_without_the_targets_features_says_which_positions_it_needs(small
     proposer.observe("late", TargetFeatures(2, features.hidden[2:]))
     with pytest.raises(SequenceStateError, match=r"positions 0\.\.3, it has 2\.\.4"):
         proposer.propose("late", history, 2, SamplingParams(temperature=0))
+
+
+def test_a_proposer_names_the_first_position_it_lacks_and_drafts_once_it_has_it(small):
+    """What a replacement draft engine answers (UnknownFeatures) and what the router then sends:
+    the features from the position it names on, which the target computes again."""
+    target, loaded = small
+    engine = engine_for_model(target, aux_layers=loaded.aux_layers)
+    proposer = Eagle3Proposer(loaded)
+    history = SAMPLED_PROMPT + [7, 30]
+    greedy = SamplingParams(temperature=0)
+    _, (features,) = engine.forward_batch_with_features([ForwardCall("s", history)])
+    assert proposer.missing_features("s", history) == 0
+    proposer.observe("s", TargetFeatures(0, features.hidden[:2]))
+    assert proposer.missing_features("s", history) == 0   # 0..1 held, 2..3 missing: still from 0
+    proposer.observe("s", TargetFeatures(2, features.hidden[2:4]))
+    assert proposer.missing_features("s", history) is None
+    drafted = proposer.propose("s", history, 2, greedy).token_ids
+    assert len(drafted) == 2
+    # once entries exist, a longer history needs only the new positions' features
+    longer = history + [drafted[0], 11]
+    assert proposer.missing_features("s", longer) == len(history) - 1
+    reference = Eagle3Proposer(loaded)
+    _, (whole,) = engine.forward_batch_with_features([ForwardCall("r", longer)])
+    reference.observe("r", whole)
+    proposer.observe("s", TargetFeatures(len(history) - 1, whole.hidden[len(history) - 1:]))
+    assert proposer.propose("s", longer, 3, greedy).token_ids == reference.propose("r", longer, 3, greedy).token_ids

@@ -16,8 +16,8 @@ from specserve.common.messages import HistoryUpdate
 from specserve.decoding.batched_runner import BatchedModelRunner
 from specserve.decoding.scheduler import Scheduler
 from specserve.decoding.sampling import SamplingParams, make_generator
-from specserve.decoding.proposers import (PROPOSERS, SAGUARO_LOWERED, DraftModelProposer, Proposal, ProposeCall,
-                                          ProposerKind, SaguaroSampling)
+from specserve.decoding.proposer_registry import PROPOSERS, ProposerKind
+from specserve.decoding.proposers import SAGUARO_LOWERED, DraftModelProposer, Proposal, ProposeCall, SaguaroSampling
 from specserve.deployments.committed_history import history_digest, whole_history as whole
 from specserve.deployments.draft_worker import DraftEngine
 from specserve.deployments.engine_loop import EngineOverloadedError, SequenceReleasedError
@@ -523,13 +523,13 @@ class RepeatLastProposer:
 
 
 def test_a_proposer_registered_by_name_is_accepted_by_the_config_and_built_by_the_draft_engine(pair, monkeypatch):
-    """Adding a proposer is one entry in decoding.proposers.PROPOSERS (docs/extending.md): the config
+    """Adding a proposer is one entry in decoding.proposer_registry.PROPOSERS (docs/extending.md): the config
     validates the name and the draft engine builds and calls it, with no other edit."""
     target_path, _ = pair
     monkeypatch.setitem(PROPOSERS, "repeat", ProposerKind(False, lambda *_: RepeatLastProposer(), "repeat the last token"))
     config = SpecServeConfig.model_validate({"speculation": {"proposer": "repeat"}, "draft": None})
     assert config.uses_draft_workers and not config.speculation.needs_draft_model
-    with pytest.raises(ValueError, match=r"unknown proposer 'eagle': choose one of \['draft', 'ngram', 'repeat'\]"):
+    with pytest.raises(ValueError, match=r"unknown proposer 'eagle': choose one of \['draft', 'eagle3', 'ngram', 'repeat'\]"):
         SpecServeConfig.model_validate({"speculation": {"proposer": "eagle"}, "draft": None})
 
     async def scenario():

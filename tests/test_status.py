@@ -16,7 +16,7 @@ ENGINES = [
                 busy_s=1.0, idle_s=1.0),
     UnreachableEngine("draft", "d2", "RayActorError"),
 ]
-ROUTER = {"active_requests": 4, "queued_requests": 1, "num_draft_tokens": 3,
+ROUTER = {"active_requests": 4, "queued_requests": 1, "num_draft_tokens": 3, "draft_kind": "EAGLE-3 head",
           "policy": {"num_draft_tokens": {"greedy": 3, "sampled": 2}}}
 
 
@@ -31,6 +31,7 @@ def test_the_document_sums_each_pool_and_carries_policy_and_load():
     assert draft["prefix_cache_hit_rate"] is None
     assert target["engines"][0]["kv_prefix_cache_hits"] == 96
     assert summary["policy"]["num_draft_tokens"] == 3
+    assert "drafting: EAGLE-3 head" in render_table(summary)
     assert summary["load"] == {"active_requests": 4, "queued_requests": 1}
     assert all("cost_samples" not in engine for engine in target["engines"])
 

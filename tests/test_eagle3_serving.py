@@ -1,0 +1,175 @@
+"""An EAGLE-3 head served: `specserve serve --target T --draft HEAD_DIR` detects the head, the
+target engine returns its aux layers' features with each verdict, the router carries the
+committed ones to the draft engine with the next propose, and greedy output over HTTP (the
+official openai client) equals the target's own greedy output (docs/eagle3.md#serving).
+
+One Serve start (a speculators-format head, which names its layers and normalises before the
+residual); the EAGLE authors' format is detected and refused or accepted by the same start-up
+checks, which run before Ray starts. The recovery of a draft engine lacking a request's features
+(UnknownFeatures) runs on the engines in-process. The greedy equality holds on CPU in float32,
+where the tests run (docs/gpu.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from specserve.cluster.builder import served_model_specs
+from specserve.cluster.cli import config_from_args, draft_line
+from specserve.cluster.local import check_model_paths, start_local
+from specserve.decoding.eagle3_checkpoint import Eagle3CheckpointError
+from tests.eagle3_fixtures import SPECULATORS_LAYERS, build_eagle3_head, llama3_with_heads
+from tests.local_server import free_port, stop_test_cluster
+
+openai = pytest.importorskip("openai")
+
+PROMPTS = ["def add(a, b):", "import os\nprint(", "the cat sat on"]
+MAX_TOKENS = 24
+
+
+def serve_args(target, draft) -> argparse.Namespace:
+    """What `specserve serve --target T --draft D` parses to (the flags config_from_args reads)."""
+    return argparse.Namespace(config=None, target=str(target), draft=str(draft), tokenizer=None,
+                              max_model_len=None, dtype=None, tensor_parallel_size=None, enforce_eager=False)
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """(the Llama-3 look-alike family, {format: head folder})."""
+    return llama3_with_heads(tmp_path_factory.mktemp("eagle3-serving"))
+
+
+@pytest.fixture(scope="module")
+def served(family):
+    family_, heads = family
+    config = config_from_args(serve_args(family_.target, heads["speculators"]))
+    config = config.model_copy(update={"http": config.http.model_copy(update={"port": free_port()})})
+    url = start_local(config)
+    try:
+        yield url, config
+    finally:
+        stop_test_cluster()
+
+
+@pytest.mark.parametrize("form", ["eagle", "speculators"])
+def test_a_head_folder_is_served_as_a_head_with_the_target_computing_its_layers(family, form):
+    family_, heads = family
+    config = config_from_args(serve_args(family_.target, heads[form]))
+    assert config.speculation.proposer == "eagle3"
+    assert "EAGLE-3 head" in draft_line(config) and str(family_.target) in draft_line(config)
+    target, draft = served_model_specs(config)
+    # the speculators head names its layers; the EAGLE authors' takes the default for two layers
+    assert target["aux_layers"] == (SPECULATORS_LAYERS if form == "speculators" else [1, 1, 0])
+    assert draft["target_path"] == str(family_.target)
+    # a draft model's folder stays a draft model
+    assert config_from_args(serve_args(family_.target, family_.draft)).speculation.proposer == "draft"
+
+
+@pytest.mark.parametrize("edit, why", [
+    ({"target_hidden_size": 128}, "hidden size 128, the target's hidden size is 64"),
+    ({"draft_vocab_size": 300}, "lm_head is (256, 64)"),
+])
+def test_a_malformed_head_is_refused_before_anything_starts_naming_why(family, tmp_path, edit, why):
+    family_, heads = family
+    folder = build_eagle3_head(family_.target, tmp_path / "bad", "speculators", aux_layers=SPECULATORS_LAYERS)
+    config_path = folder / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **edit}))
+    config = config_from_args(serve_args(family_.target, folder))
+    with pytest.raises(Eagle3CheckpointError, match=why.replace("(", r"\(").replace(")", r"\)")):
+        check_model_paths(config)
+
+
+def test_a_head_without_its_map_is_refused_naming_why(family, tmp_path):
+    family_, _ = family
+    folder = build_eagle3_head(family_.target, tmp_path / "no-map", "eagle")
+    weights = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    del weights["d2t"]
+    torch.save(weights, folder / "pytorch_model.bin")
+    with pytest.raises(Eagle3CheckpointError, match="no d2t"):
+        check_model_paths(config_from_args(serve_args(family_.target, folder)))
+
+
+def target_greedy(family_, prompt_ids: list[int]) -> list[int]:
+    """The target's own greedy output ids, in-process and target-only (stopping on the served EOS set)."""
+    from specserve.decoding.batched_runner import BatchedModelRunner
+    from specserve.decoding.generate import generate
+    from specserve.decoding.sampling import SamplingParams
+    from specserve.decoding.scheduler import Scheduler
+    from specserve.decoding.sequence import RequestState
+
+    engine = Scheduler(BatchedModelRunner(str(family_.target)))
+    state = RequestState(request_id="ref", prompt_ids=prompt_ids,
+                         params=SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                         eos_token_id=set(family_.eos_ids), max_context=engine.max_context)
+    for _ in generate(engine, state):
+        pass
+    return state.output_ids
+
+
+def test_greedy_over_http_with_a_head_equals_the_targets_own(family, served):
+    from transformers import AutoTokenizer
+
+    family_, _ = family
+    url, config = served
+    tokenizer = AutoTokenizer.from_pretrained(str(family_.target))
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    drafted = 0
+    for text in PROMPTS:
+        prompt = tokenizer.encode(text)   # token ids, BOS included: the same prompt both ways
+        response = client.completions.create(model=config.model_name, prompt=prompt, max_tokens=MAX_TOKENS,
+                                             temperature=0)
+        expected = target_greedy(family_, prompt)
+        assert response.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True), text
+        speculation = response.model_extra["speculation"]
+        assert speculation["draft_kind"] == "EAGLE-3 head" and speculation["draft_failures"] == 0
+        drafted += speculation["num_drafted"]
+    # The head drafted: the target's features reached it each round (without them it answers
+    # UnknownFeatures and every round goes target-only).
+    assert drafted > 0
+
+
+def test_a_draft_engine_lacking_a_requests_features_says_so_and_drafts_once_the_target_recomputes_them(family):
+    """A replacement draft engine (in-process, no Ray): it answers UnknownFeatures naming position
+    0; the target asked to compute the features again from there returns them from 0 (it crops
+    its cache first); with them the head drafts."""
+    import asyncio
+
+    from specserve.common.messages import UnknownFeatures
+    from specserve.decoding.proposers import Proposal
+    from specserve.decoding.sampling import SamplingParams
+    from specserve.decoding.sequence import RequestState
+    from specserve.decoding.speculation import accept_round
+    from specserve.deployments.committed_history import HistorySender, RunningDigest
+    from specserve.deployments.draft_worker import DraftEngine
+    from specserve.deployments.target_worker import TargetEngine
+    from tests.test_engines import options, spec
+
+    family_, heads = family
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    prompt = [5, 17, 42, 8, 3, 33]
+
+    async def scenario():
+        target = TargetEngine({**spec(family_.target, 2), "aux_layers": SPECULATORS_LAYERS}, options())
+        draft = DraftEngine("eagle3", {**spec(heads["speculators"], 2), "target_path": str(family_.target)},
+                            str(family_.target), options())
+        state = RequestState(request_id="r", prompt_ids=prompt, params=greedy, eos_token_id=None, max_context=256)
+        digest = RunningDigest()
+        to_draft, to_target = HistorySender(digest), HistorySender(digest)
+        rows, _ = await target.verify("r", to_target.update(state), None, greedy, state.next_output_index)
+        accept_round(state, Proposal([], None), rows)
+        answer = await draft.propose("r", to_draft.update(state), 3, greedy, None, len(prompt))
+        assert answer == UnknownFeatures("r", 0)
+        rows, span = await target.verify("r", to_target.update(state), None, greedy, state.next_output_index,
+                                         features_from=0)
+        accept_round(state, Proposal([], None), rows)
+        assert span.features.start == 0 and span.features.end == len(state.history) - 1
+        proposal, _ = await draft.propose("r", to_draft.update(state), 3, greedy, None, len(prompt), (),
+                                          span.features.before(len(state.history) - 1))
+        assert len(proposal.token_ids) == 3
+        await draft.release("r")
+        await target.release("r")
+
+    asyncio.run(scenario())
