@@ -145,11 +145,11 @@ class SpeculationSpec(_Strict):
                                    "requests in flight (Saguaro's batch-size fallback): where draft and target share "
                                    "a device or a CPU, pre-drafts for a batch slow the target more than hits save "
                                    "(docs/speculation-cache.md); raise it when the draft has its own GPU")
-    saguaro_downweight: float = Field(0.05, gt=0, le=1, description="with a fan-out, a sampled draft draws "
+    saguaro_downweight: float = Field(1.0, gt=0, le=1, description="with a fan-out, a sampled draft draws "
                                       "from its row with its likeliest tokens scaled by this (Saguaro sampling): a "
                                       "rejection's recovered token then falls on the tokens pre-drafted for far more "
-                                      "often, for some acceptance. Exact for any value; 1: off "
-                                      "(docs/speculation-cache.md)")
+                                      "often, for some acceptance (0.05 gave the measured hits). Exact for any value; "
+                                      "1 (the default, until tokens/s shows it pays): off (docs/speculation-cache.md)")
     draft_top_k: int = Field(64, ge=1, description="a sampled draft token is drawn from at most this many of its "
                              "row's most likely tokens (fewer where the request's top-k / top-p cut it shorter); "
                              "that q goes to the target as (ids, probs), so a round moves O(K) numbers, not [K, V] "

@@ -21,6 +21,7 @@ def _shares_the_server(module_items: list) -> bool:
 RAY_GROUP = "ray"  # the xdist group of every test that starts a Ray cluster (make test: docs/testing.md)
 
 
+@pytest.hookimpl(tryfirst=True)   # before xdist's own, which suffixes node ids with the groups
 def pytest_collection_modifyitems(config, items):
     """Run the modules that use the shared served tiny pair one after another (each module whole,
     in collection order, at the place of the first of them), so its Ray cluster and Serve app
@@ -42,7 +43,7 @@ def pytest_collection_modifyitems(config, items):
         rest = [item for group in modules.values() if not _shares_the_server(group) for item in group]
         before = [item for item in rest if position[id(item)] < first]
         items[:] = before + grouped + rest[len(before):]
-    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadgroup":
+    if getattr(config.option, "loadgroup", False):   # an xdist worker of --dist loadgroup
         starts_ray = [item for item in items if _starts_ray(item)]
         items[:] = starts_ray + [item for item in items if not _starts_ray(item)]
         for item in items:

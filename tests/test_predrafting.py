@@ -18,6 +18,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 import specserve.decoding.proposers as proposers
+import specserve.decoding.proposer_registry as proposer_registry
 import specserve.deployments.draft_worker as draft_worker
 from specserve.decoding.batched_runner import BatchedModelRunner
 from specserve.decoding.compact_verify import DraftSupport
@@ -201,7 +202,7 @@ def sample_joint(pair, params: SamplingParams, seeds: range) -> tuple[list[tuple
 
     async def scenario():
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(proposers, "SAGUARO_LOWERED", JOINT_LOWERED)
+            patch.setattr(proposer_registry, "SAGUARO_LOWERED", JOINT_LOWERED)
             draft, target = new_engines(pair, CONCURRENCY, saguaro_downweight=JOINT_DOWNWEIGHT)
         assert draft.proposer.saguaro == SaguaroSampling(JOINT_LOWERED, JOINT_DOWNWEIGHT)
         outputs, hits = [], []
