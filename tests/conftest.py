@@ -49,6 +49,7 @@ def _starts_ray(module: Path) -> bool:
     return "mark.ray" in text or SHARED_SERVER in text
 
 
+
 def pytest_xdist_make_scheduler(config, log):
     """`make test`'s two workers: every module that starts Ray is one unit, run in order on one
     worker, so one Ray cluster runs at a time and the shared server's modules stay in one process;

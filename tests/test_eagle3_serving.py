@@ -24,6 +24,8 @@ from specserve.decoding.eagle3_checkpoint import Eagle3CheckpointError
 from tests.eagle3_fixtures import SPECULATORS_LAYERS, build_eagle3_head, llama3_with_heads
 from tests.local_server import free_port, stop_test_cluster
 
+pytestmark = pytest.mark.ray
+
 openai = pytest.importorskip("openai")
 
 PROMPTS = ["def add(a, b):", "import os\nprint(", "the cat sat on"]
