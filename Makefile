@@ -29,10 +29,8 @@ serve: $(STAMP)
 generate: $(STAMP)
 	$(VENV)/bin/specserve generate
 
-# Two pytest workers: the modules that start Ray run in order on one, the rest beside them
-# (tests/conftest.py's pytest_xdist_make_scheduler).
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --no-loadscope-reorder
+	$(PY) -m pytest -q
 
 # The long fuzz run: 5,000 hypothesis bodies per fuzz test plus schemathesis on /openapi.json.
 fuzz: $(STAMP)

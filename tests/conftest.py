@@ -1,7 +1,6 @@
 """Shared test fixtures. Tests run on CPU in float32 with one torch thread (CI has 2 cores)."""
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,54 +18,22 @@ def _shares_the_server(module_items: list) -> bool:
     return any(SHARED_SERVER in item.fixturenames for item in module_items)
 
 
-RAY_GROUP = "ray"  # make test's xdist unit of every module that starts a Ray cluster (docs/testing.md)
-
-
-def pytest_collection_modifyitems(config, items):
+def pytest_collection_modifyitems(items):
     """Run the modules that use the shared served tiny pair one after another (each module whole,
     in collection order, at the place of the first of them), so its Ray cluster and Serve app
-    start once for all of them instead of once per module. Under pytest-xdist the modules that
-    start Ray go first, so their unit (pytest_xdist_make_scheduler) starts at once."""
+    start once for all of them instead of once per module."""
     modules: dict = {}
     for item in items:
         modules.setdefault(getattr(item, "module", None), []).append(item)
     sharing = [group for group in modules.values() if _shares_the_server(group)]
-    if len(sharing) >= 2:
-        position = {id(item): i for i, item in enumerate(items)}
-        first = position[id(sharing[0][0])]
-        grouped = [item for group in sharing for item in group]
-        rest = [item for group in modules.values() if not _shares_the_server(group) for item in group]
-        before = [item for item in rest if position[id(item)] < first]
-        items[:] = before + grouped + rest[len(before):]
-    if hasattr(config, "workerinput"):   # an xdist worker
-        starts_ray = [item for item in items if _starts_ray(Path(str(item.fspath)))]
-        items[:] = starts_ray + [item for item in items if not _starts_ray(Path(str(item.fspath)))]
-
-
-def _starts_ray(module: Path) -> bool:
-    """A test module that starts a Ray cluster: it carries the `ray` marker or takes the shared server."""
-    text = module.read_text()
-    return "mark.ray" in text or SHARED_SERVER in text
-
-
-
-def pytest_xdist_make_scheduler(config, log):
-    """`make test`'s two workers: every module that starts Ray is one unit, run in order on one
-    worker, so one Ray cluster runs at a time and the shared server's modules stay in one process;
-    every other module is a unit of its own, which the other worker takes, filling the core the
-    served tests leave idle while they wait on their servers. (xdist's own loadgroup cannot do
-    this under pytest 9: it renames node ids through an attribute pytest no longer reads.)"""
-    from xdist.scheduler import LoadScopeScheduling
-
-    tests = Path(__file__).parent
-    ray_modules = {path.name for path in tests.glob("test_*.py") if _starts_ray(path)}
-
-    class RayModulesTogether(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return RAY_GROUP if Path(module).name in ray_modules else module
-
-    return RayModulesTogether(config, log)
+    if len(sharing) < 2:
+        return
+    position = {id(item): i for i, item in enumerate(items)}
+    first = position[id(sharing[0][0])]
+    grouped = [item for group in sharing for item in group]
+    rest = [item for group in modules.values() if not _shares_the_server(group) for item in group]
+    before = [item for item in rest if position[id(item)] < first]
+    items[:] = before + grouped + rest[len(before):]
 
 
 def _next_module_shares_the_server(request) -> bool:
