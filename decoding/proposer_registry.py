@@ -11,9 +11,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from specserve.decoding.checkpoint import resolve_device, resolve_dtype
-from specserve.decoding.eagle3_checkpoint import load_eagle3_head, target_embeddings
-from specserve.decoding.eagle3_proposer import Eagle3Proposer
 from specserve.decoding.grammar import GrammarMatchers
 from specserve.decoding.proposers import (SAGUARO_LOWERED, DraftModelProposer, NgramProposer, Proposer,
                                           SaguaroSampling)
@@ -48,7 +45,13 @@ def _draft_model_proposer(runner: Any, model_spec: Mapping[str, Any] | None,
 
 def _eagle3_proposer(runner: Any, model_spec: Mapping[str, Any] | None, engine_options: Mapping[str, Any]):
     """The head in model_spec["path"] over the target's embeddings, read from model_spec["target_path"]
-    (the draft engine loads those, not the target's layers)."""
+    (the draft engine loads those, not the target's layers). Imported here, not at the top: the
+    config imports this registry, and a head's loaders pull in transformers' quantizer modules,
+    whose load warnings `specserve serve` must not print before it starts."""
+    from specserve.decoding.checkpoint import resolve_device, resolve_dtype
+    from specserve.decoding.eagle3_checkpoint import load_eagle3_head, target_embeddings
+    from specserve.decoding.eagle3_proposer import Eagle3Proposer
+
     assert model_spec is not None and "target_path" in model_spec, "a head needs its spec and its target's path"
     device = resolve_device(model_spec["device"])
     target = target_embeddings(model_spec["target_path"],

@@ -336,7 +336,7 @@ def test_training_computes_what_drafting_computes(small):
     """The training-time test's scores at depth j for committed position i equal the proposer's
     head steps drafting j tokens ahead from i (fed the same tokens): a head trained on other
     arithmetic than it drafts with would learn the wrong thing."""
-    from training.train_eagle3 import ttt_forward
+    from specserve.training.train_eagle3 import ttt_forward
 
     target, loaded = small
     head = loaded.head
