@@ -146,7 +146,7 @@ def test_start_and_stop_print_what_specserve_did_and_none_of_rays_lines(served_a
     for expected in ("specserve: Ray's own output goes to", "specserve: starting Ray", "specserve: deploying",
                      "specserve is serving", "specserve: stopping", "specserve: stopped"):
         assert any(line.startswith(expected) for line in lines), (expected, lines)
-    assert all(line.startswith(("specserve", "metrics: ", READY_LINE)) for line in lines), lines
+    assert all(line.startswith(("specserve", "metrics: ", "drafting: ", READY_LINE)) for line in lines), lines
     log_path = lines[0].split(" goes to ")[1].split(" ")[0]
     # Ray's own lines landed in the log instead (which notices Ray prints varies: its token notice
     # only comes with a token it has just made, so the check names a line every start has).
