@@ -71,6 +71,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=1_000_000, ignore_eos=True)
 # unbatched forward by float rounding only; bf16: 8 mantissa bits through 32 layers.
 FP32_TOLERANCE = 1e-4
 BF16_TOLERANCE = 3e-2
+BF16_SPREAD_FACTOR = 2.0   # bf16 passes within this many times transformers' own eager-vs-SDPA spread
 SELF_DRAFT_ACCEPTANCE = 0.9   # a draft whose q equals p up to float rounding: nearly every token accepted
 NEAR_TIE = 1e-2   # a greedy divergence whose top-2 logits are this close is float rounding (shared/README)
 
@@ -244,11 +245,11 @@ def gathered_path_only():
 
 
 @contextlib.contextmanager
-def hf_attention(model):
-    """transformers' own SDPA attention on model for the block (the references, HF generate),
-    then the engine's paged attention back if a runner had set it."""
+def hf_attention(model, implementation: str = "sdpa"):
+    """transformers' own attention on model for the block (the references, HF generate), then the
+    engine's paged attention back if a runner had set it."""
     engine_owned = model.config._attn_implementation == ATTENTION_NAME
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation(implementation)
     try:
         yield model
     finally:
@@ -318,10 +319,11 @@ def build_model(kind: str, config_kwargs: dict, layers: int | None, dtype: torch
 
 
 @torch.inference_mode()
-def reference_rows(model, histories: Sequence[list[int]], rows: int) -> list[torch.Tensor]:
-    """transformers' own cache-free forward (SDPA), one sequence at a time: the last rows' float32 logits."""
+def reference_rows(model, histories: Sequence[list[int]], rows: int, attention: str = "sdpa") -> list[torch.Tensor]:
+    """transformers' own cache-free forward (SDPA unless told), one sequence at a time: the last rows'
+    float32 logits."""
     device = next(model.parameters()).device
-    with hf_attention(model):
+    with hf_attention(model, attention):
         return [model(input_ids=torch.tensor([history], device=device), logits_to_keep=rows).logits[0].float()
                 for history in histories]
 
@@ -667,20 +669,29 @@ def section_correctness(section: Section, models: Models, clock: Clock) -> None:
     del runner, windowed
     release_memory()
 
-    # 6. the bf16 pair's target (published shapes) against transformers' forward in bf16.
+    # 6. the bf16 pair's target (published shapes) against transformers' forward in bf16. Rounding
+    # through 32 layers of random weights is measured, not guessed: transformers' eager attention
+    # against its own SDPA on the same rows is the spread any bf16 implementation may show.
     target_model, target, _, _, _ = models.pair()
     want_prefill = reference_rows(target_model, prompts, 4)
     want_verify = reference_rows(target_model, extended, NUM_DRAFT_TOKENS + 1)
+    wants = want_prefill + want_verify
+    hf_eager = (reference_rows(target_model, prompts, 4, attention="eager")
+                + reference_rows(target_model, extended, NUM_DRAFT_TOKENS + 1, attention="eager"))
+    spread = max(relative_error(e, w) for e, w in zip(hf_eager, wants))
+    spread_agree = torch.cat([e.argmax(-1) == w.argmax(-1) for e, w in zip(hf_eager, wants)]).float().mean()
     names = [f"b{i}" for i in range(len(prompts))]
     got = (forward_rows(target, [(n, p, 4) for n, p in zip(names, prompts)])
            + forward_rows(target, [(n, p, NUM_DRAFT_TOKENS + 1) for n, p in zip(names, extended)]))
-    wants = want_prefill + want_verify
     error = max(relative_error(g, w) for g, w in zip(got, wants))
     agree = torch.cat([g.argmax(-1) == w.argmax(-1) for g, w in zip(got, wants)]).float().mean()
-    section.check(error <= BF16_TOLERANCE, f"{str(plan.pair_dtype).removeprefix('torch.')} target at "
-                  f"{plan.target['num_hidden_layers']} layers of the published shapes vs transformers' forward in the "
-                  f"same dtype (the same ragged prefill and verify): max |diff| / max |logit| = {error:.2e} (tolerance "
-                  f"{BF16_TOLERANCE:.0e}); argmax agrees on {float(agree):.1%} of rows")
+    tolerance = max(BF16_TOLERANCE, BF16_SPREAD_FACTOR * spread)
+    section.check(error <= tolerance, f"{str(plan.pair_dtype).removeprefix('torch.')} target at "
+                  f"{plan.target['num_hidden_layers']} layers of the published shapes vs transformers' SDPA forward in "
+                  f"the same dtype (the same ragged prefill and verify): max |diff| / max |logit| = {error:.2e}, argmax "
+                  f"agrees on {float(agree):.1%} of rows; transformers' eager attention vs its SDPA: {spread:.2e}, "
+                  f"argmax {float(spread_agree):.1%} (tolerance: the larger of {BF16_TOLERANCE:.0e} and "
+                  f"{BF16_SPREAD_FACTOR:g}x that spread, {tolerance:.2e})")
     release(target, names)
 
 

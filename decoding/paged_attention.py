@@ -23,6 +23,7 @@ reference); and on CUDA with flash-attn installed, its varlen kernel through the
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 import torch.nn.functional as F
@@ -176,8 +177,11 @@ def flex_paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool
     # CPU kernel).
     keys = key_pool.view(1, units * block_size, kv_heads, head_dim).transpose(1, 2)
     values = value_pool.view(1, units * block_size, kv_heads, value_pool.shape[-1]).transpose(1, 2)
+    # Inductor's CUDA kernels walk the keys in tiles that must divide a block, and their default
+    # tile is wider than a small block.
+    kernel_options = {"BLOCK_N": math.gcd(block_size, 64)} if query.is_cuda else None
     return flex_attention(query, keys, values, score_mod=score_mod, block_mask=block_mask, scale=scaling,
-                          enable_gqa=heads != kv_heads)
+                          enable_gqa=heads != kv_heads, kernel_options=kernel_options)
 
 
 def flash_paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, layout,

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.decoding.device_copy import host_to_device
 from specserve.decoding.paged_attention import (
     ATTENTION_KERNELS,
     flash_paged_attention,
@@ -268,15 +269,15 @@ def paged_layout(group_tables: Sequence[Sequence[Sequence[int]]], starts: Sequen
     host = torch.tensor([[list(table[:num_read]) + [NO_BLOCK] * (num_read - min(len(table), num_read))
                           for table in tables] for tables in group_tables], dtype=torch.long)
     lengths = torch.tensor([list(starts), list(num_new)], dtype=torch.long)
-    host, lengths = host.to(device), lengths.to(device)
+    host, lengths = host_to_device(host, device), host_to_device(lengths, device)
     start, new = lengths[0], lengths[1]
     columns = torch.arange(num_columns, device=device)
     last_real = torch.minimum(columns.unsqueeze(0), (new - 1).unsqueeze(1))                             # [B, T]
     rows = torch.arange(len(starts), device=device).unsqueeze(1)
     write_source = (rows * num_columns + last_real).reshape(-1)
     position_ids = start.unsqueeze(1) + last_real                                                       # [B, T]
-    real_tokens = torch.tensor([b * num_columns + t for b, n in enumerate(num_new) for t in range(n)],
-                               dtype=torch.long).to(device)
+    real_tokens = host_to_device(torch.tensor([b * num_columns + t for b, n in enumerate(num_new) for t in range(n)],
+                                              dtype=torch.long), device)
     block_index, offset = position_ids // block_size, position_ids % block_size
     groups = []
     for g in range(len(group_tables)):

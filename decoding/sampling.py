@@ -8,6 +8,7 @@ from, with or without a draft.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Annotated
 import torch
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from specserve.decoding.device_copy import host_to_device
 from specserve.decoding.grammar import GrammarSpec
 
 # The limits OpenAI's API documents; the HTTP models (deployments/openai_protocol.py) use these
@@ -200,15 +202,16 @@ class RowParams:
         top_k = [p.top_k if 0 < p.top_k < vocab_size and not g else vocab_size for p, g in zip(params, greedy)]
         top_p = [p.top_p if p.top_p < 1.0 and not g else float("inf") for p, g in zip(params, greedy)]
         min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+        on_device = functools.partial(host_to_device, device=device)
         return RowParams(
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
-                                     dtype=torch.float32, device=device),
-            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.long, device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float64, device=device),
-            truncating=torch.tensor([i for i, (k, p) in enumerate(zip(top_k, top_p)) if k < vocab_size or p < 1.0],
-                                    dtype=torch.long, device=device),
+            greedy=on_device(torch.tensor(greedy, dtype=torch.bool)),
+            temperature=on_device(torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                                               dtype=torch.float32)),
+            min_p=on_device(torch.tensor(min_p, dtype=torch.float32)),
+            top_k=on_device(torch.tensor(top_k, dtype=torch.long)),
+            top_p=on_device(torch.tensor(top_p, dtype=torch.float64)),
+            truncating=on_device(torch.tensor([i for i, (k, p) in enumerate(zip(top_k, top_p))
+                                               if k < vocab_size or p < 1.0], dtype=torch.long)),
             all_greedy=bool(greedy) and all(greedy), any_greedy=any(greedy), uses_min_p=any(m > 0.0 for m in min_p),
             uses_top_k=any(k < vocab_size for k in top_k), uses_top_p=any(p < 1.0 for p in top_p))
 
