@@ -969,12 +969,15 @@ SECTIONS = (("1. Environment", section_environment), ("2. Correctness", section_
 
 
 def commit() -> str:
+    """The commit under test: the environment's word first (a copied tree may carry a stale .git)."""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
     try:
         found = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
                                timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         found = ""
-    return found or os.environ.get(COMMIT_ENV) or f"unknown (no git here: set {COMMIT_ENV})"
+    return found or f"unknown (no git here: set {COMMIT_ENV})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

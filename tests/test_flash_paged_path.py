@@ -5,7 +5,7 @@ documented contract in plain torch (queries packed by cu_seqlens_q; keys read th
 from pools [blocks, block_size, kv heads, D] up to cu_seqlens_k; causal aligned bottom-right;
 window_size (left, 0); softcap; GQA), so what is tested is this project's side: token-major
 stores, the block table, the cumulative lengths, and scattering rows back. The real kernel's
-arithmetic is not tested (README: what has not run on a GPU).
+arithmetic is not tested (docs/gpu.md: what has not run on a GPU).
 
 The equalities asserted here hold on CPU in float32, where the tests run; on a GPU in bf16 greedy
 output may differ at near-ties and with what shares a batch (docs/gpu.md)."""
