@@ -11,13 +11,16 @@ STAMP := $(VENV)/.installed
 # uv installs in seconds what pip installs in minutes. It reads no pip configuration, so the wheel
 # folder pip is pointed at (where a machine keeps its CPU torch wheel) is handed to it; elsewhere
 # UV_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu finds that wheel (docs/testing.md).
+# Unlike pip, uv writes no bytecode unless told: where PYTHONDONTWRITEBYTECODE is set (as on CI
+# machines), every process would then compile torch's and transformers' sources at each import,
+# and each of a Serve app's replicas imports them.
 UV_VERSION := 0.13.9
 FIND_LINKS := $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check uv==$(UV_VERSION)
-	$(VENV)/bin/uv pip install --quiet --python $(PY) $(if $(FIND_LINKS),--find-links $(FIND_LINKS)) \
+	$(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY) $(if $(FIND_LINKS),--find-links $(FIND_LINKS)) \
 		-c $(CONSTRAINTS) -e '.[test,bench]'
 	touch $(STAMP)
 

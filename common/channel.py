@@ -112,14 +112,14 @@ class _Outbox:
         entries, self.entries = tuple(self.entries), []
         try:
             frame = encode_frame(entries)
-        except Exception as exc:   # one entry does not pickle: send the rest, tell its owner
+        except Exception:   # an entry does not pickle: send the rest, tell its owner why
             sendable = []
             for entry in entries:
                 try:
                     pickle.dumps(entry, protocol=5)
                     sendable.append(entry)
-                except Exception:
-                    instead = self.on_unpicklable(entry, exc)
+                except Exception as error:
+                    instead = self.on_unpicklable(entry, error)
                     if instead is not None:
                         sendable.append(instead)
             frame = encode_frame(tuple(sendable))

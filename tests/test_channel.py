@@ -7,6 +7,7 @@ engines that die or hang here are real processes (tests/channel_engine.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -91,15 +92,19 @@ def test_an_engine_error_is_raised_to_the_caller_as_itself_or_named_when_it_does
 ENGINE = Path(__file__).with_name("channel_engine.py")
 
 
-def start_engine() -> tuple[subprocess.Popen, str]:
+@contextlib.contextmanager
+def engine_process():
+    """(process, address) of an engine stand-in in a process of its own, killed on the way out."""
     process = subprocess.Popen([sys.executable, str(ENGINE)], stdout=subprocess.PIPE, text=True)
-    return process, process.stdout.readline().strip()
+    try:
+        yield process, process.stdout.readline().strip()
+    finally:
+        process.kill()
+        process.wait()
 
 
 def test_calls_waiting_on_an_engine_whose_process_dies_fail_with_channel_lost():
-    process, address = start_engine()
-
-    async def scenario():
+    async def scenario(process, address):
         channel = EngineChannel(address)
         assert await channel.call("echo", 7) == (7,)
         waiting = channel.call("hang")
@@ -112,17 +117,12 @@ def test_calls_waiting_on_an_engine_whose_process_dies_fail_with_channel_lost():
             await channel.call("echo", 1)
         return time.monotonic() - started
 
-    try:
-        assert asyncio.run(scenario()) < 2.0
-    finally:
-        process.kill()
-        process.wait()
+    with engine_process() as (process, address):
+        assert asyncio.run(scenario(process, address)) < 2.0
 
 
 def test_a_hung_engine_is_lost_once_its_heartbeat_stops():
-    process, address = start_engine()
-
-    async def scenario():
+    async def scenario(process, address):
         channel = EngineChannel(address, heartbeat_timeout_s=1.5)
         assert await channel.call("echo", 7) == (7,)
         await asyncio.sleep(2.0)   # heartbeats keep an idle channel open
@@ -134,17 +134,13 @@ def test_a_hung_engine_is_lost_once_its_heartbeat_stops():
             await asyncio.wait_for(waiting, 10)
         return time.monotonic() - started
 
-    try:
-        assert asyncio.run(scenario()) < 4.0
-    finally:
-        process.kill()
-        process.wait()
+    with engine_process() as (process, address):
+        assert asyncio.run(scenario(process, address)) < 4.0
 
 
 def test_nothing_listening_at_the_address_is_engine_gone():
-    process, address = start_engine()
-    process.kill()
-    process.wait()
+    with engine_process() as (process, address):
+        pass
 
     async def scenario():
         with pytest.raises(EngineGoneError):
