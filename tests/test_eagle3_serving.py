@@ -4,9 +4,10 @@ committed ones to the draft engine with the next propose, and greedy output over
 official openai client) equals the target's own greedy output (docs/eagle3.md#serving).
 
 One Serve start (a speculators-format head, which names its layers and normalises before the
-residual); the EAGLE authors' format is detected and refused or accepted by the same start-up
-checks, which run before Ray starts. The recovery of a draft engine lacking a request's features
-(UnknownFeatures) runs on the engines in-process. The greedy equality holds on CPU in float32,
+residual), in `make reliability`; on every `make test` the head drafts in process
+(tests/test_eagle3.py), and so does the recovery of a draft engine lacking a request's features
+(UnknownFeatures, below). The EAGLE authors' format is detected and refused or accepted by the
+same start-up checks, which run before Ray starts. The greedy equality holds on CPU in float32,
 where the tests run (docs/gpu.md)."""
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ def target_greedy(family_, prompt_ids: list[int]) -> list[int]:
     return state.output_ids
 
 
+@pytest.mark.slow   # in make reliability, to keep make test short: docs/testing.md
 def test_greedy_over_http_with_a_head_equals_the_targets_own(family, served):
     from transformers import AutoTokenizer
 
