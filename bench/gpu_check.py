@@ -57,6 +57,7 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, Llama
 
 from specserve.bench.round_time import peaked  # noqa: E402
 from specserve.decoding.generate import generate, generate_batch  # noqa: E402
+from specserve.decoding.compiled_forward import CompiledForward  # noqa: E402
 from specserve.decoding.proposers import Proposal  # noqa: E402
 from specserve.decoding.sampling import SamplingParams  # noqa: E402
 from specserve.decoding.sequence import RequestState  # noqa: E402
@@ -73,6 +74,8 @@ FP32_TOLERANCE = 1e-4
 BF16_TOLERANCE = 3e-2
 BF16_SPREAD_FACTOR = 2.0   # bf16 passes within this many times transformers' own eager-vs-SDPA spread
 SELF_DRAFT_ACCEPTANCE = 0.9   # a draft whose q equals p up to float rounding: nearly every token accepted
+TRACEBACK_LINES = 40   # of a compile failure, in the report
+FORWARDS_BUILT: list = []   # (engine name, its CompiledForward), as the sections build engines
 NEAR_TIE = 1e-2   # a greedy divergence whose top-2 logits are this close is float rounding (shared/README)
 
 # Published configs (shared/CHECKPOINTS.md; Gemma 3 1B from its config.json, best knowledge).
@@ -176,8 +179,10 @@ def engine_runner(model, plan: Plan, name: str, kv_gib: float, prefix_caching: b
         extra["gpu_share"] = min(1.0, wanted / allowed)
     else:
         extra["kv_cache_memory_gb"] = kv_gib
-    return engine_for_model(model, max_sequences=512, model_path=name, max_model_len=plan.max_model_len,
-                            prefix_caching=prefix_caching, **extra)
+    engine = engine_for_model(model, max_sequences=512, model_path=name, max_model_len=plan.max_model_len,
+                              prefix_caching=prefix_caching, **extra)
+    FORWARDS_BUILT.append((name, engine.runner.step_forward))
+    return engine
 
 
 def forward_rows(runner, calls: Sequence[tuple[str, Sequence[int], int]]) -> list[torch.Tensor]:
@@ -526,12 +531,20 @@ def nvidia_smi(query: str) -> str:
 
 
 def engine_compilation() -> str:
-    """Whether decoding/ compiles anything or captures CUDA graphs: read from its source, as it stands."""
-    sources = " ".join(path.read_text() for path in (REPO / "decoding").glob("*.py"))
-    compiled = "torch.compile(" in sources
-    graphs = "CUDAGraph" in sources or "cuda.graph(" in sources
-    return (f"torch.compile {'used' if compiled else 'not used'}; CUDA graphs {'captured' if graphs else 'not used'} "
-            "(eager kernels)")
+    """Whether decoding/ asks for compiled forwards here; what each engine got is in section 2."""
+    probe = CompiledForward(lambda *args: None, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    return f"asked for: {probe.describe()}; each engine's outcome is listed at the end of section 2"
+
+
+def report_compilation(section: "Section") -> None:
+    """Each engine built so far: compiled or eager and why; the first compile failure's traceback
+    (its last frames), so that a failure on a machine lent briefly can be mended without it."""
+    for name, forward in FORWARDS_BUILT:
+        section.line(f"- forward of {name}: {forward.describe()}")
+    failed = next((forward for _, forward in FORWARDS_BUILT if forward.failure_traceback), None)
+    if failed is not None:
+        tail = "\n".join(failed.failure_traceback.rstrip().splitlines()[-TRACEBACK_LINES:])
+        section.line(f"\nThe first compile failure, last {TRACEBACK_LINES} lines of its traceback:\n\n```\n{tail}\n```")
 
 
 def section_correctness(section: Section, models: Models, clock: Clock) -> None:
@@ -693,6 +706,7 @@ def section_correctness(section: Section, models: Models, clock: Clock) -> None:
                   f"argmax {float(spread_agree):.1%} (tolerance: the larger of {BF16_TOLERANCE:.0e} and "
                   f"{BF16_SPREAD_FACTOR:g}x that spread, {tolerance:.2e})")
     release(target, names)
+    report_compilation(section)
 
 
 def near_tie_detail(model, prompt: list[int], want: list[int], got: list[int]) -> str:

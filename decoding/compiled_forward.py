@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -110,6 +111,7 @@ class CompiledForward:
             self.eager, self.reason = False, "compiled"
         self.compile_seconds = 0.0
         self._compiled = None
+        self.failure_traceback: str | None = None   # why compiling failed, whole (for a report)
         if not self.eager:
             compile_cache_dir()
             # Sizes of 1 are not specialized where the shapes alone decide; flex_attention's and
@@ -139,6 +141,7 @@ class CompiledForward:
             run()
         except Exception as error:  # a model dynamo or inductor cannot compile serves eager
             self.eager, self._compiled = True, None
+            self.failure_traceback = traceback.format_exc()
             self.reason = f"compiling failed ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
             logger.warning("%s: torch.compile of the forward failed, serving eager: %s", model_path, self.reason)
             run()

@@ -70,6 +70,9 @@ def test_a_model_that_fails_to_compile_serves_eager_with_one_warning(monkeypatch
     assert len(warnings) == 1 and "No working C++ compiler" in warnings[0], warnings
     assert runner.runner.step_forward.eager and runner.runner.step_forward.attention_kernel == "gather"
     assert "compiling failed" in runner.runner.step_forward.describe()
+    # the whole traceback is kept for a report (make gpu-check prints it), down to the raise
+    assert "in compiled" in runner.runner.step_forward.failure_traceback
+    assert runner.runner.step_forward.failure_traceback.rstrip().endswith("No working C++ compiler found")
     reference = engine_for_model(model, enforce_eager=True)
     for calls in ragged_steps()[:2]:
         for got, expected in zip(runner.forward_batch(calls), reference.forward_batch(calls)):
