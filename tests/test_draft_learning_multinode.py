@@ -44,7 +44,7 @@ def test_a_version_trained_on_the_head_reaches_the_draft_node_through_the_object
     url, _ = learning_cluster
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
     before = traffic(client, MODEL)
-    status = wait_for_a_trained_version(TRAIN_TIMEOUT_S)
+    status = wait_for_a_trained_version(TRAIN_TIMEOUT_S, lambda: traffic(client, MODEL))
     assert status and status["draft_version"] >= 1 and set(status["engines"].values()) == {status["draft_version"]}, \
         {key: (status or {}).get(key) for key in ("passes", "last_pass", "captured_total", "engines", "failed_loads",
                                                    "training_now")}

@@ -7,6 +7,7 @@ acceptance before and after, and the captured rows were persisted only because c
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -45,14 +46,20 @@ def traffic(client: openai.OpenAI, model: str = MODEL) -> list:
     return greedy
 
 
-def wait_for_a_trained_version(timeout_s: float) -> dict | None:
+def wait_for_a_trained_version(timeout_s: float, more_traffic: Callable[[], object]) -> dict | None:
     """The trainer's status once it serves a trained version and every engine it knows serves it
-    (or the last status seen when timeout_s passes)."""
-    deadline, status = time.monotonic() + timeout_s, None
+    (or the last status seen when timeout_s passes). After a refused pass (its candidate did not
+    beat the serving draft by the canary margin on the held-back positions: the trainer doing its
+    job) more_traffic() is sent, as a live server would get it, so that the next pass has the new
+    positions it waits for."""
+    deadline, status, refused = time.monotonic() + timeout_s, None, 0
     while time.monotonic() < deadline:
         status = trainer_status()
         if status and status["draft_version"] >= 1 and set(status["engines"].values()) == {status["draft_version"]}:
             break
+        if status and status["passes"]["refused"] > refused:
+            refused = status["passes"]["refused"]
+            more_traffic()
         time.sleep(0.5)
     return status
 
@@ -62,7 +69,7 @@ def test_traffic_in_a_new_draft_version_out(server):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
     before = traffic(client)
     assert {r.model_extra["speculation"]["draft_version"] for r in before} == {0}
-    status = wait_for_a_trained_version(TRAIN_TIMEOUT_S)  # the trainer trains, canaries, swaps
+    status = wait_for_a_trained_version(TRAIN_TIMEOUT_S, lambda: traffic(client))  # trains, canaries, swaps
     assert status and status["draft_version"] == 1, status
     assert status["expected_acceptance_after"] > status["expected_acceptance_before"]
     after = [complete(client, prompt, 0.0) for prompt in PROMPTS]
