@@ -87,7 +87,6 @@ def draft_support(probs: torch.Tensor, max_candidates: int | None) -> DraftSuppo
     return DraftSupport(top.indices, top.values / top.values.sum(-1, keepdim=True))
 
 
-
 def saguaro_support(support: DraftSupport, num_lowered: int, downweight: float) -> DraftSupport:
     """The draft's q with its num_lowered most likely tokens per row scaled by downweight (< 1)
     and renormalised: Saguaro sampling (Kumar, Dao, May, "Speculative Speculative Decoding",
@@ -105,6 +104,7 @@ def saguaro_support(support: DraftSupport, num_lowered: int, downweight: float) 
     scale = torch.ones_like(probs).scatter_(-1, lowered, downweight)
     scaled = probs * scale
     return DraftSupport(support.ids, scaled / scaled.sum(-1, keepdim=True))
+
 
 @dataclass(frozen=True)
 class TargetNumbers:
