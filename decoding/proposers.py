@@ -304,20 +304,28 @@ def draft_step(logits: torch.Tensor, calls: Sequence[ProposeCall], processors: S
         ranks = torch.tensor(list(guesses.values()), device=logits.device)
         tokens = tokens.index_copy(0, guessed, top.indices[guessed, ranks])
     if sampled:
+        # What each sampled row was drawn from: its q, but a guess's row is one-hot at the guess,
+        # so the q rows stay one per token (a guess is never verified).
+        drawn_probs = q.probs
+        guessed_rows = [k for k, j in enumerate(sampled) if j in guesses]
+        if guessed_rows:
+            at = torch.tensor(guessed_rows, device=logits.device)
+            one_hot = (q.ids[at] == tokens[rows[at]].unsqueeze(-1)).to(q.probs.dtype)
+            drawn_probs = drawn_probs.index_copy(0, at, one_hot)
+        drawn = DraftSupport(q.ids, drawn_probs)
         for k, j in enumerate(sampled):
-            # A guess's row is one-hot at it, so the q rows stay one per token (it is never verified).
-            probs = (q.ids[k] == tokens[j]).to(q.probs.dtype) if j in guesses else q.probs[k]
-            supports[j] = DraftSupport(q.ids[k], probs)
+            supports[j] = DraftSupport(q.ids[k], drawn_probs[k])
     # To the host in one copy: token | candidates | their q | their drawn q | the token's q, drawn q.
     columns = [tokens.unsqueeze(-1).double()]
     if num_candidates:
         drawn_top = torch.zeros_like(top.values)
         drawn_token = torch.zeros_like(tokens, dtype=torch.float32)
         residual = torch.zeros_like(drawn_token)
-        for k, j in enumerate(sampled):
-            drawn_top[j] = supports[j].probs_of(top.indices[j])
-            drawn_token[j] = supports[j].probs_of(tokens[j])
-            residual[j] = (own[j] - supports[j].dense(own.shape[-1])).clamp(min=0).sum()
+        if sampled:   # the sampled rows at once: drawn as [S, m] supports, the candidates [S, width]
+            per_candidate = DraftSupport(drawn.ids.unsqueeze(1), drawn.probs.unsqueeze(1))
+            drawn_top = drawn_top.index_copy(0, rows, per_candidate.probs_of(top.indices[rows]).to(drawn_top.dtype))
+            drawn_token = drawn_token.index_copy(0, rows, drawn.probs_of(tokens[rows]))
+            residual = residual.index_copy(0, rows, (own[rows] - drawn.dense(own.shape[-1])).clamp(min=0).sum(-1))
         columns += [top.indices[:, :num_candidates].double(), top.values[:, :num_candidates].double(),
                     drawn_top[:, :num_candidates].double(), residual.unsqueeze(-1).double(),
                     own.gather(-1, tokens.unsqueeze(-1)).double(), drawn_token.unsqueeze(-1).double()]
