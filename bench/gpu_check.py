@@ -75,7 +75,9 @@ BF16_TOLERANCE = 3e-2
 BF16_SPREAD_FACTOR = 2.0   # bf16 passes within this many times transformers' own eager-vs-SDPA spread
 SELF_DRAFT_ACCEPTANCE = 0.9   # a draft whose q equals p up to float rounding: nearly every token accepted
 TRACEBACK_LINES = 40   # of a compile failure, in the report
-FORWARDS_BUILT: list = []   # (engine name, its CompiledForward), as the sections build engines
+# (engine name, compile outcome, failure traceback or None) as the sections build engines: strings,
+# not the forward itself, which would keep each engine's KV pools alive to the end of the check.
+FORWARDS_BUILT: list[tuple[str, str, str | None]] = []
 NEAR_TIE = 1e-2   # a greedy divergence whose top-2 logits are this close is float rounding (shared/README)
 
 # Published configs (shared/CHECKPOINTS.md; Gemma 3 1B from its config.json, best knowledge).
@@ -181,7 +183,8 @@ def engine_runner(model, plan: Plan, name: str, kv_gib: float, prefix_caching: b
         extra["kv_cache_memory_gb"] = kv_gib
     engine = engine_for_model(model, max_sequences=512, model_path=name, max_model_len=plan.max_model_len,
                               prefix_caching=prefix_caching, **extra)
-    FORWARDS_BUILT.append((name, engine.runner.step_forward))
+    forward = engine.runner.step_forward
+    FORWARDS_BUILT.append((name, forward.describe(), forward.failure_traceback))
     return engine
 
 
@@ -539,11 +542,11 @@ def engine_compilation() -> str:
 def report_compilation(section: "Section") -> None:
     """Each engine built so far: compiled or eager and why; the first compile failure's traceback
     (its last frames), so that a failure on a machine lent briefly can be mended without it."""
-    for name, forward in FORWARDS_BUILT:
-        section.line(f"- forward of {name}: {forward.describe()}")
-    failed = next((forward for _, forward in FORWARDS_BUILT if forward.failure_traceback), None)
+    for name, outcome, _ in FORWARDS_BUILT:
+        section.line(f"- forward of {name}: {outcome}")
+    failed = next((failure for _, _, failure in FORWARDS_BUILT if failure), None)
     if failed is not None:
-        tail = "\n".join(failed.failure_traceback.rstrip().splitlines()[-TRACEBACK_LINES:])
+        tail = "\n".join(failed.rstrip().splitlines()[-TRACEBACK_LINES:])
         section.line(f"\nThe first compile failure, last {TRACEBACK_LINES} lines of its traceback:\n\n```\n{tail}\n```")
 
 
