@@ -245,6 +245,7 @@ class BatchedModelRunner(RunnerBase):
         return [None if window is None or window >= self.max_context else int(window)
                 for window in (view.windows[layer] for layer in range(num_layers))]
 
+    @torch.inference_mode()   # as a step's forward: a compiled graph guards on its inputs' mode
     def _dummy_forward(self, cache: PagedKVCache, rows: int, tokens: int, kept: int = 1, eager: bool = False):
         """One forward of rows new sequences of `tokens` tokens over distinct blocks of `cache`
         (nothing else holds them: at load, or a throw-away cache), keeping each row's last `kept`
@@ -261,8 +262,7 @@ class BatchedModelRunner(RunnerBase):
         view = cache.view(layout, keep_index, kernel)
         input_ids = torch.zeros((rows, tokens), dtype=torch.long, device=self.device)
         if eager:
-            with torch.inference_mode():
-                self._model_logits(input_ids, view)
+            self._model_logits(input_ids, view)
         else:
             self._logits(input_ids, layout, keep_index, view)
         return view
@@ -283,6 +283,7 @@ class BatchedModelRunner(RunnerBase):
         logits, features = self._run(plan, True)
         return logits, [TargetFeatures(start, hidden) for start, hidden in zip(plan.starts, features)]
 
+    @torch.inference_mode()   # the layout too: a compiled graph guards on its inputs' mode
     def _run(self, plan: StepPlan, want_logits: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         self.cache.reserve(plan.pool_blocks)
         for source, destination in plan.copies:
@@ -313,7 +314,7 @@ class BatchedModelRunner(RunnerBase):
         """The model's logits for the kept positions (keep_index: flat b * T + t), in that
         order: [kept, V]; compiled unless enforce_eager (decoding.compiled_forward)."""
         if view is None:
-            rows = None if self.step_forward.eager or self.device.type != "cuda" else graph_batch_size(input_ids.shape[0])
+            rows = graph_batch_size(input_ids.shape[0]) if self.step_forward.cuda_graphs else None
             if rows is not None:   # a rung of the CUDA-graph ladder
                 input_ids, layout = pad_rows(input_ids, layout, rows)
             view = self.cache.view(layout, keep_index, self.step_forward.attention_kernel)

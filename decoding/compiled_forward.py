@@ -6,7 +6,7 @@ and every verify; for a small draft that overhead is most of a step, and on a GP
 outrun the arithmetic. torch.compile traces the forward once (the lean forward or the model's own,
 through the attention interface, as vLLM's Transformers backend compiles Hugging Face modules) into
 fused kernels, dynamic in the number of rows, new tokens and cached tokens, so one graph serves
-every step. On CUDA the compiled forward runs under CUDA graphs (inductor's "reduce-overhead"),
+every step. On CUDA the compiled forward runs under CUDA graphs (inductor's cudagraph trees),
 one per rung of a ladder of batch sizes: a step's rows are padded up to the next rung
 (`graph_batch_size`, `pad_rows`), and a batch beyond the ladder runs the compiled forward without
 a graph.
@@ -14,7 +14,8 @@ a graph.
 Compiling costs start-up time, paid once per machine: inductor's artifacts are cached on disk
 under the specserve cache directory (`compile_cache_dir`), so a restart reuses them (figures in
 docs/performance.md). `enforce_eager` (vLLM's name) turns compilation off; a model whose forward
-fails to compile serves eager, with one warning naming why (`CompiledForward.warm_up`).
+that fails under CUDA graphs is compiled without them, and one that fails to compile serves eager,
+each with one warning naming why (`CompiledForward.warm_up`).
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ class CompiledForward:
             self.eager, self.reason = False, "compiled"
         self.compile_seconds = 0.0
         self._compiled = None
+        self.cuda_graphs = False
         self.failure_traceback: str | None = None   # why compiling failed, whole (for a report)
         if not self.eager:
             compile_cache_dir()
@@ -122,8 +124,16 @@ class CompiledForward:
             # separate symbols, not one guarded equality.
             torch.fx.experimental._config.use_duck_shape = False
             # On CUDA, CUDA graphs (inductor's cudagraph trees) per padded batch size of the ladder.
-            mode = "reduce-overhead" if self.device.type == "cuda" else None
-            self._compiled = torch.compile(forward, dynamic=True, mode=mode)
+            self.cuda_graphs = self.device.type == "cuda"
+            self._compiled = self._compile(self.cuda_graphs)
+
+    def _compile(self, cuda_graphs: bool) -> Callable:
+        """torch.compile of the forward, with CUDA graphs or without. Inductor's graph partitioning
+        (splitting a graph around what cannot be captured) is off: its generated code has named
+        buffers it never defined for this forward on CUDA; a graph that cannot be captured runs
+        its compiled kernels without one instead."""
+        options = {"triton.cudagraphs": True, "graph_partition": False} if cuda_graphs else None
+        return torch.compile(self.eager_forward, dynamic=True, options=options)
 
     @property
     def attention_kernel(self) -> str:
@@ -139,13 +149,27 @@ class CompiledForward:
         started = time.perf_counter()
         try:
             run()
-        except Exception as error:  # a model dynamo or inductor cannot compile serves eager
-            self.eager, self._compiled = True, None
+        except Exception as error:  # what dynamo or inductor cannot compile: less of it, then eager
             self.failure_traceback = traceback.format_exc()
-            self.reason = f"compiling failed ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
-            logger.warning("%s: torch.compile of the forward failed, serving eager: %s", model_path, self.reason)
-            run()
+            why = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            if self.cuda_graphs:
+                self.cuda_graphs, self._compiled = False, self._compile(False)
+                self.reason = f"CUDA graphs failed ({why})"
+                logger.warning("%s: the forward under CUDA graphs failed, compiling without: %s", model_path, why)
+                try:
+                    run()
+                except Exception as retry_error:
+                    why = f"{type(retry_error).__name__}: {str(retry_error).splitlines()[0][:200]}"
+                    self._serve_eager(model_path, why, run)
+            else:
+                self._serve_eager(model_path, why, run)
         self.compile_seconds = time.perf_counter() - started
+
+    def _serve_eager(self, model_path: str, why: str, run: Callable[[], object]) -> None:
+        self.eager, self._compiled, self.cuda_graphs = True, None, False
+        self.reason = f"compiling failed ({why})"
+        logger.warning("%s: torch.compile of the forward failed, serving eager: %s", model_path, self.reason)
+        run()
 
     def __call__(self, input_ids: torch.Tensor, view) -> torch.Tensor:
         forward = self.eager_forward if self.eager else self._compiled
@@ -155,7 +179,9 @@ class CompiledForward:
         """For the start-up line: eager or compiled, and what compiling cost."""
         if self.eager:
             return f"eager forward ({self.reason})"
-        graphs = ", CUDA graphs for batches of " + "/".join(map(str, CUDA_GRAPH_BATCH_SIZES)) \
-            if self.device.type == "cuda" else ""
+        if self.cuda_graphs:
+            graphs = ", CUDA graphs for batches of " + "/".join(map(str, CUDA_GRAPH_BATCH_SIZES))
+        else:
+            graphs = f", no CUDA graphs: {self.reason}" if self.device.type == "cuda" else ""
         return (f"compiled forward{graphs} ({self.compile_seconds:.1f} s to compile at start; cache "
                 f"{compile_cache_dir()})")

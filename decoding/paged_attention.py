@@ -156,13 +156,12 @@ def flex_paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool
     def mask_mod(b, h, q_idx, kv_idx):
         block = kv_idx // block_size
         logical = logical_block[block]
-        key_position = logical * block_size + kv_idx % block_size
-        query_position = position_ids[b, q_idx]
-        visible = key_position <= query_position
+        distance = position_ids[b, q_idx] - (logical * block_size + kv_idx % block_size)
+        # Within a window of W: 0 <= distance < W, as one comparison (floor division), since
+        # inductor's CUDA lowering of a mask cannot `&` two index expressions.
+        visible = distance >= 0 if sliding_window is None else distance // sliding_window == 0
         if check_rows:
             visible = visible & (tables[b, logical] == block)
-        if sliding_window is not None:
-            visible = visible & (key_position > query_position - sliding_window)
         return visible
 
     score_mod = None

@@ -373,6 +373,7 @@ class PagedKVCache:
         """Blocks the pools have room for so far."""
         return self.pools.capacity
 
+    @torch.inference_mode()   # the pools are inference tensors, wherever they grow
     def reserve(self, num_blocks: int) -> None:
         """Room for block ids below num_blocks (at most the budget's): a plan's pool_blocks. The
         block manager grows it by half again at a time, so the copies growth makes are amortized."""

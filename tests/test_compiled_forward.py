@@ -79,6 +79,36 @@ def test_a_model_that_fails_to_compile_serves_eager_with_one_warning(monkeypatch
             torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 
+def test_a_forward_that_fails_under_cuda_graphs_is_compiled_without_them(monkeypatch, caplog):
+    """On CUDA the first compile asks for CUDA graphs; when that fails the forward is compiled
+    again without them before any fallback to eager. The device is only named here (nothing runs
+    on it): the fake compile stands in for inductor."""
+    asked = []
+
+    def compile_failing_with_graphs(forward, **kwargs):
+        graphs = bool((kwargs.get("options") or {}).get("triton.cudagraphs"))
+        asked.append(graphs)
+
+        def compiled(*args):
+            if graphs:
+                raise NameError("name 'buf0' is not defined")
+            return forward(*args)
+        return compiled
+
+    monkeypatch.setattr(compiled_forward.torch, "compile", compile_failing_with_graphs)
+    calls = []
+    forward = compiled_forward.CompiledForward(lambda ids, view: calls.append(ids) or ids, torch.device("cuda"),
+                                               enforce_eager=False)
+    assert forward.cuda_graphs and not forward.eager
+    with caplog.at_level(logging.WARNING, logger=compiled_forward.__name__):
+        forward.warm_up(lambda: forward(1, None), "tiny")
+    assert asked == [True, False] and calls == [1]
+    assert not forward.eager and not forward.cuda_graphs and forward.attention_kernel == "flex"
+    assert "no CUDA graphs: CUDA graphs failed (NameError: name 'buf0'" in forward.describe()
+    assert forward.failure_traceback.rstrip().endswith("name 'buf0' is not defined")
+    assert [record.levelno for record in caplog.records] == [logging.WARNING]
+
+
 def test_enforce_eager_and_the_environment_keep_the_forward_uncompiled(monkeypatch):
     model = tiny_model("llama")
     monkeypatch.setenv(compiled_forward.ENFORCE_EAGER_ENV, "0")
