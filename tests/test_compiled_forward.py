@@ -46,6 +46,10 @@ def test_compiled_rows_equal_eager_rows(monkeypatch, architecture, lean):
     model = tiny_model(architecture)
     eager = engine_for_model(model, lean_forward=lean, enforce_eager=True)
     compiled = engine_for_model(model, lean_forward=lean, enforce_eager=False)
+    failure = compiled.runner.step_forward.failure_traceback or ""
+    if "cur_kvSplitSize" in failure:   # inductor's own bug, on some CPUs: the check cannot run there
+        pytest.xfail("inductor's C++ flex_attention template uses a variable it never declares "
+                     "(cur_kvSplitSize<n>) for this model on this CPU (docs/testing.md)")
     assert not compiled.runner.step_forward.eager and compiled.runner.step_forward.attention_kernel == "flex"
     for calls in ragged_steps():
         for call, got, expected in zip(calls, compiled.forward_batch(calls), eager.forward_batch(calls)):
