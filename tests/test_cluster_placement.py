@@ -19,7 +19,9 @@ from specserve.policies.actor import POLICY_NAMESPACE
 from tests.local_server import serve_tiny_pair
 from tests.test_serving import MODEL, PROMPTS
 
-pytestmark = pytest.mark.ray
+# In make reliability: a cluster of its own (fake GPUs, two target replicas) costs make test a
+# Serve start; the bundles each engine asks for are checked in process (tests/test_builder.py).
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +72,6 @@ def test_requests_sharing_a_prompt_prefix_go_to_the_target_replica_that_holds_it
     assert cached[0] == 0 and all(tokens >= 64 for tokens in cached[1:]), cached
 
 
-@pytest.mark.slow   # in make reliability: docs/testing.md
 def test_killing_the_policy_actor_under_load_fails_no_request_and_it_comes_back(gpu_server):
     import httpx
 

@@ -40,7 +40,7 @@ DECODERS = list(DECODER_BUILDERS)
 # make test serves these; the decoder families' apps run in make reliability (marker slow),
 # to keep make test under its 10 minutes: their engine path is tested in process on every run
 # (tests/test_batched_runner.py, tests/test_decoder_statistics.py).
-CI_FAMILIES = ("llama3", "qwen25", "mistral")
+CI_FAMILIES = ("llama3", "mistral")
 
 
 def families(*names: str) -> list:
