@@ -18,3 +18,9 @@ def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Te
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def index_on(positions: list[int], device: torch.device | str) -> torch.Tensor:
+    """positions (a host list of row or column indices) as a long tensor on device, without a host
+    sync: indexing a device tensor with a Python list copies the list from pageable memory."""
+    return host_to_device(torch.tensor(positions, dtype=torch.long), device)

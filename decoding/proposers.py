@@ -12,6 +12,7 @@ from specserve.decoding.grammar import GrammarDeadEndError, GrammarMatchers
 from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.row_processors import HistoryProcessor, RowBatch, history_processor
 from specserve.decoding.compact_verify import DraftSupport, draft_support, saguaro_support
+from specserve.decoding.device_copy import index_on
 from specserve.decoding.sampling import RowParams, SamplingParams, process_rows, sample_rows
 
 
@@ -281,7 +282,7 @@ def draft_step(logits: torch.Tensor, calls: Sequence[ProposeCall], processors: S
     sampled = [j for j, call in enumerate(calls) if not call.params.is_greedy]
     supports: dict[int, DraftSupport] = {}
     if sampled:
-        rows = torch.tensor(sampled, device=logits.device)
+        rows = index_on(sampled, logits.device)
         processed = process_rows(logits[rows], RowParams.of([calls[j].params for j in sampled],
                                                             logits.shape[-1], logits.device))
         if own is not None:
@@ -289,19 +290,20 @@ def draft_step(logits: torch.Tensor, calls: Sequence[ProposeCall], processors: S
         q = draft_support(processed, max_candidates)
         lowering = [k for k, j in enumerate(sampled) if calls[j].lowered] if saguaro is not None else []
         if lowering:
-            rows_lowered = torch.tensor(lowering, device=logits.device)
+            rows_lowered = index_on(lowering, logits.device)
             down = saguaro_support(DraftSupport(q.ids[rows_lowered], q.probs[rows_lowered]), saguaro.num_lowered,
                                    saguaro.downweight)
             q = DraftSupport(q.ids, q.probs.index_copy(0, rows_lowered, down.probs))
         drawing = [k for k, j in enumerate(sampled) if j not in guesses]
         if drawing:
-            pick = sample_rows(q.probs[drawing], [calls[sampled[k]].generator for k in drawing])
-            chosen = q.ids[drawing].gather(-1, pick.unsqueeze(-1)).squeeze(-1)
-            tokens = tokens.index_copy(0, rows[drawing], chosen)
+            at = index_on(drawing, logits.device)
+            pick = sample_rows(q.probs.index_select(0, at), [calls[sampled[k]].generator for k in drawing])
+            chosen = q.ids.index_select(0, at).gather(-1, pick.unsqueeze(-1)).squeeze(-1)
+            tokens = tokens.index_copy(0, rows.index_select(0, at), chosen)
     top = torch.topk(own, width, dim=-1) if width else None
     if guesses:
-        guessed = torch.tensor(list(guesses), device=logits.device)
-        ranks = torch.tensor(list(guesses.values()), device=logits.device)
+        guessed = index_on(list(guesses), logits.device)
+        ranks = index_on(list(guesses.values()), logits.device)
         tokens = tokens.index_copy(0, guessed, top.indices[guessed, ranks])
     if sampled:
         # What each sampled row was drawn from: its q, but a guess's row is one-hot at the guess,
@@ -309,7 +311,7 @@ def draft_step(logits: torch.Tensor, calls: Sequence[ProposeCall], processors: S
         drawn_probs = q.probs
         guessed_rows = [k for k, j in enumerate(sampled) if j in guesses]
         if guessed_rows:
-            at = torch.tensor(guessed_rows, device=logits.device)
+            at = index_on(guessed_rows, logits.device)
             one_hot = (q.ids[at] == tokens[rows[at]].unsqueeze(-1)).to(q.probs.dtype)
             drawn_probs = drawn_probs.index_copy(0, at, one_hot)
         drawn = DraftSupport(q.ids, drawn_probs)
