@@ -142,34 +142,35 @@ class CompiledForward:
         return "gather" if self.eager else "flex"
 
     def warm_up(self, run: Callable[[], object], model_path: str) -> None:
-        """Run `run` (forwards through this object, of the shapes to trace) once, compiling; on failure log one warning naming why and serve eager from then on (`run` is
-        then repeated eagerly). An eager forward has nothing to trace: it runs nothing at start."""
+        """Run `run` (forwards through this object, of the shapes to trace) once, compiling. A
+        failure under CUDA graphs compiles again without them; a failure to compile serves eager
+        from then on (`run` is then repeated eagerly); each with one warning naming why. An eager
+        forward has nothing to trace: it runs nothing at start."""
         if self.eager:
             return
         started = time.perf_counter()
-        try:
+        failure = self._first_run(run)
+        if failure is not None and self.cuda_graphs:
+            self.cuda_graphs, self._compiled = False, self._compile(False)
+            self.reason = f"CUDA graphs failed ({failure})"
+            logger.warning("%s: the forward under CUDA graphs failed, compiling without: %s", model_path, failure)
+            failure = self._first_run(run)
+        if failure is not None:   # what dynamo or inductor cannot compile serves eager
+            self.eager, self._compiled = True, None
+            self.reason = f"compiling failed ({failure})"
+            logger.warning("%s: torch.compile of the forward failed, serving eager: %s", model_path, self.reason)
             run()
-        except Exception as error:  # what dynamo or inductor cannot compile: less of it, then eager
-            self.failure_traceback = traceback.format_exc()
-            why = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-            if self.cuda_graphs:
-                self.cuda_graphs, self._compiled = False, self._compile(False)
-                self.reason = f"CUDA graphs failed ({why})"
-                logger.warning("%s: the forward under CUDA graphs failed, compiling without: %s", model_path, why)
-                try:
-                    run()
-                except Exception as retry_error:
-                    why = f"{type(retry_error).__name__}: {str(retry_error).splitlines()[0][:200]}"
-                    self._serve_eager(model_path, why, run)
-            else:
-                self._serve_eager(model_path, why, run)
         self.compile_seconds = time.perf_counter() - started
 
-    def _serve_eager(self, model_path: str, why: str, run: Callable[[], object]) -> None:
-        self.eager, self._compiled, self.cuda_graphs = True, None, False
-        self.reason = f"compiling failed ({why})"
-        logger.warning("%s: torch.compile of the forward failed, serving eager: %s", model_path, self.reason)
-        run()
+    def _first_run(self, run: Callable[[], object]) -> str | None:
+        """Run `run` through the compiled forward; -> None, or why it failed in one line (the
+        first failure's whole traceback is kept in failure_traceback)."""
+        try:
+            run()
+        except Exception as error:
+            self.failure_traceback = self.failure_traceback or traceback.format_exc()
+            return f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        return None
 
     def __call__(self, input_ids: torch.Tensor, view) -> torch.Tensor:
         forward = self.eager_forward if self.eager else self._compiled
