@@ -35,7 +35,7 @@ from specserve.decoding.model_runner import RunnerBase, load_causal_lm, model_pa
 from specserve.decoding.compiled_forward import CompiledForward, graph_batch_size, pad_rows
 from specserve.decoding.lean_forward import LeanDecoder, lean_support
 from specserve.decoding.checkpoint import resolve_device
-from specserve.decoding.device_copy import host_to_device
+from specserve.decoding.device_copy import host_to_device, index_on
 from specserve.decoding.tensor_parallel import TensorParallelRank, agreed_minimum, in_group, join_group, weight_bytes
 from specserve.decoding.paged_attention import ATTENTION_NAME, FLASH_BLOCK_SIZE, PagedAttentionError, flash_kernel_available
 from specserve.decoding.paged_attention import register as register_paged_attention
@@ -295,14 +295,13 @@ class BatchedModelRunner(RunnerBase):
         # Padding id 0 is never stored nor seen by a real token; its rows are not kept.
         input_ids = torch.tensor([list(ids) + [0] * (num_columns - len(ids)) for ids in plan.input_ids],
                                  dtype=torch.long)
-        keep_index = torch.tensor([b * num_columns + t for b, (rows, n) in enumerate(zip(plan.num_rows, num_new))
-                                   for t in range(n - rows, n)], dtype=torch.long)
-        logits = self._logits(host_to_device(input_ids, self.device), layout, host_to_device(keep_index, self.device))
+        keep_index = index_on([b * num_columns + t for b, (rows, n) in enumerate(zip(plan.num_rows, num_new))
+                               for t in range(n - rows, n)], self.device)
+        logits = self._logits(host_to_device(input_ids, self.device), layout, keep_index)
         features: list[torch.Tensor] = []
         if self.aux_layers:
             logits, hidden = logits
-            computed = torch.tensor([b * num_columns + t for b, n in enumerate(num_new) for t in range(n)],
-                                    dtype=torch.long, device=self.device)
+            computed = index_on([b * num_columns + t for b, n in enumerate(num_new) for t in range(n)], self.device)
             features = list(hidden.index_select(0, computed).split(num_new))
         if not want_logits:
             return [], features

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.decoding.device_copy import host_to_device
+from specserve.decoding.device_copy import host_to_device, index_on
 from specserve.decoding.paged_attention import (
     ATTENTION_KERNELS,
     flash_paged_attention,
@@ -276,8 +276,7 @@ def paged_layout(group_tables: Sequence[Sequence[Sequence[int]]], starts: Sequen
     rows = torch.arange(len(starts), device=device).unsqueeze(1)
     write_source = (rows * num_columns + last_real).reshape(-1)
     position_ids = start.unsqueeze(1) + last_real                                                       # [B, T]
-    real_tokens = host_to_device(torch.tensor([b * num_columns + t for b, n in enumerate(num_new) for t in range(n)],
-                                              dtype=torch.long), device)
+    real_tokens = index_on([b * num_columns + t for b, n in enumerate(num_new) for t in range(n)], device)
     block_index, offset = position_ids // block_size, position_ids % block_size
     groups = []
     for g in range(len(group_tables)):

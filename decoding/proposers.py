@@ -297,9 +297,9 @@ def draft_step(logits: torch.Tensor, calls: Sequence[ProposeCall], processors: S
         drawing = [k for k, j in enumerate(sampled) if j not in guesses]
         if drawing:
             at = index_on(drawing, logits.device)
-            pick = sample_rows(q.probs.index_select(0, at), [calls[sampled[k]].generator for k in drawing])
-            chosen = q.ids.index_select(0, at).gather(-1, pick.unsqueeze(-1)).squeeze(-1)
-            tokens = tokens.index_copy(0, rows.index_select(0, at), chosen)
+            pick = sample_rows(q.probs[at], [calls[sampled[k]].generator for k in drawing])
+            chosen = q.ids[at].gather(-1, pick.unsqueeze(-1)).squeeze(-1)
+            tokens = tokens.index_copy(0, rows[at], chosen)
     top = torch.topk(own, width, dim=-1) if width else None
     if guesses:
         guessed = index_on(list(guesses), logits.device)

@@ -24,6 +24,7 @@ from typing import Protocol
 
 import torch
 
+from specserve.decoding.device_copy import host_to_device, index_on
 from specserve.decoding.grammar import GrammarMatcher, mask_logits
 from specserve.decoding.sampling import SamplingParams, penalize
 
@@ -75,25 +76,23 @@ class RowBatch:
         device, vocab_size = logits.device, logits.shape[-1]
         if self._penalty_rows:
             rows, columns = torch.cat(self._penalty_rows).to(device), torch.cat(self._penalty_columns).to(device)
-            values = [torch.tensor([value[j] for value in self._penalty_values], device=device)
+            values = [host_to_device(torch.tensor([value[j] for value in self._penalty_values]), device)
                       for j in (1, 2, 3)]
-            sizes = torch.tensor([value[0] for value in self._penalty_values], device=device)
+            sizes = index_on([value[0] for value in self._penalty_values], device)
             repetition, frequency, presence = (value.repeat_interleave(sizes) for value in values)
             logits[rows, columns] = penalize(logits[rows, columns], torch.cat(self._penalty_counts).to(device),
                                              torch.cat(self._penalty_seen).to(device), repetition, frequency,
                                              presence)
         if self._masks:
             allowed = torch.cat([mask[:, :vocab_size] for mask in self._masks]).to(device, non_blocking=True)
-            rows = torch.tensor(self._mask_rows, device=device)
+            rows = index_on(self._mask_rows, device)
             logits[rows] = mask_logits(logits[rows], allowed)
         if self._stop_rows:
-            rows = torch.tensor(self._stop_rows, device=device)
+            rows = index_on(self._stop_rows, device)
             local = [i for i, ids in enumerate(self._stop_ids) for _ in ids]
             stops = [token for ids in self._stop_ids for token in ids]
             kept = logits[rows]
-            others = kept.index_put((torch.tensor(local, dtype=torch.long, device=device),
-                                     torch.tensor(stops, dtype=torch.long, device=device)),
-                                    torch.tensor(float("-inf"), device=device))
+            others = kept.index_put((index_on(local, device), index_on(stops, device)), kept.new_full((), float("-inf")))
             keeps_some = torch.isfinite(others).any(dim=-1, keepdim=True)
             logits[rows] = torch.where(keeps_some, others, kept)
         return logits
