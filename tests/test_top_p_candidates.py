@@ -8,8 +8,11 @@ too), under temperature, min-p, top-k and top-p combinations, in one batch. Two 
   give bitwise the same probabilities, as it does the same float operations on the same numbers;
 - the processing before candidates (a stable sort of every truncating row, masses from the sorted
   row's softmax; `full_sort_reference` below): the same kept set, probabilities within float32
-  rounding (the masses are summed in another order, which could only move a token whose mass before
-  it is within rounding of top_p; none of these rows has one).
+  rounding. Its float32 softmax sums the row in another order, which can move a token whose exact
+  mass before it lies within rounding of top_p across the boundary: such a token (a near-tie at the
+  top-p boundary, found in float64 by `top_p_near_ties`) may be in one set and not the other, each
+  being a correct cut; the sets must agree everywhere else, and the near-ties are counted, not hidden.
+  Which rows have one depends on the CPU's vector width (AVX2 and AVX-512 sum in different orders).
 The comparison must reject a candidate path that never falls back to the full sort.
 """
 
@@ -24,6 +27,9 @@ from specserve.decoding.sampling import (TOP_CANDIDATES, RowParams, SamplingPara
 
 VOCAB_SIZE = 4 * TOP_CANDIDATES
 ATOL = 1e-6  # float32 probabilities summed in another order
+# A float32 sum of V positive terms is within V * 2**-24 of the exact one, relatively: how far two
+# softmaxes of one row, summed in different orders, can put a token's mass before it apart.
+BOUNDARY_TOL = VOCAB_SIZE * 2.0 ** -24
 
 
 def full_sort_reference(logits: torch.Tensor, row_params: RowParams) -> torch.Tensor:
@@ -49,9 +55,39 @@ def full_sort_reference(logits: torch.Tensor, row_params: RowParams) -> torch.Te
     return probs.index_copy(0, rows, truncated)
 
 
-def assert_same_processing(probs: torch.Tensor, reference: torch.Tensor) -> None:
-    assert torch.equal(probs > 0, reference > 0), "kept sets differ"
-    torch.testing.assert_close(probs, reference, atol=ATOL, rtol=0)
+def top_p_near_ties(logits: torch.Tensor, row_params: RowParams) -> torch.Tensor:
+    """bool [truncating rows, V]: tokens whose exact mass before them (float64, the stable sorted
+    order of full_sort_reference) lies within BOUNDARY_TOL of their row's top_p."""
+    rows = row_params.truncating
+    logits = logits.double()[rows] / row_params.temperature[rows].double().unsqueeze(-1)
+    if row_params.uses_min_p:
+        probs = torch.softmax(logits, dim=-1)
+        min_p = row_params.min_p[rows].double().unsqueeze(-1)
+        logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    sorted_logits, sorted_ids = torch.sort(logits, dim=-1, descending=True, stable=True)
+    positions = torch.arange(logits.shape[-1])
+    sorted_logits = sorted_logits.masked_fill(positions >= row_params.top_k[rows].unsqueeze(-1), float("-inf"))
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    margin = (sorted_probs.cumsum(dim=-1) - sorted_probs - row_params.top_p[rows].double().unsqueeze(-1)).abs()
+    near = (margin < BOUNDARY_TOL) & (row_params.top_p[rows] < 1).unsqueeze(-1)
+    return torch.zeros_like(near).scatter_(-1, sorted_ids, near)
+
+
+def assert_same_processing(probs: torch.Tensor, reference: torch.Tensor,
+                           near_ties: torch.Tensor | None = None) -> int:
+    """The same kept sets but at near_ties (None: none allowed), the same probabilities within ATOL
+    (rows that differ at a near-tie: over the tokens both keep, renormalised); -> how many rows
+    differ at a near-tie."""
+    differ = (probs > 0) != (reference > 0)
+    allowed = torch.zeros_like(differ) if near_ties is None else near_ties
+    assert not (differ & ~allowed).any(), "kept sets differ away from a top-p near-tie"
+    same = ~differ.any(dim=-1)
+    torch.testing.assert_close(probs[same], reference[same], atol=ATOL, rtol=0)
+    both = (probs > 0) & (reference > 0)
+    renormalised = [torch.where(both[~same], rows, 0.0) for rows in (probs[~same], reference[~same])]
+    renormalised = [rows / rows.sum(dim=-1, keepdim=True) for rows in renormalised]
+    torch.testing.assert_close(renormalised[0], renormalised[1], atol=ATOL, rtol=0)
+    return int((~same).sum())
 
 
 def random_rows(seed: int) -> torch.Tensor:
@@ -104,7 +140,11 @@ def test_process_rows_keeps_the_full_sorts_set_with_its_probabilities(seed):
     probs = process_rows(logits, row_params)
     reference = full_sort_reference(logits, row_params)
     truncating = row_params.truncating
-    assert_same_processing(probs[truncating], reference[truncating])
+    near_ties = top_p_near_ties(logits, row_params)
+    rows_at_a_near_tie = assert_same_processing(probs[truncating], reference[truncating], near_ties)
+    # Told apart, not hidden: at most the rows that have a near-tie differ, each at one token.
+    assert rows_at_a_near_tie <= int(near_ties.any(dim=-1).sum())
+    assert int(((probs[truncating] > 0) != (reference[truncating] > 0)).sum()) == rows_at_a_near_tie
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -152,8 +192,9 @@ def test_the_comparison_rejects_a_candidate_path_that_never_sorts_whole(monkeypa
 
     monkeypatch.setattr(sampling, "truncate_rows", candidates_only)
     broken = process_rows(logits, row_params)
-    with pytest.raises(AssertionError):
-        assert_same_processing(broken[row_params.truncating], reference[row_params.truncating])
+    with pytest.raises(AssertionError, match="away from a top-p near-tie"):
+        assert_same_processing(broken[row_params.truncating], reference[row_params.truncating],
+                               top_p_near_ties(logits, row_params))
 
 
 def test_a_row_narrower_than_the_candidates_is_sorted_whole():
