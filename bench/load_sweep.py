@@ -18,6 +18,12 @@ Variants (`--variants`):
   docs/block-verification.md), e.g. `adaptive,adaptive-token --mode sampled`
 - any variant with `-plain`: the same with speculation.fan_out 0, plain rounds without the
   speculation cache (docs/speculation-cache.md), e.g. `adaptive,adaptive-plain`
+- any variant with `-2routers`: the same with two router replicas, e.g. `k4,k4-2routers`
+
+`--null-forward A` serves every variant's engines with null forwards (decoding/null_forward.py):
+no model is computed, the target follows a hashed rule and the draft agrees with it at rate A, so
+what is measured is the stack itself (ingress, routers, channels, engine loops, scheduler, block
+manager): its capacity, the ceiling any model's throughput lives under.
 
 `--interleave N` runs the variants side by side instead: every variant is its own Serve
 application (own route, own model name, own engines and policy actor) in ONE cluster, and each
@@ -50,12 +56,21 @@ VARIANTS = ["specserve", "target-only", "specserve-unbatched", "target-only-unba
             "k0", "k2", "k4", "k8", "adaptive"]
 
 
-def variant_config(base: SpecServeConfig, variant: str, num_draft_tokens: int, port: int) -> SpecServeConfig:
+def variant_config(base: SpecServeConfig, variant: str, num_draft_tokens: int, port: int,
+                   null_forward: float | None = None) -> SpecServeConfig:
     """The config of one variant: same models and limits, speculation and batching as named; a
-    "-token" one with token-wise verification."""
+    "-token" one with token-wise verification, a "-2routers" one with two router replicas.
+    null_forward: the engines' forwards are null, the draft agreeing with the target at this rate."""
     data = base.model_dump(mode="json")
     data["http"] = {"host": "127.0.0.1", "port": port}
+    if null_forward is not None:
+        data["target"]["null_forward_agreement"] = 1.0
+        if data.get("draft") is not None:
+            data["draft"]["null_forward_agreement"] = null_forward
     spec = data["speculation"]
+    if variant.endswith("-2routers"):
+        data["router"] = {**data["router"], "num_replicas": 2}
+        variant = variant.removesuffix("-2routers")
     if variant.endswith("-plain"):
         spec["fan_out"] = 0
         variant = variant.removesuffix("-plain")
@@ -257,11 +272,15 @@ def render_markdown(result: dict) -> str:
     lines = [f"# specserve load sweep: {result['name']}", "",
              f"- prompts: {result['prompts']}; max_tokens {result['max_tokens']}; mode {result['mode']}",
              f"- command: `{result['command']}`",
-             f"- machine: {result['machine']}", "",
-             "| variant | streams | requests | tok/s | × 1 stream | p50 latency ms | p95 latency ms | p50 TTFT ms "
-             "| p95 TTFT ms | accept | mean K | tokens/pass | cache hits | overhead ms/round | target batch "
-             "| draft batch | target busy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"- machine: {result['machine']}"]
+    if result.get("null_forward") is not None:
+        lines.append(f"- engines: null forwards (no model computed), the draft agreeing with the target at "
+                     f"{result['null_forward']}: the stack's own capacity")
+    lines += ["",
+              "| variant | streams | requests | tok/s | × 1 stream | p50 latency ms | p95 latency ms | p50 TTFT ms "
+              "| p95 TTFT ms | accept | mean K | tokens/pass | cache hits | overhead ms/round | target batch "
+              "| draft batch | target busy |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def fmt(value, digits=1):
         return "n/a" if value is None else f"{value:.{digits}f}"
@@ -331,6 +350,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--interleave", type=int, default=0, metavar="TURNS",
                         help="run every variant side by side in one cluster, each level TURNS times per "
                              "variant taking turns (module docstring); 0: one variant after another")
+    parser.add_argument("--null-forward", type=float, default=None, metavar="A",
+                        help="serve null forwards (no model computed; the draft agrees with the target at rate "
+                             "A): the capacity of the stack itself (module docstring)")
     parser.add_argument("--combine", nargs="+", metavar="NAME",
                         help="no run: average these results in --out (names or JSON paths) of the same sweep, "
                              "e.g. one run and one in reverse variant order, into --name")
@@ -345,7 +367,8 @@ def main(argv: list[str] | None = None) -> None:
         print(render_markdown(combined))
         return
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = sorted({v.removesuffix("-plain").removesuffix("-token") for v in variants} - set(VARIANTS))
+    unknown = sorted({v.removesuffix("-2routers").removesuffix("-plain").removesuffix("-token")
+                      for v in variants} - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {VARIANTS}")
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -370,20 +393,20 @@ def main(argv: list[str] | None = None) -> None:
               "max_tokens": args.max_tokens, "mode": args.mode,
               "command": "specserve bench-load " + " ".join(argv if argv is not None else sys.argv[1:]),
               "machine": f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}",
-              "variants": {}}
+              "null_forward": args.null_forward, "variants": {}}
     from tqdm import tqdm
 
     progress = tqdm(total=len(variants) * len(levels), desc="bench-load", unit="level", file=sys.stderr)
     if args.interleave:
         # One HTTP port for every app; each app its own model name, so its own policy actor.
         port = free_port()
-        configs = {variant: variant_config(base, variant, args.num_draft_tokens, port).model_copy(
+        configs = {variant: variant_config(base, variant, args.num_draft_tokens, port, args.null_forward).model_copy(
             update={"model_name": f"{base.model_name}-{variant}"}) for variant in variants}
         result["variants"] = run_interleaved(configs, bodies_for, levels, args.interleave, log, progress)
     else:
         for variant in variants:
             log(f"variant {variant}")
-            config = variant_config(base, variant, args.num_draft_tokens, free_port())
+            config = variant_config(base, variant, args.num_draft_tokens, free_port(), args.null_forward)
             result["variants"][variant] = run_variant(config, bodies_for, levels, log, progress)
     progress.close()
     out = Path(args.out)

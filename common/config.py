@@ -56,6 +56,10 @@ class ModelSpec(_Strict):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="on CUDA: share of the engine's part "
                                           "of the device (num_gpus) that weights, activations and KV may use; "
                                           "KV gets the rest (as vLLM)")
+    null_forward_agreement: float | None = Field(None, ge=0, le=1, description="benches of the stack only: the "
+                                                 "model is not computed; its logits follow a hashed rule that a "
+                                                 "runner with this setting predicts at this rate (a draft at a, its "
+                                                 "target at 1: acceptance a; decoding/null_forward.py)")
     prefix_caching: bool = Field(True, description="keep finished sequences' full KV blocks findable by their "
                                  "tokens, so a shared prefix (system prompt, n choices, a chat's earlier turns) is "
                                  "not prefilled again; evicted LRU when the pool needs room (as vLLM; docs/kv-memory.md)")

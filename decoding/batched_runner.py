@@ -34,6 +34,7 @@ from specserve.decoding.block_manager import StepPlan
 from specserve.decoding.model_runner import RunnerBase, load_causal_lm, model_path_of
 from specserve.decoding.compiled_forward import CompiledForward, graph_batch_size, pad_rows
 from specserve.decoding.lean_forward import LeanDecoder, lean_support
+from specserve.decoding.null_forward import allowed_tokens, null_logits
 from specserve.decoding.checkpoint import resolve_device
 from specserve.decoding.device_copy import host_to_device, index_on
 from specserve.decoding.tensor_parallel import TensorParallelRank, agreed_minimum, in_group, join_group, weight_bytes
@@ -124,7 +125,7 @@ class BatchedModelRunner(RunnerBase):
                          profile_batches: Sequence[tuple[int, int]] = DEFAULT_PROFILE_BATCHES,
                          prefix_caching: bool = True, cache_salt: str | None = None,
                          rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS, enforce_eager: bool | None = None,
-                         aux_layers: Sequence[int] = ()) -> None:
+                         aux_layers: Sequence[int] = (), null_forward_agreement: float | None = None) -> None:
         """enforce_eager: True runs the forward uncompiled, False compiles it, None compiles on CUDA
         only (and not where SPECSERVE_ENFORCE_EAGER=1; decoding.compiled_forward.CompiledForward).
         lean: run decoding.lean_forward where the architecture has one (else transformers' forward).
@@ -142,7 +143,9 @@ class BatchedModelRunner(RunnerBase):
         aux_layers: the layers whose inputs `run_with_features` returns for an EAGLE-3 head
         (docs/eagle3.md); empty, the forward computes nothing for them. A head needs every
         committed position's features, and a prefix-cache hit computes none, so with aux_layers
-        prefix caching is off."""
+        prefix caching is off.
+        null_forward_agreement: for benches of the stack, the model call returns the rule's logits
+        (decoding.null_forward) predicting its reference token at this rate, instead of computing."""
         supported, reason = decoder_support(model)
         if not supported:
             raise UnsupportedModelError(f"{model_path}: specserve's engine cannot serve this model: {reason}")
@@ -169,6 +172,7 @@ class BatchedModelRunner(RunnerBase):
             # The model's own forward: its decoder's output narrowed to the kept rows (once per model).
             decoder.register_forward_hook(_keep_rows, with_kwargs=True)
             decoder._specserve_keeps_rows = True
+        self.null_forward_agreement = None   # the start-up checks and the pools' shaping run the model
         self.step_forward = CompiledForward(self._model_logits, self.device, enforce_eager)
         # One rank of a tensor-parallel group (decoding.tensor_parallel): its pool holds its heads.
         self.tensor_parallel_size = int(getattr(model, "tp_size", None) or 1)
@@ -198,6 +202,7 @@ class BatchedModelRunner(RunnerBase):
         # so an out-of-memory shows at start, not on the first request. Then the forward is
         # compiled (over shaped pools: a graph traced before them would not be reused).
         self._dummy_forward(self.cache, rows=1, tokens=1, eager=True)
+        self.null_forward_agreement = null_forward_agreement
         self.step_forward.warm_up(lambda: [self._dummy_forward(self.cache, rows, tokens)
                                            for rows, tokens in WARM_UP_SHAPES], model_path)
 
@@ -325,6 +330,8 @@ class BatchedModelRunner(RunnerBase):
         it receives as a keyword (decoding.paged_attention), and its decoder's output is narrowed
         to the kept positions before the LM head (`_keep_rows`). With aux_layers: (logits, the
         aux layers' inputs at every position [B * T, len(aux_layers) x hidden])."""
+        if self.null_forward_agreement is not None:
+            return self._null_logits(input_ids, view)
         if self.lean is not None:
             return self.lean.forward(input_ids, view.layout.position_ids, view)
         output = self.model(input_ids=input_ids, position_ids=view.layout.position_ids, use_cache=False,
@@ -334,6 +341,16 @@ class BatchedModelRunner(RunnerBase):
         # hidden_states[i] is layer i's input (index 0: the embeddings).
         hidden = torch.cat([output.hidden_states[layer] for layer in self.aux_layers], dim=-1)
         return output.logits[0], hidden.reshape(-1, hidden.shape[-1])
+
+    def _null_logits(self, input_ids: torch.Tensor, view) -> torch.Tensor:
+        """decoding.null_forward's logits for the kept positions, over the vocabulary and EOS served now."""
+        key = (self.vocab_size, self.eos_token_ids)
+        if getattr(self, "_null_allowed_key", None) != key:   # serve_as may change them after the warm-up
+            self._null_allowed_key, self._null_allowed = key, allowed_tokens(*key).to(self.device)
+        kept = view.keep_index
+        return null_logits(input_ids.reshape(-1).index_select(0, kept),
+                           view.layout.position_ids.reshape(-1).index_select(0, kept),
+                           self._null_allowed, self.null_forward_agreement, self.vocab_size)
 
     def weights_mismatch(self, state: Mapping[str, torch.Tensor]) -> str | None:
         """Why `state` cannot replace this runner's weights in place (None: it can): it must name
@@ -398,7 +415,8 @@ def runner_for_model(model, max_sequences: int = 256, model_path: str | None = N
                      profile_batches: Sequence[tuple[int, int]] = DEFAULT_PROFILE_BATCHES,
                      prefix_caching: bool = True, cache_salt: str | None = None,
                      rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS,
-                     enforce_eager: bool | None = None, aux_layers: Sequence[int] = ()) -> BatchedModelRunner:
+                     enforce_eager: bool | None = None, aux_layers: Sequence[int] = (),
+                     null_forward_agreement: float | None = None) -> BatchedModelRunner:
     """BatchedModelRunner over `model` (running the lean forward where the architecture has one and
     lean_forward is set); logs one line saying which forward, the KV capacity and whether prefix
     caching is on (see BatchedModelRunner._init_from_model). UnsupportedModelError for a model it
@@ -410,12 +428,15 @@ def runner_for_model(model, max_sequences: int = 256, model_path: str | None = N
                             max_model_len=max_model_len, kv_cache_memory_gb=kv_cache_memory_gb,
                             gpu_memory_utilization=gpu_memory_utilization, gpu_share=gpu_share,
                             profile_batches=profile_batches, prefix_caching=prefix_caching, cache_salt=cache_salt,
-                            rollback_tokens=rollback_tokens, enforce_eager=enforce_eager, aux_layers=aux_layers)
+                            rollback_tokens=rollback_tokens, enforce_eager=enforce_eager, aux_layers=aux_layers,
+                            null_forward_agreement=null_forward_agreement)
     group = "" if runner.tensor_parallel_size == 1 else (
         f"tensor-parallel rank {torch.distributed.get_rank()} of {runner.tensor_parallel_size}: "
         f"{weight_bytes(model) / 2 ** 20:,.1f} MiB of weights; ")
     logger.info("%s: batched paged-KV runner (%s; %s; %s); %s%s; prefix caching %s", path, decoder_support(model)[1],
-                lean_reason if lean else f"transformers forward: {lean_reason}", runner.step_forward.describe(), group,
+                (f"NULL forward, agreement {null_forward_agreement} (a bench of the stack: no model is computed)"
+                 if null_forward_agreement is not None else
+                 lean_reason if lean else f"transformers forward: {lean_reason}"), runner.step_forward.describe(), group,
                 runner.kv_capacity.describe(),
                 "on" if runner.prefix_caching else "off" if not aux_layers else "off (an EAGLE-3 head reads every position)")
     return runner
@@ -443,6 +464,7 @@ def load_runner(spec: dict):
                               profile_batches=[tuple(batch) for batch in spec.get("profile_batches", DEFAULT_PROFILE_BATCHES)],
                               prefix_caching=spec.get("prefix_caching", True), cache_salt=spec.get("cache_salt"),
                               rollback_tokens=spec.get("rollback_tokens", DEFAULT_ROLLBACK_TOKENS),
-                              enforce_eager=spec.get("enforce_eager"), aux_layers=spec.get("aux_layers", ()))
+                              enforce_eager=spec.get("enforce_eager"), aux_layers=spec.get("aux_layers", ()),
+                              null_forward_agreement=spec.get("null_forward_agreement"))
     runner.serve_as(spec.get("vocab_size"), spec.get("eos_token_ids"))
     return runner if group is None else in_group(runner, group.rank, control)
