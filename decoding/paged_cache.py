@@ -28,14 +28,18 @@ layers are laid over the pools' slots), so a block freed by a windowed group ser
 model without windowed layers has one group of all its layers: the pools, tables and arithmetic
 are the single-table ones. docs/kv-memory.md has the bound and the prefix-caching rule.
 
-The pool grows by half again up to its budget on CPU (so an idle engine holds little memory, and
-at most a third of what it holds is headroom; each growth copies the pool, amortized), and
-is allocated whole up front on CUDA (growing there would need twice the memory for a moment).
+The pool grows by half again up to its budget on CPU, and is allocated whole up front on CUDA
+(so an out-of-memory shows at start). On CPU each layer's tensors span the whole budget from
+their first write, in anonymous memory the OS commits page by page as blocks are first written
+(`zeros_on_demand`), and the pool is a view of its first `capacity` blocks: growing widens the
+view, so an idle engine holds little memory and a busy one never stops mid-step to copy its pool
+into a larger one.
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -287,33 +291,47 @@ def paged_layout(group_tables: Sequence[Sequence[Sequence[int]]], starts: Sequen
                        kv_length=kv_length, block_size=block_size, dtype=dtype)
 
 
+def zeros_on_demand(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros in private anonymous memory: the OS commits its pages when they are
+    first written and reads untouched ones as zeros, so it costs address space, not memory, until used."""
+    count = math.prod(shape)
+    buffer = mmap.mmap(-1, max(1, count * dtype.itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buffer, dtype=dtype, count=count).view(*shape)
+
+
 class LayerPools:
     """Keys and values per layer (per slot, when KV cache groups share them), each [units, kv
     heads, unit_len, head size]: the storage of a KV cache whose unit is a block (PagedKVCache).
 
     A layer's tensors are shaped lazily from the first keys it writes (kv heads and head size
     differ between architectures), so they need no model configuration; `grow` adds units to
-    every layer at once.
+    every layer at once. On CPU each layer's storage spans max_units from the start, committed
+    as written (`zeros_on_demand`), and its tensors are views of the first `capacity` units, so
+    growing copies nothing; elsewhere growing copies into a larger tensor (CUDA preallocates).
 
     Token-major pools ([units, unit_len, kv heads, D], the paged cache's) are one [tokens, kv
     heads, D] tensor seen flat, which the in-place kernels read and the stores scatter into by
     token slot."""
 
-    def __init__(self, num_layers: int, unit_len: int, token_major: bool = False) -> None:
+    def __init__(self, num_layers: int, unit_len: int, max_units: int, token_major: bool = False) -> None:
         self.unit_len = unit_len
+        self.max_units = max_units
         self.token_major = token_major
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        self._storage: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # layer -> its max_units (CPU)
         self.capacity = 0  # units every layer has room for so far
 
     def grow(self, num_units: int) -> range:
         """Room for num_units more units in every layer; -> the new units' ids."""
         old = self.capacity
+        self.capacity = old + num_units
         for layer, (keys, values) in enumerate(zip(self.keys, self.values)):
-            if keys is not None:
+            if layer in self._storage:
+                self.keys[layer], self.values[layer] = (whole[:self.capacity] for whole in self._storage[layer])
+            elif keys is not None:
                 self.keys[layer] = torch.cat([keys, keys.new_zeros((num_units, *keys.shape[1:]))])
                 self.values[layer] = torch.cat([values, values.new_zeros((num_units, *values.shape[1:]))])
-        self.capacity = old + num_units
         return range(old, self.capacity)
 
     def layer(self, layer_idx: int, like_keys: torch.Tensor, like_values: torch.Tensor
@@ -322,8 +340,15 @@ class LayerPools:
         if self.keys[layer_idx] is None:
             _, kv_heads, _, head_dim = like_keys.shape
             middle = (self.unit_len, kv_heads) if self.token_major else (kv_heads, self.unit_len)
-            self.keys[layer_idx] = like_keys.new_zeros((self.capacity, *middle, head_dim))
-            self.values[layer_idx] = like_values.new_zeros((self.capacity, *middle, like_values.shape[-1]))
+            shapes = ((*middle, head_dim), (*middle, like_values.shape[-1]))
+            if like_keys.device.type == "cpu":
+                self._storage[layer_idx] = tuple(zeros_on_demand((self.max_units, *shape), like.dtype)
+                                                 for shape, like in zip(shapes, (like_keys, like_values)))
+                self.keys[layer_idx], self.values[layer_idx] = (whole[:self.capacity]
+                                                                for whole in self._storage[layer_idx])
+            else:
+                self.keys[layer_idx] = like_keys.new_zeros((self.capacity, *shapes[0]))
+                self.values[layer_idx] = like_values.new_zeros((self.capacity, *shapes[1]))
         keys = self.keys[layer_idx]
         heads, head_dim = (keys.shape[2], keys.shape[3]) if self.token_major else (keys.shape[1], keys.shape[3])
         if (heads, head_dim) != (like_keys.shape[1], like_keys.shape[3]):
@@ -333,7 +358,7 @@ class LayerPools:
         return keys, self.values[layer_idx]
 
     def reserved_bytes(self) -> int:
-        """Bytes the layers hold now (allocated tensors, used or not)."""
+        """Bytes of the units the layers have room for now (used or not; on CPU, committed as written)."""
         return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
 
 
@@ -363,7 +388,7 @@ class PagedKVCache:
         # layer -> (its group's index, its slot in the pools)
         self.slot_of = {layer: (g, slot) for g, group in enumerate(self.groups)
                         for slot, layer in enumerate(group.layers)}
-        self.pools = LayerPools(len(self.groups[0].layers), block_size, token_major=True)
+        self.pools = LayerPools(len(self.groups[0].layers), block_size, num_blocks, token_major=True)
         if self.device.type == "cuda" if preallocate is None else preallocate:
             self.reserve(num_blocks)
 

@@ -5,7 +5,9 @@ ragged batches that cross many block boundaries. (The engine's general equality 
 tests/test_batched_runner.py.)"""
 
 import logging
+import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -258,3 +260,25 @@ def test_a_budget_too_small_is_named_as_given_not_rounded():
     the user gave: the message names the budget's own value, and in MiB."""
     with pytest.raises(ValueError, match=r"budget of 0\.0005 GiB \(0\.512 MiB\) holds"):
         kv_capacity(LLAMA_31_8B, torch.bfloat16, 0.0005 * GIB, max_model_len=1024)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux: /proc/self/statm's second field, in pages)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_cpu_pool_grows_without_copying_and_takes_memory_only_where_written():
+    cache = PagedKVCache(num_layers=2, num_blocks=4096, block_size=16)   # 2 x 512 MiB a layer at its budget
+    cache.reserve(64)
+    states = torch.ones(1, 64, 1, 1024)
+    keys, values = cache.pools.layer(0, states, states)
+    keys[7] = 1.0                                                          # one 4 MiB block written
+    before = resident_bytes()
+    cache.reserve(4096)
+    grown_keys, grown_values = cache.pools.layer(0, states, states)
+    assert grown_keys.shape == (4096, 16, 64, 1024) and cache.reserved_bytes() == 2 * 4096 * 16 * 64 * 1024 * 4
+    # The same memory, widened: what was written is there, nothing was copied.
+    assert grown_keys.data_ptr() == keys.data_ptr() and float(grown_keys[7].sum()) == 16 * 64 * 1024
+    assert float(grown_values[4000].abs().sum()) == 0.0
+    # Growing a pool by copying (torch.cat into zeros) would have made 1 GiB resident.
+    assert resident_bytes() - before < 64 << 20
