@@ -19,6 +19,8 @@ Variants (`--variants`):
 - any variant with `-plain`: the same with speculation.fan_out 0, plain rounds without the
   speculation cache (docs/speculation-cache.md), e.g. `adaptive,adaptive-plain`
 - any variant with `-2routers`: the same with two router replicas, e.g. `k4,k4-2routers`
+- any variant with `-intervalN`: the same with `http.stream_interval_ms` N (a stream's rounds merged
+  into one chunk per N ms), e.g. `k4,k4-interval50`
 
 `--null-forward A` serves every variant's engines with null forwards (decoding/null_forward.py):
 no model is computed, the target follows a hashed rule and the draft agrees with it at rate A, so
@@ -68,6 +70,9 @@ def variant_config(base: SpecServeConfig, variant: str, num_draft_tokens: int, p
         if data.get("draft") is not None:
             data["draft"]["null_forward_agreement"] = null_forward
     spec = data["speculation"]
+    variant, _, interval = variant.partition("-interval")
+    if interval:
+        data["http"]["stream_interval_ms"] = float(interval)
     if variant.endswith("-2routers"):
         data["router"] = {**data["router"], "num_replicas": 2}
         variant = variant.removesuffix("-2routers")
@@ -367,8 +372,8 @@ def main(argv: list[str] | None = None) -> None:
         print(render_markdown(combined))
         return
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = sorted({v.removesuffix("-2routers").removesuffix("-plain").removesuffix("-token")
-                      for v in variants} - set(VARIANTS))
+    unknown = sorted({v.partition("-interval")[0].removesuffix("-2routers").removesuffix("-plain")
+                      .removesuffix("-token") for v in variants} - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {VARIANTS}")
     levels = [int(c) for c in args.concurrency.split(",")]

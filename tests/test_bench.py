@@ -341,3 +341,16 @@ def test_interleaved_sweep_serves_every_variant_side_by_side_with_its_own_policy
         assert (depth == 0.0) if variant == "k0" else (0.0 < depth <= 2.0)
     names = set().union(*seen_actors)
     assert {policy_actor_name("specserve-default-k0"), policy_actor_name("specserve-default-k2")} <= names
+
+
+def test_load_sweep_variants_compose_their_suffixes():
+    from specserve.bench.load_sweep import variant_config
+
+    config = variant_config(SpecServeConfig(), "k4-plain-2routers-interval50", 4, 8123, null_forward=0.8)
+    assert config.router.num_replicas == 2 and config.http.stream_interval_ms == 50.0 and config.http.port == 8123
+    assert config.speculation.fan_out == 0 and config.speculation.num_draft_tokens == 4
+    assert not config.speculation.adaptive
+    assert (config.target.null_forward_agreement, config.draft.null_forward_agreement) == (1.0, 0.8)
+    plain = variant_config(SpecServeConfig(), "adaptive", 4, 8123)
+    assert plain.router.num_replicas == 1 and plain.http.stream_interval_ms == 0.0
+    assert plain.target.null_forward_agreement is None and plain.speculation.adaptive
