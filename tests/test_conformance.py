@@ -40,7 +40,7 @@ DECODERS = list(DECODER_BUILDERS)
 # make test serves these; the decoder families' apps run in make reliability (marker slow),
 # to keep make test under its 10 minutes: their engine path is tested in process on every run
 # (tests/test_batched_runner.py, tests/test_decoder_statistics.py).
-CI_FAMILIES = ("llama3", "mistral")
+CI_FAMILIES = ("llama3",)
 
 
 def families(*names: str) -> list:
@@ -63,7 +63,7 @@ def family_config(family, port: int):
 def selected_families(request, checkpoint_families) -> dict:
     """The families this run's selected tests of this module use (a marker expression may leave
     some out), so no app starts that no test asks for."""
-    wanted = {"mistral"}   # test_stop_token_ids_end_a_request_and_can_stay_in_the_output
+    wanted = {"llama3"}   # test_stop_token_ids_end_a_request_and_can_stay_in_the_output
     wanted |= {item.callspec.params["name"] for item in request.session.items
                if item.module is request.module and "name" in getattr(getattr(item, "callspec", None), "params", {})}
     return {name: family for name, family in checkpoint_families.items() if name in wanted}
@@ -186,7 +186,7 @@ def test_concurrent_requests_share_forwards_and_equal_each_alone(served, oracles
         assert_equal_or_near_tie(oracle, prompt_ids, oracle.greedy(prompt_ids, 24), response.choices[0].text)
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen25"])
+@pytest.mark.parametrize("name", families("llama3", "qwen25"))
 def test_requests_stop_on_the_generation_config_eos_list(served, oracles, name):
     """The fixture's target answers EOS_PROMPT with an EOS id only generation_config.json lists,
     after EOS_AFTER tokens: the request stops there (a server reading the tokenizer's EOS alone
@@ -206,16 +206,16 @@ def test_requests_stop_on_the_generation_config_eos_list(served, oracles, name):
 
 
 def test_stop_token_ids_end_a_request_and_can_stay_in_the_output(served, oracles):
-    client, family = served["mistral"]
-    oracle = oracles["mistral"]
+    client, family = served["llama3"]
+    oracle = oracles["llama3"]
     prompt_ids = oracle.tokenizer.encode(PROMPTS[1])
     ids = oracle.greedy(prompt_ids, MAX_TOKENS)
     stop_id = ids[3]
     first = ids.index(stop_id)
-    response = client.completions.create(model="mistral", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
+    response = client.completions.create(model="llama3", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
                                          extra_body={"stop_token_ids": [stop_id]})
     assert (response.choices[0].finish_reason, response.usage.completion_tokens) == ("stop", first)
-    kept = client.completions.create(model="mistral", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
+    kept = client.completions.create(model="llama3", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
                                      extra_body={"stop_token_ids": [stop_id], "include_stop_str_in_output": True})
     assert kept.usage.completion_tokens == first + 1
     assert kept.choices[0].text == oracle.text(ids[:first + 1])
