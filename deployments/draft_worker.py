@@ -320,6 +320,10 @@ class DraftEngine(EngineCore):
         is now (`branch_stream_state`), and a bonus pre-draft's guess is drawn with no randomness:
         the block used is the very block drafting just in time would draw, so a round's output is
         the same whether it hits or not, and exact as plain rounds are."""
+        if seq_id in self.released:
+            # Released while its block was drafted: its forget has run, so nothing would ever drop
+            # these branches, and a fork of a sequence no longer held prefills a sequence of its own.
+            return
         stream = self.generators.get(seq_id)
         state = None if stream is None or like.params.is_greedy else branch_stream_state(stream)
         branches = []

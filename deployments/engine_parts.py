@@ -39,9 +39,12 @@ class ReleasedIds:
         while len(self._ids) > self._kept:
             self._ids.popitem(last=False)
 
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self._ids
+
     def check(self, seq_id: str) -> None:
         """Raise SequenceReleasedError if seq_id was released."""
-        if seq_id in self._ids:
+        if seq_id in self:
             raise SequenceReleasedError(f"sequence {seq_id!r} released")
 
 

@@ -179,6 +179,32 @@ def test_a_request_released_right_after_its_propose_leaves_no_pre_draft_behind(d
     assert asyncio.run(scenario()) == ([], {}, 0)
 
 
+def test_a_request_released_while_its_block_is_drafted_starts_no_pre_draft(distant_pair):
+    """The release lands while propose waits for the block it drafts now (the client went away
+    mid-round): its forget has run when propose resumes, so pre-drafts started then would never be
+    dropped, and a fork of a released sequence prefills its whole history as a sequence of its own."""
+    from tests.test_engines import whole
+
+    async def scenario():
+        draft, _ = new_engines(distant_pair, 2)
+        drafted = draft.submit
+
+        async def released_meanwhile(call):
+            answer = await drafted(call)
+            if call.fork_of is None:
+                await draft.release(call.seq_id)
+            return answer
+
+        draft.submit = released_meanwhile
+        params = SamplingParams(temperature=0, max_tokens=8)
+        await draft.propose("gone", whole(PROMPTS[0]), NUM_DRAFT, params, None, len(PROMPTS[0]), (1, 1, 0, 1))
+        await asyncio.sleep(0.5)
+        await draft.loop.between_iterations()
+        return draft.scheduler.blocks.active_sequences(), draft.speculation, draft.verifying
+
+    assert asyncio.run(scenario()) == ([], {}, {})
+
+
 def exact_joint(target_path, prompt: list[int], params: SamplingParams) -> dict[tuple[int, ...], float]:
     """P(t1..tn) for every n-token output in the processed target's support, in float64."""
     model = LlamaForCausalLM.from_pretrained(target_path).eval()
