@@ -173,6 +173,7 @@ class BatchedModelRunner(RunnerBase):
             decoder.register_forward_hook(_keep_rows, with_kwargs=True)
             decoder._specserve_keeps_rows = True
         self.null_forward_agreement = None   # the start-up checks and the pools' shaping run the model
+        self._null_allowed: tuple[tuple, torch.Tensor | None] = ((), None)   # (vocab size, EOS ids) -> allowed ids
         self.step_forward = CompiledForward(self._model_logits, self.device, enforce_eager)
         # One rank of a tensor-parallel group (decoding.tensor_parallel): its pool holds its heads.
         self.tensor_parallel_size = int(getattr(model, "tp_size", None) or 1)
@@ -345,12 +346,12 @@ class BatchedModelRunner(RunnerBase):
     def _null_logits(self, input_ids: torch.Tensor, view) -> torch.Tensor:
         """decoding.null_forward's logits for the kept positions, over the vocabulary and EOS served now."""
         key = (self.vocab_size, self.eos_token_ids)
-        if getattr(self, "_null_allowed_key", None) != key:   # serve_as may change them after the warm-up
-            self._null_allowed_key, self._null_allowed = key, allowed_tokens(*key).to(self.device)
+        if self._null_allowed[0] != key:   # serve_as may change them after the warm-up
+            self._null_allowed = key, allowed_tokens(*key).to(self.device)
         kept = view.keep_index
         return null_logits(input_ids.reshape(-1).index_select(0, kept),
                            view.layout.position_ids.reshape(-1).index_select(0, kept),
-                           self._null_allowed, self.null_forward_agreement, self.vocab_size)
+                           self._null_allowed[1], self.null_forward_agreement, self.vocab_size)
 
     def weights_mismatch(self, state: Mapping[str, torch.Tensor]) -> str | None:
         """Why `state` cannot replace this runner's weights in place (None: it can): it must name

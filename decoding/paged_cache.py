@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -291,11 +292,17 @@ def paged_layout(group_tables: Sequence[Sequence[Sequence[int]]], starts: Sequen
                        kv_length=kv_length, block_size=block_size, dtype=dtype)
 
 
+# Linux's MAP_NORESERVE (Python's mmap does not name it): no commit charge for the whole mapping up
+# front, so a budget beyond the machine's memory maps, and fails only where it is used, as before.
+MAP_NORESERVE = 0x4000 if sys.platform.startswith("linux") else 0
+
+
 def zeros_on_demand(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of zeros in private anonymous memory: the OS commits its pages when they are
     first written and reads untouched ones as zeros, so it costs address space, not memory, until used."""
     count = math.prod(shape)
-    buffer = mmap.mmap(-1, max(1, count * dtype.itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer = mmap.mmap(-1, max(1, count * dtype.itemsize),
+                       flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
     return torch.frombuffer(buffer, dtype=dtype, count=count).view(*shape)
 
 

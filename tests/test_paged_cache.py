@@ -282,3 +282,15 @@ def test_a_cpu_pool_grows_without_copying_and_takes_memory_only_where_written():
     assert float(grown_values[4000].abs().sum()) == 0.0
     # Growing a pool by copying (torch.cat into zeros) would have made 1 GiB resident.
     assert resident_bytes() - before < 64 << 20
+
+
+def test_a_cpu_pool_budget_beyond_the_machines_memory_still_maps():
+    """The pools' address space is not charged up front: a budget larger than memory and swap maps
+    (its layer made), and would fail only where blocks are written, as a pool grown by copies did."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    block_bytes = 16 * 64 * 1024 * 4
+    cache = PagedKVCache(num_layers=1, num_blocks=2 * total // block_bytes + 1, block_size=16)
+    cache.reserve(1)
+    keys, _ = cache.pools.layer(0, torch.ones(1, 64, 1, 1024), torch.ones(1, 64, 1, 1024))
+    assert cache.pools.max_units * block_bytes > 2 * total and keys.shape[0] == 1
+
