@@ -61,7 +61,8 @@ VARIANTS = ["specserve", "target-only", "specserve-unbatched", "target-only-unba
 def variant_config(base: SpecServeConfig, variant: str, num_draft_tokens: int, port: int,
                    null_forward: float | None = None) -> SpecServeConfig:
     """The config of one variant: same models and limits, speculation and batching as named; a
-    "-token" one with token-wise verification, a "-2routers" one with two router replicas.
+    "-token" one with token-wise verification, a "-2routers" one with two router replicas, an
+    "-intervalN" one (the last suffix) streaming a chunk per N ms.
     null_forward: the engines' forwards are null, the draft agreeing with the target at this rate."""
     data = base.model_dump(mode="json")
     data["http"] = {"host": "127.0.0.1", "port": port}
