@@ -312,9 +312,9 @@ class LayerPools:
 
     A layer's tensors are shaped lazily from the first keys it writes (kv heads and head size
     differ between architectures), so they need no model configuration; `grow` adds units to
-    every layer at once. On CPU each layer's storage spans max_units from the start, committed
-    as written (`zeros_on_demand`), and its tensors are views of the first `capacity` units, so
-    growing copies nothing; elsewhere growing copies into a larger tensor (CUDA preallocates).
+    every layer at once. Each layer's storage spans max_units from its first write (on CPU as
+    `zeros_on_demand`, committed as written; on CUDA the pool is preallocated, so it is all there
+    is) and its tensors are views of the first `capacity` units, so growing copies nothing.
 
     Token-major pools ([units, unit_len, kv heads, D], the paged cache's) are one [tokens, kv
     heads, D] tensor seen flat, which the in-place kernels read and the stores scatter into by
@@ -326,19 +326,15 @@ class LayerPools:
         self.token_major = token_major
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
-        self._storage: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # layer -> its max_units (CPU)
+        self._storage: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # layer -> its keys, values of max_units
         self.capacity = 0  # units every layer has room for so far
 
     def grow(self, num_units: int) -> range:
         """Room for num_units more units in every layer; -> the new units' ids."""
         old = self.capacity
         self.capacity = old + num_units
-        for layer, (keys, values) in enumerate(zip(self.keys, self.values)):
-            if layer in self._storage:
-                self.keys[layer], self.values[layer] = (whole[:self.capacity] for whole in self._storage[layer])
-            elif keys is not None:
-                self.keys[layer] = torch.cat([keys, keys.new_zeros((num_units, *keys.shape[1:]))])
-                self.values[layer] = torch.cat([values, values.new_zeros((num_units, *values.shape[1:]))])
+        for layer, storage in self._storage.items():
+            self.keys[layer], self.values[layer] = (whole[:self.capacity] for whole in storage)
         return range(old, self.capacity)
 
     def layer(self, layer_idx: int, like_keys: torch.Tensor, like_values: torch.Tensor
@@ -348,14 +344,10 @@ class LayerPools:
             _, kv_heads, _, head_dim = like_keys.shape
             middle = (self.unit_len, kv_heads) if self.token_major else (kv_heads, self.unit_len)
             shapes = ((*middle, head_dim), (*middle, like_values.shape[-1]))
-            if like_keys.device.type == "cpu":
-                self._storage[layer_idx] = tuple(zeros_on_demand((self.max_units, *shape), like.dtype)
-                                                 for shape, like in zip(shapes, (like_keys, like_values)))
-                self.keys[layer_idx], self.values[layer_idx] = (whole[:self.capacity]
-                                                                for whole in self._storage[layer_idx])
-            else:
-                self.keys[layer_idx] = like_keys.new_zeros((self.capacity, *shapes[0]))
-                self.values[layer_idx] = like_values.new_zeros((self.capacity, *shapes[1]))
+            self._storage[layer_idx] = tuple(
+                zeros_on_demand((self.max_units, *shape), like.dtype) if like.device.type == "cpu"
+                else like.new_zeros((self.max_units, *shape)) for shape, like in zip(shapes, (like_keys, like_values)))
+            self.keys[layer_idx], self.values[layer_idx] = (whole[:self.capacity] for whole in self._storage[layer_idx])
         keys = self.keys[layer_idx]
         heads, head_dim = (keys.shape[2], keys.shape[3]) if self.token_major else (keys.shape[1], keys.shape[3])
         if (heads, head_dim) != (like_keys.shape[1], like_keys.shape[3]):
