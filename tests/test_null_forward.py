@@ -49,13 +49,13 @@ def test_a_draft_agrees_with_the_reference_at_its_rate(agreement):
     count = 40_000
     tokens, positions = pairs(count, seed=1)
     allowed = allowed_tokens(VOCAB, EOS)
-    agrees = predicted_tokens(tokens, positions, allowed, agreement) == predicted_tokens(tokens, positions, allowed, 1.0)
+    reference = predicted_tokens(tokens, positions, allowed, 1.0)
+    agrees = predicted_tokens(tokens, positions, allowed, agreement) == reference
     tolerance = 4 * math.sqrt(max(agreement * (1 - agreement), 1e-12) / count)   # four binomial sigmas
     assert abs(float(agrees.float().mean()) - agreement) <= tolerance + 1e-9
     # The check can fail: the rate of a neighbouring agreement is outside it.
     if 0 < agreement < 1:
-        other = predicted_tokens(tokens, positions, allowed, agreement - 0.05) == predicted_tokens(
-            tokens, positions, allowed, 1.0)
+        other = predicted_tokens(tokens, positions, allowed, agreement - 0.05) == reference
         assert abs(float(other.float().mean()) - agreement) > tolerance
 
 

@@ -293,4 +293,3 @@ def test_a_cpu_pool_budget_beyond_the_machines_memory_still_maps():
     cache.reserve(1)
     keys, _ = cache.pools.layer(0, torch.ones(1, 64, 1, 1024), torch.ones(1, 64, 1, 1024))
     assert cache.pools.max_units * block_bytes > 2 * total and keys.shape[0] == 1
-

@@ -32,21 +32,29 @@ ATOL = 1e-6  # float32 probabilities summed in another order
 BOUNDARY_TOL = VOCAB_SIZE * 2.0 ** -24
 
 
+def sorted_top_k(logits: torch.Tensor, row_params: RowParams, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The processing before candidates, in dtype: every row scaled by its temperature and cut by
+    min-p, then the truncating rows stably sorted and cut to their top-k by position;
+    -> (the scaled rows, the truncating rows' sorted logits, their ids)."""
+    logits = logits.to(dtype) / row_params.temperature.to(dtype).unsqueeze(-1)
+    if row_params.uses_min_p:
+        probs = torch.softmax(logits, dim=-1)
+        min_p = row_params.min_p.to(dtype).unsqueeze(-1)
+        logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    rows = row_params.truncating
+    sorted_logits, sorted_ids = torch.sort(logits[rows], dim=-1, descending=True, stable=True)
+    positions = torch.arange(logits.shape[-1])
+    sorted_logits = sorted_logits.masked_fill(positions >= row_params.top_k[rows].unsqueeze(-1), float("-inf"))
+    return logits, sorted_logits, sorted_ids
+
+
 def full_sort_reference(logits: torch.Tensor, row_params: RowParams) -> torch.Tensor:
     """process_rows as it was before candidates: every truncating row stably sorted, top-k by
     position, top-p on the softmax of the sorted row, scattered back."""
-    logits = logits.float()
-    vocab_size = logits.shape[-1]
-    logits = logits / row_params.temperature.unsqueeze(-1)
-    if row_params.uses_min_p:
-        probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < row_params.min_p.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True),
-                                    float("-inf"))
+    logits, sorted_logits, sorted_ids = sorted_top_k(logits, row_params, torch.float32)
     probs = torch.softmax(logits, dim=-1)
     rows = row_params.truncating
-    sorted_logits, sorted_ids = torch.sort(logits[rows], dim=-1, descending=True, stable=True)
-    positions = torch.arange(vocab_size)
-    sorted_logits = sorted_logits.masked_fill(positions >= row_params.top_k[rows].unsqueeze(-1), float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1).double()
     outside_nucleus = sorted_probs.cumsum(dim=-1) - sorted_probs >= row_params.top_p[rows].unsqueeze(-1)
     outside_nucleus[..., 0] = False
@@ -59,14 +67,7 @@ def top_p_near_ties(logits: torch.Tensor, row_params: RowParams) -> torch.Tensor
     """bool [truncating rows, V]: tokens whose exact mass before them (float64, the stable sorted
     order of full_sort_reference) lies within BOUNDARY_TOL of their row's top_p."""
     rows = row_params.truncating
-    logits = logits.double()[rows] / row_params.temperature[rows].double().unsqueeze(-1)
-    if row_params.uses_min_p:
-        probs = torch.softmax(logits, dim=-1)
-        min_p = row_params.min_p[rows].double().unsqueeze(-1)
-        logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
-    sorted_logits, sorted_ids = torch.sort(logits, dim=-1, descending=True, stable=True)
-    positions = torch.arange(logits.shape[-1])
-    sorted_logits = sorted_logits.masked_fill(positions >= row_params.top_k[rows].unsqueeze(-1), float("-inf"))
+    _, sorted_logits, sorted_ids = sorted_top_k(logits, row_params, torch.float64)
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     margin = (sorted_probs.cumsum(dim=-1) - sorted_probs - row_params.top_p[rows].double().unsqueeze(-1)).abs()
     near = (margin < BOUNDARY_TOL) & (row_params.top_p[rows] < 1).unsqueeze(-1)
