@@ -8,7 +8,8 @@ object store lives there; without it Ray falls back to disk). Each pool's pod me
 Draft and target engines are pinned to their own worker groups with custom Ray resources
 (``specserve_draft`` / ``specserve_target``), so each lands on its own node (a GPU node, or a
 CPU node for a draft with num_gpus 0); the Serve config inside is the same one
-`specserve serve-config` prints. The Ray autoscaler is on, each group between its pool's
+`specserve serve-config` prints. Every pod's environment switches on Serve's high-throughput data
+plane (HAProxy ingress, replicas over gRPC: cluster/serve_data_plane.py), as a local start does. The Ray autoscaler is on, each group between its pool's
 min_replicas and max_replicas, so replicas Serve adds get nodes.
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 import yaml
 
 from specserve.cluster.builder import serve_config_yaml
+from specserve.cluster.serve_data_plane import HIGH_THROUGHPUT_ENV
 from specserve.common.config import SpecServeConfig, WorkerResources
 
 DEFAULT_IMAGE = "specserve:0.1.0-gpu"  # built from k8s/Dockerfile
@@ -41,6 +43,7 @@ def _pod(image: str, cpus: float, gpus: float, memory_gb: float, models_claim: s
         mounts.append({"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True})
         volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": models_claim, "readOnly": True}})
     container = {"name": "ray", "image": image, "resources": {"limits": limits, "requests": dict(limits)},
+                 "env": [{"name": name, "value": value} for name, value in HIGH_THROUGHPUT_ENV.items()],
                  "volumeMounts": mounts}
     return {"containers": [container], "volumes": volumes}
 
@@ -54,7 +57,7 @@ AUTOSCALER_OPTIONS = {"upscalingMode": "Default", "idleTimeoutSeconds": 120,
 
 def readiness_probe(http_port: int) -> dict[str, Any]:
     """A worker pod is Ready (Kubernetes sends it Serve traffic) when /health answers 200 through
-    its Serve proxy: every engine pool has answered once (deployments/ingress.py), not merely when
+    its HTTP ingress (HAProxy, or Serve's proxy): every engine pool has answered once (deployments/ingress.py), not merely when
     the proxy runs (KubeRay's default probe). The head keeps KubeRay's own probes: KubeRay submits
     the Serve application only once the head is Ready, so a head gated on the application would
     never get one."""

@@ -15,6 +15,7 @@ from ray import serve
 from ray.serve.schema import ApplicationStatus, DeploymentStatus
 
 from specserve.cluster.builder import APP_NAME, build_app, checked_head, custom_resources_needed, logical_cpus_needed
+from specserve.cluster.serve_data_plane import added_to_environment, local_cluster_env
 from specserve.common.config import SpecServeConfig
 
 logger = logging.getLogger(__name__)
@@ -102,11 +103,13 @@ def init_local_ray(**ray_init_kwargs) -> None:
     """Start a Ray cluster on this machine (ray.init with these arguments, quiet logging), trying
     twice: on a busy machine a node now and then misses Ray's own start-up limits (its GCS never
     writes its port file, or its raylet never registers), and a second start succeeds where the
-    first did not. What a failed attempt started is ended before the next. StartupError if both fail."""
+    first did not. What a failed attempt started is ended before the next. StartupError if both fail.
+    The cluster's processes start with Serve's high-throughput data plane (cluster/serve_data_plane.py)."""
     for attempt in range(RAY_START_ATTEMPTS):
         before = {child.pid for child in psutil.Process().children(recursive=True)}
         try:
-            ray.init(configure_logging=False, log_to_driver=False, **ray_init_kwargs)
+            with added_to_environment(local_cluster_env()):
+                ray.init(configure_logging=False, log_to_driver=False, **ray_init_kwargs)
             return
         except Exception as exc:  # Ray raises a bare Exception when its node does not come up
             ray.shutdown()

@@ -16,6 +16,7 @@ import time
 
 import httpx
 import openai
+import psutil
 import pytest
 import ray
 import torch
@@ -148,6 +149,18 @@ def test_health_and_models(server, client):
     url, _ = server
     assert httpx.get(f"{url}/health").json() == {"status": "ok", "pools": {"target": "ok", "draft": "ok"}}
     assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_http_comes_through_haproxy_not_serves_python_proxy(server):
+    """The data plane a local start switches on (cluster/serve_data_plane.py): HAProxy holds the
+    HTTP port; Serve's Python proxy runs only as HAProxy's fallback, on another port."""
+    from specserve.cluster.serve_data_plane import haproxy_found
+
+    if not haproxy_found():
+        pytest.skip("no HAProxy binary: Serve's proxy stays")
+    holders = {connection.pid for connection in psutil.net_connections("tcp")
+               if connection.status == psutil.CONN_LISTEN and connection.laddr.port == server[1].http.port}
+    assert {psutil.Process(pid).name() for pid in holders} == {"haproxy"}
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
