@@ -20,12 +20,11 @@ from specserve.decoding.rejection import (PLACEHOLDER_TOKEN_ID, block_verify, ex
                                 rejection_sample)
 from specserve.decoding.sampling import SamplingParams, make_generator, sample_from_probs
 from specserve.decoding.sequence import RequestState
-from specserve.decoding.generate import generate
 from specserve.decoding.proposers import DraftModelProposer, Proposal
 from specserve.decoding.compact_verify import draft_support
 from specserve.decoding.speculation import accept_round, verify_answer
-from tests.test_generate import (PROMPTS, SAMPLED, VOCAB_SIZE, TableRunner, chi_square_p_value, logit_table,
-                                 new_state, position_marginals, target_model, total_variation,
+from tests.test_generate import (PROMPTS, VOCAB_SIZE, TableRunner, chi_square_p_value, logit_table,
+                                 position_marginals, seeded_requests, target_model, total_variation,
                                  unrelated_draft_model)
 from tests.test_rejection import drafts_against_greedy_targets, one_hot, random_rows, rows_given_prefix
 
@@ -312,7 +311,7 @@ def test_accept_round_keeps_blocks_without_draft_rows_token_wise():
         assert paper_round("block", seed, with_draft_rows=False) == paper_round("token", seed, with_draft_rows=False)
 
 
-# --- end to end in process: generate() with real (tiny) models, two draft tokens per round ------
+# --- end to end in process: the round loop with real (tiny) models, two draft tokens per round ---
 
 def test_generate_with_block_verification_keeps_the_targets_marginals(target_model, unrelated_draft_model):
     """NUM_GENERATE_RUNS seeded 3-token requests with K = 2 (temperature 0.9, top-k 16, top-p 0.95):
@@ -322,13 +321,8 @@ def test_generate_with_block_verification_keeps_the_targets_marginals(target_mod
     prompt = PROMPTS[2]
     target = TableRunner(logit_table(target_model, prompt, depth=2))
     draft = TableRunner(logit_table(unrelated_draft_model, prompt, depth=2))
-    proposer = DraftModelProposer(draft)
-    outputs = torch.empty(NUM_GENERATE_RUNS, 3, dtype=torch.long)
-    for seed in range(NUM_GENERATE_RUNS):
-        state = new_state(prompt, SamplingParams(**{**SAMPLED.__dict__, "seed": seed}), request_id=f"r{seed}")
-        for _ in generate(target, state, proposer, num_draft_tokens=2, verification="block"):
-            pass
-        outputs[seed] = torch.tensor(state.output_ids)
+    states = seeded_requests(target, DraftModelProposer(draft), prompt, range(NUM_GENERATE_RUNS), num_draft_tokens=2)
+    outputs = torch.tensor([state.output_ids for state in states])
     for position in (1, 2):
         counts = torch.bincount(outputs[:, position], minlength=VOCAB_SIZE).double()
         target_marginal = position_marginals(target, target, prompt)[position - 1]

@@ -14,7 +14,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specserve.decoding.generate import generate
+from specserve.decoding.generate import generate, generate_batch
 from specserve.decoding.scheduler import engine_for_model
 from specserve.decoding.proposers import DraftModelProposer, NgramProposer
 from specserve.decoding.sampling import SamplingParams, logits_to_probs
@@ -228,16 +228,46 @@ def sampled_outputs(request, target_model, unrelated_draft_model):
     prompt = PROMPTS[2]
     target = TableRunner(logit_table(target_model, prompt, depth=2))
     draft = TableRunner(logit_table(unrelated_draft_model, prompt, depth=2))
-    proposer = DraftModelProposer(draft)
-    outputs = torch.empty(num_runs, 3, dtype=torch.long)
-    accepted = torch.empty(num_runs)
-    for seed in range(num_runs):
-        state = new_state(prompt, SamplingParams(**{**SAMPLED.__dict__, "seed": seed}), request_id=f"r{seed}")
-        for _ in generate(target, state, proposer, num_draft_tokens=1):
-            pass
-        outputs[seed] = torch.tensor(state.output_ids)
-        accepted[seed] = state.stats.num_accepted
+    states = seeded_requests(target, DraftModelProposer(draft), prompt, range(num_runs), num_draft_tokens=1)
+    outputs = torch.tensor([state.output_ids for state in states])
+    accepted = torch.tensor([float(state.stats.num_accepted) for state in states])
     return prompt, target, draft, outputs, accepted
+
+
+SEEDED_BATCH = 500   # requests per generate_batch in seeded_requests
+
+
+def seeded_requests(target, proposer, prompt: list[int], seeds: range, num_draft_tokens: int,
+                    verification: str = "block", batched: bool = True) -> list[RequestState]:
+    """SAMPLED requests of prompt, one per seed, decoded to completion. batched: through
+    generate_batch, SEEDED_BATCH at a time, which gives each seeded request generate()'s tokens
+    (test_generate_batch_gives_each_seeded_request_generates_tokens) several times faster;
+    else one generate() after another."""
+    states = [new_state(prompt, SamplingParams(**{**SAMPLED.__dict__, "seed": seed}), request_id=f"r{seed}")
+              for seed in seeds]
+    if not batched:
+        for state in states:
+            for _ in generate(target, state, proposer, num_draft_tokens, verification):
+                pass
+        return states
+    for start in range(0, len(states), SEEDED_BATCH):
+        generate_batch(target, states[start:start + SEEDED_BATCH], proposer, num_draft_tokens, verification)
+    return states
+
+
+@pytest.mark.parametrize("num_draft_tokens, verification", [(1, "token"), (2, "block")])
+def test_generate_batch_gives_each_seeded_request_generates_tokens(target_model, unrelated_draft_model,
+                                                                   num_draft_tokens, verification):
+    """What lets the statistical tests below run their thousands of requests batched: a seeded
+    request's tokens do not depend on what shares its rounds."""
+    prompt = PROMPTS[2]
+    target = TableRunner(logit_table(target_model, prompt, depth=2))
+    proposer = DraftModelProposer(TableRunner(logit_table(unrelated_draft_model, prompt, depth=2)))
+    seeds = range(300)
+    alone = seeded_requests(target, proposer, prompt, seeds, num_draft_tokens, verification, batched=False)
+    batched = seeded_requests(target, proposer, prompt, seeds, num_draft_tokens, verification)
+    assert [state.output_ids for state in batched] == [state.output_ids for state in alone]
+    assert len({tuple(state.output_ids) for state in alone}) > 20   # the seeds do sample different texts
 
 
 def processed(table: TableRunner, prefixes: list[list[int]]) -> torch.Tensor:

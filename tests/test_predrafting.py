@@ -47,6 +47,7 @@ DISTANT_NOISE = 0.02
 JOINT_TOKENS, JOINT_K, JOINT_TOP_K, NUM_REQUESTS, CONCURRENCY = 4, 2, 3, 2000, 100
 FAN_OUTS = [(8, 8, 1), (8, 8, 1), (8, 8, 1), ()]
 P_VALUE_FLOOR = 1e-3
+BROKEN_SAGUARO_REQUESTS = 400
 # The joint test's drafts sample with Saguaro sampling: the likeliest of the 3 tokens scaled by 0.3.
 JOINT_LOWERED, JOINT_DOWNWEIGHT = 1, 0.3
 
@@ -293,7 +294,9 @@ def test_the_joint_test_rejects_pre_drafts_that_replay_the_requests_draft_stream
 def test_the_joint_test_rejects_drafts_verified_against_the_row_they_were_not_drawn_from(distant_pair, joint_case,
                                                                                          monkeypatch):
     """The same test with Saguaro sampling broken: the draft draws from its lowered row but ships
-    its own row as the q to verify against. Must be rejected."""
+    its own row as the q to verify against. Must be rejected; it is, by orders of magnitude, on a
+    fifth of the requests (BROKEN_SAGUARO_REQUESTS), where the subtler broken cache above needs
+    them all (docs/testing.md)."""
     params, joint, _ = joint_case
     lower = proposers.saguaro_support
     monkeypatch.setattr(proposers, "saguaro_support", lambda support, num_lowered, downweight: support)
@@ -301,7 +304,7 @@ def test_the_joint_test_rejects_drafts_verified_against_the_row_they_were_not_dr
     monkeypatch.setattr(proposers, "sample_rows", lambda probs, generators: draw(
         lower(DraftSupport(torch.arange(probs.shape[-1]).expand_as(probs), probs), JOINT_LOWERED,
               JOINT_DOWNWEIGHT).probs, generators))
-    outputs, hits, _, _ = sample_joint(distant_pair, params, range(NUM_REQUESTS))
+    outputs, hits, _, _ = sample_joint(distant_pair, params, range(BROKEN_SAGUARO_REQUESTS))
     assert hits > 0
     p_value, _ = fit(outputs, joint)
     assert p_value < P_VALUE_FLOOR, p_value
