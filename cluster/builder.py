@@ -30,12 +30,18 @@ IMPORT_PATH = "specserve.cluster.builder:app_builder"
 
 POOL_POLICY = "specserve.policies.autoscaling:PoolPolicy"
 ROUTING_STATS_PERIOD_S = 2.0  # how often Serve reads a target replica's engine load for routing
+# A replica Serve stops (scale-down, redeploy, shutdown) sleeps this long, then looks for requests
+# still running and sleeps again while there are: it is the poll of the drain, not a grace (the
+# grace is graceful_shutdown_timeout_s). Serve's default of 2 s makes every stop of an idle app
+# seconds longer; requests in flight are waited for just the same.
+SHUTDOWN_DRAIN_POLL_S = 0.25
 
 
 def _replica_options(resources: WorkerResources, policy: dict[str, Any] | None = None) -> dict[str, Any]:
     """num_replicas for a fixed pool; Serve's autoscaling_config (with our policy) for a ranged one."""
+    drain = {"graceful_shutdown_wait_loop_s": SHUTDOWN_DRAIN_POLL_S}
     if not resources.autoscaling:
-        return {"num_replicas": resources.initial_replicas}
+        return {"num_replicas": resources.initial_replicas, **drain}
     low, high = resources.replica_bounds
     autoscaling: dict[str, Any] = {"min_replicas": low, "max_replicas": high,
                                    "initial_replicas": resources.initial_replicas,
@@ -43,7 +49,7 @@ def _replica_options(resources: WorkerResources, policy: dict[str, Any] | None =
                                    "downscale_delay_s": resources.downscale_delay_s}
     if policy is not None:
         autoscaling["policy"] = policy
-    return {"autoscaling_config": autoscaling}
+    return {"autoscaling_config": autoscaling, **drain}
 
 
 def _pool_policy(pool: str, config: SpecServeConfig) -> dict[str, Any]:

@@ -73,6 +73,21 @@ def test_the_bound_options_are_the_ones_the_serve_yaml_declares():
         assert graph[name].max_ongoing_requests == options["max_ongoing_requests"]
 
 
+def test_every_replica_polls_its_drain_quickly_when_stopped():
+    """A stop (scale-down, shutdown) waits for requests in flight, polled every
+    SHUTDOWN_DRAIN_POLL_S, not Serve's default 2 s: fixed and autoscaled pools alike."""
+    from specserve.cluster.builder import SHUTDOWN_DRAIN_POLL_S
+
+    fixed, ranged = SpecServeConfig(), SpecServeConfig.model_validate(
+        {"target_workers": {"min_replicas": 1, "max_replicas": 2}, "router": {"min_replicas": 1, "max_replicas": 2}})
+    assert "autoscaling_config" in deployment_options(ranged)["TargetWorker"]
+    for config in (fixed, ranged):
+        options = deployment_options(config)
+        assert set(options) == {"Ingress", "Router", "TargetWorker", "DraftWorker"}
+        assert {name: o["graceful_shutdown_wait_loop_s"] for name, o in options.items()} == \
+            dict.fromkeys(options, SHUTDOWN_DRAIN_POLL_S)
+
+
 def test_no_draft_deployment_without_speculation():
     config = SpecServeConfig.model_validate({"speculation": {"proposer": "none"}})
     assert "DraftWorker" not in deployment_options(config)
