@@ -9,8 +9,9 @@ Draft and target engines are pinned to their own worker groups with custom Ray r
 (``specserve_draft`` / ``specserve_target``), so each lands on its own node (a GPU node, or a
 CPU node for a draft with num_gpus 0); the Serve config inside is the same one
 `specserve serve-config` prints. Every pod's environment switches on Serve's high-throughput data
-plane (HAProxy ingress, replicas over gRPC: cluster/serve_data_plane.py), as a local start does. The Ray autoscaler is on, each group between its pool's
-min_replicas and max_replicas, so replicas Serve adds get nodes.
+plane (HAProxy ingress, replicas over gRPC: cluster/serve_data_plane.py), as a local start does.
+The Ray autoscaler is on, each group between its pool's min_replicas and max_replicas, so
+replicas Serve adds get nodes.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ AUTOSCALER_OPTIONS = {"upscalingMode": "Default", "idleTimeoutSeconds": 120,
 
 def readiness_probe(http_port: int) -> dict[str, Any]:
     """A worker pod is Ready (Kubernetes sends it Serve traffic) when /health answers 200 through
-    its HTTP ingress (HAProxy, or Serve's proxy): every engine pool has answered once (deployments/ingress.py), not merely when
-    the proxy runs (KubeRay's default probe). The head keeps KubeRay's own probes: KubeRay submits
+    its HTTP ingress (HAProxy, or Serve's proxy): every engine pool has answered once
+    (deployments/ingress.py), not merely when the ingress runs (KubeRay's default probe). The head keeps KubeRay's own probes: KubeRay submits
     the Serve application only once the head is Ready, so a head gated on the application would
     never get one."""
     return {"httpGet": {"path": "/health", "port": http_port}, "periodSeconds": 5, "timeoutSeconds": 5,

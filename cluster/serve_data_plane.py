@@ -6,8 +6,8 @@ of Serve's Python proxy actor, and ``RAY_SERVE_THROUGHPUT_OPTIMIZED`` has each i
 HTTP itself (HAProxy forwards to it), replicas call each other over gRPC, and user code runs on the
 replica's own event loop. Why: a streamed response is one chunk per round, and under load Serve's
 Python proxy relaying every chunk was the stack's largest consumer of CPU; with both switches the
-same stack carries about half as much again (docs/performance.md, "The stack's own capacity").
-Either switch alone gains little, so they go together.
+same stack carries more tokens a second at every loaded level (docs/performance.md, "The stack's
+own capacity"). Either switch alone gains little, so they go together.
 
 They are environment variables every Ray process reads when it imports Serve, so they must be in
 the environment of the processes `ray.init` or `ray start` spawns: a cluster specserve starts gets
