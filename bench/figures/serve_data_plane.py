@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 from specserve.bench import DEFAULT_OUT_DIR
+from specserve.bench.report import markdown_table
 from specserve.cluster.serve_data_plane import HIGH_THROUGHPUT_ENV
 
 # What each data plane's runs set: the proxy by turning both switches off (a user's own setting,
@@ -68,17 +69,18 @@ def markdown(name: str, command: str, bench_args: list[str], result: dict, first
              "took turns run by run", f"- machine: {first['machine']}",
              f"- prompts: {first['prompts']}; max_tokens {first['max_tokens']}; mode {first['mode']}"
              + (f"; null forwards, draft agreement {first['null_forward']}" if first.get("null_forward") else ""),
-             "", "| variant | streams | proxy tok/s (turns) | haproxy tok/s (turns) | proxy tok/s median "
-             "| haproxy tok/s median | haproxy / proxy | p50 latency ms proxy / haproxy | p50 TTFT ms proxy / haproxy |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             ""]
+    header = ["variant", "streams", "proxy tok/s (turns)", "haproxy tok/s (turns)", "proxy tok/s median",
+              "haproxy tok/s median", "haproxy / proxy", "p50 latency ms proxy / haproxy", "p50 TTFT ms proxy / haproxy"]
+    cells = []
     for row in result["rows"]:
         proxy, haproxy = row["proxy"], row["haproxy"]
-        lines.append(
-            f"| {row['variant']} | {row['streams']} | {', '.join(f'{v:.1f}' for v in proxy['tokens_per_s'])} "
-            f"| {', '.join(f'{v:.1f}' for v in haproxy['tokens_per_s'])} | {proxy['median']['tokens_per_s']:.1f} "
-            f"| {haproxy['median']['tokens_per_s']:.1f} | {row['tokens_per_s_ratio']:.2f}× "
-            f"| {proxy['median']['latency_p50_ms']:.0f} / {haproxy['median']['latency_p50_ms']:.0f} "
-            f"| {proxy['median']['ttft_p50_ms']:.0f} / {haproxy['median']['ttft_p50_ms']:.0f} |")
+        cells.append([row["variant"], str(row["streams"]), ", ".join(f"{v:.1f}" for v in proxy["tokens_per_s"]),
+                      ", ".join(f"{v:.1f}" for v in haproxy["tokens_per_s"]), f"{proxy['median']['tokens_per_s']:.1f}",
+                      f"{haproxy['median']['tokens_per_s']:.1f}", f"{row['tokens_per_s_ratio']:.2f}×",
+                      f"{proxy['median']['latency_p50_ms']:.0f} / {haproxy['median']['latency_p50_ms']:.0f}",
+                      f"{proxy['median']['ttft_p50_ms']:.0f} / {haproxy['median']['ttft_p50_ms']:.0f}"])
+    lines.append(markdown_table(header, cells))
     return "\n".join(lines) + "\n"
 
 
