@@ -44,9 +44,10 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from specserve.decoding.device_copy import host_to_device, index_on
+from specserve.decoding.device_copy import host_to_device
 from specserve.decoding.paged_attention import (
     ATTENTION_KERNELS,
     flash_paged_attention,
@@ -266,29 +267,29 @@ def paged_layout(group_tables: Sequence[Sequence[Sequence[int]]], starts: Sequen
     starts[b] + t; a padding token is treated as a copy of the row's last real token (so no query
     row is ever fully masked, and positions stay within the context), and its slot is rewritten
     with that token's own keys (so every store has the batch's shape, known without a host sync,
-    and writes nothing wrong). One host-to-device copy of the tables and row lengths; positions
-    and slots are computed there."""
-    num_columns = max(num_new)
+    and writes nothing wrong). Every index is computed on the host (numpy: an op over a few hundred
+    integers costs less than dispatching a torch op, let alone launching a kernel), packed into one
+    buffer and copied to the device once, as vLLM builds its input batch; the layout's tensors are
+    views of that copy."""
+    num_rows, num_columns, num_groups = len(starts), max(num_new), len(group_tables)
     kv_length = max(start + n for start, n in zip(starts, num_new))
     num_read = blocks_for(kv_length, block_size)
-    host = torch.tensor([[list(table[:num_read]) + [NO_BLOCK] * (num_read - min(len(table), num_read))
-                          for table in tables] for tables in group_tables], dtype=torch.long)
-    lengths = torch.tensor([list(starts), list(num_new)], dtype=torch.long)
-    host, lengths = host_to_device(host, device), host_to_device(lengths, device)
-    start, new = lengths[0], lengths[1]
-    columns = torch.arange(num_columns, device=device)
-    last_real = torch.minimum(columns.unsqueeze(0), (new - 1).unsqueeze(1))                             # [B, T]
-    rows = torch.arange(len(starts), device=device).unsqueeze(1)
-    write_source = (rows * num_columns + last_real).reshape(-1)
-    position_ids = start.unsqueeze(1) + last_real                                                       # [B, T]
-    real_tokens = index_on([b * num_columns + t for b, n in enumerate(num_new) for t in range(n)], device)
-    block_index, offset = position_ids // block_size, position_ids % block_size
-    groups = []
-    for g in range(len(group_tables)):
-        slots = host[g].gather(1, block_index) * block_size + offset
-        groups.append(GroupLayout(tables=host[g], write_slots=slots.reshape(-1)))
-    return PagedLayout(groups=tuple(groups), position_ids=position_ids, num_new=new, write_source=write_source,
-                       real_tokens=real_tokens,
+    host_tables = np.array([[list(table[:num_read]) + [NO_BLOCK] * (num_read - min(len(table), num_read))
+                             for table in tables] for tables in group_tables], dtype=np.int64).reshape(
+        num_groups, num_rows, num_read)
+    start, new = np.asarray(starts, dtype=np.int64), np.asarray(num_new, dtype=np.int64)
+    last_real = np.minimum(np.arange(num_columns), (new - 1)[:, None])                                  # [B, T]
+    write_source = np.arange(num_rows)[:, None] * num_columns + last_real
+    position_ids = start[:, None] + last_real                                                           # [B, T]
+    real_tokens = np.flatnonzero(np.arange(num_columns) < new[:, None])
+    slots = host_tables[:, np.arange(num_rows)[:, None], position_ids // block_size] * block_size + position_ids % block_size
+    parts = (host_tables, new, write_source, position_ids, real_tokens, slots)
+    packed = host_to_device(torch.from_numpy(np.concatenate([part.reshape(-1) for part in parts])), device)
+    tables_on, new_on, source_on, positions_on, real_on, slots_on = packed.split([part.size for part in parts])
+    tables_on, slots_on = tables_on.view(num_groups, num_rows, num_read), slots_on.view(num_groups, -1)
+    return PagedLayout(groups=tuple(GroupLayout(tables=tables_on[g], write_slots=slots_on[g]) for g in range(num_groups)),
+                       position_ids=positions_on.view(num_rows, num_columns), num_new=new_on,
+                       write_source=source_on, real_tokens=real_on,
                        kv_length=kv_length, block_size=block_size, dtype=dtype)
 
 
