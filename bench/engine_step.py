@@ -49,7 +49,8 @@ def models(pairs: list[str]) -> dict[tuple[str, str], torch.nn.Module]:
             config = AutoConfig.from_pretrained(DEFAULT_PAIR / role, local_files_only=True)
             config.vocab_size, config.tie_word_embeddings = LLAMA3_VOCAB, False
             torch.manual_seed(0)
-            built[("llama3-width", role)] = AutoModelForCausalLM.from_config(config).eval()
+            # float32, as a CPU engine serves it (from_config would take config.json's float16).
+            built[("llama3-width", role)] = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     return built
 
 
@@ -64,7 +65,9 @@ def compiled_runner(model) -> tuple[object, dict]:
 
 
 def step_times(runners: dict, rows: int, new_tokens: int, reps: int, warmup: int = 5) -> dict:
-    """Median ms of a step, its forward and the rest, per runner, over reps taking turns."""
+    """Median ms of a step, its forward and the rest, per runner (name -> (engine, its
+    timed_forwards seconds)), over reps taking turns; and the largest logit difference between
+    the first two runners."""
     histories = {f"s{row}": [(7 * row + 3 * i) % 500 + 2 for i in range(CACHED)] for row in range(rows)}
     calls = [ForwardCall(seq_id, history + history[:new_tokens], new_tokens) for seq_id, history in histories.items()]
     samples = {name: {"step": [], "forward": []} for name in runners}
@@ -87,8 +90,8 @@ def step_times(runners: dict, rows: int, new_tokens: int, reps: int, warmup: int
         step, forward = statistics.median(each["step"]) * 1e3, statistics.median(each["forward"]) * 1e3
         outside = statistics.median(s - f for s, f in zip(each["step"], each["forward"])) * 1e3
         result[name] = {"step_ms": round(step, 3), "forward_ms": round(forward, 3), "outside_ms": round(outside, 3)}
-    result["eager_over_compiled"] = round(result["eager"]["step_ms"] / result["compiled"]["step_ms"], 2)
-    result["max_abs_logit_diff"] = max(float((a - b).abs().max()) for a, b in zip(logits["eager"], logits["compiled"]))
+    first, second = list(logits.values())
+    result["max_abs_logit_diff"] = max(float((a - b).abs().max()) for a, b in zip(first, second))
     return result
 
 
@@ -113,16 +116,21 @@ def table(rows: list[dict], startup: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m specserve.bench.engine_step", description=__doc__.splitlines()[0])
+def step_bench_arguments(module: str, description: str, argv: list[str] | None) -> tuple[argparse.Namespace, str]:
+    """The step benches' command line (reps, threads, pairs, out), torch's threads set from it:
+    (args, the command that reproduces the run)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
     parser.add_argument("--reps", type=int, default=60, help="timed steps per runner and shape")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--pairs", nargs="+", default=["default", "llama3-width"], help="which pairs to run")
     parser.add_argument("--out", type=Path, help="write the table here (and its numbers beside it as .json)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    command = (f"python -m specserve.bench.engine_step --reps {args.reps} --threads {args.threads} "
-               f"--pairs {' '.join(args.pairs)}")
+    return args, f"python -m {module} --reps {args.reps} --threads {args.threads} --pairs {' '.join(args.pairs)}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, command = step_bench_arguments("specserve.bench.engine_step", __doc__.splitlines()[0], argv)
     print(f"compile cache: {compile_cache_dir()}", flush=True)
     rows, startup = [], {}
     for (pair, role), model in models(args.pairs).items():
@@ -134,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         for batch, new_tokens in SHAPES[role]:
             row = {"pair": pair, "role": role, "rows": batch, "new_tokens": new_tokens,
                    **step_times(runners, batch, new_tokens, args.reps)}
+            row["eager_over_compiled"] = round(row["eager"]["step_ms"] / row["compiled"]["step_ms"], 2)
             print(json.dumps(row), flush=True)
             rows.append(row)
         text = table(rows, startup, command)   # written after each model: a long run keeps what it measured
