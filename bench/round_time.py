@@ -67,7 +67,8 @@ def look_alike(role: str, seed: int, prompts: list[torch.Tensor]):
     # residual stream carries its embedding): one spike over a flat tail. Its own weights instead.
     config.tie_word_embeddings = False
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    # float32, as a CPU engine serves it (from_config would take config.json's float16).
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     return model, peaked(model, prompts)
 
 
