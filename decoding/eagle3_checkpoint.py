@@ -29,6 +29,7 @@ from transformers import AutoConfig, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from specserve.decoding.eagle3_head import Eagle3Head, Eagle3Shape
+from specserve.decoding.weight_layout import input_major_linears
 
 EAGLE3_FORMATS = ("eagle", "speculators")
 # The decoder layer's weights under each format's prefix, by our module's names.
@@ -185,6 +186,7 @@ def load_eagle3_head(folder: str | Path, target_model) -> LoadedHead:
     # The rotary frequencies stay float32 whatever the weights' dtype, as the target's.
     head.rotary = LlamaRotaryEmbedding(shape.rope_config).to(target_device)
     head.eval().requires_grad_(False)
+    input_major_linears(head)   # on the CPU, as the engines' weights (decoding/weight_layout.py)
     return LoadedHead(head, _aux_layers({**layer, **config}, int(target_config.num_hidden_layers)), form, str(folder))
 
 

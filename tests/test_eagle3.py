@@ -71,6 +71,9 @@ def test_a_head_loads_the_files_weights_under_their_names(llama3, form):
     assert torch.equal(head.draft_to_target, saved["t2d"].nonzero().squeeze(-1))
     assert head.embed is target.get_input_embeddings()
     assert head.shape.norm_before_residual == (form == "speculators")
+    # Stored input-major on the CPU (decoding/weight_layout.py), values as saved.
+    assert all(module.weight.stride() == (1, module.weight.shape[0]) for module in head.modules()
+               if isinstance(module, torch.nn.Linear))
 
 
 def test_the_target_layers_come_from_the_config_else_the_common_default(llama3):
