@@ -191,6 +191,7 @@ class RowParams:
     truncating: torch.Tensor    # long: the rows top-k or top-p cut
     all_greedy: bool
     any_greedy: bool
+    all_truncating: bool        # every row is cut (no plain softmax row to compute beside them)
     uses_min_p: bool
     uses_top_k: bool
     uses_top_p: bool
@@ -203,6 +204,7 @@ class RowParams:
         top_p = [p.top_p if p.top_p < 1.0 and not g else float("inf") for p, g in zip(params, greedy)]
         min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
         on_device = functools.partial(host_to_device, device=device)
+        truncating = [i for i, (k, p) in enumerate(zip(top_k, top_p)) if k < vocab_size or p < 1.0]
         return RowParams(
             greedy=on_device(torch.tensor(greedy, dtype=torch.bool)),
             temperature=on_device(torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
@@ -210,9 +212,9 @@ class RowParams:
             min_p=on_device(torch.tensor(min_p, dtype=torch.float32)),
             top_k=on_device(torch.tensor(top_k, dtype=torch.long)),
             top_p=on_device(torch.tensor(top_p, dtype=torch.float64)),
-            truncating=on_device(torch.tensor([i for i, (k, p) in enumerate(zip(top_k, top_p))
-                                               if k < vocab_size or p < 1.0], dtype=torch.long)),
-            all_greedy=bool(greedy) and all(greedy), any_greedy=any(greedy), uses_min_p=any(m > 0.0 for m in min_p),
+            truncating=on_device(torch.tensor(truncating, dtype=torch.long)),
+            all_greedy=bool(greedy) and all(greedy), any_greedy=any(greedy),
+            all_truncating=bool(greedy) and len(truncating) == len(greedy), uses_min_p=any(m > 0.0 for m in min_p),
             uses_top_k=any(k < vocab_size for k in top_k), uses_top_p=any(p < 1.0 for p in top_p))
 
 
@@ -241,11 +243,15 @@ def process_rows(logits: torch.Tensor, row_params: RowParams) -> torch.Tensor:
         probs = torch.softmax(logits, dim=-1)
         threshold = row_params.min_p.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True)
         logits = logits.masked_fill(probs < threshold, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if row_params.uses_top_k or row_params.uses_top_p:
-        # Only the rows that truncate go through top-k / top-p; the others keep the plain softmax.
-        rows = row_params.truncating
-        probs = probs.index_copy(0, rows, truncate_rows(logits[rows], row_params.top_k[rows], row_params.top_p[rows]))
+    if row_params.all_truncating:
+        probs = truncate_rows(logits, row_params.top_k, row_params.top_p)
+    else:
+        probs = torch.softmax(logits, dim=-1)
+        if row_params.uses_top_k or row_params.uses_top_p:
+            # Only the rows that truncate go through top-k / top-p; the others keep the plain softmax.
+            rows = row_params.truncating
+            probs = probs.index_copy(0, rows, truncate_rows(logits[rows], row_params.top_k[rows],
+                                                            row_params.top_p[rows]))
     if one_hot is not None:
         probs = torch.where(row_params.greedy.unsqueeze(-1), one_hot, probs)
     return probs
