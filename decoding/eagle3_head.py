@@ -24,7 +24,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from specserve.decoding.lean_forward import rotate_half
+from specserve.decoding.lean_forward import apply_rope, rope_signs
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,8 @@ class Eagle3Head(nn.Module):
         k = self.k_proj(x).view(length, shape.num_kv_heads, shape.head_dim).transpose(0, 1)
         v = self.v_proj(x).view(length, shape.num_kv_heads, shape.head_dim).transpose(0, 1)
         cos, sin = self.rotary(x, positions.unsqueeze(0))        # [1, T, D]
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        signed_sin = rope_signs(sin)
+        q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
         all_keys = k if past_keys is None else torch.cat([past_keys, k], dim=1)
         all_values = v if past_values is None else torch.cat([past_values, v], dim=1)
         past = all_keys.shape[1] - length

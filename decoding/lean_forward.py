@@ -94,7 +94,7 @@ class LeanDecoder:
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         hidden = self.embed(input_ids)
         cos, sin = self.rotary(hidden, position_ids)            # [B, T, D]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos, signed_sin = cos.unsqueeze(1), rope_signs(sin).unsqueeze(1)
         width = hidden.shape[-1]
         captured = {}
         for index, layer in enumerate(self.layers):
@@ -105,7 +105,7 @@ class LeanDecoder:
             q = _linear(x, attention.q_proj).view(batch, length, heads, head_dim).transpose(1, 2)
             k = _linear(x, attention.k_proj).view(batch, length, kv_heads, head_dim).transpose(1, 2)
             v = _linear(x, attention.v_proj).view(batch, length, kv_heads, head_dim).transpose(1, 2)
-            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
             attended = cache.attend(index, q, k, v, scaling=self.scaling)
             attended = attended.transpose(1, 2).reshape(batch, length, heads * head_dim)
             hidden = hidden + _linear(attended, attention.o_proj)
@@ -119,10 +119,18 @@ class LeanDecoder:
         return logits, features.reshape(batch * length, -1)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[x1, x2] -> [-x2, x1] over the last dimension: RoPE's pairing, as transformers' Llama."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rope_signs(sin: torch.Tensor) -> torch.Tensor:
+    """sin [..., D] with its first half negated, for `apply_rope`: computed once per forward."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [..., D] as transformers' Llama computes it, x * cos + rotate_half(x)
+    * sin with rotate_half([x1, x2]) = [-x2, x1], in fewer ops: rotate_half(x) * sin is
+    [-x2 * s1, x1 * s2], and x rolled by half ([x2, x1]) times [-s1, s2] (rope_signs) is the same
+    numbers bit for bit (a product's sign does not depend on which factor carries it)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def _linear(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:

@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 
 from specserve.decoding.eagle3_checkpoint import default_aux_layers, load_eagle3_head
 from specserve.decoding.eagle3_head import Eagle3Head, Eagle3Shape
-from specserve.decoding.lean_forward import rotate_half
+from specserve.decoding.lean_forward import apply_rope, rope_signs
 from specserve.training.corpus import iter_stdlib_files, split_corpus
 from specserve.training.default_pair import encode_files, lr_at, sample_batch, save_checkpoint
 
@@ -119,8 +119,8 @@ def ttt_forward(head: Eagle3Head, features: torch.Tensor, tokens: torch.Tensor, 
         k = head.k_proj(x).view(batch, rows, shape.num_kv_heads, shape.head_dim).transpose(1, 2)
         v = head.v_proj(x).view(batch, rows, shape.num_kv_heads, shape.head_dim).transpose(1, 2)
         cos, sin = head.rotary(x, positions.unsqueeze(0))
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        cos, signed_sin = cos.unsqueeze(1), rope_signs(sin).unsqueeze(1)
+        q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         scale = shape.head_dim ** -0.5
         if step == 0:
