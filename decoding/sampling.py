@@ -39,11 +39,13 @@ MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (vLLM's d
 MIN_PRESENCE_PENALTY, MAX_PRESENCE_PENALTY = -2.0, 2.0
 MIN_FREQUENCY_PENALTY, MAX_FREQUENCY_PENALTY = -2.0, 2.0
 MIN_P_RANGE = (0.0, 1.0)
-# Top-k / top-p first look for their cut among a row's this many most likely tokens
-# (sampling.truncate_rows) and sort the whole row only where it is not there. It covers the top_k
-# values requests use, and a trained model's top-p nucleus is a small share of its vocabulary
-# (docs/sampling.md); topk's cost grows slowly with it, a miss costs a full sort as before.
-TOP_CANDIDATES = 1024
+# Top-k / top-p look for their cut among a row's most likely tokens, this many first, then this
+# many for the rows whose cut is not there (sampling.truncate_rows), and sort the whole row only
+# where it is in neither. The widest covers the top_k values requests use; a peaked row's top-p
+# nucleus mostly lies within the narrowest, which torch.topk finds at a fraction of the widest's
+# cost over a large vocabulary (docs/sampling.md).
+CANDIDATE_RUNGS = (256, 1024)
+TOP_CANDIDATES = CANDIDATE_RUNGS[-1]
 
 def stop_as_list(value: object) -> object:
     """OpenAI's `stop` takes a single string, a list of strings, or null: as a list."""
@@ -263,25 +265,35 @@ def truncate_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 
     Both cuts keep a prefix of the row's tokens in descending order, ties towards the lowest index
     (a stable sort). Sorting all V ids is the costly part over a large vocabulary, and a peaked row's
-    cut lies within its few most likely tokens. So each row first takes its TOP_CANDIDATES most
+    cut lies within its few most likely tokens. So each row first takes its CANDIDATE_RUNGS[0] most
     likely ids (`candidate_prefix`), and where the cut lies among those known to be the sorted row's
-    own first ids, the row is cut there; only the other rows (flat ones, top_k past the candidates)
-    sort everything (`sorted_prefix`). Both ways decide the kept set with the same float operations
-    on the same numbers (`cut_by_prefix`), so a row's result does not depend on the way it took
-    (tests/test_top_p_candidates.py, on CPU, whose cumulative sum runs in order; a device's parallel
-    scan may round a prefix's sums differently, which moves only a token whose mass before it is
-    within rounding of top_p). Deciding which rows sort is one host sync per call."""
-    num_rows, vocab_size = logits.shape
-    if num_rows == 0 or vocab_size <= TOP_CANDIDATES:
-        return cut_by_prefix(logits, sorted_prefix(logits), top_k, top_p)[1]
-    prefix_ids, exact_length, holds_every_finite = candidate_prefix(logits)
-    fits, probs = cut_by_prefix(logits, prefix_ids, top_k, top_p, exact_length)
-    fits |= holds_every_finite
-    if bool(fits.all()):
-        return probs
-    rest = (~fits).nonzero().squeeze(-1)
-    return probs.index_copy(0, rest, cut_by_prefix(logits[rest], sorted_prefix(logits[rest]), top_k[rest],
-                                                   top_p[rest])[1])
+    own first ids, the row is cut there; the other rows try the next rung, and only those that fit
+    in none (flat rows, top_k past the candidates) sort everything (`sorted_prefix`). Every way
+    decides the kept set with the same float operations on the same numbers (`cut_by_prefix`), so a
+    row's result does not depend on the way it took (tests/test_top_p_candidates.py, on CPU, whose
+    cumulative sum runs in order; a device's parallel scan may round a prefix's sums differently,
+    which moves only a token whose mass before it is within rounding of top_p). Deciding which rows
+    go on is one host sync per rung tried."""
+    probs, rest = None, None   # rest: the rows not cut yet (None: every row)
+
+    def remaining() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (logits, top_k, top_p) if rest is None else (logits[rest], top_k[rest], top_p[rest])
+
+    for width in CANDIDATE_RUNGS:
+        if logits.shape[0] == 0 or width >= logits.shape[-1]:
+            break
+        rows, k, p = remaining()
+        prefix_ids, exact_length, holds_every_finite = candidate_prefix(rows, width)
+        fits, cut = cut_by_prefix(rows, prefix_ids, k, p, exact_length)
+        fits |= holds_every_finite
+        probs = cut if probs is None else probs.index_copy(0, rest, cut)
+        if bool(fits.all()):
+            return probs
+        missed = (~fits).nonzero().squeeze(-1)
+        rest = missed if rest is None else rest[missed]
+    rows, k, p = remaining()
+    cut = cut_by_prefix(rows, sorted_prefix(rows), k, p)[1]
+    return cut if probs is None else probs.index_copy(0, rest, cut)
 
 
 def sorted_prefix(logits: torch.Tensor) -> torch.Tensor:
@@ -289,8 +301,8 @@ def sorted_prefix(logits: torch.Tensor) -> torch.Tensor:
     return torch.sort(logits, dim=-1, descending=True, stable=True).indices
 
 
-def candidate_prefix(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row's TOP_CANDIDATES most likely ids [n, m] in the stable descending order; how many of
+def candidate_prefix(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's `width` most likely ids [n, width] in the stable descending order; how many of
     them are surely the sorted row's first ids (long [n]); whether they hold every finite logit of
     the row (bool [n]).
 
@@ -300,7 +312,7 @@ def candidate_prefix(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     torch.topk picks among a tie in no stated order: those positions hold the right values, maybe
     not the right ids. If the last value is -inf, every finite logit is a candidate, and past those
     every order gives the same result (probability 0, kept or not)."""
-    values, ids = torch.topk(logits, TOP_CANDIDATES, dim=-1, sorted=True)
+    values, ids = torch.topk(logits, width, dim=-1, sorted=True)
     ids = ids.sort(dim=-1).values
     order = torch.sort(logits.gather(-1, ids), dim=-1, descending=True, stable=True).indices
     last = values[:, -1:]

@@ -2,8 +2,9 @@
 cut of the whole sorted row.
 
 Property tests over random rows wider than TOP_CANDIDATES: peaked rows (the cut lies among the
-candidates), flat ones (it does not: the full sort), rows full of ties (at the candidate boundary
-too), under temperature, min-p, top-k and top-p combinations, in one batch. Two references:
+candidates of the first rung), rows whose cut lies only among the second rung's, flat ones (in
+neither: the full sort), rows full of ties (at each rung's boundary too), under temperature, min-p,
+top-k and top-p combinations, in one batch. Two references:
 - the whole-row path called directly (`cut_by_prefix` over `sorted_prefix`): the candidate path must
   give bitwise the same probabilities, as it does the same float operations on the same numbers;
 - the processing before candidates (a stable sort of every truncating row, masses from the sorted
@@ -22,8 +23,8 @@ import pytest
 import torch
 
 import specserve.decoding.sampling as sampling
-from specserve.decoding.sampling import (TOP_CANDIDATES, RowParams, SamplingParams, cut_by_prefix, process_rows,
-                                         sorted_prefix, truncate_rows)
+from specserve.decoding.sampling import (CANDIDATE_RUNGS, TOP_CANDIDATES, RowParams, SamplingParams, cut_by_prefix,
+                                         process_rows, sorted_prefix, truncate_rows)
 
 VOCAB_SIZE = 4 * TOP_CANDIDATES
 ATOL = 1e-6  # float32 probabilities summed in another order
@@ -91,19 +92,34 @@ def assert_same_processing(probs: torch.Tensor, reference: torch.Tensor,
     return int((~same).sum())
 
 
+def boundary_tie(noise: torch.Tensor, place: int, generator: torch.Generator) -> torch.Tensor:
+    """A row whose ids ranked place - 8 .. place + 7 tie (straddling the place-th), shuffled."""
+    row = noise * 0.1 - 20
+    row[: place - 8] = torch.linspace(10, 0, place - 8)
+    row[place - 8: place + 8] = -1.0
+    return row[torch.randperm(VOCAB_SIZE, generator=generator)]
+
+
+def wide_nucleus(noise: torch.Tensor, size: int) -> torch.Tensor:
+    """A row whose top-p 0.95 nucleus holds about `size` ids: that many within a small spread,
+    far above the rest."""
+    row = noise * 0.5 - 30
+    row[:size] = noise[:size] * 0.2 + 10
+    return row
+
+
 def random_rows(seed: int) -> torch.Tensor:
-    """Peaked, flat and tied rows [12, VOCAB_SIZE]; the caller adds bf16-rounded ones."""
+    """Peaked, flat and tied rows [14, VOCAB_SIZE]; the caller adds bf16-rounded ones."""
     generator = torch.Generator().manual_seed(seed)
     noise = torch.randn(12, VOCAB_SIZE, generator=generator)
     rows = [noise[0] * 8, noise[1] * 12, noise[2] * 4, noise[3] * 0.3, noise[4] * 0.05,
             (noise[5] * 3).round(),                      # ties everywhere, at the candidate boundary too
-            (noise[6] * 8).round() / 2]                  # a peaked row tied at every value
-    boundary_tie = noise[7] * 0.1 - 20                   # a tie straddling the TOP_CANDIDATES-th place
-    boundary_tie[: TOP_CANDIDATES - 8] = torch.linspace(10, 0, TOP_CANDIDATES - 8)
-    boundary_tie[TOP_CANDIDATES - 8: TOP_CANDIDATES + 8] = -1.0
-    rows.append(boundary_tie[torch.randperm(VOCAB_SIZE, generator=generator)])
+            (noise[6] * 8).round() / 2,                  # a peaked row tied at every value
+            boundary_tie(noise[7], TOP_CANDIDATES, generator)]
     rows.append(torch.zeros(VOCAB_SIZE))              # all tied
     rows.extend(noise[9:] * 6)
+    rows.append(boundary_tie(noise[8], CANDIDATE_RUNGS[0], generator))
+    rows.append(wide_nucleus(noise[8], 2 * CANDIDATE_RUNGS[0]))   # cut among the second rung's candidates
     return torch.stack(rows)
 
 
@@ -113,6 +129,8 @@ PARAMS = [
     SamplingParams(temperature=0.7, top_p=0.5),
     SamplingParams(temperature=1.3, top_p=0.99),
     SamplingParams(temperature=1.0, top_k=50),
+    SamplingParams(temperature=1.0, top_k=CANDIDATE_RUNGS[0]),
+    SamplingParams(temperature=1.0, top_k=CANDIDATE_RUNGS[0] + 1, top_p=0.95),
     SamplingParams(temperature=1.0, top_k=TOP_CANDIDATES),
     SamplingParams(temperature=1.0, top_k=TOP_CANDIDATES + 1, top_p=0.9),
     SamplingParams(temperature=1.0, top_k=3 * TOP_CANDIDATES),
@@ -184,12 +202,40 @@ def test_peaked_rows_are_cut_among_their_candidates_and_flat_ones_sorted_whole(m
     assert rows_sorted_in_full(monkeypatch, rows[[8]], SamplingParams(top_k=40)) == 1     # all tied
 
 
+def candidate_calls(monkeypatch, logits: torch.Tensor, params: SamplingParams) -> list[tuple[int, int]]:
+    """(width, rows) of each candidate_prefix call process_rows makes (a spy on the real one)."""
+    calls = []
+    real = sampling.candidate_prefix
+
+    def counting(rows: torch.Tensor, width: int):
+        calls.append((width, rows.shape[0]))
+        return real(rows, width)
+
+    monkeypatch.setattr(sampling, "candidate_prefix", counting)
+    process_rows(logits, RowParams.of([params] * len(logits), VOCAB_SIZE))
+    return calls
+
+
+def test_a_row_goes_up_the_rungs_only_as_far_as_its_cut(monkeypatch):
+    rows = random_rows(0)
+    narrow, wide = CANDIDATE_RUNGS
+    top_p = SamplingParams(temperature=1.0, top_p=0.95)
+    assert candidate_calls(monkeypatch, rows[[0, 1, 9, 10, 11]], top_p) == [(narrow, 5)]   # peaked
+    # a nucleus of about twice the first rung: the second rung for that row alone, and no full sort
+    assert candidate_calls(monkeypatch, rows[[0, 13]], top_p) == [(narrow, 2), (wide, 1)]
+    assert rows_sorted_in_full(monkeypatch, rows[[13]], top_p) == 0
+    # top-k reaching into a tie across the first rung's boundary: settled among the second's
+    top_k = SamplingParams(top_k=narrow)
+    assert candidate_calls(monkeypatch, rows[[12]], top_k) == [(narrow, 1), (wide, 1)]
+    assert rows_sorted_in_full(monkeypatch, rows[[12]], top_k) == 0
+
+
 def test_the_comparison_rejects_a_candidate_path_that_never_sorts_whole(monkeypatch):
     logits, row_params = batch(0)
     reference = full_sort_reference(logits, row_params)
 
     def candidates_only(rows: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-        return cut_by_prefix(rows, sampling.candidate_prefix(rows)[0], top_k, top_p)[1]
+        return cut_by_prefix(rows, sampling.candidate_prefix(rows, TOP_CANDIDATES)[0], top_k, top_p)[1]
 
     monkeypatch.setattr(sampling, "truncate_rows", candidates_only)
     broken = process_rows(logits, row_params)
@@ -199,7 +245,7 @@ def test_the_comparison_rejects_a_candidate_path_that_never_sorts_whole(monkeypa
 
 
 def test_a_row_narrower_than_the_candidates_is_sorted_whole():
-    logits = torch.randn(3, TOP_CANDIDATES // 2, generator=torch.Generator().manual_seed(4)) * 3
+    logits = torch.randn(3, CANDIDATE_RUNGS[0] // 2, generator=torch.Generator().manual_seed(4)) * 3
     row_params = RowParams.of([SamplingParams(top_p=0.9), SamplingParams(top_k=7), SamplingParams(top_p=0.5, top_k=30)],
                               logits.shape[-1])
     assert_same_processing(process_rows(logits, row_params), full_sort_reference(logits, row_params))
