@@ -16,6 +16,7 @@ the proposer (decoding.eagle3_proposer) owns each sequence's entries and crops t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +94,28 @@ class Eagle3Head(nn.Module):
         position), features [T, hidden] (fused target features or the head's own prenorm),
         positions [T] (the features' positions, consecutive). Each row attends to the past entries
         ([kv_heads, P, head_dim], positions before positions[0]) and to rows <= t."""
+        q, k, v, residual = self._projected(token_ids, features, positions)
+        attended = self._attend(q, k, v, past_keys, past_values)
+        logits, prenorm = self._output(attended, residual)
+        return HeadStep(logits, prenorm, k, v)
+
+    def step_rows(self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                  pasts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[HeadStep]:
+        """One row each of B sequences at once (a drafting step of a batch): row b is
+        (token_ids[b], features[b], positions[b]) over its own sequence's past entries pasts[b]
+        ([kv_heads, P_b, head_dim] keys and values). The projections, the MLP and the LM head run
+        once for every row, so the head's weights are read once a step, not once a sequence; each
+        row attends over its own entries. -> a one-row HeadStep per sequence."""
+        q, k, v, residual = self._projected(token_ids, features, positions)
+        attended = torch.cat([self._attend(q[:, b:b + 1], k[:, b:b + 1], v[:, b:b + 1], *past)
+                              for b, past in enumerate(pasts)], dim=1)
+        logits, prenorm = self._output(attended, residual)
+        return [HeadStep(logits[b:b + 1], prenorm[b:b + 1], k[:, b:b + 1], v[:, b:b + 1]) for b in range(len(pasts))]
+
+    def _projected(self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows [T] -> their rotated queries [heads, T, head_dim], keys and values [kv_heads, T,
+        head_dim], and the residual [T, hidden] the attention output adds to."""
         shape = self.shape
         length = token_ids.shape[0]
         embeds = self._rms(self.embed(token_ids).to(features.dtype), self.input_layernorm)
@@ -108,20 +131,30 @@ class Eagle3Head(nn.Module):
         v = self.v_proj(x).view(length, shape.num_kv_heads, shape.head_dim).transpose(0, 1)
         cos, sin = self.rotary(x, positions.unsqueeze(0))        # [1, T, D]
         signed_sin = rope_signs(sin)
-        q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
+        return apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin), v, residual
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_keys: torch.Tensor | None,
+                past_values: torch.Tensor | None) -> torch.Tensor:
+        """Consecutive rows of one sequence over its past entries and each other, causally:
+        q [heads, T, head_dim], k/v [kv_heads, T, head_dim] -> [heads, T, head_dim]."""
+        length = q.shape[1]
         all_keys = k if past_keys is None else torch.cat([past_keys, k], dim=1)
         all_values = v if past_values is None else torch.cat([past_values, v], dim=1)
         past = all_keys.shape[1] - length
         # Row t sees every past entry and the new rows up to itself.
-        visible = torch.arange(all_keys.shape[1], device=x.device) <= past + torch.arange(length, device=x.device)[:, None]
-        groups = shape.num_heads // shape.num_kv_heads
-        attended = F.scaled_dot_product_attention(q, all_keys.repeat_interleave(groups, 0),
-                                                  all_values.repeat_interleave(groups, 0), attn_mask=visible)
-        hidden = self.o_proj(attended.transpose(0, 1).reshape(length, -1)) + residual
+        rows = torch.arange(length, device=q.device)[:, None]
+        visible = torch.arange(all_keys.shape[1], device=q.device) <= past + rows
+        groups = self.shape.num_heads // self.shape.num_kv_heads
+        return F.scaled_dot_product_attention(q, all_keys.repeat_interleave(groups, 0),
+                                              all_values.repeat_interleave(groups, 0), attn_mask=visible)
+
+    def _output(self, attended: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention output [heads, T, head_dim] and residual [T, hidden] -> (scores over the
+        head's vocabulary [T, draft_vocab], the pre-norm hidden state [T, hidden])."""
+        hidden = self.o_proj(attended.transpose(0, 1).reshape(residual.shape[0], -1)) + residual
         x = self._rms(hidden, self.post_attention_layernorm)
         prenorm = hidden + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        logits = self.lm_head(self._rms(prenorm, self.norm))
-        return HeadStep(logits, prenorm, k, v)
+        return self.lm_head(self._rms(prenorm, self.norm)), prenorm
 
     def target_logits(self, draft_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Scores over the target's vocabulary [T, vocab_size]: the head's rows at their target ids,

@@ -25,6 +25,7 @@ import torch
 
 from specserve.decoding.batched_runner import TargetFeatures, merged_features
 from specserve.decoding.eagle3_checkpoint import LoadedHead
+from specserve.decoding.eagle3_head import HeadStep
 from specserve.decoding.errors import SequenceStateError
 from specserve.decoding.proposers import Drafting, Proposal, ProposeCall, draft_step, empty_proposal
 from specserve.decoding.row_processors import history_processor
@@ -64,6 +65,25 @@ class HeadSequence:
         self.pending_start, self.pending = merged.start, merged.hidden
 
 
+@dataclass
+class _HeadDraft:
+    """One call's block while the head drafts it: its entries so far (the committed ones, then the
+    drafted ones, which are never kept past the call) and the last entry's output."""
+
+    index: int                 # the call's place in propose_batch's calls
+    drafting: Drafting
+    logits: torch.Tensor       # [draft_vocab] the next token's scores
+    prenorm: torch.Tensor      # [hidden] the next head step's feature
+    keys: torch.Tensor         # [kv_heads, entries, head_dim]
+    values: torch.Tensor
+    position: int              # the next entry's position
+
+    def take(self, step: HeadStep) -> None:
+        """The head's one-row step over this block's last drafted token."""
+        self.keys, self.values = torch.cat([self.keys, step.keys], dim=1), torch.cat([self.values, step.values], dim=1)
+        self.logits, self.prenorm, self.position = step.logits[0], step.prenorm[0], self.position + 1
+
+
 class Eagle3Proposer:
     """Proposes with an EAGLE-3 head; `observe` hands it the target's features of each forward.
 
@@ -96,34 +116,50 @@ class Eagle3Proposer:
                 generator: torch.Generator | None = None, prompt_len: int | None = None) -> Proposal:
         return self.propose_batch([ProposeCall(seq_id, history, num_tokens, params, generator, prompt_len)])[0]
 
-    def propose_batch(self, calls: Sequence[ProposeCall]) -> list[Proposal]:
-        """Up to num_tokens head steps per call, one sequence at a time (a head step is one layer)."""
-        return [self._propose(call) for call in calls]
-
     @torch.inference_mode()
-    def _propose(self, call: ProposeCall) -> Proposal:
-        history = list(call.history)
-        if call.num_tokens <= 0 or len(history) < 2:
-            return empty_proposal()
-        sequence = self._caught_up(call.seq_id, history)
-        drafting = Drafting(call, call.num_tokens, list(history))
-        logits, prenorm = sequence.last_logits, sequence.last_prenorm
-        keys, values = sequence.keys, sequence.values
-        position = len(history) - 1   # the position of the next entry: the last committed token's
-        while True:
-            rows = self.head.target_logits(logits.unsqueeze(0), self.vocab_size).float()
-            if drafting.processor is None and call.params.uses_history:
-                drafting.processor = history_processor(call.params, call.history, call.prompt_len, rows.shape[-1],
-                                                       rows.device, None)
-            token, top, q, odds = draft_step(rows, [call], [drafting.processor], [not drafting.drafted],
-                                             self.max_candidates)[0]
-            drafting.advance(token, top, q, odds)
-            if drafting.done:
-                return drafting.proposal()
-            step = self.head.step(torch.tensor([token], device=prenorm.device), prenorm.unsqueeze(0),
-                                  torch.tensor([position], device=prenorm.device), keys, values)
-            keys, values = torch.cat([keys, step.keys], dim=1), torch.cat([values, step.values], dim=1)
-            logits, prenorm, position = step.logits[0], step.prenorm[0], position + 1
+    def propose_batch(self, calls: Sequence[ProposeCall]) -> list[Proposal]:
+        """Up to num_tokens head steps per call, the calls drafting together: each step draws one
+        token for every call still drafting, in one batched draw (decoding.proposers.draft_step,
+        each row with its own generator, so a seeded request's block does not depend on what it
+        shares a step with), and runs the head once over all of their rows (Eagle3Head.step_rows),
+        so the head's weights are read once a step, not once a request."""
+        proposals = [empty_proposal() for _ in calls]
+        live = []
+        for index, call in enumerate(calls):
+            history = list(call.history)
+            if call.num_tokens <= 0 or len(history) < 2:
+                continue
+            sequence = self._caught_up(call.seq_id, history)
+            # The next entry's position is the last committed token's.
+            live.append(_HeadDraft(index, Drafting(call, call.num_tokens, history[:]), sequence.last_logits,
+                                   sequence.last_prenorm, sequence.keys, sequence.values, len(history) - 1))
+        while live:
+            rows = self.head.target_logits(torch.stack([draft.logits for draft in live]), self.vocab_size).float()
+            for draft in live:
+                call = draft.drafting.call
+                if draft.drafting.processor is None and call.params.uses_history:
+                    draft.drafting.processor = history_processor(call.params, call.history, call.prompt_len,
+                                                                 rows.shape[-1], rows.device, None)
+            drawn = draft_step(rows, [draft.drafting.call for draft in live],
+                               [draft.drafting.processor for draft in live],
+                               [not draft.drafting.drafted for draft in live], self.max_candidates)
+            going = []
+            for draft, (token, top, q, odds) in zip(live, drawn):
+                draft.drafting.advance(token, top, q, odds)
+                if draft.drafting.done:
+                    proposals[draft.index] = draft.drafting.proposal()
+                else:
+                    going.append((draft, token))
+            live = [draft for draft, _ in going]
+            if live:
+                device = rows.device
+                steps = self.head.step_rows(torch.tensor([token for _, token in going], device=device),
+                                            torch.stack([draft.prenorm for draft in live]),
+                                            torch.tensor([draft.position for draft in live], device=device),
+                                            [(draft.keys, draft.values) for draft in live])
+                for draft, step in zip(live, steps):
+                    draft.take(step)
+        return proposals
 
     def missing_features(self, seq_id: str, history: Sequence[int]) -> int | None:
         """The position from which seq_id's next propose over history needs target features this

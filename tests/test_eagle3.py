@@ -186,9 +186,36 @@ def test_drafting_over_the_heads_kept_entries_equals_drafting_from_scratch(llama
         _, (features,) = engine.forward_batch_with_features([ForwardCall("probe", state.history)])
         probe.observe("probe", features)
         assert probe.propose("probe", state.history, 3, state.params).token_ids == reference
-        assert proposer._propose(ProposeCall("r", state.history, 3, state.params)).token_ids == reference
+        assert proposer.propose_batch([ProposeCall("r", state.history, 3, state.params)])[0].token_ids == reference
         engine.release("probe")
     assert rounds >= 3
+
+
+@pytest.mark.parametrize("form", FORMATS)
+def test_requests_drafting_together_each_get_the_block_it_drafts_alone(llama3, form):
+    """propose_batch runs the head once over every request's row a step: each request's greedy
+    block, and a sampled seeded one's tokens, are those it drafts alone (different histories,
+    blocks of different lengths, one call with nothing to draft)."""
+    _, target, heads = llama3
+    loaded = load_eagle3_head(heads[form], target)
+    engine = engine_for_model(target, aux_layers=loaded.aux_layers)
+    together, alone = Eagle3Proposer(loaded), Eagle3Proposer(loaded)
+    histories = {f"r{i}": list(prompt) for i, prompt in enumerate(PROMPTS[:3])}
+    _, features = engine.forward_batch_with_features([ForwardCall(seq_id, history)
+                                                      for seq_id, history in histories.items()])
+    for (seq_id, _), rows in zip(histories.items(), features):
+        together.observe(seq_id, rows)
+        alone.observe(seq_id, rows)
+    greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=3)
+    calls = [ProposeCall("r0", histories["r0"], 4, greedy), ProposeCall("r1", histories["r1"], 2, greedy),
+             ProposeCall("r2", histories["r2"], 3, sampled, make_generator(3)),
+             ProposeCall("r1", histories["r1"], 0, greedy)]
+    batched = together.propose_batch(calls)
+    for call, proposal in zip(calls, batched):
+        generator = make_generator(3) if call.generator is not None else None
+        own = alone.propose_batch([ProposeCall(call.seq_id, call.history, call.num_tokens, call.params, generator)])[0]
+        assert proposal.token_ids == own.token_ids, call.seq_id
+    assert [len(proposal.token_ids) for proposal in batched] == [4, 2, 3, 0]
 
 
 @pytest.fixture(scope="module")
