@@ -198,22 +198,38 @@ def run_hf_assisted(pair: LoadedPair, prompt_id: str, run: int, prompt_ids: list
     saved_config = copy.deepcopy(draft.generation_config)
     for key, value in hf_generation_overrides(num_draft_tokens).items():
         setattr(draft.generation_config, key, value)
+    target._get_candidate_generator = counting_factory
+    try:
+        return _hf_generate(pair, prompt_id, run, prompt_ids, mode, max_tokens, seed, counts, assistant_model=draft)
+    finally:
+        del target._get_candidate_generator  # back to the class's method
+        draft.generation_config = saved_config
+
+
+def run_hf_target(pair: LoadedPair, prompt_id: str, run: int, prompt_ids: list[int], mode: str,
+                  max_tokens: int, seed: int) -> RequestRecord:
+    """One request through target.generate alone: Hugging Face's own target-only decoding, one
+    pass a token."""
+    return _hf_generate(pair, prompt_id, run, prompt_ids, mode, max_tokens, seed, None)
+
+
+def _hf_generate(pair: LoadedPair, prompt_id: str, run: int, prompt_ids: list[int], mode: str, max_tokens: int,
+                 seed: int, counts: dict | None, **generate_kwargs) -> RequestRecord:
+    """target.generate over one prompt, streamed to time its passes; counts: the assisted row's
+    drafted / accepted / passes (None: no draft, a pass a token)."""
+    target = pair.target_model
     sampling = ({"do_sample": True, "temperature": 0.8, "top_k": 0, "top_p": 1.0} if mode == "sampled"
                 else {"do_sample": False})
     input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=target.device)
     streamer = _RoundStreamer(pair.clock)
-    target._get_candidate_generator = counting_factory
-    try:
-        torch.manual_seed(seed)
-        started = time.perf_counter()
-        output = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=draft,
-                                 max_new_tokens=max_tokens, streamer=streamer, pad_token_id=pair.target.runner.eos_token_id,
-                                 **sampling)
-        wall_s = time.perf_counter() - started
-    finally:
-        del target._get_candidate_generator  # back to the class's method
-        draft.generation_config = saved_config
+    torch.manual_seed(seed)
+    started = time.perf_counter()
+    output = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_tokens,
+                             streamer=streamer, pad_token_id=pair.target.runner.eos_token_id, **sampling,
+                             **generate_kwargs)
+    wall_s = time.perf_counter() - started
     num_output = int(output.shape[1]) - len(prompt_ids)
+    counts = counts or {"drafted": 0, "accepted": 0, "passes": num_output}
     puts, model = streamer.put_times, streamer.model_times
     # Overheads from the second pass on, as for specserve (the first pass includes both prefills).
     overheads = [(puts[i] - puts[i - 1]) - (model[i] - model[i - 1]) for i in range(2, len(puts))]
@@ -244,6 +260,10 @@ def in_process_rows(num_draft_tokens: int) -> list[InProcessRow]:
         return lambda pair, pid, run, ids, mode, max_tokens, seed: run_hf_assisted(
             pair, pid, run, ids, mode, max_tokens, seed, k)
 
-    return [InProcessRow("target-inproc", specserve(0)), InProcessRow("hf-dynamic", hf(None)),
+    def hf_target(pair, pid, run, ids, mode, max_tokens, seed):
+        return run_hf_target(pair, pid, run, ids, mode, max_tokens, seed)
+
+    return [InProcessRow("target-inproc", specserve(0)), InProcessRow("hf-target", hf_target),
+            InProcessRow("hf-dynamic", hf(None)),
             InProcessRow("hf-constant", hf(num_draft_tokens)),
             InProcessRow("specserve-inproc", specserve(num_draft_tokens))]

@@ -26,7 +26,7 @@ from specserve.bench.perfmodel import ratio
 from specserve.bench.records import RequestRecord, StepLatency, step_size_for, summarize_row
 from specserve.training.prompts import DEFAULT_PROMPT_SET, PROMPT_SETS, load_prompt_set, select_prompts
 
-IN_PROCESS_ROWS = ["target-inproc", "hf-dynamic", "hf-constant", "specserve-inproc"]
+IN_PROCESS_ROWS = ["target-inproc", "hf-target", "hf-dynamic", "hf-constant", "specserve-inproc"]
 HTTP_ROWS = ["target-http", "specserve-http"]
 ALL_ROWS = IN_PROCESS_ROWS + HTTP_ROWS + ["sweep"]
 WARMUP_TOKENS = 8
@@ -179,6 +179,7 @@ def run_http(args, config, prompts, records: dict, sweeps: dict) -> None:
 
 ROW_INFO = {  # key -> (label, transport)
     "target-inproc": ("target-only (generate, K=0)", "in-process"),
+    "hf-target": ("HF generate, target only", "in-process"),
     "hf-dynamic": ("HF assisted, default dynamic schedule", "in-process"),
     "hf-constant": ("HF assisted, constant K", "in-process"),
     "specserve-inproc": ("specserve reference (decoding/generate.py)", "in-process"),
@@ -188,7 +189,7 @@ ROW_INFO = {  # key -> (label, transport)
 
 
 def configured_depth(key: str, args) -> int | None:
-    if key in ("target-inproc", "target-http"):
+    if key in ("target-inproc", "hf-target", "target-http"):
         return 0
     if key == "hf-dynamic" or (key == "specserve-http" and args.adaptive):
         return None

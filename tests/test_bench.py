@@ -243,16 +243,20 @@ def test_in_process_rows_run_end_to_end_on_a_tiny_pair(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(f"target:\n  path: {target}\ndraft:\n  path: {draft}\n")
     result = main(["--config", str(config), "--mode", "greedy", "--max-tokens", "8", "--runs", "1",
-                   "--num-prompts", "2", "--rows", "target-inproc,hf-dynamic,hf-constant,specserve-inproc",
+                   "--num-prompts", "2", "--rows", "target-inproc,hf-target,hf-dynamic,hf-constant,specserve-inproc",
                    "--out", str(tmp_path / "results"), "--name", "smoke"])
     rows = {row["key"]: row for row in result["modes"]["greedy"]["rows"]}
-    assert set(rows) == {"target-inproc", "hf-dynamic", "hf-constant", "specserve-inproc"}
+    assert set(rows) == {"target-inproc", "hf-target", "hf-dynamic", "hf-constant", "specserve-inproc"}
     speculative, baseline = rows["specserve-inproc"], rows["target-inproc"]
     assert speculative["vs_target_only"] == pytest.approx(speculative["tokens_per_s"] / baseline["tokens_per_s"])
     # Greedy speculation is lossless: the very same tokens as target-only, prompt by prompt.
     spec_ids = [(r["prompt_id"], r["output_token_ids"]) for r in speculative["records"]]
     assert spec_ids == [(r["prompt_id"], r["output_token_ids"]) for r in baseline["records"]]
     assert all(len(ids) == 8 for _, ids in spec_ids)
+    # HF's own target-only decoding: one pass a token, the target's greedy tokens.
+    hf_target = rows["hf-target"]
+    assert [(r["prompt_id"], r["output_token_ids"]) for r in hf_target["records"]] == spec_ids
+    assert all(r["target_passes"] == r["num_output_tokens"] for r in hf_target["records"])
     assert 0.0 <= rows["hf-constant"]["acceptance_rate"] <= 1.0
     assert rows["specserve-inproc"]["mean_draft_tokens"] > 0
     assert (tmp_path / "results" / "smoke.md").exists() and (tmp_path / "results" / "latest.json").exists()
