@@ -69,16 +69,15 @@ class Endpoints:
 @contextmanager
 def serving(speculative: SpecServeConfig, target_only: SpecServeConfig) -> Iterator[Endpoints]:
     """Ray + Serve with both applications; always shut down on exit."""
-    import ray
     from ray import serve
 
     from specserve.cluster.builder import build_app, logical_cpus_needed
-    from specserve.cluster.local import RAY_SYSTEM_CONFIG, start_local, stop_local, wait_healthy
+    from specserve.cluster.local import RAY_SYSTEM_CONFIG, init_local_ray, start_local, stop_local, wait_healthy
 
-    # Logical CPUs for both apps at once (start_local alone would reserve for one).
-    ray.init(num_cpus=logical_cpus_needed(speculative) + logical_cpus_needed(target_only),
-             include_dashboard=False, _system_config=RAY_SYSTEM_CONFIG, configure_logging=False,
-             log_to_driver=False)
+    # Logical CPUs for both apps at once (start_local alone would reserve for one); the cluster
+    # every local start makes (Serve's data plane included: cluster/serve_data_plane.py).
+    init_local_ray(num_cpus=logical_cpus_needed(speculative) + logical_cpus_needed(target_only),
+                   include_dashboard=False, _system_config=RAY_SYSTEM_CONFIG)
     try:
         url = start_local(speculative)
         serve.run(build_app(target_only), name=TARGET_ONLY_APP, route_prefix=TARGET_ONLY_PREFIX)

@@ -158,15 +158,15 @@ def run_interleaved(configs: dict[str, SpecServeConfig], bodies_for, levels: lis
                     progress) -> dict[str, list[dict]]:
     """Every variant as its own Serve app in one cluster, each level run `turns` times per variant
     in alternating order; a level's figures are the mean over its turns (module docstring)."""
-    import ray
     from ray import serve
 
     from specserve.cluster.builder import build_app, logical_cpus_needed
-    from specserve.cluster.local import RAY_SYSTEM_CONFIG, start_local, stop_local, wait_healthy
+    from specserve.cluster.local import RAY_SYSTEM_CONFIG, init_local_ray, start_local, stop_local, wait_healthy
 
     names = list(configs)
-    ray.init(num_cpus=sum(logical_cpus_needed(config) for config in configs.values()), include_dashboard=False,
-             _system_config=RAY_SYSTEM_CONFIG, configure_logging=False, log_to_driver=False)
+    # The cluster every local start makes (Serve's data plane included: cluster/serve_data_plane.py).
+    init_local_ray(num_cpus=sum(logical_cpus_needed(config) for config in configs.values()), include_dashboard=False,
+                   _system_config=RAY_SYSTEM_CONFIG)
     try:
         base_url = start_local(configs[names[0]])
         urls = {names[0]: base_url}
