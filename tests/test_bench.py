@@ -358,3 +358,31 @@ def test_load_sweep_variants_compose_their_suffixes():
     plain = variant_config(SpecServeConfig(), "adaptive", 4, 8123)
     assert plain.router.num_replicas == 1 and plain.http.stream_interval_ms == 0.0
     assert plain.target.null_forward_agreement is None and plain.speculation.adaptive
+
+
+class ClusterStarted(Exception):
+    """What the spy below raises where a bench would start its cluster."""
+
+
+def test_the_benches_start_their_cluster_as_specserve_serve_does(monkeypatch):
+    """specserve bench's HTTP rows and bench-load start Ray through cluster.local.init_local_ray,
+    which brings Serve's data plane (cluster/serve_data_plane.py); a ray.init of their own left it
+    out, and every HTTP figure then measured Serve's Python proxy."""
+    import specserve.cluster.local as local
+    from specserve.bench.http_rows import serving
+    from specserve.bench.load_sweep import run_interleaved
+
+    started = []
+
+    def spy(**ray_init_kwargs):
+        started.append(ray_init_kwargs)
+        raise ClusterStarted
+
+    monkeypatch.setattr(local, "init_local_ray", spy)
+    config = SpecServeConfig()
+    with pytest.raises(ClusterStarted):
+        with serving(config, config):
+            pass
+    with pytest.raises(ClusterStarted):
+        run_interleaved({"k4": config}, None, [1], 1, print, None)
+    assert len(started) == 2
