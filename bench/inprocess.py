@@ -260,10 +260,7 @@ def in_process_rows(num_draft_tokens: int) -> list[InProcessRow]:
         return lambda pair, pid, run, ids, mode, max_tokens, seed: run_hf_assisted(
             pair, pid, run, ids, mode, max_tokens, seed, k)
 
-    def hf_target(pair, pid, run, ids, mode, max_tokens, seed):
-        return run_hf_target(pair, pid, run, ids, mode, max_tokens, seed)
-
-    return [InProcessRow("target-inproc", specserve(0)), InProcessRow("hf-target", hf_target),
+    return [InProcessRow("target-inproc", specserve(0)), InProcessRow("hf-target", run_hf_target),
             InProcessRow("hf-dynamic", hf(None)),
             InProcessRow("hf-constant", hf(num_draft_tokens)),
             InProcessRow("specserve-inproc", specserve(num_draft_tokens))]

@@ -9,9 +9,9 @@ weight becomes the transpose view of an [in, out] tensor, so every forward (the 
 transformers' own, the compiled one) and every weight swap (`load_state_dict` copies into it)
 runs unchanged. Measured per step in docs/performance.md ("Weights stored input-major").
 
-Only plain float32 matrices of `nn.Linear` modules are re-stored (the measured case); quantized,
-sharded (tensor-parallel) and half-precision weights keep their layout, and GPUs (whose GEMMs take
-either layout) are not touched. A weight tied to the input embedding is re-stored too: the
+Only plain float32 matrices of `nn.Linear` modules are re-stored (the measured case); quantized
+and half-precision weights and tensor subclasses (a DTensor shard) keep their layout, and GPUs
+(whose GEMMs take either layout) are not touched. A weight tied to the input embedding is re-stored too: the
 embedding's lookup then reads strided rows, a cost only a prefill pays, once per token.
 """
 
@@ -35,4 +35,3 @@ def input_major_linears(model: torch.nn.Module) -> int:
             weight.data = weight.data.t().contiguous().t()
         restored += 1
     return restored
-

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+
 import torch
 
 from specserve.bench.engine_step import LLAMA3_VOCAB, SHAPES, models, step_bench_arguments, step_times
