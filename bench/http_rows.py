@@ -16,7 +16,7 @@ import json
 import math
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -67,24 +67,33 @@ class Endpoints:
 
 
 @contextmanager
-def serving(speculative: SpecServeConfig, target_only: SpecServeConfig) -> Iterator[Endpoints]:
-    """Ray + Serve with both applications; always shut down on exit."""
+def served_apps(first: SpecServeConfig, more: Sequence[tuple[str, str, SpecServeConfig]] = ()) -> Iterator[str]:
+    """One local cluster with logical CPUs for every app at once (start_local alone would reserve
+    for one), started as `specserve serve` starts it (init_local_ray: Serve's data plane too,
+    cluster/serve_data_plane.py): `first` served at "/", each of `more` (app name, route prefix,
+    config) beside it. Yields the base URL; always shut down on exit."""
     from ray import serve
 
     from specserve.cluster.builder import build_app, logical_cpus_needed
     from specserve.cluster.local import RAY_SYSTEM_CONFIG, init_local_ray, start_local, stop_local, wait_healthy
 
-    # Logical CPUs for both apps at once (start_local alone would reserve for one); the cluster
-    # every local start makes (Serve's data plane included: cluster/serve_data_plane.py).
-    init_local_ray(num_cpus=logical_cpus_needed(speculative) + logical_cpus_needed(target_only),
+    init_local_ray(num_cpus=sum(logical_cpus_needed(config) for config in (first, *(app[2] for app in more))),
                    include_dashboard=False, _system_config=RAY_SYSTEM_CONFIG)
     try:
-        url = start_local(speculative)
-        serve.run(build_app(target_only), name=TARGET_ONLY_APP, route_prefix=TARGET_ONLY_PREFIX)
-        wait_healthy(url + TARGET_ONLY_PREFIX, timeout_s=300.0)
-        yield Endpoints(url, url + TARGET_ONLY_PREFIX, speculative.model_name)
+        url = start_local(first)
+        for name, route_prefix, config in more:
+            serve.run(build_app(config), name=name, route_prefix=route_prefix)
+            wait_healthy(url + route_prefix, timeout_s=300.0)
+        yield url
     finally:
         stop_local()
+
+
+@contextmanager
+def serving(speculative: SpecServeConfig, target_only: SpecServeConfig) -> Iterator[Endpoints]:
+    """Ray + Serve with both applications; always shut down on exit."""
+    with served_apps(speculative, [(TARGET_ONLY_APP, TARGET_ONLY_PREFIX, target_only)]) as url:
+        yield Endpoints(url, url + TARGET_ONLY_PREFIX, speculative.model_name)
 
 
 def request_body(model: str, prompt: str, mode: str, max_tokens: int, seed: int) -> dict:

@@ -50,7 +50,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from specserve.bench import DEFAULT_OUT_DIR
-from specserve.bench.http_rows import free_port, request_body, run_level, sweep_request_count
+from specserve.bench.http_rows import free_port, request_body, run_level, served_apps, sweep_request_count
 from specserve.common.config import SpecServeConfig, load_config
 from specserve.training.prompts import DEFAULT_PROMPT_SET, PROMPT_SETS, load_prompt_set, select_prompts
 
@@ -158,22 +158,10 @@ def run_interleaved(configs: dict[str, SpecServeConfig], bodies_for, levels: lis
                     progress) -> dict[str, list[dict]]:
     """Every variant as its own Serve app in one cluster, each level run `turns` times per variant
     in alternating order; a level's figures are the mean over its turns (module docstring)."""
-    from ray import serve
-
-    from specserve.cluster.builder import build_app, logical_cpus_needed
-    from specserve.cluster.local import RAY_SYSTEM_CONFIG, init_local_ray, start_local, stop_local, wait_healthy
-
     names = list(configs)
-    # The cluster every local start makes (Serve's data plane included: cluster/serve_data_plane.py).
-    init_local_ray(num_cpus=sum(logical_cpus_needed(config) for config in configs.values()), include_dashboard=False,
-                   _system_config=RAY_SYSTEM_CONFIG)
-    try:
-        base_url = start_local(configs[names[0]])
-        urls = {names[0]: base_url}
-        for name in names[1:]:
-            serve.run(build_app(configs[name]), name=f"bench-{name}", route_prefix=f"/{name}")
-            urls[name] = f"{base_url}/{name}"
-            wait_healthy(urls[name], timeout_s=300.0)
+    beside = [(f"bench-{name}", f"/{name}", configs[name]) for name in names[1:]]
+    with served_apps(configs[names[0]], beside) as base_url:
+        urls = {names[0]: base_url, **{name: f"{base_url}/{name}" for name in names[1:]}}
         for name in names:  # warm-up: both engines, the tokenizer, the HTTP path
             run_level(urls[name], bodies_for(2, configs[name].model_name)[:2], 2)
         results: dict[str, list[dict]] = {name: [] for name in names}
@@ -194,8 +182,6 @@ def run_interleaved(configs: dict[str, SpecServeConfig], bodies_for, levels: lis
                     f"(turns: {', '.join(f'{t:.1f}' for t in merged['turns_tokens_per_s'])})")
                 progress.update()
         return results
-    finally:
-        stop_local()
 
 
 def run_variant(config: SpecServeConfig, bodies_for, levels: list[int], log, progress) -> list[dict]:
