@@ -11,8 +11,9 @@ runs unchanged. Measured per step in docs/performance.md ("Weights stored input-
 
 Only plain float32 matrices of `nn.Linear` modules are re-stored (the measured case); quantized
 and half-precision weights and tensor subclasses (a DTensor shard) keep their layout, and GPUs
-(whose GEMMs take either layout) are not touched. A weight tied to the input embedding is re-stored too: the
-embedding's lookup then reads strided rows, a cost only a prefill pays, once per token.
+(whose GEMMs take either layout) are not touched. A weight tied to the input embedding is
+re-stored too: the embedding's lookup then reads strided rows, a cost only a prefill pays, once
+per token.
 """
 
 from __future__ import annotations

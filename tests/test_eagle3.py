@@ -29,6 +29,7 @@ from specserve.decoding.scheduler import engine_for_model
 from specserve.decoding.sequence import RequestState
 from tests.eagle3_fixtures import SPECULATORS_LAYERS, build_eagle3_head, llama3_with_heads
 from tests.test_generate import assert_follows_target_not_draft
+from tests.test_weight_layout import input_major, linear_weights
 
 FORMATS = ("eagle", "speculators")
 PROMPTS = [[5, 17, 42, 8, 3, 33], [60, 2, 2, 9, 14, 27, 50, 11, 7], [12, 40, 21]]
@@ -72,8 +73,7 @@ def test_a_head_loads_the_files_weights_under_their_names(llama3, form):
     assert head.embed is target.get_input_embeddings()
     assert head.shape.norm_before_residual == (form == "speculators")
     # Stored input-major on the CPU (decoding/weight_layout.py), values as saved.
-    assert all(module.weight.stride() == (1, module.weight.shape[0]) for module in head.modules()
-               if isinstance(module, torch.nn.Linear))
+    assert all(input_major(weight) for weight in linear_weights(head).values())
 
 
 def test_the_target_layers_come_from_the_config_else_the_common_default(llama3):
