@@ -18,6 +18,8 @@ Variants (`--variants`):
   docs/block-verification.md), e.g. `adaptive,adaptive-token --mode sampled`
 - any variant with `-plain`: the same with speculation.fan_out 0, plain rounds without the
   speculation cache (docs/speculation-cache.md), e.g. `adaptive,adaptive-plain`
+- any variant with `-unmeasured`: the same with speculation.fan_out_measured false, the fan-out
+  kept whether or not rounds measure faster with it, e.g. `adaptive,adaptive-unmeasured,adaptive-plain`
 - any variant with `-2routers`: the same with two router replicas, e.g. `k4,k4-2routers`
 - any variant with `-intervalN`: the same with `http.stream_interval_ms` N (a stream's rounds merged
   into one chunk per N ms), e.g. `k4,k4-interval50`
@@ -80,6 +82,9 @@ def variant_config(base: SpecServeConfig, variant: str, num_draft_tokens: int, p
     if variant.endswith("-plain"):
         spec["fan_out"] = 0
         variant = variant.removesuffix("-plain")
+    if variant.endswith("-unmeasured"):
+        spec["fan_out_measured"] = False
+        variant = variant.removesuffix("-unmeasured")
     if variant.endswith("-token"):
         spec["verification"] = "token"
         variant = variant.removesuffix("-token")
@@ -360,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted({v.partition("-interval")[0].removesuffix("-2routers").removesuffix("-plain")
-                      .removesuffix("-token") for v in variants} - set(VARIANTS))
+                      .removesuffix("-unmeasured").removesuffix("-token") for v in variants} - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {VARIANTS}")
     levels = [int(c) for c in args.concurrency.split(",")]

@@ -149,6 +149,11 @@ class SpeculationSpec(_Strict):
                                    "requests in flight (Saguaro's batch-size fallback): where draft and target share "
                                    "a device or a CPU, pre-drafts for a batch slow the target more than hits save "
                                    "(docs/speculation-cache.md); raise it when the draft has its own GPU")
+    fan_out_measured: bool = Field(True, description="keep the fan-out only where a request class's rounds "
+                                   "measure faster with it than without (a few rounds in twenty run the other way to "
+                                   "keep both measured): where draft and target share cores or a device, pre-drafts "
+                                   "slow the target's verify. false: the fan-out as the other gates set it "
+                                   "(docs/speculation-cache.md)")
     saguaro_downweight: float = Field(1.0, gt=0, le=1, description="with a fan-out, a sampled draft draws "
                                       "from its row with its likeliest tokens scaled by this (Saguaro sampling): a "
                                       "rejection's recovered token then falls on the tokens pre-drafted for far more "

@@ -88,6 +88,7 @@ class RoundLoop:
         capture_k = self.observer.capture_top_k() if num_draft > 0 else None  # online training's sample
         stages.mark("depth")
         proposal, draft_s, draft_hops_s, draft_calls = Proposal([], None), 0.0, 0.0, []
+        predrafted_before = self.predrafted
         if num_draft > 0:
             try:
                 proposal, draft_s, draft_hops_s = await self._propose(num_draft, stages, draft_calls)
@@ -117,7 +118,8 @@ class RoundLoop:
             wall_s=time.perf_counter() - round_started, draft_s=draft_s, target_s=verify.engine_s,
             hops_s=draft_hops_s + verify.hops_s, alone=started_alone and self.num_active() == 1,
             draft_calls=tuple(draft_calls), draft_version=proposal.draft_version,
-            captured=captured))
+            captured=captured, predrafting=self.predrafted if proposal.token_ids and
+            self.predrafted == predrafted_before else None))
         stages.mark("recorded")
         self.emit(step_chunk(state, committed, logprob_rows))
         stages.mark("chunked")

@@ -34,6 +34,9 @@ class RoundRecord:
     draft_calls: tuple[tuple[float, int], ...] = ()  # (engine seconds, tokens) of drafting calls answered
     draft_version: int = 0         # the draft weights that drafted the block
     captured: CapturedBlock | None = None  # the target's top-k at the block, on a captured round
+    # A steady round for the fan-out's payoff (policies.fan_out.FanOutPayoff): True, it pre-drafted
+    # and so did the round before; False, neither did; None, the fan-out changed between them.
+    predrafting: bool | None = None
 
     @property
     def overhead_s(self) -> float:
@@ -102,6 +105,9 @@ class RoundObserver:
             self.chooser.observe_draft(engine_s, num_tokens)
         self.chooser.observe_round(record.request_class, record.num_drafted, record.num_accepted, record.wall_s,
                                    record.target_s, record.overhead_s, record.alone)
+        if record.predrafting is not None and record.num_drafted:
+            self.chooser.observe_fan_out_round(record.request_class, record.num_drafted, record.predrafting,
+                                               record.wall_s)
         self.metrics.record_round(record.wall_s, record.num_drafted)
         if self.capture is not None:
             self.capture.observe(record.draft_version, record.num_drafted, record.num_accepted, record.captured)

@@ -16,6 +16,7 @@ from specserve.common.messages import REQUEST_CLASSES, ClassReport, PolicyDecisi
 from specserve.decoding.sequence import RequestState
 from specserve.policies.acceptance import count_round_positions, position_accept_rates, request_position_rates
 from specserve.policies.depth import RoundCosts, RoundWallFit, best_depth_by_position, choose_draft_depth
+from specserve.policies.fan_out import FanOutPayoff
 from specserve.policies.load import accept_rate_from_rounds
 
 POLICY_STALE_S = 30.0  # a decision older than this (actor gone) is dropped: per-request depth only
@@ -24,6 +25,9 @@ POLICY_STALE_S = 30.0  # a decision older than this (actor gone) is dropped: per
 MIN_HIT_SHARE = 0.3
 HIT_SMOOTHING = 0.05       # the hit share is an EMA over about the last 20 rounds that pre-drafted
 PROBE_EVERY = 20
+# A request's rounds that run the other way than the fan-out's measured payoff says, in every
+# PROBE_EVERY, so both sides stay measured: two in a row, as only the second is a steady round.
+PAYOFF_PROBE_ROUNDS = 2
 
 
 def request_class(state: RequestState) -> str:
@@ -78,6 +82,8 @@ class DepthChooser:
         # rounds since the class last pre-drafted while its share is low.
         self.hit_share = {c: 0.5 for c in REQUEST_CLASSES}
         self._rounds_since_probe = {c: 0 for c in REQUEST_CLASSES}
+        # Per class: whether rounds with the fan-out measure faster than rounds without it.
+        self.fan_out_payoff = {c: FanOutPayoff() for c in REQUEST_CLASSES}
 
     def set_policy_decision(self, decision: PolicyDecision | None, now: float) -> None:
         self.policy_decision, self.policy_decision_at = decision, now
@@ -118,9 +124,11 @@ class DepthChooser:
         (policies.fan_out.share_fan_out). The fan-out is the configured one alone, the policy's (lowered as the draft pool fills)
         beside other requests, and none past speculation.fan_out_max_batch requests in flight, nor
         while the class's recent rounds hit less than MIN_HIT_SHARE (but for a probe one round in
-        PROBE_EVERY, to see whether that changed). Load may decide it even for a seeded request: a
-        hit's block is the one drafting just in time would have drawn, so the fan-out changes
-        speed, never the output."""
+        PROBE_EVERY, to see whether that changed), nor, with speculation.fan_out_measured, where
+        the class's rounds at this depth measure slower with it than without (FanOutPayoff; each
+        request runs PAYOFF_PROBE_ROUNDS of every PROBE_EVERY rounds the other way). Load may
+        decide it even for a seeded request: a hit's block is the one drafting just in time would
+        have drawn, so the fan-out changes speed, never the output."""
         budget = self.spec.fan_out if num_active <= self.spec.fan_out_max_batch else 0
         klass = request_class(state)
         if budget and self.hit_share[klass] < MIN_HIT_SHARE:
@@ -128,12 +136,22 @@ class DepthChooser:
             if self._rounds_since_probe[klass] < PROBE_EVERY:
                 return ()
             self._rounds_since_probe[klass] = 0
+        if budget and self.spec.fan_out_measured:
+            # Mid-way through each PROBE_EVERY rounds: a request's first rounds are not typical.
+            probing = (state.stats.rounds + PROBE_EVERY // 2) % PROBE_EVERY < PAYOFF_PROBE_ROUNDS
+            if probing == (self.fan_out_payoff[klass].pays(num_draft) is not False):
+                return ()
         decision = self.fresh_decision(now)
         if num_active > 1 and decision is not None and decision.fan_out is not None:
             budget = min(budget, decision.fan_out)
         if budget <= 0 or num_draft <= 0:
             return ()
         return (budget,)
+
+    def observe_fan_out_round(self, klass: str, num_drafted: int, predrafting: bool, wall_s: float) -> None:
+        """A steady round (deployments.round_record.RoundRecord.predrafting): with the fan-out on
+        or off, for FanOutPayoff."""
+        self.fan_out_payoff[klass].observe(num_drafted, predrafting, wall_s)
 
     def observe_cache(self, klass: str, hit: bool) -> None:
         """A round of this class whose previous round pre-drafted: was its block there?"""

@@ -8,7 +8,9 @@ share (pre-drafts included: PoolLoad.busy_share_all) climbs towards saturation, 
 delay the calls rounds wait on, so the fan-out shrinks linearly to 0 (plain rounds). Pre-drafts
 count as idle in the share that scales the pool (busy_share): optional work gives way before
 replicas are added. The thresholds are the autoscaler's (policies.replicas.ScalingThresholds).
-docs/speculation-cache.md has the measurements.
+Where draft and target share cores or a device, pre-drafts also slow the target's verify, which no
+busy share shows: `FanOutPayoff` measures whether rounds with the fan-out are faster than without,
+and the router keeps it only where they are. docs/speculation-cache.md has the measurements.
 """
 
 from __future__ import annotations
@@ -33,6 +35,39 @@ def fan_out_under_load(configured: int, draft: PoolLoad | None,
     if share >= high:
         return 0
     return int(configured * (high - share) / (high - low))
+
+
+# A steady round's wall time counts in its side's mean this much at least (an EMA over about the
+# last 1/PAYOFF_SMOOTHING rounds once there are that many); each side needs PAYOFF_MIN_ROUNDS first.
+PAYOFF_SMOOTHING = 0.2
+PAYOFF_MIN_ROUNDS = 3
+
+
+class FanOutPayoff:
+    """Whether pre-drafting makes a request's rounds faster, measured: the mean wall time of steady
+    rounds with the fan-out on (the round pre-drafts, and the one before it did, so its block may
+    have been ready) against steady rounds with it off (neither did), per depth K. Wall time takes
+    everything in: the hits' saved drafting, the misses' wait behind pre-drafts in flight, and the
+    target's verify slowed by pre-drafts computing beside it, where draft and target share cores or
+    a device. Committed tokens per round do not depend on the fan-out (a hit's block is the one
+    drafting just in time would draw), so the faster side makes more tokens a second."""
+
+    def __init__(self) -> None:
+        self._walls: dict[tuple[int, bool], tuple[float, int]] = {}   # (K, on) -> (mean wall s, rounds)
+
+    def observe(self, num_drafted: int, predrafting: bool, wall_s: float) -> None:
+        """A steady round of depth num_drafted: predrafting, with the fan-out on, else off."""
+        mean, count = self._walls.get((num_drafted, predrafting), (0.0, 0))
+        count += 1
+        self._walls[num_drafted, predrafting] = (mean + max(PAYOFF_SMOOTHING, 1 / count) * (wall_s - mean), count)
+
+    def pays(self, num_draft: int) -> bool | None:
+        """At depth num_draft: True when rounds with the fan-out measure at most as long as rounds
+        without it, False when longer, None until both have PAYOFF_MIN_ROUNDS steady rounds."""
+        on, off = self._walls.get((num_draft, True)), self._walls.get((num_draft, False))
+        if on is None or off is None or min(on[1], off[1]) < PAYOFF_MIN_ROUNDS:
+            return None
+        return on[0] <= off[0]
 
 
 # Past this many of the draft's ranks, a guess of the bonus token is not worth a block.

@@ -358,6 +358,9 @@ def test_load_sweep_variants_compose_their_suffixes():
     plain = variant_config(SpecServeConfig(), "adaptive", 4, 8123)
     assert plain.router.num_replicas == 1 and plain.http.stream_interval_ms == 0.0
     assert plain.target.null_forward_agreement is None and plain.speculation.adaptive
+    assert plain.speculation.fan_out_measured
+    unmeasured = variant_config(SpecServeConfig(), "adaptive-unmeasured", 4, 8123)
+    assert not unmeasured.speculation.fan_out_measured and unmeasured.speculation.fan_out > 0
 
 
 class ClusterStarted(Exception):

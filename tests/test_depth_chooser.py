@@ -123,3 +123,64 @@ def test_a_class_whose_rounds_rarely_hit_stops_pre_drafting_but_probes():
     for _ in range(40):
         chooser.observe_cache("sampled", hit=True)
     assert sum(chooser.fan_out(sampled, 4, 1, NOW)) == chooser.spec.fan_out
+
+
+def steady_rounds(chooser: DepthChooser, klass: str, on_s: float, off_s: float, num_rounds: int = 5) -> None:
+    for _ in range(num_rounds):
+        chooser.observe_fan_out_round(klass, 4, True, on_s)
+        chooser.observe_fan_out_round(klass, 4, False, off_s)
+
+
+def fan_outs(chooser: DepthChooser, state: RequestState, num_rounds: int) -> list[bool]:
+    """Whether each of state's next num_rounds rounds pre-drafts (alone on the router, K = 4)."""
+    chosen = []
+    for _ in range(num_rounds):
+        chosen.append(bool(chooser.fan_out(state, 4, 1, NOW)))
+        state.stats.rounds += 1
+    return chosen
+
+
+def test_the_fan_out_stays_only_where_rounds_measure_faster_with_it_and_both_sides_stay_measured():
+    """Where pre-drafts slow the target more than their hits save, steady rounds with the fan-out
+    measure slower than without it: the class stops pre-drafting, but for PAYOFF_PROBE_ROUNDS in
+    a row of every PROBE_EVERY rounds (so its rounds with it stay measured); where they measure
+    faster, it keeps the fan-out but for as many rounds without it. Until both sides are measured
+    it keeps the configured fan-out and still probes without it. The measure is per class and
+    per depth; speculation.fan_out_measured false turns it off."""
+    from specserve.policies.depth_chooser import PAYOFF_PROBE_ROUNDS, PROBE_EVERY
+
+    chooser = DepthChooser(SpecServeConfig().speculation)
+    unmeasured = fan_outs(chooser, request("u"), 2 * PROBE_EVERY)
+    assert unmeasured.count(False) == 2 * PAYOFF_PROBE_ROUNDS
+    steady_rounds(chooser, "greedy", on_s=0.012, off_s=0.010)   # pre-drafts slow greedy rounds
+    steady_rounds(chooser, "sampled", on_s=0.008, off_s=0.010)
+    slower = fan_outs(chooser, request("g"), 2 * PROBE_EVERY)
+    assert slower.count(True) == 2 * PAYOFF_PROBE_ROUNDS
+    first = slower.index(True)
+    assert slower[first:first + PAYOFF_PROBE_ROUNDS] == [True] * PAYOFF_PROBE_ROUNDS   # consecutive: one steady
+    assert fan_outs(chooser, request("s", seed=3), 2 * PROBE_EVERY) == unmeasured
+    assert chooser.fan_out_payoff["greedy"].pays(2) is None       # another depth: not measured
+    steady_rounds(chooser, "greedy", on_s=0.007, off_s=0.010)      # the slowdown went away
+    assert fan_outs(chooser, request("g2"), 2 * PROBE_EVERY) == unmeasured
+    steady_rounds(chooser, "greedy", on_s=0.012, off_s=0.010)
+    always = DepthChooser(SpecServeConfig(speculation={"fan_out_measured": False}).speculation)
+    steady_rounds(always, "greedy", on_s=0.012, off_s=0.010)
+    assert all(fan_outs(always, request("a"), 2 * PROBE_EVERY))
+
+
+def test_fan_out_payoff_waits_for_both_sides_and_follows_a_change():
+    from specserve.policies.fan_out import PAYOFF_MIN_ROUNDS, FanOutPayoff
+
+    payoff = FanOutPayoff()
+    for _ in range(PAYOFF_MIN_ROUNDS - 1):
+        payoff.observe(4, True, 0.020)
+        payoff.observe(4, False, 0.010)
+    assert payoff.pays(4) is None
+    payoff.observe(4, True, 0.020)
+    payoff.observe(4, False, 0.010)
+    assert payoff.pays(4) is False
+    changed = 0
+    while payoff.pays(4) is False:
+        payoff.observe(4, True, 0.005)
+        changed += 1
+    assert 1 < changed <= 10      # an EMA, not the mean since the start

@@ -60,18 +60,24 @@ class InProcessWorkers:
         self.get_engine = SimpleNamespace(remote=lambda affinity_key=None: asyncio.sleep(0, endpoint))
 
 
+async def greedy_request(pair, max_tokens: int):
+    """(target, draft, a greedy request's state, its RequestEngines over channels to the two)."""
+    target_path, draft_path = pair
+    target = ListeningEngine(TargetEngine(spec(target_path), options()))
+    draft = ListeningEngine(DraftEngine("draft", spec(draft_path), str(target_path), options()))
+    state = RequestState("r", PROMPT, SamplingParams(temperature=0, max_tokens=max_tokens), None, 256,
+                         detokenize=lambda ids: " ".join(map(str, ids)))
+    engines = RequestEngines(InProcessWorkers(await target.listen()), InProcessWorkers(await draft.listen()),
+                             LimitsSpec(), ChannelPool())
+    return target, draft, state, engines
+
+
 def run_request(pair, forget_at: dict[str, int]) -> tuple[RequestState, ListeningEngine, ListeningEngine]:
     """One greedy request (drafting ahead, as a lone greedy request does) to the end; at round
     forget_at[pool] that engine forgets the request, as its idle-sequence expiry would."""
-    target_path, draft_path = pair
 
     async def scenario():
-        target = ListeningEngine(TargetEngine(spec(target_path), options()))
-        draft = ListeningEngine(DraftEngine("draft", spec(draft_path), str(target_path), options()))
-        state = RequestState("r", PROMPT, SamplingParams(temperature=0, max_tokens=48), None, 256,
-                             detokenize=lambda ids: " ".join(map(str, ids)))
-        engines = RequestEngines(InProcessWorkers(await target.listen()), InProcessWorkers(await draft.listen()),
-                                 LimitsSpec(), ChannelPool())
+        target, draft, state, engines = await greedy_request(pair, 48)
         rounds = 0
 
         def choose_depth(state: RequestState) -> int:
@@ -111,3 +117,36 @@ def test_an_engine_that_forgot_the_request_gets_the_whole_history_once_and_the_o
         assert handle.unknown == 1
         whole = [update for update in handle.updates[1:] if update.start == 0]
         assert len(whole) == 1 and len(whole[0].new_tokens) > len(PROMPT)
+
+
+def test_each_round_says_whether_it_is_a_steady_round_of_the_fan_out_on_or_off(pair):
+    """The fan-out's payoff is measured on steady rounds only (policies.fan_out.FanOutPayoff): a
+    round that pre-drafts after one that did (on), or neither (off). A round where the fan-out
+    changed is neither: its wall time holds one side's hit or miss and the other side's verify."""
+    pattern = [True, True, True, False, False, False, True, False, True, True]   # pre-draft in round i?
+
+    async def scenario():
+        _, _, state, engines = await greedy_request(pair, 120)
+        speculation = SpeculationSpec(num_draft_tokens=NUM_DRAFT, adaptive=False)
+        observer = RoundObserver(RoundTimings(), DepthChooser(speculation), RouterMetrics())
+        records = []
+        observe = observer.round
+        observer.round = lambda record: (records.append(record), observe(record))
+        fanned = []
+
+        def choose_fan_out(state: RequestState, num_draft: int) -> tuple[int, ...]:
+            fanned.append(pattern[len(fanned) % len(pattern)])
+            return (2,) if fanned[-1] else ()
+
+        loop = RoundLoop(state, engines, observer, lambda chunk: None, lambda state: state.draft_budget(NUM_DRAFT),
+                         lambda: 1, speculation, choose_fan_out=choose_fan_out)
+        await loop.run(0.0, float("inf"))
+        await asyncio.sleep(0.05)
+        return records, fanned
+
+    records, fanned = asyncio.run(scenario())
+    assert len(records) == len(fanned) > 10
+    expected = [None] + [now if now == before else None for before, now in zip(fanned, fanned[1:])]
+    steady = [record.predrafting if record.num_drafted else None for record in records]
+    assert steady == [e if record.num_drafted else None for e, record in zip(expected, records)]
+    assert {True, False, None} <= set(steady)
