@@ -72,7 +72,7 @@ def _tokens_per_s_by_run(records: list[RequestRecord]) -> list[float]:
             for _, rs in sorted(runs.items()) if sum(r.wall_s for r in rs) > 0]
 
 
-def _time_per_output_token_s(record: RequestRecord) -> float | None:
+def time_per_output_token_s(record: RequestRecord) -> float | None:
     if record.ttft_s is None or record.num_output_tokens < 2:
         return None
     return (record.wall_s - record.ttft_s) / (record.num_output_tokens - 1)
@@ -98,7 +98,7 @@ def summarize_row(records: list[RequestRecord], steps: StepLatency | None) -> di
         "tokens_per_s": statistics.median(tokens_per_s_runs) if tokens_per_s_runs else None,
         "tokens_per_s_runs": tokens_per_s_runs,
         "ttft_ms": _ms(median_or_none([r.ttft_s for r in records])),
-        "tpot_ms": _ms(median_or_none([_time_per_output_token_s(r) for r in records])),
+        "tpot_ms": _ms(median_or_none([time_per_output_token_s(r) for r in records])),
         "acceptance_rate": accepted / drafted if drafted else None,
         "alpha": None,
         "tokens_per_pass": sum(r.num_output_tokens for r in records) / passes if passes else None,

@@ -125,7 +125,7 @@ class DepthChooser:
         beside other requests, and none past speculation.fan_out_max_batch requests in flight, nor
         while the class's recent rounds hit less than MIN_HIT_SHARE (but for a probe one round in
         PROBE_EVERY, to see whether that changed), nor, with speculation.fan_out_measured, where
-        the class's rounds at this depth measure slower with it than without (FanOutPayoff; each
+        the class's rounds measure slower with it than without (FanOutPayoff; each
         request runs PAYOFF_PROBE_ROUNDS of every PROBE_EVERY rounds the other way). Load may
         decide it even for a seeded request: a hit's block is the one drafting just in time would
         have drawn, so the fan-out changes speed, never the output."""
@@ -139,7 +139,7 @@ class DepthChooser:
         if budget and self.spec.fan_out_measured:
             # Mid-way through each PROBE_EVERY rounds: a request's first rounds are not typical.
             probing = (state.stats.rounds + PROBE_EVERY // 2) % PROBE_EVERY < PAYOFF_PROBE_ROUNDS
-            if probing == (self.fan_out_payoff[klass].pays(num_draft) is not False):
+            if probing == (self.fan_out_payoff[klass].pays() is not False):
                 return ()
         decision = self.fresh_decision(now)
         if num_active > 1 and decision is not None and decision.fan_out is not None:

@@ -15,6 +15,7 @@ and the router keeps it only where they are. docs/speculation-cache.md has the m
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 
 from specserve.decoding.proposers import DraftOdds
@@ -44,13 +45,17 @@ PAYOFF_MIN_ROUNDS = 3
 
 
 class FanOutPayoff:
-    """Whether pre-drafting makes a request's rounds faster, measured: the mean wall time of steady
-    rounds with the fan-out on (the round pre-drafts, and the one before it did, so its block may
-    have been ready) against steady rounds with it off (neither did), per depth K. Wall time takes
-    everything in: the hits' saved drafting, the misses' wait behind pre-drafts in flight, and the
-    target's verify slowed by pre-drafts computing beside it, where draft and target share cores or
-    a device. Committed tokens per round do not depend on the fan-out (a hit's block is the one
-    drafting just in time would draw), so the faster side makes more tokens a second."""
+    """Whether pre-drafting makes a request class's rounds faster, measured: the mean wall time of
+    steady rounds with the fan-out on (the round pre-drafts, and the one before it did, so its block
+    may have been ready) against steady rounds with it off (neither did), at each depth K. Wall time
+    takes everything in: the hits' saved drafting, the misses' wait behind pre-drafts in flight, and
+    the target's verify slowed by pre-drafts computing beside it, where draft and target share cores
+    or a device. Committed tokens per round do not depend on the fan-out (a hit's block is the one
+    drafting just in time would draw), so the faster side makes more tokens a second.
+
+    One verdict for every depth, from the depths measured both ways: a verdict per depth would
+    make a round's cost depend on K in two ways at once, and the depth chooser, which fits one
+    line of wall time against K, would then read the fan-out's switches as the cost of depth."""
 
     def __init__(self) -> None:
         self._walls: dict[tuple[int, bool], tuple[float, int]] = {}   # (K, on) -> (mean wall s, rounds)
@@ -61,13 +66,16 @@ class FanOutPayoff:
         count += 1
         self._walls[num_drafted, predrafting] = (mean + max(PAYOFF_SMOOTHING, 1 / count) * (wall_s - mean), count)
 
-    def pays(self, num_draft: int) -> bool | None:
-        """At depth num_draft: True when rounds with the fan-out measure at most as long as rounds
-        without it, False when longer, None until both have PAYOFF_MIN_ROUNDS steady rounds."""
-        on, off = self._walls.get((num_draft, True)), self._walls.get((num_draft, False))
-        if on is None or off is None or min(on[1], off[1]) < PAYOFF_MIN_ROUNDS:
-            return None
-        return on[0] <= off[0]
+    def pays(self) -> bool | None:
+        """True when rounds with the fan-out measure no longer than rounds without it (the geometric
+        mean of their ratio over the depths with PAYOFF_MIN_ROUNDS steady rounds each way is at most
+        1), False when longer, None until some depth has them."""
+        ratios = []
+        for (depth, on), (on_wall, on_count) in self._walls.items():
+            off_wall, off_count = self._walls.get((depth, False), (0.0, 0))
+            if on and min(on_count, off_count) >= PAYOFF_MIN_ROUNDS and off_wall > 0:
+                ratios.append(on_wall / off_wall)
+        return None if not ratios else statistics.geometric_mean(ratios) <= 1.0
 
 
 # Past this many of the draft's ranks, a guess of the bonus token is not worth a block.

@@ -131,11 +131,11 @@ def steady_rounds(chooser: DepthChooser, klass: str, on_s: float, off_s: float, 
         chooser.observe_fan_out_round(klass, 4, False, off_s)
 
 
-def fan_outs(chooser: DepthChooser, state: RequestState, num_rounds: int) -> list[bool]:
-    """Whether each of state's next num_rounds rounds pre-drafts (alone on the router, K = 4)."""
+def fan_outs(chooser: DepthChooser, state: RequestState, num_rounds: int, depth: int = 4) -> list[bool]:
+    """Whether each of state's next num_rounds rounds of this depth pre-drafts (alone on the router)."""
     chosen = []
     for _ in range(num_rounds):
-        chosen.append(bool(chooser.fan_out(state, 4, 1, NOW)))
+        chosen.append(bool(chooser.fan_out(state, depth, 1, NOW)))
         state.stats.rounds += 1
     return chosen
 
@@ -145,8 +145,8 @@ def test_the_fan_out_stays_only_where_rounds_measure_faster_with_it_and_both_sid
     measure slower than without it: the class stops pre-drafting, but for PAYOFF_PROBE_ROUNDS in
     a row of every PROBE_EVERY rounds (so its rounds with it stay measured); where they measure
     faster, it keeps the fan-out but for as many rounds without it. Until both sides are measured
-    it keeps the configured fan-out and still probes without it. The measure is per class and
-    per depth; speculation.fan_out_measured false turns it off."""
+    it keeps the configured fan-out and still probes without it. The measure is per class, one
+    verdict for every depth; speculation.fan_out_measured false turns it off."""
     from specserve.policies.depth_chooser import PAYOFF_PROBE_ROUNDS, PROBE_EVERY
 
     chooser = DepthChooser(SpecServeConfig().speculation)
@@ -159,7 +159,7 @@ def test_the_fan_out_stays_only_where_rounds_measure_faster_with_it_and_both_sid
     first = slower.index(True)
     assert slower[first:first + PAYOFF_PROBE_ROUNDS] == [True] * PAYOFF_PROBE_ROUNDS   # consecutive: one steady
     assert fan_outs(chooser, request("s", seed=3), 2 * PROBE_EVERY) == unmeasured
-    assert chooser.fan_out_payoff["greedy"].pays(2) is None       # another depth: not measured
+    assert fan_outs(chooser, request("g3"), 2 * PROBE_EVERY, depth=2) == slower    # at any depth
     steady_rounds(chooser, "greedy", on_s=0.007, off_s=0.010)      # the slowdown went away
     assert fan_outs(chooser, request("g2"), 2 * PROBE_EVERY) == unmeasured
     steady_rounds(chooser, "greedy", on_s=0.012, off_s=0.010)
@@ -168,19 +168,29 @@ def test_the_fan_out_stays_only_where_rounds_measure_faster_with_it_and_both_sid
     assert all(fan_outs(always, request("a"), 2 * PROBE_EVERY))
 
 
-def test_fan_out_payoff_waits_for_both_sides_and_follows_a_change():
+def test_fan_out_payoff_waits_for_both_sides_weighs_every_depth_alike_and_follows_a_change():
     from specserve.policies.fan_out import PAYOFF_MIN_ROUNDS, FanOutPayoff
 
     payoff = FanOutPayoff()
     for _ in range(PAYOFF_MIN_ROUNDS - 1):
         payoff.observe(4, True, 0.020)
         payoff.observe(4, False, 0.010)
-    assert payoff.pays(4) is None
+    for _ in range(10):
+        payoff.observe(2, True, 0.001)        # no steady rounds without the fan-out at K = 2
+    assert payoff.pays() is None
     payoff.observe(4, True, 0.020)
     payoff.observe(4, False, 0.010)
-    assert payoff.pays(4) is False
+    assert payoff.pays() is False
+    for _ in range(PAYOFF_MIN_ROUNDS):        # K = 6: 0.6x with it, against 2x at K = 4
+        payoff.observe(6, True, 0.006)
+        payoff.observe(6, False, 0.010)
+    assert payoff.pays() is False             # the geometric mean of 2 and 0.6 is above 1
+    for _ in range(PAYOFF_MIN_ROUNDS):
+        payoff.observe(8, True, 0.004)
+        payoff.observe(8, False, 0.010)
+    assert payoff.pays() is True              # of 2, 0.6 and 0.4: below
     changed = 0
-    while payoff.pays(4) is False:
-        payoff.observe(4, True, 0.005)
+    while payoff.pays() is True:
+        payoff.observe(6, True, 0.030)
         changed += 1
-    assert 1 < changed <= 10      # an EMA, not the mean since the start
+    assert 1 < changed <= 10                  # an EMA, not the mean since the start
