@@ -86,7 +86,8 @@ def decode_forwards(seconds: list[float]) -> list[float]:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG))
+    parser.add_argument("--config", help="specserve YAML whose target is served (default: the shipped draft "
+                        "as the target, bench/figures/small-model-as-target.yaml)")
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompts", default="thirdparty")
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     from specserve.common.naming import ENGINE_NAMESPACE, parse_engine_actor_name
     from specserve.training.prompts import load_prompt_set
 
-    config = load_config(args.config)
+    config = load_config(args.config or DEFAULT_CONFIG)
     config = config.model_copy(update={"speculation": config.speculation.model_copy(update={"proposer": "none"})})
     prompts = load_prompt_set(args.prompts).prompts
     tokenizer = AutoTokenizer.from_pretrained(config.resolved_tokenizer_path, local_files_only=True)
@@ -133,7 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "served_tpot_ms": round(statistics.median(time_per_output_token_s(r) for r in records) * 1000, 3)})
     summary = {field: round(statistics.median(turn[field] for turn in turns), 3) for field in turns[0]}
     summary["served_over_alone"] = round(summary["forward_served_ms"] / summary["forward_alone_ms"], 2)
-    result = {"command": f"python -m specserve.bench.figures.served_step --config {args.config} --turns {args.turns} "
+    given_config = f" --config {args.config}" if args.config else ""
+    result = {"command": f"python -m specserve.bench.figures.served_step{given_config} --turns {args.turns} "
                          f"--max-tokens {args.max_tokens} --out {args.out} --name {args.name}",
               "model": config.target.path, "prompts": args.prompts, "turns": turns, "median": summary}
     out = Path(args.out)
