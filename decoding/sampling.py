@@ -328,27 +328,41 @@ def cut_by_prefix(logits: torch.Tensor, prefix_ids: torch.Tensor, top_k: torch.T
 
     A row fits when its cut is decided by its exact ids: top_k <= exact_length, or top-k off and
     top-p already cutting the first inexact position (every later one then has at least as much mass
-    before it). Where a row does not fit its probabilities mean nothing. The masses are taken from
-    the softmax of the top-k-cut row in id order, the same numbers whatever the prefix; the float64
-    cumulative sum keeps a token from crossing the boundary through rounding."""
+    before it). Where a row does not fit its probabilities mean nothing.
+
+    Only the row's softmax reads all V logits; everything else runs over the L prefix positions, then
+    one scatter writes the kept tokens' probabilities into zeros. The top-k-cut row's masses are the
+    softmax's divided by the mass of its k most likely tokens (a prefix of the ids when k <= L), and
+    the kept set's total is the cumulative sum where it ends: running sums in float64 in prefix
+    order, so a row's result is the same numbers whatever its prefix's length (on CPU, whose
+    cumulative sum runs in order), and no token crosses the top-p boundary through rounding. (Masking
+    the V - L tokens outside the cut and taking a second softmax, as a plain implementation does,
+    costs several times the whole cut: an exp of -inf is slow on CPU.)"""
     num_rows, vocab_size = logits.shape
     length = prefix_ids.shape[-1]
     positions = torch.arange(length, device=logits.device)
     k = top_k.unsqueeze(-1)
-    # Ids past the prefix are outside the k most likely iff k <= L.
-    beyond_top_k = (k <= length).expand(num_rows, vocab_size).contiguous().scatter_(-1, prefix_ids, positions >= k)
-    sorted_probs = torch.softmax(logits.masked_fill(beyond_top_k, float("-inf")), dim=-1).gather(-1, prefix_ids)
+    row_probs = torch.softmax(logits, dim=-1).gather(-1, prefix_ids).double()
+    row_mass = row_probs.cumsum(dim=-1)
+    # Where k < V and k <= L the top-k tokens are the prefix's first k: renormalise over their mass.
+    # Otherwise the row is uncut by top-k (k = V: its masses as they are) or does not fit.
+    top_k_mass = row_mass.gather(-1, (k.clamp(max=length) - 1))
+    cut_by_top_k = (k <= length) & (k < vocab_size)
+    sorted_probs = torch.where(cut_by_top_k, torch.where(positions < k, row_probs / top_k_mass, 0.0), row_probs)
     # Token j survives iff the mass strictly before it is still short of top_p; the top token always does.
-    sorted_probs = sorted_probs.double()
-    outside_nucleus = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(-1)
+    mass = sorted_probs.cumsum(dim=-1)
+    outside_nucleus = (mass - sorted_probs) >= top_p.unsqueeze(-1)
     outside_nucleus[:, 0] = False
     if exact_length is None:
         fits = torch.ones(num_rows, dtype=torch.bool, device=logits.device)
     else:
         cut_at_inexact = outside_nucleus.gather(-1, exact_length.clamp(max=length - 1).unsqueeze(-1)).squeeze(-1)
         fits = (top_k <= exact_length) | ((top_k == vocab_size) & cut_at_inexact)
-    beyond_top_p = torch.ones_like(beyond_top_k).scatter_(-1, prefix_ids, outside_nucleus)
-    return fits, torch.softmax(logits.masked_fill(beyond_top_k | beyond_top_p, float("-inf")), dim=-1)
+    # The kept tokens are a prefix (the mass before a token only grows): their total is the mass where it ends.
+    num_kept = (~outside_nucleus).sum(dim=-1, keepdim=True)
+    kept_mass = mass.gather(-1, num_kept - 1)
+    kept = sorted_probs.masked_fill(outside_nucleus, 0.0) / kept_mass
+    return fits, torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, prefix_ids, kept.float())
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

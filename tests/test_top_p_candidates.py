@@ -52,16 +52,18 @@ def sorted_top_k(logits: torch.Tensor, row_params: RowParams, dtype: torch.dtype
 
 def full_sort_reference(logits: torch.Tensor, row_params: RowParams) -> torch.Tensor:
     """process_rows as it was before candidates: every truncating row stably sorted, top-k by
-    position, top-p on the softmax of the sorted row, scattered back."""
+    position, top-p on the softmax of the sorted row, scattered back. The rows are scaled in
+    float32, as process_rows scales them, and cut and normalised in float64, so the reference's
+    own rounding (a float32 sum over V terms) stays out of the comparison's tolerance."""
     logits, sorted_logits, sorted_ids = sorted_top_k(logits, row_params, torch.float32)
     probs = torch.softmax(logits, dim=-1)
     rows = row_params.truncating
-    sorted_probs = torch.softmax(sorted_logits, dim=-1).double()
-    outside_nucleus = sorted_probs.cumsum(dim=-1) - sorted_probs >= row_params.top_p[rows].unsqueeze(-1)
+    sorted_logits = sorted_logits.double()
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    outside_nucleus = sorted_probs.cumsum(dim=-1) - sorted_probs >= row_params.top_p[rows].double().unsqueeze(-1)
     outside_nucleus[..., 0] = False
-    sorted_logits = sorted_logits.masked_fill(outside_nucleus, float("-inf"))
-    truncated = torch.empty_like(sorted_logits).scatter_(-1, sorted_ids, torch.softmax(sorted_logits, dim=-1))
-    return probs.index_copy(0, rows, truncated)
+    truncated = torch.softmax(sorted_logits.masked_fill(outside_nucleus, float("-inf")), dim=-1).float()
+    return probs.index_copy(0, rows, torch.empty_like(truncated).scatter_(-1, sorted_ids, truncated))
 
 
 def top_p_near_ties(logits: torch.Tensor, row_params: RowParams) -> torch.Tensor:
