@@ -88,7 +88,8 @@ class RoundLoop:
         capture_k = self.observer.capture_top_k() if num_draft > 0 else None  # online training's sample
         stages.mark("depth")
         proposal, draft_s, draft_hops_s, draft_calls = Proposal([], None), 0.0, 0.0, []
-        predrafted_before = self.predrafted
+        # A request's first round is no steady one: its draft call also fills the draft's cache.
+        predrafted_before = self.predrafted if state.stats.rounds else None
         if num_draft > 0:
             try:
                 proposal, draft_s, draft_hops_s = await self._propose(num_draft, stages, draft_calls)

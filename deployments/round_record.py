@@ -35,7 +35,8 @@ class RoundRecord:
     draft_version: int = 0         # the draft weights that drafted the block
     captured: CapturedBlock | None = None  # the target's top-k at the block, on a captured round
     # A steady round for the fan-out's payoff (policies.fan_out.FanOutPayoff): True, it pre-drafted
-    # and so did the round before; False, neither did; None, the fan-out changed between them.
+    # and so did the round before; False, neither did; None, the fan-out changed between them (or
+    # it is the request's first round).
     predrafting: bool | None = None
 
     @property

@@ -9,6 +9,7 @@ object, and tests drive it without Ray. The clock is passed in, so nothing here 
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 from specserve.common.config import SpeculationSpec
@@ -137,8 +138,10 @@ class DepthChooser:
                 return ()
             self._rounds_since_probe[klass] = 0
         if budget and self.spec.fan_out_measured:
-            # Mid-way through each PROBE_EVERY rounds: a request's first rounds are not typical.
-            probing = (state.stats.rounds + PROBE_EVERY // 2) % PROBE_EVERY < PAYOFF_PROBE_ROUNDS
+            # Each request probes at its own offset, so requests shorter than PROBE_EVERY rounds
+            # probe too, at different rounds.
+            offset = zlib.crc32(state.request_id.encode()) % PROBE_EVERY
+            probing = (state.stats.rounds + offset) % PROBE_EVERY < PAYOFF_PROBE_ROUNDS
             if probing == (self.fan_out_payoff[klass].pays() is not False):
                 return ()
         decision = self.fresh_decision(now)

@@ -18,10 +18,13 @@ from specserve.cluster.local import start_local, wait_healthy
 from tests.tiny_pair import make_tiny_pair, tiny_pair_config
 
 SHARED_MODEL = "tiny-pair"
-# What the shared server's users need: max_tokens capped (test_serving's 400 matrix) and metrics
-# pushed often enough for a test to read its own requests' counters; port 0: any free port.
+# What the shared server's users need: max_tokens capped (test_serving's 400 matrix), metrics
+# pushed often enough for a test to read its own requests' counters (port 0: any free port), and
+# the speculation cache on for every request, as its tests of hits assume: whether it pays is
+# measured per box (speculation.fan_out_measured), which tests/test_depth_chooser.py covers.
 SHARED_OVERRIDES = {"limits": {"max_tokens": 200},
-                    "observability": {"metrics_export_port": 0, "metrics_report_interval_ms": 500}}
+                    "observability": {"metrics_export_port": 0, "metrics_report_interval_ms": 500},
+                    "speculation": {"fan_out_measured": False}}
 HEALTHY_WITHIN_S = 120.0  # the last user may have killed an engine; Serve replaces it
 
 

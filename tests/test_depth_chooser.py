@@ -92,8 +92,9 @@ def test_status_reports_what_a_fresh_greedy_request_would_draft():
 
 def test_the_fan_out_is_the_configured_one_alone_and_the_policys_beside_others():
     """Alone, a request pre-drafts the configured number of blocks; beside others the policy's
-    fan-out (0: the draft pool is full) holds, and none past fan_out_max_batch requests."""
-    chooser = DepthChooser(SpecServeConfig(speculation={"fan_out_max_batch": 4}).speculation)
+    fan-out (0: the draft pool is full) holds, and none past fan_out_max_batch requests (the
+    measured payoff's probes apart, tested below)."""
+    chooser = DepthChooser(SpecServeConfig(speculation={"fan_out_max_batch": 4, "fan_out_measured": False}).speculation)
     configured = chooser.spec.fan_out
     alone = chooser.fan_out(request("a"), 4, 1, NOW)
     assert alone == (configured,)   # a budget: the draft engine shares it out over the outcomes
@@ -112,7 +113,7 @@ def test_a_class_whose_rounds_rarely_hit_stops_pre_drafting_but_probes():
     a class that hits keeps its fan-out, and a probe that hits again brings it back."""
     from specserve.policies.depth_chooser import PROBE_EVERY
 
-    chooser = DepthChooser(SpecServeConfig().speculation)
+    chooser = DepthChooser(SpecServeConfig(speculation={"fan_out_measured": False}).speculation)
     sampled = request("s", seed=1)
     for _ in range(40):
         chooser.observe_cache("sampled", hit=False)
@@ -140,32 +141,43 @@ def fan_outs(chooser: DepthChooser, state: RequestState, num_rounds: int, depth:
     return chosen
 
 
+def flipped(chosen: list[bool], usual: bool) -> list[int]:
+    """The rounds that ran the other way than `usual`, checked to be PAYOFF_PROBE_ROUNDS in a row
+    (one steady round each) in every PROBE_EVERY."""
+    from specserve.policies.depth_chooser import PAYOFF_PROBE_ROUNDS, PROBE_EVERY
+
+    rounds = [index for index, fan_out in enumerate(chosen) if fan_out != usual]
+    assert len(rounds) == len(chosen) // PROBE_EVERY * PAYOFF_PROBE_ROUNDS
+    residues = {index % PROBE_EVERY for index in rounds}
+    assert any(residues == {(start + step) % PROBE_EVERY for step in range(PAYOFF_PROBE_ROUNDS)}
+               for start in range(PROBE_EVERY))
+    return rounds
+
+
 def test_the_fan_out_stays_only_where_rounds_measure_faster_with_it_and_both_sides_stay_measured():
     """Where pre-drafts slow the target more than their hits save, steady rounds with the fan-out
     measure slower than without it: the class stops pre-drafting, but for PAYOFF_PROBE_ROUNDS in
     a row of every PROBE_EVERY rounds (so its rounds with it stay measured); where they measure
     faster, it keeps the fan-out but for as many rounds without it. Until both sides are measured
-    it keeps the configured fan-out and still probes without it. The measure is per class, one
+    it keeps the configured fan-out and still probes without it. Each request probes at its own
+    offset (a request shorter than PROBE_EVERY rounds probes too). The measure is per class, one
     verdict for every depth; speculation.fan_out_measured false turns it off."""
-    from specserve.policies.depth_chooser import PAYOFF_PROBE_ROUNDS, PROBE_EVERY
+    from specserve.policies.depth_chooser import PROBE_EVERY
 
     chooser = DepthChooser(SpecServeConfig().speculation)
-    unmeasured = fan_outs(chooser, request("u"), 2 * PROBE_EVERY)
-    assert unmeasured.count(False) == 2 * PAYOFF_PROBE_ROUNDS
+    rounds = 2 * PROBE_EVERY
+    unmeasured = {name: flipped(fan_outs(chooser, request(name), rounds), usual=True) for name in "abcdef"}
+    assert len({tuple(probes) for probes in unmeasured.values()}) > 1     # not every request at once
     steady_rounds(chooser, "greedy", on_s=0.012, off_s=0.010)   # pre-drafts slow greedy rounds
     steady_rounds(chooser, "sampled", on_s=0.008, off_s=0.010)
-    slower = fan_outs(chooser, request("g"), 2 * PROBE_EVERY)
-    assert slower.count(True) == 2 * PAYOFF_PROBE_ROUNDS
-    first = slower.index(True)
-    assert slower[first:first + PAYOFF_PROBE_ROUNDS] == [True] * PAYOFF_PROBE_ROUNDS   # consecutive: one steady
-    assert fan_outs(chooser, request("s", seed=3), 2 * PROBE_EVERY) == unmeasured
-    assert fan_outs(chooser, request("g3"), 2 * PROBE_EVERY, depth=2) == slower    # at any depth
+    assert flipped(fan_outs(chooser, request("a"), rounds), usual=False) == unmeasured["a"]
+    assert flipped(fan_outs(chooser, request("b", seed=3), rounds), usual=True) == unmeasured["b"]
+    assert flipped(fan_outs(chooser, request("c"), rounds, depth=2), usual=False) == unmeasured["c"]  # any depth
     steady_rounds(chooser, "greedy", on_s=0.007, off_s=0.010)      # the slowdown went away
-    assert fan_outs(chooser, request("g2"), 2 * PROBE_EVERY) == unmeasured
-    steady_rounds(chooser, "greedy", on_s=0.012, off_s=0.010)
+    assert flipped(fan_outs(chooser, request("d"), rounds), usual=True) == unmeasured["d"]
     always = DepthChooser(SpecServeConfig(speculation={"fan_out_measured": False}).speculation)
     steady_rounds(always, "greedy", on_s=0.012, off_s=0.010)
-    assert all(fan_outs(always, request("a"), 2 * PROBE_EVERY))
+    assert all(fan_outs(always, request("a"), rounds))
 
 
 def test_fan_out_payoff_waits_for_both_sides_weighs_every_depth_alike_and_follows_a_change():
