@@ -95,8 +95,9 @@ def peaked(model, prompts: list[torch.Tensor]) -> float:
     return mean_entropy_nats(logits * high)
 
 
-def timed_forwards(engine: Scheduler, seconds: list[float]) -> Scheduler:
-    """The engine, its runner's model calls (`_logits`) adding their wall time to seconds[0]."""
+def timed_forwards(engine: Scheduler, seconds: list[float], each: list[float] | None = None) -> Scheduler:
+    """The engine, its runner's model calls (`_logits`) adding their wall time to seconds[0]
+    (and appending each call's to `each`, where given)."""
     runner = engine.runner
     model_call = runner._logits
 
@@ -105,7 +106,10 @@ def timed_forwards(engine: Scheduler, seconds: list[float]) -> Scheduler:
         try:
             return model_call(*args, **kwargs)
         finally:
-            seconds[0] += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            seconds[0] += elapsed
+            if each is not None:
+                each.append(elapsed)
 
     runner._logits = timed
     return engine

@@ -32,21 +32,14 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "small-model-as-target.yaml"
 
 
 def install_timer(engine) -> int:
-    """(in the engine actor) Wrap its runner's model call to keep each call's seconds."""
-    import time as clock
+    """(in the engine actor) Time its runner's model calls (bench.round_time.timed_forwards),
+    keeping each call's seconds."""
+    from specserve.bench.round_time import timed_forwards
 
     runner = engine.scheduler.runner
     if not hasattr(runner, "served_step_seconds"):
-        model_call, runner.served_step_seconds = runner._logits, []
-
-        def timed(*args, **kwargs):
-            started = clock.perf_counter()
-            try:
-                return model_call(*args, **kwargs)
-            finally:
-                runner.served_step_seconds.append(clock.perf_counter() - started)
-
-        runner._logits = timed
+        runner.served_step_seconds = []
+        timed_forwards(engine.scheduler, [0.0], each=runner.served_step_seconds)
     return len(runner.served_step_seconds)
 
 
