@@ -235,7 +235,8 @@ class DraftEngine(EngineCore):
 
     async def propose(self, seq_id: str, history: HistoryUpdate, num_tokens: int, params: SamplingParams,
                       seed: int | None, prompt_len: int | None = None, fan_out: Sequence[int] = (),
-                      features=None) -> tuple[Proposal, CallSpan] | UnknownHistory | UnknownFeatures:
+                      features=None, predraft_tokens: int = 0
+                      ) -> tuple[Proposal, CallSpan] | UnknownHistory | UnknownFeatures:
         """Up to num_tokens draft tokens continuing the committed history (its update since this
         engine's last call for seq_id, deployments.committed_history), its first prompt_len tokens
         the prompt; and the span it spent in this engine. UnknownHistory when this engine does not
@@ -245,7 +246,9 @@ class DraftEngine(EngineCore):
         block pre-drafted for the history the round now has is answered at once (a hit,
         Proposal.cached), else one is drafted just in time; the other pre-drafts are dropped.
         sum(fan_out): blocks to pre-draft, once this one is answered, for its likely outcomes
-        (shared out by policies.fan_out.share_fan_out from the draft's own numbers; empty: none).
+        (shared out by policies.fan_out.share_fan_out from the draft's own numbers; empty: none),
+        each max(num_tokens, predraft_tokens) tokens deep: a round may draft deeper than the one
+        before it, and a pre-drafted block is used cut to its round's depth, never lengthened.
         features: an EAGLE-3 head's, the target's features of the positions committed since the
         last propose (decoding.batched_runner.TargetFeatures); UnknownFeatures answers when the head
         lacks some it needs."""
@@ -271,7 +274,8 @@ class DraftEngine(EngineCore):
         self.call_log.record("propose", seq_id, span)
         if num_candidates and proposal.token_ids:
             self._start_predrafts(seq_id, committed, proposal, fan_out, DraftCall(
-                seq_id, (), num_tokens, params, None, prompt_len, num_candidates, fork_of=seq_id))
+                seq_id, (), max(num_tokens, predraft_tokens), params, None, prompt_len, num_candidates,
+                fork_of=seq_id))
         return replace(proposal, candidates=None, odds=None, stream_states=None,
                        predrafted_thrown_away=thrown_away), span
 

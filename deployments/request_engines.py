@@ -38,6 +38,7 @@ from specserve.deployments.admission import ServerOverloadedError
 from specserve.deployments.committed_history import HistorySender, RunningDigest
 from specserve.deployments.engine_loop import EngineOverloadedError
 from specserve.deployments.round_stages import EngineCall
+from specserve.policies.fan_out import FanOut
 from specserve.policies.prefix_routing import prefix_key
 
 logger = logging.getLogger("ray.serve")
@@ -108,15 +109,16 @@ class RequestEngines:
         self.features_from = reply.start
         return True
 
-    def propose(self, state: RequestState, num_tokens: int, fan_out: tuple[int, ...] = ()) -> asyncio.Future:
+    def propose(self, state: RequestState, num_tokens: int, fan_out: FanOut = FanOut()) -> asyncio.Future:
         """The draft engine's (proposal, span) for num_tokens continuing the committed history, or
-        its UnknownHistory (`draft_reply`); fan_out: the blocks it then pre-drafts per outcome of
-        verifying this one (DraftEngine.propose)."""
+        its UnknownHistory (`draft_reply`); fan_out: what it then pre-drafts for the outcomes of
+        verifying this block (DraftEngine.propose)."""
         # The features of the committed positions the target computed (all but the last token's).
         features = None if self.features is None else self.features.before(len(state.history) - 1)
         self.features = None
         return self._call(self.draft, "propose", state.request_id, self.draft_history.update(state), num_tokens,
-                          state.params, draft_seed(state.params.seed), len(state.prompt_ids), fan_out, features)
+                          state.params, draft_seed(state.params.seed), len(state.prompt_ids), fan_out.blocks,
+                          features, fan_out.depth)
 
     def draft_reply(self, reply: Any) -> tuple[Proposal, Any] | None:
         """A propose's answer, or None when the draft engine did not hold the history: the next

@@ -30,19 +30,20 @@ from specserve.deployments.round_stages import EngineCall, RoundStages
 from specserve.deployments.streaming import step_chunk
 from specserve.policies.acceptance import count_round_positions
 from specserve.policies.depth_chooser import request_class
+from specserve.policies.fan_out import FanOut
 
 logger = logging.getLogger("ray.serve")
 
 
 class RoundLoop:
     """Drives one request. choose_depth(state) -> K for the next round; choose_fan_out(state, K)
-    -> blocks to pre-draft per outcome of it (DepthChooser.fan_out); num_active() -> the router's
+    -> what to pre-draft for its outcomes (policies.fan_out.FanOut); num_active() -> the router's
     active requests now; emit(chunk) streams a chunk out."""
 
     def __init__(self, state: RequestState, engines: RequestEngines, observer: RoundObserver,
                  emit: Callable[[dict], None], choose_depth: Callable[[RequestState], int],
                  num_active: Callable[[], int], speculation: SpeculationSpec, profile: bool = False,
-                 choose_fan_out: Callable[[RequestState, int], tuple[int, ...]] = lambda state, k: ()) -> None:
+                 choose_fan_out: Callable[[RequestState, int], FanOut] = lambda state, k: FanOut()) -> None:
         self.state = state
         self.engines = engines
         self.observer = observer
@@ -151,9 +152,9 @@ class RoundLoop:
             return Proposal([], None), 0.0, 0.0
         proposal, span = reply
         state.stats.num_discarded_ahead += proposal.predrafted_thrown_away
-        self.observer.fan_out(sum(fan_out))
+        self.observer.fan_out(sum(fan_out.blocks))
         call = stages.draft = EngineCall.from_span(sent_s, span, time.perf_counter())
-        predrafted, self.predrafted = self.predrafted, bool(fan_out) and bool(proposal.token_ids)
+        predrafted, self.predrafted = self.predrafted, bool(fan_out.blocks) and bool(proposal.token_ids)
         if predrafted:
             self.observer.speculation_cache(request_class(state), proposal.cached)
         if proposal.cached:

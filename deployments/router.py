@@ -37,6 +37,7 @@ from specserve.deployments.round_record import RoundObserver, RoundTimings
 from specserve.deployments.round_stages import profiling_enabled
 from specserve.deployments.streaming import coalesced_chunks, final_chunk
 from specserve.policies.depth_chooser import DepthChooser, request_class
+from specserve.policies.fan_out import FanOut
 
 logger = logging.getLogger("ray.serve")
 POLICY_INTERVAL_S = 1.0  # how often a router reports load to the policy actor and reads its decision
@@ -177,10 +178,12 @@ class Router:
     def _choose_depth(self, state: RequestState) -> int:
         return self.depth.choose(state, len(self.active_requests), time.monotonic())
 
-    def _choose_fan_out(self, state: RequestState, num_draft: int) -> tuple[int, ...]:
+    def _choose_fan_out(self, state: RequestState, num_draft: int) -> FanOut:
         if not self.config.speculation.needs_draft_model:   # only a draft model's engine pre-drafts
-            return ()
-        return self.depth.fan_out(state, num_draft, len(self.active_requests), time.monotonic())
+            return FanOut()
+        num_active, now = len(self.active_requests), time.monotonic()
+        return FanOut(self.depth.fan_out(state, num_draft, num_active, now),
+                      self.depth.predraft_depth(state, num_draft, num_active, now))
 
     def _spawn(self, coroutine) -> None:
         """Run coroutine in the background, kept referenced until it ends."""

@@ -107,7 +107,9 @@ class RoundWallFit:
     (docs/depth-and-autoscaling.md has the measurements and the A/B against engine seconds).
     Least squares with exponential forgetting follows the box as it drifts; until
     K has varied enough to tell a slope from noise (`min_k_spread`, the weighted standard deviation
-    of K) there is no line, and the last identified line is kept when K later settles."""
+    of K) there is no line, and the last identified line is kept when K later settles. A kept line
+    is never tested again by rounds at K settled on one depth, so `needs_spread` says when the
+    chooser should draft a round at another depth (policies.depth_chooser)."""
 
     forgetting: float = 0.98          # a round's weight decays by this per later round (~50 rounds of memory)
     min_k_spread: float = 1.0
@@ -127,13 +129,28 @@ class RoundWallFit:
         if self._w < self.min_weight:
             return
         mean_k = self._wk / self._w
-        var_k = self._wkk / self._w - mean_k * mean_k
+        var_k = self._k_variance()
         if var_k < self.min_k_spread ** 2:
             return
         slope = (self._wky / self._w - mean_k * self._wy / self._w) / var_k
         intercept = self._wy / self._w - slope * mean_k
         if intercept > 0 and math.isfinite(slope):
             self._line = (intercept, max(0.0, slope))
+
+    def _k_variance(self) -> float:
+        mean_k = self._wk / self._w
+        return self._wkk / self._w - mean_k * mean_k
+
+    @property
+    def mean_k(self) -> float | None:
+        """The recent rounds' (forgetting-weighted) mean K; None before any round."""
+        return self._wk / self._w if self._w else None
+
+    @property
+    def needs_spread(self) -> bool:
+        """Enough recent rounds, but their K has varied too little to refit the line: rounds at
+        other depths are what would tell whether the line still holds."""
+        return self._w >= self.min_weight and self._k_variance() < self.min_k_spread ** 2
 
     @property
     def line(self) -> tuple[float, float] | None:

@@ -29,6 +29,9 @@ PROBE_EVERY = 20
 # A request's rounds that run the other way than the fan-out's measured payoff says, in every
 # PROBE_EVERY, so both sides stay measured: two in a row, as only the second is a steady round.
 PAYOFF_PROBE_ROUNDS = 2
+# Where in its PROBE_EVERY rounds a lone request drafts at another depth while its class's wall
+# line cannot be refitted (RoundWallFit.needs_spread): away from the payoff's probe rounds.
+DEPTH_PROBE_PHASE = PROBE_EVERY // 2
 
 
 def request_class(state: RequestState) -> str:
@@ -116,8 +119,45 @@ class DepthChooser:
         policy_depth = self.policy_depth(klass, now)
         if policy_depth is not None and num_active > 1:
             return state.draft_budget(min(spec.max_draft_tokens, policy_depth))
+        probe = self._depth_probe(state, klass, policy_depth, num_active, state.stats.rounds)
+        if probe is not None:
+            return state.draft_budget(probe)
         return state.draft_budget(self._lone(klass, state.draft_reached, state.draft_accepted_at, policy_depth,
                                              num_active))
+
+    def predraft_depth(self, state: RequestState, num_draft: int, num_active: int, now: float) -> int:
+        """How many tokens each pre-draft of this round's outcomes drafts: this round's depth, or
+        the next round's where that round is a depth probe deeper than this one. A pre-drafted
+        block shorter than its round's depth cannot be used, so a probe would otherwise always
+        miss and measure drafting just in time rather than the depth."""
+        if not self.spec.adaptive or state.params.seed is not None or num_draft <= 0:
+            return num_draft
+        klass = request_class(state)
+        probe = self._depth_probe(state, klass, self.policy_depth(klass, now), num_active, state.stats.rounds + 1)
+        return num_draft if probe is None else max(num_draft, probe)
+
+    def _depth_probe(self, state: RequestState, klass: str, cap: int | None, num_active: int,
+                     round_index: int) -> int | None:
+        """The depth a lone request drafts at in its round round_index, or None to choose as usual.
+
+        Why: the lone line (RoundWallFit) is refitted only from rounds whose K varies; once K
+        settles on one depth the last line is kept, and a line learnt steep (the box was busy, or
+        the speculation cache's misses made deep rounds look dear) keeps K shallow for good. While
+        the line cannot be refitted, one round in PROBE_EVERY, at an offset of the request's own,
+        drafts at the end of the allowed depths farther from where K has been."""
+        fit = self.lone_round_walls[klass]
+        if num_active > 1 or not fit.needs_spread or self._probe_phase(state, round_index) != DEPTH_PROBE_PHASE:
+            return None
+        low, high = self._depth_bounds(cap)
+        if high <= 0:
+            return None
+        return high if high - fit.mean_k >= fit.mean_k - low else low
+
+    @staticmethod
+    def _probe_phase(state: RequestState, round_index: int) -> int:
+        """Where round round_index falls in the request's PROBE_EVERY rounds: each request at an
+        offset of its own, so requests shorter than PROBE_EVERY rounds probe too, at different rounds."""
+        return (round_index + zlib.crc32(state.request_id.encode())) % PROBE_EVERY
 
     def fan_out(self, state: RequestState, num_draft: int, num_active: int, now: float) -> tuple[int, ...]:
         """(blocks to pre-draft for this round's outcomes,) or () for none: the draft engine shares
@@ -138,10 +178,7 @@ class DepthChooser:
                 return ()
             self._rounds_since_probe[klass] = 0
         if budget and self.spec.fan_out_measured:
-            # Each request probes at its own offset, so requests shorter than PROBE_EVERY rounds
-            # probe too, at different rounds.
-            offset = zlib.crc32(state.request_id.encode()) % PROBE_EVERY
-            probing = (state.stats.rounds + offset) % PROBE_EVERY < PAYOFF_PROBE_ROUNDS
+            probing = self._probe_phase(state, state.stats.rounds) < PAYOFF_PROBE_ROUNDS
             if probing == (self.fan_out_payoff[klass].pays() is not False):
                 return ()
         decision = self.fresh_decision(now)
@@ -179,10 +216,7 @@ class DepthChooser:
         deeper than a hard one. The cost is the wall-clock line a + b*K of this class's lone
         rounds (RoundWallFit) once K has varied enough to fit one, else the engines' seconds
         (also with company but no policy decision)."""
-        low, high = self.spec.min_draft_tokens, self.spec.max_draft_tokens
-        if cap is not None:
-            high = min(high, cap)
-            low = min(low, high)
+        low, high = self._depth_bounds(cap)
         if high <= 0:
             return 0
         lone_ratios = self.lone_round_walls[klass].cost_ratios()
@@ -192,6 +226,14 @@ class DepthChooser:
             cost_ratio, overhead_ratio = self.round_costs.draft_cost_ratio, self.round_costs.overhead_ratio
         rates = request_position_rates(reached, accepted_at, self.class_counters[klass].position_rates(high))
         return best_depth_by_position(rates, cost_ratio, low, high, overhead_ratio)
+
+    def _depth_bounds(self, cap: int | None) -> tuple[int, int]:
+        """(lowest, highest) depth a request may draft at under the policy's depth cap."""
+        low, high = self.spec.min_draft_tokens, self.spec.max_draft_tokens
+        if cap is not None:
+            high = min(high, cap)
+            low = min(low, high)
+        return low, high
 
     def observe_draft(self, engine_s: float, num_tokens: int) -> None:
         """One drafting call's own engine seconds (drafted ahead or not), for the cost ratio."""

@@ -17,9 +17,20 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from specserve.decoding.proposers import DraftOdds
 from specserve.policies.replicas import PoolLoad, ScalingThresholds
+
+
+@dataclass(frozen=True)
+class FanOut:
+    """A round's pre-drafting as the router asks the draft engine for it: `blocks` to pre-draft
+    (policies.depth_chooser.DepthChooser.fan_out; empty: none), shared out over the outcomes of
+    verifying the round's block, each drafted `depth` tokens deep (DepthChooser.predraft_depth)."""
+
+    blocks: tuple[int, ...] = ()
+    depth: int = 0
 
 
 def fan_out_under_load(configured: int, draft: PoolLoad | None,

@@ -5,6 +5,8 @@ clock passed in, so the tests drive it directly; one test checks the router's `s
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from specserve.common.config import SpecServeConfig
@@ -12,7 +14,8 @@ from specserve.common.messages import PolicyDecision
 from specserve.decoding.sampling import SamplingParams
 from specserve.decoding.sequence import RequestState
 from specserve.deployments.router import Router
-from specserve.policies.depth_chooser import POLICY_STALE_S, DepthChooser
+from specserve.policies import depth_chooser
+from specserve.policies.depth_chooser import POLICY_STALE_S, PROBE_EVERY, DepthChooser
 
 NOW = 1000.0
 
@@ -78,6 +81,69 @@ def test_a_seeded_request_ignores_the_policy_and_the_measured_line(chooser):
     teach_line(chooser, "sampled", 0.015, 0.006)
     chooser.set_policy_decision(depths({"greedy": 1, "sampled": 1}), NOW)
     assert chooser.choose(seeded, 2, NOW) == before
+
+
+def lone_rounds(chooser, state: RequestState, rounds: int, wall_s, accept_rate: float = 0.7) -> list[int]:
+    """Rounds of a lone greedy request as the router runs them: K from the chooser, each block's
+    tokens accepted one by one with probability accept_rate (seeded), the round's wall wall_s(K)."""
+    draws = random.Random(0)
+    depths_drafted = []
+    for _ in range(rounds):
+        k = chooser.choose(state, 1, NOW)
+        accepted = 0
+        while accepted < k and draws.random() < accept_rate:
+            accepted += 1
+        chooser.observe_round("greedy", k, accepted, wall_s(k), 0.01, 0.0, alone=True)
+        state.stats.rounds += 1
+        depths_drafted.append(k)
+    return depths_drafted
+
+
+def test_a_lone_request_probes_the_far_depth_while_its_classs_line_cannot_be_refitted(chooser):
+    """Once K has settled on one depth the wall line is kept untested (RoundWallFit.needs_spread):
+    one round in PROBE_EVERY then drafts at the far end of the allowed depths, and the round
+    before it pre-drafts that deep; where K varies there are no probes."""
+    teach_line(chooser, "greedy", 0.015, 0.006)
+    settled = chooser.choose(request("x"), 1, NOW)
+    for _ in range(200):
+        chooser.lone_round_walls["greedy"].observe(settled, 0.015 + 0.006 * settled)
+    assert chooser.lone_round_walls["greedy"].needs_spread
+    state, chosen, predrafts = request("a"), [], []
+    for round_index in range(2 * PROBE_EVERY + 1):
+        state.stats.rounds = round_index
+        chosen.append(chooser.choose(state, 1, NOW))
+        predrafts.append(chooser.predraft_depth(state, chosen[-1], 1, NOW))
+    probes = [i for i, k in enumerate(chosen) if k != settled]
+    assert len(probes) in (2, 3) and probes[1] - probes[0] == PROBE_EVERY
+    assert {chosen[i] for i in probes} == {chooser.spec.max_draft_tokens}
+    assert [i for i, depth in enumerate(predrafts) if depth != chosen[i]] == [i - 1 for i in probes if i]
+    teach_line(chooser, "greedy", 0.015, 0.006)
+    assert {chooser.choose(state, 1, NOW) for state.stats.rounds in range(2 * PROBE_EVERY)} == {settled}
+
+
+def test_a_line_learnt_steep_is_unlearnt_once_deep_rounds_cost_little(chooser, monkeypatch):
+    """A line fitted while deep rounds were dear (a busy box, the speculation cache's misses)
+    sends K to the shallow end, where it would stay if nothing drafted deeper again; the probes
+    find that deep rounds now cost little and K climbs back to the deepest (about 150 rounds
+    here). Without probes it stays shallow."""
+    def flat(k):
+        return 0.030 + 0.0002 * k
+
+    for probing in (False, True):
+        chooser = DepthChooser(SpecServeConfig().speculation)
+        if not probing:
+            monkeypatch.setattr(depth_chooser, "DEPTH_PROBE_PHASE", PROBE_EVERY)   # a phase no round has
+        else:
+            monkeypatch.undo()
+        teach_line(chooser, "greedy", 0.015, 0.006)
+        assert chooser.choose(request("a"), 1, NOW) <= 2
+        state = request("a")
+        state.params = state.params.model_copy(update={"max_tokens": 10_000})
+        chosen = lone_rounds(chooser, state, 400, flat)
+        if probing:
+            assert chosen[-PROBE_EVERY:].count(chooser.spec.max_draft_tokens) >= PROBE_EVERY - 1, chosen[-40:]
+        else:
+            assert max(chosen[-PROBE_EVERY:]) <= chooser.spec.max_draft_tokens // 2, chosen[-40:]
 
 
 def test_status_reports_what_a_fresh_greedy_request_would_draft():

@@ -75,10 +75,11 @@ def new_engines(pair, max_sequences: int, **overrides) -> tuple[DraftEngine, Tar
             TargetEngine(spec(target, max_sequences), batching))
 
 
-async def decode(draft: DraftEngine, target: TargetEngine, state: RequestState, num_draft: int,
-                 fan_outs) -> list[bool]:
-    """A request's rounds as the router runs them (engines keep the committed history); the fan-out
-    of each round from fan_outs(round). -> per round after the first, whether it was a hit."""
+async def decode(draft: DraftEngine, target: TargetEngine, state: RequestState, num_draft, fan_outs,
+                 predraft_depths=lambda round_index: 0) -> list[bool]:
+    """A request's rounds as the router runs them (engines keep the committed history); the depth
+    of each round num_draft (or num_draft(round)), its fan-out fan_outs(round), its pre-drafts'
+    depth predraft_depths(round) (0: the round's). -> per round after the first, whether it was a hit."""
     digest = RunningDigest()
     to_draft, to_target = HistorySender(digest), HistorySender(digest)
     params, seed = state.params, draft_seed(state.params.seed)
@@ -86,8 +87,10 @@ async def decode(draft: DraftEngine, target: TargetEngine, state: RequestState, 
     accept_round(state, Proposal([], None), rows)
     hits, round_index = [], 0
     while not state.finished:
-        proposal, _ = await draft.propose(state.request_id, to_draft.update(state), num_draft, params, seed,
-                                          len(state.prompt_ids), fan_outs(round_index))
+        depth = num_draft(round_index) if callable(num_draft) else num_draft
+        proposal, _ = await draft.propose(state.request_id, to_draft.update(state), depth, params, seed,
+                                          len(state.prompt_ids), fan_outs(round_index), None,
+                                          predraft_depths(round_index))
         if round_index:
             hits.append(proposal.cached)
         rows, _ = await target.verify(state.request_id, to_target.update(state), proposal, params,
@@ -141,6 +144,38 @@ def test_greedy_rounds_hit_the_speculation_cache_and_equal_the_targets_greedy_ou
     assert 0 < sum(every) < len(every), "both hits and misses must happen"
     assert draft.scheduler.blocks.active_sequences() == [] and draft.scheduler.kv_usage()["kv_blocks_used"] == 0
     assert draft.speculation == {}
+
+
+def test_a_round_deeper_than_the_last_hits_only_where_the_last_pre_drafted_that_deep(distant_pair):
+    """A pre-drafted block is used cut to its round's depth, never lengthened: a round drafting
+    deeper than the one before it (a depth probe: policies.depth_chooser) finds its block only
+    where that round pre-drafted as deep (DepthChooser.predraft_depth). Greedy output stays the
+    target's either way."""
+    target_path, _ = distant_pair
+    reference = Scheduler(BatchedModelRunner(str(target_path)))
+    params = SamplingParams(temperature=0, max_tokens=40)
+
+    def depth(round_index: int) -> int:
+        return 4 if round_index % 2 else 2
+
+    async def scenario(predraft_depths):
+        draft, target = new_engines(distant_pair, len(PROMPTS))
+        states = [RequestState(f"d{i}", list(prompt), params, eos_token_id=None, max_context=256)
+                  for i, prompt in enumerate(PROMPTS)]
+        hits = await asyncio.gather(*[decode(draft, target, state, depth, lambda _: (1, 1, 0, 1), predraft_depths)
+                                      for state in states])
+        return states, hits
+
+    expected = []
+    for i, prompt in enumerate(PROMPTS):
+        expected.append(RequestState(f"r{i}", list(prompt), params, eos_token_id=None, max_context=256))
+        list(generate(reference, expected[-1]))
+    for planned in (False, True):
+        states, hits = asyncio.run(scenario((lambda i: depth(i + 1)) if planned else (lambda i: 0)))
+        assert [state.output_ids for state in states] == [state.output_ids for state in expected]
+        # hits[j] is round j + 1's
+        deeper = [hit for request in hits for j, hit in enumerate(request) if depth(j + 1) > depth(j)]
+        assert deeper and (sum(deeper) > 0) == planned, (planned, deeper)
 
 
 def test_a_seeded_request_gives_the_same_tokens_with_the_cache_as_with_plain_rounds(distant_pair):

@@ -20,6 +20,7 @@ from specserve.deployments.round_loop import RoundLoop
 from specserve.deployments.round_record import RoundObserver, RoundTimings
 from specserve.deployments.target_worker import TargetEngine
 from specserve.policies.depth_chooser import DepthChooser
+from specserve.policies.fan_out import FanOut
 from tests.test_engines import options, spec
 from tests.tiny_pair import make_tiny_pair
 
@@ -134,9 +135,9 @@ def test_each_round_says_whether_it_is_a_steady_round_of_the_fan_out_on_or_off(p
         observer.round = lambda record: (records.append(record), observe(record))
         fanned = []
 
-        def choose_fan_out(state: RequestState, num_draft: int) -> tuple[int, ...]:
+        def choose_fan_out(state: RequestState, num_draft: int) -> FanOut:
             fanned.append(pattern[len(fanned) % len(pattern)])
-            return (2,) if fanned[-1] else ()
+            return FanOut((2,) if fanned[-1] else (), num_draft)
 
         loop = RoundLoop(state, engines, observer, lambda chunk: None, lambda state: state.draft_budget(NUM_DRAFT),
                          lambda: 1, speculation, choose_fan_out=choose_fan_out)

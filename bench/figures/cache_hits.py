@@ -108,7 +108,8 @@ async def decode(draft: DraftEngine, target: TargetEngine, chooser: DepthChooser
         fan_out = chooser.fan_out(state, num_draft, num_active(), now) if num_draft else ()
         if num_draft:
             proposal, _ = await draft.propose(state.request_id, to_draft.update(state), num_draft, params, seed,
-                                              len(state.prompt_ids), fan_out)
+                                              len(state.prompt_ids), fan_out, None,
+                                              chooser.predraft_depth(state, num_draft, num_active(), now))
         else:   # the depth policy chose a plain target step
             proposal = Proposal([], None)
         if predrafted:
