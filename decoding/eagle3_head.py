@@ -51,8 +51,36 @@ class HeadStep:
 
     logits: torch.Tensor     # [T, draft_vocab] scores over the head's vocabulary
     prenorm: torch.Tensor    # [T, hidden]: the feature of the head's next step at a drafted position
-    keys: torch.Tensor       # [kv_heads, T, head_dim] the rows' keys and values, for the caller to keep
-    values: torch.Tensor
+
+
+class HeadKV:
+    """One sequence's head keys and values, [kv_heads, capacity, head_dim] each, the entry at
+    position p in slot p. A step writes its rows in place and attends over slots 0..its last
+    position, so adding an entry copies nothing already there (the capacity doubles when full),
+    and entries past the committed ones (a round's drafted tokens) are simply written over by the
+    next round's. The head is one layer: a per-sequence buffer is its whole cache, where the
+    draft engine's paged cache serves many layers and many sequences sharing prefixes."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 capacity: int = 64) -> None:
+        self.keys = torch.empty(num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.values = torch.empty_like(self.keys)
+
+    def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Entries start..start+T-1 from keys and values [kv_heads, T, head_dim]."""
+        end = start + keys.shape[1]
+        if end > self.keys.shape[1]:
+            capacity = max(end, 2 * self.keys.shape[1])
+            grown = self.keys.new_empty(self.keys.shape[0], capacity, self.keys.shape[2])
+            grown_values = torch.empty_like(grown)
+            grown[:, :start], grown_values[:, :start] = self.keys[:, :start], self.values[:, :start]
+            self.keys, self.values = grown, grown_values
+        self.keys[:, start:end] = keys
+        self.values[:, start:end] = values
+
+    def entries(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the keys and values of entries 0..end-1."""
+        return self.keys[:, :end], self.values[:, :end]
 
 
 class Eagle3Head(nn.Module):
@@ -88,29 +116,40 @@ class Eagle3Head(nn.Module):
         """[T, 3 x target hidden] (the target's three layers, concatenated in layer order) -> [T, hidden]."""
         return self.fc(target_features)
 
-    def step(self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-             past_keys: torch.Tensor | None = None, past_values: torch.Tensor | None = None) -> HeadStep:
-        """Rows t = 0..T-1 of one sequence: token_ids [T] (the token AFTER each row's feature's
-        position), features [T, hidden] (fused target features or the head's own prenorm),
-        positions [T] (the features' positions, consecutive). Each row attends to the past entries
-        ([kv_heads, P, head_dim], positions before positions[0]) and to rows <= t."""
-        q, k, v, residual = self._projected(token_ids, features, positions)
-        attended = self._attend(q, k, v, past_keys, past_values)
-        logits, prenorm = self._output(attended, residual)
-        return HeadStep(logits, prenorm, k, v)
+    def new_kv(self) -> HeadKV:
+        """An empty cache for one sequence, on the head's device in its dtype."""
+        weight = self.k_proj.weight
+        return HeadKV(self.shape.num_kv_heads, self.shape.head_dim, weight.dtype, weight.device)
 
-    def step_rows(self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                  pasts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[HeadStep]:
-        """One row each of B sequences at once (a drafting step of a batch): row b is
-        (token_ids[b], features[b], positions[b]) over its own sequence's past entries pasts[b]
-        ([kv_heads, P_b, head_dim] keys and values). The projections, the MLP and the LM head run
-        once for every row, so the head's weights are read once a step, not once a sequence; each
-        row attends over its own entries. -> a one-row HeadStep per sequence."""
-        q, k, v, residual = self._projected(token_ids, features, positions)
-        attended = torch.cat([self._attend(q[:, b:b + 1], k[:, b:b + 1], v[:, b:b + 1], *past)
-                              for b, past in enumerate(pasts)], dim=1)
+    def step(self, token_ids: torch.Tensor, features: torch.Tensor, start: int, kv: HeadKV | None = None
+             ) -> HeadStep:
+        """Rows t = 0..T-1 of one sequence at positions start..start+T-1: token_ids [T] (the token
+        AFTER each row's feature's position), features [T, hidden] (fused target features or the
+        head's own prenorm). The rows' keys and values are written to kv (a fresh one if None) at
+        their positions; each row attends to the entries before start and to rows <= t."""
+        kv = self.new_kv() if kv is None else kv
+        length = token_ids.shape[0]
+        q, k, v, residual = self._projected(token_ids, features,
+                                            torch.arange(start, start + length, device=token_ids.device))
+        kv.write(start, k, v)
+        attended = self._attend(q, *kv.entries(start + length))
         logits, prenorm = self._output(attended, residual)
-        return [HeadStep(logits[b:b + 1], prenorm[b:b + 1], k[:, b:b + 1], v[:, b:b + 1]) for b in range(len(pasts))]
+        return HeadStep(logits, prenorm)
+
+    def step_rows(self, token_ids: torch.Tensor, features: torch.Tensor, positions: Sequence[int],
+                  kvs: Sequence[HeadKV]) -> list[HeadStep]:
+        """One row each of B sequences at once (a drafting step of a batch): row b is
+        (token_ids[b], features[b], positions[b]) over its own sequence's entries kvs[b], where
+        its key and value are written. The projections, the MLP and the LM head run once for
+        every row, so the head's weights are read once a step, not once a sequence; each row
+        attends over its own entries. -> a one-row HeadStep per sequence."""
+        q, k, v, residual = self._projected(token_ids, features, torch.tensor(positions, device=token_ids.device))
+        for b, (kv, position) in enumerate(zip(kvs, positions)):
+            kv.write(position, k[:, b:b + 1], v[:, b:b + 1])
+        attended = torch.cat([self._attend(q[:, b:b + 1], *kv.entries(position + 1))
+                              for b, (kv, position) in enumerate(zip(kvs, positions))], dim=1)
+        logits, prenorm = self._output(attended, residual)
+        return [HeadStep(logits[b:b + 1], prenorm[b:b + 1]) for b in range(len(kvs))]
 
     def _projected(self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -133,13 +172,11 @@ class Eagle3Head(nn.Module):
         signed_sin = rope_signs(sin)
         return apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin), v, residual
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_keys: torch.Tensor | None,
-                past_values: torch.Tensor | None) -> torch.Tensor:
-        """Consecutive rows of one sequence over its past entries and each other, causally:
-        q [heads, T, head_dim], k/v [kv_heads, T, head_dim] -> [heads, T, head_dim]."""
+    def _attend(self, q: torch.Tensor, all_keys: torch.Tensor, all_values: torch.Tensor) -> torch.Tensor:
+        """Consecutive rows of one sequence, the last T of its entries, over the entries before
+        them and each other, causally: q [heads, T, head_dim], the entries' keys and values
+        [kv_heads, P + T, head_dim] -> [heads, T, head_dim]."""
         length = q.shape[1]
-        all_keys = k if past_keys is None else torch.cat([past_keys, k], dim=1)
-        all_values = v if past_values is None else torch.cat([past_values, v], dim=1)
         past = all_keys.shape[1] - length
         # Row t sees every past entry and the new rows up to itself.
         rows = torch.arange(length, device=q.device)[:, None]

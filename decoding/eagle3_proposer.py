@@ -25,7 +25,7 @@ import torch
 
 from specserve.decoding.batched_runner import TargetFeatures, merged_features
 from specserve.decoding.eagle3_checkpoint import LoadedHead
-from specserve.decoding.eagle3_head import HeadStep
+from specserve.decoding.eagle3_head import HeadKV, HeadStep
 from specserve.decoding.errors import SequenceStateError
 from specserve.decoding.proposers import Drafting, Proposal, ProposeCall, draft_step, empty_proposal
 from specserve.decoding.row_processors import history_processor
@@ -35,11 +35,11 @@ from specserve.decoding.sampling import SamplingParams
 @dataclass
 class HeadSequence:
     """One sequence's head state: entries 0..len(tokens)-1 computed from the target's features
-    (keys/values [kv_heads, entries, head_dim]), the tokens they read (entry p read token p + 1),
-    the last entry's output, and target features not yet made entries (from `pending_start`)."""
+    (their keys and values in `kv`, whose slots past them are scratch), the tokens they read
+    (entry p read token p + 1), the last entry's output, and target features not yet made entries
+    (from `pending_start`)."""
 
-    keys: torch.Tensor | None = None
-    values: torch.Tensor | None = None
+    kv: HeadKV | None = None
     tokens: list[int] = field(default_factory=list)
     last_logits: torch.Tensor | None = None    # [draft_vocab] the last entry's scores
     last_prenorm: torch.Tensor | None = None   # [hidden] its pre-norm output
@@ -54,7 +54,6 @@ class HeadSequence:
         """Keep entries 0..num_entries-1 (their output is no longer the last one's when cropped)."""
         if num_entries < self.num_entries:
             self.tokens = self.tokens[:num_entries]
-            self.keys, self.values = self.keys[:, :num_entries], self.values[:, :num_entries]
             self.last_logits = self.last_prenorm = None
 
     def add_features(self, features: TargetFeatures) -> None:
@@ -67,20 +66,19 @@ class HeadSequence:
 
 @dataclass
 class _HeadDraft:
-    """One call's block while the head drafts it: its entries so far (the committed ones, then the
-    drafted ones, which are never kept past the call) and the last entry's output."""
+    """One call's block while the head drafts it: the sequence's entries (the committed ones, then
+    the drafted ones written after them, which the next round writes over) and the last entry's
+    output."""
 
     index: int                 # the call's place in propose_batch's calls
     drafting: Drafting
     logits: torch.Tensor       # [draft_vocab] the next token's scores
     prenorm: torch.Tensor      # [hidden] the next head step's feature
-    keys: torch.Tensor         # [kv_heads, entries, head_dim]
-    values: torch.Tensor
+    kv: HeadKV
     position: int              # the next entry's position
 
     def take(self, step: HeadStep) -> None:
         """The head's one-row step over this block's last drafted token."""
-        self.keys, self.values = torch.cat([self.keys, step.keys], dim=1), torch.cat([self.values, step.values], dim=1)
         self.logits, self.prenorm, self.position = step.logits[0], step.prenorm[0], self.position + 1
 
 
@@ -132,7 +130,7 @@ class Eagle3Proposer:
             sequence = self._caught_up(call.seq_id, history)
             # The next entry's position is the last committed token's.
             live.append(_HeadDraft(index, Drafting(call, call.num_tokens, history[:]), sequence.last_logits,
-                                   sequence.last_prenorm, sequence.keys, sequence.values, len(history) - 1))
+                                   sequence.last_prenorm, sequence.kv, len(history) - 1))
         while live:
             rows = self.head.target_logits(torch.stack([draft.logits for draft in live]), self.vocab_size).float()
             for draft in live:
@@ -155,8 +153,7 @@ class Eagle3Proposer:
                 device = rows.device
                 steps = self.head.step_rows(torch.tensor([token for _, token in going], device=device),
                                             torch.stack([draft.prenorm for draft in live]),
-                                            torch.tensor([draft.position for draft in live], device=device),
-                                            [(draft.keys, draft.values) for draft in live])
+                                            [draft.position for draft in live], [draft.kv for draft in live])
                 for draft, step in zip(live, steps):
                     draft.take(step)
         return proposals
@@ -189,10 +186,10 @@ class Eagle3Proposer:
         head = self.head
         features = pending[start - sequence.pending_start:wanted - sequence.pending_start]
         device = features.device
-        step = head.step(torch.tensor(history[start + 1:wanted + 1], device=device), head.fuse(features),
-                         torch.arange(start, wanted, device=device), sequence.keys, sequence.values)
-        sequence.keys = step.keys if sequence.keys is None else torch.cat([sequence.keys, step.keys], dim=1)
-        sequence.values = step.values if sequence.values is None else torch.cat([sequence.values, step.values], dim=1)
+        if sequence.kv is None:
+            sequence.kv = head.new_kv()
+        step = head.step(torch.tensor(history[start + 1:wanted + 1], device=device), head.fuse(features), start,
+                         sequence.kv)
         sequence.tokens.extend(history[start + 1:wanted + 1])
         sequence.last_logits, sequence.last_prenorm = step.logits[-1], step.prenorm[-1]
         # Features of positions from `wanted` on were computed over tokens not committed (or are the

@@ -4,8 +4,10 @@ Why: the box CI runs on has two cores and the suite used one at a time. The in-p
 torch on one thread and the served modules (marker `ray`) spend much of their time waiting on
 their cluster (replicas loading, health polls, requests in flight), so the two kinds overlap well,
 and each lane keeps what it needs from being alone in its process: the served modules share one
-Ray cluster in collection order (tests/conftest.py), the in-process ones start none. The
-in-process lane runs at a lower CPU priority: the served modules are the ones with timeouts.
+Ray cluster in collection order (tests/conftest.py), the in-process ones start none (a test
+that starts a cluster must be marked `ray`). The in-process lane runs at the lowest CPU priority,
+below Ray's own workers (which Ray starts at niceness 15): the served modules are the ones with
+timeouts.
 
 The arguments are pytest options for both lanes (no paths, no -m: the lanes are the selection).
 The served lane's output is streamed as it runs, the in-process lane's printed whole when it ends;
@@ -26,7 +28,7 @@ from run_each_module import COUNTED, closing_line, counts_from_junit
 
 NOT_IN_MAKE_TEST = "not slow and not stat_full"
 LANES = (("served", f"ray and {NOT_IN_MAKE_TEST}"), ("in-process", f"not ray and {NOT_IN_MAKE_TEST}"))
-IN_PROCESS_NICENESS = 10
+IN_PROCESS_NICENESS = 19
 
 
 def main(options: list[str]) -> int:

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.local_server import SHARED_MODEL
 
+pytestmark = pytest.mark.ray
 MODEL = SHARED_MODEL
 BODIES = Path(__file__).parent / "client_bodies"
 

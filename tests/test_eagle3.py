@@ -20,6 +20,7 @@ from specserve.decoding.batched_runner import TargetFeatures
 from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.eagle3_checkpoint import (Eagle3CheckpointError, default_aux_layers, head_format,
                                                   load_eagle3_head)
+from specserve.decoding.eagle3_head import HeadKV
 from specserve.decoding.eagle3_proposer import Eagle3Proposer
 from specserve.decoding.generate import generate
 from specserve.decoding.model_runner import load_causal_lm
@@ -158,12 +159,26 @@ def head_from_scratch(loaded, target, history: list[int], num_tokens: int) -> li
     tokens, drafted = list(history), []
     with torch.no_grad():
         for _ in range(num_tokens):
-            step = head.step(torch.tensor(tokens[1:]), features, torch.arange(len(tokens) - 1))
+            step = head.step(torch.tensor(tokens[1:]), features, 0)
             best = int(head.draft_to_target[step.logits[-1].argmax()])
             drafted.append(best)
             tokens.append(best)
             features = torch.cat([features, step.prenorm[-1:]])
     return drafted
+
+
+def test_the_heads_cache_keeps_its_entries_as_it_grows_and_a_write_replaces_what_it_covers():
+    """HeadKV: entries written past its capacity grow it without losing those before; a round's
+    drafted entries are written over by the next round's at the same positions."""
+    kv = HeadKV(num_kv_heads=2, head_dim=3, dtype=torch.float32, device=torch.device("cpu"), capacity=2)
+    rows = torch.randn(2, 9, 3), torch.randn(2, 9, 3)
+    kv.write(0, rows[0][:, :3], rows[1][:, :3])
+    kv.write(3, rows[0][:, 3:4], rows[1][:, 3:4])
+    kv.write(4, torch.zeros(2, 5, 3), torch.zeros(2, 5, 3))     # drafted, then dropped
+    kv.write(4, rows[0][:, 4:9], rows[1][:, 4:9])
+    keys, values = kv.entries(9)
+    assert torch.equal(keys, rows[0]) and torch.equal(values, rows[1])
+    assert kv.entries(4)[0].shape == (2, 4, 3)
 
 
 @pytest.mark.parametrize("form", FORMATS)
@@ -281,7 +296,7 @@ def head_q(loaded, target, history: list[int], params: SamplingParams) -> torch.
     with torch.no_grad():
         hidden = target(torch.tensor([history]), output_hidden_states=True).hidden_states
         features = head.fuse(torch.cat([hidden[layer][0] for layer in loaded.aux_layers], dim=-1))[:-1]
-        logits = head.step(torch.tensor(history[1:]), features, torch.arange(len(history) - 1)).logits[-1]
+        logits = head.step(torch.tensor(history[1:]), features, 0).logits[-1]
     full = torch.full((SMALL_VOCAB,), float("-inf"))
     full[head.draft_to_target] = logits
     return logits_to_probs(full.unsqueeze(0), params)[0].double()
@@ -377,14 +392,13 @@ def test_training_computes_what_drafting_computes(small):
         trained = ttt_forward(head, features, window, ttt_steps=3)
         tokens = window[0].tolist()
         for i in (0, 3, 5):
-            committed = head.step(torch.tensor(tokens[1:i + 2]), head.fuse(features[0, :i + 1]), torch.arange(i + 1))
-            keys, values, prenorm = committed.keys, committed.values, committed.prenorm[-1:]
+            kv = head.new_kv()
+            committed = head.step(torch.tensor(tokens[1:i + 2]), head.fuse(features[0, :i + 1]), 0, kv)
+            prenorm = committed.prenorm[-1:]
             assert torch.allclose(trained[0][0, i], committed.logits[-1], atol=1e-4)
             for depth in (1, 2):
-                step = head.step(torch.tensor([tokens[i + 1 + depth]]), prenorm, torch.tensor([i + depth]),
-                                 keys, values)
+                step = head.step(torch.tensor([tokens[i + 1 + depth]]), prenorm, i + depth, kv)
                 assert torch.allclose(trained[depth][0, i], step.logits[0], atol=1e-4)
-                keys, values = torch.cat([keys, step.keys], 1), torch.cat([values, step.values], 1)
                 prenorm = step.prenorm
 
 
