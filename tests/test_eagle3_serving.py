@@ -3,11 +3,12 @@ target engine returns its aux layers' features with each verdict, the router car
 committed ones to the draft engine with the next propose, and greedy output over HTTP (the
 official openai client) equals the target's own greedy output (docs/eagle3.md#serving).
 
-One Serve start (a speculators-format head, which names its layers and normalises before the
-residual), in `make reliability`; on every `make test` the head drafts in process
-(tests/test_eagle3.py), and so does the recovery of a draft engine lacking a request's features
-(UnknownFeatures, below). The EAGLE authors' format is detected and refused or accepted by the
-same start-up checks, which run before Ray starts. The greedy equality holds on CPU in float32,
+One Serve start per checkpoint format (a speculators head, which names its layers and
+normalises before the residual; the EAGLE authors', which takes the default layers), in `make
+reliability`; on every `make test` the head drafts in process (tests/test_eagle3.py), and so does
+the recovery of a draft engine lacking a request's features (UnknownFeatures, below). Both
+formats are detected and refused or accepted by the same start-up checks, which run before Ray
+starts. The greedy equality holds on CPU in float32,
 where the tests run (docs/gpu.md)."""
 
 from __future__ import annotations
@@ -45,10 +46,11 @@ def family(tmp_path_factory):
     return llama3_with_heads(tmp_path_factory.mktemp("eagle3-serving"))
 
 
-@pytest.fixture(scope="module")
-def served(family):
+@pytest.fixture(scope="module", params=["speculators", "eagle"])
+def served(family, request):
+    """(url, config) of the look-alike target served with its head of each format in turn."""
     family_, heads = family
-    config = config_from_args(serve_args(family_.target, heads["speculators"]))
+    config = config_from_args(serve_args(family_.target, heads[request.param]))
     config = config.model_copy(update={"http": config.http.model_copy(update={"port": free_port()})})
     url = start_local(config)
     try:
@@ -133,6 +135,25 @@ def test_greedy_over_http_with_a_head_equals_the_targets_own(family, served):
     # The head drafted: the target's features reached it each round (without them it answers
     # UnknownFeatures and every round goes target-only).
     assert drafted > 0
+
+
+@pytest.mark.slow   # in make reliability, to keep make test short: docs/testing.md
+def test_sampled_text_over_http_with_a_head_follows_the_targets_distribution(family, served):
+    """tests/test_serving_statistics.py's test with a head for the draft: seeded three-token
+    completions (the second token from the first speculative round, which the head drafts from
+    the prefill's features) follow the target's exact text distribution, the requests drafted, and
+    the same samples reject the target at half the temperature. A random look-alike's top 3 is
+    near uniform, so the samples are twice test_serving_statistics'."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from tests.test_serving_statistics import NUM_REQUESTS, assert_follows_the_target
+
+    family_, _ = family
+    url, config = served
+    # float32, as the server runs it on CPU (the checkpoint says bfloat16, as published ones do)
+    target = (LlamaForCausalLM.from_pretrained(str(family_.target), dtype=torch.float32).eval(),
+              AutoTokenizer.from_pretrained(str(family_.target)))
+    assert_follows_the_target(url, config.model_name, target, {"temperature": 1.5, "top_k": 3}, range(2 * NUM_REQUESTS))
 
 
 def test_a_draft_engine_lacking_a_requests_features_says_so_and_drafts_once_the_target_recomputes_them(family):

@@ -2,22 +2,26 @@
 
 Speculation must be lossless for sampled requests too: the text a client receives is distributed
 exactly as target-only sampling under the same temperature / top-k / top-p. Each case sends
-NUM_REQUESTS short completions (max_tokens 2, distinct seeds, 8 concurrent) of one prompt: token 1
-comes from the target's prefill, token 2 from the first speculative round (an accepted draft token
-or the recovered one). The reference is the in-process target's processed distribution, exact in
-float64: P(t1, t2) = p(t1 | prompt) * p(t2 | prompt, t1), mapped onto the text a client sees
-(decode([t1, t2]), special tokens dropped; EOS first ends the text) and summed per text.
+NUM_REQUESTS short completions (NUM_TOKENS tokens, distinct seeds, 8 concurrent) of one prompt:
+token 1 comes from the target's prefill, token 2 from the first speculative round, which drafts
+one token (an accepted draft token or the recovered one), and token 3 from that verify's bonus row
+or the next round. Three, not two: a round never drafts past the tokens a request still wants,
+so a two-token completion has no speculative round at all, and every case checks its requests
+drafted. The reference is the in-process target's processed distribution, exact in float64:
+P(t1, t2, t3) = p(t1 | prompt) p(t2 | prompt, t1) p(t3 | prompt, t1, t2), mapped onto the text a
+client sees (special tokens dropped; EOS ends the text) and summed per text.
 
 Tolerances (stated, not tuned to pass): chi-square goodness of fit on the texts whose expected
 count is >= 5, the rest pooled into one cell, must not reject at 1e-3; the total-variation
-distance between the empirical and the exact text distribution must stay under 0.2 (its expectation
-at 200 samples over these few cells is a few hundredths). The same test must reject the target's
-distribution at half the temperature (same filters), so it has the power to see a real error.
+distance between the empirical and the exact text distribution must stay under exact sampling's
+own 99.9% quantile at that many samples (tests.test_generate.null_tv_bound). The same test must
+reject the target's distribution at half the temperature (same filters), so it has the power to
+see a real error.
 
-The penalties case sends 3-token completions, so its third token can come from the second row of the
-first round's verify: it follows the target only if that row (and the draft's second step) saw the
-block's first draft token. It must also reject the unpenalized distribution. Greedy with penalties,
-through the official openai client, equals HF `generate` with the same processors.
+The penalties case's third token follows the target only if the verify's second row (and the
+draft's second step) saw the block's first draft token; it must also reject the unpenalized
+distribution. Greedy with penalties, through the official openai client, equals HF `generate`
+with the same processors.
 
 The equalities asserted here hold on CPU in float32, where the tests run; on a GPU in bf16 greedy
 output may differ at near-ties and with what shares a batch (docs/gpu.md).
@@ -39,6 +43,7 @@ import openai
 from specserve.decoding.row_processors import history_processor
 from specserve.decoding.sampling import SamplingParams, logits_to_probs
 from tests.local_server import SHARED_MODEL
+from tests.test_generate import null_tv_bound
 from tests.test_penalties import hf_processors
 
 pytestmark = pytest.mark.ray
@@ -47,14 +52,13 @@ PROMPT = "def fibonacci(n):\n"
 NUM_REQUESTS = 200
 CONCURRENCY = 8
 P_VALUE_FLOOR = 1e-3
-TV_BOUND = 0.2
+NUM_TOKENS = 3   # per completion: the prefill's, then a speculative round's
 CASES = {
-    "temperature-top-k": {"temperature": 1.5, "top_k": 8},
+    "temperature-top-k": {"temperature": 1.5, "top_k": 3},
     "temperature-top-p": {"temperature": 1.2, "top_p": 0.5},
     "penalties-min-p": {"temperature": 1.5, "top_k": 4, "min_p": 0.05, "repetition_penalty": 1.3,
                         "presence_penalty": 0.5, "frequency_penalty": 0.5},
 }
-NUM_TOKENS = {"penalties-min-p": 3}  # tokens per completion (2 unless listed)
 NEUTRAL_PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
@@ -70,10 +74,13 @@ def target(server):
             AutoTokenizer.from_pretrained(config.target.path))
 
 
-def text_distribution(model, tokenizer, prompt: str, params: SamplingParams, num_tokens: int = 2) -> dict[str, float]:
+def text_distribution(model, tokenizer, prompt: str, params: SamplingParams, num_tokens: int = NUM_TOKENS
+                      ) -> dict[str, float]:
     """Exact distribution of the client-visible text of a num_tokens completion, in float64,
-    enumerated over the processed (penalized) target's support; EOS ends a branch."""
-    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    enumerated over the processed (penalized) target's support; EOS ends a branch. The prompt is
+    tokenized as the server tokenizes a completion's text (with the tokenizer's special tokens:
+    a BOS where it has one)."""
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=True)
     eos = tokenizer.eos_token_id
     texts: Counter[str] = Counter()
     growing = {(): 1.0}
@@ -96,15 +103,36 @@ def text_distribution(model, tokenizer, prompt: str, params: SamplingParams, num
     return dict(texts)
 
 
-def sample_texts(url: str, sampling: dict, seeds: range, num_tokens: int = 2, model: str = MODEL) -> list[str]:
-    def one(seed: int) -> str:
+def sample_texts(url: str, sampling: dict, seeds: range, num_tokens: int = NUM_TOKENS, model: str = MODEL
+                 ) -> tuple[list[str], int]:
+    """(each seed's completion text, draft tokens the requests drafted in all)."""
+    def one(seed: int) -> tuple[str, int]:
         body = {"model": model, "prompt": PROMPT, "max_tokens": num_tokens, "seed": seed, **sampling}
         response = client.post(f"{url}/v1/completions", json=body, timeout=60)
         response.raise_for_status()
-        return response.json()["choices"][0]["text"]
+        answer = response.json()
+        return answer["choices"][0]["text"], answer["speculation"]["num_drafted"]
 
     with httpx.Client() as client, ThreadPoolExecutor(CONCURRENCY) as pool:
-        return list(pool.map(one, seeds))
+        answers = list(pool.map(one, seeds))
+    return [text for text, _ in answers], sum(drafted for _, drafted in answers)
+
+
+def assert_follows_the_target(url: str, model: str, target, sampling: dict, seeds: range
+                              ) -> tuple[SamplingParams, Counter]:
+    """NUM_TOKENS-token completions of PROMPT, one per seed, follow the target's exact text
+    distribution under `sampling` (the module docstring's tolerances), and reject the target at
+    half the temperature; the requests drafted. -> (the requests' sampling parameters, the texts
+    counted)."""
+    params = SamplingParams(max_tokens=NUM_TOKENS, **sampling)
+    texts, drafted = sample_texts(url, sampling, seeds, model=model)
+    assert drafted > 0, "no request drafted: the test would see target-only sampling"
+    observed, expected = Counter(texts), text_distribution(*target, PROMPT, params)
+    assert chi_square_p_value(observed, expected) > P_VALUE_FLOOR, (observed.most_common(8), expected)
+    assert total_variation(observed, expected) < null_tv_bound(torch.tensor(list(expected.values())), len(seeds))
+    colder = params.model_copy(update={"temperature": sampling["temperature"] / 2})
+    assert chi_square_p_value(observed, text_distribution(*target, PROMPT, colder)) < P_VALUE_FLOOR
+    return params, observed
 
 
 def chi_square_p_value(observed: Counter, expected_probs: dict[str, float]) -> float:
@@ -135,20 +163,11 @@ def total_variation(observed: Counter, expected_probs: dict[str, float]) -> floa
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_sampled_text_over_http_follows_the_targets_distribution(server, target, case):
     url, _ = server
-    sampling, num_tokens = CASES[case], NUM_TOKENS.get(case, 2)
-    params = SamplingParams(max_tokens=num_tokens, **sampling)
     start = 10_000 * sorted(CASES).index(case)
-    observed = Counter(sample_texts(url, sampling, range(start, start + NUM_REQUESTS), num_tokens))
-    expected = text_distribution(*target, PROMPT, params, num_tokens)
-
-    assert chi_square_p_value(observed, expected) > P_VALUE_FLOOR, (observed.most_common(8), expected)
-    assert total_variation(observed, expected) < TV_BOUND
-    # Power: a server sampling at the wrong temperature (or ignoring penalties) would be caught.
-    colder = params.model_copy(update={"temperature": sampling["temperature"] / 2})
-    assert chi_square_p_value(observed, text_distribution(*target, PROMPT, colder, num_tokens)) < P_VALUE_FLOOR
-    if params.uses_penalties:
+    params, observed = assert_follows_the_target(url, MODEL, target, CASES[case], range(start, start + NUM_REQUESTS))
+    if params.uses_penalties:   # a server ignoring penalties would be caught too
         unpenalized = params.model_copy(update=NEUTRAL_PENALTIES)
-        assert chi_square_p_value(observed, text_distribution(*target, PROMPT, unpenalized, num_tokens)) < P_VALUE_FLOOR
+        assert chi_square_p_value(observed, text_distribution(*target, PROMPT, unpenalized)) < P_VALUE_FLOOR
 
 
 def test_greedy_with_penalties_over_the_openai_client_equals_hf_generate(server, target):
