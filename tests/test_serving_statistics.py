@@ -20,10 +20,11 @@ see a real error.
 
 What it cannot see: a verifier that accepts every draft token. The shared tiny pair's draft is a
 close copy of its target, so its tokens follow nearly the target's distribution, and 200 samples
-of these few texts pass with such a verifier (tried: both cases passed). A wrong verifier is the
-in-process tests' to catch (tests/test_generate.py, tests/test_block_verify.py,
-tests/test_predrafting.py: each rejects broken variants); this one catches wrong sampling
-parameters, a server that stops speculating, and the plumbing between them.
+of these few texts pass with such a verifier (docs/testing.md). Served, the same test with an
+EAGLE-3 head, whose draft is far from its target, fails such a verifier
+(tests/test_eagle3_serving.py); in process, tests/test_generate.py, tests/test_block_verify.py and
+tests/test_predrafting.py reject broken variants. This one catches wrong sampling parameters, a
+server that stops speculating, and the plumbing between them.
 
 The penalties case's third token follows the target only if the verify's second row (and the
 draft's second step) saw the block's first draft token; it must also reject the unpenalized
