@@ -7,6 +7,7 @@ serve_tiny_pair. A test's cluster ends with stop_test_cluster."""
 
 from __future__ import annotations
 
+import random
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,12 +56,36 @@ def greedy_reference(target_path: str):
 
 
 def free_port() -> int:
-    """One free port, for one server that binds it next. Not for several ports of one cluster:
-    the socket is closed before the next draw, so two draws can return the same port
+    """One free port below the kernel's ephemeral range, for one server that binds it next.
+
+    Why below it: a server binds its port seconds after this draw (Ray's metrics agent, Serve's
+    HTTP proxy), and meanwhile the kernel may hand a port from its ephemeral range to anyone's
+    bind(0) or outgoing connection: the other pytest lane of `make test`, a Ray worker. A port
+    below that range goes only to whoever asks for it by number. Not for several ports of one
+    cluster: the socket is closed before the next draw, so two draws can return the same port
     (PortReservation holds them instead)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    low, high = NAMED_PORTS
+    for _ in range(1000):
+        port = random.randrange(low, high)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}..{high - 1}")
+
+
+def _below_ephemeral_ports() -> tuple[int, int]:
+    """[low, high): ports under the kernel's ephemeral range (Linux's ip_local_port_range)."""
+    try:
+        first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32768
+    return max(1024, first_ephemeral - 12000), first_ephemeral
+
+
+NAMED_PORTS = _below_ephemeral_ports()
 
 
 class PortReservation:

@@ -3,7 +3,6 @@ serves Prometheus text carrying what common.metrics records, under the documente
 
 from __future__ import annotations
 
-import socket
 import time
 
 import httpx
@@ -14,12 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specserve.common.config import SpecServeConfig
 from specserve.cluster.local import init_local_ray, metrics_export_port, metrics_system_config, metrics_url
 from specserve.common.metrics import METRICS, EngineMetrics, RouterMetrics
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.local_server import free_port
 
 
 def _config(port: int, interval_ms: int = 10_000) -> SpecServeConfig:
@@ -79,7 +73,7 @@ def _value(samples, **labels) -> float:
 
 @pytest.mark.ray
 def test_endpoint_serves_parsable_prometheus_text_with_our_metrics():
-    port = _free_port()
+    port = free_port()
     config = _config(port, interval_ms=500)
     init_local_ray(num_cpus=2, include_dashboard=False, _metrics_export_port=metrics_export_port(config),
                    _system_config=metrics_system_config(config))

@@ -9,6 +9,7 @@ import ray
 
 from specserve.common.config import DEFAULT_MODELS_DIR, SpecServeConfig
 from specserve.cluster.local import PortInUseError, StartupError, check_port_free, init_local_ray, start_local
+from tests.local_server import free_port
 
 
 @pytest.fixture
@@ -42,12 +43,6 @@ def test_the_cli_prints_the_busy_port_without_a_traceback(busy_port, monkeypatch
     assert info.value.code == 2
     assert f"port {busy_port} is already in use" in capsys.readouterr().err
     assert not ray.is_initialized()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_replica_cause_is_the_innermost_exception_of_a_serve_status_message():
@@ -85,7 +80,7 @@ def test_a_start_that_fails_never_answers_200_and_ends_with_the_replicas_own_err
     import httpx
 
     repo = Path(__file__).resolve().parents[1]
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "SPECSERVE__HTTP__PORT": str(port), "PYTHONPATH": str(repo)}
     command = [sys.executable, "-m", "specserve.cluster.cli", "serve", "--target", str(DEFAULT_MODELS_DIR / "target"),
                "--kv-cache-memory-gb", "0.0005"]
