@@ -32,10 +32,8 @@ serve: $(STAMP)
 generate: $(STAMP)
 	$(VENV)/bin/specserve generate
 
-# Two pytest processes side by side, the served modules and the in-process ones (tests/run_two_lanes.py):
-# the box has two cores. `$(PY) -m pytest -q` runs the same tests in one process.
 test: $(STAMP)
-	$(PY) tests/run_two_lanes.py -q
+	$(PY) -m pytest -q
 
 # The long fuzz run: 5,000 hypothesis bodies per fuzz test plus schemathesis on /openapi.json.
 fuzz: $(STAMP)

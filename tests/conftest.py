@@ -22,9 +22,8 @@ def _shares_the_server(module_items: list) -> bool:
 def pytest_collection_modifyitems(items):
     """Run the modules that use the shared served tiny pair one after another (each module whole,
     in collection order, at the place of the first of them), so its Ray cluster and Serve app
-    start once for all of them instead of once per module. A test using it must be marked `ray`:
-    `make test` runs the served tests in a process of their own beside the others
-    (tests/run_two_lanes.py), and only one of the two may start a Ray cluster."""
+    start once for all of them instead of once per module. A test using it must be marked `ray`,
+    so that `-m "not ray"` selects tests that start no Ray cluster."""
     unmarked = [item.nodeid for item in items
                 if SHARED_SERVER in item.fixturenames and item.get_closest_marker("ray") is None]
     if unmarked:

@@ -60,8 +60,8 @@ def free_port() -> int:
 
     Why below it: a server binds its port seconds after this draw (Ray's metrics agent, Serve's
     HTTP proxy), and meanwhile the kernel may hand a port from its ephemeral range to anyone's
-    bind(0) or outgoing connection: the other pytest lane of `make test`, a Ray worker. A port
-    below that range goes only to whoever asks for it by number. Not for several ports of one
+    bind(0) or outgoing connection (a Ray worker, another process on the machine). A port below
+    that range goes only to whoever asks for it by number. Not for several ports of one
     cluster: the socket is closed before the next draw, so two draws can return the same port
     (PortReservation holds them instead)."""
     low, high = NAMED_PORTS
