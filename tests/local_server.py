@@ -66,7 +66,7 @@ def free_port() -> int:
     (PortReservation holds them instead)."""
     low, high = NAMED_PORTS
     for _ in range(1000):
-        port = random.randrange(low, high)
+        port = _port_draws.randrange(low, high)
         with socket.socket() as sock:
             try:
                 sock.bind(("", port))
@@ -86,6 +86,7 @@ def _below_ephemeral_ports() -> tuple[int, int]:
 
 
 NAMED_PORTS = _below_ephemeral_ports()
+_port_draws = random.Random()   # its own stream: a test seeding `random` must not make draws repeat
 
 
 class PortReservation:
