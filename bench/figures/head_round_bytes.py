@@ -56,8 +56,11 @@ async def round_messages(config: SpecServeConfig, prompt_ids: list[int]) -> dict
     messages = {}
     for _ in range(2):
         committed_before = len(state.history)
-        propose_args = ("r", to_draft.update(state), NUM_DRAFT, params, None, len(prompt_ids), (), None, 0)
-        proposal, span = await draft.propose(*propose_args)
+        # DraftEngine.propose's arguments by name, in its order: the channel sends them positionally.
+        propose_args = {"seq_id": "r", "history": to_draft.update(state), "num_tokens": NUM_DRAFT,
+                        "params": params, "seed": None, "prompt_len": len(prompt_ids), "fan_out": (),
+                        "features": None, "predraft_tokens": 0}
+        proposal, span = await draft.propose(**propose_args)
         verify_args = ("r", to_target.update(state), proposal, params, state.next_output_index, None, None,
                        config.speculation.verification, None)
         verified = await target.verify(*verify_args)
@@ -78,10 +81,10 @@ def frame_bytes(messages: dict, width: int | None) -> dict[str, int]:
             return TargetFeatures(0, torch.zeros(tokens, AUX_LAYERS * width, dtype=torch.bfloat16))
 
         # The next propose carries the committed positions' features: as many as this round commits.
-        propose = propose[:7] + (features(messages["committed"]),) + propose[8:]
+        propose = {**propose, "features": features(messages["committed"])}
         rows, span = verdict
         verdict = (rows, replace(span, features=features(messages["computed"])))
-    frames = {"propose": ChannelCall(1, "propose", propose), "proposal": ChannelReply(1, messages["proposal"]),
+    frames = {"propose": ChannelCall(1, "propose", tuple(propose.values())), "proposal": ChannelReply(1, messages["proposal"]),
               "verify": ChannelCall(2, "verify", messages["verify"]), "verdict": ChannelReply(2, verdict)}
     sizes = {name: len(encode_frame((message,))) for name, message in frames.items()}
     sizes["total"] = sum(sizes.values())
