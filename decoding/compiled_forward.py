@@ -41,11 +41,17 @@ CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
 
 def compile_cache_dir() -> Path:
-    """Where inductor keeps compiled artifacts: $TORCHINDUCTOR_CACHE_DIR if set, else
-    <specserve cache>/inductor, the specserve cache being $SPECSERVE_CACHE_DIR or
+    """Where inductor keeps compiled artifacts: $TORCHINDUCTOR_CACHE_DIR where the user chose it,
+    else <specserve cache>/inductor, the specserve cache being $SPECSERVE_CACHE_DIR or
     $XDG_CACHE_HOME/specserve (~/.cache/specserve). Sets TORCHINDUCTOR_CACHE_DIR, which inductor
-    reads when it first looks for its cache."""
-    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+    reads whenever it looks for its cache. A value equal to inductor's own default (a folder under
+    /tmp) counts as unset: inductor writes its default into the environment the first time
+    anything asks for its cache, and loading a checkpoint through transformers does, before any
+    runner compiles."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not chosen or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
         root = os.environ.get(CACHE_DIR_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specserve"
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(root) / "inductor")
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])

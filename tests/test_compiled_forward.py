@@ -128,3 +128,10 @@ def test_the_compile_cache_lives_under_the_specserve_cache(monkeypatch, tmp_path
     assert compiled_forward.compile_cache_dir() == tmp_path / "inductor"
     import os
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    # Inductor writes its own default into the environment the first time anything asks for its
+    # cache (loading a checkpoint through transformers does): that is not the user's choice.
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    assert compiled_forward.compile_cache_dir() == tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "chosen"))
+    assert compiled_forward.compile_cache_dir() == tmp_path / "chosen"
