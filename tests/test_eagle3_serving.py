@@ -144,8 +144,7 @@ def test_sampled_text_over_http_with_a_head_follows_the_targets_distribution(fam
     the prefill's features) follow the target's exact text distribution, the requests drafted, and
     the same samples reject the target at half the temperature. A random look-alike's top 3 is
     near uniform, so the samples are twice test_serving_statistics'. The look-alike head drafts far
-    from its target, so a verifier that accepts every draft token fails this test (docs/testing.md),
-    where the shared pair's close draft lets it pass test_serving_statistics."""
+    from its target, so a verifier that accepts every draft token fails this test (docs/testing.md)."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from tests.test_serving_statistics import NUM_REQUESTS, assert_follows_the_target

@@ -18,13 +18,13 @@ own 99.9% quantile at that many samples (tests.test_generate.null_tv_bound). The
 reject the target's distribution at half the temperature (same filters), so it has the power to
 see a real error.
 
-What it cannot see: a verifier that accepts every draft token. The shared tiny pair's draft is a
-close copy of its target, so its tokens follow nearly the target's distribution, and 200 samples
-of these few texts pass with such a verifier (docs/testing.md). Served, the same test with an
-EAGLE-3 head, whose draft is far from its target, fails such a verifier
-(tests/test_eagle3_serving.py); in process, tests/test_generate.py, tests/test_block_verify.py and
-tests/test_predrafting.py reject broken variants. This one catches wrong sampling parameters, a
-server that stops speculating, and the plumbing between them.
+A verifier that accepts every draft token: the top-k and penalties cases use prompts where it
+fails them, and check so in process before sending anything: texts drawn from what such a server
+would send (the prefill's token from the target, the round's draft token from the draft's
+processed row, the bonus token from the target) fail the case's assertions in at least 99% of
+seeded simulated runs. The shared pair's draft is a close copy of its target, so on most prompts
+these few texts cannot tell the two apart: the top-p case's nucleus (two or three tokens after
+any prompt tried) is one of them, and it checks top-p's plumbing only (docs/testing.md).
 
 The penalties case's third token follows the target only if the verify's second row (and the
 draft's second step) saw the block's first draft token; it must also reject the unpenalized
@@ -58,15 +58,19 @@ pytestmark = pytest.mark.ray
 MODEL = SHARED_MODEL
 PROMPT = "def fibonacci(n):\n"
 NUM_REQUESTS = 200
+MUTANT_PASS_RATE_CEILING = 0.01   # how often a server accepting every draft token may pass a case
+SIMULATED_RUNS = 400
 CONCURRENCY = 8
 P_VALUE_FLOOR = 1e-3
 NUM_TOKENS = 3   # per completion: the prefill's, then a speculative round's
-CASES = {
-    "temperature-top-k": {"temperature": 1.5, "top_k": 3},
-    "temperature-top-p": {"temperature": 1.2, "top_p": 0.5},
-    "penalties-min-p": {"temperature": 1.5, "top_k": 4, "min_p": 0.05, "repetition_penalty": 1.3,
-                        "presence_penalty": 0.5, "frequency_penalty": 0.5},
+TOP_K_CASE = ("for i in range(", {"temperature": 1.5, "top_k": 3})
+CASES = {   # name -> (prompt, sampling)
+    "temperature-top-k": TOP_K_CASE,
+    "temperature-top-p": (PROMPT, {"temperature": 1.2, "top_p": 0.5}),
+    "penalties-min-p": (PROMPT, {"temperature": 1.5, "top_k": 4, "min_p": 0.05, "repetition_penalty": 1.3,
+                                 "presence_penalty": 0.5, "frequency_penalty": 0.5}),
 }
+SEES_A_VERIFIER_ACCEPTING_ALL = {"temperature-top-k", "penalties-min-p"}
 NEUTRAL_PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
@@ -82,20 +86,28 @@ def target(server):
             AutoTokenizer.from_pretrained(config.target.path))
 
 
-def text_distribution(model, tokenizer, prompt: str, params: SamplingParams, num_tokens: int = NUM_TOKENS
-                      ) -> dict[str, float]:
+@pytest.fixture(scope="module")
+def draft(server):
+    return LlamaForCausalLM.from_pretrained(server[1].draft.path).eval()
+
+
+def text_distribution(model, tokenizer, prompt: str, params: SamplingParams, num_tokens: int = NUM_TOKENS,
+                      drafted_by=None) -> dict[str, float]:
     """Exact distribution of the client-visible text of a num_tokens completion, in float64,
-    enumerated over the processed (penalized) target's support; EOS ends a branch. The prompt is
+    enumerated over the processed (penalized) model's support; EOS ends a branch. The prompt is
     tokenized as the server tokenizes a completion's text (with the tokenizer's special tokens:
-    a BOS where it has one)."""
+    a BOS where it has one). drafted_by: a draft model whose processed row gives the second token
+    instead, as a verifier accepting every draft token would send it (the first round drafts one
+    token: a round never drafts past what the request still wants)."""
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=True)
     eos = tokenizer.eos_token_id
     texts: Counter[str] = Counter()
     growing = {(): 1.0}
     for step in range(num_tokens):
         prefixes = list(growing)
+        drawing = drafted_by if drafted_by is not None and step == 1 else model
         with torch.no_grad():
-            logits = model(torch.tensor([prompt_ids + list(p) for p in prefixes])).logits[:, -1].float()
+            logits = drawing(torch.tensor([prompt_ids + list(p) for p in prefixes])).logits[:, -1].float()
         grown = {}
         for prefix, row in zip(prefixes, logits):
             processor = history_processor(params, prompt_ids + list(prefix), len(prompt_ids), row.shape[-1])
@@ -111,11 +123,11 @@ def text_distribution(model, tokenizer, prompt: str, params: SamplingParams, num
     return dict(texts)
 
 
-def sample_texts(url: str, sampling: dict, seeds: range, num_tokens: int = NUM_TOKENS, model: str = MODEL
-                 ) -> tuple[list[str], int]:
+def sample_texts(url: str, sampling: dict, seeds: range, num_tokens: int = NUM_TOKENS, model: str = MODEL,
+                 prompt: str = PROMPT) -> tuple[list[str], int]:
     """(each seed's completion text, draft tokens the requests drafted in all)."""
     def one(seed: int) -> tuple[str, int]:
-        body = {"model": model, "prompt": PROMPT, "max_tokens": num_tokens, "seed": seed, **sampling}
+        body = {"model": model, "prompt": prompt, "max_tokens": num_tokens, "seed": seed, **sampling}
         response = client.post(f"{url}/v1/completions", json=body, timeout=60)
         response.raise_for_status()
         answer = response.json()
@@ -126,21 +138,47 @@ def sample_texts(url: str, sampling: dict, seeds: range, num_tokens: int = NUM_T
     return [text for text, _ in answers], sum(drafted for _, drafted in answers)
 
 
-def assert_follows_the_target(url: str, model: str, target, sampling: dict, seeds: range
-                              ) -> tuple[SamplingParams, Counter]:
-    """NUM_TOKENS-token completions of PROMPT, one per seed, follow the target's exact text
+def assert_follows_the_target(url: str, model: str, target, sampling: dict, seeds: range, prompt: str = PROMPT,
+                              draft=None) -> tuple[SamplingParams, Counter]:
+    """NUM_TOKENS-token completions of prompt, one per seed, follow the target's exact text
     distribution under `sampling` (the module docstring's tolerances), and reject the target at
-    half the temperature; the requests drafted. -> (the requests' sampling parameters, the texts
-    counted)."""
+    half the temperature; the requests drafted. With the served draft model: first, that a
+    verifier accepting every draft token would fail this (`mutant_pass_rate`). -> (the requests'
+    sampling parameters, the texts counted)."""
     params = SamplingParams(max_tokens=NUM_TOKENS, **sampling)
-    texts, drafted = sample_texts(url, sampling, seeds, model=model)
+    expected = text_distribution(*target, prompt, params)
+    tv_bound = null_tv_bound(torch.tensor(list(expected.values())), len(seeds))
+    if draft is not None:
+        accepting_all = text_distribution(*target, prompt, params, drafted_by=draft)
+        rate = mutant_pass_rate(expected, tv_bound, accepting_all, len(seeds))
+        assert rate <= MUTANT_PASS_RATE_CEILING, f"a server accepting every draft token passes {rate:.0%} of the time"
+    texts, drafted = sample_texts(url, sampling, seeds, model=model, prompt=prompt)
     assert drafted > 0, "no request drafted: the test would see target-only sampling"
-    observed, expected = Counter(texts), text_distribution(*target, PROMPT, params)
-    assert chi_square_p_value(observed, expected) > P_VALUE_FLOOR, (observed.most_common(8), expected)
-    assert total_variation(observed, expected) < null_tv_bound(torch.tensor(list(expected.values())), len(seeds))
+    observed = Counter(texts)
+    assert follows(observed, expected, tv_bound), (observed.most_common(8), expected)
     colder = params.model_copy(update={"temperature": sampling["temperature"] / 2})
-    assert chi_square_p_value(observed, text_distribution(*target, PROMPT, colder)) < P_VALUE_FLOOR
+    assert chi_square_p_value(observed, text_distribution(*target, prompt, colder)) < P_VALUE_FLOOR
     return params, observed
+
+
+def follows(observed: Counter, expected: dict[str, float], tv_bound: float) -> bool:
+    """The module docstring's two tolerances: chi-square does not reject at P_VALUE_FLOOR and the
+    total variation is under tv_bound (exact sampling's own 99.9% quantile at this many samples)."""
+    return chi_square_p_value(observed, expected) > P_VALUE_FLOOR and total_variation(observed, expected) < tv_bound
+
+
+def mutant_pass_rate(expected: dict[str, float], tv_bound: float, sent: dict[str, float], num_samples: int) -> float:
+    """How often num_samples texts drawn from `sent` pass `follows(..., expected, tv_bound)`:
+    seeded multinomial runs (SIMULATED_RUNS)."""
+    texts = list(sent)
+    probs = torch.tensor([sent[text] for text in texts], dtype=torch.float64)
+    generator = torch.Generator().manual_seed(0)
+    passed = 0
+    for _ in range(SIMULATED_RUNS):
+        counts = torch.bincount(torch.multinomial(probs, num_samples, replacement=True, generator=generator),
+                                minlength=len(texts))
+        passed += follows(Counter({text: int(n) for text, n in zip(texts, counts) if n}), expected, tv_bound)
+    return passed / SIMULATED_RUNS
 
 
 def chi_square_p_value(observed: Counter, expected_probs: dict[str, float]) -> float:
@@ -169,13 +207,15 @@ def total_variation(observed: Counter, expected_probs: dict[str, float]) -> floa
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_sampled_text_over_http_follows_the_targets_distribution(server, target, case):
+def test_sampled_text_over_http_follows_the_targets_distribution(server, target, draft, case):
     url, _ = server
+    prompt, sampling = CASES[case]
     start = 10_000 * sorted(CASES).index(case)
-    params, observed = assert_follows_the_target(url, MODEL, target, CASES[case], range(start, start + NUM_REQUESTS))
+    params, observed = assert_follows_the_target(url, MODEL, target, sampling, range(start, start + NUM_REQUESTS),
+                                                 prompt, draft if case in SEES_A_VERIFIER_ACCEPTING_ALL else None)
     if params.uses_penalties:   # a server ignoring penalties would be caught too
         unpenalized = params.model_copy(update=NEUTRAL_PENALTIES)
-        assert chi_square_p_value(observed, text_distribution(*target, PROMPT, unpenalized)) < P_VALUE_FLOOR
+        assert chi_square_p_value(observed, text_distribution(*target, prompt, unpenalized)) < P_VALUE_FLOOR
 
 
 def test_greedy_with_penalties_over_the_openai_client_equals_hf_generate(server, target):

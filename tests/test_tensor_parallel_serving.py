@@ -24,7 +24,7 @@ from specserve.cluster.status import read_engine_stats, summarize
 from specserve.common.naming import ENGINE_NAMESPACE, RANK_NAME_PREFIX
 from tests.local_server import serve_tiny_pair
 from tests.test_serving import stream_killing_midway
-from tests.test_serving_statistics import NUM_REQUESTS, assert_follows_the_target
+from tests.test_serving_statistics import NUM_REQUESTS, TOP_K_CASE, assert_follows_the_target
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]   # in `make reliability`: docs/testing.md
 MODEL = "tiny-pair-tp"
@@ -96,13 +96,16 @@ def test_concurrent_requests_share_forwards_and_status_shows_each_group(server, 
 
 
 def test_sampled_text_follows_the_targets_distribution(server):
-    """tests/test_serving_statistics.py's test at one case: 200 seeded 3-token completions against
-    the whole target's exact text distribution, drafted by the split draft and verified by the
-    split target, and the target at half the temperature rejected by the same test."""
-    path = server[1].target.path
-    target = (AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32).eval(),
-              AutoTokenizer.from_pretrained(path))
-    assert_follows_the_target(server[0], MODEL, target, {"temperature": 1.5, "top_k": 3}, range(NUM_REQUESTS))
+    """tests/test_serving_statistics.py's test at its top-k case: 200 seeded 3-token completions
+    against the whole target's exact text distribution, drafted by the split draft and verified by
+    the split target, and the target at half the temperature rejected by the same test; a verifier
+    accepting every draft token would fail it."""
+    config = server[1]
+    target = (AutoModelForCausalLM.from_pretrained(config.target.path, local_files_only=True, dtype=torch.float32).eval(),
+              AutoTokenizer.from_pretrained(config.target.path))
+    draft = AutoModelForCausalLM.from_pretrained(config.draft.path, local_files_only=True, dtype=torch.float32).eval()
+    prompt, sampling = TOP_K_CASE
+    assert_follows_the_target(server[0], MODEL, target, sampling, range(NUM_REQUESTS), prompt, draft)
 
 
 def _engine_holding_a_sequence() -> str:
