@@ -114,27 +114,30 @@ def target_greedy(family_, prompt_ids: list[int]) -> list[int]:
     return state.output_ids
 
 
-@pytest.mark.slow   # in make reliability, to keep make test short: docs/testing.md
-def test_greedy_over_http_with_a_head_equals_the_targets_own(family, served):
+def assert_greedy_over_http_equals_the_targets_own(family_, url: str, model: str) -> None:
+    """Greedy completions of PROMPTS over HTTP (the official openai client) equal the target's own
+    greedy output, the head drafting: the target's features reached it each round (without them
+    it answers UnknownFeatures and every round goes target-only, drafting nothing)."""
     from transformers import AutoTokenizer
 
-    family_, _ = family
-    url, config = served
     tokenizer = AutoTokenizer.from_pretrained(str(family_.target))
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
     drafted = 0
     for text in PROMPTS:
         prompt = tokenizer.encode(text)   # token ids, BOS included: the same prompt both ways
-        response = client.completions.create(model=config.model_name, prompt=prompt, max_tokens=MAX_TOKENS,
-                                             temperature=0)
+        response = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
         expected = target_greedy(family_, prompt)
         assert response.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True), text
         speculation = response.model_extra["speculation"]
         assert speculation["draft_kind"] == "EAGLE-3 head" and speculation["draft_failures"] == 0
         drafted += speculation["num_drafted"]
-    # The head drafted: the target's features reached it each round (without them it answers
-    # UnknownFeatures and every round goes target-only).
     assert drafted > 0
+
+
+@pytest.mark.slow   # in make reliability, to keep make test short: docs/testing.md
+def test_greedy_over_http_with_a_head_equals_the_targets_own(family, served):
+    url, config = served
+    assert_greedy_over_http_equals_the_targets_own(family[0], url, config.model_name)
 
 
 @pytest.mark.slow   # in make reliability, to keep make test short: docs/testing.md
