@@ -34,10 +34,23 @@ PROMPTS = ["def add(a, b):", "import os\nprint(", "the cat sat on"]
 MAX_TOKENS = 24
 
 
-def serve_args(target, draft) -> argparse.Namespace:
-    """What `specserve serve --target T --draft D` parses to (the flags config_from_args reads)."""
+def serve_args(target, draft, tensor_parallel_size: int | None = None) -> argparse.Namespace:
+    """What `specserve serve --target T --draft D [--tensor-parallel-size N]` parses to (the flags
+    config_from_args reads)."""
     return argparse.Namespace(config=None, target=str(target), draft=str(draft), tokenizer=None,
-                              max_model_len=None, dtype=None, tensor_parallel_size=None, enforce_eager=False)
+                              max_model_len=None, dtype=None, tensor_parallel_size=tensor_parallel_size,
+                              enforce_eager=False)
+
+
+def serving(args: argparse.Namespace):
+    """Serve what args say on a free port: yields (url, config), then stops the cluster."""
+    config = config_from_args(args)
+    config = config.model_copy(update={"http": config.http.model_copy(update={"port": free_port()})})
+    url = start_local(config)
+    try:
+        yield url, config
+    finally:
+        stop_test_cluster()
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +63,7 @@ def family(tmp_path_factory):
 def served(family, request):
     """(url, config) of the look-alike target served with its head of each format in turn."""
     family_, heads = family
-    config = config_from_args(serve_args(family_.target, heads[request.param]))
-    config = config.model_copy(update={"http": config.http.model_copy(update={"port": free_port()})})
-    url = start_local(config)
-    try:
-        yield url, config
-    finally:
-        stop_test_cluster()
+    yield from serving(serve_args(family_.target, heads[request.param]))
 
 
 @pytest.mark.parametrize("form", ["eagle", "speculators"])

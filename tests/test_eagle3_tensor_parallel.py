@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.cluster.cli import config_from_args
-from specserve.cluster.local import start_local
 from tests.eagle3_fixtures import llama3_with_heads
-from tests.local_server import free_port, stop_test_cluster
-from tests.test_eagle3_serving import assert_greedy_over_http_equals_the_targets_own, serve_args
+from tests.test_eagle3_serving import assert_greedy_over_http_equals_the_targets_own, serve_args, serving
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]   # in `make reliability`: docs/testing.md
 
@@ -27,15 +24,7 @@ def family(tmp_path_factory):
 def served(family):
     """(url, config): the target over two tensor-parallel ranks, the speculators head drafting."""
     family_, heads = family
-    args = serve_args(family_.target, heads["speculators"])
-    args.tensor_parallel_size = 2
-    config = config_from_args(args)
-    config = config.model_copy(update={"http": config.http.model_copy(update={"port": free_port()})})
-    url = start_local(config)
-    try:
-        yield url, config
-    finally:
-        stop_test_cluster()
+    yield from serving(serve_args(family_.target, heads["speculators"], tensor_parallel_size=2))
 
 
 def test_greedy_over_http_with_a_head_over_a_split_target_equals_the_targets_own(family, served):
