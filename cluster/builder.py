@@ -171,12 +171,14 @@ def head_specs(config: SpecServeConfig, target: dict[str, Any]) -> tuple[dict[st
 
 
 def checked_head(config: SpecServeConfig):
-    """The configured EAGLE-3 head loaded against the target's embeddings on the CPU
-    (decoding.eagle3_checkpoint.LoadedHead): Eagle3CheckpointError, naming why, for a head this
-    target cannot use."""
+    """The configured EAGLE-3 head loaded against the target's embeddings on the meta device
+    (decoding.eagle3_checkpoint.LoadedHead: its layers and format; its weights hold no values):
+    every check of the head against the target runs, and none of the target's weights is read,
+    only its config and the embedding matrix's shape. Eagle3CheckpointError, naming why, for a
+    head this target cannot use."""
     from specserve.decoding.eagle3_checkpoint import load_eagle3_head, target_embeddings
 
-    return load_eagle3_head(config.draft.path, target_embeddings(config.target.path, torch.float32, "cpu"))
+    return load_eagle3_head(config.draft.path, target_embeddings(config.target.path, torch.float32, "meta"))
 
 
 def gpu_share(num_gpus: float) -> float:

@@ -241,7 +241,9 @@ class TargetEmbeddings(torch.nn.Module):
 
 def target_embeddings(target_path: str | Path, dtype: torch.dtype, device: str | torch.device) -> TargetEmbeddings:
     """The target's config and input embedding matrix from its safetensors (one file or an
-    index), in dtype on device; Eagle3CheckpointError when no embedding weight is found."""
+    index), in dtype on device; Eagle3CheckpointError when no embedding weight is found. On the
+    meta device only its shape is read: a check that a head fits the target needs no more, and
+    the matrix of a large target is gigabytes."""
     folder = Path(target_path)
     config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     index = folder / "model.safetensors.index.json"
@@ -252,7 +254,11 @@ def target_embeddings(target_path: str | Path, dtype: torch.dtype, device: str |
             continue
         with safe_open(str(folder / name), framework="pt") as weights:
             key = next((key for key in weights.keys() if key.endswith("embed_tokens.weight")), None)
-            if key is not None:
-                return TargetEmbeddings(config, weights.get_tensor(key).to(device=device, dtype=dtype))
+            if key is None:
+                continue
+            if torch.device(device).type == "meta":
+                return TargetEmbeddings(config, torch.empty(weights.get_slice(key).get_shape(), dtype=dtype,
+                                                            device="meta"))
+            return TargetEmbeddings(config, weights.get_tensor(key).to(device=device, dtype=dtype))
     raise Eagle3CheckpointError(f"{folder}: no embed_tokens weight in its safetensors files (an EAGLE-3 head "
                                 "drafts with its target's input embeddings)")

@@ -80,6 +80,21 @@ def test_a_head_folder_is_served_as_a_head_with_the_target_computing_its_layers(
     assert config_from_args(serve_args(family_.target, family_.draft)).speculation.proposer == "draft"
 
 
+def test_the_start_up_check_reads_no_weight_of_the_target(family):
+    """The head is checked against the target's config and embedding shape on the meta device:
+    nothing of the target's weights is read (gigabytes for a large target), and it names the same
+    layers as the head loaded against the real embeddings."""
+    from specserve.cluster.builder import checked_head
+    from specserve.decoding.eagle3_checkpoint import load_eagle3_head, target_embeddings
+
+    family_, heads = family
+    checked = checked_head(config_from_args(serve_args(family_.target, heads["speculators"])))
+    assert all(parameter.is_meta for parameter in checked.head.parameters())
+    assert checked.head.embed.weight.shape == target_embeddings(family_.target, torch.float32, "cpu").embed_tokens.weight.shape
+    loaded = load_eagle3_head(heads["speculators"], target_embeddings(family_.target, torch.float32, "cpu"))
+    assert checked.aux_layers == loaded.aux_layers == tuple(SPECULATORS_LAYERS)
+
+
 @pytest.mark.parametrize("edit, why", [
     ({"target_hidden_size": 128}, "hidden size 128, the target's hidden size is 64"),
     ({"draft_vocab_size": 300}, "lm_head is (256, 64)"),
