@@ -23,8 +23,9 @@ fails them, and check so in process before sending anything: texts drawn from wh
 would send (the prefill's token from the target, the round's draft token from the draft's
 processed row, the bonus token from the target) fail the case's assertions in at least 99% of
 seeded simulated runs. The shared pair's draft is a close copy of its target, so on most prompts
-these few texts cannot tell the two apart: the top-p case's nucleus (two or three tokens after
-any prompt tried) is one of them, and it checks top-p's plumbing only (docs/testing.md).
+these few texts cannot tell the two apart, and the top-p case has no prompt where they can (its
+nucleus is two or three tokens after every prompt tried): it checks top-p's plumbing only
+(docs/testing.md).
 
 The penalties case's third token follows the target only if the verify's second row (and the
 draft's second step) saw the block's first draft token; it must also reject the unpenalized
