@@ -312,11 +312,13 @@ def test_sampled_rounds_with_hits_and_misses_follow_the_targets_exact_joint(dist
     assert p_value > P_VALUE_FLOOR and tv < tv_bound, (p_value, tv, tv_bound)
 
 
+@pytest.mark.slow   # in make reliability, to keep make test short; the cheaper check below runs there
 def test_the_joint_test_rejects_pre_drafts_that_replay_the_requests_draft_stream(distant_pair, joint_case,
                                                                                  monkeypatch):
     """The same test with a broken cache: every pre-draft's stream restarted from the request's
     draft seed (so a block reuses the uniforms of blocks the verification already saw) must be
-    rejected."""
+    rejected. It needs all NUM_REQUESTS requests, so it runs in make reliability; make test keeps
+    the broken-Saguaro check below, which the joint test rejects on a fifth of them."""
     params, joint, _ = joint_case
     monkeypatch.setattr(draft_worker, "branch_stream_state",
                         lambda stream: make_generator(stream.initial_seed()).get_state())
