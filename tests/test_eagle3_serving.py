@@ -89,9 +89,10 @@ def test_the_start_up_check_reads_no_weight_of_the_target(family):
 
     family_, heads = family
     checked = checked_head(config_from_args(serve_args(family_.target, heads["speculators"])))
+    embeddings = target_embeddings(family_.target, torch.float32, "cpu")
     assert all(parameter.is_meta for parameter in checked.head.parameters())
-    assert checked.head.embed.weight.shape == target_embeddings(family_.target, torch.float32, "cpu").embed_tokens.weight.shape
-    loaded = load_eagle3_head(heads["speculators"], target_embeddings(family_.target, torch.float32, "cpu"))
+    assert checked.head.embed.weight.shape == embeddings.embed_tokens.weight.shape
+    loaded = load_eagle3_head(heads["speculators"], embeddings)
     assert checked.aux_layers == loaded.aux_layers == tuple(SPECULATORS_LAYERS)
 
 

@@ -22,8 +22,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from specserve.cluster.local import start_local
-from tests.local_server import stop_test_cluster
-from tests.test_serving import _free_port
+from tests.local_server import free_port, stop_test_cluster
 from tests.tiny_pair import tiny_pair_config
 
 pytestmark = pytest.mark.ray
@@ -38,7 +37,7 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    config = tiny_pair_config(tmp_path_factory.mktemp("pair"), MODEL, _free_port(),
+    config = tiny_pair_config(tmp_path_factory.mktemp("pair"), MODEL, free_port(),
                               limits={"max_tokens": 200, "default_max_tokens": 4}, auth={"api_keys": API_KEYS})
     url = start_local(config)
     yield url

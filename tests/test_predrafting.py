@@ -312,7 +312,7 @@ def test_sampled_rounds_with_hits_and_misses_follow_the_targets_exact_joint(dist
     assert p_value > P_VALUE_FLOOR and tv < tv_bound, (p_value, tv, tv_bound)
 
 
-@pytest.mark.slow   # in make reliability, to keep make test short; the cheaper check below runs there
+@pytest.mark.slow   # in make reliability, to keep make test short; make test keeps the cheaper check below
 def test_the_joint_test_rejects_pre_drafts_that_replay_the_requests_draft_stream(distant_pair, joint_case,
                                                                                  monkeypatch):
     """The same test with a broken cache: every pre-draft's stream restarted from the request's

@@ -14,8 +14,7 @@ import ray
 from specserve.cluster.builder import logical_cpus_needed, serve_config_yaml
 from specserve.common.config import SpecServeConfig
 from specserve.cluster.local import RAY_SYSTEM_CONFIG, init_local_ray, wait_healthy
-from tests.local_server import stop_test_cluster
-from tests.test_serving import _free_port
+from tests.local_server import free_port, stop_test_cluster
 from tests.tiny_pair import make_tiny_pair
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -25,7 +24,7 @@ def test_generated_serve_config_runs_with_serve_run_and_answers(tmp_path):
     target_path, draft_path = make_tiny_pair(tmp_path)
     config = SpecServeConfig.model_validate({
         "model_name": "tiny-pair", "target": {"path": str(target_path)}, "draft": {"path": str(draft_path)},
-        "http": {"port": _free_port()}})
+        "http": {"port": free_port()}})
     config_path = tmp_path / "serve.yaml"
     text = serve_config_yaml(config)
     assert f"--num-cpus {logical_cpus_needed(config)}" in text  # the header says what Ray needs

@@ -29,12 +29,11 @@ from specserve.decoding.batched_runner import BatchedModelRunner
 from specserve.decoding.scheduler import Scheduler
 from specserve.decoding.sampling import SamplingParams
 from specserve.decoding.sequence import RequestState
-from tests.local_server import SHARED_MODEL, free_port, greedy_reference
+from tests.local_server import SHARED_MODEL, greedy_reference
 
 pytestmark = pytest.mark.ray
 MODEL = SHARED_MODEL
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\nclass Config:\n", "x = [i * i for i in"]
-_free_port = free_port  # the name other modules import
 
 
 @pytest.fixture(scope="module")
