@@ -141,10 +141,10 @@ class BatchedModelRunner(RunnerBase):
         draft engine adds the version it serves), the root of every block's hash chain.
         rollback_tokens: how far back from its end a later call may crop a sequence and still find
         its sliding-window layers' keys (the engine's max_step_tokens); a deeper crop recomputes.
-        aux_layers: the layers whose inputs `run_with_features` returns for an EAGLE-3 head
-        (docs/eagle3.md); empty, the forward computes nothing for them. A head needs every
-        committed position's features, and a prefix-cache hit computes none, so with aux_layers
-        prefix caching is off.
+        aux_layers: the layers whose inputs an EAGLE-3 head reads (docs/eagle3.md): every forward
+        stores them in the KV pool beside its tokens' keys (PagedKVCache.store_features), read
+        with `features`; a prefix-cache hit finds the features of the positions it reuses there,
+        since the head needs every committed position's. Empty, the forward computes none.
         null_forward_agreement: for benches of the stack, the model call returns the rule's logits
         (decoding.null_forward) predicting its reference token at this rate, instead of computing."""
         supported, reason = decoder_support(model)
@@ -191,15 +191,23 @@ class BatchedModelRunner(RunnerBase):
                                              for rows, tokens in profile_batches))
         else:
             budget = (kv_cache_memory_gb or DEFAULT_KV_CACHE_MEMORY_GB) * GIB
+        # Every rank budgets for the features (its pool holds the same blocks), though only the
+        # rank that answers (rank 0) stores them.
+        feature_size = len(self.aux_layers) * int(self.config.hidden_size)
         self.kv_capacity: KVCapacity = kv_capacity(
             self.config, self._dtype, budget, self.max_context, block_size, self.tensor_parallel_size, groups,
-            rollback_tokens, new_tokens=max(tokens for _, tokens in profile_batches))
+            rollback_tokens, new_tokens=max(tokens for _, tokens in profile_batches),
+            feature_bytes_per_token=feature_size * self._dtype.itemsize)
         if self.tensor_parallel_size > 1:   # every rank's pool must hold the same blocks
             self.kv_capacity = replace(self.kv_capacity, num_blocks=agreed_minimum(self.kv_capacity.num_blocks))
-        self.cache = PagedKVCache(num_layers=self.config.num_hidden_layers, num_blocks=self.kv_capacity.num_blocks,
-                                  block_size=block_size, device=self.device, flash=flash, groups=groups)
+        try:
+            self.cache = PagedKVCache(num_layers=self.config.num_hidden_layers, num_blocks=self.kv_capacity.num_blocks,
+                                      block_size=block_size, device=self.device, flash=flash, groups=groups,
+                                      feature_size=feature_size)
+        except ValueError as error:
+            raise UnsupportedModelError(f"{model_path}: cannot serve an EAGLE-3 head: {error}") from error
         # What the block manager over this pool is built with (decoding.block_manager.BlockManager.for_runner).
-        self.prefix_caching = prefix_caching and not self.aux_layers
+        self.prefix_caching = prefix_caching
         self.cache_salt = cache_salt or model_path
         # A forward over the cache shapes every pool: on CUDA the whole budget is allocated here,
         # so an out-of-memory shows at start, not on the first request. Then the forward is
@@ -281,18 +289,17 @@ class BatchedModelRunner(RunnerBase):
         positions through its tables; -> per row, float32 logits [num_rows, V] of its last
         num_rows tokens. want_logits False (a tensor-parallel follower, which answers nothing):
         the forward runs, the logits are neither converted nor split."""
-        return self._run(plan, want_logits)[0]
+        return self._run(plan, want_logits)
 
-    def run_with_features(self, plan: StepPlan) -> tuple[list[torch.Tensor], list[TargetFeatures]]:
-        """`run`, and per row the aux_layers' features of every token it computed (TargetFeatures),
-        from the same forward."""
+    def features(self, table: Sequence[int], start: int, end: int) -> TargetFeatures:
+        """The aux_layers' features of positions start..end-1 of the sequence whose block table
+        (in the cache's feature_group) is `table`, as the forwards that computed them stored them."""
         if not self.aux_layers:
             raise ValueError(f"{self.model_path}: this runner was built without aux_layers; it computes no features")
-        logits, features = self._run(plan, True)
-        return logits, [TargetFeatures(start, hidden) for start, hidden in zip(plan.starts, features)]
+        return TargetFeatures(start, self.cache.read_features(table, start, end))
 
     @torch.inference_mode()   # the layout too: a compiled graph guards on its inputs' mode
-    def _run(self, plan: StepPlan, want_logits: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _run(self, plan: StepPlan, want_logits: bool) -> list[torch.Tensor]:
         self.cache.reserve(plan.pool_blocks)
         for source, destination in plan.copies:
             self.cache.copy_block(source, destination)
@@ -306,15 +313,14 @@ class BatchedModelRunner(RunnerBase):
         keep_index = index_on([b * num_columns + t for b, (rows, n) in enumerate(zip(plan.num_rows, num_new))
                                for t in range(n - rows, n)], self.device)
         logits = self._logits(host_to_device(input_ids, self.device), layout, keep_index)
-        features: list[torch.Tensor] = []
         if self.aux_layers:
             logits, hidden = logits
-            computed = index_on([b * num_columns + t for b, n in enumerate(num_new) for t in range(n)], self.device)
-            features = list(hidden.index_select(0, computed).split(num_new))
+            if want_logits:   # the answering rank (a tensor-parallel follower answers nothing)
+                self.cache.store_features(layout, hidden)
         if not want_logits:
-            return [], features
+            return []
         # keep_index lists the kept rows in (row, column) order.
-        return list(self._served_columns(logits.float()).split(list(plan.num_rows))), features
+        return list(self._served_columns(logits.float()).split(list(plan.num_rows)))
 
     @torch.inference_mode()
     def _logits(self, input_ids: torch.Tensor, layout, keep_index: torch.Tensor, view=None) -> torch.Tensor:
@@ -440,8 +446,7 @@ def runner_for_model(model, max_sequences: int = 256, model_path: str | None = N
                 (f"NULL forward, agreement {null_forward_agreement} (a bench of the stack: no model is computed)"
                  if null_forward_agreement is not None else
                  lean_reason if lean else f"transformers forward: {lean_reason}"), runner.step_forward.describe(), group,
-                runner.kv_capacity.describe(),
-                "on" if runner.prefix_caching else "off" if not aux_layers else "off (an EAGLE-3 head reads every position)")
+                runner.kv_capacity.describe(), "on" if runner.prefix_caching else "off")
     return runner
 
 

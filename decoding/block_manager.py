@@ -571,6 +571,10 @@ class BlockManager:
         entry = self._sequences.get(seq_id)
         return 0 if entry is None else entry.cached_tokens
 
+    def table(self, seq_id: str, group: int) -> list[int]:
+        """seq_id's block table in KV cache group `group` (KeyError when it holds none)."""
+        return list(self._sequences[seq_id].tables[group])
+
     def blocks_held(self, seq_id: str, group: int | None = None) -> int:
         """Blocks seq_id's tables hold: in every KV cache group, or in group (the groups' index)."""
         entry = self._sequences.get(seq_id)

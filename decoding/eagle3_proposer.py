@@ -181,8 +181,8 @@ class Eagle3Proposer:
             have = "none" if pending is None else \
                 f"{sequence.pending_start}..{sequence.pending_start + pending.shape[0] - 1}"
             raise SequenceStateError(f"{seq_id}: the EAGLE-3 head needs the target's features of positions "
-                                     f"{start}..{wanted - 1}, it has {have} (the target must return every "
-                                     "position it computes: run it with the head's aux layers and no prefix cache)")
+                                     f"{start}..{wanted - 1}, it has {have} (the target, run with the head's aux "
+                                     "layers, must return the features of every position it has not returned)")
         head = self.head
         features = pending[start - sequence.pending_start:wanted - sequence.pending_start]
         device = features.device

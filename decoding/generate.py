@@ -44,7 +44,8 @@ def generate(target: Any, state: RequestState, proposer: Proposer | None = None,
                         if num_tokens > 0 else empty_proposal())
             num_drafted = len(proposal.token_ids)
             logits = _target_forward(target, [ForwardCall(state.request_id, history + proposal.token_ids,
-                                                          num_drafted + 1)], proposer if with_features else None)[0]
+                                                          num_drafted + 1)], proposer if with_features else None,
+                                     [features_from(history, prefilled)])[0]
             grammar = _target_grammar(state, grammars)
             rows = target_rows(logits, params, state.eos_token_id, state.next_output_index,
                                history + proposal.token_ids, grammar)
@@ -61,12 +62,18 @@ def generate(target: Any, state: RequestState, proposer: Proposer | None = None,
             proposer.release(state.request_id)
 
 
-def _target_forward(target: Any, calls: list[ForwardCall], feature_reader: Any) -> list:
+def features_from(history: list[int], prefilled: bool) -> int:
+    """Where the target's features a head lacks start: its last committed token's position (the
+    first forward's: 0, the prompt's every position, those a prefix-cache hit reused too)."""
+    return len(history) - 1 if prefilled else 0
+
+
+def _target_forward(target: Any, calls: list[ForwardCall], feature_reader: Any, starts: list[int]) -> list:
     """The target's logits for calls; with a feature reader (an EAGLE-3 proposer), from a forward
-    that also returns the features, each handed to it."""
+    that also returns call i's features from position starts[i] on, each handed to it."""
     if feature_reader is None:
         return target.forward_batch(calls)
-    logits, features = target.forward_batch_with_features(calls)
+    logits, features = target.forward_batch_with_features(calls, starts)
     for call, computed in zip(calls, features):
         feature_reader.observe(call.seq_id, computed)
     return logits
@@ -105,7 +112,8 @@ def generate_batch(target: Any, states: Sequence[RequestState], proposer: Propos
                                  len(s.prompt_ids)) for s in running]
             proposals = proposer.propose_batch(calls) if speculate else [empty_proposal() for _ in running]
             logits = _target_forward(target, [ForwardCall(s.request_id, s.history + p.token_ids, len(p.token_ids) + 1)
-                                              for s, p in zip(running, proposals)], feature_reader)
+                                              for s, p in zip(running, proposals)], feature_reader,
+                                     [features_from(s.history, s.request_id in prefilled) for s in running])
             # As the target engine: every request's rows processed in one batched pass, answered together.
             row_calls = []
             for state, proposal, rows in zip(running, proposals, logits):

@@ -126,6 +126,7 @@ class KVCapacity:
     layers_per_block: int      # layers one block id holds (all of them with one KV cache group)
     num_layers: int
     sequence_blocks: int       # block ids one max_model_len sequence takes at most, over every group
+    feature_bytes_per_token: int = 0   # an EAGLE-3 head's target features a block slot also holds
 
     @property
     def tokens(self) -> int:
@@ -134,7 +135,8 @@ class KVCapacity:
 
     @property
     def gib(self) -> float:
-        return self.tokens * self.bytes_per_token / GIB
+        return (self.tokens * self.bytes_per_token
+                + self.num_blocks * self.block_size * self.feature_bytes_per_token) / GIB
 
     @property
     def full_length_sequences(self) -> int:
@@ -144,19 +146,23 @@ class KVCapacity:
     def describe(self) -> str:
         groups = "" if self.layers_per_block == self.num_layers else (
             f"; KV cache groups of {self.layers_per_block} layers, sliding-window ones bounded by their window")
+        features = (f" + {self.feature_bytes_per_token:,} of target features" if self.feature_bytes_per_token
+                    else "")
         return (f"KV cache: {self.num_blocks:,} blocks of {self.block_size} tokens = {self.tokens:,} tokens, "
-                f"{self.gib:.2f} GiB ({self.bytes_per_token:,} bytes a token); up to "
+                f"{self.gib:.2f} GiB ({self.bytes_per_token:,} bytes a token{features}); up to "
                 f"{self.full_length_sequences:,} sequences of max_model_len={self.max_model_len:,}{groups}")
 
 
 def kv_capacity(config, dtype: torch.dtype, budget_bytes: float, max_model_len: int,
                 block_size: int = DEFAULT_BLOCK_SIZE, tensor_parallel_size: int = 1,
                 groups: Sequence[KVGroup] | None = None, rollback_tokens: int = 0,
-                new_tokens: int = 0) -> KVCapacity:
+                new_tokens: int = 0, feature_bytes_per_token: int = 0) -> KVCapacity:
     """The blocks a budget holds (a rank's budget for its heads, under tensor parallelism). With
     KV cache groups (kv_groups), a max_model_len sequence takes its full length in every full-
     attention group and at most window_blocks(rollback_tokens, new_tokens: the largest forward's
     new tokens a row) in every windowed one, so a windowed model fits more sequences.
+    feature_bytes_per_token: what each block slot also holds besides keys and values (a target
+    serving an EAGLE-3 head keeps its features there: PagedKVCache.store_features).
     ValueError when it cannot hold one max_model_len sequence (as vLLM refuses to start then):
     lower max_model_len or raise the budget."""
     num_layers = int(config.num_hidden_layers)
@@ -168,8 +174,9 @@ def kv_capacity(config, dtype: torch.dtype, budget_bytes: float, max_model_len: 
     sequence_blocks = sum(full if group.window is None else
                           min(full, window_blocks(group.window, block_size, rollback_tokens, new_tokens))
                           for group in groups)
-    capacity = KVCapacity(int(budget_bytes // (per_block_layer * layers_per_block)), block_size, bytes_per_token,
-                          max_model_len, layers_per_block, num_layers, sequence_blocks)
+    per_block = per_block_layer * layers_per_block + feature_bytes_per_token * block_size
+    capacity = KVCapacity(int(budget_bytes // per_block), block_size, bytes_per_token,
+                          max_model_len, layers_per_block, num_layers, sequence_blocks, feature_bytes_per_token)
     if capacity.full_length_sequences < 1:
         raise ValueError(
             f"the KV cache budget of {budget_bytes / GIB:.6g} GiB ({budget_bytes / (1 << 20):.6g} MiB) holds {capacity.tokens:,} tokens "
@@ -373,11 +380,13 @@ class PagedKVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
                  device: torch.device | str = "cpu", preallocate: bool | None = None, flash: bool = False,
-                 groups: Sequence[KVGroup] | None = None) -> None:
+                 groups: Sequence[KVGroup] | None = None, feature_size: int = 0) -> None:
         """flash: attention by flash-attn's paged kernel (CUDA only; the pools are token-major, the
         layout it and flex_attention read in place, whatever the kernel).
         groups: the KV cache groups (kv_groups; default: one full-attention group of num_layers).
-        preallocate (default: on CUDA): room for every block now, else as `reserve` asks."""
+        preallocate (default: on CUDA): room for every block now, else as `reserve` asks.
+        feature_size: a target serving an EAGLE-3 head keeps each token's features (its aux
+        layers' inputs, this wide) in its slot of a full-attention group (`store_features`)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -389,6 +398,12 @@ class PagedKVCache:
         self.slot_of = {layer: (g, slot) for g, group in enumerate(self.groups)
                         for slot, layer in enumerate(group.layers)}
         self.pools = LayerPools(len(self.groups[0].layers), block_size, num_blocks, token_major=True)
+        self.feature_size = feature_size
+        self.feature_group = next((g for g, group in enumerate(self.groups) if group.window is None), None)
+        if feature_size and self.feature_group is None:
+            raise ValueError("target features are kept in a full-attention layer group's blocks; "
+                             "every layer of this model has a sliding window")
+        self._features: torch.Tensor | None = None   # [num_blocks * block_size, feature_size], made on first write
         if self.device.type == "cuda" if preallocate is None else preallocate:
             self.reserve(num_blocks)
 
@@ -408,14 +423,44 @@ class PagedKVCache:
 
     @torch.inference_mode()   # the pools are inference tensors (made in the forward)
     def copy_block(self, source: int, destination: int) -> None:
-        """Copy-on-write: destination gets source's keys and values in every layer."""
+        """Copy-on-write: destination gets source's keys and values in every layer (and features)."""
         for pool in self.pools.keys + self.pools.values:
             if pool is not None:
                 pool[destination] = pool[source]
+        if self._features is not None:
+            size = self.block_size
+            self._features[destination * size:(destination + 1) * size] = self._features[source * size:(source + 1) * size]
 
     def reserved_bytes(self) -> int:
         """Bytes the pools hold now (allocated tensors, used or not)."""
-        return self.pools.reserved_bytes()
+        features = 0 if self._features is None else \
+            self.capacity * self.block_size * self.feature_size * self._features.element_size()
+        return self.pools.reserved_bytes() + features
+
+    @torch.inference_mode()
+    def store_features(self, layout: PagedLayout, features: torch.Tensor) -> None:
+        """A forward's features [B * T, feature_size] (flat over its rows and columns) written to
+        their tokens' slots, as its keys are (`PagedBatchView._store`): a block holds its tokens'
+        features as long as their keys, so a prefix-cache hit or a crop finds them there.
+        Why in the pool: a target's prefix-cache hit computes no features for the positions it
+        reuses, and the head needs every position's (docs/eagle3.md#the-targets-features)."""
+        if self._features is None:
+            shape = (self.num_blocks * self.block_size, self.feature_size)
+            self._features = zeros_on_demand(shape, features.dtype) if features.device.type == "cpu" \
+                else features.new_zeros(shape)
+        slots = layout.groups[self.feature_group].write_slots
+        self._features[slots] = features.index_select(0, layout.write_source)
+
+    def read_features(self, table: Sequence[int], start: int, end: int) -> torch.Tensor:
+        """The features of positions start..end-1 of the sequence whose table (in the
+        feature_group) is `table` [end - start, feature_size]: written by the forwards that
+        computed them (this sequence's, or the one whose blocks its prefix shares)."""
+        if self._features is None:
+            raise ValueError("no features were stored in this cache (a runner without aux_layers?)")
+        positions = np.arange(start, end)
+        slots = np.asarray(table, dtype=np.int64)[positions // self.block_size] * self.block_size \
+            + positions % self.block_size
+        return self._features.index_select(0, host_to_device(torch.from_numpy(slots), self._features.device))
 
     def view(self, layout: PagedLayout, keep_index: torch.Tensor | None = None, kernel: str = "gather"
              ) -> PagedBatchView:

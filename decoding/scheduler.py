@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from specserve.decoding.batched_runner import TargetFeatures, runner_for_model
-from specserve.decoding.block_manager import BlockManager, ForwardCall
+from specserve.decoding.block_manager import BlockManager, ForwardCall, StepPlan
 from specserve.decoding.errors import SequenceStateError
 
 logger = logging.getLogger(__name__)
@@ -202,18 +202,31 @@ class Scheduler:
         anything changes: ValueError, SequenceStateError, NoFreeSlotError, NoFreeBlocksError), the
         runner runs it, and the blocks then hold what it computed; a forward that raises leaves
         every sequence as it was before (cropped back to what it reused)."""
-        return self._forward(calls, self.runner.run) if calls else []
+        return self._run(self.blocks.plan(calls)) if calls else []
 
-    def forward_batch_with_features(self, calls: Sequence[ForwardCall]) -> tuple[list[torch.Tensor], list[TargetFeatures]]:
-        """`forward_batch`, and per call the target's features of every token the forward computed
-        (decoding.batched_runner.TargetFeatures: an EAGLE-3 head's input), from the same forward.
-        The engine's runner must have been built with aux_layers."""
-        return self._forward(calls, self.runner.run_with_features) if calls else ([], [])
-
-    def _forward(self, calls: Sequence[ForwardCall], run):
+    def forward_batch_with_features(self, calls: Sequence[ForwardCall],
+                                    features_from: Sequence[int | None] | None = None
+                                    ) -> tuple[list[torch.Tensor], list[TargetFeatures | None]]:
+        """`forward_batch`, and per call the target's features (decoding.batched_runner.
+        TargetFeatures: an EAGLE-3 head's input) of its positions from features_from[i] to its
+        last token's (None there: none for that call; no features_from: from the first position
+        this forward computed). Positions the forward did not compute (a prefix-cache hit, an
+        earlier chunk or round) come from the cache, where every forward stores them. The
+        engine's runner must have been built with aux_layers."""
+        if not calls:
+            return [], []
         plan = self.blocks.plan(calls)
+        logits = self._run(plan)
+        starts = plan.starts if features_from is None else features_from
+        group = self.runner.cache.feature_group
+        return logits, [None if start is None else
+                        self.runner.features(self.blocks.table(call.seq_id, group), start, len(call.token_ids))
+                        for call, start in zip(calls, starts)]
+
+    def _run(self, plan: StepPlan) -> list[torch.Tensor]:
+        """The runner runs plan; the block manager commits it (or, when it raises, aborts it)."""
         try:
-            result = run(plan)
+            result = self.runner.run(plan)
         except BaseException:
             self.blocks.abort(plan)
             raise

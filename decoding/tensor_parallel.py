@@ -50,8 +50,8 @@ DEFAULT_GROUP_TIMEOUT_S = 3600.0
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0
 # The runner calls that write KV: a planned step; everything else only reads, so followers need only it.
 # (tests/test_tensor_parallel.py fails on a public runner method named in neither list.)
-MIRRORED_CALLS = ("run", "run_with_features")
-READ_ONLY_CALLS = ("serve_as", "from_model", "weights_mismatch")
+MIRRORED_CALLS = ("run",)
+READ_ONLY_CALLS = ("serve_as", "from_model", "weights_mismatch", "features")
 # Calls a group never takes: a trained draft version's weights are whole, not a rank's shard, and
 # the config refuses draft training on a split draft (common.config).
 UNSPLIT_CALLS = ("load_weights",)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,13 +72,14 @@ def spawn_engine(engine_class: type, num_cpus: float, num_gpus: float, resources
     return ray.remote(engine_class).options(**options).remote(*args)
 
 
-def timed_forward(scheduler: Scheduler, calls: list[ForwardCall], with_features: bool = False
-                  ) -> tuple[Any, CostSample]:
-    """scheduler.forward_batch (with_features: forward_batch_with_features, (logits, features)),
-    and its cost (new tokens, seconds) for the policy's cost curve: the tokens it computed
-    (prefix-cache hits excluded)."""
+def timed_forward(scheduler: Scheduler, calls: list[ForwardCall],
+                  features_from: Sequence[int | None] | None = None) -> tuple[Any, CostSample]:
+    """scheduler.forward_batch (features_from: forward_batch_with_features from there, (logits,
+    features)), and its cost (new tokens, seconds) for the policy's cost curve: the tokens it
+    computed (prefix-cache hits excluded)."""
     started = time.perf_counter()
-    result = scheduler.forward_batch_with_features(calls) if with_features else scheduler.forward_batch(calls)
+    result = scheduler.forward_batch(calls) if features_from is None else \
+        scheduler.forward_batch_with_features(calls, features_from)
     return result, (scheduler.last_num_new_tokens, time.perf_counter() - started)
 
 

@@ -6,10 +6,11 @@ chunk's full-vocabulary rows reduced to the prompt's entries (log-probability, t
 rank) as soon as its forward ends: the rows alive at once are one chunk's, never the whole
 prompt's (an 8K-token prompt at a 128k vocabulary would be 4 GB of fp32 logits).
 
-Serving an EAGLE-3 head (the spec's aux_layers), every forward also gives the aux layers'
-features of the positions it computed; a call's answer carries them (CallSpan.features, every
-position its forward computed, a chunked prefill's earlier chunks included): the router keeps the
-committed ones for the draft engine (docs/eagle3.md#serving)."""
+Serving an EAGLE-3 head (the spec's aux_layers), every forward also stores the aux layers'
+features of the positions it computed in the KV pool beside their keys; a call's answer carries
+those of the positions the router lacks (CallSpan.features): a sequence's first answer from
+position 0 (a prefix-cache hit's and earlier chunks' included), each later one from its last
+committed token's; the router keeps the committed ones for the draft engine (docs/eagle3.md#serving)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 from ray import serve
 
 from specserve.common.messages import CallSpan, HistoryUpdate, UnknownHistory
-from specserve.decoding.batched_runner import TargetFeatures, load_runner, merged_features
+from specserve.decoding.batched_runner import TargetFeatures, load_runner
 from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.capture import top_rows
 from specserve.decoding.grammar import GrammarDeadEndError, GrammarMatcher, GrammarMatchers
@@ -44,6 +45,7 @@ class VerifyCall:
     capture_top_k: int | None = None       # also answer the raw rows' top-k (decoding.capture.top_rows)
     proposal: Proposal | None = None       # the block verified (its q, for a sampled answer); None: a prefill
     verification: str = "block"            # how the owner verifies a sampled block (speculation.verification)
+    features_from: int | None = None       # serving an EAGLE-3 head: answer the features from this position
 
 
 class TargetEngine(EngineCore):
@@ -60,8 +62,9 @@ class TargetEngine(EngineCore):
         # included), one more than the prompt positions whose rows were reduced.
         self.prompt_entries: dict[str, list[dict]] = {}
         self.reads_features = bool(model_spec.get("aux_layers"))
-        # Features computed for a sequence and not yet answered (a prefill's earlier chunks, then
-        # its answering forward's), by sequence.
+        # Sequences whose features were answered (the next answer starts at the last committed token).
+        self.features_answered: set[str] = set()
+        # The answering forward's features, by sequence, until its call returns them.
         self.features: dict[str, TargetFeatures] = {}
         super().__init__(runner, engine_options, name)
 
@@ -71,6 +74,7 @@ class TargetEngine(EngineCore):
         self.generators.pop(seq_id, None)
         self.prompt_entries.pop(seq_id, None)
         self.features.pop(seq_id, None)
+        self.features_answered.discard(seq_id)
 
     async def verify(self, seq_id: str, history: HistoryUpdate, proposal: Proposal | None, params: SamplingParams,
                      first_output_index: int | None = None, prompt_logprobs: int | None = None,
@@ -91,20 +95,19 @@ class TargetEngine(EngineCore):
         the answer becomes (answer, (top ids, top log-probabilities)) of the raw distribution at
         every row, k columns each. Only sampled rounds ask, so the others pay nothing.
         verification: the owner's ("block" or "token"), which a sampled answer's residuals follow.
-        features_from: serving an EAGLE-3 head, compute the features again from this position on
-        (the cache is cropped there first): a replacement draft engine lacks them."""
+        features_from: serving an EAGLE-3 head, answer the features from this position on (read
+        from the cache, where every forward stores them): a replacement draft engine lacks them."""
         proposal = proposal or empty_proposal()
         committed = self.committed(seq_id, history)
         if isinstance(committed, UnknownHistory):
             return committed
-        if features_from is not None and self.reads_features:
-            await self.loop.between_iterations()
-            if self.scheduler.blocks.num_cached(seq_id) > features_from:
-                self.scheduler.blocks.rollback(seq_id, features_from)
+        if self.reads_features and features_from is None:
+            features_from = len(committed) - 1 if seq_id in self.features_answered else 0
         token_ids = committed + list(proposal.token_ids)
         num_rows = len(token_ids) if prompt_logprobs is not None else len(proposal.token_ids) + 1
         rows, span = await self.submit(VerifyCall(seq_id, token_ids, num_rows, params, first_output_index,
-                                                  prompt_logprobs, capture_top_k, proposal, verification))
+                                                  prompt_logprobs, capture_top_k, proposal, verification,
+                                                  features_from if self.reads_features else None))
         span = replace(span, cached_tokens=self.scheduler.blocks.prefix_cached_tokens(seq_id),
                        features=self.features.pop(seq_id, None))
         self.call_log.record("verify", seq_id, span)
@@ -160,19 +163,22 @@ class TargetEngine(EngineCore):
         forward_calls = [ForwardCall(call.seq_id, call.token_ids, self._rows_wanted(call)) for _, call in indexed_calls]
         if not forward_calls and not extra:
             return []
+        # The answered calls' features (an early chunk's stay in the cache until its prefill's answer).
+        features_from = [call.features_from for _, call in indexed_calls] + [None] * len(extra) \
+            if self.reads_features and indexed_calls else None
         try:
-            result, cost = timed_forward(self.scheduler, forward_calls + list(extra), self.reads_features)
+            result, cost = timed_forward(self.scheduler, forward_calls + list(extra), features_from)
         except SequenceStateError as exc:
             for index, _ in indexed_calls:
                 results[index] = exc
             return []
         output.costs.append(cost)
         logits = result
-        if self.reads_features:
+        if features_from is not None:
             logits, features = result
-            for call, computed in zip(forward_calls + list(extra), features):
-                self.features[call.seq_id] = merged_features(self.features.get(call.seq_id),
-                                                             TargetFeatures(computed.start, computed.hidden.cpu()))
+            for (_, call), computed in zip(indexed_calls, features):
+                self.features[call.seq_id] = TargetFeatures(computed.start, computed.hidden.cpu())
+                self.features_answered.add(call.seq_id)
         # Every call's rows are processed and answered together (one pass of batched ops, one
         # transfer to the host); a call whose grammar fails answers its error alone.
         last_rows, row_calls = [], []

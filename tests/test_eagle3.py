@@ -130,7 +130,6 @@ def test_the_engine_returns_the_aux_layers_inputs_of_every_computed_position(lla
     _, target, _ = llama3
     layers = (1, 0, 1)
     engine = engine_for_model(target, aux_layers=layers, lean_forward=lean_forward)
-    assert not engine.runner.prefix_caching
     history = PROMPTS[1]
     _, (prefill,) = engine.forward_batch_with_features([ForwardCall("s", history[:5])])
     _, (step,) = engine.forward_batch_with_features([ForwardCall("s", history, 4)])
@@ -140,6 +139,32 @@ def test_the_engine_returns_the_aux_layers_inputs_of_every_computed_position(lla
     assert prefill.start == 0 and prefill.hidden.shape == (5, 3 * 64)
     assert step.start == 5 and step.hidden.shape == (4, 3 * 64)
     assert torch.allclose(torch.cat([prefill.hidden, step.hidden]), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("lean_forward", [True, False])
+def test_a_prefix_cache_hit_answers_the_features_of_the_positions_it_reuses(llama3, lean_forward):
+    """The target keeps every position's features in its KV blocks: a sequence whose prefix is
+    found in the cache computes only its suffix, and its features from position 0 (the reused
+    blocks' written by another sequence's forward, a copy-on-write block's copied with its keys)
+    equal transformers' hidden_states over its own history; without them a head could not make
+    its entries for the reused positions."""
+    _, target, _ = llama3
+    layers = (1, 0, 1)
+    engine = engine_for_model(target, aux_layers=layers, lean_forward=lean_forward)
+    assert engine.runner.prefix_caching and engine.blocks.block_size == 16
+    shared = [(7 * i + 3) % 500 for i in range(40)]   # two full blocks and a part
+    engine.forward_batch_with_features([ForwardCall("first", shared + [19, 23])])
+    _, (suffix,) = engine.forward_batch_with_features([ForwardCall("suffix", shared + [44, 1, 6])], [0])
+    assert engine.blocks.prefix_cached_tokens("suffix") == 32 and engine.last_num_new_tokens == 11
+    # "first" cropped into its second block, which "suffix" shares: it writes into a copy
+    _, (cropped,) = engine.forward_batch_with_features([ForwardCall("first", shared[:20] + [5, 6])], [0])
+    assert engine.blocks.table("first", 0)[1] != engine.blocks.table("suffix", 0)[1]
+    for history, features in ((shared + [44, 1, 6], suffix), (shared[:20] + [5, 6], cropped)):
+        with torch.no_grad():
+            hidden = target(torch.tensor([history]), output_hidden_states=True).hidden_states
+        expected = torch.cat([hidden[layer][0] for layer in layers], dim=-1)
+        assert features.start == 0 and features.hidden.shape == expected.shape
+        assert torch.allclose(features.hidden, expected, atol=1e-5)
 
 
 def test_an_engine_without_aux_layers_computes_no_features(llama3):
@@ -198,7 +223,7 @@ def test_drafting_over_the_heads_kept_entries_equals_drafting_from_scratch(llama
         rounds += 1
         probe = Eagle3Proposer(loaded)
         reference = head_from_scratch(loaded, target, state.history, 3)
-        _, (features,) = engine.forward_batch_with_features([ForwardCall("probe", state.history)])
+        _, (features,) = engine.forward_batch_with_features([ForwardCall("probe", state.history)], [0])
         probe.observe("probe", features)
         assert probe.propose("probe", state.history, 3, state.params).token_ids == reference
         assert proposer.propose_batch([ProposeCall("r", state.history, 3, state.params)])[0].token_ids == reference

@@ -31,6 +31,9 @@ pytestmark = pytest.mark.ray
 openai = pytest.importorskip("openai")
 
 PROMPTS = ["def add(a, b):", "import os\nprint(", "the cat sat on"]
+# Asked twice: the second time the target's prefix cache holds its first blocks, whose features
+# the head still needs.
+SHARED_PREFIX_PROMPT = "The quick brown fox jumps over the lazy dog, " * 4 + "and then"
 MAX_TOKENS = 24
 
 
@@ -140,13 +143,15 @@ def target_greedy(family_, prompt_ids: list[int]) -> list[int]:
 def assert_greedy_over_http_equals_the_targets_own(family_, url: str, model: str) -> None:
     """Greedy completions of PROMPTS over HTTP (the official openai client) equal the target's own
     greedy output, the head drafting: the target's features reached it each round (without them
-    it answers UnknownFeatures and every round goes target-only, drafting nothing)."""
+    it answers UnknownFeatures and every round goes target-only, drafting nothing). A prompt asked
+    a second time is served from the target's prefix cache and drafts from its first round: the
+    features of the positions the cache held came from the cache."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(family_.target))
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
     drafted = 0
-    for text in PROMPTS:
+    for text in PROMPTS + [SHARED_PREFIX_PROMPT, SHARED_PREFIX_PROMPT]:
         prompt = tokenizer.encode(text)   # token ids, BOS included: the same prompt both ways
         response = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
         expected = target_greedy(family_, prompt)
@@ -154,6 +159,8 @@ def assert_greedy_over_http_equals_the_targets_own(family_, url: str, model: str
         speculation = response.model_extra["speculation"]
         assert speculation["draft_kind"] == "EAGLE-3 head" and speculation["draft_failures"] == 0
         drafted += speculation["num_drafted"]
+    assert response.usage.prompt_tokens_details.cached_tokens >= 16   # the repeat: at least a block
+    assert speculation["num_drafted"] > 0
     assert drafted > 0
 
 
@@ -185,8 +192,8 @@ def test_sampled_text_over_http_with_a_head_follows_the_targets_distribution(fam
 
 def test_a_draft_engine_lacking_a_requests_features_says_so_and_drafts_once_the_target_recomputes_them(family):
     """A replacement draft engine (in-process, no Ray): it answers UnknownFeatures naming position
-    0; the target asked to compute the features again from there returns them from 0 (it crops
-    its cache first); with them the head drafts."""
+    0; the target asked for the features from there returns them from 0, read from its cache
+    (its forward computes only the new token); with them the head drafts."""
     import asyncio
 
     from specserve.common.messages import UnknownFeatures
@@ -217,6 +224,7 @@ def test_a_draft_engine_lacking_a_requests_features_says_so_and_drafts_once_the_
         rows, span = await target.verify("r", to_target.update(state), None, greedy, state.next_output_index,
                                          features_from=0)
         accept_round(state, Proposal([], None), rows)
+        assert target.scheduler.last_num_new_tokens == 1
         assert span.features.start == 0 and span.features.end == len(state.history) - 1
         proposal, _ = await draft.propose("r", to_draft.update(state), 3, greedy, None, len(prompt), (),
                                           span.features.before(len(state.history) - 1))

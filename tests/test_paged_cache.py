@@ -52,6 +52,17 @@ def test_llama_3_1_8b_shapes_fit_one_full_context_or_many_short_requests_in_16_g
     assert kv_capacity(LLAMA_31_8B, torch.bfloat16, 8 * GIB, max_model_len=8192).full_length_sequences == 8
 
 
+def test_a_target_serving_an_eagle3_head_budgets_for_its_features():
+    """Three 4,096-wide bf16 features a token (24 KiB) beside its 128 KiB of keys and values: the
+    same 16 GiB holds 128/152 of the tokens, and the budget is still all it takes."""
+    features = 3 * 4096 * 2
+    capacity = kv_capacity(LLAMA_31_8B, torch.bfloat16, 16 * GIB, max_model_len=8192,
+                           feature_bytes_per_token=features)
+    assert capacity.num_blocks == 16 * GIB // ((128 * 1024 + features) * 16) == 6898
+    assert capacity.gib <= 16 < capacity.gib + (128 * 1024 + features) * 16 / GIB
+    assert "131,072 bytes a token + 24,576 of target features" in capacity.describe()
+
+
 def test_bytes_per_token_reads_gpt2_names_and_the_default_head_size():
     gpt2 = GPT2Config(n_layer=3, n_head=4, n_embd=64)
     assert kv_bytes_per_token(gpt2, torch.float32) == 2 * 3 * 4 * 16 * 4
