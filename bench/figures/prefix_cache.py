@@ -2,7 +2,7 @@
 with its own question, through the target engine in process (scheduler, chunked prefill, paged
 cache; no Ray, no HTTP), with prefix caching on and off in one run.
 
-    python -m specserve.bench.figures.prefix_cache [--system-tokens 3000] [--context 4096] [--requests 16] [--out FILE.md]
+    python -m specserve.bench.figures.prefix_cache [--system-tokens 3000] [--context 4096] [--requests 16] [--eagle3] [--out FILE.md]
 
 The model is a look-alike of the shipped target (its architecture and tokenizer, random weights,
 max_position_embeddings = --context): time to first token depends on the shapes, not the weights.
@@ -10,6 +10,8 @@ Three patterns per setting, each on a fresh engine: one request at a time (each 
 engine: the first prefill is cold, the others find the system prompt cached) and all at once (a
 burst the engine batches and chunks; its makespan gives the prompt throughput), and a replayed
 10-turn chat (each turn resends the conversation). TTFT here is the prefill verify's time in the engine, from submit to answer.
+--eagle3: the target serves an EAGLE-3 head (aux_layers: the default layers), so each prefill
+also answers every prompt position's features, those of the cached positions read from the pool.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from specserve.common.config import SpecServeConfig
+from specserve.decoding.eagle3_checkpoint import default_aux_layers
 from specserve.decoding.sampling import SamplingParams
 from specserve.deployments.committed_history import whole_history as whole
 from specserve.deployments.target_worker import TargetEngine
@@ -125,9 +128,10 @@ def summary(results: list[Sample]) -> dict:
             "cached_tokens_mean": statistics.mean(cached for _, _, cached in results)}
 
 
-def run(model_dir: Path, histories: list[list[int]], questions: list[list[int]], answers: list[int]
-        ) -> dict[str, dict]:
-    """Every pattern with prefix caching off and on, each pattern on fresh engines."""
+def run(model_dir: Path, histories: list[list[int]], questions: list[list[int]], answers: list[int],
+        aux_layers: list[int] | None = None) -> dict[str, dict]:
+    """Every pattern with prefix caching off and on, each pattern on fresh engines (aux_layers: a
+    target serving an EAGLE-3 head)."""
     # A prefill chunked over many iterations counts against the admission deadline (engine_loop):
     # lift it, so a slow box measures slow prefills instead of failing them.
     options = SpecServeConfig().engine_options() | {"policy_actor": None, "admission_timeout_s": 3600.0}
@@ -137,7 +141,7 @@ def run(model_dir: Path, histories: list[list[int]], questions: list[list[int]],
         engines = {}
         for name, prefix_caching in (("off", False), ("on", True)):
             spec = {"path": str(model_dir), "dtype": "float32", "device": "cpu", "torch_threads": 1,
-                    "max_sequences": 64, "prefix_caching": prefix_caching}
+                    "max_sequences": 64, "prefix_caching": prefix_caching, "aux_layers": aux_layers or ()}
             engines[name] = engine = TargetEngine(spec, options)
             await engine.verify("warmup", whole([1] * 64), None, GREEDY)
             await engine.release("warmup")
@@ -164,8 +168,10 @@ def run(model_dir: Path, histories: list[list[int]], questions: list[list[int]],
 def markdown(record: dict) -> str:
     on, off = record["on"], record["off"]
     one, burst_off, burst_on = (off["one_at_a_time"], on["one_at_a_time"]), off["burst"], on["burst"]
+    head = (f", the target serving an EAGLE-3 head (aux layers {record['aux_layers']}: every prefill also "
+            "answers its prompt's features)") if record.get("aux_layers") else ""
     lines = [f"# Prefix caching: {record['requests']} requests sharing a {record['system_tokens']}-token system "
-             "prompt", "",
+             f"prompt{head}", "",
              f"`{record['command']}`: target engine in process, look-alike of the shipped target "
              f"(random weights, context {record['context']}), fp32, 1 thread, prefill_token_budget "
              f"{record['prefill_token_budget']}; load average at start {record['load_at_start']}. Off and on "
@@ -197,6 +203,7 @@ def main() -> None:
     parser.add_argument("--system-tokens", type=int, default=3000)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--eagle3", action="store_true", help="the target serves an EAGLE-3 head (its default layers)")
     parser.add_argument("--out", default=None, help="write the markdown table here (and the JSON beside it)")
     args = parser.parse_args()
     load_at_start = [round(x, 1) for x in os.getloadavg()]
@@ -205,13 +212,16 @@ def main() -> None:
         system, questions, answers = prompts(model_dir, args.system_tokens, max(args.requests, CHAT_TURNS))
         histories = [system + question for question in questions[:args.requests]]
         record = {"command": "python -m specserve.bench.figures.prefix_cache " + " ".join(
-                      f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out" and v is not None),
+                      f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                      if k not in ("out", "eagle3") and v is not None) + (" --eagle3" if args.eagle3 else ""),
                   "requests": args.requests, "system_tokens": args.system_tokens, "context": args.context,
                   "prefill_token_budget": SpecServeConfig().batching.prefill_token_budget,
                   "load_at_start": load_at_start,
                   "chat_prompt_tokens": [sum(len(q) for q in questions[:turn + 1]) + turn * CHAT_ANSWER_TOKENS
                                          for turn in range(CHAT_TURNS)]}
-        record.update(run(model_dir, histories, questions, answers))
+        if args.eagle3:
+            record["aux_layers"] = list(default_aux_layers(AutoConfig.from_pretrained(model_dir).num_hidden_layers))
+        record.update(run(model_dir, histories, questions, answers, record.get("aux_layers")))
     text = markdown(record)
     print(text)
     if args.out:
