@@ -427,6 +427,31 @@ def test_training_computes_what_drafting_computes(small):
                 prenorm = step.prenorm
 
 
+def test_a_head_exported_with_a_reduced_vocabulary_scores_its_tokens_as_the_whole_head_does(small, tmp_path):
+    """train_eagle3 --draft-vocab N: the stream's N most frequent tokens, ascending; the exported
+    head reads back (d2t naming them) and scores them exactly as the head over the whole
+    vocabulary does, and nothing else (-inf at every other target id)."""
+    from specserve.training.train_eagle3 import frequent_tokens, new_head, save_head, with_vocabulary
+
+    target, loaded = small
+    stream = torch.tensor([9] * 5 + [3] * 4 + [50] * 3 + [7] * 2 + [1])
+    assert frequent_tokens(stream, 3, SMALL_VOCAB).tolist() == [3, 9, 50]
+    torch.manual_seed(1)
+    whole = new_head(target, loaded.aux_layers).eval()
+    target.save_pretrained(tmp_path / "target")
+    ids = torch.tensor([3, 9, 20, 50, 63])
+    folder = save_head(with_vocabulary(whole, ids), loaded.aux_layers, tmp_path / "target", tmp_path / "head")
+    reduced = load_eagle3_head(folder, target).head
+    assert reduced.shape.draft_vocab_size == 5 and reduced.draft_to_target.tolist() == ids.tolist()
+    features, tokens = torch.randn(4, 3 * 32), torch.tensor([5, 9, 3, 60])
+    with torch.no_grad():
+        expected = whole.step(tokens, whole.fuse(features), 0).logits
+        scores = reduced.target_logits(reduced.step(tokens, reduced.fuse(features), 0).logits, SMALL_VOCAB)
+    assert torch.allclose(scores[:, ids], expected[:, ids], atol=1e-5)
+    outside = torch.ones(SMALL_VOCAB, dtype=torch.bool).index_fill_(0, ids, False)
+    assert torch.isneginf(scores[:, outside]).all()
+
+
 def test_a_head_without_the_targets_features_says_which_positions_it_needs(small):
     """A target run without the head's aux layers (or whose prefix cache skipped positions) gives
     the proposer nothing to make its entries from: it says so instead of drafting from garbage."""
