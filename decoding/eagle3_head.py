@@ -121,17 +121,22 @@ class Eagle3Head(nn.Module):
         weight = self.k_proj.weight
         return HeadKV(self.shape.num_kv_heads, self.shape.head_dim, weight.dtype, weight.device)
 
-    def step(self, token_ids: torch.Tensor, features: torch.Tensor, start: int, kv: HeadKV | None = None
-             ) -> HeadStep:
+    def step(self, token_ids: torch.Tensor, features: torch.Tensor, start: int, kv: HeadKV | None = None,
+             last_only: bool = False) -> HeadStep:
         """Rows t = 0..T-1 of one sequence at positions start..start+T-1: token_ids [T] (the token
         AFTER each row's feature's position), features [T, hidden] (fused target features or the
         head's own prenorm). The rows' keys and values are written to kv (a fresh one if None) at
-        their positions; each row attends to the entries before start and to rows <= t."""
+        their positions; each row attends to the entries before start and to rows <= t.
+        last_only: the output (scores, prenorm) of the last row alone: a row's entry is its keys
+        and values, which need none of its output, so making entries from the target's features
+        runs attention, MLP and LM head once, for the row that drafts next."""
         kv = self.new_kv() if kv is None else kv
         length = token_ids.shape[0]
         q, k, v, residual = self._projected(token_ids, features,
                                             torch.arange(start, start + length, device=token_ids.device))
         kv.write(start, k, v)
+        if last_only:
+            q, residual = q[:, -1:], residual[-1:]
         attended = self._attend(q, *kv.entries(start + length))
         logits, prenorm = self._output(attended, residual)
         return HeadStep(logits, prenorm)

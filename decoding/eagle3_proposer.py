@@ -189,7 +189,7 @@ class Eagle3Proposer:
         if sequence.kv is None:
             sequence.kv = head.new_kv()
         step = head.step(torch.tensor(history[start + 1:wanted + 1], device=device), head.fuse(features), start,
-                         sequence.kv)
+                         sequence.kv, last_only=True)
         sequence.tokens.extend(history[start + 1:wanted + 1])
         sequence.last_logits, sequence.last_prenorm = step.logits[-1], step.prenorm[-1]
         # Features of positions from `wanted` on were computed over tokens not committed (or are the

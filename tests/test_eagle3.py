@@ -206,6 +206,25 @@ def test_the_heads_cache_keeps_its_entries_as_it_grows_and_a_write_replaces_what
     assert kv.entries(4)[0].shape == (2, 4, 3)
 
 
+def test_a_step_computing_only_its_last_rows_output_writes_the_same_entries(small):
+    """Making entries from the target's features needs the output of the last row alone (it
+    drafts next): the entries written and that row's scores and prenorm are the whole step's."""
+    _, loaded = small
+    head = loaded.head
+    torch.manual_seed(2)
+    tokens, features = torch.tensor([5, 9, 3, 60, 7]), head.fuse(torch.randn(5, 3 * 32))
+    whole_kv, last_kv = head.new_kv(), head.new_kv()
+    with torch.no_grad():
+        head.step(tokens[:2], features[:2], 0, whole_kv)
+        head.step(tokens[:2], features[:2], 0, last_kv)
+        whole = head.step(tokens[2:], features[2:], 2, whole_kv)
+        last = head.step(tokens[2:], features[2:], 2, last_kv, last_only=True)
+    assert last.logits.shape[0] == last.prenorm.shape[0] == 1
+    assert torch.allclose(last.logits[0], whole.logits[-1], atol=1e-5)
+    assert torch.allclose(last.prenorm[0], whole.prenorm[-1], atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(whole_kv.entries(5), last_kv.entries(5)))
+
+
 @pytest.mark.parametrize("form", FORMATS)
 def test_drafting_over_the_heads_kept_entries_equals_drafting_from_scratch(llama3, form):
     """Round after round (the target verifying, the history growing by what it commits), the
