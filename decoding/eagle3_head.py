@@ -16,6 +16,7 @@ the proposer (decoding.eagle3_proposer) owns each sequence's entries and crops t
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -121,39 +122,41 @@ class Eagle3Head(nn.Module):
         weight = self.k_proj.weight
         return HeadKV(self.shape.num_kv_heads, self.shape.head_dim, weight.dtype, weight.device)
 
-    def step(self, token_ids: torch.Tensor, features: torch.Tensor, start: int, kv: HeadKV | None = None,
-             last_only: bool = False) -> HeadStep:
+    def step(self, token_ids: torch.Tensor, features: torch.Tensor, start: int, kv: HeadKV | None = None
+             ) -> HeadStep:
         """Rows t = 0..T-1 of one sequence at positions start..start+T-1: token_ids [T] (the token
         AFTER each row's feature's position), features [T, hidden] (fused target features or the
         head's own prenorm). The rows' keys and values are written to kv (a fresh one if None) at
-        their positions; each row attends to the entries before start and to rows <= t.
-        last_only: the output (scores, prenorm) of the last row alone: a row's entry is its keys
-        and values, which need none of its output, so making entries from the target's features
-        runs attention, MLP and LM head once, for the row that drafts next."""
+        their positions; each row attends to the entries before start and to rows <= t."""
         kv = self.new_kv() if kv is None else kv
         length = token_ids.shape[0]
         q, k, v, residual = self._projected(token_ids, features,
                                             torch.arange(start, start + length, device=token_ids.device))
         kv.write(start, k, v)
-        if last_only:
-            q, residual = q[:, -1:], residual[-1:]
         attended = self._attend(q, *kv.entries(start + length))
         logits, prenorm = self._output(attended, residual)
         return HeadStep(logits, prenorm)
 
-    def step_rows(self, token_ids: torch.Tensor, features: torch.Tensor, positions: Sequence[int],
-                  kvs: Sequence[HeadKV]) -> list[HeadStep]:
-        """One row each of B sequences at once (a drafting step of a batch): row b is
-        (token_ids[b], features[b], positions[b]) over its own sequence's entries kvs[b], where
-        its key and value are written. The projections, the MLP and the LM head run once for
-        every row, so the head's weights are read once a step, not once a sequence; each row
-        attends over its own entries. -> a one-row HeadStep per sequence."""
-        q, k, v, residual = self._projected(token_ids, features, torch.tensor(positions, device=token_ids.device))
-        for b, (kv, position) in enumerate(zip(kvs, positions)):
-            kv.write(position, k[:, b:b + 1], v[:, b:b + 1])
-        attended = torch.cat([self._attend(q[:, b:b + 1], *kv.entries(position + 1))
-                              for b, (kv, position) in enumerate(zip(kvs, positions))], dim=1)
-        logits, prenorm = self._output(attended, residual)
+    def step_sequences(self, token_ids: torch.Tensor, features: torch.Tensor, starts: Sequence[int],
+                       lengths: Sequence[int], kvs: Sequence[HeadKV]) -> list[HeadStep]:
+        """Consecutive rows of B sequences at once: token_ids [N] and features [N, hidden] hold
+        sequence b's lengths[b] rows (positions starts[b], starts[b] + 1, ...) after those of the
+        sequences before it; their keys and values are written to kvs[b]. -> per sequence, the
+        output of its LAST row (a one-row HeadStep): a row's entry is its keys and values, which
+        need none of its output, and only the last row drafts next. The projections, the MLP and
+        the LM head run once for every sequence's rows, so the head's weights are read once a
+        call, not once a sequence (a drafting step: one row each; making entries from the
+        target's features: the rows each round committed); each row attends over its own
+        sequence's entries."""
+        positions = torch.cat([torch.arange(start, start + length) for start, length in zip(starts, lengths)])
+        q, k, v, residual = self._projected(token_ids, features, positions.to(token_ids.device))
+        ends = list(itertools.accumulate(lengths))
+        attended = []
+        for kv, start, length, end in zip(kvs, starts, lengths, ends):
+            kv.write(start, k[:, end - length:end], v[:, end - length:end])
+            attended.append(self._attend(q[:, end - 1:end], *kv.entries(start + length)))
+        last_rows = torch.tensor([end - 1 for end in ends], device=residual.device)
+        logits, prenorm = self._output(torch.cat(attended, dim=1), residual.index_select(0, last_rows))
         return [HeadStep(logits[b:b + 1], prenorm[b:b + 1]) for b in range(len(kvs))]
 
     def _projected(self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor

@@ -119,18 +119,17 @@ class Eagle3Proposer:
         """Up to num_tokens head steps per call, the calls drafting together: each step draws one
         token for every call still drafting, in one batched draw (decoding.proposers.draft_step,
         each row with its own generator, so a seeded request's block does not depend on what it
-        shares a step with), and runs the head once over all of their rows (Eagle3Head.step_rows),
-        so the head's weights are read once a step, not once a request."""
+        shares a step with), and runs the head once over all of their rows
+        (Eagle3Head.step_sequences), so the head's weights are read once a step, not once a
+        request; the calls' entries from the target's features are made together first, the same way."""
         proposals = [empty_proposal() for _ in calls]
-        live = []
-        for index, call in enumerate(calls):
-            history = list(call.history)
-            if call.num_tokens <= 0 or len(history) < 2:
-                continue
-            sequence = self._caught_up(call.seq_id, history)
-            # The next entry's position is the last committed token's.
-            live.append(_HeadDraft(index, Drafting(call, call.num_tokens, history[:]), sequence.last_logits,
-                                   sequence.last_prenorm, sequence.kv, len(history) - 1))
+        drafting = [(index, call, list(call.history)) for index, call in enumerate(calls)
+                    if call.num_tokens > 0 and len(call.history) >= 2]
+        sequences = self._caught_up([(call.seq_id, history) for _, call, history in drafting])
+        # Each call's next entry's position is its last committed token's.
+        live = [_HeadDraft(index, Drafting(call, call.num_tokens, history[:]), sequence.last_logits,
+                           sequence.last_prenorm, sequence.kv, len(history) - 1)
+                for (index, call, history), sequence in zip(drafting, sequences)]
         while live:
             rows = self.head.target_logits(torch.stack([draft.logits for draft in live]), self.vocab_size).float()
             for draft in live:
@@ -150,10 +149,10 @@ class Eagle3Proposer:
                     going.append((draft, token))
             live = [draft for draft, _ in going]
             if live:
-                device = rows.device
-                steps = self.head.step_rows(torch.tensor([token for _, token in going], device=device),
-                                            torch.stack([draft.prenorm for draft in live]),
-                                            [draft.position for draft in live], [draft.kv for draft in live])
+                steps = self.head.step_sequences(torch.tensor([token for _, token in going], device=rows.device),
+                                                 torch.stack([draft.prenorm for draft in live]),
+                                                 [draft.position for draft in live], [1] * len(live),
+                                                 [draft.kv for draft in live])
                 for draft, step in zip(live, steps):
                     draft.take(step)
         return proposals
@@ -168,34 +167,46 @@ class Eagle3Proposer:
         start, wanted = _entries_to_make(sequence, list(history))
         return None if start == wanted or _holds(sequence, start, wanted) else start
 
-    def _caught_up(self, seq_id: str, history: list[int]) -> HeadSequence:
-        """seq_id's entries made to cover positions 0..len(history)-2 from the target's features,
-        the last entry's output kept (the first draft token's scores)."""
-        sequence = self.sequences.setdefault(seq_id, HeadSequence())
-        start, wanted = _entries_to_make(sequence, history)
-        sequence.crop(start)   # an entry whose output was let go is computed again
-        if start == wanted:
-            return sequence
-        pending = sequence.pending
-        if not _holds(sequence, start, wanted):
-            have = "none" if pending is None else \
-                f"{sequence.pending_start}..{sequence.pending_start + pending.shape[0] - 1}"
-            raise SequenceStateError(f"{seq_id}: the EAGLE-3 head needs the target's features of positions "
-                                     f"{start}..{wanted - 1}, it has {have} (the target, run with the head's aux "
-                                     "layers, must return the features of every position it has not returned)")
+    def _caught_up(self, histories: list[tuple[str, list[int]]]) -> list[HeadSequence]:
+        """Each (seq_id, history)'s entries made to cover positions 0..len(history)-2 from the
+        target's features, the last entry's output kept (the first draft token's scores): the
+        entries every sequence lacks are made in one batched head call."""
+        sequences, making = [], []
+        for seq_id, history in histories:
+            sequence = self.sequences.setdefault(seq_id, HeadSequence())
+            start, wanted = _entries_to_make(sequence, history)
+            sequence.crop(start)   # an entry whose output was let go is computed again
+            sequences.append(sequence)
+            if start == wanted:
+                continue
+            if not _holds(sequence, start, wanted):
+                pending = sequence.pending
+                have = "none" if pending is None else \
+                    f"{sequence.pending_start}..{sequence.pending_start + pending.shape[0] - 1}"
+                raise SequenceStateError(f"{seq_id}: the EAGLE-3 head needs the target's features of positions "
+                                         f"{start}..{wanted - 1}, it has {have} (the target, run with the head's "
+                                         "aux layers, must return the features of every position it has not returned)")
+            making.append((sequence, history, start, wanted))
+        if not making:
+            return sequences
         head = self.head
-        features = pending[start - sequence.pending_start:wanted - sequence.pending_start]
-        device = features.device
-        if sequence.kv is None:
-            sequence.kv = head.new_kv()
-        step = head.step(torch.tensor(history[start + 1:wanted + 1], device=device), head.fuse(features), start,
-                         sequence.kv, last_only=True)
-        sequence.tokens.extend(history[start + 1:wanted + 1])
-        sequence.last_logits, sequence.last_prenorm = step.logits[-1], step.prenorm[-1]
-        # Features of positions from `wanted` on were computed over tokens not committed (or are the
-        # next round's): the next forward gives them again.
-        sequence.pending = None
-        return sequence
+        for sequence, _, _, _ in making:
+            if sequence.kv is None:
+                sequence.kv = head.new_kv()
+        features = torch.cat([sequence.pending[start - sequence.pending_start:wanted - sequence.pending_start]
+                              for sequence, _, start, wanted in making])
+        tokens = [token for _, history, start, wanted in making for token in history[start + 1:wanted + 1]]
+        steps = head.step_sequences(torch.tensor(tokens, device=features.device), head.fuse(features),
+                                    [start for _, _, start, _ in making],
+                                    [wanted - start for _, _, start, wanted in making],
+                                    [sequence.kv for sequence, _, _, _ in making])
+        for (sequence, history, start, wanted), step in zip(making, steps):
+            sequence.tokens.extend(history[start + 1:wanted + 1])
+            sequence.last_logits, sequence.last_prenorm = step.logits[-1], step.prenorm[-1]
+            # Features of positions from `wanted` on were computed over tokens not committed (or
+            # are the next round's): the next forward gives them again.
+            sequence.pending = None
+        return sequences
 
     def release(self, seq_id: str) -> None:
         self.sequences.pop(seq_id, None)

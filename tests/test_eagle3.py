@@ -206,23 +206,28 @@ def test_the_heads_cache_keeps_its_entries_as_it_grows_and_a_write_replaces_what
     assert kv.entries(4)[0].shape == (2, 4, 3)
 
 
-def test_a_step_computing_only_its_last_rows_output_writes_the_same_entries(small):
-    """Making entries from the target's features needs the output of the last row alone (it
-    drafts next): the entries written and that row's scores and prenorm are the whole step's."""
+def test_a_batched_step_over_several_sequences_writes_and_answers_what_each_alone_does(small):
+    """Eagle3Head.step_sequences (the proposer's one head call a step, and for the entries each
+    round committed): each sequence's rows, however many, write the entries its own step writes,
+    and it answers the output of its last row, the one that drafts next."""
     _, loaded = small
     head = loaded.head
     torch.manual_seed(2)
-    tokens, features = torch.tensor([5, 9, 3, 60, 7]), head.fuse(torch.randn(5, 3 * 32))
-    whole_kv, last_kv = head.new_kv(), head.new_kv()
+    tokens, features = torch.tensor([5, 9, 3, 60, 7, 11, 2]), head.fuse(torch.randn(7, 3 * 32))
+    alone, together = [head.new_kv(), head.new_kv()], [head.new_kv(), head.new_kv()]
     with torch.no_grad():
-        head.step(tokens[:2], features[:2], 0, whole_kv)
-        head.step(tokens[:2], features[:2], 0, last_kv)
-        whole = head.step(tokens[2:], features[2:], 2, whole_kv)
-        last = head.step(tokens[2:], features[2:], 2, last_kv, last_only=True)
-    assert last.logits.shape[0] == last.prenorm.shape[0] == 1
-    assert torch.allclose(last.logits[0], whole.logits[-1], atol=1e-5)
-    assert torch.allclose(last.prenorm[0], whole.prenorm[-1], atol=1e-5)
-    assert all(torch.equal(a, b) for a, b in zip(whole_kv.entries(5), last_kv.entries(5)))
+        for kvs in (alone, together):   # each sequence holds 2 entries already
+            head.step(tokens[:2], features[:2], 0, kvs[0])
+            head.step(tokens[5:7], features[5:7], 0, kvs[1])
+        # sequence 0 brings 3 rows at positions 2..4, sequence 1 one row at position 2
+        expected = [head.step(tokens[2:5], features[2:5], 2, alone[0]), head.step(tokens[:1], features[:1], 2, alone[1])]
+        steps = head.step_sequences(torch.cat([tokens[2:5], tokens[:1]]), torch.cat([features[2:5], features[:1]]),
+                                    [2, 2], [3, 1], together)
+    for step, whole, kv, kv_alone, end in zip(steps, expected, together, alone, (5, 3)):
+        assert step.logits.shape[0] == step.prenorm.shape[0] == 1
+        assert torch.allclose(step.logits[0], whole.logits[-1], atol=1e-5)
+        assert torch.allclose(step.prenorm[0], whole.prenorm[-1], atol=1e-5)
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(kv.entries(end), kv_alone.entries(end)))
 
 
 @pytest.mark.parametrize("form", FORMATS)
