@@ -183,15 +183,20 @@ class Eagle3Head(nn.Module):
     def _attend(self, q: torch.Tensor, all_keys: torch.Tensor, all_values: torch.Tensor) -> torch.Tensor:
         """Consecutive rows of one sequence, the last T of its entries, over the entries before
         them and each other, causally: q [heads, T, head_dim], the entries' keys and values
-        [kv_heads, P + T, head_dim] -> [heads, T, head_dim]."""
-        length = q.shape[1]
-        past = all_keys.shape[1] - length
-        # Row t sees every past entry and the new rows up to itself.
-        rows = torch.arange(length, device=q.device)[:, None]
-        visible = torch.arange(all_keys.shape[1], device=q.device) <= past + rows
-        groups = self.shape.num_heads // self.shape.num_kv_heads
-        return F.scaled_dot_product_attention(q, all_keys.repeat_interleave(groups, 0),
-                                              all_values.repeat_interleave(groups, 0), attn_mask=visible)
+        [kv_heads, P + T, head_dim] -> [heads, T, head_dim]. Two batched products with the query
+        heads of a key head side by side (no copy of the keys per query head, no mask for a lone
+        row): a drafting step attends one row, where SDPA's dispatch and a repeated copy of every
+        entry cost more than the arithmetic."""
+        heads, length, head_dim = q.shape
+        kv_heads, entries = all_keys.shape[0], all_keys.shape[1]
+        groups = heads // kv_heads
+        # query head h = key head h // groups (transformers' repeat_kv); rows (group, t) in that order
+        scores = torch.matmul(q.reshape(kv_heads, groups * length, head_dim), all_keys.transpose(1, 2))
+        scores = scores * head_dim ** -0.5
+        if length > 1:   # row t sees every past entry and the new rows up to itself
+            last_seen = (torch.arange(length, device=q.device) + entries - length).repeat(groups)
+            scores = scores.masked_fill(torch.arange(entries, device=q.device) > last_seen[:, None], float("-inf"))
+        return torch.matmul(scores.softmax(-1), all_values).view(heads, length, head_dim)
 
     def _output(self, attended: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention output [heads, T, head_dim] and residual [T, hidden] -> (scores over the
