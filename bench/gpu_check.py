@@ -168,7 +168,7 @@ from specserve.decoding.scheduler import engine_for_model  # noqa: E402
 
 
 def engine_runner(model, plan: Plan, name: str, kv_gib: float, prefix_caching: bool = True,
-                  profile_batches: Sequence[tuple[int, int]] | None = None):
+                  profile_batches: Sequence[tuple[int, int]] | None = None, aux_layers: Sequence[int] = ()):
     """The engine (a Scheduler over the batched paged runner) for model, its KV cache about kv_gib GiB. On CPU that is
     the runner's own setting; on CUDA the engine takes gpu_memory_utilization of its share of the
     device less what the process already holds (every model and pool built before it) and its
@@ -182,7 +182,7 @@ def engine_runner(model, plan: Plan, name: str, kv_gib: float, prefix_caching: b
     else:
         extra["kv_cache_memory_gb"] = kv_gib
     engine = engine_for_model(model, max_sequences=512, model_path=name, max_model_len=plan.max_model_len,
-                              prefix_caching=prefix_caching, **extra)
+                              prefix_caching=prefix_caching, aux_layers=aux_layers, **extra)
     forward = engine.runner.step_forward
     FORWARDS_BUILT.append((name, forward.describe(), forward.failure_traceback))
     return engine
@@ -586,6 +586,7 @@ def section_correctness(section: Section, models: Models, clock: Clock) -> None:
         detail = "" if same else near_tie_detail(target, prompt, alone.output_ids, state.output_ids)
         section.check(same, f"greedy speculative ({label}, K = {NUM_DRAFT_TOKENS}) == target-only, "
                       f"{plan.greedy_tokens} tokens in {rounds} target passes{detail}")
+    check_eagle3_head(section, target, plan, prompt, alone.output_ids, context)
 
     # Sampled speculation on the device (the generators, each row's draws, verification), drafted by
     # the target itself on an engine of its own: q equals p up to float rounding, so nearly every
@@ -710,6 +711,42 @@ def section_correctness(section: Section, models: Models, clock: Clock) -> None:
                   f"{BF16_SPREAD_FACTOR:g}x that spread, {tolerance:.2e})")
     release(target, names)
     report_compilation(section)
+
+
+def check_eagle3_head(section: Section, target, plan: Plan, prompt: list[int], want: list[int], context: int) -> None:
+    """An EAGLE-3 head drafting for the target on the device (random layers over the target's own
+    norm and lm_head: training/train_eagle3.new_head): the target engine stores its aux layers'
+    features in the KV pool, so a prefix-cache hit's features must equal transformers'
+    hidden_states, and greedy output with the head drafting must equal target-only."""
+    from specserve.decoding.eagle3_checkpoint import LoadedHead, default_aux_layers
+    from specserve.decoding.eagle3_proposer import Eagle3Proposer
+    from specserve.training.train_eagle3 import new_head
+
+    layers = default_aux_layers(target.config.num_hidden_layers)
+    head = new_head(target, layers).to(next(target.parameters()).device).eval()
+    loaded = LoadedHead(head, layers, "speculators", "random head")
+    runner = engine_runner(target, plan, "exact-target-eagle3", kv_gib=plan.small_kv_gib, aux_layers=layers)
+    size = block_size(runner)
+    shared = random_ids(2 * size + size // 2, plan.target["vocab_size"], 700)
+    forward_rows(runner, [("first", shared, 1)])
+    history = shared + random_ids(3, plan.target["vocab_size"], 701)
+    _, (features,) = runner.forward_batch_with_features([ForwardCall("hit", history)], [0])
+    cached = runner.blocks.prefix_cached_tokens("hit")
+    with torch.no_grad():
+        hidden = target(torch.tensor([history], device=features.hidden.device), output_hidden_states=True).hidden_states
+    error = relative_error(features.hidden, torch.cat([hidden[layer][0] for layer in layers], dim=-1))
+    release(runner, ["first", "hit"])
+    state = greedy_state("head", prompt, plan.greedy_tokens, context)
+    rounds = len(list(generate(runner, state, Eagle3Proposer(loaded), NUM_DRAFT_TOKENS)))
+    same = state.output_ids == want
+    detail = "" if same else near_tie_detail(target, prompt, want, state.output_ids)
+    section.check(same and cached >= 2 * size and error <= FP32_TOLERANCE,
+                  f"EAGLE-3 head on the device (target layers {list(layers)}, random layers over the target's "
+                  f"lm_head): features of a {cached}-token prefix-cache hit read from the pool vs transformers' "
+                  f"hidden_states, max relative diff {error:.2e}; greedy speculative with the head (K = "
+                  f"{NUM_DRAFT_TOKENS}) == target-only, {plan.greedy_tokens} tokens in {rounds} target passes, "
+                  f"{state.stats.num_accepted} of {state.stats.num_drafted} drafted accepted{detail}")
+    del runner
 
 
 def near_tie_detail(model, prompt: list[int], want: list[int], got: list[int]) -> str:
