@@ -1,7 +1,7 @@
 """An EAGLE-3 head against the shipped draft model, drafting for the shipped target in process.
 
-    python -m specserve.bench.figures.head_vs_draft --head HEAD_DIR [--prompts thirdparty] [--num-prompts 8] \\
-        [--max-tokens 64] [--k 4] --out bench/results --name NAME
+    python -m specserve.bench.figures.head_vs_draft --head HEAD_DIR [--head HEAD_DIR ...] [--prompts thirdparty] \\
+        [--num-prompts 8] [--max-tokens 64] [--k 4] --out bench/results --name NAME
 
 Per drafter and mode (greedy; sampled at temperature 0.8, seeded per prompt): per-token
 acceptance, tokens per target pass, the drafter's cost per drafted token, and tokens/s at one
@@ -10,8 +10,9 @@ stream (each prompt alone, `decoding.generate`) and at eight (the prompts as one
 with target-only decoding beside them. The variants take turns prompt by prompt (one stream)
 and batch by batch, so the box's drift falls on all of them alike. In process on purpose: what
 decides whether a head beats the draft model is acceptance against drafting cost, not the
-transport, which is the same for both (docs/eagle3.md). Greedy outputs of the three must be
-equal (they are the target's); a difference is reported, not hidden.
+transport, which is the same for both (docs/eagle3.md). Greedy outputs of every variant must be
+equal (they are the target's); a difference is reported, not hidden. Several heads (--head
+repeated: say one drafting over the whole vocabulary and one over a reduced one) take turns too.
 """
 
 from __future__ import annotations
@@ -68,14 +69,20 @@ class TimedProposer:
             self.seconds += time.perf_counter() - started
 
 
-def variants(models: Path, head_dir: str) -> dict:
+def head_name(head_dir: str) -> str:
+    return f"EAGLE-3 head {Path(head_dir).name}"
+
+
+def variants(models: Path, head_dirs: list[str]) -> dict:
     """name -> (target engine, proposer or None), each target its own engine over one model."""
     target = load_causal_lm(str(models / "target"), dtype="float32", device="cpu")
-    loaded = load_eagle3_head(head_dir, target)
     draft = load_causal_lm(str(models / "draft"), dtype="float32", device="cpu")
-    return {"target only": (engine_for_model(target), None),
-            "draft model": (engine_for_model(target), DraftModelProposer(engine_for_model(draft))),
-            "EAGLE-3 head": (engine_for_model(target, aux_layers=loaded.aux_layers), Eagle3Proposer(loaded))}
+    found = {"target only": (engine_for_model(target), None),
+             "draft model": (engine_for_model(target), DraftModelProposer(engine_for_model(draft)))}
+    for head_dir in head_dirs:
+        loaded = load_eagle3_head(head_dir, target)
+        found[head_name(head_dir)] = (engine_for_model(target, aux_layers=loaded.aux_layers), Eagle3Proposer(loaded))
+    return found
 
 
 def states(prompts: list[list[int]], mode: str, max_tokens: int, tag: str) -> list[RequestState]:
@@ -131,7 +138,7 @@ def table(report: dict) -> str:
              "| tok/s | × target-only |", "|---|---|---|---|---|---|---|---|"]
     for case in report["cases"]:
         base = case["results"]["target only"]["tokens_per_s"]
-        for name in ("draft model", "EAGLE-3 head", "target only"):
+        for name in ("draft model", *map(head_name, report["heads"]), "target only"):
             row = case["results"][name]
             acceptance = "-" if row["per_token_acceptance"] is None else row["per_token_acceptance"]
             cost = "-" if row["draft_ms_per_token"] is None else row["draft_ms_per_token"]
@@ -141,13 +148,13 @@ def table(report: dict) -> str:
     differ = [f"{case['mode']} x{case['streams']}: {', '.join(case['results']['greedy_outputs_differ'])}"
               for case in report["cases"] if case["results"].get("greedy_outputs_differ")]
     return "\n".join(lines) + "\n\n" + ("Greedy outputs differing from target-only: " + "; ".join(differ)
-                                        if differ else "Greedy outputs: all three equal on every prompt.") + "\n"
+                                        if differ else "Greedy outputs: all equal on every prompt.") + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m specserve.bench.figures.head_vs_draft",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--head", required=True, help="the EAGLE-3 head's folder")
+    parser.add_argument("--head", action="append", required=True, help="an EAGLE-3 head's folder (repeatable)")
     parser.add_argument("--models", default="models/default", help="the folder holding target/ and draft/")
     parser.add_argument("--prompts", default="thirdparty")
     parser.add_argument("--num-prompts", type=int, default=8)
@@ -171,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(cases[-1]), flush=True)
     report = {"command": "python -m specserve.bench.figures.head_vs_draft "
                          + " ".join(argv if argv is not None else sys.argv[1:]),
-              "head": args.head, "prompts": f"{args.prompts} ({len(prompts)})", "max_tokens": args.max_tokens,
+              "heads": args.head, "prompts": f"{args.prompts} ({len(prompts)})", "max_tokens": args.max_tokens,
               "k": args.k, "threads": args.threads, "machine": f"{platform.processor() or platform.machine()}, "
                                                             f"{os.cpu_count()} CPUs", "cases": cases}
     text = (f"# An EAGLE-3 head against the shipped draft model\n\n`{report['command']}`: the shipped target in "
