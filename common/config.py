@@ -143,7 +143,7 @@ class SpeculationSpec(_Strict):
     draft_cost_ratio: float = Field(0.15, gt=0, le=1, description="draft step / target pass latency until measured")
     fan_out: int = Field(3, ge=0, le=MAX_FAN_OUT, description="blocks the draft engine pre-drafts per request "
                          "while the target verifies a round, for the verification's likely outcomes (the speculation "
-                         "cache, docs/speculation-cache.md; a draft model only); the policy actor lowers it as the draft "
+                         "cache, docs/speculation-cache.md; a draft model or an EAGLE-3 head); the policy actor lowers it as the draft "
                          "pool fills. 0: plain rounds")
     fan_out_max_batch: int = Field(1, ge=1, description="pre-draft only while a router has at most this many "
                                    "requests in flight (Saguaro's batch-size fallback): where draft and target share "

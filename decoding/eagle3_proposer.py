@@ -32,6 +32,20 @@ from specserve.decoding.row_processors import history_processor
 from specserve.decoding.sampling import SamplingParams
 
 
+@dataclass(frozen=True)
+class DraftedBlock:
+    """The block a sequence last drafted, kept until its outcome is known so that pre-drafts for
+    the likely outcomes (decoding.speculation_cache) can start from it: the history it continued
+    (n = len(history) - 1), its tokens, the entries drafting wrote after the committed ones (in kv:
+    entry n + i read tokens[i]) and the head's own features that fed them (prenorms[i]: the
+    pre-norm output of entry n - 1 + i, the feature of entry n + i)."""
+
+    history: tuple[int, ...]
+    tokens: tuple[int, ...]
+    kv: HeadKV
+    prenorms: tuple[torch.Tensor, ...]
+
+
 @dataclass
 class HeadSequence:
     """One sequence's head state: entries 0..len(tokens)-1 computed from the target's features
@@ -45,6 +59,7 @@ class HeadSequence:
     last_prenorm: torch.Tensor | None = None   # [hidden] its pre-norm output
     pending_start: int = 0
     pending: torch.Tensor | None = None        # [n, 3 x target hidden]
+    block: DraftedBlock | None = None          # the last block drafted for pre-drafts to start from
 
     @property
     def num_entries(self) -> int:
@@ -76,10 +91,12 @@ class _HeadDraft:
     prenorm: torch.Tensor      # [hidden] the next head step's feature
     kv: HeadKV
     position: int              # the next entry's position
+    prenorms: list[torch.Tensor] = field(default_factory=list)   # every feature the block's steps read
 
     def take(self, step: HeadStep) -> None:
         """The head's one-row step over this block's last drafted token."""
         self.logits, self.prenorm, self.position = step.logits[0], step.prenorm[0], self.position + 1
+        self.prenorms.append(self.prenorm)
 
 
 class Eagle3Proposer:
@@ -128,7 +145,7 @@ class Eagle3Proposer:
         sequences = self._caught_up([(call.seq_id, history) for _, call, history in drafting])
         # Each call's next entry's position is its last committed token's.
         live = [_HeadDraft(index, Drafting(call, call.num_tokens, history[:]), sequence.last_logits,
-                           sequence.last_prenorm, sequence.kv, len(history) - 1)
+                           sequence.last_prenorm, sequence.kv, len(history) - 1, [sequence.last_prenorm])
                 for (index, call, history), sequence in zip(drafting, sequences)]
         while live:
             rows = self.head.target_logits(torch.stack([draft.logits for draft in live]), self.vocab_size).float()
@@ -142,9 +159,14 @@ class Eagle3Proposer:
                                [not draft.drafting.drafted for draft in live], self.max_candidates)
             going = []
             for draft, (token, top, q, odds) in zip(live, drawn):
+                call = draft.drafting.call
                 draft.drafting.advance(token, top, q, odds)
                 if draft.drafting.done:
                     proposals[draft.index] = draft.drafting.proposal()
+                    # Kept where the draft engine pre-drafts its outcomes (it asks for candidates then).
+                    self.sequences[call.seq_id].block = DraftedBlock(
+                        tuple(call.history), tuple(proposals[draft.index].token_ids), draft.kv,
+                        tuple(draft.prenorms)) if call.num_candidates else None
                 else:
                     going.append((draft, token))
             live = [draft for draft, _ in going]
@@ -156,6 +178,41 @@ class Eagle3Proposer:
                 for draft, step in zip(live, steps):
                     draft.take(step)
         return proposals
+
+    @torch.inference_mode()
+    def fork(self, parent_id: str, branch_id: str, history: Sequence[int]) -> bool:
+        """A pre-draft's sequence for one outcome of verifying parent_id's last block: history
+        continues the parent's committed history with the block's first tokens and, where the
+        outcome rejected one, the token emitted instead (decoding.speculation_cache.Predraft).
+        Its entries are the parent's committed ones, then the block's own (drafted from the
+        head's own features, as SSD's EAGLE mode pre-drafts: the target's features of those
+        positions are not computed yet), and one made now for its last token, from the feature
+        the block's step before it produced; the branch drafts from that entry's output. -> False
+        (nothing made) when history does not continue the block so."""
+        parent = self.sequences.get(parent_id)
+        block = None if parent is None else parent.block
+        if block is None:
+            return False
+        history = list(history)
+        start, last = len(block.history) - 1, len(history) - 2   # the block's first entry; the branch's last
+        drafted = last - start                                   # block entries the branch keeps
+        if not (0 <= drafted < len(block.tokens) and tuple(history[:start + 1]) == block.history
+                and tuple(history[start + 1:last + 1]) == block.tokens[:drafted]):
+            return False
+        kv = self.head.new_kv()
+        kv.write(0, *block.kv.entries(last))
+        step = self.head.step_sequences(torch.tensor([history[last + 1]], device=self.device),
+                                        block.prenorms[drafted].unsqueeze(0), [last], [1], [kv])[0]
+        self.sequences[branch_id] = HeadSequence(kv, history[1:last + 2], step.logits[0], step.prenorm[0])
+        return True
+
+    def adopt(self, seq_id: str, branch_id: str) -> None:
+        """The round continued branch_id's history and took its block: the next pre-drafts start
+        from that block. seq_id's committed entries stay its own (the next propose makes the new
+        positions' from the target's features); the branch's state goes."""
+        branch = self.sequences.pop(branch_id, None)
+        if branch is not None and seq_id in self.sequences:
+            self.sequences[seq_id].block = branch.block
 
     def missing_features(self, seq_id: str, history: Sequence[int]) -> int | None:
         """The position from which seq_id's next propose over history needs target features this

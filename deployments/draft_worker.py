@@ -124,6 +124,8 @@ class DraftEngine(EngineCore):
         super().__init__(runner, engine_options, name)
         # The proposer drafts through the engine's scheduler: its steps are planned forwards too.
         self.proposer = kind.build(None if runner is None else self.scheduler, model_spec, engine_options)
+        # Pre-drafts fork a draft model's KV, or start from an EAGLE-3 head's last block; n-grams have neither.
+        self.predrafts = runner is not None or hasattr(self.proposer, "fork")
         self.version_metrics = DraftVersionMetrics(name.rsplit(":", 1)[-1] if name else "local")
         self.version_metrics.set_version(0)
 
@@ -183,8 +185,9 @@ class DraftEngine(EngineCore):
         beyond those this iteration's new requests need; the rest are answered None (no block:
         the round drafts just in time). Pre-drafts are optional: they never take a request's slot."""
         dropped: dict[int, None] = {}
-        if self.runner is None:
-            return dropped
+        if self.runner is None:   # a head's pre-draft starts from its request's last block (no KV slots)
+            return {index: None for index, call in enumerate(calls)
+                    if call.fork_of is not None and not self.proposer.fork(call.fork_of, call.seq_id, call.history)}
         blocks = self.scheduler.blocks
         free = blocks.num_free_slots - sum(1 for call in calls if call.fork_of is None and not blocks.num_cached(call.seq_id))
         for index, call in enumerate(calls):
@@ -264,7 +267,7 @@ class DraftEngine(EngineCore):
             if missing is not None:
                 return UnknownFeatures(seq_id, missing)
         entered_s = time.perf_counter()
-        num_candidates = max(sum(fan_out) + 1, MAX_BONUS_GUESSES) if any(fan_out) and self.runner is not None else 0
+        num_candidates = max(sum(fan_out) + 1, MAX_BONUS_GUESSES) if any(fan_out) and self.predrafts else 0
         proposal, thrown_away = await self._take_predraft(seq_id, committed, num_tokens)
         if proposal is not None:
             span = CallSpan(entered_s, time.perf_counter(), time.perf_counter())
@@ -307,12 +310,16 @@ class DraftEngine(EngineCore):
         except Exception:
             self._drop([maybe])
             raise
-        self.scheduler.blocks.adopt(seq_id, maybe.seq_id)   # its KV holds history and the block: the next pre-drafts fork it
+        # its KV (a head's: its block) holds history and the block: the next pre-drafts fork it
+        if self.runner is None:
+            self.proposer.adopt(seq_id, maybe.seq_id)
+        else:
+            self.scheduler.blocks.adopt(seq_id, maybe.seq_id)
         if drafted.stream_states:   # the request's stream goes on from where drafting this block now would leave it
             self.generators[seq_id].set_state(drafted.stream_states[num_tokens - 1])
         self.generators.pop(maybe.seq_id, None)
         self.idle.forget(maybe.seq_id)
-        if self.proposer.grammars is not None:
+        if getattr(self.proposer, "grammars", None) is not None:
             self.proposer.grammars.release(maybe.seq_id)
         return used, thrown_away + tokens_thrown_away(maybe.predraft, drafted, used)
 

@@ -37,7 +37,7 @@ from specserve.deployments.round_record import RoundObserver, RoundTimings
 from specserve.deployments.round_stages import profiling_enabled
 from specserve.deployments.streaming import coalesced_chunks, final_chunk
 from specserve.policies.depth_chooser import DepthChooser, request_class
-from specserve.policies.fan_out import FanOut
+from specserve.policies.fan_out import FanOut, may_predraft
 
 logger = logging.getLogger("ray.serve")
 POLICY_INTERVAL_S = 1.0  # how often a router reports load to the policy actor and reads its decision
@@ -179,7 +179,8 @@ class Router:
         return self.depth.choose(state, len(self.active_requests), time.monotonic())
 
     def _choose_fan_out(self, state: RequestState, num_draft: int) -> FanOut:
-        if not self.config.speculation.needs_draft_model:   # only a draft model's engine pre-drafts
+        params = state.params
+        if not may_predraft(self.config.speculation.proposer, params.seed is not None and not params.is_greedy):
             return FanOut()
         num_active, now = len(self.active_requests), time.monotonic()
         return FanOut(self.depth.fan_out(state, num_draft, num_active, now),

@@ -33,6 +33,15 @@ class FanOut:
     depth: int = 0
 
 
+def may_predraft(proposer: str, seeded_sampled: bool) -> bool:
+    """Whether a request's rounds may pre-draft, by what drafts: a draft model's always (a hit's
+    block is the very block drafting just in time would draw); an EAGLE-3 head's unless the
+    request is seeded and sampled, since a head pre-drafts from its own features where drafting
+    just in time reads the target's, so a seeded text would depend on which of the two load let a
+    round use (docs/eagle3.md#serving); n-grams and target-only never."""
+    return proposer == "draft" or (proposer == "eagle3" and not seeded_sampled)
+
+
 def fan_out_under_load(configured: int, draft: PoolLoad | None,
                        thresholds: ScalingThresholds = ScalingThresholds()) -> int:
     """The fan-out for the draft pool's load: configured while its busy share (pre-drafts

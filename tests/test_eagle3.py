@@ -174,19 +174,21 @@ def test_an_engine_without_aux_layers_computes_no_features(llama3):
         engine.forward_batch_with_features([ForwardCall("s", PROMPTS[0])])
 
 
-def head_from_scratch(loaded, target, history: list[int], num_tokens: int) -> list[int]:
+def head_from_scratch(loaded, target, history: list[int], num_tokens: int, forced: list[int] = ()) -> list[int]:
     """Greedy drafting with no cache: every step recomputes the head over the whole sequence from
-    the target's features of history[:-1] and the head's own outputs after them."""
+    the target's features of history[:-1] and the head's own outputs after them. forced: tokens
+    fed first as drafted ones are, not drawn (a pre-draft's outcome: the block's kept tokens and
+    the one emitted after them)."""
     head = loaded.head
     with torch.no_grad():
         hidden = target(torch.tensor([history]), output_hidden_states=True).hidden_states
     features = head.fuse(torch.cat([hidden[layer][0] for layer in loaded.aux_layers], dim=-1))[:-1]
     tokens, drafted = list(history), []
     with torch.no_grad():
-        for _ in range(num_tokens):
+        for index in range(len(forced) + num_tokens):
             step = head.step(torch.tensor(tokens[1:]), features, 0)
-            best = int(head.draft_to_target[step.logits[-1].argmax()])
-            drafted.append(best)
+            best = forced[index] if index < len(forced) else int(head.draft_to_target[step.logits[-1].argmax()])
+            drafted += [] if index < len(forced) else [best]
             tokens.append(best)
             features = torch.cat([features, step.prenorm[-1:]])
     return drafted
@@ -474,6 +476,38 @@ def test_a_head_exported_with_a_reduced_vocabulary_scores_its_tokens_as_the_whol
     assert torch.allclose(scores[:, ids], expected[:, ids], atol=1e-5)
     outside = torch.ones(SMALL_VOCAB, dtype=torch.bool).index_fill_(0, ids, False)
     assert torch.isneginf(scores[:, outside]).all()
+
+
+def test_a_pre_draft_continues_the_heads_block_on_its_own_features_as_eagle3_drafts(small):
+    """A pre-draft for an outcome of verifying the head's block (decoding.speculation_cache): the
+    entries of the kept block tokens are the block's own, drafted from the head's own features,
+    and the emitted token's entry reads the feature the block's step before it produced (the
+    target's are not computed yet). Each outcome's greedy block equals drafting from scratch with
+    the outcome's tokens fed as drafted ones; a history that does not continue the block makes
+    nothing; adopt hands the used branch's block to its request."""
+    target, loaded = small
+    engine = engine_for_model(target, aux_layers=loaded.aux_layers)
+    proposer = Eagle3Proposer(loaded)
+    greedy = SamplingParams(temperature=0)
+    history = SAMPLED_PROMPT + [7, 30, 2, 9]
+    _, (features,) = engine.forward_batch_with_features([ForwardCall("s", history)], [0])
+    proposer.observe("s", features)
+    block = proposer.propose_batch([ProposeCall("s", history, 4, greedy, num_candidates=2)])[0].token_ids
+    assert block == head_from_scratch(loaded, target, history, 4)
+    other = next(token for token in range(2, SMALL_VOCAB) if token not in block)
+    outcomes = [[other], block[:2] + [other], block]        # rejected first; rejected third; all kept (bonus)
+    for index, outcome in enumerate(outcomes):
+        assert proposer.fork("s", f"b{index}", history + outcome)
+        drafted = proposer.propose_batch([ProposeCall(f"b{index}", history + outcome, 3, greedy,
+                                                      num_candidates=2)])[0].token_ids
+        assert drafted == head_from_scratch(loaded, target, history, 3, outcome), outcome
+    assert not proposer.fork("s", "x", history[:-1] + [other] + block[:1])     # not the committed history
+    assert not proposer.fork("s", "x", history + [other, other])               # two tokens after a rejection
+    assert "x" not in proposer.sequences
+    branch_block = proposer.sequences["b1"].block
+    assert branch_block.history == tuple(history + outcomes[1])
+    proposer.adopt("s", "b1")
+    assert proposer.sequences["s"].block is branch_block and "b1" not in proposer.sequences
 
 
 def test_a_head_without_the_targets_features_says_which_positions_it_needs(small):

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from specserve.decoding.proposers import DraftOdds
-from specserve.policies.fan_out import (ACCEPT_BINS, OutcomeCalibration, accept_odds, recovered_order,
-                                        share_fan_out)
+from specserve.policies.fan_out import (ACCEPT_BINS, OutcomeCalibration, accept_odds, may_predraft,
+                                        recovered_order, share_fan_out)
 
 BLOCK = [10, 11, 12]
 CANDIDATES = [[10, 20, 21, 22], [30, 11, 31, 32], [12, 40, 41, 42]]
@@ -74,3 +74,11 @@ def test_a_round_that_ended_the_request_teaches_nothing_about_the_position_it_st
     calibration.observe(BLOCK, CANDIDATES, [greedy_odds(0.95)] * 3, [10], [])
     index = ACCEPT_BINS - 1
     assert calibration.seen[index] == seen[index] + 1   # d1 kept; d2 never verified
+
+
+def test_a_head_pre_drafts_for_every_request_but_a_seeded_sampled_one_and_n_grams_never():
+    """A head's hit block is not the block drafting just in time would draw (it reads the head's
+    own features): a seeded sampled request must not depend on which a round used."""
+    assert may_predraft("draft", seeded_sampled=True) and may_predraft("draft", seeded_sampled=False)
+    assert may_predraft("eagle3", seeded_sampled=False) and not may_predraft("eagle3", seeded_sampled=True)
+    assert not may_predraft("ngram", seeded_sampled=False) and not may_predraft("none", seeded_sampled=False)

@@ -32,8 +32,9 @@ from specserve.deployments.committed_history import HistorySender, RunningDigest
 from specserve.deployments.draft_worker import DraftEngine
 from specserve.deployments.target_worker import TargetEngine
 from tests.test_engines import options, spec
-from tests.test_generate import null_tv_bound, perturbed_copy, tiny_llama
+from tests.test_generate import VOCAB_SIZE, null_tv_bound, perturbed_copy, tiny_llama
 from tests.test_serving_statistics import chi_square_p_value, total_variation
+from tests.eagle3_fixtures import build_eagle3_head
 from tests.tiny_pair import make_tiny_pair
 
 PROMPTS = [[5, 17, 42, 8, 3, 33], [60, 2, 2, 9, 14, 27, 50, 11, 7], [12, 40, 21, 40, 21]]
@@ -42,6 +43,7 @@ PROMPTS = [[5, 17, 42, 8, 3, 33], [60, 2, 2, 9, 14, 27, 50, 11, 7], [12, 40, 21,
 SHARED_PROMPT = (PROMPTS[1] + PROMPTS[2]) * 2 + PROMPTS[0]   # 34 tokens, ending as PROMPTS[0]
 NUM_DRAFT = 3
 DISTANT_NOISE = 0.02
+HEAD_LAYERS = [0, 1, 1]   # the tiny target's layers an EAGLE-3 look-alike head reads
 # The joint test: 4 output tokens (the prefill's, then speculative rounds of K = 2), top-k 3, so the
 # joint has 81 cells; each round's fan-out is drawn (seeded) from these, for hits and misses.
 JOINT_TOKENS, JOINT_K, JOINT_TOP_K, NUM_REQUESTS, CONCURRENCY = 4, 2, 3, 2000, 100
@@ -79,22 +81,27 @@ async def decode(draft: DraftEngine, target: TargetEngine, state: RequestState, 
                  predraft_depths=lambda round_index: 0) -> list[bool]:
     """A request's rounds as the router runs them (engines keep the committed history); the depth
     of each round num_draft (or num_draft(round)), its fan-out fan_outs(round), its pre-drafts'
-    depth predraft_depths(round) (0: the round's). -> per round after the first, whether it was a hit."""
+    depth predraft_depths(round) (0: the round's); a target serving an EAGLE-3 head answers its
+    features, carried to the draft engine with the next propose as the router does
+    (deployments.request_engines). -> per round after the first, whether it was a hit."""
     digest = RunningDigest()
     to_draft, to_target = HistorySender(digest), HistorySender(digest)
     params, seed = state.params, draft_seed(state.params.seed)
-    rows, _ = await target.verify(state.request_id, to_target.update(state), None, params, state.next_output_index)
+    rows, span = await target.verify(state.request_id, to_target.update(state), None, params, state.next_output_index)
     accept_round(state, Proposal([], None), rows)
+    features = span.features
     hits, round_index = [], 0
     while not state.finished:
         depth = num_draft(round_index) if callable(num_draft) else num_draft
+        committed = None if features is None else features.before(len(state.history) - 1)
         proposal, _ = await draft.propose(state.request_id, to_draft.update(state), depth, params, seed,
-                                          len(state.prompt_ids), fan_outs(round_index), None,
+                                          len(state.prompt_ids), fan_outs(round_index), committed,
                                           predraft_depths(round_index))
         if round_index:
             hits.append(proposal.cached)
-        rows, _ = await target.verify(state.request_id, to_target.update(state), proposal, params,
-                                      state.next_output_index)
+        rows, span = await target.verify(state.request_id, to_target.update(state), proposal, params,
+                                         state.next_output_index)
+        features = span.features
         accept_round(state, proposal, rows)
         round_index += 1
     await draft.release(state.request_id)
@@ -121,17 +128,18 @@ def test_a_forked_branch_shares_blocks_and_neither_sequence_sees_the_others_toke
     assert engine.kv_usage()["kv_blocks_used"] == 0 and engine.blocks.active_sequences() == []
 
 
-def test_greedy_rounds_hit_the_speculation_cache_and_equal_the_targets_greedy_output(distant_pair):
-    target_path, _ = distant_pair
+def greedy_rounds_with_predrafts(engines, target_path, fan_out: tuple[int, ...]) -> DraftEngine:
+    """Every prompt decoded greedily at once on engines() (-> draft, target), each round
+    pre-drafting fan_out's outcomes: the texts are the target's own greedy texts and rounds both
+    hit and miss. -> the draft engine, its requests released."""
     reference = Scheduler(BatchedModelRunner(str(target_path)))
     params = SamplingParams(temperature=0, max_tokens=40)
 
     async def scenario():
-        draft, target = new_engines(distant_pair, len(PROMPTS))
+        draft, target = engines()
         states = [RequestState(f"g{i}", list(prompt), params, eos_token_id=None, max_context=256)
                   for i, prompt in enumerate(PROMPTS)]
-        hits = await asyncio.gather(*[decode(draft, target, state, NUM_DRAFT, lambda _: (1, 1, 0, 1))
-                                      for state in states])
+        hits = await asyncio.gather(*[decode(draft, target, state, NUM_DRAFT, lambda _: fan_out) for state in states])
         await draft.loop.between_iterations()
         return states, hits, draft
 
@@ -142,8 +150,41 @@ def test_greedy_rounds_hit_the_speculation_cache_and_equal_the_targets_greedy_ou
         assert state.output_ids == expected.output_ids
     every = [hit for request in hits for hit in request]
     assert 0 < sum(every) < len(every), "both hits and misses must happen"
-    assert draft.scheduler.blocks.active_sequences() == [] and draft.scheduler.kv_usage()["kv_blocks_used"] == 0
     assert draft.speculation == {}
+    return draft
+
+
+def test_greedy_rounds_hit_the_speculation_cache_and_equal_the_targets_greedy_output(distant_pair):
+    draft = greedy_rounds_with_predrafts(lambda: new_engines(distant_pair, len(PROMPTS)), distant_pair[0],
+                                         (1, 1, 0, 1))
+    assert draft.scheduler.blocks.active_sequences() == [] and draft.scheduler.kv_usage()["kv_blocks_used"] == 0
+
+
+@pytest.fixture(scope="module")
+def head_pair(distant_pair, tmp_path_factory):
+    """The distant pair's target and an EAGLE-3 look-alike head for it (random weights over the
+    whole vocabulary: its blocks are often rejected, its pre-drafts sometimes hit)."""
+    target_path, _ = distant_pair
+    head = build_eagle3_head(target_path, tmp_path_factory.mktemp("head") / "head", "speculators",
+                             draft_vocab=VOCAB_SIZE, aux_layers=HEAD_LAYERS)
+    return target_path, head
+
+
+def head_engines(head_pair, max_sequences: int) -> tuple[DraftEngine, TargetEngine]:
+    """An EAGLE-3 head's draft engine and its target's engine computing the head's layers."""
+    target_path, head = head_pair
+    batching = options(max_batch_rows=8 * max_sequences, prefill_token_budget=16 * max_sequences)
+    return (DraftEngine("eagle3", {**spec(head, 8 * max_sequences), "target_path": str(target_path)},
+                        str(target_path), batching),
+            TargetEngine({**spec(target_path, max_sequences), "aux_layers": HEAD_LAYERS}, batching))
+
+
+def test_greedy_rounds_with_an_eagle3_head_pre_draft_and_equal_the_targets_greedy_output(head_pair):
+    """The speculation cache with an EAGLE-3 head: each block's outcomes are pre-drafted from the
+    head's own features (Eagle3Proposer.fork), rounds hit and miss, the text is the target's own
+    greedy text, and no head state is left once the requests are released."""
+    draft = greedy_rounds_with_predrafts(lambda: head_engines(head_pair, len(PROMPTS)), head_pair[0], (2, 1, 0, 1))
+    assert draft.proposer.sequences == {}
 
 
 def test_a_round_deeper_than_the_last_hits_only_where_the_last_pre_drafted_that_deep(distant_pair):
@@ -256,17 +297,25 @@ def exact_joint(target_path, prompt: list[int], params: SamplingParams) -> dict[
     return {cell: probability / total for cell, probability in joint.items()}
 
 
-def sample_joint(pair, params: SamplingParams, seeds: range) -> tuple[list[tuple[int, ...]], int, int, int]:
+def saguaro_engines(pair, max_sequences: int) -> tuple[DraftEngine, TargetEngine]:
+    """The draft model's engines, its sampled rows lowered by Saguaro sampling as the joint test sets it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(proposer_registry, "SAGUARO_LOWERED", JOINT_LOWERED)
+        draft, target = new_engines(pair, max_sequences, saguaro_downweight=JOINT_DOWNWEIGHT)
+    assert draft.proposer.saguaro == SaguaroSampling(JOINT_LOWERED, JOINT_DOWNWEIGHT)
+    return draft, target
+
+
+def sample_joint(pair, params: SamplingParams, seeds: range, engines=saguaro_engines
+                 ) -> tuple[list[tuple[int, ...]], int, int, int]:
     """Outputs of seeded requests of SHARED_PROMPT decoded with speculation and the speculation
-    cache; hits, misses, and the prompt tokens the target found in its prefix cache."""
+    cache on engines(pair, concurrency); hits, misses, and the prompt tokens the target found in
+    its prefix cache."""
     rounds = torch.Generator().manual_seed(7)   # which fan-out each round gets
     choices = torch.randint(len(FAN_OUTS), (len(seeds), JOINT_TOKENS), generator=rounds).tolist()
 
     async def scenario():
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(proposer_registry, "SAGUARO_LOWERED", JOINT_LOWERED)
-            draft, target = new_engines(pair, CONCURRENCY, saguaro_downweight=JOINT_DOWNWEIGHT)
-        assert draft.proposer.saguaro == SaguaroSampling(JOINT_LOWERED, JOINT_DOWNWEIGHT)
+        draft, target = engines(pair, CONCURRENCY)
         outputs, hits = [], []
         for start in range(0, len(seeds), CONCURRENCY):
             states = [RequestState(f"s{seed}", list(SHARED_PROMPT), params.model_copy(update={"seed": seed}),
@@ -308,6 +357,19 @@ def test_sampled_rounds_with_hits_and_misses_follow_the_targets_exact_joint(dist
     outputs, hits, misses, prefix_hits = sample_joint(distant_pair, params, range(NUM_REQUESTS))
     assert hits > 0.15 * (hits + misses) and misses > 0.15 * (hits + misses), (hits, misses)
     assert prefix_hits >= (NUM_REQUESTS - CONCURRENCY) * 32   # the prompt's two full blocks, cached
+    p_value, tv = fit(outputs, joint)
+    assert p_value > P_VALUE_FLOOR and tv < tv_bound, (p_value, tv, tv_bound)
+
+
+@pytest.mark.slow   # in make reliability: 2,000 requests through the head's engines take a minute and more
+def test_sampled_rounds_with_an_eagle3_heads_pre_drafts_follow_the_targets_exact_joint(head_pair, joint_case):
+    """The same joint test with an EAGLE-3 head drafting: its pre-drafts are drawn from the head's
+    own features (Eagle3Proposer.fork), where drafting then reads the target's, so a hit's block
+    is not the one drafting then would draw; each is verified against the q it was drawn from,
+    and the joint must still be the target's."""
+    params, joint, tv_bound = joint_case
+    outputs, hits, misses, _ = sample_joint(head_pair, params, range(NUM_REQUESTS), head_engines)
+    assert hits > 0.05 * (hits + misses) and misses > 0.15 * (hits + misses), (hits, misses)
     p_value, tv = fit(outputs, joint)
     assert p_value > P_VALUE_FLOOR and tv < tv_bound, (p_value, tv, tv_bound)
 
