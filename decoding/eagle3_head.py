@@ -10,8 +10,9 @@ a draft -> target id map (`d2t`) says which target token each row is. vLLM's and
 The head's step for one sequence: rows (feature, token) at positions p, p+1, ... each attend to
 the head's earlier entries of that sequence and to each other causally; each row's output is the
 next token's scores and the pre-norm hidden state that feeds the head's next step when the
-target's feature is not known yet (a drafted position). Keys and values are returned, not kept:
-the proposer (decoding.eagle3_proposer) owns each sequence's entries and crops them on rollback.
+target's feature is not known yet (a drafted position). Keys and values go to the caller's
+HeadKV: the proposer (decoding.eagle3_proposer) owns each sequence's entries and crops them on
+rollback.
 """
 
 from __future__ import annotations
@@ -127,7 +128,9 @@ class Eagle3Head(nn.Module):
         """Rows t = 0..T-1 of one sequence at positions start..start+T-1: token_ids [T] (the token
         AFTER each row's feature's position), features [T, hidden] (fused target features or the
         head's own prenorm). The rows' keys and values are written to kv (a fresh one if None) at
-        their positions; each row attends to the entries before start and to rows <= t."""
+        their positions; each row attends to the entries before start and to rows <= t. Every
+        row's output: the reference drafting from scratch is (the proposer drafts with
+        step_sequences, which answers each sequence's last row)."""
         kv = self.new_kv() if kv is None else kv
         length = token_ids.shape[0]
         q, k, v, residual = self._projected(token_ids, features,
@@ -196,7 +199,9 @@ class Eagle3Head(nn.Module):
         if length > 1:   # row t sees every past entry and the new rows up to itself
             last_seen = (torch.arange(length, device=q.device) + entries - length).repeat(groups)
             scores = scores.masked_fill(torch.arange(entries, device=q.device) > last_seen[:, None], float("-inf"))
-        return torch.matmul(scores.softmax(-1), all_values).view(heads, length, head_dim)
+        # the softmax in float32 whatever the head's dtype, as transformers' eager attention does
+        weights = scores.softmax(-1, dtype=torch.float32).to(all_values.dtype)
+        return torch.matmul(weights, all_values).view(heads, length, head_dim)
 
     def _output(self, attended: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention output [heads, T, head_dim] and residual [T, hidden] -> (scores over the
