@@ -720,7 +720,7 @@ def check_eagle3_head(section: Section, target, plan: Plan, prompt: list[int], w
     hidden_states, and greedy output with the head drafting must equal target-only."""
     from specserve.decoding.eagle3_checkpoint import LoadedHead, default_aux_layers
     from specserve.decoding.eagle3_proposer import Eagle3Proposer
-    from specserve.training.train_eagle3 import new_head
+    from specserve.training.train_eagle3 import new_head, target_features
 
     layers = default_aux_layers(target.config.num_hidden_layers)
     head = new_head(target, layers).to(next(target.parameters()).device).eval()
@@ -732,9 +732,8 @@ def check_eagle3_head(section: Section, target, plan: Plan, prompt: list[int], w
     history = shared + random_ids(3, plan.target["vocab_size"], 701)
     _, (features,) = runner.forward_batch_with_features([ForwardCall("hit", history)], [0])
     cached = runner.blocks.prefix_cached_tokens("hit")
-    with torch.no_grad():
-        hidden = target(torch.tensor([history], device=features.hidden.device), output_hidden_states=True).hidden_states
-    error = relative_error(features.hidden, torch.cat([hidden[layer][0] for layer in layers], dim=-1))
+    expected, _ = target_features(target, torch.tensor([history], device=features.hidden.device), layers)
+    error = relative_error(features.hidden, expected[0])
     release(runner, ["first", "hit"])
     state = greedy_state("head", prompt, plan.greedy_tokens, context)
     rounds = len(list(generate(runner, state, Eagle3Proposer(loaded), NUM_DRAFT_TOKENS)))

@@ -111,6 +111,13 @@ def merged_features(older: TargetFeatures | None, newer: TargetFeatures | None) 
     return older.followed_by(newer)
 
 
+def features_start(history: Sequence[int], answered: bool) -> int:
+    """Where the target's features a request's head lacks start, for a forward over history (its
+    committed tokens): its last committed token's position once earlier features were answered;
+    else 0, the prompt's every position (those a prefix-cache hit reused too)."""
+    return len(history) - 1 if answered else 0
+
+
 class UnsupportedModelError(ValueError):
     """The model is not a decoder whose every layer attends through transformers' attention
     interface, so the paged engine cannot serve it (raised at load, naming what is unsupported)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from specserve.decoding.batched_runner import features_start
 from specserve.decoding.grammar import GrammarDeadEndError, GrammarMatcher, GrammarMatchers
 from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.proposers import ProposeCall, Proposer, empty_proposal, reads_target_features
@@ -45,7 +46,7 @@ def generate(target: Any, state: RequestState, proposer: Proposer | None = None,
             num_drafted = len(proposal.token_ids)
             logits = _target_forward(target, [ForwardCall(state.request_id, history + proposal.token_ids,
                                                           num_drafted + 1)], proposer if with_features else None,
-                                     [features_from(history, prefilled)])[0]
+                                     [features_start(history, prefilled)])[0]
             grammar = _target_grammar(state, grammars)
             rows = target_rows(logits, params, state.eos_token_id, state.next_output_index,
                                history + proposal.token_ids, grammar)
@@ -60,12 +61,6 @@ def generate(target: Any, state: RequestState, proposer: Proposer | None = None,
             grammars.release(state.request_id)
         if proposer is not None:
             proposer.release(state.request_id)
-
-
-def features_from(history: list[int], prefilled: bool) -> int:
-    """Where the target's features a head lacks start: its last committed token's position (the
-    first forward's: 0, the prompt's every position, those a prefix-cache hit reused too)."""
-    return len(history) - 1 if prefilled else 0
 
 
 def _target_forward(target: Any, calls: list[ForwardCall], feature_reader: Any, starts: list[int]) -> list:
@@ -113,7 +108,7 @@ def generate_batch(target: Any, states: Sequence[RequestState], proposer: Propos
             proposals = proposer.propose_batch(calls) if speculate else [empty_proposal() for _ in running]
             logits = _target_forward(target, [ForwardCall(s.request_id, s.history + p.token_ids, len(p.token_ids) + 1)
                                               for s, p in zip(running, proposals)], feature_reader,
-                                     [features_from(s.history, s.request_id in prefilled) for s in running])
+                                     [features_start(s.history, s.request_id in prefilled) for s in running])
             # As the target engine: every request's rows processed in one batched pass, answered together.
             row_calls = []
             for state, proposal, rows in zip(running, proposals, logits):

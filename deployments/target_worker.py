@@ -21,7 +21,7 @@ import torch
 from ray import serve
 
 from specserve.common.messages import CallSpan, HistoryUpdate, UnknownHistory
-from specserve.decoding.batched_runner import TargetFeatures, load_runner
+from specserve.decoding.batched_runner import TargetFeatures, features_start, load_runner
 from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.capture import top_rows
 from specserve.decoding.grammar import GrammarDeadEndError, GrammarMatcher, GrammarMatchers
@@ -102,7 +102,7 @@ class TargetEngine(EngineCore):
         if isinstance(committed, UnknownHistory):
             return committed
         if self.reads_features and features_from is None:
-            features_from = len(committed) - 1 if seq_id in self.features_answered else 0
+            features_from = features_start(committed, seq_id in self.features_answered)
         token_ids = committed + list(proposal.token_ids)
         num_rows = len(token_ids) if prompt_logprobs is not None else len(proposal.token_ids) + 1
         rows, span = await self.submit(VerifyCall(seq_id, token_ids, num_rows, params, first_output_index,

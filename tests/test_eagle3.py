@@ -148,6 +148,8 @@ def test_a_prefix_cache_hit_answers_the_features_of_the_positions_it_reuses(llam
     blocks' written by another sequence's forward, a copy-on-write block's copied with its keys)
     equal transformers' hidden_states over its own history; without them a head could not make
     its entries for the reused positions."""
+    from specserve.training.train_eagle3 import target_features
+
     _, target, _ = llama3
     layers = (1, 0, 1)
     engine = engine_for_model(target, aux_layers=layers, lean_forward=lean_forward)
@@ -160,9 +162,7 @@ def test_a_prefix_cache_hit_answers_the_features_of_the_positions_it_reuses(llam
     _, (cropped,) = engine.forward_batch_with_features([ForwardCall("first", shared[:20] + [5, 6])], [0])
     assert engine.blocks.table("first", 0)[1] != engine.blocks.table("suffix", 0)[1]
     for history, features in ((shared + [44, 1, 6], suffix), (shared[:20] + [5, 6], cropped)):
-        with torch.no_grad():
-            hidden = target(torch.tensor([history]), output_hidden_states=True).hidden_states
-        expected = torch.cat([hidden[layer][0] for layer in layers], dim=-1)
+        expected = target_features(target, torch.tensor([history]), layers)[0][0]
         assert features.start == 0 and features.hidden.shape == expected.shape
         assert torch.allclose(features.hidden, expected, atol=1e-5)
 
