@@ -120,6 +120,7 @@ def test_a_redeploy_with_new_settings_reaches_the_running_policy_actor(cluster):
         kill_policy_actor(first.actor_name)
 
 
+@pytest.mark.slow   # make reliability: two trainers' start-ups take a third of a minute
 def test_a_redeploy_with_a_new_draft_replaces_the_draft_trainer(cluster):
     """A trainer built for the old draft would offer versions of it to engines serving the new
     one: the lookup with the new config makes the old trainer exit and a new one take over; the

@@ -23,7 +23,7 @@ from specserve.cluster.builder import APP_NAME
 from tests.local_server import serve_tiny_pair
 from tests.test_serving import MODEL, PROMPTS
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]   # make reliability: a server of its own costs a minute
 MAX_ACTIVE, MAX_QUEUED = 3, 3
 
 

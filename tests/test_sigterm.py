@@ -20,7 +20,7 @@ import pytest
 
 from tests.local_server import free_port
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]   # make reliability: a whole CLI start costs a minute
 
 
 def _session_processes(session_id: int) -> list[psutil.Process]:
