@@ -23,6 +23,8 @@ Variants (`--variants`):
 - any variant with `-2routers`: the same with two router replicas, e.g. `k4,k4-2routers`
 - any variant with `-intervalN`: the same with `http.stream_interval_ms` N (a stream's rounds merged
   into one chunk per N ms), e.g. `k4,k4-interval50`
+- any variant with `-stepsN`: the same with `speculation.target_only_steps` N (tokens a round
+  without a block decodes in the target), e.g. `target-only-steps1,target-only`
 
 `--null-forward A` serves every variant's engines with null forwards (decoding/null_forward.py):
 no model is computed, the target follows a hashed rule and the draft agrees with it at rate A, so
@@ -63,8 +65,9 @@ VARIANTS = ["specserve", "target-only", "specserve-unbatched", "target-only-unba
 def variant_config(base: SpecServeConfig, variant: str, num_draft_tokens: int, port: int,
                    null_forward: float | None = None) -> SpecServeConfig:
     """The config of one variant: same models and limits, speculation and batching as named; a
-    "-token" one with token-wise verification, a "-2routers" one with two router replicas, an
-    "-intervalN" one (the last suffix) streaming a chunk per N ms.
+    "-token" one with token-wise verification, a "-2routers" one with two router replicas, a
+    "-stepsN" one decoding N tokens a target-only round, an "-intervalN" one (the last suffix)
+    streaming a chunk per N ms.
     null_forward: the engines' forwards are null, the draft agreeing with the target at this rate."""
     data = base.model_dump(mode="json")
     data["http"] = {"host": "127.0.0.1", "port": port}
@@ -76,6 +79,9 @@ def variant_config(base: SpecServeConfig, variant: str, num_draft_tokens: int, p
     variant, _, interval = variant.partition("-interval")
     if interval:
         data["http"]["stream_interval_ms"] = float(interval)
+    variant, _, steps = variant.partition("-steps")
+    if steps:
+        spec["target_only_steps"] = int(steps)
     if variant.endswith("-2routers"):
         data["router"] = {**data["router"], "num_replicas": 2}
         variant = variant.removesuffix("-2routers")
@@ -364,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
         print(render_markdown(combined))
         return
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = sorted({v.partition("-interval")[0].removesuffix("-2routers").removesuffix("-plain")
+    unknown = sorted({v.partition("-interval")[0].partition("-steps")[0].removesuffix("-2routers").removesuffix("-plain")
                       .removesuffix("-unmeasured").removesuffix("-token") for v in variants} - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {VARIANTS}")

@@ -163,6 +163,12 @@ class SpeculationSpec(_Strict):
                              "row's most likely tokens (fewer where the request's top-k / top-p cut it shorter); "
                              "that q goes to the target as (ids, probs), so a round moves O(K) numbers, not [K, V] "
                              "rows. Exact for any value; a larger one accepts a little more and moves more bytes")
+    target_only_steps: int = Field(4, ge=1, le=64, description="a round without a draft block (target-only: "
+                                   "no proposer, a lost draft, or K chosen 0 under load) decodes up to this many "
+                                   "tokens in the target engine before it answers, as vLLM's multi-step scheduling "
+                                   "does: the router, the channel and the stream pay once for them, and tokens "
+                                   "stream in chunks of this many. The same tokens either way (greedy and seeded); "
+                                   "1: one token a round")
     verification: Literal["block", "token"] = Field(
         "block", description="how a sampled request's draft-model block is verified: jointly (block verification, "
         "docs/block-verification.md) or token by token; greedy requests and n-gram drafts are always token-wise")

@@ -77,6 +77,17 @@ class UnknownHistory:
 
 
 @dataclass(frozen=True)
+class DecodedSteps:
+    """A target-only round's answer when the target decoded several tokens in it, each step from
+    the token the step before drew: one verify answer per step, in order, exactly as that many
+    rounds without a block would have answered (the same rows, the same draws from the request's
+    stream). The router commits them in order and stops where the request finishes; the target
+    stops early at a token that ends every request (EOS, a stop id)."""
+
+    answers: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
 class UnknownFeatures:
     """A draft engine's answer to a propose, instead of a block, when its EAGLE-3 head lacks the
     target's features from position `start` on (a replacement engine, or one that restarted): the

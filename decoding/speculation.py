@@ -284,11 +284,24 @@ class LogprobEntries:
             [] if top is None else top.indices.tolist(), [] if top is None else top.values.tolist(),
             [{int(token): float(rows[i, int(token)]) for token in tokens} for i, tokens in enumerate(may_commit)])
 
+    @staticmethod
+    def joined(parts: Sequence["LogprobEntries"]) -> "LogprobEntries":
+        """Consecutive verifies' entries as one (a target-only round's steps), row after row."""
+        return LogprobEntries([row for part in parts for row in part.top_ids],
+                              [row for part in parts for row in part.top_logprobs],
+                              [row for part in parts for row in part.may_commit])
+
     def entries(self, token_ids: Sequence[int]) -> list[dict]:
         """Per committed token (token i from row i): its log-probability and the top pairs."""
         return [{"token_id": int(token), "logprob": self.may_commit[i][int(token)],
                  "top": list(zip(self.top_ids[i], self.top_logprobs[i])) if self.top_ids else []}
                 for i, token in enumerate(token_ids)]
+
+
+def target_token(answer: TargetNumbers | Sequence[int]) -> int:
+    """The token an answer to a verify without a block commits: the target's argmax (greedy) or
+    its bonus draw (sampled), as accept_round commits it."""
+    return int(answer.bonus) if isinstance(answer, TargetNumbers) else int(answer[0])
 
 
 def tokens_each_row_may_commit(proposal: Proposal, answer: TargetNumbers | Sequence[int]) -> list[list[int]]:

@@ -129,10 +129,11 @@ class RequestEngines:
         return reply
 
     async def verify(self, state: RequestState, proposal: Proposal | None = None, prompt_logprobs: int | None = None,
-                     capture_top_k: int | None = None) -> tuple[Any, EngineCall]:
+                     capture_top_k: int | None = None, steps: int = 1) -> tuple[Any, EngineCall]:
         """One target forward over proposal's block (and its q; none: a prefill) -> (rows, the
         call's timing). prompt_logprobs: a prefill that also returns the prompt's log-probabilities;
-        capture_top_k: a round captured for online training (TargetEngine.verify).
+        capture_top_k: a round captured for online training; steps: a round without a block may
+        decode up to this many tokens, answered as DecodedSteps (TargetEngine.verify).
 
         On a lost engine, ask Serve for one again until TARGET_RECOVERY_S passes: another
         replica's engine, or the replacement Serve starts once the dead replica fails its health
@@ -148,7 +149,7 @@ class RequestEngines:
                 reply = await self._call(self.target, "verify", state.request_id, self.target_history.update(state),
                                          proposal if proposal and proposal.token_ids else None, state.params,
                                          state.next_output_index, prompt_logprobs, capture_top_k, self.verification,
-                                         features_from)
+                                         features_from, steps)
                 if isinstance(reply, UnknownHistory):
                     if resent_history:
                         raise RuntimeError(f"target engine refused {state.request_id}'s whole history")

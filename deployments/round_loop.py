@@ -20,10 +20,11 @@ import time
 from collections.abc import Callable
 
 from specserve.common.config import SpeculationSpec
+from specserve.common.messages import DecodedSteps
 from specserve.decoding.capture import captured_block
 from specserve.decoding.proposers import Proposal
 from specserve.decoding.sequence import RequestState
-from specserve.decoding.speculation import accept_round
+from specserve.decoding.speculation import LogprobEntries, accept_round
 from specserve.deployments.request_engines import ENGINE_ERRORS, RequestEngines
 from specserve.deployments.round_record import RoundObserver, RoundRecord
 from specserve.deployments.round_stages import EngineCall, RoundStages
@@ -100,15 +101,15 @@ class RoundLoop:
                 state.stats.draft_failures += 1
                 engines.lose_draft()
         stages.mark("proposed")
-        rows, verify = await engines.verify(state, proposal, capture_top_k=capture_k)
+        steps = 1 if proposal.token_ids else self._target_only_steps()
+        rows, verify = await engines.verify(state, proposal, capture_top_k=capture_k, steps=steps)
         top, context = None, None
         if capture_k is not None:  # the target also answered its top-k at the block's positions
             rows, top = rows
             context = state.history
         stages.target = verify
-        accepted_before = state.stats.num_accepted
-        rows, logprob_rows = split_logprobs(state, rows)
-        committed = accept_round(state, proposal, rows, self.speculation.verification)
+        accepted_before, passes_before = state.stats.num_accepted, state.stats.target_passes
+        committed, logprob_rows = self._commit(proposal, rows.answers if isinstance(rows, DecodedSteps) else (rows,))
         num_accepted = state.stats.num_accepted - accepted_before
         if proposal.token_ids:
             count_round_positions(state.draft_reached, state.draft_accepted_at, len(proposal.token_ids), num_accepted)
@@ -118,6 +119,7 @@ class RoundLoop:
         self.observer.round(RoundRecord(
             request_class=request_class(state), num_drafted=len(proposal.token_ids), num_accepted=num_accepted,
             wall_s=time.perf_counter() - round_started, draft_s=draft_s, target_s=verify.engine_s,
+            target_passes=state.stats.target_passes - passes_before,
             hops_s=draft_hops_s + verify.hops_s, alone=started_alone and self.num_active() == 1,
             draft_calls=tuple(draft_calls), draft_version=proposal.draft_version,
             captured=captured, predrafting=self.predrafted if proposal.token_ids and
@@ -127,6 +129,28 @@ class RoundLoop:
         stages.mark("chunked")
         if stages.enabled:
             self.observer.round_stages(stages.stages())
+
+    def _target_only_steps(self) -> int:
+        """Tokens a round without a block may decode in the target at once: the configured
+        number, but none past max_tokens or the model's context."""
+        state = self.state
+        room = min(state.params.max_tokens - len(state.output_ids),
+                   state.max_context - len(state.prompt_ids) - len(state.output_ids))
+        return max(1, min(self.speculation.target_only_steps, room))
+
+    def _commit(self, proposal: Proposal, answers: tuple) -> tuple[list[int], LogprobEntries | None]:
+        """Commit a round's answers in order (one; or a target-only round's steps, until the
+        request finishes) -> the tokens committed and, for a logprobs request, their entries."""
+        committed, entries = [], []
+        for answer in answers:
+            rows, logprob_rows = split_logprobs(self.state, answer)
+            committed += accept_round(self.state, proposal, rows, self.speculation.verification)
+            entries.append(logprob_rows)
+            if self.state.finished:
+                break
+        if entries[0] is None:
+            return committed, None
+        return committed, entries[0] if len(entries) == 1 else LogprobEntries.joined(entries)
 
     async def _propose(self, num_draft: int, stages: RoundStages, draft_calls: list[tuple[float, int]]
                        ) -> tuple[Proposal, float, float]:

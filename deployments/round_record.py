@@ -34,6 +34,7 @@ class RoundRecord:
     draft_calls: tuple[tuple[float, int], ...] = ()  # (engine seconds, tokens) of drafting calls answered
     draft_version: int = 0         # the draft weights that drafted the block
     captured: CapturedBlock | None = None  # the target's top-k at the block, on a captured round
+    target_passes: int = 1         # target forwards it committed from (a target-only round's steps)
     # A steady round for the fan-out's payoff (policies.fan_out.FanOutPayoff): True, it pre-drafted
     # and so did the round before; False, neither did; None, the fan-out changed between them (or
     # it is the request's first round).
@@ -105,7 +106,7 @@ class RoundObserver:
         for engine_s, num_tokens in record.draft_calls:
             self.chooser.observe_draft(engine_s, num_tokens)
         self.chooser.observe_round(record.request_class, record.num_drafted, record.num_accepted, record.wall_s,
-                                   record.target_s, record.overhead_s, record.alone)
+                                   record.target_s / max(1, record.target_passes), record.overhead_s, record.alone)
         if record.predrafting is not None and record.num_drafted:
             self.chooser.observe_fan_out_round(record.request_class, record.num_drafted, record.predrafting,
                                                record.wall_s)

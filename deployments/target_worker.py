@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 from ray import serve
 
-from specserve.common.messages import CallSpan, HistoryUpdate, UnknownHistory
+from specserve.common.messages import CallSpan, DecodedSteps, HistoryUpdate, UnknownHistory
 from specserve.decoding.batched_runner import TargetFeatures, features_start, load_runner
 from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.capture import top_rows
@@ -29,7 +29,8 @@ from specserve.decoding.errors import SequenceStateError
 from specserve.decoding.proposers import Proposal, empty_proposal
 from specserve.decoding.sampling import SamplingParams, make_generator, verify_seed
 from specserve.decoding.scheduler import CallShape, Schedule
-from specserve.decoding.speculation import (LogprobEntries, RowsCall, answer_verifies, token_logprobs,
+from specserve.decoding.sequence import stop_ids
+from specserve.decoding.speculation import (LogprobEntries, RowsCall, answer_verifies, target_token, token_logprobs,
                                             tokens_each_row_may_commit)
 from specserve.deployments.engine_host import EngineCore, EngineHost, StepOutput, timed_forward
 
@@ -79,7 +80,7 @@ class TargetEngine(EngineCore):
     async def verify(self, seq_id: str, history: HistoryUpdate, proposal: Proposal | None, params: SamplingParams,
                      first_output_index: int | None = None, prompt_logprobs: int | None = None,
                      capture_top_k: int | None = None, verification: str = "block",
-                     features_from: int | None = None) -> tuple[object, CallSpan] | UnknownHistory:
+                     features_from: int | None = None, steps: int = 1) -> tuple[object, CallSpan] | UnknownHistory:
         """The target's answer for [last committed token, *proposal's block] (decoding.speculation.
         verify_answer: argmax ids when greedy, else the O(K) numbers the owner verifies the block on,
         drawn with this sequence's own seeded generator), and the span (entered, forward started,
@@ -96,7 +97,9 @@ class TargetEngine(EngineCore):
         every row, k columns each. Only sampled rounds ask, so the others pay nothing.
         verification: the owner's ("block" or "token"), which a sampled answer's residuals follow.
         features_from: serving an EAGLE-3 head, answer the features from this position on (read
-        from the cache, where every forward stores them): a replacement draft engine lacks them."""
+        from the cache, where every forward stores them): a replacement draft engine lacks them.
+        steps: a round without a block may decode up to this many tokens here (`_decode_on`)
+        and answer DecodedSteps."""
         proposal = proposal or empty_proposal()
         committed = self.committed(seq_id, history)
         if isinstance(committed, UnknownHistory):
@@ -105,13 +108,43 @@ class TargetEngine(EngineCore):
             features_from = features_start(committed, seq_id in self.features_answered)
         token_ids = committed + list(proposal.token_ids)
         num_rows = len(token_ids) if prompt_logprobs is not None else len(proposal.token_ids) + 1
-        rows, span = await self.submit(VerifyCall(seq_id, token_ids, num_rows, params, first_output_index,
-                                                  prompt_logprobs, capture_top_k, proposal, verification,
-                                                  features_from if self.reads_features else None))
+        call = VerifyCall(seq_id, token_ids, num_rows, params, first_output_index, prompt_logprobs, capture_top_k,
+                          proposal, verification, features_from if self.reads_features else None)
+        rows, span = await self.submit(call)
+        if steps > 1 and not proposal.token_ids and prompt_logprobs is None and capture_top_k is None \
+                and not self.reads_features:
+            rows, span = await self._decode_on(call, rows, span, steps)
         span = replace(span, cached_tokens=self.scheduler.blocks.prefix_cached_tokens(seq_id),
                        features=self.features.pop(seq_id, None))
         self.call_log.record("verify", seq_id, span)
         return rows, span
+
+    async def _decode_on(self, call: VerifyCall, answer: object, span: CallSpan,
+                         steps: int) -> tuple[DecodedSteps, CallSpan]:
+        """A target-only round's further steps, as vLLM's multi-step scheduling runs them: each
+        feeds the token the step before drew and is batched with every other call like any
+        verify, so the router, the channel and the stream pay once for up to `steps` tokens.
+        The answers are those the same number of plain rounds would get (the same rows, the same
+        draws from the sequence's generator); the router commits them in order and stops where
+        the request ends (a stop string, max_tokens), so a token decoded past that is only work
+        thrown away. Decoding stops here at a token that ends any request. A later step's error
+        ends the round with the answers so far: the next round's first step meets it again and
+        reports it as a plain round does."""
+        answers, ends = [answer], set(stop_ids(self.runner.eos_token_ids if not call.params.ignore_eos else None,
+                                               call.params.stop_token_ids))
+        while len(answers) < steps:
+            token = target_token(answers[-1][0] if call.params.logprobs is not None else answers[-1])
+            if token in ends:
+                break
+            call = replace(call, token_ids=[*call.token_ids, token], first_output_index=None
+                           if call.first_output_index is None else call.first_output_index + 1)
+            try:
+                answer, last = await self.submit(call)
+            except Exception:   # noqa: BLE001: the next round reports it (see above)
+                break
+            answers.append(answer)
+            span = replace(span, left_s=last.left_s)
+        return DecodedSteps(tuple(answers)), span
 
     def shape(self, call: VerifyCall) -> CallShape:
         return CallShape(call.seq_id, call.token_ids, self._rows_wanted(call))

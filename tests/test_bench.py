@@ -361,6 +361,9 @@ def test_load_sweep_variants_compose_their_suffixes():
     assert plain.speculation.fan_out_measured
     unmeasured = variant_config(SpecServeConfig(), "adaptive-unmeasured", 4, 8123)
     assert not unmeasured.speculation.fan_out_measured and unmeasured.speculation.fan_out > 0
+    one_step = variant_config(SpecServeConfig(), "target-only-steps1-interval20", 4, 8123)
+    assert (one_step.speculation.proposer, one_step.speculation.target_only_steps) == ("none", 1)
+    assert one_step.http.stream_interval_ms == 20.0 and plain.speculation.target_only_steps == 4
 
 
 class ClusterStarted(Exception):

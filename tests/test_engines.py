@@ -12,10 +12,12 @@ import torch
 
 from specserve.common.channel import EngineChannel
 from specserve.common.config import SpecServeConfig
-from specserve.common.messages import HistoryUpdate
+from specserve.common.messages import DecodedSteps, HistoryUpdate
 from specserve.decoding.batched_runner import BatchedModelRunner
 from specserve.decoding.scheduler import Scheduler
+from specserve.decoding.grammar import GrammarSpec
 from specserve.decoding.sampling import SamplingParams, make_generator
+from specserve.decoding.speculation import target_token
 from specserve.decoding.proposer_registry import PROPOSERS, ProposerKind
 from specserve.decoding.proposers import SAGUARO_LOWERED, DraftModelProposer, Proposal, ProposeCall, SaguaroSampling
 from specserve.deployments.committed_history import history_digest, whole_history as whole
@@ -139,6 +141,49 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_running_verifies(pair):
     assert engine.scheduler.blocks.num_cached("prompt") == len(long_prompt)
     # Every running step finished while the 100-token prompt went through in 32-token chunks.
     assert len(steps) == 3 and engine.loop.stats.iterations >= 4
+
+
+TICKET_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "ok": {"type": "boolean"}},
+                 "required": ["name", "ok"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=16),
+    SamplingParams(temperature=0.8, max_tokens=16, seed=7, frequency_penalty=1.5, logprobs=2),
+    SamplingParams(temperature=0.8, max_tokens=16, seed=3, min_tokens=4,
+                   structured=GrammarSpec.json_schema(TICKET_SCHEMA, "response_format", whitespace_flexible=False)),
+], ids=["greedy", "seeded-penalties-logprobs", "seeded-json-schema"])
+def test_a_target_only_round_of_several_steps_answers_what_as_many_plain_rounds_answer(pair, params):
+    """A round without a block decodes up to `steps` tokens in the target (TargetEngine._decode_on):
+    each step's answer equals a plain round's on the history the steps before committed (rows,
+    seeded draws, logprob entries); the output-position bookkeeping of penalties, min_tokens and the
+    grammar moves on with each step (a step counting the prompt one token longer breaks the
+    grammar's sync and ends the round early)."""
+    target_path, _ = pair
+    steps = 6
+
+    async def scenario():
+        plain, stepping = TargetEngine(spec(target_path), options()), TargetEngine(spec(target_path), options())
+        history, expected = list(HISTORIES[0]), []
+        for output_index in range(steps):
+            answer, _ = await plain.verify("s", whole(history), None, params, output_index)
+            expected.append(answer)
+            history.append(target_token(answer[0] if params.logprobs is not None else answer))
+        decoded, _ = await stepping.verify("s", whole(HISTORIES[0]), None, params, 0, None, None, "block", None, steps)
+        tokens = history[len(HISTORIES[0]):]
+        stopped = None
+        if params.min_tokens == 0:   # (below min_tokens a stop id is masked, which changes the rows)
+            # a stop id ends the steps at its first token that is one
+            stopping = params.model_copy(update={"stop_token_ids": [tokens[2]]})
+            stopped, _ = await stepping.verify("t", whole(HISTORIES[0]), None, stopping, 0, None, None, "block",
+                                               None, steps)
+            stopped = (stopped.answers, tuple(expected[:tokens.index(tokens[2]) + 1]))
+        return expected, decoded, stopped
+
+    expected, decoded, stopped = asyncio.run(scenario())
+    assert isinstance(decoded, DecodedSteps) and decoded.answers == tuple(expected)
+    if stopped is not None:
+        assert stopped[0] == stopped[1]
 
 
 def test_prompt_logprobs_are_computed_chunk_by_chunk_and_equal_the_whole_prompts(pair):

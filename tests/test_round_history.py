@@ -151,3 +151,54 @@ def test_each_round_says_whether_it_is_a_steady_round_of_the_fan_out_on_or_off(p
     steady = [record.predrafting if record.num_drafted else None for record in records]
     assert steady == [e if record.num_drafted else None for e, record in zip(expected, records)]
     assert {True, False, None} <= set(steady)
+
+
+def run_with_target_only_steps(pair, params: SamplingParams, target_only_steps: int, speculate_every: int = 0):
+    """One request to the end, K = NUM_DRAFT every speculate_every-th round and 0 (target-only)
+    otherwise (0: never speculate) -> (state, its chunks, its round records)."""
+
+    async def scenario():
+        target_path, draft_path = pair
+        target = ListeningEngine(TargetEngine(spec(target_path), options()))
+        draft = ListeningEngine(DraftEngine("draft", spec(draft_path), str(target_path), options()))
+        state = RequestState("r", PROMPT, params, None, 256, detokenize=lambda ids: " ".join(map(str, ids)))
+        engines = RequestEngines(InProcessWorkers(await target.listen()), InProcessWorkers(await draft.listen()),
+                                 LimitsSpec(), ChannelPool())
+        speculation = SpeculationSpec(num_draft_tokens=NUM_DRAFT, adaptive=False, target_only_steps=target_only_steps)
+        observer = RoundObserver(RoundTimings(), DepthChooser(speculation), RouterMetrics())
+        records, chunks = [], []
+        observe = observer.round
+        observer.round = lambda record: (records.append(record), observe(record))
+
+        def choose_depth(state: RequestState) -> int:
+            speculates = speculate_every and len(records) % speculate_every == speculate_every - 1
+            return state.draft_budget(NUM_DRAFT) if speculates else 0
+
+        loop = RoundLoop(state, engines, observer, chunks.append, choose_depth, lambda: 1, speculation)
+        await loop.run(0.0, float("inf"))
+        await asyncio.sleep(0.05)
+        return state, chunks, records
+
+    return asyncio.run(scenario())
+
+
+def test_target_only_rounds_of_several_steps_commit_what_one_step_rounds_commit(pair):
+    """A round without a block decodes up to speculation.target_only_steps tokens in the target:
+    the same tokens, logprobs and finish as one-token rounds (greedy, also between speculative
+    rounds; seeded sampled, whose draws come from the request's own streams either way), in a
+    quarter of the rounds, none past max_tokens."""
+    greedy = SamplingParams(temperature=0, max_tokens=30)
+    one_step, _, _ = run_with_target_only_steps(pair, greedy, 1)
+    mixed, _, mixed_records = run_with_target_only_steps(pair, greedy, 4, speculate_every=3)
+    assert mixed.output_ids == one_step.output_ids and mixed.finish_reason == "length"
+    assert {record.num_drafted for record in mixed_records} == {0, NUM_DRAFT}
+
+    sampled = SamplingParams(temperature=0.9, max_tokens=30, seed=11, logprobs=2, frequency_penalty=0.5)
+    (alone, alone_chunks, alone_records), (stepped, stepped_chunks, stepped_records) = (
+        run_with_target_only_steps(pair, sampled, steps) for steps in (1, 4))
+    assert stepped.output_ids == alone.output_ids and len(stepped.output_ids) == 30
+    entries = [[entry for chunk in chunks for entry in chunk["logprobs"]] for chunks in (alone_chunks, stepped_chunks)]
+    assert entries[0] == entries[1] and [entry["token_id"] for entry in entries[1]] == stepped.output_ids
+    assert [record.target_passes for record in alone_records] == [1] * 29
+    # 29 tokens after the prefill's first: seven rounds of four and one of the last token
+    assert [record.target_passes for record in stepped_records] == [4] * 7 + [1]
