@@ -28,6 +28,7 @@ class PolicySettings:
     max_k: int = 8
     default_k: int = 4
     fan_out: int = 0                    # speculation.fan_out: pre-drafted blocks per request per round
+    target_only_steps: int = 1          # speculation.target_only_steps: target passes a target-only round runs
     allow_target_only: bool = True
     target_bounds: tuple[int, int] = (1, 1)
     draft_bounds: tuple[int, int] | None = (1, 1)   # None: no draft pool (n-gram or target-only)
@@ -42,7 +43,7 @@ class PolicySettings:
         spec = config.speculation
         draft = config.draft_workers.replica_bounds if config.uses_draft_workers else None
         return cls(min_k=spec.min_draft_tokens, max_k=spec.max_draft_tokens, default_k=spec.num_draft_tokens,
-                   fan_out=spec.fan_out if config.uses_draft_workers else 0,
+                   fan_out=spec.fan_out if config.uses_draft_workers else 0, target_only_steps=spec.target_only_steps,
                    target_bounds=config.target_workers.replica_bounds, draft_bounds=draft,
                    actor_name=policy_actor_name(config.model_name))
 
@@ -78,7 +79,7 @@ class Decider:
         draft_replicas = load.pools["draft"].replicas if "draft" in load.pools else 1
         depths, goodput = choose_depths(load.classes, target_curve, draft_curve, target_replicas, draft_replicas,
                                         s.min_k, s.max_k, s.allow_target_only, self.decision.num_draft_tokens,
-                                        overhead_s=load.round_overhead_s)
+                                        overhead_s=load.round_overhead_s, target_only_steps=s.target_only_steps)
         reasons.append("depth: " + ", ".join(
             f"{c} K={depths[c]} (n={load.classes[c].active_requests}, alpha={load.classes[c].accept_rate:.2f})"
             for c in depths) + f", model goodput {goodput:.0f} tok/s")

@@ -15,7 +15,10 @@ evenly over them), t_* the pools' fitted cost curves (policies.cost_curve), o a 
 orchestration overhead (RPC hops), a_c,j the class's measured chance that draft position j is
 accepted given the earlier ones were (geometric, a_c,j = alpha_c, when no positions were
 counted; policies.acceptance says why by position). K_c = 0 means target-only: E = 1, one token per request in
-the verify batch and no draft step.
+the verify batch and no draft step. When every class is target-only, a round decodes S tokens
+in the target before the router sees it (speculation.target_only_steps), so o is paid once per
+S passes: o / S a pass. Mixed, the rounds are charged in lock step as above (target-only
+requests are charged the whole o, which under-rates them a little).
 
 Overlap. One request alone drafts, then verifies (serial; its pipelining, drafting ahead, is
 ignored, so the model slightly under-rates speculation there). With two or more requests the
@@ -66,11 +69,14 @@ class ClassLoad:
 
 def round_seconds(loads: Mapping[str, ClassLoad], depths: Mapping[str, int], target_cost: CostCurve,
                   draft_cost: CostCurve | None, target_replicas: int, draft_replicas: int,
-                  overhead_s: float = 0.0) -> float:
+                  overhead_s: float = 0.0, target_only_steps: int = 1) -> float:
     """T(K): the time for every active request to advance one round, in seconds: lock step, or
     with two or more requests the alternating schedule when it is faster (module docstring).
 
-    draft_cost None means drafting is free (n-gram lookup, or no draft pool measured)."""
+    draft_cost None means drafting is free (n-gram lookup, or no draft pool measured).
+    target_only_steps: target passes a target-only round runs per overhead (module docstring)."""
+    if all(depth == 0 for depth in depths.values()):
+        overhead_s /= max(1, target_only_steps)
     draft_s, verify_s = _pool_seconds(loads, depths, target_cost, draft_cost, target_replicas, draft_replicas)
     lock_step = draft_s + verify_s + overhead_s
     if draft_s == 0.0 or sum(load.active_requests for load in loads.values()) < 2:
@@ -97,10 +103,11 @@ def _pool_seconds(loads: Mapping[str, ClassLoad], depths: Mapping[str, int], tar
 
 def goodput_tokens_per_s(loads: Mapping[str, ClassLoad], depths: Mapping[str, int], target_cost: CostCurve,
                          draft_cost: CostCurve | None, target_replicas: int, draft_replicas: int,
-                         overhead_s: float = 0.0) -> float:
+                         overhead_s: float = 0.0, target_only_steps: int = 1) -> float:
     """Committed tokens per second of the system at depths K (see the module docstring)."""
     tokens = sum(load.active_requests * load.expected_tokens(depths[c]) for c, load in loads.items())
-    seconds = round_seconds(loads, depths, target_cost, draft_cost, target_replicas, draft_replicas, overhead_s)
+    seconds = round_seconds(loads, depths, target_cost, draft_cost, target_replicas, draft_replicas, overhead_s,
+                            target_only_steps)
     return tokens / seconds if seconds > 0 else 0.0
 
 
@@ -113,7 +120,7 @@ def planned_loads(loads: Mapping[str, ClassLoad]) -> dict[str, ClassLoad]:
 def choose_depths(loads: Mapping[str, ClassLoad], target_cost: CostCurve, draft_cost: CostCurve | None,
                   target_replicas: int, draft_replicas: int, min_k: int, max_k: int,
                   allow_target_only: bool = True, incumbent: Mapping[str, int] | None = None,
-                  overhead_s: float = 0.0) -> tuple[dict[str, int], float]:
+                  overhead_s: float = 0.0, target_only_steps: int = 1) -> tuple[dict[str, int], float]:
     """The depths (one per class) with the best goodput, and that goodput in tokens/s.
 
     Candidates per class: {0 if allowed} ∪ [min_k, max_k]; an exhaustive search (at most 33^2
@@ -125,7 +132,7 @@ def choose_depths(loads: Mapping[str, ClassLoad], target_cost: CostCurve, draft_
 
     def score(depths: Mapping[str, int]) -> float:
         return goodput_tokens_per_s(planned, depths, target_cost, draft_cost, target_replicas,
-                                    draft_replicas, overhead_s)
+                                    draft_replicas, overhead_s, target_only_steps)
 
     best, best_goodput = None, -1.0
     for combo in itertools.product(candidates, repeat=len(classes)):

@@ -56,8 +56,10 @@ def test_ranged_pools_autoscale_through_serve_with_the_pool_policy():
 
 def test_policy_settings_carry_the_depth_and_replica_bounds():
     settings = PolicySettings.from_config(SpecServeConfig.model_validate(
-        {**RANGED, "speculation": {"min_draft_tokens": 2, "num_draft_tokens": 3, "max_draft_tokens": 6}}))
-    assert (settings.min_k, settings.default_k, settings.max_k) == (2, 3, 6)
+        {**RANGED, "speculation": {"min_draft_tokens": 2, "num_draft_tokens": 3, "max_draft_tokens": 6,
+                                   "target_only_steps": 5}}))
+    assert (settings.min_k, settings.default_k, settings.max_k, settings.target_only_steps) == (2, 3, 6, 5)
+    assert PolicySettings.from_dict(settings.to_dict()) == settings
     assert settings.target_bounds == (1, 4) and settings.draft_bounds == (1, 3)
     assert PolicySettings.from_config(SpecServeConfig.model_validate({"speculation": {"proposer": "none"}})).draft_bounds is None
 

@@ -178,3 +178,19 @@ def test_the_load_view_carries_the_routers_measured_overhead():
     for name, overhead_s in (("r1", 0.006), ("r2", 0.008), ("r3", None)):
         tracker.add_router(RouterReport(name, 1, {"greedy": 1}, {}, overhead_s), now=0.0)
     assert tracker.snapshot(0.0).round_overhead_s == pytest.approx(0.007)
+
+
+def test_target_only_rounds_of_several_steps_pay_the_overhead_once_for_them():
+    """A target-only round decodes speculation.target_only_steps tokens per router round trip:
+    where one-token rounds make a shallow K worth its drafting for the overhead it shares,
+    four-token rounds make target-only the better choice; a mixed round is charged in lock step."""
+    target = CostCurve(fixed_s=0.004, per_token_s=0.001)
+    draft = CostCurve(fixed_s=0.002, per_token_s=0.0005)
+    load = {"greedy": ClassLoad(1, 0.6), "sampled": ClassLoad(1, 0.6)}
+    assert round_seconds(load, {"greedy": 0, "sampled": 0}, target, draft, 1, 1, overhead_s=0.008,
+                         target_only_steps=4) == pytest.approx(target.seconds(2) + 0.002)
+    assert round_seconds(load, {"greedy": 2, "sampled": 0}, target, draft, 1, 1, overhead_s=0.008, target_only_steps=4) \
+        == round_seconds(load, {"greedy": 2, "sampled": 0}, target, draft, 1, 1, overhead_s=0.008)
+    one_step, _ = choose_depths(load, target, draft, 1, 1, 1, 8, overhead_s=0.008)
+    four_steps, _ = choose_depths(load, target, draft, 1, 1, 1, 8, overhead_s=0.008, target_only_steps=4)
+    assert min(one_step.values()) >= 1 and four_steps == {"greedy": 0, "sampled": 0}
