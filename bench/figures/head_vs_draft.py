@@ -55,16 +55,15 @@ class TimedProposer:
         return getattr(self.proposer, name)
 
     def propose(self, *args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return self.proposer.propose(*args, **kwargs)
-        finally:
-            self.seconds += time.perf_counter() - started
+        return self._timed(self.proposer.propose, *args, **kwargs)
 
     def propose_batch(self, calls):
+        return self._timed(self.proposer.propose_batch, calls)
+
+    def _timed(self, method, *args, **kwargs):
         started = time.perf_counter()
         try:
-            return self.proposer.propose_batch(calls)
+            return method(*args, **kwargs)
         finally:
             self.seconds += time.perf_counter() - started
 
