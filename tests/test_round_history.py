@@ -61,16 +61,28 @@ class InProcessWorkers:
         self.get_engine = SimpleNamespace(remote=lambda affinity_key=None: asyncio.sleep(0, endpoint))
 
 
-async def greedy_request(pair, max_tokens: int):
-    """(target, draft, a greedy request's state, its RequestEngines over channels to the two)."""
+async def request_on_engines(pair, params: SamplingParams):
+    """(target, draft, a request's state, its RequestEngines over channels to the two)."""
     target_path, draft_path = pair
     target = ListeningEngine(TargetEngine(spec(target_path), options()))
     draft = ListeningEngine(DraftEngine("draft", spec(draft_path), str(target_path), options()))
-    state = RequestState("r", PROMPT, SamplingParams(temperature=0, max_tokens=max_tokens), None, 256,
-                         detokenize=lambda ids: " ".join(map(str, ids)))
+    state = RequestState("r", PROMPT, params, None, 256, detokenize=lambda ids: " ".join(map(str, ids)))
     engines = RequestEngines(InProcessWorkers(await target.listen()), InProcessWorkers(await draft.listen()),
                              LimitsSpec(), ChannelPool())
     return target, draft, state, engines
+
+
+async def greedy_request(pair, max_tokens: int):
+    return await request_on_engines(pair, SamplingParams(temperature=0, max_tokens=max_tokens))
+
+
+def recording_observer(speculation: SpeculationSpec) -> tuple[RoundObserver, list]:
+    """A round observer that also keeps every RoundRecord, in order, in the list returned beside it."""
+    observer = RoundObserver(RoundTimings(), DepthChooser(speculation), RouterMetrics())
+    records = []
+    observe = observer.round
+    observer.round = lambda record: (records.append(record), observe(record))
+    return observer, records
 
 
 def run_request(pair, forget_at: dict[str, int]) -> tuple[RequestState, ListeningEngine, ListeningEngine]:
@@ -129,10 +141,7 @@ def test_each_round_says_whether_it_is_a_steady_round_of_the_fan_out_on_or_off(p
     async def scenario():
         _, _, state, engines = await greedy_request(pair, 120)
         speculation = SpeculationSpec(num_draft_tokens=NUM_DRAFT, adaptive=False)
-        observer = RoundObserver(RoundTimings(), DepthChooser(speculation), RouterMetrics())
-        records = []
-        observe = observer.round
-        observer.round = lambda record: (records.append(record), observe(record))
+        observer, records = recording_observer(speculation)
         fanned = []
 
         def choose_fan_out(state: RequestState, num_draft: int) -> FanOut:
@@ -158,17 +167,10 @@ def run_with_target_only_steps(pair, params: SamplingParams, target_only_steps: 
     otherwise (0: never speculate) -> (state, its chunks, its round records)."""
 
     async def scenario():
-        target_path, draft_path = pair
-        target = ListeningEngine(TargetEngine(spec(target_path), options()))
-        draft = ListeningEngine(DraftEngine("draft", spec(draft_path), str(target_path), options()))
-        state = RequestState("r", PROMPT, params, None, 256, detokenize=lambda ids: " ".join(map(str, ids)))
-        engines = RequestEngines(InProcessWorkers(await target.listen()), InProcessWorkers(await draft.listen()),
-                                 LimitsSpec(), ChannelPool())
+        _, _, state, engines = await request_on_engines(pair, params)
         speculation = SpeculationSpec(num_draft_tokens=NUM_DRAFT, adaptive=False, target_only_steps=target_only_steps)
-        observer = RoundObserver(RoundTimings(), DepthChooser(speculation), RouterMetrics())
-        records, chunks = [], []
-        observe = observer.round
-        observer.round = lambda record: (records.append(record), observe(record))
+        observer, records = recording_observer(speculation)
+        chunks = []
 
         def choose_depth(state: RequestState) -> int:
             speculates = speculate_every and len(records) % speculate_every == speculate_every - 1
