@@ -298,6 +298,11 @@ class LogprobEntries:
                 for i, token in enumerate(token_ids)]
 
 
+def split_logprobs(params: SamplingParams, answer):
+    """(the verify answer, its LogprobEntries or None): a logprobs request's verify answers with both."""
+    return answer if params.logprobs is not None else (answer, None)
+
+
 def target_token(answer: TargetNumbers | Sequence[int]) -> int:
     """The token an answer to a verify without a block commits: the target's argmax (greedy) or
     its bonus draw (sampled), as accept_round commits it."""

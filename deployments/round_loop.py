@@ -24,7 +24,7 @@ from specserve.common.messages import DecodedSteps
 from specserve.decoding.capture import captured_block
 from specserve.decoding.proposers import Proposal
 from specserve.decoding.sequence import RequestState
-from specserve.decoding.speculation import LogprobEntries, accept_round
+from specserve.decoding.speculation import LogprobEntries, accept_round, split_logprobs
 from specserve.deployments.request_engines import ENGINE_ERRORS, RequestEngines
 from specserve.deployments.round_record import RoundObserver, RoundRecord
 from specserve.deployments.round_stages import EngineCall, RoundStages
@@ -66,7 +66,7 @@ class RoundLoop:
         prompt_entries = None
         if prompt_logprobs is not None:  # the prefill answered (its usual answer, the prompt's entries)
             rows, prompt_entries = rows
-        rows, logprob_rows = split_logprobs(state, rows)
+        rows, logprob_rows = split_logprobs(state.params, rows)
         committed = accept_round(state, Proposal([], None), rows)
         self.observer.first_token(time.perf_counter() - started_s)
         chunk = step_chunk(state, committed, logprob_rows)
@@ -143,7 +143,7 @@ class RoundLoop:
         request finishes) -> the tokens committed and, for a logprobs request, their entries."""
         committed, entries = [], []
         for answer in answers:
-            rows, logprob_rows = split_logprobs(self.state, answer)
+            rows, logprob_rows = split_logprobs(self.state.params, answer)
             committed += accept_round(self.state, proposal, rows, self.speculation.verification)
             entries.append(logprob_rows)
             if self.state.finished:
@@ -187,8 +187,3 @@ class RoundLoop:
         state.stats.speculation_cache_misses += predrafted
         draft_calls.append((call.engine_s, len(proposal.token_ids)))
         return proposal, call.engine_s, call.hops_s
-
-
-def split_logprobs(state: RequestState, rows):
-    """(rows, raw log-probability rows or None): a logprobs request's verify answers with both."""
-    return rows if state.params.logprobs is not None else (rows, None)

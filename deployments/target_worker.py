@@ -30,8 +30,8 @@ from specserve.decoding.proposers import Proposal, empty_proposal
 from specserve.decoding.sampling import SamplingParams, make_generator, verify_seed
 from specserve.decoding.scheduler import CallShape, Schedule
 from specserve.decoding.sequence import stop_ids
-from specserve.decoding.speculation import (LogprobEntries, RowsCall, answer_verifies, target_token, token_logprobs,
-                                            tokens_each_row_may_commit)
+from specserve.decoding.speculation import (LogprobEntries, RowsCall, answer_verifies, split_logprobs, target_token,
+                                            token_logprobs, tokens_each_row_may_commit)
 from specserve.deployments.engine_host import EngineCore, EngineHost, StepOutput, timed_forward
 
 
@@ -133,7 +133,7 @@ class TargetEngine(EngineCore):
         answers, ends = [answer], set(stop_ids(self.runner.eos_token_ids if not call.params.ignore_eos else None,
                                                call.params.stop_token_ids))
         while len(answers) < steps:
-            token = target_token(answers[-1][0] if call.params.logprobs is not None else answers[-1])
+            token = target_token(split_logprobs(call.params, answers[-1])[0])
             if token in ends:
                 break
             call = replace(call, token_ids=[*call.token_ids, token], first_output_index=None
