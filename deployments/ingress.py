@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
@@ -70,22 +71,41 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "conversation", "tokenize",
 app = FastAPI(title="specserve", description="OpenAI-compatible speculative decoding on Ray Serve")
 
 
-@app.middleware("http")
-async def _admit(request: Request, call_next):
-    # A middleware, not a route dependency: it runs before the body is parsed (a stranger learns
-    # nothing about the schema) and covers every path, unknown ones included: the API key on
-    # /v1/*, then readiness everywhere but /health (which says "starting" itself).
-    ingress = serve.get_replica_context().servable_object
-    if request.url.path.startswith("/v1/"):
-        refusal = authorization_error(request.headers.get("authorization"), ingress.api_key_digests)
-        if refusal is not None:
-            return JSONResponse(status_code=401, content=refusal, headers={"WWW-Authenticate": "Bearer"})
-    starting = not ingress.serving and request.url.path != "/health"
-    if starting and (await ingress.health_report())["status"] == "starting":
-        return JSONResponse(status_code=503, headers={"Retry-After": str(STARTING_RETRY_AFTER_S)},
-                            content=error_body("specserve is starting: the engines are still loading",
-                                               error_type="service_unavailable"))
-    return await call_next(request)
+class _Admission:
+    """The API key on /v1/*, then readiness everywhere but /health (which says "starting" itself).
+
+    Middleware, not a route dependency: it runs before the body is parsed (a stranger learns
+    nothing about the schema) and covers every path, unknown ones included. Plain ASGI, not
+    Starlette's BaseHTTPMiddleware, which would relay every chunk of a streamed answer through a
+    memory stream and a task of its own."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            refusal = await self._refusal(scope["path"], Headers(scope=scope))
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    async def _refusal(path: str, headers: Headers) -> JSONResponse | None:
+        ingress = serve.get_replica_context().servable_object
+        if path.startswith("/v1/"):
+            refusal = authorization_error(headers.get("authorization"), ingress.api_key_digests)
+            if refusal is not None:
+                return JSONResponse(status_code=401, content=refusal, headers={"WWW-Authenticate": "Bearer"})
+        starting = not ingress.serving and path != "/health"
+        if starting and (await ingress.health_report())["status"] == "starting":
+            return JSONResponse(status_code=503, headers={"Retry-After": str(STARTING_RETRY_AFTER_S)},
+                                content=error_body("specserve is starting: the engines are still loading",
+                                                   error_type="service_unavailable"))
+        return None
+
+
+app.add_middleware(_Admission)
 
 
 @app.exception_handler(RequestValidationError)
