@@ -22,10 +22,14 @@ SHARED_MODEL = "tiny-pair"
 # What the shared server's users need: max_tokens capped (test_serving's 400 matrix), metrics
 # pushed often enough for a test to read its own requests' counters (port 0: any free port), and
 # the speculation cache on for every request, as its tests of hits assume: whether it pays is
-# measured per box (speculation.fan_out_measured), which tests/test_depth_chooser.py covers.
+# measured per box (speculation.fan_out_measured), which tests/test_depth_chooser.py covers. And
+# target-only rounds of one token: the tiny pair's forwards cost next to nothing beside a round's
+# orchestration, so against target-only rounds of several tokens the goodput model rightly chooses
+# K = 0 (policies/goodput.py) and a test of speculative rounds would see none; target-only rounds
+# of several tokens are tested in tests/test_round_history.py and tests/test_engines.py.
 SHARED_OVERRIDES = {"limits": {"max_tokens": 200},
                     "observability": {"metrics_export_port": 0, "metrics_report_interval_ms": 500},
-                    "speculation": {"fan_out_measured": False}}
+                    "speculation": {"fan_out_measured": False, "target_only_steps": 1}}
 HEALTHY_WITHIN_S = 120.0  # the last user may have killed an engine; Serve replaces it
 
 
