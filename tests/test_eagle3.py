@@ -453,6 +453,24 @@ def test_training_computes_what_drafting_computes(small):
                 prenorm = step.prenorm
 
 
+def test_generated_windows_keep_their_prefix_and_continue_it_as_the_target_does(small):
+    """train_eagle3 --generated-share: a window's first half stays, the rest is the target's own
+    continuation through its KV cache. Near temperature 0 that is the target's greedy text, each
+    token from a whole forward over everything before it: a continuation fed the wrong cache or
+    position would differ."""
+    from specserve.training.train_eagle3 import target_continuations
+
+    target, _ = small
+    windows = torch.randint(2, SMALL_VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    written = target_continuations(target, windows, 5, 1e-4, torch.Generator().manual_seed(1))
+    greedy = windows[:, :5]
+    with torch.no_grad():
+        for _ in range(7):
+            greedy = torch.cat([greedy, target(greedy).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert written.shape == windows.shape
+    assert torch.equal(written, greedy)
+
+
 def test_a_head_exported_with_a_reduced_vocabulary_scores_its_tokens_as_the_whole_head_does(small, tmp_path):
     """train_eagle3 --draft-vocab N: the stream's N most frequent tokens, ascending; the exported
     head reads back (d2t naming them) and scores them exactly as the head over the whole

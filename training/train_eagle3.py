@@ -6,8 +6,9 @@ and the next token at every position of a window; step j reads the head's own pr
 of step j - 1 at the same rows (the positions it would draft j tokens ahead) and attends to the
 step-0 entries up to its row and to its own chain, exactly what drafting sees at inference
 (decoding.eagle3_proposer). Each step's loss is KL(target || head) at its positions, weighted
-down by depth. Tokens fed are the corpus's (the target's distributions are computed on them, so
-teacher and input agree). The head starts from the target's final norm and lm_head (full
+down by depth. Tokens fed are the corpus's, or with --generated-share the target's own
+continuations of corpus text in that share of the windows (the target's distributions are
+computed on whichever is fed, so teacher and input agree). The head starts from the target's final norm and lm_head (full
 vocabulary, d2t all zero) and drafts with the target's embeddings; the embeddings and lm_head
 stay frozen (the head learns a hidden state the target's own head reads, and on a CPU the lm_head's
 weight gradient would cost a third of a step).
@@ -52,6 +53,8 @@ class HeadTrainingConfig:
     threads: int = 1
     checkpoint_every_s: float = 120.0
     draft_vocab: int = 0         # export drafting only the training stream's most frequent tokens (0: all)
+    generated_share: float = 0.0  # share of a batch's windows whose second half the target writes (below)
+    generated_temperature: float = 0.7
 
 
 def new_head(target, aux_layers: tuple[int, int, int]) -> Eagle3Head:
@@ -164,6 +167,25 @@ def ttt_forward(head: Eagle3Head, features: torch.Tensor, tokens: torch.Tensor, 
     return outputs
 
 
+def target_continuations(target, windows: torch.Tensor, keep: int, temperature: float,
+                          generator: torch.Generator) -> torch.Tensor:
+    """windows [B, T] with positions keep.. replaced by the target's own tokens, sampled at
+    temperature from each window's first keep tokens (the target's KV cache, one token a step).
+
+    Why: at serving time the head drafts continuations of the target's own output, which is
+    likelier under the target than the corpus text is, so a head taught only on corpus windows
+    under-learns exactly the text it is asked about (EAGLE trains on the target's own responses)."""
+    with torch.no_grad():
+        output = target(windows[:, :keep], use_cache=True)
+        written = [windows[:, :keep]]
+        for _ in range(windows.shape[1] - keep):
+            probs = (output.logits[:, -1].float() / temperature).softmax(-1)
+            written.append(torch.multinomial(probs.cpu(), 1, generator=generator).to(windows.device))
+            if len(written) - 1 < windows.shape[1] - keep:
+                output = target(written[-1], past_key_values=output.past_key_values, use_cache=True)
+    return torch.cat(written, dim=1)
+
+
 def target_features(target, windows: torch.Tensor, aux_layers) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad():
         output = target(windows, output_hidden_states=True)
@@ -244,6 +266,10 @@ def train(cfg: HeadTrainingConfig, export: str | None = None) -> dict:
     started = time.monotonic()
     while step < cfg.steps:
         windows = sample_batch(stream, cfg.batch_size, cfg.seq_len, generator).to(cfg.device)
+        generated = round(cfg.generated_share * cfg.batch_size)
+        if generated:
+            windows[:generated] = target_continuations(target, windows[:generated], windows.shape[1] // 2,
+                                                       cfg.generated_temperature, generator)
         features, teacher = target_features(target, windows[:, :-1], aux_layers)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg.steps, cfg.lr, cfg.warmup)
