@@ -62,6 +62,22 @@ VARIANTS = ["specserve", "target-only", "specserve-unbatched", "target-only-unba
             "k0", "k2", "k4", "k8", "adaptive"]
 
 
+# A variant's modifiers, stripped outermost first ("k4-token-2routers-steps8-interval50").
+SUFFIXES = ("-2routers", "-plain", "-unmeasured", "-token")
+
+
+def split_variant(variant: str) -> tuple[str, float | None, int | None, frozenset[str]]:
+    """variant -> (its base in VARIANTS, -intervalN's N, -stepsN's N, the SUFFIXES it carries)."""
+    variant, _, interval = variant.partition("-interval")
+    variant, _, steps = variant.partition("-steps")
+    suffixes = set()
+    for suffix in SUFFIXES:
+        if variant.endswith(suffix):
+            suffixes.add(suffix)
+            variant = variant.removesuffix(suffix)
+    return variant, float(interval) if interval else None, int(steps) if steps else None, frozenset(suffixes)
+
+
 def variant_config(base: SpecServeConfig, variant: str, num_draft_tokens: int, port: int,
                    null_forward: float | None = None) -> SpecServeConfig:
     """The config of one variant: same models and limits, speculation and batching as named; a
@@ -76,24 +92,19 @@ def variant_config(base: SpecServeConfig, variant: str, num_draft_tokens: int, p
         if data.get("draft") is not None:
             data["draft"]["null_forward_agreement"] = null_forward
     spec = data["speculation"]
-    variant, _, interval = variant.partition("-interval")
-    if interval:
-        data["http"]["stream_interval_ms"] = float(interval)
-    variant, _, steps = variant.partition("-steps")
-    if steps:
-        spec["target_only_steps"] = int(steps)
-    if variant.endswith("-2routers"):
+    variant, interval_ms, steps, suffixes = split_variant(variant)
+    if interval_ms is not None:
+        data["http"]["stream_interval_ms"] = interval_ms
+    if steps is not None:
+        spec["target_only_steps"] = steps
+    if "-2routers" in suffixes:
         data["router"] = {**data["router"], "num_replicas": 2}
-        variant = variant.removesuffix("-2routers")
-    if variant.endswith("-plain"):
+    if "-plain" in suffixes:
         spec["fan_out"] = 0
-        variant = variant.removesuffix("-plain")
-    if variant.endswith("-unmeasured"):
+    if "-unmeasured" in suffixes:
         spec["fan_out_measured"] = False
-        variant = variant.removesuffix("-unmeasured")
-    if variant.endswith("-token"):
+    if "-token" in suffixes:
         spec["verification"] = "token"
-        variant = variant.removesuffix("-token")
     pinned = {"proposer": "draft", "adaptive": False}
     if variant.startswith("target-only"):
         spec.update(proposer="none")
@@ -370,8 +381,7 @@ def main(argv: list[str] | None = None) -> None:
         print(render_markdown(combined))
         return
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = sorted({v.partition("-interval")[0].partition("-steps")[0].removesuffix("-2routers").removesuffix("-plain")
-                      .removesuffix("-unmeasured").removesuffix("-token") for v in variants} - set(VARIANTS))
+    unknown = sorted({split_variant(v)[0] for v in variants} - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {VARIANTS}")
     levels = [int(c) for c in args.concurrency.split(",")]

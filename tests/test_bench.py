@@ -366,6 +366,15 @@ def test_load_sweep_variants_compose_their_suffixes():
     assert one_step.http.stream_interval_ms == 20.0 and plain.speculation.target_only_steps == 4
 
 
+def test_load_sweep_refuses_a_variant_whose_base_is_unknown_before_starting_anything(capsys):
+    from specserve.bench.load_sweep import main
+
+    for named in ("k5", "k4-tokens", "k4-2routers-token"):   # the last: suffixes out of order
+        with pytest.raises(SystemExit):
+            main(["--variants", f"k4-token-2routers-steps8-interval50,{named}", "--out", "/nonexistent"])
+        assert "unknown variants" in capsys.readouterr().err
+
+
 class ClusterStarted(Exception):
     """What the spy below raises where a bench would start its cluster."""
 
