@@ -92,8 +92,9 @@ class SamplingParams(BaseModel):
     `stop` accepts a string or a list of strings (stored as a list). `seed` makes sampling
     reproducible. `ignore_eos` and `min_tokens` are vLLM's extensions (fixed-length benchmarks
     send them): with `ignore_eos` EOS is committed as an ordinary token instead of ending the
-    request; for output positions below `min_tokens` the target's EOS logit is masked
-    (`decoding.speculation.target_rows`) and stop strings are not yet looked for.
+    request; for output positions below `min_tokens` the target's logits of the ids that would
+    end the request are masked (`decoding.speculation.target_rows`, `decoding.sequence.ending_ids`)
+    and stop strings are not yet looked for.
     `structured` constrains the output to a grammar (docs/structured-outputs.md): draft and target
     rows are masked to what it allows after each row's history; it cannot go with ignore_eos
     (the request ends when the grammar does).

@@ -23,6 +23,12 @@ def stop_ids(eos_token_id: int | Collection[int] | None, stop_token_ids: Sequenc
     return sorted(int(token) for token in eos | set(stop_token_ids))
 
 
+def ending_ids(eos_token_id: int | Collection[int] | None, params: SamplingParams) -> frozenset[int]:
+    """The ids whose token ends a request with these params: EOS (an ordinary token with
+    ignore_eos) and the request's stop token ids (with ignore_eos too, as vLLM)."""
+    return frozenset(stop_ids(None if params.ignore_eos else eos_token_id, params.stop_token_ids))
+
+
 @dataclass
 class SpecStats:
     """Counters of one request's speculative decoding."""
@@ -100,7 +106,7 @@ class RequestState:
             raise ValueError(f"max_tokens must be >= 1, got {self.params.max_tokens}")
         if self.params.stop and self.detokenize is None:
             raise ValueError("stop strings need a detokenize function to be detected")
-        self._eos_ids = frozenset(stop_ids(self.eos_token_id))
+        self._ending_ids = ending_ids(self.eos_token_id, self.params)
         self._stop_token_ids = frozenset(self.params.stop_token_ids)
         seed = self.params.seed
         self.generator = make_generator(seed)
@@ -154,7 +160,7 @@ class RequestState:
         for token in token_ids:
             if self.finished:
                 break
-            if token in self._stop_token_ids or (token in self._eos_ids and not self.params.ignore_eos):
+            if token in self._ending_ids:
                 self.finish_reason = "stop"
                 if token in self._stop_token_ids and self.params.include_stop_str_in_output:
                     self.output_ids.append(token)

@@ -20,7 +20,7 @@ from specserve.decoding.compact_verify import (TargetNumbers, compact_block_veri
 from specserve.decoding.rejection import PLACEHOLDER_TOKEN_ID
 from specserve.decoding.row_processors import RowBatch, history_processor
 from specserve.decoding.sampling import RowParams, SamplingParams, process_rows
-from specserve.decoding.sequence import RequestState, stop_ids
+from specserve.decoding.sequence import RequestState, ending_ids
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def target_rows_batch(logits: torch.Tensor, calls: Sequence[RowsCall]) -> list[t
                 failed[index] = exc
         if params.min_tokens > 0 and call.first_output_index is not None:
             num_masked = min(max(params.min_tokens - call.first_output_index, 0), call.num_rows)
-            stopping = stop_ids(call.eos_token_id, params.stop_token_ids) if num_masked else []
+            stopping = sorted(ending_ids(call.eos_token_id, params)) if num_masked else []
             if stopping:
                 batch.forbid_stops(first_row, num_masked, stopping)
         first_row += call.num_rows

@@ -29,7 +29,7 @@ from specserve.decoding.errors import SequenceStateError
 from specserve.decoding.proposers import Proposal, empty_proposal
 from specserve.decoding.sampling import SamplingParams, make_generator, verify_seed
 from specserve.decoding.scheduler import CallShape, Schedule
-from specserve.decoding.sequence import stop_ids
+from specserve.decoding.sequence import ending_ids
 from specserve.decoding.speculation import (LogprobEntries, RowsCall, answer_verifies, split_logprobs, target_token,
                                             token_logprobs, tokens_each_row_may_commit)
 from specserve.deployments.engine_host import EngineCore, EngineHost, StepOutput, timed_forward
@@ -127,11 +127,10 @@ class TargetEngine(EngineCore):
         The answers are those the same number of plain rounds would get (the same rows, the same
         draws from the sequence's generator); the router commits them in order and stops where
         the request ends (a stop string, max_tokens), so a token decoded past that is only work
-        thrown away. Decoding stops here at a token that ends any request. A later step's error
+        thrown away. Decoding stops here at a token that ends the request (decoding.sequence.ending_ids). A later step's error
         ends the round with the answers so far: the next round's first step meets it again and
         reports it as a plain round does."""
-        answers, ends = [answer], set(stop_ids(self.runner.eos_token_ids if not call.params.ignore_eos else None,
-                                               call.params.stop_token_ids))
+        answers, ends = [answer], ending_ids(self.runner.eos_token_ids, call.params)
         while len(answers) < steps:
             token = target_token(split_logprobs(call.params, answers[-1])[0])
             if token in ends:

@@ -77,3 +77,6 @@ def test_target_rows_mask_every_eos_id_and_stop_token_id_below_min_tokens():
     params = SamplingParams(temperature=0, min_tokens=1, max_tokens=5, stop_token_ids=[4])
     ids = target_rows(logits, params, eos_token_id=frozenset({1, 2}), first_output_index=0)
     assert ids.tolist() == [0, 1]                  # row 0 masks 1, 2 and 4; row 1 is past min_tokens
+    # With ignore_eos an EOS id is an ordinary token, so min_tokens leaves it alone (as vLLM): the stop id goes.
+    ignoring = params.model_copy(update={"ignore_eos": True})
+    assert target_rows(logits, ignoring, eos_token_id=frozenset({1, 2}), first_output_index=0).tolist() == [1, 1]
