@@ -471,6 +471,26 @@ def test_generated_windows_keep_their_prefix_and_continue_it_as_the_target_does(
     assert torch.equal(written, greedy)
 
 
+def test_head_agreement_reads_the_tokens_drafting_proposes(small):
+    """bench/figures/head_agreement.py: at depth j a head's token at each row of the target's
+    continuation is the one greedy drafting proposes j tokens past that row's committed history
+    (the window's tokens fed as drafted ones; its reduced vocabulary mapped to target ids); a draft
+    model that is the target agrees everywhere."""
+    from specserve.bench.figures.head_agreement import continuation, head_drafts, measure
+
+    target, loaded = small
+    window, prompt_len = continuation(target, SAMPLED_PROMPT, 8)
+    tokens = window[0].tolist()
+    depth1, depth2 = head_drafts(loaded.head, loaded.aux_layers, target, window, 2)
+    for m in range(prompt_len + 1, len(tokens)):    # row m - 2 drafts token m at depth 1
+        assert depth1[m - 2] == head_from_scratch(loaded, target, tokens[:m], 1)[0]
+        if m + 1 < len(tokens):
+            assert depth2[m - 2] == head_from_scratch(loaded, target, tokens[:m], 1, forced=[tokens[m]])[0]
+    report = measure(target, target, {"head": (loaded.head, loaded.aux_layers)}, [SAMPLED_PROMPT], 8, 2)
+    assert report["positions"] == len(tokens) - prompt_len - 1 == 7
+    assert report["agreement"]["draft model"] == [1.0] and report["tokens_per_pass"]["draft model"][2] == 3.0
+
+
 def test_a_head_exported_with_a_reduced_vocabulary_scores_its_tokens_as_the_whole_head_does(small, tmp_path):
     """train_eagle3 --draft-vocab N: the stream's N most frequent tokens, ascending; the exported
     head reads back (d2t naming them) and scores them exactly as the head over the whole

@@ -150,18 +150,33 @@ def table(report: dict) -> str:
                                         if differ else "Greedy outputs: all equal on every prompt.") + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m specserve.bench.figures.head_vs_draft",
-                                     description=__doc__.splitlines()[0])
+def drafter_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options this bench shares with head_agreement: heads, models, prompts, threads, output."""
     parser.add_argument("--head", action="append", required=True, help="an EAGLE-3 head's folder (repeatable)")
     parser.add_argument("--models", default="models/default", help="the folder holding target/ and draft/")
     parser.add_argument("--prompts", default="thirdparty")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--k", type=int, default=4, help="draft tokens a round (fixed: both drafters alike)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=DEFAULT_OUT_DIR)
     parser.add_argument("--name", default=None, help="write <out>/<name>.json and .md")
+    return parser
+
+
+def write_report(args: argparse.Namespace, report: dict, text: str) -> None:
+    """Print text; with --name, write it and the report to <out>/<name>.md and .json."""
+    print(text)
+    if args.name:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")
+        (out / f"{args.name}.md").write_text(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = drafter_arguments(argparse.ArgumentParser(prog="python -m specserve.bench.figures.head_vs_draft",
+                                                       description=__doc__.splitlines()[0]))
+    parser.add_argument("--k", type=int, default=4, help="draft tokens a round (fixed: both drafters alike)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     models = Path(args.models)
@@ -183,12 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     text = (f"# An EAGLE-3 head against the shipped draft model\n\n`{report['command']}`: the shipped target in "
             f"process, fp32, {args.threads} torch thread(s); {report['prompts']} prompts, {args.max_tokens} tokens "
             f"each, K = {args.k} every round; variants taking turns.\n\n" + table(report))
-    print(text)
-    if args.name:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")
-        (out / f"{args.name}.md").write_text(text)
+    write_report(args, report, text)
 
 
 if __name__ == "__main__":
