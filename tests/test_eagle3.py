@@ -475,7 +475,7 @@ def test_head_agreement_reads_the_tokens_drafting_proposes(small):
     """bench/figures/head_agreement.py: at depth j a head's token at each row of the target's
     continuation is the one greedy drafting proposes j tokens past that row's committed history
     (the window's tokens fed as drafted ones; its reduced vocabulary mapped to target ids); a draft
-    model that is the target agrees everywhere."""
+    model that is the target has every round accepted whole."""
     from specserve.bench.figures.head_agreement import continuation, head_drafts, measure
 
     target, loaded = small
@@ -487,8 +487,15 @@ def test_head_agreement_reads_the_tokens_drafting_proposes(small):
         if m + 1 < len(tokens):
             assert depth2[m - 2] == head_from_scratch(loaded, target, tokens[:m], 1, forced=[tokens[m]])[0]
     report = measure(target, target, {"head": (loaded.head, loaded.aux_layers)}, [SAMPLED_PROMPT], 8, 2)
-    assert report["positions"] == len(tokens) - prompt_len - 1 == 7
-    assert report["agreement"]["draft model"] == [1.0] and report["tokens_per_pass"]["draft model"][2] == 3.0
+    assert report["rounds"] == len(tokens) - prompt_len - 2 == 6     # first drafts prompt_len + 1 .. end - 1
+    assert report["acceptance"]["draft model"] == [1.0, 1.0] and report["tokens_per_pass"]["draft model"][2] == 3.0
+
+
+def test_a_round_accepts_its_leading_run_of_right_drafts():
+    from specserve.bench.figures.head_agreement import accepted_runs
+
+    right = torch.tensor([[True, True, False, True], [False, True, True, True], [True, True, True, True]])
+    assert accepted_runs(right).tolist() == [2, 0, 4]
 
 
 def test_a_head_exported_with_a_reduced_vocabulary_scores_its_tokens_as_the_whole_head_does(small, tmp_path):

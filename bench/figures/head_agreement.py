@@ -1,17 +1,19 @@
-"""How often EAGLE-3 heads and the draft model guess the target's next token, by drafting depth.
+"""How often EAGLE-3 heads and the draft model guess the target's tokens, by drafting depth.
 
     python -m specserve.bench.figures.head_agreement --head HEAD_DIR [--head HEAD_DIR ...] \\
         [--num-prompts 8] [--max-tokens 64] [--depths 4] --out bench/results --name NAME
 
 On the target's own greedy continuations of held-out prompts (the text a drafter is asked about
-when it serves): per drafter, the share of continuation positions where its top token at
-drafting depth j (j tokens past the last committed one, fed the continuation's tokens, so every
-earlier depth agreed) is the target's greedy token. A head's depths are computed as its training
-computes them (training.train_eagle3.ttt_forward, which tests/test_eagle3.py checks equals
-drafting); the draft model's top token at a position is the same at every depth, given the
-tokens before it. From those, the tokens a greedy round of K drafts commits per target pass,
-1 + a_1 + a_1 a_2 + ... (policies.acceptance). It takes a minute where head_vs_draft's rounds take many, so it says
-whether a head is worth timing; what decides tokens/s is head_vs_draft.
+when it serves), a greedy round of K drafts from every position in turn, the tokens before it
+committed: per drafter, the share of rounds whose draft at depth j is the target's token among
+those that kept the drafts before it (acceptance by position, as the policies count it), and
+the tokens a round commits a target pass (the bonus or corrected token included). A head's drafts
+are computed as its training computes them (training.train_eagle3.ttt_forward; tests/test_eagle3.py
+checks they are the tokens drafting proposes); the draft model's token at a position is its top
+token given the tokens before it. Served rounds start only where the round before ended, often
+just past a token the drafter missed, so they accept somewhat less than rounds from every
+position. It takes a minute where head_vs_draft's rounds take many: a head worth timing there
+has to pass the draft model here first.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specserve.bench.figures.head_vs_draft import drafter_arguments, write_report
 from specserve.decoding.eagle3_checkpoint import load_eagle3_head
-from specserve.policies.acceptance import expected_tokens_by_position
 from specserve.training.prompts import load_prompt_set, select_prompts
 from specserve.training.train_eagle3 import target_features, ttt_forward
 
@@ -38,11 +39,6 @@ def continuation(target, prompt_ids: list[int], max_tokens: int) -> tuple[torch.
     return window, len(prompt_ids)
 
 
-def by_depth(agreement: list[float], depths: int) -> tuple[float, ...]:
-    """Agreement at depths 1..depths: the draft model's one figure holds at every depth."""
-    return tuple(agreement[min(depth, len(agreement) - 1)] for depth in range(depths))
-
-
 def head_drafts(head, aux_layers, target, window: torch.Tensor, depths: int) -> list[torch.Tensor]:
     """Per depth j, the target id the head drafts at each row i of window [1, W]: token i + 2 + j,
     fed the window's tokens before it (rows whose token is in the window)."""
@@ -50,41 +46,49 @@ def head_drafts(head, aux_layers, target, window: torch.Tensor, depths: int) -> 
     return [head.draft_to_target[logits[0].argmax(-1)] for logits in ttt_forward(head, features, window, depths)]
 
 
+def accepted_runs(right: torch.Tensor) -> torch.Tensor:
+    """right [rounds, K] (is the drafter's token at depth j of each round the target's?) -> the
+    tokens each greedy round accepts: its leading run of right tokens."""
+    return right.int().cumprod(dim=1).sum(dim=1)
+
+
 def measure(target, draft, heads: dict, prompts: list[list[int]], max_tokens: int, depths: int) -> dict:
-    """-> {"positions": continuation positions drafted at depth 1, "agreement": per drafter and
-    depth, "tokens_per_pass": per drafter and K}."""
+    """A round of `depths` drafts starting at every continuation position in turn (the tokens
+    before it committed, as greedy rounds commit the target's tokens) -> {"rounds": how many,
+    "acceptance": per drafter, the share of rounds that accept depth j among those that accepted
+    depth j - 1, "tokens_per_pass": per drafter and K, 1 + the mean tokens a round of K accepts}."""
     names = [*heads, "draft model"]
-    hits = {name: [0] * (depths if name in heads else 1) for name in names}
-    counted = {name: [0] * len(hits[name]) for name in names}
+    runs: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     with torch.no_grad():
         for prompt in prompts:
             window, prompt_len = continuation(target, prompt, max_tokens)
-            greedy = target(window[:, :-1]).logits.argmax(-1)[0]    # row i: the target's token i + 1
-            # Row i drafts token i + 2 + j at depth j. The prefill gives token prompt_len, so the
-            # first drafted is prompt_len + 1: rows from prompt_len - 1 on.
-            rows = torch.arange(prompt_len - 1, window.shape[1] - 2)
+            greedy = target(window[:, :-1]).logits.argmax(-1)[0]    # greedy[t - 1]: the target's token t
+            # A round's first draft is token t: the prefill gives token prompt_len, so t from
+            # prompt_len + 1, and up to where all its depths are in the window.
+            firsts = torch.arange(prompt_len + 1, window.shape[1] - depths + 1)
             for name, (head, aux_layers) in heads.items():
-                for depth, drafted in enumerate(head_drafts(head, aux_layers, target, window, depths)):
-                    kept = rows[rows < len(drafted)]
-                    hits[name][depth] += int((drafted[kept] == greedy[kept + 1 + depth]).sum())
-                    counted[name][depth] += len(kept)
-            drafted = draft(window[:, :-1]).logits.argmax(-1)[0]
-            hits["draft model"][0] += int((drafted[rows + 1] == greedy[rows + 1]).sum())
-            counted["draft model"][0] += len(rows)
-    agreement = {name: [round(h / n, 4) for h, n in zip(hits[name], counted[name])] for name in names}
-    return {"positions": counted["draft model"][0], "agreement": agreement,
-            "tokens_per_pass": {name: {k: round(expected_tokens_by_position(by_depth(a, depths), k), 3)
-                                       for k in range(1, depths + 1)} for name, a in agreement.items()}}
+                drafts = head_drafts(head, aux_layers, target, window, depths)   # row t - 2 drafts token t
+                right = torch.stack([drafts[j][firsts - 2] == greedy[firsts - 1 + j] for j in range(depths)], dim=1)
+                runs[name].append(accepted_runs(right))
+            drafted = draft(window[:, :-1]).logits.argmax(-1)[0]     # the draft model's token t: drafted[t - 1]
+            right = torch.stack([drafted[firsts - 1 + j] == greedy[firsts - 1 + j] for j in range(depths)], dim=1)
+            runs["draft model"].append(accepted_runs(right))
+    accepted = {name: torch.cat(found) for name, found in runs.items()}
+    acceptance = {name: [round(float((run > j).sum() / max(1, int((run >= j).sum()))), 4) for j in range(depths)]
+                  for name, run in accepted.items()}
+    tokens = {name: {k: round(1 + float(run.clamp(max=k).float().mean()), 3) for k in range(1, depths + 1)}
+              for name, run in accepted.items()}
+    return {"rounds": len(accepted["draft model"]), "acceptance": acceptance, "tokens_per_pass": tokens}
 
 
 def table(report: dict) -> str:
     depths = report["depths"]
     lines = [f"# {report['title']}", "", f"`{report['command']}`: {report['setting']}", "",
-             "| drafter | " + " | ".join(f"agreement at depth {j + 1}" for j in range(depths))
+             "| drafter | " + " | ".join(f"acceptance at depth {j + 1}" for j in range(depths))
              + f" | tokens per pass, greedy K = {depths} |", "|---" * (depths + 2) + "|"]
-    for name, agreement in report["agreement"].items():
-        cells = [str(a) for a in by_depth(agreement, depths)]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {report['tokens_per_pass'][name][depths]} |")
+    for name, acceptance in report["acceptance"].items():
+        lines.append(f"| {name} | " + " | ".join(map(str, acceptance))
+                     + f" | {report['tokens_per_pass'][name][depths]} |")
     return "\n".join(lines) + "\n"
 
 
@@ -105,10 +109,11 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [tokenizer.encode(p.text, add_special_tokens=False)
                for p in select_prompts(load_prompt_set(args.prompts).prompts, args.num_prompts)]
     report = measure(target, draft, heads, prompts, args.max_tokens, args.depths)
-    report.update(title="Drafters' agreement with the shipped target, by depth", depths=args.depths,
+    report.update(title="Drafters' acceptance by depth, rounds from every position of the target's own text", depths=args.depths,
                   command="python -m specserve.bench.figures.head_agreement " + " ".join(sys.argv[1:] if argv is None else argv),
                   setting=f"the target's greedy continuations ({args.max_tokens} tokens) of {len(prompts)} "
-                          f"{args.prompts} prompts, {report['positions']} positions; fp32, {args.threads} thread(s)")
+                          f"{args.prompts} prompts, a greedy round of {args.depths} drafts from each of "
+                          f"{report['rounds']} positions; fp32, {args.threads} thread(s)")
     write_report(args, report, table(report))
 
 
