@@ -127,9 +127,9 @@ class TargetEngine(EngineCore):
         The answers are those the same number of plain rounds would get (the same rows, the same
         draws from the sequence's generator); the router commits them in order and stops where
         the request ends (a stop string, max_tokens), so a token decoded past that is only work
-        thrown away. Decoding stops here at a token that ends the request (decoding.sequence.ending_ids). A later step's error
-        ends the round with the answers so far: the next round's first step meets it again and
-        reports it as a plain round does."""
+        thrown away. Decoding stops here at a token that ends the request (`ending_ids`, the
+        rule RequestState commits by). A later step's error ends the round with the answers so
+        far: the next round's first step meets it again and reports it as a plain round does."""
         answers, ends = [answer], ending_ids(self.runner.eos_token_ids, call.params)
         while len(answers) < steps:
             token = target_token(split_logprobs(call.params, answers[-1])[0])

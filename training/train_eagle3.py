@@ -8,10 +8,10 @@ step-0 entries up to its row and to its own chain, exactly what drafting sees at
 (decoding.eagle3_proposer). Each step's loss is KL(target || head) at its positions, weighted
 down by depth. Tokens fed are the corpus's, or with --generated-share the target's own
 continuations of corpus text in that share of the windows (the target's distributions are
-computed on whichever is fed, so teacher and input agree). The head starts from the target's final norm and lm_head (full
-vocabulary, d2t all zero) and drafts with the target's embeddings; the embeddings and lm_head
-stay frozen (the head learns a hidden state the target's own head reads, and on a CPU the lm_head's
-weight gradient would cost a third of a step).
+computed on whichever is fed, so teacher and input agree). The head starts from the target's
+final norm and lm_head (full vocabulary, d2t all zero) and drafts with the target's
+embeddings; the embeddings and lm_head stay frozen (the head learns a hidden state the target's
+own head reads, and on a CPU the lm_head's weight gradient would cost a third of a step).
 
 Checkpoints go to --work-dir every few minutes; rerunning the same command resumes. --export
 writes the head as a speculators-format folder (what `decoding.eagle3_checkpoint` reads);

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specserve.bench.figures.head_vs_draft import drafter_arguments, write_report
+from specserve.bench.figures.head_vs_draft import drafter_arguments, head_name, write_report
 from specserve.decoding.eagle3_checkpoint import load_eagle3_head
 from specserve.training.prompts import load_prompt_set, select_prompts
 from specserve.training.train_eagle3 import target_features, ttt_forward
@@ -105,12 +105,13 @@ def main(argv: list[str] | None = None) -> None:
     heads = {}
     for folder in args.head:
         loaded = load_eagle3_head(folder, target)
-        heads[f"EAGLE-3 head {Path(folder).name}"] = (loaded.head.eval(), loaded.aux_layers)
+        heads[head_name(folder)] = (loaded.head.eval(), loaded.aux_layers)
     prompts = [tokenizer.encode(p.text, add_special_tokens=False)
                for p in select_prompts(load_prompt_set(args.prompts).prompts, args.num_prompts)]
     report = measure(target, draft, heads, prompts, args.max_tokens, args.depths)
-    report.update(title="Drafters' acceptance by depth, rounds from every position of the target's own text", depths=args.depths,
-                  command="python -m specserve.bench.figures.head_agreement " + " ".join(sys.argv[1:] if argv is None else argv),
+    arguments = sys.argv[1:] if argv is None else argv
+    report.update(title="Drafters' acceptance by depth, rounds from every position of the target's own text",
+                  depths=args.depths, command="python -m specserve.bench.figures.head_agreement " + " ".join(arguments),
                   setting=f"the target's greedy continuations ({args.max_tokens} tokens) of {len(prompts)} "
                           f"{args.prompts} prompts, a greedy round of {args.depths} drafts from each of "
                           f"{report['rounds']} positions; fp32, {args.threads} thread(s)")
