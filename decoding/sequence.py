@@ -3,7 +3,7 @@ committed tokens, stop conditions, streamed text, seeded generators and speculat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -12,21 +12,16 @@ from specserve.decoding.detokenizer import REPLACEMENT_CHAR, IncrementalDetokeni
 from specserve.decoding.sampling import SamplingParams, draft_seed, make_generator, verify_seed
 
 
-def stop_ids(eos_token_id: int | Collection[int] | None, stop_token_ids: Sequence[int] = ()) -> list[int]:
-    """The ids that end a request, sorted: one EOS id or a set of them, plus a request's stop ids."""
-    if eos_token_id is None:
+def ending_ids(eos_token_id: int | Collection[int] | None, params: SamplingParams) -> frozenset[int]:
+    """The ids whose token ends a request with these params: EOS, one id or a set of them (an
+    ordinary token with ignore_eos), and the request's stop token ids (with ignore_eos too, as vLLM)."""
+    if params.ignore_eos or eos_token_id is None:
         eos = set()
     elif isinstance(eos_token_id, Collection):
         eos = set(eos_token_id)
     else:
         eos = {eos_token_id}
-    return sorted(int(token) for token in eos | set(stop_token_ids))
-
-
-def ending_ids(eos_token_id: int | Collection[int] | None, params: SamplingParams) -> frozenset[int]:
-    """The ids whose token ends a request with these params: EOS (an ordinary token with
-    ignore_eos) and the request's stop token ids (with ignore_eos too, as vLLM)."""
-    return frozenset(stop_ids(None if params.ignore_eos else eos_token_id, params.stop_token_ids))
+    return frozenset(int(token) for token in eos | set(params.stop_token_ids))
 
 
 @dataclass
