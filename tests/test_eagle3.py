@@ -477,11 +477,13 @@ def test_head_agreement_reads_the_tokens_drafting_proposes(small):
     (the window's tokens fed as drafted ones; its reduced vocabulary mapped to target ids); a draft
     model that is the target has every round accepted whole."""
     from specserve.bench.figures.head_agreement import continuation, head_drafts, measure
+    from specserve.training.train_eagle3 import target_features
 
     target, loaded = small
     window, prompt_len = continuation(target, SAMPLED_PROMPT, 8)
     tokens = window[0].tolist()
-    depth1, depth2 = head_drafts(loaded.head, loaded.aux_layers, target, window, 2)
+    features, _ = target_features(target, window[:, :-1], loaded.aux_layers)
+    depth1, depth2 = head_drafts(loaded.head, features, window, 2)
     for m in range(prompt_len + 1, len(tokens)):    # row m - 2 drafts token m at depth 1
         assert depth1[m - 2] == head_from_scratch(loaded, target, tokens[:m], 1)[0]
         if m + 1 < len(tokens):

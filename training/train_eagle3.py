@@ -175,22 +175,26 @@ def target_continuations(target, windows: torch.Tensor, keep: int, temperature: 
     Why: at serving time the head drafts continuations of the target's own output, which is
     likelier under the target than the corpus text is, so a head taught only on corpus windows
     under-learns exactly the text it is asked about (EAGLE trains on the target's own responses)."""
+    written = [windows[:, :keep]]
     with torch.no_grad():
-        output = target(windows[:, :keep], use_cache=True)
-        written = [windows[:, :keep]]
-        for _ in range(windows.shape[1] - keep):
+        for step in range(windows.shape[1] - keep):
+            output = (target(written[-1], past_key_values=output.past_key_values, use_cache=True) if step
+                      else target(written[0], use_cache=True))
             probs = (output.logits[:, -1].float() / temperature).softmax(-1)
             written.append(torch.multinomial(probs.cpu(), 1, generator=generator).to(windows.device))
-            if len(written) - 1 < windows.shape[1] - keep:
-                output = target(written[-1], past_key_values=output.past_key_values, use_cache=True)
     return torch.cat(written, dim=1)
 
 
 def target_features(target, windows: torch.Tensor, aux_layers) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad():
         output = target(windows, output_hidden_states=True)
-    features = torch.cat([output.hidden_states[layer] for layer in aux_layers], dim=-1)
-    return features, output.logits
+    return aux_features(output.hidden_states, aux_layers), output.logits
+
+
+def aux_features(hidden_states, aux_layers) -> torch.Tensor:
+    """A head's input from transformers' hidden_states (layer i's input is hidden_states[i]): the
+    aux layers' concatenated in layer order."""
+    return torch.cat([hidden_states[layer] for layer in aux_layers], dim=-1)
 
 
 def save_head(head: Eagle3Head, aux_layers, target_dir: str | Path, folder: str | Path) -> Path:

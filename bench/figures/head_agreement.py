@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from specserve.bench.figures.head_vs_draft import drafter_arguments, head_name, write_report
 from specserve.decoding.eagle3_checkpoint import load_eagle3_head
 from specserve.training.prompts import load_prompt_set, select_prompts
-from specserve.training.train_eagle3 import target_features, ttt_forward
+from specserve.training.train_eagle3 import aux_features, ttt_forward
 
 
 def continuation(target, prompt_ids: list[int], max_tokens: int) -> tuple[torch.Tensor, int]:
@@ -39,10 +39,10 @@ def continuation(target, prompt_ids: list[int], max_tokens: int) -> tuple[torch.
     return window, len(prompt_ids)
 
 
-def head_drafts(head, aux_layers, target, window: torch.Tensor, depths: int) -> list[torch.Tensor]:
+def head_drafts(head, features: torch.Tensor, window: torch.Tensor, depths: int) -> list[torch.Tensor]:
     """Per depth j, the target id the head drafts at each row i of window [1, W]: token i + 2 + j,
-    fed the window's tokens before it (rows whose token is in the window)."""
-    features, _ = target_features(target, window[:, :-1], aux_layers)
+    fed the window's tokens before it (rows whose token is in the window). features: the target's
+    at the head's aux layers over window[:, :-1] (training.train_eagle3.target_features)."""
     return [head.draft_to_target[logits[0].argmax(-1)] for logits in ttt_forward(head, features, window, depths)]
 
 
@@ -62,12 +62,14 @@ def measure(target, draft, heads: dict, prompts: list[list[int]], max_tokens: in
     with torch.no_grad():
         for prompt in prompts:
             window, prompt_len = continuation(target, prompt, max_tokens)
-            greedy = target(window[:, :-1]).logits.argmax(-1)[0]    # greedy[t - 1]: the target's token t
+            output = target(window[:, :-1], output_hidden_states=True)   # one forward: every head's features
+            greedy = output.logits.argmax(-1)[0]    # greedy[t - 1]: the target's token t
             # A round's first draft is token t: the prefill gives token prompt_len, so t from
             # prompt_len + 1, and up to where all its depths are in the window.
             firsts = torch.arange(prompt_len + 1, window.shape[1] - depths + 1)
             for name, (head, aux_layers) in heads.items():
-                drafts = head_drafts(head, aux_layers, target, window, depths)   # row t - 2 drafts token t
+                drafts = head_drafts(head, aux_features(output.hidden_states, aux_layers), window,
+                                     depths)   # row t - 2 drafts token t
                 right = torch.stack([drafts[j][firsts - 2] == greedy[firsts - 1 + j] for j in range(depths)], dim=1)
                 runs[name].append(accepted_runs(right))
             drafted = draft(window[:, :-1]).logits.argmax(-1)[0]     # the draft model's token t: drafted[t - 1]
