@@ -37,6 +37,7 @@ from specserve.decoding.lean_forward import LeanDecoder, lean_support
 from specserve.decoding.null_forward import allowed_tokens, null_logits
 from specserve.decoding.checkpoint import resolve_device
 from specserve.decoding.device_copy import host_to_device, index_on
+from specserve.decoding.eagle3_head import aux_features
 from specserve.decoding.tensor_parallel import TensorParallelRank, agreed_minimum, in_group, join_group, weight_bytes
 from specserve.decoding.paged_attention import ATTENTION_NAME, FLASH_BLOCK_SIZE, PagedAttentionError, flash_kernel_available
 from specserve.decoding.weight_layout import input_major_linears
@@ -354,8 +355,7 @@ class BatchedModelRunner(RunnerBase):
                             logits_to_keep=0, paged_batch=view, output_hidden_states=bool(self.aux_layers))
         if not self.aux_layers:
             return output.logits[0]
-        # hidden_states[i] is layer i's input (index 0: the embeddings).
-        hidden = torch.cat([output.hidden_states[layer] for layer in self.aux_layers], dim=-1)
+        hidden = aux_features(output.hidden_states, self.aux_layers)
         return output.logits[0], hidden.reshape(-1, hidden.shape[-1])
 
     def _null_logits(self, input_ids: torch.Tensor, view) -> torch.Tensor:

@@ -30,6 +30,12 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from specserve.decoding.lean_forward import apply_rope, rope_signs
 
 
+def aux_features(hidden_states: Sequence[torch.Tensor], aux_layers: Sequence[int]) -> torch.Tensor:
+    """What a head fuses, from transformers' hidden_states (layer i's input is hidden_states[i],
+    index 0 the embeddings): the aux layers' concatenated in layer order."""
+    return torch.cat([hidden_states[layer] for layer in aux_layers], dim=-1)
+
+
 @dataclass(frozen=True)
 class Eagle3Shape:
     """The numbers a head's weights are built from (read from its config.json, decoding.eagle3_checkpoint)."""

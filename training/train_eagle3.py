@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from specserve.decoding.eagle3_checkpoint import default_aux_layers, load_eagle3_head
-from specserve.decoding.eagle3_head import Eagle3Head, Eagle3Shape
+from specserve.decoding.eagle3_head import Eagle3Head, Eagle3Shape, aux_features
 from specserve.decoding.lean_forward import apply_rope, rope_signs
 from specserve.training.corpus import iter_stdlib_files, split_corpus
 from specserve.training.default_pair import encode_files, lr_at, sample_batch, save_checkpoint
@@ -189,12 +189,6 @@ def target_features(target, windows: torch.Tensor, aux_layers) -> tuple[torch.Te
     with torch.no_grad():
         output = target(windows, output_hidden_states=True)
     return aux_features(output.hidden_states, aux_layers), output.logits
-
-
-def aux_features(hidden_states, aux_layers) -> torch.Tensor:
-    """A head's input from transformers' hidden_states (layer i's input is hidden_states[i]): the
-    aux layers' concatenated in layer order."""
-    return torch.cat([hidden_states[layer] for layer in aux_layers], dim=-1)
 
 
 def save_head(head: Eagle3Head, aux_layers, target_dir: str | Path, folder: str | Path) -> Path:

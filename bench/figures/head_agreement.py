@@ -27,8 +27,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specserve.bench.figures.head_vs_draft import drafter_arguments, head_name, write_report
 from specserve.decoding.eagle3_checkpoint import load_eagle3_head
+from specserve.decoding.eagle3_head import aux_features
 from specserve.training.prompts import load_prompt_set, select_prompts
-from specserve.training.train_eagle3 import aux_features, ttt_forward
+from specserve.training.train_eagle3 import ttt_forward
 
 
 def continuation(target, prompt_ids: list[int], max_tokens: int) -> tuple[torch.Tensor, int]:
