@@ -8,6 +8,13 @@ not finish (a prefill mid-chunk, a new sequence waiting for a KV slot) stay queu
 timer: a lone call starts at once. Every iteration, a lone call's too, runs in the worker thread:
 one on the event loop would hold up pings, releases and stats for as long as its forward takes.
 
+An iteration that makes progress without answering anything (a block mid-draft, a prefill
+mid-chunk, a target-only round mid-way) is followed by the next one in the worker thread itself,
+as long as nothing changed on the event loop meanwhile (no call arrived, none was released or
+given up): handing each step back to the event loop and out again would cost a thread switch and
+a few event-loop turns a token, which on a busy host cost about what a small model's step does.
+As soon as something changes, the loop takes over again, so a new call waits at most one step.
+
 Only the worker thread touches the engine's state while an iteration runs. Releases are applied
 between iterations, and drop any queued call of the released sequence (its request is gone), so
 a late call cannot resurrect freed state; readers on the event loop (stats) wait for a moment
@@ -60,14 +67,14 @@ class _Queued:
     call: Any
     future: asyncio.Future
     waiting_since_s: float = field(default_factory=time.monotonic)  # arrival, or last seen admitted
-    started_s: float | None = None  # perf_counter when the iteration that answered it began
+    started_s: float | None = None  # perf_counter when the iterations that answered it began
 
 
 class EngineLoop:
     """Queue + batching loop. `iterate(calls) -> ({index: result or Exception}, calls run)` runs in
     the worker thread; indices it leaves out stay queued for the next iteration. Calls run but not
     answered (a prefill mid-chunk, a block mid-draft) make progress: the next iteration starts at
-    once. An iteration that ran none (everything waits for a slot or blocks) is followed by a
+    once, in the worker thread while nothing changed (`_iterate_while_unchanged`). An iteration that ran none (everything waits for a slot or blocks) is followed by a
     short wait for a release or a new call."""
 
     def __init__(self, iterate: Callable[[list[Any]], tuple[dict[int, Any], int]], release: Callable[[str], None],
@@ -173,20 +180,20 @@ class EngineLoop:
             for queued in batch:  # a call left waiting is stamped again by the next iteration
                 queued.started_s = busy_from
             try:
-                results, ran = await loop.run_in_executor(self._executor, self._iterate_isolating,
-                                                          [q.call for q in batch])
+                results, iterations = await loop.run_in_executor(self._executor, self._iterate_while_unchanged, batch)
             finally:
                 self._running = False
                 self._busy_since = None
                 self._iteration_ended.set_result(None)
-            busy_s = time.perf_counter() - busy_from
-            self._stats.busy_s += busy_s
-            if ran:
-                self._stats.iterations += 1
-                self._stats.rows_total += ran
-                if self._on_iteration is not None:
-                    self._on_iteration(ran, busy_s, self._idle_before_s)
-                self._idle_before_s = 0.0
+            self._stats.busy_s += time.perf_counter() - busy_from
+            ran = 0
+            for ran, busy_s in iterations:
+                if ran:
+                    self._stats.iterations += 1
+                    self._stats.rows_total += ran
+                    if self._on_iteration is not None:
+                        self._on_iteration(ran, busy_s, self._idle_before_s)
+                    self._idle_before_s = 0.0
             for index, result in results.items():
                 future = batch[index].future
                 if future.done():  # the caller went away (cancelled)
@@ -207,6 +214,21 @@ class EngineLoop:
                     await asyncio.wait_for(self._wake.wait(), WAIT_FOR_SLOT_POLL_S)
                 except asyncio.TimeoutError:
                     pass
+
+    def _iterate_while_unchanged(self, batch: list[_Queued]) -> tuple[dict[int, Any], list[tuple[int, float]]]:
+        """(worker thread) Iterations over batch's calls, one after another while each runs calls
+        without answering any and the event loop has changed nothing: no call arrived, none was
+        released, none was given up by its caller. -> the last iteration's answers, and (calls
+        run, seconds) of every iteration. The event loop only appends to the queue and marks
+        releases while an iteration runs, so reading their lengths here is a safe test."""
+        calls, iterations = [queued.call for queued in batch], []
+        while True:
+            started = time.perf_counter()
+            results, ran = self._iterate_isolating(calls)
+            iterations.append((ran, time.perf_counter() - started))
+            if (results or not ran or len(self._queue) != len(batch) or self._pending_releases
+                    or any(queued.future.done() for queued in batch)):
+                return results, iterations
 
     def _iterate_isolating(self, calls: list[Any]) -> tuple[dict[int, Any], int]:
         """iterate(calls); if it fails as a whole, each call again alone (in the worker thread), so

@@ -47,6 +47,17 @@ class VerifyCall:
     proposal: Proposal | None = None       # the block verified (its q, for a sampled answer); None: a prefill
     verification: str = "block"            # how the owner verifies a sampled block (speculation.verification)
     features_from: int | None = None       # serving an EAGLE-3 head: answer the features from this position
+    steps: int = 1                         # a target-only round decodes up to this many tokens (DecodedSteps)
+
+
+@dataclass
+class _DecodingRound:
+    """A target-only round of several steps in progress (TargetEngine.step): the call as queued,
+    the call of its next step (the history grown by the tokens drawn so far) and the answers."""
+
+    call: VerifyCall
+    current: VerifyCall
+    answers: list
 
 
 class TargetEngine(EngineCore):
@@ -67,6 +78,8 @@ class TargetEngine(EngineCore):
         self.features_answered: set[str] = set()
         # The answering forward's features, by sequence, until its call returns them.
         self.features: dict[str, TargetFeatures] = {}
+        # Target-only rounds of several steps in progress, by sequence.
+        self.decoding: dict[str, _DecodingRound] = {}
         super().__init__(runner, engine_options, name)
 
     def forget(self, seq_id: str) -> None:
@@ -76,6 +89,7 @@ class TargetEngine(EngineCore):
         self.prompt_entries.pop(seq_id, None)
         self.features.pop(seq_id, None)
         self.features_answered.discard(seq_id)
+        self.decoding.pop(seq_id, None)
 
     async def verify(self, seq_id: str, history: HistoryUpdate, proposal: Proposal | None, params: SamplingParams,
                      first_output_index: int | None = None, prompt_logprobs: int | None = None,
@@ -98,7 +112,7 @@ class TargetEngine(EngineCore):
         verification: the owner's ("block" or "token"), which a sampled answer's residuals follow.
         features_from: serving an EAGLE-3 head, answer the features from this position on (read
         from the cache, where every forward stores them): a replacement draft engine lacks them.
-        steps: a round without a block may decode up to this many tokens here (`_decode_on`)
+        steps: a round without a block may decode up to this many tokens here (`step`)
         and answer DecodedSteps."""
         proposal = proposal or empty_proposal()
         committed = self.committed(seq_id, history)
@@ -108,42 +122,67 @@ class TargetEngine(EngineCore):
             features_from = features_start(committed, seq_id in self.features_answered)
         token_ids = committed + list(proposal.token_ids)
         num_rows = len(token_ids) if prompt_logprobs is not None else len(proposal.token_ids) + 1
+        several = steps > 1 and not proposal.token_ids and prompt_logprobs is None and capture_top_k is None \
+            and not self.reads_features
         call = VerifyCall(seq_id, token_ids, num_rows, params, first_output_index, prompt_logprobs, capture_top_k,
-                          proposal, verification, features_from if self.reads_features else None)
+                          proposal, verification, features_from if self.reads_features else None,
+                          steps if several else 1)
         rows, span = await self.submit(call)
-        if steps > 1 and not proposal.token_ids and prompt_logprobs is None and capture_top_k is None \
-                and not self.reads_features:
-            rows, span = await self._decode_on(call, rows, span, steps)
         span = replace(span, cached_tokens=self.scheduler.blocks.prefix_cached_tokens(seq_id),
                        features=self.features.pop(seq_id, None))
         self.call_log.record("verify", seq_id, span)
         return rows, span
 
-    async def _decode_on(self, call: VerifyCall, answer: object, span: CallSpan,
-                         steps: int) -> tuple[DecodedSteps, CallSpan]:
-        """A target-only round's further steps, as vLLM's multi-step scheduling runs them: each
-        feeds the token the step before drew and is batched with every other call like any
-        verify, so the router, the channel and the stream pay once for up to `steps` tokens.
-        The answers are those the same number of plain rounds would get (the same rows, the same
-        draws from the sequence's generator); the router commits them in order and stops where
-        the request ends (a stop string, max_tokens), so a token decoded past that is only work
-        thrown away. Decoding stops here at a token that ends the request (`ending_ids`, the
-        rule RequestState commits by). A later step's error ends the round with the answers so
-        far: the next round's first step meets it again and reports it as a plain round does."""
-        answers, ends = [answer], ending_ids(self.runner.eos_token_ids, call.params)
-        while len(answers) < steps:
-            token = target_token(split_logprobs(call.params, answers[-1])[0])
-            if token in ends:
-                break
-            call = replace(call, token_ids=[*call.token_ids, token], first_output_index=None
-                           if call.first_output_index is None else call.first_output_index + 1)
-            try:
-                answer, last = await self.submit(call)
-            except Exception:   # noqa: BLE001: the next round reports it (see above)
-                break
-            answers.append(answer)
-            span = replace(span, left_s=last.left_s)
-        return DecodedSteps(tuple(answers)), span
+    def step(self, calls: list[VerifyCall]) -> tuple[dict[int, object], int]:
+        """EngineCore.step, with target-only rounds of several steps (VerifyCall.steps) run as
+        vLLM's multi-step scheduling runs them: the call stays queued, each iteration decodes the
+        token the one before drew, batched with every other call like any verify, and the call is
+        answered DecodedSteps once it has `steps` answers, so the router, the channel and the
+        stream pay once for up to `steps` tokens (and the batching loop runs the steps back to
+        back in its worker thread while nothing else arrives). The answers are those the same
+        number of plain rounds would get (the same rows, the same draws from the sequence's
+        generator); the router commits them in order and stops where the request ends (a stop
+        string, max_tokens), so a token decoded past that is only work thrown away. Decoding stops
+        here at a token that ends the request (`ending_ids`, the rule RequestState commits by). A
+        later step's error ends the round with the answers so far: the next round's first step
+        meets it again and reports it as a plain round does."""
+        try:
+            results, ran = super().step([self._step_call(call) for call in calls])
+        except Exception:
+            if len(calls) == 1 and calls[0].steps > 1:   # run alone (the loop isolates a failing batch's calls)
+                decoding = self.decoding.pop(calls[0].seq_id, None)
+                if decoding is not None and decoding.call is calls[0] and decoding.answers:
+                    return {0: DecodedSteps(tuple(decoding.answers))}, 1
+            raise
+        for index, result in list(results.items()):
+            call = calls[index]
+            if call.steps == 1:
+                continue
+            decoding = self.decoding[call.seq_id]
+            if isinstance(result, BaseException):
+                if decoding.answers:
+                    results[index] = DecodedSteps(tuple(decoding.answers))
+                del self.decoding[call.seq_id]
+                continue
+            decoding.answers.append(result)
+            token = target_token(split_logprobs(call.params, result)[0])
+            if len(decoding.answers) == call.steps or token in ending_ids(self.runner.eos_token_ids, call.params):
+                results[index] = DecodedSteps(tuple(self.decoding.pop(call.seq_id).answers))
+                continue
+            del results[index]   # run, not answered: the next iteration decodes on
+            current = decoding.current
+            decoding.current = replace(current, token_ids=[*current.token_ids, token], first_output_index=None
+                                       if current.first_output_index is None else current.first_output_index + 1)
+        return results, ran
+
+    def _step_call(self, call: VerifyCall) -> VerifyCall:
+        """The call this iteration runs for call: itself, or a round of several steps' next step."""
+        if call.steps == 1:
+            return call
+        decoding = self.decoding.get(call.seq_id)
+        if decoding is None or decoding.call is not call:   # its first step (any earlier round's is over)
+            decoding = self.decoding[call.seq_id] = _DecodingRound(call, call, [])
+        return decoding.current
 
     def shape(self, call: VerifyCall) -> CallShape:
         return CallShape(call.seq_id, call.token_ids, self._rows_wanted(call))

@@ -154,7 +154,7 @@ TICKET_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "ma
                    structured=GrammarSpec.json_schema(TICKET_SCHEMA, "response_format", whitespace_flexible=False)),
 ], ids=["greedy", "seeded-penalties-logprobs", "seeded-json-schema"])
 def test_a_target_only_round_of_several_steps_answers_what_as_many_plain_rounds_answer(pair, params):
-    """A round without a block decodes up to `steps` tokens in the target (TargetEngine._decode_on):
+    """A round without a block decodes up to `steps` tokens in the target (TargetEngine.step):
     each step's answer equals a plain round's on the history the steps before committed (rows,
     seeded draws, logprob entries); the output-position bookkeeping of penalties, min_tokens and the
     grammar moves on with each step (a step counting the prompt one token longer breaks the
@@ -184,6 +184,30 @@ def test_a_target_only_round_of_several_steps_answers_what_as_many_plain_rounds_
     assert isinstance(decoded, DecodedSteps) and decoded.answers == tuple(expected)
     if stopped is not None:
         assert stopped[0] == stopped[1]
+
+
+def test_a_target_only_rounds_later_step_that_fails_ends_it_with_the_answers_so_far(pair):
+    """The third step's forward fails: the round answers its first two steps (the next round meets
+    the error again and reports it), and the engine keeps no state of the round."""
+    target_path, _ = pair
+
+    async def scenario():
+        engine = TargetEngine(spec(target_path), options())
+        forward_batch, forwards = engine.scheduler.forward_batch, []
+
+        def failing_third(calls):
+            forwards.append(len(calls))
+            if len(forwards) == 3:
+                raise RuntimeError("the device fell over")
+            return forward_batch(calls)
+
+        engine.scheduler.forward_batch = failing_third
+        decoded, _ = await engine.verify("s", whole(HISTORIES[0]), None, GREEDY, 0, None, None, "block", None, 6)
+        return engine, decoded
+
+    engine, decoded = asyncio.run(scenario())
+    assert isinstance(decoded, DecodedSteps) and len(decoded.answers) == 2
+    assert engine.decoding == {}
 
 
 def test_prompt_logprobs_are_computed_chunk_by_chunk_and_equal_the_whole_prompts(pair):
@@ -370,6 +394,54 @@ def test_an_idle_loop_reads_idle_now_not_as_busy_as_at_its_last_forward():
         assert after.idle_s - before.idle_s >= 0.25
 
     asyncio.run(scenario())
+
+
+def test_a_call_that_takes_several_iterations_runs_them_in_the_worker_unless_a_call_arrives():
+    """A call run for four iterations before it is answered (a block mid-draft) runs them one
+    after another in the worker thread: its span starts at the first. A call that arrives while
+    they run joins the very next iteration instead of waiting for the first call's answer."""
+    import threading
+    from types import SimpleNamespace
+
+    from specserve.deployments.engine_loop import EngineLoop
+
+    batches, first_ran, go_on = [], threading.Event(), threading.Event()
+
+    def iterate(calls):   # "a" is answered at its fourth iteration, "b" at its first
+        batches.append(([call.seq_id for call in calls], threading.current_thread().name, time.perf_counter()))
+        runs = sum("a" in seqs for seqs, _, _ in batches)
+        if runs == 1 and len(batches) == 1 and gate[0]:
+            first_ran.set()
+            go_on.wait(5)
+        answers = {index: call.seq_id for index, call in enumerate(calls) if call.seq_id == "b"}
+        if runs == 4:
+            answers[[call.seq_id for call in calls].index("a")] = "a"
+        return answers, len(calls)
+
+    async def scenario():
+        loop = EngineLoop(iterate, lambda seq_id: None)
+        answer, started_s = await loop.submit_timed(SimpleNamespace(seq_id="a"))
+        return answer, started_s
+
+    gate = [False]
+    answer, started_s = asyncio.run(scenario())
+    assert answer == "a" and [seqs for seqs, _, _ in batches] == [["a"]] * 4
+    assert {thread for _, thread, _ in batches} == {batches[0][1]} != threading.current_thread().name
+    assert started_s <= batches[0][2], "the span starts at the call's first iteration"
+
+    async def arrival():
+        loop = EngineLoop(iterate, lambda seq_id: None)
+        first = asyncio.ensure_future(loop.submit(SimpleNamespace(seq_id="a")))
+        await asyncio.get_running_loop().run_in_executor(None, first_ran.wait, 5)
+        second = asyncio.ensure_future(loop.submit(SimpleNamespace(seq_id="b")))
+        await asyncio.sleep(0.05)
+        go_on.set()
+        return await asyncio.gather(first, second)
+
+    batches.clear()
+    gate[0] = True
+    assert asyncio.run(arrival()) == ["a", "b"]
+    assert [seqs for seqs, _, _ in batches][:2] == [["a"], ["a", "b"]], batches
 
 
 def test_a_call_waits_for_kv_blocks_then_runs_or_gets_overloaded(pair):
