@@ -79,10 +79,12 @@ def target_rows_batch(logits: torch.Tensor, calls: Sequence[RowsCall]) -> list[t
     if first_row != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} rows for calls of {first_row} rows")
     processed = batch.apply(logits)
-    row_params = RowParams.of([call.params for call in calls for _ in range(call.num_rows)], logits.shape[-1],
-                              logits.device)
-    argmax = processed.argmax(dim=-1) if row_params.any_greedy else None
-    probs = process_rows(processed, row_params) if not row_params.all_greedy else None
+    greedy = [call.params.is_greedy for call in calls]
+    argmax = processed.argmax(dim=-1) if any(greedy) else None
+    probs = None
+    if not all(greedy):   # (a greedy batch, the common case, needs no per-row parameters on the device)
+        probs = process_rows(processed, RowParams.of([call.params for call in calls for _ in range(call.num_rows)],
+                                                     logits.shape[-1], logits.device))
     answers, first_row = [], 0
     for index, call in enumerate(calls):
         rows = slice(first_row, first_row + call.num_rows)
