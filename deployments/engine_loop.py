@@ -11,7 +11,7 @@ one on the event loop would hold up pings, releases and stats for as long as its
 An iteration that makes progress without answering anything (a block mid-draft, a prefill
 mid-chunk, a target-only round mid-way) is followed by the next one in the worker thread itself,
 as long as nothing changed on the event loop meanwhile (no call arrived, none was released or
-given up): handing each step back to the event loop and out again would cost a thread switch and
+given up, no stats reader waits): handing each step back to the event loop and out again would cost a thread switch and
 a few event-loop turns a token, which on a busy host cost about what a small model's step does.
 As soon as something changes, the loop takes over again, so a new call waits at most one step.
 
@@ -94,6 +94,7 @@ class EngineLoop:
         self._pending_releases: list[str] = []
         self._running = False
         self._iteration_ended: asyncio.Future | None = None  # resolved when the running iteration ends
+        self._reader_waiting = False  # a stats reader waits for the running iterations to end
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-forward")
         self._task: asyncio.Task | None = None
@@ -134,8 +135,10 @@ class EngineLoop:
 
     async def between_iterations(self) -> None:
         """Return at a moment no iteration runs (the worker thread is not touching the engine's
-        state), so the caller may read that state on the event loop until its next await."""
+        state), so the caller may read that state on the event loop until its next await. A
+        reader waiting counts as a change: the worker thread ends its run of iterations."""
         while self._running:
+            self._reader_waiting = True
             await asyncio.shield(self._iteration_ended)
 
     def release(self, seq_id: str) -> None:
@@ -182,7 +185,7 @@ class EngineLoop:
             try:
                 results, iterations = await loop.run_in_executor(self._executor, self._iterate_while_unchanged, batch)
             finally:
-                self._running = False
+                self._running = self._reader_waiting = False
                 self._busy_since = None
                 self._iteration_ended.set_result(None)
             self._stats.busy_s += time.perf_counter() - busy_from
@@ -218,16 +221,17 @@ class EngineLoop:
     def _iterate_while_unchanged(self, batch: list[_Queued]) -> tuple[dict[int, Any], list[tuple[int, float]]]:
         """(worker thread) Iterations over batch's calls, one after another while each runs calls
         without answering any and the event loop has changed nothing: no call arrived, none was
-        released, none was given up by its caller. -> the last iteration's answers, and (calls
-        run, seconds) of every iteration. The event loop only appends to the queue and marks
-        releases while an iteration runs, so reading their lengths here is a safe test."""
+        released, none was given up by its caller, no reader waits for a moment between
+        iterations. -> the last iteration's answers, and (calls run, seconds) of every iteration.
+        The event loop only appends to the queue and sets flags while an iteration runs, so
+        reading them here is a safe test."""
         calls, iterations = [queued.call for queued in batch], []
         while True:
             started = time.perf_counter()
             results, ran = self._iterate_isolating(calls)
             iterations.append((ran, time.perf_counter() - started))
             if (results or not ran or len(self._queue) != len(batch) or self._pending_releases
-                    or any(queued.future.done() for queued in batch)):
+                    or self._reader_waiting or any(queued.future.done() for queued in batch)):
                 return results, iterations
 
     def _iterate_isolating(self, calls: list[Any]) -> tuple[dict[int, Any], int]:

@@ -443,6 +443,22 @@ def test_a_call_that_takes_several_iterations_runs_them_in_the_worker_unless_a_c
     assert asyncio.run(arrival()) == ["a", "b"]
     assert [seqs for seqs, _, _ in batches][:2] == [["a"], ["a", "b"]], batches
 
+    async def reader():   # a stats reader gets its moment between two of the four iterations
+        loop = EngineLoop(iterate, lambda seq_id: None)
+        first = asyncio.ensure_future(loop.submit(SimpleNamespace(seq_id="a")))
+        await asyncio.get_running_loop().run_in_executor(None, first_ran.wait, 5)
+        between = asyncio.ensure_future(loop.between_iterations())
+        await asyncio.sleep(0.05)
+        go_on.set()
+        await between
+        seen = len(batches)
+        return await first, seen
+
+    batches.clear()
+    first_ran.clear()
+    go_on.clear()
+    assert asyncio.run(reader()) == ("a", 1)
+
 
 def test_a_call_waits_for_kv_blocks_then_runs_or_gets_overloaded(pair):
     """A budget of 20 blocks of 16 tokens (the tiny target's max_model_len of 256 needs 16): a
