@@ -52,10 +52,10 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     return attended.transpose(1, 2).contiguous(), None
 
 
-def sdpa_over_gathered(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+def sdpa_over_gathered(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                        scaling: float | None, softcap: float | None) -> torch.Tensor:
     """Attention of query [B, H, T, D] over gathered keys/values [B, kv heads, L, D] under an
-    additive mask [B, 1, T, L] -> [B, H, T, D]. A soft-cap (Gemma 2) is applied to the scaled
+    additive mask [B, 1, T, L] (None: every key is seen) -> [B, H, T, D]. A soft-cap (Gemma 2) is applied to the scaled
     scores before the mask, as transformers' eager attention does; SDPA cannot, so that path runs
     the same arithmetic by hand."""
     groups = query.shape[1] // keys.shape[1]
@@ -66,7 +66,9 @@ def sdpa_over_gathered(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
         keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     scores = torch.matmul(query, keys.transpose(2, 3)) * scale
-    scores = torch.tanh(scores / softcap) * softcap + mask
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores + mask
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     return torch.matmul(weights, values)
 

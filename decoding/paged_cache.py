@@ -518,11 +518,14 @@ class PagedBatchView:
         return sdpa_over_gathered(query, self._read(keys, group), self._read(values, group), self.mask(sliding_window),
                                   scaling, softcap)
 
-    def mask(self, sliding_window: int | None) -> torch.Tensor:
+    def mask(self, sliding_window: int | None) -> torch.Tensor | None:
         """The gathering reference's additive mask [B, 1, T, kv_length] of a layer whose window is
         sliding_window tokens (None: full attention), built on the device from the positions:
         transformers' rule, a query at position q sees keys at positions (q - window, q]. Built
-        once per window and forward."""
+        once per window and forward. None where it would hide nothing: a lone row's one new token
+        under full attention sees every key gathered for it (a draft's or a decode's step)."""
+        if sliding_window is None and self.layout.position_ids.shape == (1, 1):
+            return None
         mask = self._masks.get(sliding_window)
         if mask is None:
             layout = self.layout

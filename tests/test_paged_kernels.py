@@ -75,6 +75,23 @@ def test_the_comparison_catches_a_kernel_that_ignores_the_window():
     assert float((windowed[0, :, 0] - unwindowed[0, :, 0]).abs().max()) > 100 * ATOL
 
 
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_a_lone_rows_one_token_step_needs_no_mask_and_attends_as_flex_does(softcap):
+    """A draft's or a decode's step (one row, one new token, full attention) sees every key
+    gathered for it, so the gathering path builds no mask; its answer is flex's (which takes no
+    mask) for each row of the cache alone, with and without a soft-cap. A window still masks."""
+    cache, tables, starts, _ = filled_cache(heads=4, head_dim=8, seed=0, windowed=False)
+    for row in range(3):
+        layout = paged_layout([[tables[row]]], [starts[row]], [1], BLOCK, torch.float32, torch.device("cpu"))
+        generator = torch.Generator().manual_seed(row)
+        query, keys, values = (torch.randn(1, 4, 1, 8, generator=generator) for _ in range(3))
+        gather, flex = cache.view(layout), cache.view(layout, kernel="flex")
+        assert gather.mask(None) is None and gather.mask(6) is not None
+        torch.testing.assert_close(gather.attend(0, query, keys, values, scaling=0.3, softcap=softcap),
+                                   flex.attend(0, query, keys, values, scaling=0.3, softcap=softcap),
+                                   atol=ATOL, rtol=0)
+
+
 class HostSyncCounter(TorchDispatchMode):
     """Counts the aten operations that make the host wait for the device: reading a scalar
     (.item(), int(), bool()), and ops whose output size depends on the data (nonzero, boolean-mask
