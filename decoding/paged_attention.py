@@ -55,9 +55,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
 def sdpa_over_gathered(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                        scaling: float | None, softcap: float | None) -> torch.Tensor:
     """Attention of query [B, H, T, D] over gathered keys/values [B, kv heads, L, D] under an
-    additive mask [B, 1, T, L] (None: every key is seen) -> [B, H, T, D]. A soft-cap (Gemma 2) is applied to the scaled
-    scores before the mask, as transformers' eager attention does; SDPA cannot, so that path runs
-    the same arithmetic by hand."""
+    additive mask [B, 1, T, L] (None: every key is seen) -> [B, H, T, D]. A soft-cap (Gemma 2) is
+    applied to the scaled scores before the mask, as transformers' eager attention does; SDPA
+    cannot, so that path runs the same arithmetic by hand."""
     groups = query.shape[1] // keys.shape[1]
     if softcap is None:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,

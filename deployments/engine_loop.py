@@ -11,9 +11,10 @@ one on the event loop would hold up pings, releases and stats for as long as its
 An iteration that makes progress without answering anything (a block mid-draft, a prefill
 mid-chunk, a target-only round mid-way) is followed by the next one in the worker thread itself,
 as long as nothing changed on the event loop meanwhile (no call arrived, none was released or
-given up, no stats reader waits): handing each step back to the event loop and out again would cost a thread switch and
-a few event-loop turns a token, which on a busy host cost about what a small model's step does.
-As soon as something changes, the loop takes over again, so a new call waits at most one step.
+given up, no stats reader waits): handing each step back to the event loop and out again would
+cost a thread switch and a few event-loop turns a token, which on a busy host cost about what a
+small model's step does. As soon as something changes, the loop takes over again, so a new call
+waits at most one step.
 
 Only the worker thread touches the engine's state while an iteration runs. Releases are applied
 between iterations, and drop any queued call of the released sequence (its request is gone), so
@@ -74,8 +75,9 @@ class EngineLoop:
     """Queue + batching loop. `iterate(calls) -> ({index: result or Exception}, calls run)` runs in
     the worker thread; indices it leaves out stay queued for the next iteration. Calls run but not
     answered (a prefill mid-chunk, a block mid-draft) make progress: the next iteration starts at
-    once, in the worker thread while nothing changed (`_iterate_while_unchanged`). An iteration that ran none (everything waits for a slot or blocks) is followed by a
-    short wait for a release or a new call."""
+    once, in the worker thread while nothing changed (`_iterate_while_unchanged`). An iteration
+    that ran none (everything waits for a slot or blocks) is followed by a short wait for a
+    release or a new call."""
 
     def __init__(self, iterate: Callable[[list[Any]], tuple[dict[int, Any], int]], release: Callable[[str], None],
                  admission_timeout_s: float = 30.0,
