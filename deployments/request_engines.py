@@ -72,20 +72,28 @@ class RequestEngines:
         """A target engine, preferably the one likely to hold the prompt's prefix
         (policies.prefix_routing; 503 when no target replica answers in time) and a draft engine if one
         answers within limits.draft_wait_s: speculation is an optimisation, so a request serves
-        target-only rather than wait. The draft prefills while the target does.
+        target-only rather than wait. Both are asked at once (each a Serve call), and the draft
+        prefills while the target does.
         -> False when there is a draft pool but none of its engines answered."""
         self.affinity_key = prefix_key(state.prompt_ids)
+        draft = None if self.draft_workers is None else asyncio.ensure_future(
+            asyncio.wait_for(self.draft_workers.get_engine.remote(), self.limits.draft_wait_s))
         try:
             self.target = await asyncio.wait_for(self.target_workers.get_engine.remote(self.affinity_key),
                                                  self.limits.engine_wait_s)
-        except asyncio.TimeoutError:
-            raise ServerOverloadedError(f"no target replica became available within "
-                                        f"{self.limits.engine_wait_s:.0f} s", retry_after_s=5.0) from None
+        except BaseException as error:
+            if draft is not None:
+                draft.add_done_callback(_observed)
+                draft.cancel()
+            if isinstance(error, asyncio.TimeoutError):
+                raise ServerOverloadedError(f"no target replica became available within "
+                                            f"{self.limits.engine_wait_s:.0f} s", retry_after_s=5.0) from None
+            raise
         self.touched.append(self.target)
-        if self.draft_workers is None:
+        if draft is None:
             return True
         try:
-            self.draft = await asyncio.wait_for(self.draft_workers.get_engine.remote(), self.limits.draft_wait_s)
+            self.draft = await draft
         except Exception:
             logger.warning("no draft engine available; serving target-only", exc_info=True)
             return False
