@@ -157,16 +157,19 @@ def orchestration_ms(stages: dict[str, float]) -> float:
 
 
 def class_summary(records: list[dict], span_s: float) -> dict:
-    """One request class's figures: tok/s over its requests' own wall time, and per round the
-    orchestration (median, mean), the hops and the engines' share."""
+    """One request class's figures: tok/s over its requests' own wall time, the client's time to
+    the first token (median), and per round the orchestration (median, mean), the hops and the
+    engines' share."""
     stages = [r for record in records for r in (record.get("round_stages_ms") or [])]
     orchestration = [orchestration_ms(r) for r in stages]
     tokens = sum(r["num_output_tokens"] for r in records)
     drafted = sum(r["num_drafted"] for r in records)
     hops = [sum(r.get(k, 0.0) for k in ("draft_hop_out", "draft_hop_back", "target_hop_out", "target_hop_back"))
             for r in stages]
+    first_token_ms = [1000 * r["ttft_s"] for r in records if r.get("ttft_s") is not None]
     return {"requests": len(records), "rounds_profiled": len(stages),
             "tokens_per_s": round(tokens / span_s, 1) if span_s > 0 else None,
+            "ttft_median_ms": round(statistics.median(first_token_ms), 3) if first_token_ms else None,
             "acceptance": round(sum(r["num_accepted"] for r in records) / drafted, 3) if drafted else None,
             "orchestration_median_ms": round(statistics.median(orchestration), 3) if stages else None,
             "orchestration_mean_ms": round(statistics.fmean(orchestration), 3) if stages else None,
@@ -211,7 +214,8 @@ def compare_trees(args) -> None:
              "- orchestration per round = round wall time minus the time it waited in the engines "
              "(forwards and batching-loop waits): hops plus the router's own work", "",
              "| class | tree | orchestration ms per round, median (per turn) | mean | hops ms, median | "
-             "round wall ms, median | engines ms, median | tok/s (per turn) |", "|---|---|---|---|---|---|---|---|"]
+             "round wall ms, median | engines ms, median | tok/s (per turn) | first token ms, median (per turn) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     summary = {}
     for mode in modes:
         for label, _ in trees:
@@ -219,12 +223,13 @@ def compare_trees(args) -> None:
             median = lambda key: round(statistics.median(c[key] for c in per_turn), 3)  # noqa: E731
             summary[f"{mode}/{label}"] = {key: median(key) for key in (
                 "orchestration_median_ms", "orchestration_mean_ms", "hops_median_ms", "wall_median_ms",
-                "engines_median_ms", "tokens_per_s")}
+                "engines_median_ms", "tokens_per_s", "ttft_median_ms")}
             lines.append(f"| {mode} | {label} | {median('orchestration_median_ms')} "
                          f"({', '.join(str(c['orchestration_median_ms']) for c in per_turn)}) | "
                          f"{median('orchestration_mean_ms')} | {median('hops_median_ms')} | {median('wall_median_ms')} | "
                          f"{median('engines_median_ms')} | {median('tokens_per_s')} "
-                         f"({', '.join(str(c['tokens_per_s']) for c in per_turn)}) |")
+                         f"({', '.join(str(c['tokens_per_s']) for c in per_turn)}) | {median('ttft_median_ms')} "
+                         f"({', '.join(str(c['ttft_median_ms']) for c in per_turn)}) |")
     result["summary"] = summary
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

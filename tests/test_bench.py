@@ -284,11 +284,12 @@ def test_a_classes_orchestration_is_each_rounds_wall_minus_its_time_in_the_engin
              "target_hop_out": 0.5, "target_loop_wait": 0.0, "target_compute": 20.0, "target_hop_back": 0.5}
     cached = {"wall": 24.0, "draft_hop_out": 0.5, "draft_loop_wait": 0.0, "draft_compute": 0.0, "draft_hop_back": 0.5,
               "target_hop_out": 0.5, "target_compute": 20.0, "target_hop_back": 0.5}
-    record = {"num_output_tokens": 10, "num_drafted": 8, "num_accepted": 6, "round_stages_ms": [fresh, cached]}
+    record = {"num_output_tokens": 10, "num_drafted": 8, "num_accepted": 6, "round_stages_ms": [fresh, cached],
+              "ttft_s": 0.05}
     summary = class_summary([record], 2.0)
     # 30 - 27 and 24 - 20: the hops (2 ms each) and the router's own work
     assert summary["orchestration_median_ms"] == pytest.approx(3.5) and summary["hops_median_ms"] == pytest.approx(2.0)
-    assert summary["tokens_per_s"] == 5.0 and summary["acceptance"] == 0.75
+    assert summary["tokens_per_s"] == 5.0 and summary["acceptance"] == 0.75 and summary["ttft_median_ms"] == 50.0
 
 
 def test_combined_sweep_runs_average_each_variant_and_level():
