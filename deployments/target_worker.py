@@ -21,7 +21,7 @@ import torch
 from ray import serve
 
 from specserve.common.messages import CallSpan, DecodedSteps, HistoryUpdate, UnknownHistory
-from specserve.decoding.batched_runner import TargetFeatures, features_start, load_runner
+from specserve.decoding.batched_runner import TargetFeatures, features_start, load_runner, merged_features
 from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.capture import top_rows
 from specserve.decoding.grammar import GrammarDeadEndError, GrammarMatcher, GrammarMatchers
@@ -58,6 +58,7 @@ class _DecodingRound:
     call: VerifyCall
     current: VerifyCall
     answers: list
+    features: TargetFeatures | None = None   # serving a head: the steps' features so far, merged
 
 
 class TargetEngine(EngineCore):
@@ -122,8 +123,7 @@ class TargetEngine(EngineCore):
             features_from = features_start(committed, seq_id in self.features_answered)
         token_ids = committed + list(proposal.token_ids)
         num_rows = len(token_ids) if prompt_logprobs is not None else len(proposal.token_ids) + 1
-        several = steps > 1 and not proposal.token_ids and prompt_logprobs is None and capture_top_k is None \
-            and not self.reads_features
+        several = steps > 1 and not proposal.token_ids and prompt_logprobs is None and capture_top_k is None
         call = VerifyCall(seq_id, token_ids, num_rows, params, first_output_index, prompt_logprobs, capture_top_k,
                           proposal, verification, features_from if self.reads_features else None,
                           steps if several else 1)
@@ -145,14 +145,15 @@ class TargetEngine(EngineCore):
         string, max_tokens), so a token decoded past that is only work thrown away. Decoding stops
         here at a token that ends the request (`ending_ids`, the rule RequestState commits by). A
         later step's error ends the round with the answers so far: the next round's first step
-        meets it again and reports it as a plain round does."""
+        meets it again and reports it as a plain round does. Serving a head, each step computes
+        the features of the token it feeds, and the answer carries every step's, merged."""
         try:
             results, ran = super().step([self._step_call(call) for call in calls])
         except Exception:
             if len(calls) == 1 and calls[0].steps > 1:   # run alone (the loop isolates a failing batch's calls)
                 decoding = self.decoding.pop(calls[0].seq_id, None)
                 if decoding is not None and decoding.call is calls[0] and decoding.answers:
-                    return {0: DecodedSteps(tuple(decoding.answers))}, 1
+                    return {0: self._decoded(decoding)}, 1
             raise
         for index, result in list(results.items()):
             call = calls[index]
@@ -161,19 +162,27 @@ class TargetEngine(EngineCore):
             decoding = self.decoding[call.seq_id]
             if isinstance(result, BaseException):
                 if decoding.answers:
-                    results[index] = DecodedSteps(tuple(decoding.answers))
+                    results[index] = self._decoded(decoding)
                 del self.decoding[call.seq_id]
                 continue
             decoding.answers.append(result)
+            decoding.features = merged_features(decoding.features, self.features.pop(call.seq_id, None))
             token = target_token(split_logprobs(call.params, result)[0])
             if len(decoding.answers) == call.steps or token in ending_ids(self.runner.eos_token_ids, call.params):
-                results[index] = DecodedSteps(tuple(self.decoding.pop(call.seq_id).answers))
+                results[index] = self._decoded(self.decoding.pop(call.seq_id))
                 continue
             del results[index]   # run, not answered: the next iteration decodes on
             current = decoding.current
             decoding.current = replace(current, token_ids=[*current.token_ids, token], first_output_index=None
-                                       if current.first_output_index is None else current.first_output_index + 1)
+                                       if current.first_output_index is None else current.first_output_index + 1,
+                                       features_from=len(current.token_ids) if self.reads_features else None)
         return results, ran
+
+    def _decoded(self, decoding: _DecodingRound) -> DecodedSteps:
+        """A round of several steps' answer; its features (serving a head) for the call to return."""
+        if decoding.features is not None:
+            self.features[decoding.call.seq_id] = decoding.features
+        return DecodedSteps(tuple(decoding.answers))
 
     def _step_call(self, call: VerifyCall) -> VerifyCall:
         """The call this iteration runs for call: itself, or a round of several steps' next step."""

@@ -233,3 +233,47 @@ def test_a_draft_engine_lacking_a_requests_features_says_so_and_drafts_once_the_
         await target.release("r")
 
     asyncio.run(scenario())
+
+
+def test_a_head_serving_targets_round_of_several_steps_answers_every_steps_features(family):
+    """A target-only round of four steps on a target serving a head answers what four one-step
+    rounds answer, and the features of every position they computed, merged (the head needs
+    them all to draft again when the request speculates later)."""
+    import asyncio
+
+    from specserve.common.messages import DecodedSteps
+    from specserve.decoding.batched_runner import merged_features
+    from specserve.decoding.proposers import Proposal
+    from specserve.decoding.sampling import SamplingParams
+    from specserve.decoding.sequence import RequestState
+    from specserve.decoding.speculation import accept_round
+    from specserve.deployments.committed_history import HistorySender, RunningDigest
+    from specserve.deployments.target_worker import TargetEngine
+    from tests.test_engines import options, spec
+
+    family_, _ = family
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    prompt = [5, 17, 42, 8, 3, 33]
+
+    async def scenario(steps: int):
+        target = TargetEngine({**spec(family_.target, 2), "aux_layers": SPECULATORS_LAYERS}, options())
+        state = RequestState(request_id="r", prompt_ids=prompt, params=greedy, eos_token_id=None, max_context=256)
+        to_target, features = HistorySender(RunningDigest()), None
+        rows, span = await target.verify("r", to_target.update(state), None, greedy, state.next_output_index)
+        accept_round(state, Proposal([], None), rows)
+        features = span.features
+        for _ in range(4 // steps):
+            rows, span = await target.verify("r", to_target.update(state), None, greedy, state.next_output_index,
+                                             None, None, "block", None, steps)
+            if steps > 1:
+                assert isinstance(rows, DecodedSteps) and len(rows.answers) == steps
+            for answer in rows.answers if steps > 1 else (rows,):
+                accept_round(state, Proposal([], None), answer)
+            features = merged_features(features, span.features)
+        assert target.decoding == {}
+        return state.output_ids, features
+
+    (plain, plain_features), (stepped, stepped_features) = (asyncio.run(scenario(steps)) for steps in (1, 4))
+    assert stepped == plain and len(plain) == 5
+    assert (stepped_features.start, stepped_features.end) == (plain_features.start, plain_features.end) == (0, 10)
+    torch.testing.assert_close(stepped_features.hidden, plain_features.hidden, atol=1e-5, rtol=0)
