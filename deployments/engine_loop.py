@@ -191,14 +191,14 @@ class EngineLoop:
                 self._busy_since = None
                 self._iteration_ended.set_result(None)
             self._stats.busy_s += time.perf_counter() - busy_from
-            ran = 0
-            for ran, busy_s in iterations:
-                if ran:
+            for rows, busy_s in iterations:
+                if rows:
                     self._stats.iterations += 1
-                    self._stats.rows_total += ran
+                    self._stats.rows_total += rows
                     if self._on_iteration is not None:
-                        self._on_iteration(ran, busy_s, self._idle_before_s)
+                        self._on_iteration(rows, busy_s, self._idle_before_s)
                     self._idle_before_s = 0.0
+            ran = iterations[-1][0]   # calls the last iteration ran (only the last may have run none)
             for index, result in results.items():
                 future = batch[index].future
                 if future.done():  # the caller went away (cancelled)

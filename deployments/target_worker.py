@@ -151,20 +151,18 @@ class TargetEngine(EngineCore):
             results, ran = super().step([self._step_call(call) for call in calls])
         except Exception:
             if len(calls) == 1 and calls[0].steps > 1:   # run alone (the loop isolates a failing batch's calls)
-                decoding = self.decoding.pop(calls[0].seq_id, None)
-                if decoding is not None and decoding.call is calls[0] and decoding.answers:
-                    return {0: self._decoded(decoding)}, 1
+                so_far = self._ended_by_error(calls[0])
+                if so_far is not None:
+                    return {0: so_far}, 1
             raise
         for index, result in list(results.items()):
             call = calls[index]
             if call.steps == 1:
                 continue
-            decoding = self.decoding[call.seq_id]
             if isinstance(result, BaseException):
-                if decoding.answers:
-                    results[index] = self._decoded(decoding)
-                del self.decoding[call.seq_id]
+                results[index] = self._ended_by_error(call) or result
                 continue
+            decoding = self.decoding[call.seq_id]
             decoding.answers.append(result)
             decoding.features = merged_features(decoding.features, self.features.pop(call.seq_id, None))
             token = target_token(split_logprobs(call.params, result)[0])
@@ -177,6 +175,14 @@ class TargetEngine(EngineCore):
                                        if current.first_output_index is None else current.first_output_index + 1,
                                        features_from=len(current.token_ids) if self.reads_features else None)
         return results, ran
+
+    def _ended_by_error(self, call: VerifyCall) -> DecodedSteps | None:
+        """A round of several steps that a step's error ends: its answers so far (None: it had
+        none, so the error is the answer); the engine keeps no state of it."""
+        decoding = self.decoding.pop(call.seq_id, None)
+        if decoding is None or decoding.call is not call or not decoding.answers:
+            return None
+        return self._decoded(decoding)
 
     def _decoded(self, decoding: _DecodingRound) -> DecodedSteps:
         """A round of several steps' answer; its features (serving a head) for the call to return."""

@@ -406,6 +406,7 @@ def test_a_call_that_takes_several_iterations_runs_them_in_the_worker_unless_a_c
     from specserve.deployments.engine_loop import EngineLoop
 
     batches, first_ran, go_on = [], threading.Event(), threading.Event()
+    gate = [False]   # set: the first iteration waits for go_on (after first_ran)
 
     def iterate(calls):   # "a" is answered at its fourth iteration, "b" at its first
         batches.append(([call.seq_id for call in calls], threading.current_thread().name, time.perf_counter()))
@@ -423,7 +424,6 @@ def test_a_call_that_takes_several_iterations_runs_them_in_the_worker_unless_a_c
         answer, started_s = await loop.submit_timed(SimpleNamespace(seq_id="a"))
         return answer, started_s
 
-    gate = [False]
     answer, started_s = asyncio.run(scenario())
     assert answer == "a" and [seqs for seqs, _, _ in batches] == [["a"]] * 4
     assert {thread for _, thread, _ in batches} == {batches[0][1]} != threading.current_thread().name
