@@ -31,6 +31,14 @@ no model is computed, the target follows a hashed rule and the draft agrees with
 what is measured is the stack itself (ingress, routers, channels, engine loops, scheduler, block
 manager): its capacity, the ceiling any model's throughput lives under.
 
+`--compare LABEL=TREE` (twice or more) runs the whole sweep once per tree and turn, the trees
+taking turns (`--turns`, bench/tree_turns.py), and writes one table: per variant and level, each
+tree's tok/s per turn and medians, e.g. a change's effect on the stack's capacity:
+
+    git worktree add /tmp/specserve-before <commit>
+    specserve bench-load --variants k4 --null-forward 0.8 --concurrency 1,64 --turns 2 \
+        --compare before=/tmp/specserve-before --compare after=. --name <name> --out bench/results
+
 `--interleave N` runs the variants side by side instead: every variant is its own Serve
 application (own route, own model name, own engines and policy actor) in ONE cluster, and each
 level is run N times per variant, taking turns (the order rotated and reversed between turns).
@@ -55,6 +63,7 @@ from pathlib import Path
 
 from specserve.bench import DEFAULT_OUT_DIR
 from specserve.bench.http_rows import free_port, request_body, run_level, served_apps, sweep_request_count
+from specserve.bench.tree_turns import parse_trees, runs_per_tree, served_code
 from specserve.common.config import SpecServeConfig, load_config
 from specserve.training.prompts import DEFAULT_PROMPT_SET, PROMPT_SETS, load_prompt_set, select_prompts
 
@@ -282,6 +291,63 @@ def mean_level(same: list[dict]) -> dict:
     return row
 
 
+def compare_trees(args) -> None:
+    """The sweep under each tree, the trees taking turns; one table of every tree's levels."""
+    trees = parse_trees(args.compare)
+    child = ["--variants", args.variants, "--concurrency", args.concurrency, "--requests-per-level",
+             str(args.requests_per_level), "--requests-per-stream", str(args.requests_per_stream), "--max-tokens",
+             str(args.max_tokens), "--mode", args.mode, "-K", str(args.num_draft_tokens), "--prompts", args.prompts,
+             "--interleave", str(args.interleave)]
+    for flag, value in (("--config", args.config), ("--num-prompts", args.num_prompts),
+                        ("--null-forward", args.null_forward)):
+        if value is not None:
+            child += [flag, str(Path(value).resolve()) if flag == "--config" else str(value)]
+    runs = runs_per_tree("specserve.bench.load_sweep", child, trees, args.turns)
+    first = next(iter(runs.values()))[0]
+    command = "specserve bench-load " + " ".join(sys.argv[1:])
+    keys = ("tokens_per_s", "ttft_p50_ms", "latency_p50_ms", "overhead_ms")
+    summary: dict[str, dict] = {}
+    lines = [f"# specserve load sweep, trees compared: {args.name}", "", f"- command: `{command}`",
+             f"- trees: {', '.join(f'{label} = {tree}' for label, tree in trees)}; {args.turns} turns, the trees "
+             f"taking turns; per turn the whole sweep", f"- prompts: {first['prompts']}; max_tokens "
+             f"{first['max_tokens']}; mode {first['mode']}; machine: {first['machine']}"]
+    if first.get("null_forward") is not None:
+        lines.append(f"- engines: null forwards (no model computed), the draft agreeing with the target at "
+                     f"{first['null_forward']}: the stack's own capacity")
+    lines += ["", "| variant | streams | tree | tok/s, median (per turn) | × first tree | p50 TTFT ms | "
+              "p50 latency ms | overhead ms/round |", "|---|---|---|---|---|---|---|---|"]
+    for variant, levels in first["variants"].items():
+        for index, level in enumerate(levels):
+            base = None
+            for label, _ in trees:
+                same = [run["variants"][variant][index] for run in runs[label]]
+                medians = {key: _median([row.get(key) for row in same]) for key in keys}
+                summary[f"{variant}/{level['concurrency']}/{label}"] = {
+                    **medians, "tokens_per_s_per_turn": [round(row["tokens_per_s"], 1) for row in same]}
+                base = base or medians["tokens_per_s"]
+                per_turn = ", ".join(f"{row['tokens_per_s']:.1f}" for row in same)
+                lines.append(f"| {variant} | {level['concurrency']} | {label} | {medians['tokens_per_s']:.1f} "
+                             f"({per_turn}) | "
+                             f"{medians['tokens_per_s'] / base:.2f}× | {_fmt(medians['ttft_p50_ms'], 0)} | "
+                             f"{_fmt(medians['latency_p50_ms'], 0)} | {_fmt(medians['overhead_ms'], 2)} |")
+    result = {"name": args.name, "command": command, "trees": {label: str(tree) for label, tree in trees},
+              "turns": args.turns, "summary": summary}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def _median(values: list) -> float | None:
+    present = [value for value in values if value is not None]
+    return statistics.median(present) if present else None
+
+
+def _fmt(value: float | None, digits: int) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
 def render_markdown(result: dict) -> str:
     lines = [f"# specserve load sweep: {result['name']}", "",
              f"- prompts: {result['prompts']}; max_tokens {result['max_tokens']}; mode {result['mode']}",
@@ -367,10 +433,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--null-forward", type=float, default=None, metavar="A",
                         help="serve null forwards (no model computed; the draft agrees with the target at rate "
                              "A): the capacity of the stack itself (module docstring)")
+    parser.add_argument("--compare", action="append", default=[], metavar="LABEL=TREE",
+                        help="run the sweep once per tree (its code serving), the trees taking turns")
+    parser.add_argument("--turns", type=int, default=2, help="with --compare: turns per tree")
     parser.add_argument("--combine", nargs="+", metavar="NAME",
                         help="no run: average these results in --out (names or JSON paths) of the same sweep, "
                              "e.g. one run and one in reverse variant order, into --name")
     args = parser.parse_args(argv)
+    if args.compare:
+        if not args.name:
+            parser.error("--compare needs --name")
+        compare_trees(args)
+        return
     if args.combine:
         out = Path(args.out)
         paths = [Path(name) if Path(name).is_file() else out / f"{name}.json" for name in args.combine]
@@ -406,7 +480,7 @@ def main(argv: list[str] | None = None) -> None:
               "max_tokens": args.max_tokens, "mode": args.mode,
               "command": "specserve bench-load " + " ".join(argv if argv is not None else sys.argv[1:]),
               "machine": f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}",
-              "null_forward": args.null_forward, "variants": {}}
+              "null_forward": args.null_forward, "code": served_code(), "variants": {}}
     from tqdm import tqdm
 
     progress = tqdm(total=len(variants) * len(levels), desc="bench-load", unit="level", file=sys.stderr)

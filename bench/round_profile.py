@@ -48,9 +48,7 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -58,6 +56,7 @@ import psutil
 
 from specserve.bench import DEFAULT_OUT_DIR
 from specserve.bench.http_rows import free_port, request_body, run_level
+from specserve.bench.tree_turns import parse_trees, runs_per_tree, served_code
 from specserve.common.config import load_config
 from specserve.training.prompts import load_prompt_set
 
@@ -181,31 +180,18 @@ def class_summary(records: list[dict], span_s: float) -> dict:
 
 def compare_trees(args) -> None:
     """Run this file under each tree (PYTHONPATH), the trees taking turns; one table per class."""
-    trees = [entry.split("=", 1) for entry in args.compare]
-    if any(len(tree) != 2 for tree in trees):
-        raise SystemExit("--compare takes LABEL=TREE")
-    child = [sys.executable, str(Path(__file__).resolve()), "--passes", str(args.passes), "--max-tokens",
-             str(args.max_tokens), "--prompts", args.prompts, "--modes", args.modes]
+    trees = parse_trees(args.compare)
+    child = ["--passes", str(args.passes), "--max-tokens", str(args.max_tokens), "--prompts", args.prompts,
+             "--modes", args.modes]
     if args.config:
-        child += ["--config", args.config]
+        child += ["--config", str(Path(args.config).resolve())]
     if args.num_draft_tokens is not None:
         child += ["-K", str(args.num_draft_tokens)]
     modes = args.modes.split(",")
-    runs: dict[str, list[dict]] = defaultdict(list)
-    with tempfile.TemporaryDirectory() as scratch:
-        for turn in range(args.turns):
-            for label, tree in trees:
-                name = f"{label}-turn{turn}"
-                root = Path(tree).resolve()   # its specserve/ serves: first on the path, the cwd Ray's workers get
-                subprocess.run(child + ["--name", name, "--out", scratch], env={**os.environ, "PYTHONPATH": str(root)},
-                               cwd=root, check=True, stdout=subprocess.DEVNULL)
-                run = json.loads((Path(scratch) / f"{name}.json").read_text())
-                if Path(run["code"]) != root:
-                    raise SystemExit(f"{label}: {run['code']}'s code served, not {root}'s")
-                runs[label].append(run)
+    runs = runs_per_tree("specserve.bench.round_profile", child, trees, args.turns)
     command = "python -m specserve.bench.round_profile " + " ".join(sys.argv[1:])
     result = {"name": args.name, "command": command, "machine": f"{os.cpu_count()} CPUs",
-              "trees": {label: tree for label, tree in trees}, "turns": args.turns,
+              "trees": {label: str(tree) for label, tree in trees}, "turns": args.turns,
               "runs": {label: [run["classes"] for run in label_runs] for label, label_runs in runs.items()}}
     lines = [f"# round orchestration: {args.name}", "", f"- command: `{command}`",
              f"- trees: {', '.join(f'{label} = {tree}' for label, tree in trees)}; {args.turns} turns, "
@@ -325,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
         "stages_fresh_rounds": stage_summary(fresh), "rounds_profiled": len(stages),
         "pipelined_share": round(len(pipelined) / len(stages), 3) if stages else None,
         "cpu_ms_per_target_pass": {role: ms for role, ms in cpu_per_round_ms.items() if ms > 0.0},
-        "code": str(Path(sys.modules["specserve"].__file__).resolve().parents[1]),
+        "code": served_code(),
         "classes": {mode: class_summary([r for r in records if r["prompt_id"].startswith(mode + ":")],
                                         sum(r["wall_s"] for r in records if r["prompt_id"].startswith(mode + ":")))
                     for mode in modes},

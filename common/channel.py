@@ -1,24 +1,31 @@
-"""A router's persistent connection to one engine, over which every request's round calls go.
+"""A process's persistent connection to a peer: a router's to each engine, over which every
+request's round calls go, and a router's to each ingress replica, over which every request's
+chunks stream back.
 
-Why not a Ray actor call per round: each one costs pickling, Ray's transport and an event-loop
-handoff on both ends, paid twice per round and once per request (docs/transport.md). Ray and
-Serve still place the engines and hand the router an engine's address once per request; the
-rounds go over a TCP connection that each (router process, engine) pair opens once and reuses.
+Why not a Ray actor call per round, or a Serve streaming item per chunk: each one costs pickling,
+Ray's transport and an event-loop handoff on both ends, paid every round (docs/transport.md). Ray
+and Serve still place the processes and hand a router the engines' and the ingress's addresses
+once per request; the rounds and chunks go over TCP connections that each pair of processes opens
+once and reuses.
 
 Batching: every call a process's coroutines make to one engine in one event-loop turn leaves as
 ONE frame (its entries keyed by call id); the engine runs them as concurrent tasks (its batching
 loop then batches them with every other router's calls) and answers, in one frame, every call
-that finished in the same turn of its event loop: one engine step's answers travel together.
+that finished in the same turn of its event loop: one engine step's answers travel together. A
+message sent with `send` expects no answer (a streamed chunk): the peer handles it at once, in
+order with the calls around it.
 
-Faults: a connection that closes (the engine's process ended) or stays silent past
-`heartbeat_timeout_s` (the engine sends an empty frame every HEARTBEAT_INTERVAL_S, so silence
-means a hung engine or a lost node) fails every call waiting on it with ChannelLostError, which
-the router treats as a lost engine; a refused connection (nothing listens at the address any
-more) is EngineGoneError. A lost channel is never reused: the next call to that address opens a
-new one. An engine-side error travels back as itself and is raised to the caller.
+Faults: a connection that closes (the peer's process ended) or stays silent past
+`heartbeat_timeout_s` (the answering side sends an empty frame every HEARTBEAT_INTERVAL_S, so
+silence means a hung process or a lost node) fails every call waiting on it with
+ChannelLostError, which the router treats as a lost engine (or a lost client, for an ingress's
+channel); a refused connection (nothing listens at the address any more) is EngineGoneError. A
+lost channel is never reused: the next call to that address opens a new one. A peer-side error
+travels back as itself and is raised to the caller.
 
 Wire: a frame is an 8-byte length, then a pickle (protocol 5) of a tuple of ChannelCall or
-ChannelReply (common.messages); an empty tuple is a heartbeat. Pickle runs what it reads, so a
+ChannelReply (common.messages), a ChannelCall with no call id being a message sent with `send`;
+an empty tuple is a heartbeat. Pickle runs what it reads, so a
 channel, like Ray's own ports, must only be reachable from inside the cluster.
 """
 
@@ -39,22 +46,22 @@ from specserve.common.messages import ChannelCall, ChannelReply
 logger = logging.getLogger(__name__)
 
 HEADER = struct.Struct("!Q")
-HEARTBEAT_INTERVAL_S = 1.0   # how often an engine tells each open channel it is alive
-HEARTBEAT_TIMEOUT_S = 15.0   # silence this long means the engine is lost (far beyond a heartbeat's delay on a loaded box)
+HEARTBEAT_INTERVAL_S = 1.0   # how often the answering side tells each open channel it is alive
+HEARTBEAT_TIMEOUT_S = 15.0   # silence this long means the peer is lost (far beyond a heartbeat's delay on a loaded box)
 CONNECT_TIMEOUT_S = 10.0
 MAX_FRAME_BYTES = 1 << 31
 
 
 class ChannelLostError(ConnectionError):
-    """The engine behind a channel cannot answer: its connection closed or went silent."""
+    """The peer behind a channel cannot answer: its connection closed or went silent."""
 
 
 class EngineGoneError(ChannelLostError):
-    """Nothing listens at the engine's address: its process has ended, with its state."""
+    """Nothing listens at the peer's address (an engine's, mostly): its process has ended, with its state."""
 
 
 class RemoteCallError(RuntimeError):
-    """An engine-side error that could not travel as itself (it does not pickle)."""
+    """A peer-side error that could not travel as itself (it does not pickle)."""
 
 
 def encode_frame(entries: tuple) -> bytes:
@@ -127,8 +134,9 @@ class _Outbox:
         self.frames += 1
 
 
-class EngineChannel:
-    """The router side of one channel: `call` returns a future of the engine's answer."""
+class Channel:
+    """The calling side of one channel: `call` returns a future of the peer's answer, `send`
+    returns nothing."""
 
     def __init__(self, address: str, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
         self.address = address
@@ -147,7 +155,7 @@ class EngineChannel:
         return self.error is not None
 
     def call(self, method: str, *args: Any) -> asyncio.Future:
-        """Send method(*args) to the engine (with every other call of this event-loop turn);
+        """Send method(*args) to the peer (with every other call of this event-loop turn);
         -> a future of its answer. A caller that stops waiting leaves the call running there."""
         future = self._loop.create_future()
         if self.error is not None:
@@ -155,17 +163,30 @@ class EngineChannel:
             return future
         call = ChannelCall(next(self._ids), method, args)
         self._pending[call.call_id] = future
+        self._put(call)
+        return future
+
+    def send(self, method: str, *args: Any) -> None:
+        """Send method(*args) to the peer (with every other call of this event-loop turn), wanting
+        no answer; raises the channel's error if it is lost."""
+        if self.error is not None:
+            raise type(self.error)(str(self.error))
+        self._put(ChannelCall(None, method, args))
+
+    def _put(self, call: ChannelCall) -> None:
         if self._outbox is None:
             self._waiting.append(call)
         else:
             self._outbox.put(call)
-        return future
 
     def close(self) -> None:
         """Fail what waits and close the connection (the router is going away)."""
         self._lose(ChannelLostError(f"the channel to {self.address} was closed"))
 
     def _unpicklable(self, call: ChannelCall, error: Exception) -> None:
+        if call.call_id is None:
+            logger.error("a %s message was not sent: its arguments do not pickle (%s)", call.method, error)
+            return None
         future = self._pending.pop(call.call_id, None)
         if future is not None and not future.done():
             future.set_exception(TypeError(f"{call.method}'s arguments do not pickle: {error}"))
@@ -178,9 +199,9 @@ class EngineChannel:
             try:
                 reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
             except ConnectionRefusedError as exc:
-                raise EngineGoneError(f"no engine listens at {self.address}") from exc
+                raise EngineGoneError(f"nothing listens at {self.address}") from exc
             except (OSError, asyncio.TimeoutError) as exc:
-                raise ChannelLostError(f"could not reach the engine at {self.address}: {exc!r}") from exc
+                raise ChannelLostError(f"could not reach {self.address}: {exc!r}") from exc
             _no_delay(writer)
             self._outbox = _Outbox(writer, self._unpicklable)
             for call in self._waiting:
@@ -208,19 +229,19 @@ class EngineChannel:
             self._lose(ChannelLostError(f"the channel to {self.address} was closed"))
             raise
         except Exception as exc:   # closed, reset, or a frame that does not unpickle
-            self._lose(ChannelLostError(f"the connection to the engine at {self.address} broke "
+            self._lose(ChannelLostError(f"the connection to {self.address} broke "
                                         f"({type(exc).__name__}: {exc})"))
         finally:
             if writer is not None:
                 writer.transport.abort()
 
     async def _watch(self, writer: asyncio.StreamWriter) -> None:
-        """Lose the channel once the engine has been silent past heartbeat_timeout_s."""
+        """Lose the channel once the peer has been silent past heartbeat_timeout_s."""
         while True:
             await asyncio.sleep(min(HEARTBEAT_INTERVAL_S, self.heartbeat_timeout_s / 4))
             silent_s = time.monotonic() - self._last_frame_s
             if silent_s > self.heartbeat_timeout_s:
-                self._lose(ChannelLostError(f"the engine at {self.address} sent nothing for {silent_s:.1f} s"))
+                self._lose(ChannelLostError(f"{self.address} sent nothing for {silent_s:.1f} s"))
                 writer.transport.abort()
                 return
 
@@ -239,20 +260,20 @@ class EngineChannel:
 
 
 class ChannelPool:
-    """A process's channels, one per engine address, each opened at its first call and kept
+    """A process's channels, one per peer address, each opened at its first call and kept
     (per event loop: a future belongs to the loop it was made on)."""
 
     def __init__(self, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self._channels: dict[tuple[int, str], EngineChannel] = {}
+        self._channels: dict[tuple[int, str], Channel] = {}
 
-    def to(self, address: str) -> EngineChannel:
+    def to(self, address: str) -> Channel:
         """The open channel to address, or a new one when there is none or it was lost."""
         key = (id(asyncio.get_running_loop()), address)
         channel = self._channels.get(key)
         if channel is None or channel.lost:
             self._channels = {k: c for k, c in self._channels.items() if not c.lost}
-            channel = self._channels[key] = EngineChannel(address, self.heartbeat_timeout_s)
+            channel = self._channels[key] = Channel(address, self.heartbeat_timeout_s)
         return channel
 
     def close(self) -> None:
@@ -271,11 +292,15 @@ def portable_error(error: BaseException) -> BaseException:
 
 
 class ChannelServer:
-    """The engine side: accepts channels and answers each call with `answer(method, args)`."""
+    """The answering side (an engine, an ingress replica): accepts channels, answers each call with
+    `await answer(method, args)` and hands each message sent with `send` to `receive(method, args)`
+    at once (no task: a streamed chunk costs no more than its queueing)."""
 
     def __init__(self, answer: Callable[[str, tuple], Awaitable[Any]],
-                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
+                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+                 receive: Callable[[str, tuple], None] | None = None) -> None:
         self.answer = answer
+        self.receive = receive
         self.heartbeat_interval_s = heartbeat_interval_s
         self.address: str | None = None
         self._server: asyncio.Server | None = None
@@ -304,17 +329,29 @@ class ChannelServer:
                 calls = await read_frame(reader)
                 self.frames_received += 1
                 for call in calls:
+                    if call.call_id is None:
+                        self._receive(call)
+                        continue
                     task = asyncio.get_running_loop().create_task(self._answer(call, outbox))
                     self._tasks.add(task)   # kept referenced until it ends
                     task.add_done_callback(self._tasks.discard)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass   # the router went away: calls still running finish, their answers go nowhere
         except Exception:
-            logger.exception("a channel sent a frame this engine cannot read; closing it")
+            logger.exception("a channel sent a frame this process cannot read; closing it")
         finally:
             heartbeat.cancel()
             self.outboxes.remove(outbox)
             writer.transport.abort()
+
+    def _receive(self, call: ChannelCall) -> None:
+        if self.receive is None:
+            logger.error("a %s message came where nothing receives messages", call.method)
+            return
+        try:
+            self.receive(call.method, call.args)
+        except Exception:
+            logger.exception("a %s message could not be received", call.method)
 
     async def _answer(self, call: ChannelCall, outbox: _Outbox) -> None:
         try:
@@ -325,7 +362,7 @@ class ChannelServer:
 
     @staticmethod
     def _unpicklable(reply: ChannelReply, error: Exception) -> ChannelReply:
-        return ChannelReply(reply.call_id, error=RemoteCallError(f"the engine's answer does not pickle: {error}"))
+        return ChannelReply(reply.call_id, error=RemoteCallError(f"the answer does not pickle: {error}"))
 
     async def _heartbeat(self, writer: asyncio.StreamWriter) -> None:
         frame = encode_frame(())

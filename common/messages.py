@@ -108,18 +108,28 @@ class EngineEndpoint:
     address: str
 
 
+@dataclass(frozen=True)
+class StreamSink:
+    """Where a router sends one request's chunks: an ingress replica's channel address and the
+    stream's id there (deployments.streaming)."""
+
+    address: str
+    stream_id: int
+
+
 @dataclass(frozen=True, slots=True)
 class ChannelCall:
-    """One call in a channel frame: `method` of the engine with `args`; its reply carries call_id."""
+    """One call in a channel frame: `method` of the peer with `args`; its reply carries call_id.
+    call_id None: a message that wants no reply (common.channel's `send`)."""
 
-    call_id: int
+    call_id: int | None
     method: str
     args: tuple
 
 
 @dataclass(frozen=True, slots=True)
 class ChannelReply:
-    """An engine's answer to one ChannelCall: its value, or the error the call raised."""
+    """A peer's answer to one ChannelCall: its value, or the error the call raised."""
 
     call_id: int
     value: Any = None

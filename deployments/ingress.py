@@ -22,6 +22,7 @@ serve yet, or one whose start is about to fail.
 """
 
 import asyncio
+import functools
 import json
 import math
 from collections.abc import AsyncIterator
@@ -32,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
+import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.datastructures import Headers
@@ -54,6 +56,7 @@ from specserve.deployments.openai_protocol import (
     now,
     validation_error_body,
 )
+from specserve.deployments.streaming import StreamInbox
 
 # Used when neither the config nor the tokenizer has a chat template.
 DEFAULT_CHAT_TEMPLATE = "{role}: {content}\n"
@@ -259,6 +262,8 @@ class Ingress:
         self.config = SpecServeConfig.model_validate(config)
         self.api_key_digests = self.config.auth.key_digests()
         self.router = router
+        # Routers push each request's chunks here over their channels (deployments.streaming).
+        self.streams = StreamInbox(ray.util.get_node_ip_address, self.config.http.stream_interval_ms / 1000)
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.resolved_tokenizer_path, local_files_only=True)
         self.max_context = max_model_len(self.config.target.path, self.config.target.max_model_len)
         self.generation_defaults = generation_defaults(self.config.target.path)
@@ -439,9 +444,10 @@ class Ingress:
     async def _respond(self, body, choices: list[Choice], kind: str):
         """Start every choice on the router at once (the engines batch them), then answer."""
         request_id = new_id("cmpl" if kind == "text_completion" else "chatcmpl")
-        streams = [self.router.options(stream=True).generate.remote(
-            request_id if len(choices) == 1 else f"{request_id}-{choice.index}", choice.prompt_ids,
-            choice.params.model_dump(), choice.prompt_logprobs) for choice in choices]
+        streams = [await self.streams.open(functools.partial(
+            self.router.generate.remote, request_id=request_id if len(choices) == 1 else f"{request_id}-{choice.index}",
+            prompt_ids=choice.prompt_ids, params=choice.params.model_dump(), prompt_logprobs=choice.prompt_logprobs))
+            for choice in choices]
         firsts = await _first_chunks(streams)  # before any byte goes out, so overload can still be a 503
         if body.stream:
             return StreamingResponse(self._stream(body, choices, firsts, streams, request_id, kind),

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
@@ -22,7 +21,7 @@ from transformers import AutoTokenizer
 
 from specserve.common.channel import ChannelPool, EngineGoneError
 from specserve.common.config import SpecServeConfig
-from specserve.common.messages import REQUEST_CLASSES, EngineEndpoint, RouterReport
+from specserve.common.messages import REQUEST_CLASSES, EngineEndpoint, RouterReport, StreamSink
 from specserve.decoding.checkpoint import eos_token_ids, max_model_len
 from specserve.decoding.sampling import SamplingParams
 from specserve.decoding.sequence import RequestState
@@ -35,7 +34,7 @@ from specserve.deployments.round_capture import RoundCapture
 from specserve.deployments.round_loop import RoundLoop
 from specserve.deployments.round_record import RoundObserver, RoundTimings
 from specserve.deployments.round_stages import profiling_enabled
-from specserve.deployments.streaming import coalesced_chunks, final_chunk
+from specserve.deployments.streaming import ChunkSender, final_chunk
 from specserve.policies.depth_chooser import DepthChooser, request_class
 from specserve.policies.fan_out import FanOut, may_predraft
 
@@ -124,38 +123,34 @@ class Router:
         return RouterReport(self.router_id, len(self.active_requests), active_by_class, self.depth.counters_report(),
                             self.depth.round_costs.overhead_s)
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: dict,
-                       prompt_logprobs: int | None = None) -> AsyncIterator[dict]:
-        """Stream {"text", "token_ids", "finish_reason"} chunks; the last adds "usage" and "speculation".
+    async def generate(self, sink: StreamSink, request_id: str, prompt_ids: list[int], params: dict,
+                       prompt_logprobs: int | None = None) -> None:
+        """Generate, pushing {"text", "token_ids", "finish_reason"} chunks to the ingress's stream
+        `sink` (deployments.streaming); the last adds "usage" and "speculation". Returns once the
+        last chunk, or the error that ended the request, is delivered there; cancelled (the client
+        left), the request ends and every engine it touched releases it.
         prompt_logprobs: the first chunk adds "prompt_logprobs", an entry per prompt token (the
         first's logprob None) with this many alternatives, from the target's prefill.
-
-        The rounds run in their own task and hand chunks over through a queue, so a round never
-        waits for the previous chunk to be streamed out; chunks that pile up meanwhile are merged.
-        Closing this generator (client gone) cancels the task, which releases worker state.
         """
         state = RequestState(request_id=request_id, prompt_ids=list(prompt_ids),
                              params=SamplingParams.model_validate(params), eos_token_id=self.eos_token_ids,
                              max_context=self.max_context, detokenize=self._detokenize)
-        chunks: asyncio.Queue = asyncio.Queue()
+        chunks = ChunkSender(self.channels.to(sink.address), sink)
         self._ensure_policy_loop()
-        rounds = asyncio.create_task(self._decode(state, chunks, prompt_logprobs))
-        try:
-            async for merged in coalesced_chunks(chunks, self.config.http.stream_interval_ms / 1000):
-                yield merged
-        finally:
-            rounds.cancel()
+        await chunks.finish(await self._decode(state, chunks, prompt_logprobs))
 
-    async def _decode(self, state: RequestState, chunks: asyncio.Queue, prompt_logprobs: int | None = None) -> None:
-        """Admission, then the request's rounds until it finishes; every step's tokens go to
-        chunks. Whatever happens, every engine the request touched releases it."""
+    async def _decode(self, state: RequestState, chunks: ChunkSender,
+                      prompt_logprobs: int | None = None) -> dict | Exception:
+        """Admission, then the request's rounds until it finishes, every step's tokens sent as a
+        chunk; -> the last chunk, or the error that ended the request. Whatever happens, every
+        engine the request touched releases it."""
         request_id = state.request_id
         started = time.perf_counter()
         timings = RoundTimings(round_stages=[] if self.profile_rounds else None)
         engines = RequestEngines(self.target_workers, self.draft_workers, self.config.limits, self.channels,
                                  self.config.speculation.verification)
         observer = RoundObserver(timings, self.depth, self.metrics, self.capture)
-        loop = RoundLoop(state, engines, observer, chunks.put_nowait, self._choose_depth, self.num_active_requests,
+        loop = RoundLoop(state, engines, observer, chunks.put, self._choose_depth, self.num_active_requests,
                          self.config.speculation, self.profile_rounds, self._choose_fan_out)
         try:
             async with self.admission.slot():
@@ -164,9 +159,9 @@ class Router:
                 await loop.run(started, started + self.config.limits.request_timeout_s, prompt_logprobs)
             speculation = {**state.stats.to_dict(), **timings.to_dict(), "proposer": self.config.speculation.proposer,
                            "draft_kind": self.config.speculation.draft_kind}
-            chunks.put_nowait(final_chunk(state, speculation))
-        except Exception as exc:  # hand it to the stream, which raises it to the caller
-            chunks.put_nowait(exc)
+            return final_chunk(state, speculation)
+        except Exception as exc:  # the stream raises it to the caller
+            return exc
         finally:
             self.active_requests.pop(request_id, None)
             self.metrics.set_active_requests(len(self.active_requests))

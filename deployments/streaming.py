@@ -1,16 +1,26 @@
-"""A request's stream: the chunks its rounds produce, shaped and merged for the client.
+"""A request's stream: the chunks its rounds produce, shaped, carried to the ingress and merged.
 
-Rounds run in their own task and put chunks on a queue, so a round never waits for the previous
-chunk to be streamed out; `coalesced_chunks` merges whatever piled up meanwhile.
+Serve routes a request once (the ingress's `Router.generate` call, which stays open while the
+request runs: cancelling it cancels the request); the chunks do not ride that call as Serve
+streaming items, each of which costs an object and Ray's transport on both ends every round.
+The router pushes each round's chunk over its channel to the ingress replica (common.channel,
+opened once per pair of processes, every request's chunks of an event-loop turn in one frame),
+never waiting for the client; the ingress queues them per stream (`StreamInbox`) and
+`coalesced_chunks` merges whatever piled up meanwhile. The last chunk (or the error that ended
+the request) is a call the router awaits before its `generate` returns, so the ingress holds it
+before the call's end is seen.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from specserve.common.channel import Channel, ChannelServer, portable_error
+from specserve.common.messages import StreamSink
 from specserve.decoding.sequence import RequestState
 from specserve.decoding.speculation import LogprobEntries
 
@@ -47,7 +57,7 @@ async def coalesced_chunks(chunks: asyncio.Queue, interval_s: float = 0.0) -> As
                     pending.append(await asyncio.wait_for(chunks.get(), wait_s))
                 except asyncio.TimeoutError:
                     break
-        while not chunks.empty():
+        while not _is_last(pending[-1]) and not chunks.empty():
             pending.append(chunks.get_nowait())
         if isinstance(pending[-1], Exception):
             raise pending[-1]
@@ -76,3 +86,104 @@ def _merge_chunks(chunks: list[dict]) -> dict:
         if "prompt_logprobs" in chunk:
             merged["prompt_logprobs"] = chunk["prompt_logprobs"]
     return merged
+
+
+class StreamEndedError(RuntimeError):
+    """The router's call ended without the request's last chunk."""
+
+
+class ChunkSender:
+    """The router's end of one request's stream: chunks pushed to the ingress's StreamInbox."""
+
+    def __init__(self, channel: Channel, sink: StreamSink) -> None:
+        self.channel = channel
+        self.stream_id = sink.stream_id
+
+    def put(self, chunk: dict) -> None:
+        """Send a chunk without waiting; raises ChannelLostError once the ingress is gone."""
+        self.channel.send("chunk", self.stream_id, chunk)
+
+    async def finish(self, last: dict | Exception) -> None:
+        """Deliver the last chunk, or the error that ended the request, and wait until it is queued."""
+        await self.channel.call("last", self.stream_id, last if isinstance(last, dict) else portable_error(last))
+
+
+class StreamInbox:
+    """An ingress replica's end of the routers' chunk channels: one ChannelServer (listening on
+    host at a port the OS picks, opened at the first stream) and a queue per open stream."""
+
+    def __init__(self, host: Callable[[], str], interval_s: float = 0.0) -> None:
+        self.host = host
+        self.interval_s = interval_s
+        self.server = ChannelServer(self._answer, receive=self._receive)
+        self.queues: dict[int, asyncio.Queue] = {}
+        self._ids = itertools.count()
+        self._started: asyncio.Future | None = None
+
+    async def open(self, start: Callable[[StreamSink], Any]) -> ChunkStream:
+        """A new stream; start(sink) makes the router call that fills it (a Serve response)."""
+        if self._started is None:
+            self._started = asyncio.ensure_future(self.server.start(self.host()))
+        address = await asyncio.shield(self._started)
+        stream_id = next(self._ids)
+        queue = self.queues[stream_id] = asyncio.Queue()
+        return ChunkStream(self, stream_id, queue, start(StreamSink(address, stream_id)))
+
+    def _receive(self, method: str, args: tuple) -> None:
+        stream_id, chunk = args
+        queue = self.queues.get(stream_id)
+        if queue is not None:   # else the stream was closed (client gone): drop it
+            queue.put_nowait(chunk)
+
+    async def _answer(self, method: str, args: tuple) -> None:
+        if method != "last":
+            raise ValueError(f"an ingress answers no {method!r} over a channel")
+        self._receive(method, args)
+
+
+class ChunkStream:
+    """One request's merged chunks as the ingress reads them (`async for`); `cancel()` ends the
+    request on the router (which releases its engines) and closes the stream."""
+
+    def __init__(self, inbox: StreamInbox, stream_id: int, queue: asyncio.Queue, response: Any) -> None:
+        self.inbox = inbox
+        self.stream_id = stream_id
+        self.response = response
+        self.ended = False   # the last chunk or the request's error has been read: nothing to cancel
+        self._chunks = coalesced_chunks(queue, inbox.interval_s)
+        self._watch = asyncio.ensure_future(self._watch_call(queue))
+
+    async def _watch_call(self, queue: asyncio.Queue) -> None:
+        """The router call's end: an error (the router failed or died) ends the stream with it; a
+        plain end after the last chunk is nothing, one without it is StreamEndedError."""
+        try:
+            await self.response
+        except Exception as exc:
+            queue.put_nowait(exc)
+        else:
+            queue.put_nowait(StreamEndedError("the router ended the request without its last chunk"))
+
+    def __aiter__(self) -> ChunkStream:
+        return self
+
+    async def __anext__(self) -> dict:
+        try:
+            return await self._chunks.__anext__()
+        except asyncio.CancelledError:   # the reader gave up (client gone)
+            self.cancel()
+            raise
+        except BaseException:   # past the last chunk, or the error that ended the request
+            self.ended = True
+            self._close()
+            raise
+
+    def cancel(self) -> None:
+        """End the request on the router, unless it has ended, and close the stream."""
+        if not self.ended:
+            self.ended = True
+            self.response.cancel()
+            self._watch.cancel()
+        self._close()
+
+    def _close(self) -> None:
+        self.inbox.queues.pop(self.stream_id, None)

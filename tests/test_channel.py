@@ -1,6 +1,6 @@
 """A router's channel to an engine (common/channel.py), without Ray: every call of one event-loop
 turn leaves as one frame and one engine turn's answers come back as one; answers and errors reach
-the call that asked; an engine whose process dies, or that hangs, fails every call waiting on it
+the call that asked; messages sent without a reply arrive in order with the calls; an engine whose process dies, or that hangs, fails every call waiting on it
 with ChannelLostError; a channel is opened once per address and replaced only once lost. The
 engines that die or hang here are real processes (tests/channel_engine.py)."""
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from specserve.common.channel import (ChannelLostError, ChannelPool, ChannelServer, EngineChannel, EngineGoneError,
+from specserve.common.channel import (Channel, ChannelLostError, ChannelPool, ChannelServer, EngineGoneError,
                                       RemoteCallError, split_address)
 
 HOST = "127.0.0.1"
@@ -52,7 +52,7 @@ def test_calls_of_one_turn_go_as_one_frame_and_answers_of_one_turn_come_back_as_
             return await answer(method, args)
 
         server = ChannelServer(gated)
-        channel = EngineChannel(await server.start(HOST))
+        channel = Channel(await server.start(HOST))
         assert await channel.call("echo", 1) == (1,)   # connected
         received, sent = server.frames_received, server.outboxes[0].frames
         calls = [channel.call("gated", i) for i in range(10)]
@@ -67,10 +67,33 @@ def test_calls_of_one_turn_go_as_one_frame_and_answers_of_one_turn_come_back_as_
     assert frames_back == 1
 
 
+def test_sent_messages_are_received_in_order_with_the_calls_around_them_and_get_no_reply():
+    async def scenario():
+        seen = []
+
+        async def answering(method, args):
+            seen.append((method, args))
+            return len(seen)
+
+        server = ChannelServer(answering, receive=lambda method, args: seen.append((method, args)))
+        channel = Channel(await server.start(HOST))
+        assert await channel.call("call", 0) == 1   # connected
+        replies = server.outboxes[0].frames
+        for i in range(1, 4):
+            channel.send("message", i)
+        last = await channel.call("call", 4)
+        assert server.outboxes[0].frames == replies + 1   # the messages were answered by nothing
+        return seen, last
+
+    seen, last = asyncio.run(scenario())
+    assert seen == [("call", (0,)), ("message", (1,)), ("message", (2,)), ("message", (3,)), ("call", (4,))]
+    assert last == 5
+
+
 def test_each_answer_reaches_its_own_call_whatever_the_order_they_finish_in():
     async def scenario():
         server = ChannelServer(answer)
-        channel = EngineChannel(await server.start(HOST))
+        channel = Channel(await server.start(HOST))
         return await asyncio.gather(*(channel.call("delay", 0.02 * (5 - i), i) for i in range(6)))
 
     assert asyncio.run(scenario()) == list(range(6))
@@ -79,7 +102,7 @@ def test_each_answer_reaches_its_own_call_whatever_the_order_they_finish_in():
 def test_an_engine_error_is_raised_to_the_caller_as_itself_or_named_when_it_does_not_pickle():
     async def scenario():
         server = ChannelServer(answer)
-        channel = EngineChannel(await server.start(HOST))
+        channel = Channel(await server.start(HOST))
         with pytest.raises(KeyError, match="seq"):
             await channel.call("fail", "seq")
         with pytest.raises(RemoteCallError, match="Unpicklable: kept here"):
@@ -105,7 +128,7 @@ def engine_process():
 
 def test_calls_waiting_on_an_engine_whose_process_dies_fail_with_channel_lost():
     async def scenario(process, address):
-        channel = EngineChannel(address)
+        channel = Channel(address)
         assert await channel.call("echo", 7) == (7,)
         waiting = channel.call("hang")
         await asyncio.sleep(0.1)
@@ -115,6 +138,8 @@ def test_calls_waiting_on_an_engine_whose_process_dies_fail_with_channel_lost():
             await asyncio.wait_for(waiting, 5)
         with pytest.raises(ChannelLostError):   # a lost channel stays lost
             await channel.call("echo", 1)
+        with pytest.raises(ChannelLostError):   # and a message to it is refused at once
+            channel.send("echo", 1)
         return time.monotonic() - started
 
     with engine_process() as (process, address):
@@ -123,7 +148,7 @@ def test_calls_waiting_on_an_engine_whose_process_dies_fail_with_channel_lost():
 
 def test_a_hung_engine_is_lost_once_its_heartbeat_stops():
     async def scenario(process, address):
-        channel = EngineChannel(address, heartbeat_timeout_s=1.5)
+        channel = Channel(address, heartbeat_timeout_s=1.5)
         assert await channel.call("echo", 7) == (7,)
         await asyncio.sleep(2.0)   # heartbeats keep an idle channel open
         assert not channel.lost

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from specserve.common.channel import EngineChannel
+from specserve.common.channel import Channel
 from specserve.common.config import SpecServeConfig
 from specserve.common.messages import DecodedSteps, HistoryUpdate
 from specserve.decoding.batched_runner import BatchedModelRunner
@@ -77,7 +77,7 @@ def test_an_engine_answers_only_the_round_calls_over_a_channel(pair):
 
     async def scenario():
         engine = TargetEngine(spec(target_path), options())
-        channel = EngineChannel(await engine.open_channel("127.0.0.1"))
+        channel = Channel(await engine.open_channel("127.0.0.1"))
         rows, _ = await channel.call("verify", "a", whole(HISTORIES[0]), None, GREEDY)
         with pytest.raises(ValueError, match="no 'stats'"):
             await channel.call("stats")

@@ -1,0 +1,50 @@
+"""Benchmarks that compare code: the same bench run under each tree, the trees taking turns.
+
+Why: this box drifts by more than most changes measured on it, so a before and an after run one
+after the other meet different minutes; running each tree's turn in alternation gives both the
+same minutes. Each run is the bench itself in a child process whose PYTHONPATH and working
+directory are the tree (a `git worktree` of the commit to compare), so that tree's code is what
+serves (Ray's workers inherit both); a child's result that names the code it ran (`served_code`;
+older trees' benches may not) is checked against its tree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+
+def parse_trees(entries: list[str]) -> list[tuple[str, Path]]:
+    """["before=/tmp/tree", "after=."] -> [(label, resolved tree)]."""
+    trees = [entry.split("=", 1) for entry in entries]
+    if any(len(tree) != 2 for tree in trees):
+        raise SystemExit("--compare takes LABEL=TREE")
+    return [(label, Path(tree).resolve()) for label, tree in trees]
+
+
+def served_code() -> str:
+    """The tree whose specserve this process imported: what a child run reports as its code."""
+    return str(Path(sys.modules["specserve"].__file__).resolve().parents[1])
+
+
+def runs_per_tree(module: str, child_args: list[str], trees: list[tuple[str, Path]], turns: int) -> dict[str, list[dict]]:
+    """`python -m module *child_args --name N --out SCRATCH` once per tree and turn, the trees
+    taking turns; -> each tree's results (the JSON each run wrote), in turn order."""
+    runs: dict[str, list[dict]] = defaultdict(list)
+    with tempfile.TemporaryDirectory() as scratch:
+        for turn in range(turns):
+            for label, root in trees:
+                name = f"{label}-turn{turn}"
+                subprocess.run([sys.executable, "-m", module, *child_args, "--name", name, "--out", scratch],
+                               env={**os.environ, "PYTHONPATH": str(root)}, cwd=root, check=True,
+                               stdout=subprocess.DEVNULL)
+                run = json.loads((Path(scratch) / f"{name}.json").read_text())
+                if "code" in run and Path(run["code"]) != root:
+                    raise SystemExit(f"{label}: {run.get('code')}'s code served, not {root}'s")
+                runs[label].append(run)
+    return runs
