@@ -291,7 +291,7 @@ def mean_level(same: list[dict]) -> dict:
     return row
 
 
-def compare_trees(args) -> None:
+def compare_trees(args, argv: list[str]) -> None:
     """The sweep under each tree, the trees taking turns; one table of every tree's levels."""
     trees = parse_trees(args.compare)
     child = ["--variants", args.variants, "--concurrency", args.concurrency, "--requests-per-level",
@@ -304,7 +304,7 @@ def compare_trees(args) -> None:
             child += [flag, str(Path(value).resolve()) if flag == "--config" else str(value)]
     runs = runs_per_tree("specserve.bench.load_sweep", child, trees, args.turns)
     first = next(iter(runs.values()))[0]
-    command = "specserve bench-load " + " ".join(sys.argv[1:])
+    command = "specserve bench-load " + " ".join(argv)
     keys = ("tokens_per_s", "ttft_p50_ms", "latency_p50_ms", "overhead_ms")
     summary: dict[str, dict] = {}
     lines = [f"# specserve load sweep, trees compared: {args.name}", "", f"- command: `{command}`",
@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.compare:
         if not args.name:
             parser.error("--compare needs --name")
-        compare_trees(args)
+        compare_trees(args, argv if argv is not None else sys.argv[1:])
         return
     if args.combine:
         out = Path(args.out)
