@@ -71,8 +71,12 @@ class RowBatch:
         self._stop_ids.extend([list(stop_ids)] * num_rows)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """The processed logits [N, V] (a new float32 tensor)."""
-        logits = logits.float().clone()
+        """The processed logits [N, V] float32: a new tensor where anything applies, else the
+        logits themselves (no copy of a vocabulary-wide batch a step; callers only read it)."""
+        logits = logits.float()
+        if not (self._penalty_rows or self._masks or self._stop_rows):
+            return logits
+        logits = logits.clone()
         device, vocab_size = logits.device, logits.shape[-1]
         if self._penalty_rows:
             rows, columns = torch.cat(self._penalty_rows).to(device), torch.cat(self._penalty_columns).to(device)

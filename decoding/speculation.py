@@ -160,7 +160,7 @@ def answer_verifies(rows: Sequence[torch.Tensor], calls: Sequence[RowsCall | Gra
     batch = [i for i, call in enumerate(calls) if isinstance(call, RowsCall)]
     if not batch:
         return answers
-    for i, processed in zip(batch, target_rows_batch(torch.cat([rows[i] for i in batch]), [calls[i] for i in batch])):
+    for i, processed in zip(batch, target_rows_batch(joined_rows([rows[i] for i in batch]), [calls[i] for i in batch])):
         answers[i] = processed
     answering = [i for i in batch if not isinstance(answers[i], GrammarDeadEndError)]
     verified = verify_answers([answers[i] for i in answering], [proposals[i] for i in answering],
@@ -168,6 +168,23 @@ def answer_verifies(rows: Sequence[torch.Tensor], calls: Sequence[RowsCall | Gra
     for i, answer in zip(answering, verified):
         answers[i] = answer
     return answers
+
+
+def joined_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Rows [n_i, V] as one [sum n_i, V] tensor: a view when each lies right after the one before
+    in the same storage (one forward's logits, split by call, as the runner answers them), else a
+    copy. Why: re-joining a batch's split logits would copy every row of the vocabulary each step."""
+    present = [row for row in rows if row.shape[0]]   # an empty view has no address of its own
+    if not present:
+        return torch.cat(rows)
+    first = present[0]
+    storage, end = first.untyped_storage().data_ptr(), first.data_ptr()
+    for row in present:
+        if (row.data_ptr() != end or row.stride() != first.stride() or row.dtype != first.dtype
+                or row.untyped_storage().data_ptr() != storage):
+            return torch.cat(rows)
+        end += row.shape[0] * row.stride(0) * row.element_size()
+    return first.as_strided((sum(row.shape[0] for row in present), *first.shape[1:]), first.stride())
 
 
 def to_host(tensors: Sequence[torch.Tensor]) -> list[list[float]]:

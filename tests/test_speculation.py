@@ -8,7 +8,8 @@ import torch
 
 from specserve.decoding.sampling import SamplingParams
 from specserve.decoding.rejection import PLACEHOLDER_TOKEN_ID, greedy_verify
-from specserve.decoding.speculation import greedy_emitted, target_rows
+from specserve.decoding.row_processors import RowBatch
+from specserve.decoding.speculation import greedy_emitted, joined_rows, target_rows
 
 def test_target_rows_mask_eos_for_output_positions_below_min_tokens():
     eos = 2
@@ -80,3 +81,25 @@ def test_target_rows_mask_every_eos_id_and_stop_token_id_below_min_tokens():
     # With ignore_eos an EOS id is an ordinary token, so min_tokens leaves it alone (as vLLM): the stop id goes.
     ignoring = params.model_copy(update={"ignore_eos": True})
     assert target_rows(logits, ignoring, eos_token_id=frozenset({1, 2}), first_output_index=0).tolist() == [1, 1]
+
+
+def test_a_forwards_split_rows_are_joined_as_a_view_and_any_other_rows_as_a_copy():
+    logits = torch.randn(9, 13)[:, :11]   # served columns of a padded vocabulary
+    split = list(logits.split([2, 0, 5, 2]))
+    joined = joined_rows(split)
+    assert torch.equal(joined, logits) and joined.data_ptr() == logits.data_ptr()
+    for rows in ([split[0], split[3]],                          # a gap: call 2's rows left out
+                 [split[2], split[0]],                          # out of order
+                 [torch.randn(2, 11), torch.randn(3, 11)],      # separate tensors
+                 [split[0], split[2][-1:]]):                    # a call's last row only
+        joined = joined_rows(rows)
+        assert torch.equal(joined, torch.cat(rows)) and joined.data_ptr() != rows[0].data_ptr()
+
+
+def test_rows_with_nothing_to_process_are_not_copied_and_processed_rows_leave_the_input_alone():
+    logits = torch.randn(3, 7)
+    assert RowBatch().apply(logits) is logits
+    batch, before = RowBatch(), logits.clone()
+    batch.forbid_stops(0, 2, [4])
+    processed = batch.apply(logits)
+    assert torch.equal(logits, before) and processed[:2, 4].eq(float("-inf")).all()
