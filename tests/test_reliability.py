@@ -1,5 +1,6 @@
 """Under abuse: past capacity the excess gets 503 with Retry-After, a request past its deadline
-ends with what it has, and a storm of dropped connections leaves no state anywhere.
+ends with what it has, a storm of dropped connections leaves no state anywhere, and a router
+that dies mid-stream ends its streams with an error at once (last: Serve replaces the router).
 
 One small server whose limits are tight on purpose: 3 requests run at once, 3 may wait (up to
 2 s), and a request may run for 1.5 s."""
@@ -8,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -149,3 +153,33 @@ def test_a_storm_of_dropped_connections_leaves_no_state(server):
     for pool in ("draft", "target"):
         assert status["pools"][pool]["replicas"] == 1
         assert status["pools"][pool]["sequences"] == 0
+
+
+def test_a_router_that_dies_mid_stream_ends_the_stream_with_an_error_and_its_replacement_serves(server):
+    """A request's chunks come over the router's channel to the ingress, and its one Serve call
+    carries the router's death: the client reads an in-band error within seconds, not a stream
+    that hangs. The router is frozen the moment the first chunk arrives (so the request cannot
+    finish first), then killed. Runs last: Serve then replaces the router."""
+    name = next(actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
+                if actor["namespace"] == "serve" and "#Router#" in actor["name"])
+    router = ray.get_actor(name, namespace="serve")
+    pid = ray.get(router.__ray_call__.remote(lambda _: os.getpid()))
+    events, started = [], time.monotonic()
+    with httpx.stream("POST", f"{server}/v1/completions", json=body(PROMPTS[0], 200, stream=True),
+                      timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: "):]))
+                if len(events) == 1:
+                    os.kill(pid, signal.SIGSTOP)
+                    ray.kill(router, no_restart=False)
+    assert "error" in events[-1] and "choices" in events[0], events[-1]
+    assert time.monotonic() - started < 60
+    deadline = time.monotonic() + 120
+    while True:   # the replacement router serves
+        answer = httpx.post(f"{server}/v1/completions", json=body(PROMPTS[1], 8), timeout=60)
+        if answer.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert answer.status_code == 200, answer.text
+    assert serve.get_deployment_handle("Router", APP_NAME).status.remote().result()["active_requests"] == 0
