@@ -32,6 +32,7 @@ channel, like Ray's own ports, must only be reachable from inside the cluster.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
 import pickle
@@ -46,6 +47,10 @@ from specserve.common.messages import ChannelCall, ChannelReply
 logger = logging.getLogger(__name__)
 
 HEADER = struct.Struct("!Q")
+# While a ChannelServer answers a call: which of its connections the call came over (an id that
+# stays unique for the server's life), so an answer can remember who asks and `on_close` can name
+# the connection that went away.
+CALLER: contextvars.ContextVar[int] = contextvars.ContextVar("channel_caller")
 HEARTBEAT_INTERVAL_S = 1.0   # how often the answering side tells each open channel it is alive
 HEARTBEAT_TIMEOUT_S = 15.0   # silence this long means the peer is lost (far beyond a heartbeat's delay on a loaded box)
 CONNECT_TIMEOUT_S = 10.0
@@ -293,14 +298,18 @@ def portable_error(error: BaseException) -> BaseException:
 
 class ChannelServer:
     """The answering side (an engine, an ingress replica): accepts channels, answers each call with
-    `await answer(method, args)` and hands each message sent with `send` to `receive(method, args)`
-    at once (no task: a streamed chunk costs no more than its queueing)."""
+    `await answer(method, args)` (CALLER naming the connection it came over) and hands each
+    message sent with `send` to `receive(method, args)` at once (no task: a streamed chunk costs no
+    more than its queueing); `on_close(caller)` hears of a connection that ended."""
 
     def __init__(self, answer: Callable[[str, tuple], Awaitable[Any]],
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
-                 receive: Callable[[str, tuple], None] | None = None) -> None:
+                 receive: Callable[[str, tuple], None] | None = None,
+                 on_close: Callable[[int], None] | None = None) -> None:
         self.answer = answer
         self.receive = receive
+        self.on_close = on_close
+        self._callers = itertools.count()
         self.heartbeat_interval_s = heartbeat_interval_s
         self.address: str | None = None
         self._server: asyncio.Server | None = None
@@ -321,6 +330,8 @@ class ChannelServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         _no_delay(writer)
+        caller = next(self._callers)
+        CALLER.set(caller)   # this connection's task, and the answering tasks it starts, see it
         outbox = _Outbox(writer, self._unpicklable)
         self.outboxes.append(outbox)
         heartbeat = asyncio.get_running_loop().create_task(self._heartbeat(writer))
@@ -343,6 +354,8 @@ class ChannelServer:
             heartbeat.cancel()
             self.outboxes.remove(outbox)
             writer.transport.abort()
+            if self.on_close is not None:
+                self.on_close(caller)
 
     def _receive(self, call: ChannelCall) -> None:
         if self.receive is None:

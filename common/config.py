@@ -236,7 +236,7 @@ class BatchingSpec(_Strict):
     admission_timeout_s: float = Field(30.0, gt=0, description="how long a new sequence waits to be admitted "
                                        "(a free KV slot and blocks) before the request gets 503")
     idle_sequence_ttl_s: float = Field(900.0, gt=0, description="a KV slot untouched this long is freed "
-                                       "(a safety net for routers that died)")
+                                       "(a last safety net for slots nobody released)")
 
 
 class HttpSpec(_Strict):

@@ -30,7 +30,7 @@ import torch
 from ray.util import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from specserve.common.channel import ChannelServer
+from specserve.common.channel import CALLER, ChannelServer
 from specserve.common.messages import (CallSpan, CostSample, EngineEndpoint, EngineStats, HistoryUpdate, KvUsage,
                                        RankStats, UnknownHistory)
 from specserve.decoding.block_manager import ForwardCall
@@ -124,19 +124,31 @@ class EngineCore:
         if isinstance(runner, MirroredRunner):
             runner.on_broken = end_process
         self.channel: ChannelServer | None = None
+        self.callers: dict[str, int] = {}   # sequence id -> the channel connection of its last call
 
     async def open_channel(self, host: str | None = None) -> str:
         """Listen for routers' channels (common.channel) on host (default: this node's address,
         the one Ray uses) at a port the OS picks; -> the address routers connect to."""
         if self.channel is None:
-            self.channel = ChannelServer(self._answer_channel_call)
+            self.channel = ChannelServer(self._answer_channel_call, on_close=self._router_gone)
             await self.channel.start(host or ray.util.get_node_ip_address())
         return self.channel.address
 
     async def _answer_channel_call(self, method: str, args: tuple) -> Any:
+        """Every channel method's first argument is the sequence id it is about."""
         if method not in self.channel_methods:
             raise ValueError(f"a {self.pool} engine answers no {method!r} over a channel")
+        self.callers[args[0]] = CALLER.get()
         return await getattr(self, method)(*args)
+
+    def _router_gone(self, caller: int) -> None:
+        """A router's channel closed (its process ended, or the connection broke): the sequences
+        it last called about go as idle ones do, now rather than after the idle timeout. A router
+        that still lives treats the lost channel as a lost engine; asking again, it finds the
+        history unknown and sends it whole (nothing committed is lost)."""
+        for seq_id in [seq_id for seq_id, called_by in self.callers.items() if called_by == caller]:
+            del self.callers[seq_id]
+            self.loop.release(seq_id)
 
     def shape(self, call: Any) -> CallShape:
         raise NotImplementedError
@@ -182,6 +194,7 @@ class EngineCore:
 
     def forget(self, seq_id: str) -> None:
         """Free seq_id's state (the loop calls it between iterations)."""
+        self.callers.pop(seq_id, None)
         self.idle.forget(seq_id)
         self.histories.forget(seq_id)
         self.scheduler.release(seq_id)

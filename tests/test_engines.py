@@ -88,6 +88,33 @@ def test_an_engine_answers_only_the_round_calls_over_a_channel(pair):
     assert len(rows) == 1 and held == []
 
 
+def test_a_routers_sequences_go_when_its_channel_closes_and_another_routers_stay(pair):
+    """A router that dies cannot release what it held: its channel's closing frees the sequences
+    it last called about at once (not after the idle timeout); another router's stay."""
+    target_path, _ = pair
+
+    async def scenario():
+        engine = TargetEngine(spec(target_path), options())
+        address = await engine.open_channel("127.0.0.1")
+        gone, staying = Channel(address), Channel(address)
+        await gone.call("verify", "a", whole(HISTORIES[0]), None, GREEDY)
+        await staying.call("verify", "b", whole(HISTORIES[1]), None, GREEDY)
+        held = [await engine.active_sequences()]
+        gone.close()
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if await engine.active_sequences() == ["b"]:
+                break
+        held.append(await engine.active_sequences())
+        rows, _ = await staying.call("verify", "b", HistoryUpdate(len(HISTORIES[1]), (), history_digest(HISTORIES[1])),
+                                     None, GREEDY)
+        return held, rows
+
+    held, rows = asyncio.run(scenario())
+    assert held == [["a", "b"], ["b"]]
+    assert len(rows) == 1   # b's history is still known: no UnknownHistory
+
+
 def test_draft_calls_that_arrive_after_their_release_hold_nothing(pair):
     """An asyncio actor does not run a caller's calls in the order sent: a propose (or prefill)
     the router sent before a cancelled request's release can start after it. It is refused, so
