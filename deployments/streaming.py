@@ -117,6 +117,7 @@ class StreamInbox:
         self.interval_s = interval_s
         self.server = ChannelServer(self._answer, receive=self._receive)
         self.queues: dict[int, asyncio.Queue] = {}
+        self.watching: set[asyncio.Future] = set()   # every stream's watch on its router call, kept referenced until it ends
         self._ids = itertools.count()
         self._started: asyncio.Future | None = None
 
@@ -152,6 +153,8 @@ class ChunkStream:
         self.ended = False   # the last chunk or the request's error has been read: nothing to cancel
         self._chunks = coalesced_chunks(queue, inbox.interval_s)
         self._watch = asyncio.ensure_future(self._watch_call(queue))
+        inbox.watching.add(self._watch)
+        self._watch.add_done_callback(inbox.watching.discard)
 
     async def _watch_call(self, queue: asyncio.Queue) -> None:
         """The router call's end: an error (the router failed or died) ends the stream with it; a

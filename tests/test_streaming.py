@@ -100,11 +100,11 @@ def test_chunks_pushed_by_the_router_arrive_in_order_and_the_last_ends_the_strea
         call.set_result(None)   # the router's call returns once the last chunk is held here
         await asyncio.sleep(0.05)
         seen = [chunk async for chunk in stream]
-        return seen, inbox.queues
+        return seen, inbox.queues, inbox.watching
 
-    seen, open_streams = asyncio.run(run())
+    seen, open_streams, watching = asyncio.run(run())
     assert "".join(c["text"] for c in seen) == "t0 t1 t2 t3 t4 end"
-    assert "usage" in seen[-1] and open_streams == {}
+    assert "usage" in seen[-1] and open_streams == {} and watching == set()
 
 
 def test_the_error_that_ended_the_request_and_a_call_that_ended_without_its_last_chunk_are_raised():
