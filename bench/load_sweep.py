@@ -63,6 +63,7 @@ from pathlib import Path
 
 from specserve.bench import DEFAULT_OUT_DIR
 from specserve.bench.http_rows import free_port, request_body, run_level, served_apps, sweep_request_count
+from specserve.bench.perfmodel import median_or_none
 from specserve.bench.tree_turns import parse_trees, runs_per_tree, served_code
 from specserve.common.config import SpecServeConfig, load_config
 from specserve.training.prompts import DEFAULT_PROMPT_SET, PROMPT_SETS, load_prompt_set, select_prompts
@@ -321,7 +322,7 @@ def compare_trees(args, argv: list[str]) -> None:
             base = None
             for label, _ in trees:
                 same = [run["variants"][variant][index] for run in runs[label]]
-                medians = {key: _median([row.get(key) for row in same]) for key in keys}
+                medians = {key: median_or_none([row.get(key) for row in same]) for key in keys}
                 summary[f"{variant}/{level['concurrency']}/{label}"] = {
                     **medians, "tokens_per_s_per_turn": [round(row["tokens_per_s"], 1) for row in same]}
                 base = base or medians["tokens_per_s"]
@@ -339,12 +340,7 @@ def compare_trees(args, argv: list[str]) -> None:
     print("\n".join(lines))
 
 
-def _median(values: list) -> float | None:
-    present = [value for value in values if value is not None]
-    return statistics.median(present) if present else None
-
-
-def _fmt(value: float | None, digits: int) -> str:
+def _fmt(value: float | None, digits: int = 1) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
@@ -362,22 +358,19 @@ def render_markdown(result: dict) -> str:
               "| draft batch | target busy |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
-    def fmt(value, digits=1):
-        return "n/a" if value is None else f"{value:.{digits}f}"
-
     for variant, levels in result["variants"].items():
         single = levels[0]["tokens_per_s"] if levels else None
         for level in levels:
             engines = level.get("engines", {})
             lines.append(" | ".join([
-                f"| {variant}", str(level["concurrency"]), str(level["num_requests"]), fmt(level["tokens_per_s"]),
-                fmt(level["tokens_per_s"] / single if single else None, 2) + "×", fmt(level["latency_p50_ms"], 0),
-                fmt(level["latency_p95_ms"], 0), fmt(level["ttft_p50_ms"], 0), fmt(level["ttft_p95_ms"], 0),
-                fmt(level["acceptance_rate"], 3), fmt(level.get("mean_draft_tokens"), 2),
-                fmt(level.get("tokens_per_pass"), 2), fmt(level.get("cache_hit_share"), 2),
-                fmt(level.get("overhead_ms"), 2), fmt(engines.get("target", {}).get("mean_batch_size"), 2),
-                fmt(engines.get("draft", {}).get("mean_batch_size"), 2),
-                fmt(engines.get("target", {}).get("busy_share"), 2)]) + " |")
+                f"| {variant}", str(level["concurrency"]), str(level["num_requests"]), _fmt(level["tokens_per_s"]),
+                _fmt(level["tokens_per_s"] / single if single else None, 2) + "×", _fmt(level["latency_p50_ms"], 0),
+                _fmt(level["latency_p95_ms"], 0), _fmt(level["ttft_p50_ms"], 0), _fmt(level["ttft_p95_ms"], 0),
+                _fmt(level["acceptance_rate"], 3), _fmt(level.get("mean_draft_tokens"), 2),
+                _fmt(level.get("tokens_per_pass"), 2), _fmt(level.get("cache_hit_share"), 2),
+                _fmt(level.get("overhead_ms"), 2), _fmt(engines.get("target", {}).get("mean_batch_size"), 2),
+                _fmt(engines.get("draft", {}).get("mean_batch_size"), 2),
+                _fmt(engines.get("target", {}).get("busy_share"), 2)]) + " |")
     comparison = adaptive_against_fixed(result)
     if comparison:
         lines += ["", "Adaptive against the best pinned K at each level (tok/s):", "",

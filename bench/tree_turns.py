@@ -5,7 +5,8 @@ after the other meet different minutes; running each tree's turn in alternation 
 same minutes. Each run is the bench itself in a child process whose PYTHONPATH and working
 directory are the tree (a `git worktree` of the commit to compare), so that tree's code is what
 serves (Ray's workers inherit both); a child's result that names the code it ran (`served_code`;
-older trees' benches may not) is checked against its tree.
+older trees' benches may not) is checked against its tree. A figure script newer than the trees it
+compares runs itself instead, from this checkout, importing the tree's code (`script_in_tree`).
 """
 
 from __future__ import annotations
@@ -48,3 +49,17 @@ def runs_per_tree(module: str, child_args: list[str], trees: list[tuple[str, Pat
                     raise SystemExit(f"{label}: {run.get('code')}'s code served, not {root}'s")
                 runs[label].append(run)
     return runs
+
+
+def script_in_tree(script: Path, tree: Path, args: list[str]) -> str:
+    """`python script *args` with `specserve` imported from tree (PYTHONPATH and working directory
+    the tree; the script itself from this checkout, so a tree older than it can run it): the last
+    line it printed."""
+    out = subprocess.run([sys.executable, str(script), *args], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
+                         capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def turn_order(labels: list[str], turn: int) -> list[str]:
+    """The order the trees run in at a turn: as given, then reversed, so none always goes first."""
+    return list(labels) if turn % 2 == 0 else list(reversed(labels))

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -69,12 +67,12 @@ def worker(pair: str, streams: int, max_tokens: int, fixtures: str) -> dict:
 
 
 def measure(tree: Path, pair: str, streams: int, max_tokens: int, fixtures: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    # This file runs as a script, so `decoding` is imported from the tree under test.
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", pair, "--streams", str(streams),
-                          "--max-tokens", str(max_tokens), "--fixtures", fixtures],
-                         cwd=tree, env=env, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    # Imported here, not above: a worker runs this file under a tree that may predate the module.
+    from specserve.bench.tree_turns import script_in_tree
+
+    return json.loads(script_in_tree(Path(__file__).resolve(), tree, ["--worker", pair, "--streams", str(streams),
+                                                                      "--max-tokens", str(max_tokens),
+                                                                      "--fixtures", fixtures]))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(worker(args.worker, args.streams, args.max_tokens, args.fixtures)))
         return
 
+    from specserve.bench.tree_turns import turn_order
+
     trees = {"after": ROOT} | ({"before": Path(args.baseline_tree).resolve()} if args.baseline_tree else {})
     fixtures = tempfile.mkdtemp(prefix="decoder-fixtures-")
     sys.path.insert(0, str(ROOT))
@@ -104,8 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     for round_index in range(args.rounds):
         for pair in pairs:
             for streams in (1, args.streams):
-                order = list(trees) if round_index % 2 == 0 else list(reversed(list(trees)))
-                for tree_name in order:
+                for tree_name in turn_order(list(trees), round_index):
                     result = measure(trees[tree_name], pair, streams, args.max_tokens, fixtures)
                     samples.setdefault((pair, streams, tree_name), []).append(result)
                     print(f"round {round_index} {pair:10s} {streams:2d} streams {tree_name:6s} "

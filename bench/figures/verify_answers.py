@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,11 +52,10 @@ def worker(calls: int, mode: str, reps: int) -> float:
 
 
 def measure(tree: Path, calls: int, mode: str, reps: int) -> float:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    # This file runs as a script, so `decoding` is imported from the tree under test.
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", f"{calls},{mode}",
-                          "--reps", str(reps)], cwd=tree, env=env, capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    # Imported here, not above: a worker runs this file under a tree that may predate the module.
+    from specserve.bench.tree_turns import script_in_tree
+
+    return float(script_in_tree(Path(__file__).resolve(), tree, ["--worker", f"{calls},{mode}", "--reps", str(reps)]))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,12 +71,13 @@ def main(argv: list[str] | None = None) -> None:
         calls, mode = args.worker.split(",")
         print(worker(int(calls), mode, args.reps))
         return
+    from specserve.bench.tree_turns import turn_order
+
     trees = {"after": ROOT} | ({"before": Path(args.baseline_tree).resolve()} if args.baseline_tree else {})
     samples: dict[tuple, list[float]] = {}
     for round_index in range(args.rounds):
         for calls, mode in SHAPES:
-            order = list(trees) if round_index % 2 == 0 else list(reversed(list(trees)))
-            for tree_name in order:
+            for tree_name in turn_order(list(trees), round_index):
                 samples.setdefault((calls, mode, tree_name), []).append(measure(trees[tree_name], calls, mode, args.reps))
     rows = [{"calls": calls, "mode": mode, "tree": tree_name,
              "median_ms": round(statistics.median(samples[(calls, mode, tree_name)]), 2),
