@@ -34,6 +34,7 @@ def worker(pair: str, streams: int, max_tokens: int, fixtures: str) -> dict:
     from specserve.decoding.generate import generate_batch
     from specserve.decoding.proposers import DraftModelProposer
     from specserve.decoding.sampling import SamplingParams
+    from specserve.decoding.scheduler import Scheduler
     from specserve.decoding.sequence import RequestState
 
     torch.set_num_threads(1)
@@ -46,7 +47,8 @@ def worker(pair: str, streams: int, max_tokens: int, fixtures: str) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "models/default/tokenizer" if pair == "default" else target_path)
     prompts = [p["text"] for p in json.loads((ROOT / "bench/prompts_thirdparty_v1.json").read_text())["prompts"]]
     spec = {"dtype": "float32", "device": "cpu", "torch_threads": 1, "max_sequences": 64}
-    target, draft = load_runner({**spec, "path": str(target_path)}), load_runner({**spec, "path": str(draft_path)})
+    # Engines as generate_batch drives them: a scheduler over each runner.
+    target, draft = (Scheduler(load_runner({**spec, "path": str(path)})) for path in (target_path, draft_path))
     proposer = DraftModelProposer(draft)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -63,7 +65,7 @@ def worker(pair: str, streams: int, max_tokens: int, fixtures: str) -> dict:
     drafted = sum(state.stats.num_drafted for state in batch)
     accepted = sum(state.stats.num_accepted for state in batch)
     return {"tok_s": tokens / elapsed, "tokens": tokens, "acceptance": accepted / max(drafted, 1),
-            "target_runner": type(target).__name__}
+            "target_runner": type(target.runner).__name__}
 
 
 def measure(tree: Path, pair: str, streams: int, max_tokens: int, fixtures: str) -> dict:
