@@ -49,8 +49,12 @@ def test_a_version_trained_on_the_head_reaches_the_draft_node_through_the_object
         {key: (status or {}).get(key) for key in ("passes", "last_pass", "captured_total", "engines", "failed_loads",
                                                    "training_now")}
     after = [complete(client, prompt, 0.0, model=MODEL) for prompt in PROMPTS]
+    # A response's draft_version names the weights of its last verified block, so one that verified
+    # none (it served target-only: no draft engine within limits, or a depth of 0) names no version.
     # Traffic goes on being captured, so a later version may take over meanwhile: at least this one.
-    assert min(r.model_extra["speculation"]["draft_version"] for r in after) >= status["draft_version"]
+    stats = [r.model_extra["speculation"] for r in after]
+    drafted = [each for each in stats if each["num_drafted"] > 0]
+    assert drafted and all(each["draft_version"] >= status["draft_version"] for each in drafted), stats
     assert [r.choices[0].text for r in after] == [r.choices[0].text for r in before]
     # A loaded version takes over at the engine's next forward: ask after the requests above.
     engines = draft_engine_versions()
