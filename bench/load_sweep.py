@@ -25,6 +25,8 @@ Variants (`--variants`):
   into one chunk per N ms), e.g. `k4,k4-interval50`
 - any variant with `-stepsN`: the same with `speculation.target_only_steps` N (tokens a round
   without a block decodes in the target), e.g. `target-only-steps1,target-only`
+- any variant with `-topkN`: the same with `speculation.draft_top_k` N (the draft tokens a sampled
+  draft row keeps), e.g. `k4-topk64,k4 --mode sampled`
 
 `--null-forward A` serves every variant's engines with null forwards (decoding/null_forward.py):
 no model is computed, the target follows a hashed rule and the draft agrees with it at rate A, so
@@ -55,6 +57,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import statistics
 import time
@@ -72,28 +75,31 @@ VARIANTS = ["specserve", "target-only", "specserve-unbatched", "target-only-unba
             "k0", "k2", "k4", "k8", "adaptive"]
 
 
-# A variant's modifiers, stripped outermost first ("k4-token-2routers-steps8-interval50").
+# A variant's modifiers: plain ones, stripped outermost first ("k4-token-2routers"), and numbered
+# ones anywhere after the base ("k4-token-topk256-steps8-interval50").
 SUFFIXES = ("-2routers", "-plain", "-unmeasured", "-token")
+NUMBERED = re.compile(r"-(interval|steps|topk)(\d+(?:\.\d+)?)")
 
 
-def split_variant(variant: str) -> tuple[str, float | None, int | None, frozenset[str]]:
-    """variant -> (its base in VARIANTS, -intervalN's N, -stepsN's N, the SUFFIXES it carries)."""
-    variant, _, interval = variant.partition("-interval")
-    variant, _, steps = variant.partition("-steps")
+def split_variant(variant: str) -> tuple[str, dict[str, float], frozenset[str]]:
+    """variant -> (its base in VARIANTS, its numbered modifiers {"interval" | "steps" | "topk": N},
+    the SUFFIXES it carries)."""
+    numbers = {name: float(value) for name, value in NUMBERED.findall(variant)}
+    variant = NUMBERED.sub("", variant)
     suffixes = set()
     for suffix in SUFFIXES:
         if variant.endswith(suffix):
             suffixes.add(suffix)
             variant = variant.removesuffix(suffix)
-    return variant, float(interval) if interval else None, int(steps) if steps else None, frozenset(suffixes)
+    return variant, numbers, frozenset(suffixes)
 
 
 def variant_config(base: SpecServeConfig, variant: str, num_draft_tokens: int, port: int,
                    null_forward: float | None = None) -> SpecServeConfig:
     """The config of one variant: same models and limits, speculation and batching as named; a
     "-token" one with token-wise verification, a "-2routers" one with two router replicas, a
-    "-stepsN" one decoding N tokens a target-only round, an "-intervalN" one (the last suffix)
-    streaming a chunk per N ms.
+    "-stepsN" one decoding N tokens a target-only round, a "-topkN" one drafting sampled tokens
+    from N candidates, an "-intervalN" one streaming a chunk per N ms.
     null_forward: the engines' forwards are null, the draft agreeing with the target at this rate."""
     data = base.model_dump(mode="json")
     data["http"] = {"host": "127.0.0.1", "port": port}
@@ -102,11 +108,13 @@ def variant_config(base: SpecServeConfig, variant: str, num_draft_tokens: int, p
         if data.get("draft") is not None:
             data["draft"]["null_forward_agreement"] = null_forward
     spec = data["speculation"]
-    variant, interval_ms, steps, suffixes = split_variant(variant)
-    if interval_ms is not None:
-        data["http"]["stream_interval_ms"] = interval_ms
-    if steps is not None:
-        spec["target_only_steps"] = steps
+    variant, numbers, suffixes = split_variant(variant)
+    if "interval" in numbers:
+        data["http"]["stream_interval_ms"] = numbers["interval"]
+    if "steps" in numbers:
+        spec["target_only_steps"] = int(numbers["steps"])
+    if "topk" in numbers:
+        spec["draft_top_k"] = int(numbers["topk"])
     if "-2routers" in suffixes:
         data["router"] = {**data["router"], "num_replicas": 2}
     if "-plain" in suffixes:

@@ -159,10 +159,12 @@ class SpeculationSpec(_Strict):
                                       "rejection's recovered token then falls on the tokens pre-drafted for far more "
                                       "often, for some acceptance (0.05 gave the measured hits). Exact for any value; "
                                       "1 (the default, until tokens/s shows it pays): off (docs/speculation-cache.md)")
-    draft_top_k: int = Field(64, ge=1, description="a sampled draft token is drawn from at most this many of its "
-                             "row's most likely tokens (fewer where the request's top-k / top-p cut it shorter); "
-                             "that q goes to the target as (ids, probs), so a round moves O(K) numbers, not [K, V] "
-                             "rows. Exact for any value; a larger one accepts a little more and moves more bytes")
+    draft_top_k: int = Field(8192, ge=1, description="a sampled draft token is drawn from at most this many of "
+                             "its row's most likely tokens (fewer where the request's top-k / top-p cut it "
+                             "shorter; the whole row where the vocabulary has no more), and that q goes to the "
+                             "target as (ids, probs), 8 bytes a token of it. Exact for any value; the cut costs "
+                             "acceptance up to the mass it removes, which a small draft spreads thinly over "
+                             "thousands of tokens (docs/sampling.md#how-wide-the-drafts-q-is)")
     target_only_steps: int = Field(4, ge=1, le=64, description="a round without a draft block (target-only: "
                                    "no proposer, a lost draft, or K chosen 0 under load) decodes up to this many "
                                    "tokens in the target engine before it answers, as vLLM's multi-step scheduling "

@@ -365,6 +365,10 @@ def test_load_sweep_variants_compose_their_suffixes():
     one_step = variant_config(SpecServeConfig(), "target-only-steps1-interval20", 4, 8123)
     assert (one_step.speculation.proposer, one_step.speculation.target_only_steps) == ("none", 1)
     assert one_step.http.stream_interval_ms == 20.0 and plain.speculation.target_only_steps == 4
+    wide = variant_config(SpecServeConfig(), "k4-token-topk512-interval20", 4, 8123)
+    assert (wide.speculation.draft_top_k, wide.speculation.verification, wide.http.stream_interval_ms) == \
+        (512, "token", 20.0)
+    assert wide.speculation.draft_top_k != plain.speculation.draft_top_k
 
 
 def test_load_sweep_refuses_a_variant_whose_base_is_unknown_before_starting_anything(capsys):
