@@ -6,7 +6,7 @@ around it (the batch's plan, tables, layout, bookkeeping, the logits' copy).
     python -m specserve.bench.engine_step [--reps 60] [--threads 1] [--out bench/results/cpu-2core-engine-step.md]
 
 Two pairs: the shipped default pair (models/default) and its Llama-3-width look-alike (the same
-architecture with a 128,256-token vocabulary, random weights: bench.round_time's). For each model
+architecture with a 128,256-token vocabulary, random weights: bench.look_alike's). For each model
 an eager runner and a compiled one (decoding.compiled_forward) serve the same rows, taking turns
 every repetition so the box's drift hits both alike; each row holds CACHED tokens and every step
 is rolled back after, so each repetition does the same work. Medians (ms) and the eager/compiled
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from specserve.bench.round_time import timed_forwards
+from specserve.bench.look_alike import timed_forwards
 from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.compiled_forward import compile_cache_dir
 from specserve.decoding.model_runner import load_causal_lm

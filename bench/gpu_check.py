@@ -8,7 +8,7 @@ Why one command: GPU machines come to this project rarely and for a quarter of a
 included (docs/testing.md, "The GPU check"). On CUDA it builds randomly initialised models from
 exact published configs (Llama-3.1-8B target and Llama-3.2-1B draft in bf16, vocabulary 128,256; a
 few-layer fp32 copy of the 8B for exactness; a Gemma-3-1B-shaped windowed model), each next-token
-distribution made peaked like a trained model's where entropy matters (bench.round_time's
+distribution made peaked like a trained model's where entropy matters (bench.look_alike's
 `peaked`), and runs five sections: environment, correctness, host syncs and kernel launches,
 timings, memory. Without CUDA (or with --smoke) the same sections run on tiny configs in well
 under a minute: `make test` runs that smoke (tests/test_gpu_check.py), so the check never rots.
@@ -55,7 +55,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from specserve.bench.round_time import peaked  # noqa: E402
+from specserve.bench.look_alike import peaked  # noqa: E402
 from specserve.decoding.generate import generate, generate_batch  # noqa: E402
 from specserve.decoding.compiled_forward import CompiledForward  # noqa: E402
 from specserve.decoding.proposers import Proposal  # noqa: E402
@@ -302,13 +302,13 @@ def build_model(kind: str, config_kwargs: dict, layers: int | None, dtype: torch
                 seed: int, peak_prompts: Sequence[list[int]] = ()):
     """A randomly initialised model on device from config_kwargs (layers: fewer than published);
     Llama's lm_head untied from the embeddings and its final norm scaled until its next-token rows
-    have a trained model's entropy over peak_prompts (bench.round_time.peaked); -> (model, nats)."""
+    have a trained model's entropy over peak_prompts (bench.look_alike.peaked); -> (model, nats)."""
     kwargs = dict(config_kwargs)
     if layers is not None:
         kwargs["num_hidden_layers"] = layers
     torch.manual_seed(seed)
     if kind == "llama":
-        # Tied, a random lm_head scores the input token far above the rest (bench.round_time).
+        # Tied, a random lm_head scores the input token far above the rest (bench.look_alike).
         config, cls = LlamaConfig(**{**kwargs, "tie_word_embeddings": False}), LlamaForCausalLM
     else:
         config, cls = Gemma3TextConfig(**kwargs), Gemma3ForCausalLM

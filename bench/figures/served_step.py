@@ -32,9 +32,9 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "small-model-as-target.yaml"
 
 
 def install_timer(engine) -> int:
-    """(in the engine actor) Time its runner's model calls (bench.round_time.timed_forwards),
+    """(in the engine actor) Time its runner's model calls (bench.look_alike.timed_forwards),
     keeping each call's seconds."""
-    from specserve.bench.round_time import timed_forwards
+    from specserve.bench.look_alike import timed_forwards
 
     runner = engine.scheduler.runner
     if not hasattr(runner, "served_step_seconds"):

@@ -20,7 +20,7 @@ import torch
 
 from specserve.bench.engine_step import LLAMA3_VOCAB, SHAPES, models, step_bench_arguments, step_times
 from specserve.bench.report import markdown_table
-from specserve.bench.round_time import timed_forwards
+from specserve.bench.look_alike import timed_forwards
 from specserve.decoding.scheduler import engine_for_model
 
 VARIANTS = ("out_in", "in_out")

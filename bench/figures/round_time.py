@@ -2,21 +2,17 @@
 look-alike pair at fixed K: a round's cost should follow K, not the sampling mode, the history or
 the vocabulary (docs/sampling.md).
 
-    python -m specserve.bench.round_time [--rounds 40] [--warmup 2] [--threads 1] [--out bench/results/cpu-2core-round-time.md]
+    python -m specserve.bench.figures.round_time [--rounds 40] [--warmup 2] [--threads 1] [--draft-top-k N] [--out bench/results/cpu-2core-round-time.md]
 
 The pair is the shipped default pair's architecture (models/default: target and draft configs)
-with Llama 3's vocabulary width (128,256) and a context of 4,096, random weights. Random weights
-alone give next-token rows nearly uniform over the 128k ids, which no trained model has (a 0.95
-nucleus would hold most of the vocabulary); so each model's final norm is scaled (`peaked`) until
-the mean entropy of its next-token distributions over the bench's prompts is TARGET_ENTROPY_NATS,
-a trained model's range, and the table states the entropy measured. lm_head is untied from the
-embeddings: tied, a random model scores its input token far above the rest, a spike over a flat
-tail. Six requests, one per variant (greedy / sampled / sampled with top-p x 100 / 3,500 history
+with Llama 3's vocabulary width (128,256) and a context of 4,096, random weights made peaked like a
+trained model's (bench/look_alike.py); the table states the entropy measured. Six requests, one per variant (greedy / sampled / sampled with top-p x 100 / 3,500 history
 tokens), are prefilled, then take turns round by round, so the box's drift hits every variant
 alike. A round is one `decoding.generate.generate` step: the draft drafts K tokens (sampled:
 temperature 0.8, and top-p 0.95 in the top-p variant; the draft's support cut to
-speculation.draft_top_k), the target runs one forward over the block, its rows are processed and answered on the engine's path
-(decoding.speculation.target_rows_batch, verify_answers) and the block is verified. The draft
+--draft-top-k, speculation.draft_top_k's default unless given), the target runs one forward over
+the block, its rows are processed and answered on the engine's path (decoding.speculation.
+target_rows_batch, verify_answers) and the block is verified. The draft
 always drafts K tokens (ignore_eos, max_tokens past the run), so every round does the same work
 whatever was accepted. Medians and p90 per variant, each variant's median over greedy-short's, and
 the medians of the round's time in the draft's forwards, in the target's forward (each runner's
@@ -35,22 +31,18 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
+from specserve.bench.look_alike import ENTROPY_POSITIONS, VOCAB_SIZE, look_alike, timed_forwards
 from specserve.common.config import SpeculationSpec
-from specserve.decoding.scheduler import Scheduler, engine_for_model
+from specserve.decoding.scheduler import engine_for_model
 from specserve.decoding.generate import generate
 from specserve.decoding.proposers import DraftModelProposer
 from specserve.decoding.sampling import SamplingParams
 from specserve.decoding.sequence import RequestState
 
-DEFAULT_PAIR = Path(__file__).resolve().parents[1] / "models" / "default"
-VOCAB_SIZE = 128_256
 MAX_CONTEXT = 4_096
 NUM_DRAFT_TOKENS = 4
 HISTORIES = {"short": 100, "long": 3_500}
-TARGET_ENTROPY_NATS = 2.5
-ENTROPY_POSITIONS = 100  # rows measured per prompt: the short prompt's, and the long prompt's last
 MODES = {"greedy": SamplingParams(temperature=0, max_tokens=MAX_CONTEXT, ignore_eos=True),
          "sampled": SamplingParams(temperature=0.8, max_tokens=MAX_CONTEXT, ignore_eos=True, seed=7),
          # top-p (and top-k) cut each processed row (sampling.truncate_rows): a flat row sorts all 128k ids
@@ -58,77 +50,21 @@ MODES = {"greedy": SamplingParams(temperature=0, max_tokens=MAX_CONTEXT, ignore_
                                          seed=7)}
 
 
-def look_alike(role: str, seed: int, prompts: list[torch.Tensor]):
-    """models/default/<role>'s architecture, 128k vocabulary, a 4k context, random weights, made
-    `peaked` over prompts: (model, mean entropy in nats of its next-token distributions there)."""
-    config = AutoConfig.from_pretrained(DEFAULT_PAIR / role, local_files_only=True)
-    config.vocab_size, config.max_position_embeddings = VOCAB_SIZE, MAX_CONTEXT
-    # Tied to the embeddings, a random lm_head scores the input token far above the rest (the
-    # residual stream carries its embedding): one spike over a flat tail. Its own weights instead.
-    config.tie_word_embeddings = False
-    torch.manual_seed(seed)
-    # float32, as a CPU engine serves it (from_config would take config.json's float16).
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    return model, peaked(model, prompts)
-
-
-def mean_entropy_nats(logits: torch.Tensor) -> float:
-    log_probs = torch.log_softmax(logits, dim=-1)
-    return float(-(log_probs.exp() * log_probs).sum(-1).mean())
-
-
-@torch.inference_mode()
-def peaked(model, prompts: list[torch.Tensor]) -> float:
-    """Scale the model's final norm (which only feeds lm_head: the logits scale with it; the
-    embeddings, untied from lm_head here, stay) so that the mean entropy of its next-token
-    distributions at the last ENTROPY_POSITIONS positions of each prompt is TARGET_ENTROPY_NATS
-    (bisection on the scale); returns the entropy reached."""
-    logits = torch.cat([model(input_ids=prompt[None], logits_to_keep=ENTROPY_POSITIONS).logits[0].float()
-                        for prompt in prompts])
-    low, high = 1.0, 1.0
-    while mean_entropy_nats(logits * high) > TARGET_ENTROPY_NATS:
-        low, high = high, high * 2
-    for _ in range(20):
-        middle = (low + high) / 2
-        low, high = (middle, high) if mean_entropy_nats(logits * middle) > TARGET_ENTROPY_NATS else (low, middle)
-    model.model.norm.weight.mul_(high)
-    return mean_entropy_nats(logits * high)
-
-
-def timed_forwards(engine: Scheduler, seconds: list[float], each: list[float] | None = None) -> Scheduler:
-    """The engine, its runner's model calls (`_logits`) adding their wall time to seconds[0]
-    (and appending each call's to `each`, where given)."""
-    runner = engine.runner
-    model_call = runner._logits
-
-    def timed(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return model_call(*args, **kwargs)
-        finally:
-            elapsed = time.perf_counter() - started
-            seconds[0] += elapsed
-            if each is not None:
-                each.append(elapsed)
-
-    runner._logits = timed
-    return engine
-
-
-def measure(num_rounds: int, num_warmup: int) -> tuple[dict, dict]:
+def measure(num_rounds: int, num_warmup: int, draft_top_k: int) -> tuple[dict, dict]:
     """Seconds per round and seconds in the models' forwards per round, per variant, the variants
-    taking turns after num_warmup untimed rounds each; and the look-alikes' mean entropies."""
+    taking turns after num_warmup untimed rounds each; and the look-alikes' mean entropies.
+    draft_top_k: the candidates a sampled draft token is drawn from (speculation.draft_top_k)."""
     ids = torch.randint(0, VOCAB_SIZE, (max(HISTORIES.values()),), generator=torch.Generator().manual_seed(3))
     prompts = [ids[:length] for length in HISTORIES.values()]
-    target_model, target_entropy = look_alike("target", 0, prompts)
-    draft_model, draft_entropy = look_alike("draft", 1, prompts)
+    target_model, target_entropy = look_alike("target", 0, prompts, MAX_CONTEXT)
+    draft_model, draft_entropy = look_alike("draft", 1, prompts, MAX_CONTEXT)
     in_forwards = {"target": [0.0], "draft": [0.0]}
     target = timed_forwards(engine_for_model(target_model, max_sequences=8, model_path="look-alike-target",
                                              max_model_len=MAX_CONTEXT), in_forwards["target"])
     proposer = DraftModelProposer(timed_forwards(engine_for_model(draft_model, max_sequences=8,
                                                                   model_path="look-alike-draft",
                                                                   max_model_len=MAX_CONTEXT), in_forwards["draft"]),
-                                  max_candidates=SpeculationSpec().draft_top_k)
+                                  max_candidates=draft_top_k)
     rounds, seconds = {}, {}
     for history, length in HISTORIES.items():
         for mode, params in MODES.items():
@@ -199,11 +135,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40, help="timed rounds per variant")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds per variant before the timed ones")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--draft-top-k", type=int, default=SpeculationSpec().draft_top_k,
+                        help="speculation.draft_top_k of the sampled drafts (default: its default)")
     parser.add_argument("--out", type=Path, help="write the table here (and its numbers beside it as .json)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    command = f"python -m specserve.bench.round_time --rounds {args.rounds} --warmup {args.warmup} --threads {args.threads}"
-    seconds, entropies = measure(args.rounds, args.warmup)
+    command = (f"python -m specserve.bench.figures.round_time --rounds {args.rounds} --warmup {args.warmup} "
+               f"--threads {args.threads} --draft-top-k {args.draft_top_k}")
+    seconds, entropies = measure(args.rounds, args.warmup, args.draft_top_k)
     rows = summary(seconds)
     text = table(rows, entropies, command)
     print(text)
