@@ -33,7 +33,9 @@ STEP_CONTEXT_TOKENS = 128
 
 
 class ForwardClock:
-    """Total seconds spent inside the forward passes of some modules (hooks; nesting-safe)."""
+    """Total seconds spent inside the forward passes of some modules (hooks) and inside the model
+    calls of some engines (`counting`), nesting-safe: Hugging Face's generate calls the modules,
+    while an engine's lean forward reads their weights without calling them."""
 
     def __init__(self, modules: Sequence[torch.nn.Module]) -> None:
         self.total_s = 0.0
@@ -61,6 +63,21 @@ class ForwardClock:
             self._sync()
             self.total_s += time.perf_counter() - self._started
 
+    def counting(self, engine: Scheduler) -> Scheduler:
+        """The engine, its runner's model calls (`_logits`) counted in total_s."""
+        runner = engine.runner
+        model_call = runner._logits
+
+        def counted(*args, **kwargs):
+            self._enter()
+            try:
+                return model_call(*args, **kwargs)
+            finally:
+                self._exit()
+
+        runner._logits = counted
+        return engine
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -84,8 +101,9 @@ def load_pair(target_path: str, draft_path: str, device: str = "cpu", dtype: str
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=_DTYPES[dtype])
         models.append(model.to(torch.device(device)).eval())
     target_model, draft_model = models
-    return LoadedPair(target_model, draft_model, engine_for_model(target_model), engine_for_model(draft_model),
-                      ForwardClock(models))
+    clock = ForwardClock(models)
+    return LoadedPair(target_model, draft_model, clock.counting(engine_for_model(target_model)),
+                      clock.counting(engine_for_model(draft_model)), clock)
 
 
 # -- step latencies -----------------------------------------------------------------------------

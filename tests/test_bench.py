@@ -263,6 +263,29 @@ def test_in_process_rows_run_end_to_end_on_a_tiny_pair(tmp_path):
     assert "## greedy, prompts `v2` v2" in (tmp_path / "results" / "smoke.md").read_text()
 
 
+def test_the_in_process_clock_counts_an_engines_model_calls_once(tmp_path):
+    """The engines' lean forward calls no module's forward, so hooks alone would count none of
+    their compute and an in-process row's overhead would be its whole round."""
+    import time
+
+    import torch
+
+    from specserve.bench.inprocess import load_pair
+    from specserve.decoding.block_manager import ForwardCall
+    from tests.tiny_pair import make_tiny_pair
+
+    pair = load_pair(*map(str, make_tiny_pair(tmp_path / "pair")))
+    prompt = list(range(3, 40))
+    for engine in (pair.target, pair.draft):
+        before, started = pair.clock.total_s, time.perf_counter()
+        engine.forward_batch([ForwardCall("s", prompt, len(prompt))])
+        wall = time.perf_counter() - started
+        assert 0.0 < pair.clock.total_s - before <= wall
+    before, started = pair.clock.total_s, time.perf_counter()
+    pair.target_model(input_ids=torch.tensor([prompt]))   # what Hugging Face's generate calls
+    assert 0.0 < pair.clock.total_s - before <= time.perf_counter() - started
+
+
 def test_outside_overhead_is_the_round_minus_the_engine_time_it_waited_on():
     from specserve.bench.round_profile import outside_overheads
 
