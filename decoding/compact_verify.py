@@ -52,14 +52,26 @@ class DraftSupport:
         return DraftSupport(torch.stack([row.ids for row in rows]), torch.stack([row.probs for row in rows]))
 
     def wire(self) -> "DraftSupport":
-        return DraftSupport(np.asarray(torch.as_tensor(self.ids).cpu(), dtype=np.int32),
-                            np.asarray(torch.as_tensor(self.probs).cpu(), dtype=np.float32))
+        """As numpy arrays; rows that are whole vocabularies in id order (`draft_support` where nothing
+        cut them) travel without their ids, which are 0..V-1: an empty ids array stands for them."""
+        ids = torch.as_tensor(self.ids)
+        probs = np.asarray(torch.as_tensor(self.probs).cpu(), dtype=np.float32)
+        if _in_id_order(ids):
+            return DraftSupport(np.zeros((*probs.shape[:-1], 0), dtype=np.int32), probs)
+        return DraftSupport(np.asarray(ids.cpu(), dtype=np.int32), probs)
 
     def tensors(self, device: torch.device | str = "cpu") -> "DraftSupport":
+        probs = torch.as_tensor(np.array(self.probs) if isinstance(self.probs, np.ndarray) else self.probs,
+                                device=device).float()
+        if self.ids.shape[-1] == 0 and probs.shape[-1] > 0:   # whole rows off the wire
+            return DraftSupport(torch.arange(probs.shape[-1], device=device).expand_as(probs), probs)
         return DraftSupport(torch.as_tensor(np.array(self.ids) if isinstance(self.ids, np.ndarray) else self.ids,
-                                            device=device).long(),
-                            torch.as_tensor(np.array(self.probs) if isinstance(self.probs, np.ndarray)
-                                            else self.probs, device=device).float())
+                                            device=device).long(), probs)
+
+    @property
+    def width(self) -> int:
+        """Entries a row holds (on the wire too, where whole rows carry no ids)."""
+        return self.probs.shape[-1]
 
     def rows(self, start: int, stop: int) -> "DraftSupport":
         """Positions start..stop - 1 of a block."""
@@ -74,6 +86,12 @@ class DraftSupport:
         """q(x) per row [...] for token ids [...]: 0 where x is not in the row's support."""
         hits = self.ids.long() == token_ids.long().unsqueeze(-1)
         return (hits * self.probs.float()).sum(-1)
+
+
+def _in_id_order(ids: torch.Tensor) -> bool:
+    """Every row is 0..V-1 (a whole vocabulary in id order)."""
+    width = ids.shape[-1]
+    return width > 1 and ids.numel() > 0 and bool((ids == torch.arange(width, device=ids.device)).all())
 
 
 def draft_support(probs: torch.Tensor, max_candidates: int | None) -> DraftSupport:
@@ -244,7 +262,7 @@ def _stacked_supports(supports: Sequence[DraftSupport | None], draft_token_ids: 
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Every draft position's q as (ids, probs) [sum K_i, m], padded with probability-0 entries to
     the widest support: a request's support, or (x, 1) for a deterministic proposer's token x."""
-    widths = [support.ids.shape[-1] for support, block in zip(supports, draft_token_ids)
+    widths = [support.width for support, block in zip(supports, draft_token_ids)
               if support is not None and block]
     width = max(widths, default=1)
     ids, probs = [], []

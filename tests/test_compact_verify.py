@@ -134,6 +134,29 @@ def test_a_ragged_batch_answers_each_request_as_it_would_alone_under_its_own_see
         token_start += count + 1
 
 
+def test_whole_rows_travel_without_their_ids_and_answer_as_they_do_in_process():
+    """A draft row that nothing cut is the whole vocabulary in id order: the wire drops those ids
+    (half its bytes) and the receiver restores them; a cut row keeps its own. A ragged batch of
+    wire supports answers bit for bit what the in-process supports do."""
+    blocks = ragged_blocks(seed=7)
+    whole = torch.softmax(torch.randn(2, 7, generator=torch.Generator().manual_seed(1)), -1)
+    blocks.append((torch.softmax(torch.randn(3, 7), -1), [4, 1], draft_support(whole, None), True, 200))
+    wired = [None if support is None else support.wire() for _, _, support, *_ in blocks]
+    assert wired[-1].ids.shape == (2, 0) and wired[-1].width == 7
+    assert wired[0].ids.shape == (3, 4) and wired[0].width == 4
+    restored = wired[-1].tensors()
+    assert torch.equal(restored.ids, blocks[-1][2].ids) and torch.equal(restored.probs, whole)
+
+    def answers(supports):
+        return ragged_target_numbers(torch.cat([rows for rows, *_ in blocks]), [ids for _, ids, *_ in blocks],
+                                     supports, [make_generator(seed) for *_, seed in blocks],
+                                     [block for *_, block, _ in blocks])
+
+    in_process, off_the_wire = answers([support for _, _, support, *_ in blocks]), answers(wired)
+    for field in ("target_of_draft", "residual_mass", "tokens"):
+        assert torch.equal(getattr(in_process, field), getattr(off_the_wire, field)), field
+
+
 def test_the_ragged_check_rejects_requests_sharing_one_stream():
     """The test above must fail when the requests' draws come from one shared generator."""
     blocks = ragged_blocks(seed=5)
