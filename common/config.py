@@ -162,9 +162,9 @@ class SpeculationSpec(_Strict):
     draft_top_k: int = Field(8192, ge=1, description="a sampled draft token is drawn from at most this many of "
                              "its row's most likely tokens (fewer where the request's top-k / top-p cut it "
                              "shorter; the whole row where the vocabulary has no more), and that q goes to the "
-                             "target as (ids, probs), 8 bytes a token of it. Exact for any value; the cut costs "
-                             "acceptance up to the mass it removes, which a small draft spreads thinly over "
-                             "thousands of tokens (docs/sampling.md#how-wide-the-drafts-q-is)")
+                             "target as (ids, probs), 8 bytes a token of it (4 for a whole row). Exact for any "
+                             "value; the cut costs acceptance up to the mass it removes, which a small draft "
+                             "spreads thinly over thousands of tokens (docs/sampling.md#how-wide-the-drafts-q-is)")
     target_only_steps: int = Field(4, ge=1, le=64, description="a round without a draft block (target-only: "
                                    "no proposer, a lost draft, or K chosen 0 under load) decodes up to this many "
                                    "tokens in the target engine before it answers, as vLLM's multi-step scheduling "
