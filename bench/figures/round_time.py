@@ -6,18 +6,19 @@ the vocabulary (docs/sampling.md).
 
 The pair is the shipped default pair's architecture (models/default: target and draft configs)
 with Llama 3's vocabulary width (128,256) and a context of 4,096, random weights made peaked like a
-trained model's (bench/look_alike.py); the table states the entropy measured. Six requests, one per variant (greedy / sampled / sampled with top-p x 100 / 3,500 history
-tokens), are prefilled, then take turns round by round, so the box's drift hits every variant
-alike. A round is one `decoding.generate.generate` step: the draft drafts K tokens (sampled:
-temperature 0.8, and top-p 0.95 in the top-p variant; the draft's support cut to
---draft-top-k, speculation.draft_top_k's default unless given), the target runs one forward over
-the block, its rows are processed and answered on the engine's path (decoding.speculation.
-target_rows_batch, verify_answers) and the block is verified. The draft
-always drafts K tokens (ignore_eos, max_tokens past the run), so every round does the same work
-whatever was accepted. Medians and p90 per variant, each variant's median over greedy-short's, and
-the medians of the round's time in the draft's forwards, in the target's forward (each runner's
-model calls, `_logits`, timed apart) and outside them (the protocol: processing rows, drawing,
-verifying, bookkeeping), so a slower variant shows whether attention or protocol costs it.
+trained model's (bench/look_alike.py); the table states the entropy measured. Six requests, one
+per variant (greedy / sampled / sampled with top-p x 100 / 3,500 history tokens), are prefilled,
+then take turns round by round, so the box's drift hits every variant alike. A round is one
+`decoding.generate.generate` step: the draft drafts K tokens (sampled: temperature 0.8, and top-p
+0.95 in the top-p variant; the draft's support cut to --draft-top-k, speculation.draft_top_k's
+default unless given), the target runs one forward over the block, its rows are processed and
+answered on the engine's path (`decoding.speculation.target_rows_batch`, `verify_answers`) and the
+block is verified. The draft always drafts K tokens (ignore_eos, max_tokens past the run), so
+every round does the same work whatever was accepted. Medians and p90 per variant, each variant's
+median over greedy-short's, and the medians of the round's time in the draft's forwards, in the
+target's forward (each runner's model calls, `_logits`, timed apart) and outside them (the
+protocol: processing rows, drawing, verifying, bookkeeping), so a slower variant shows whether
+attention or protocol costs it.
 
 No Ray: transport is bench.round_bytes' and bench.transport's subject; this is the engines' work.
 """
