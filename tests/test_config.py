@@ -1,5 +1,8 @@
 """The config object: defaults, YAML + env loading, validation at the edge."""
 
+import json
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -11,6 +14,14 @@ def test_defaults_point_at_the_shipped_pair():
     assert config.target.path.endswith("models/default/target")
     assert config.draft is not None and config.draft.path.endswith("models/default/draft")
     assert config.resolved_tokenizer_path == config.target.path
+
+
+def test_the_default_draft_width_is_the_shipped_pairs_whole_row():
+    """Cut to fewer tokens, the shipped draft's q loses a share of its mass that costs sampled
+    requests a third of their accepted drafts (docs/sampling.md#how-wide-the-drafts-q-is)."""
+    config = SpecServeConfig()
+    vocab_size = json.loads((Path(config.draft.path) / "config.json").read_text())["vocab_size"]
+    assert config.speculation.draft_top_k >= vocab_size
 
 
 def test_yaml_file_then_env_overrides(tmp_path):
