@@ -6,7 +6,7 @@ around it (the batch's plan, tables, layout, bookkeeping, the logits' copy).
     python -m specserve.bench.engine_step [--reps 60] [--threads 1] [--out bench/results/cpu-2core-engine-step.md]
 
 Two pairs: the shipped default pair (models/default) and its Llama-3-width look-alike (the same
-architecture with a 128,256-token vocabulary, random weights: bench.look_alike's). For each model
+architecture at bench.look_alike's 128,256-token vocabulary, random weights). For each model
 an eager runner and a compiled one (decoding.compiled_forward) serve the same rows, taking turns
 every repetition so the box's drift hits both alike; each row holds CACHED tokens and every step
 is rolled back after, so each repetition does the same work. Medians (ms) and the eager/compiled
@@ -26,14 +26,12 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from specserve.bench.look_alike import timed_forwards
+from specserve.bench.look_alike import DEFAULT_PAIR, VOCAB_SIZE, timed_forwards
 from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.compiled_forward import compile_cache_dir
 from specserve.decoding.model_runner import load_causal_lm
 from specserve.decoding.scheduler import engine_for_model
 
-DEFAULT_PAIR = Path(__file__).resolve().parents[1] / "models" / "default"
-LLAMA3_VOCAB = 128_256
 CACHED = 100
 SHAPES = {"draft": [(1, 1), (8, 1)], "target": [(1, 1), (1, 5), (8, 1), (8, 5)]}   # (rows, new tokens a row)
 
@@ -47,7 +45,7 @@ def models(pairs: list[str]) -> dict[tuple[str, str], torch.nn.Module]:
             built[("default", role)] = load_causal_lm(str(DEFAULT_PAIR / role), dtype="float32", device="cpu")
         if "llama3-width" in pairs:
             config = AutoConfig.from_pretrained(DEFAULT_PAIR / role, local_files_only=True)
-            config.vocab_size, config.tie_word_embeddings = LLAMA3_VOCAB, False
+            config.vocab_size, config.tie_word_embeddings = VOCAB_SIZE, False
             torch.manual_seed(0)
             # float32, as a CPU engine serves it (from_config would take config.json's float16).
             built[("llama3-width", role)] = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

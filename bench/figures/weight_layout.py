@@ -18,9 +18,9 @@ import json
 
 import torch
 
-from specserve.bench.engine_step import LLAMA3_VOCAB, SHAPES, models, step_bench_arguments, step_times
+from specserve.bench.engine_step import SHAPES, models, step_bench_arguments, step_times
 from specserve.bench.report import markdown_table
-from specserve.bench.look_alike import timed_forwards
+from specserve.bench.look_alike import VOCAB_SIZE, timed_forwards
 from specserve.decoding.scheduler import engine_for_model
 
 VARIANTS = ("out_in", "in_out")
@@ -53,7 +53,7 @@ def table(rows: list[dict], command: str) -> str:
                       f"{torch.get_num_threads()} torch thread)", "",
                       f"`{command}`; medians, the two taking turns in one run; forward = the runner's model "
                       "call, outside = the rest of the step; llama3-width: the default pair's architecture with a "
-                      f"{LLAMA3_VOCAB:,}-token vocabulary (random weights).", "", markdown_table(header, body)]) + "\n"
+                      f"{VOCAB_SIZE:,}-token vocabulary (random weights).", "", markdown_table(header, body)]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
