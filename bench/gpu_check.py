@@ -74,7 +74,8 @@ FP32_TOLERANCE = 1e-4
 BF16_TOLERANCE = 3e-2
 BF16_SPREAD_FACTOR = 2.0   # bf16 passes within this many times transformers' own eager-vs-SDPA spread
 SELF_DRAFT_ACCEPTANCE = 0.9   # a draft whose q equals p up to float rounding: nearly every token accepted
-TRACEBACK_LINES = 40   # of a compile failure, in the report
+TRACEBACK_LINES = 80   # of a compile failure, in the report
+GRAPH_BREAK_REASONS = 8   # the most frequent, in the report
 # (engine name, compile outcome, failure traceback or None) as the sections build engines: strings,
 # not the forward itself, which would keep each engine's KV pools alive to the end of the check.
 FORWARDS_BUILT: list[tuple[str, str, str | None]] = []
@@ -165,19 +166,20 @@ from specserve.decoding.lean_forward import lean_support  # noqa: E402
 from specserve.decoding.paged_attention import ATTENTION_NAME, flash_kernel_available  # noqa: E402
 from specserve.decoding.proposers import DraftModelProposer, ProposeCall  # noqa: E402
 from specserve.decoding.scheduler import engine_for_model  # noqa: E402
+from specserve.decoding.tensor_parallel import weight_bytes  # noqa: E402
 
 
 def engine_runner(model, plan: Plan, name: str, kv_gib: float, prefix_caching: bool = True,
                   profile_batches: Sequence[tuple[int, int]] | None = None, aux_layers: Sequence[int] = ()):
     """The engine (a Scheduler over the batched paged runner) for model, its KV cache about kv_gib GiB. On CPU that is
     the runner's own setting; on CUDA the engine takes gpu_memory_utilization of its share of the
-    device less what the process already holds (every model and pool built before it) and its
-    profiled activations, so the share is set to leave it kv_gib after ACTIVATION_ROOM_GIB."""
+    device less its own weights and its profiled activations (never what other engines in the
+    process hold: vLLM's rule), so the share is set to its weights, kv_gib and ACTIVATION_ROOM_GIB."""
     device = next(model.parameters()).device
     extra = {} if profile_batches is None else {"profile_batches": list(profile_batches)}
     if device.type == "cuda":
         allowed = torch.cuda.get_device_properties(device).total_memory * DEFAULT_GPU_MEMORY_UTILIZATION
-        wanted = torch.cuda.memory_allocated(device) + (kv_gib + ACTIVATION_ROOM_GIB) * 2**30
+        wanted = weight_bytes(model) + (kv_gib + ACTIVATION_ROOM_GIB) * 2**30
         extra["gpu_share"] = min(1.0, wanted / allowed)
     else:
         extra["kv_cache_memory_gb"] = kv_gib
@@ -544,6 +546,12 @@ def report_compilation(section: "Section") -> None:
     (its last frames), so that a failure on a machine lent briefly can be mended without it."""
     for name, outcome, _ in FORWARDS_BUILT:
         section.line(f"- forward of {name}: {outcome}")
+    from torch._dynamo.utils import counters
+
+    breaks = counters["graph_break"].most_common(GRAPH_BREAK_REASONS)
+    if breaks:   # where dynamo split a forward: each piece compiles, and waits on the host, apart
+        section.line("\nGraph breaks while compiling (most frequent reasons):\n")
+        section.table(("reason", "times"), [(reason.replace("\n", " ").replace("|", "/")[:300], count) for reason, count in breaks])
     failed = next((failure for _, _, failure in FORWARDS_BUILT if failure), None)
     if failed is not None:
         tail = "\n".join(failed.rstrip().splitlines()[-TRACEBACK_LINES:])
@@ -551,6 +559,13 @@ def report_compilation(section: "Section") -> None:
 
 
 def section_correctness(section: Section, models: Models, clock: Clock) -> None:
+    try:
+        correctness_checks(section, models)
+    finally:   # each engine's compile outcome, also where a check crashed: it is what a rerun needs
+        report_compilation(section)
+
+
+def correctness_checks(section: Section, models: Models) -> None:
     plan, device = models.plan, models.device
     vocab = plan.target["vocab_size"]
     target, draft = models.exact()
@@ -710,7 +725,6 @@ def section_correctness(section: Section, models: Models, clock: Clock) -> None:
                   f"argmax {float(spread_agree):.1%} (tolerance: the larger of {BF16_TOLERANCE:.0e} and "
                   f"{BF16_SPREAD_FACTOR:g}x that spread, {tolerance:.2e})")
     release(target, names)
-    report_compilation(section)
 
 
 def check_eagle3_head(section: Section, target, plan: Plan, prompt: list[int], want: list[int], context: int) -> None:
@@ -749,12 +763,16 @@ def check_eagle3_head(section: Section, target, plan: Plan, prompt: list[int], w
 
 
 def near_tie_detail(model, prompt: list[int], want: list[int], got: list[int]) -> str:
+    """Where greedy outputs first differ, whether the reference row's top two logits tie within the
+    model dtype's rounding: NEAR_TIE in float32; in 16 bits, BF16_TOLERANCE of the row's largest
+    magnitude (what the logits check allows two bf16 forwards to differ by)."""
     index = next(i for i, (a, b) in enumerate(zip(want + [-1], got + [-1])) if a != b)
     row = reference_rows(model, [prompt + want[:index]], 1)[0][0]
     top = row.topk(2).values
     gap = float(top[0] - top[1])
+    tie = NEAR_TIE if next(model.parameters()).dtype == torch.float32 else BF16_TOLERANCE * float(row.abs().max())
     return (f"; first divergence at output {index}, top-2 logit gap {gap:.2e} "
-            f"({'a near-tie: float rounding' if gap < NEAR_TIE else 'NOT a near-tie'})")
+            f"({'a near-tie: float rounding' if gap < tie else 'NOT a near-tie'}, ties below {tie:.2e})")
 
 
 @contextlib.contextmanager
