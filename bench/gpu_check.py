@@ -160,7 +160,8 @@ SMOKE_PLAN = Plan(target=TINY_LLAMA, draft=dict(TINY_LLAMA, hidden_size=32, num_
 ACTIVATION_ROOM_GIB = 6.0
 
 from specserve.decoding import batched_runner as _batched_runner  # noqa: E402
-from specserve.decoding.batched_runner import DEFAULT_GPU_MEMORY_UTILIZATION  # noqa: E402
+from specserve.decoding.batched_runner import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_PROFILE_BATCHES  # noqa: E402
+from specserve.decoding.paged_cache import step_peak_bytes  # noqa: E402
 from specserve.decoding.block_manager import ForwardCall  # noqa: E402
 from specserve.decoding.lean_forward import lean_support  # noqa: E402
 from specserve.decoding.paged_attention import ATTENTION_NAME, flash_kernel_available  # noqa: E402
@@ -174,12 +175,16 @@ def engine_runner(model, plan: Plan, name: str, kv_gib: float, prefix_caching: b
     """The engine (a Scheduler over the batched paged runner) for model, its KV cache about kv_gib GiB. On CPU that is
     the runner's own setting; on CUDA the engine takes gpu_memory_utilization of its share of the
     device less its own weights and its profiled activations (never what other engines in the
-    process hold: vLLM's rule), so the share is set to its weights, kv_gib and ACTIVATION_ROOM_GIB."""
+    process hold: vLLM's rule), so the share is set to its weights, kv_gib, ACTIVATION_ROOM_GIB for
+    the forward and the sampler's rows of the largest step batch it profiles (a Gemma vocabulary's
+    rows alone outgrow the room)."""
     device = next(model.parameters()).device
     extra = {} if profile_batches is None else {"profile_batches": list(profile_batches)}
     if device.type == "cuda":
         allowed = torch.cuda.get_device_properties(device).total_memory * DEFAULT_GPU_MEMORY_UTILIZATION
-        wanted = weight_bytes(model) + (kv_gib + ACTIVATION_ROOM_GIB) * 2**30
+        sampler_rows = max(rows * tokens for rows, tokens in profile_batches or DEFAULT_PROFILE_BATCHES)
+        wanted = (weight_bytes(model) + (kv_gib + ACTIVATION_ROOM_GIB) * 2**30
+                  + step_peak_bytes(0, sampler_rows, model.config.vocab_size))
         extra["gpu_share"] = min(1.0, wanted / allowed)
     else:
         extra["kv_cache_memory_gb"] = kv_gib

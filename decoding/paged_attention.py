@@ -23,7 +23,6 @@ reference); and on CUDA with flash-attn installed, its varlen kernel through the
 from __future__ import annotations
 
 import inspect
-import math
 
 import torch
 import torch.nn.functional as F
@@ -129,6 +128,18 @@ def flex_block_tables(tables: torch.Tensor, units: int) -> tuple[torch.Tensor, t
     return count.to(torch.int32).view(batch, 1, 1), kv_indices.view(batch, 1, 1, units), logical_block[:units]
 
 
+def flex_key_tile(block_size: int, widest: int = 64) -> int:
+    """The widest power-of-two tile, at most `widest`, that divides block_size: the key tile of
+    inductor's flex_attention kernels on CUDA. A loop, not math.gcd: in a graph compiled with
+    dynamic shapes block_size is symbolic, the loop's tests guard on it, and gcd of a symbol would
+    break the graph (and everything traced after such a break sees its size-1 dimensions as
+    unknown, which fails the rotary broadcast)."""
+    tile = widest
+    while block_size % tile:
+        tile //= 2
+    return tile
+
+
 def flex_paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
                          tables: torch.Tensor, block_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                          position_ids: torch.Tensor,
@@ -179,8 +190,9 @@ def flex_paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool
     keys = key_pool.view(1, units * block_size, kv_heads, head_dim).transpose(1, 2)
     values = value_pool.view(1, units * block_size, kv_heads, value_pool.shape[-1]).transpose(1, 2)
     # Inductor's CUDA kernels walk the keys in tiles that must divide a block, and their default
-    # tile is wider than a small block.
-    kernel_options = {"BLOCK_N": math.gcd(block_size, 64)} if query.is_cuda else None
+    # tile is wider than a small block. Computed on every device, so that a CPU compile traces it too.
+    key_tile = flex_key_tile(block_size)
+    kernel_options = {"BLOCK_N": key_tile} if query.is_cuda else None
     return flex_attention(query, keys, values, score_mod=score_mod, block_mask=block_mask, scale=scaling,
                           enable_gqa=heads != kv_heads, kernel_options=kernel_options)
 
