@@ -74,7 +74,8 @@ FP32_TOLERANCE = 1e-4
 BF16_TOLERANCE = 3e-2
 BF16_SPREAD_FACTOR = 2.0   # bf16 passes within this many times transformers' own eager-vs-SDPA spread
 SELF_DRAFT_ACCEPTANCE = 0.9   # a draft whose q equals p up to float rounding: nearly every token accepted
-TRACEBACK_LINES = 80   # of a compile failure, in the report
+TRACEBACK_LINES = 60   # of a compile failure, in the report
+DISTINCT_FAILURES = 3   # compile failures reported, each unlike the ones before
 GRAPH_BREAK_REASONS = 8   # the most frequent, in the report
 # (engine name, compile outcome, failure traceback or None) as the sections build engines: strings,
 # not the forward itself, which would keep each engine's KV pools alive to the end of the check.
@@ -192,6 +193,7 @@ def engine_runner(model, plan: Plan, name: str, kv_gib: float, prefix_caching: b
                               prefix_caching=prefix_caching, aux_layers=aux_layers, **extra)
     forward = engine.runner.step_forward
     FORWARDS_BUILT.append((name, forward.describe(), forward.failure_traceback))
+    print(f"{name}: {forward.describe()}", flush=True)   # seen even where the check is cut short
     return engine
 
 
@@ -547,8 +549,8 @@ def engine_compilation() -> str:
 
 
 def report_compilation(section: "Section") -> None:
-    """Each engine built so far: compiled or eager and why; the first compile failure's traceback
-    (its last frames), so that a failure on a machine lent briefly can be mended without it."""
+    """Each engine built so far: compiled or eager and why; each distinct compile failure's
+    traceback (its last frames), so that a failure on a machine lent briefly can be mended without it."""
     for name, outcome, _ in FORWARDS_BUILT:
         section.line(f"- forward of {name}: {outcome}")
     from torch._dynamo.utils import counters
@@ -557,10 +559,13 @@ def report_compilation(section: "Section") -> None:
     if breaks:   # where dynamo split a forward: each piece compiles, and waits on the host, apart
         section.line("\nGraph breaks while compiling (most frequent reasons):\n")
         section.table(("reason", "times"), [(reason.replace("\n", " ").replace("|", "/")[:300], count) for reason, count in breaks])
-    failed = next((failure for _, _, failure in FORWARDS_BUILT if failure), None)
-    if failed is not None:
-        tail = "\n".join(failed.rstrip().splitlines()[-TRACEBACK_LINES:])
-        section.line(f"\nThe first compile failure, last {TRACEBACK_LINES} lines of its traceback:\n\n```\n{tail}\n```")
+    failures = {}   # each distinct failure (by the one line that says why), first seen first
+    for name, outcome, failure in FORWARDS_BUILT:
+        if failure:
+            failures.setdefault(outcome, (name, failure))
+    for name, failure in list(failures.values())[:DISTINCT_FAILURES]:
+        tail = "\n".join(failure.rstrip().splitlines()[-TRACEBACK_LINES:])
+        section.line(f"\nCompiling {name} failed; the last {TRACEBACK_LINES} lines of its traceback:\n\n```\n{tail}\n```")
 
 
 def section_correctness(section: Section, models: Models, clock: Clock) -> None:

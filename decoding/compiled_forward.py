@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+import torch._dynamo
 import torch.fx.experimental._config
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ CACHE_DIR_ENV = "SPECSERVE_CACHE_DIR"
 ENFORCE_EAGER_ENV = "SPECSERVE_ENFORCE_EAGER"
 # Batch sizes CUDA graphs are captured for (vLLM's ladder starts 1, 2, 4, 8 and then steps by 8).
 CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+# Graphs dynamo keeps per function before it gives up compiling it (its own default is 8).
+RECOMPILE_LIMIT = 64
 
 
 def compile_cache_dir() -> Path:
@@ -129,6 +132,11 @@ class CompiledForward:
             # Sizes that happen to be equal at trace time (rows and new tokens, both 1) stay
             # separate symbols, not one guarded equality.
             torch.fx.experimental._config.use_duck_shape = False
+            # Every engine in a process compiles the same forward's code (its own weights and pools
+            # guard apart), twice where CUDA graphs fail: dynamo's default of 8 graphs a function
+            # is spent by a few engines, after which it runs the forward eagerly and compiles its
+            # callees one by one instead.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             # On CUDA, CUDA graphs (inductor's cudagraph trees) per padded batch size of the ladder.
             self.cuda_graphs = self.device.type == "cuda"
             self._compiled = self._compile(self.cuda_graphs)

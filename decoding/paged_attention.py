@@ -103,6 +103,12 @@ ATTENTION_KERNELS = ("flex", "gather", "flash")
 # step (a prefill chunk of more tokens has several, each listing the row's blocks). A constant, so
 # the compiled kernel does not specialize on the number of new tokens.
 FLEX_QUERY_BLOCK = 128
+# The key tile of inductor's CUDA flex_attention kernels, which must divide a KV block (their
+# default is wider than a small block). A constant, so that a block size on CUDA must be a multiple
+# of it (PagedBatchView checks): a tile computed from the block size would need it known while
+# tracing, and either break the compiled graph (math.gcd of a symbol) or specialise it, and
+# Triton's flex template then fails to compile a mask_mod holding that constant.
+FLEX_KEY_TILE = 16
 
 
 def flex_block_tables(tables: torch.Tensor, units: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -126,18 +132,6 @@ def flex_block_tables(tables: torch.Tensor, units: int) -> tuple[torch.Tensor, t
     logical_block = torch.zeros(units + 1, dtype=torch.long, device=tables.device)   # + a sink for unheld entries
     logical_block.scatter_(0, torch.where(visited, compact, units).reshape(-1), order.reshape(-1))
     return count.to(torch.int32).view(batch, 1, 1), kv_indices.view(batch, 1, 1, units), logical_block[:units]
-
-
-def flex_key_tile(block_size: int, widest: int = 64) -> int:
-    """The widest power-of-two tile, at most `widest`, that divides block_size: the key tile of
-    inductor's flex_attention kernels on CUDA. A loop, not math.gcd: in a graph compiled with
-    dynamic shapes block_size is symbolic, the loop's tests guard on it, and gcd of a symbol would
-    break the graph (and everything traced after such a break sees its size-1 dimensions as
-    unknown, which fails the rotary broadcast)."""
-    tile = widest
-    while block_size % tile:
-        tile //= 2
-    return tile
 
 
 def flex_paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
@@ -189,10 +183,7 @@ def flex_paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool
     # CPU kernel).
     keys = key_pool.view(1, units * block_size, kv_heads, head_dim).transpose(1, 2)
     values = value_pool.view(1, units * block_size, kv_heads, value_pool.shape[-1]).transpose(1, 2)
-    # Inductor's CUDA kernels walk the keys in tiles that must divide a block, and their default
-    # tile is wider than a small block. Computed on every device, so that a CPU compile traces it too.
-    key_tile = flex_key_tile(block_size)
-    kernel_options = {"BLOCK_N": key_tile} if query.is_cuda else None
+    kernel_options = {"BLOCK_N": FLEX_KEY_TILE} if query.is_cuda else None
     return flex_attention(query, keys, values, score_mod=score_mod, block_mask=block_mask, scale=scaling,
                           enable_gqa=heads != kv_heads, kernel_options=kernel_options)
 

@@ -50,6 +50,7 @@ import torch
 from specserve.decoding.device_copy import host_to_device
 from specserve.decoding.paged_attention import (
     ATTENTION_KERNELS,
+    FLEX_KEY_TILE,
     flash_paged_attention,
     flex_block_tables,
     flex_paged_attention,
@@ -499,6 +500,9 @@ class PagedBatchView:
         self.windows: dict[int, int | None] = {}
         self._masks: dict[int | None, torch.Tensor] = {}
         if self.kernel == "flex":
+            if cache.device.type == "cuda" and cache.block_size % FLEX_KEY_TILE:
+                raise ValueError(f"flex_attention on CUDA reads keys in tiles of {FLEX_KEY_TILE} tokens: "
+                                 f"block_size {cache.block_size} must be a multiple of it")
             self._flex_tables = [flex_block_tables(group.tables, cache.pools.capacity) for group in layout.groups]
 
     def attend(self, layer_idx: int, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
