@@ -85,6 +85,10 @@ class LeanDecoder:
         self.scaling = float(first.scaling)
         self.layers = list(decoder.layers)
         self.aux_layers = tuple(aux_layers)
+        # Whether each layer's input is an aux feature, as flags: in a graph compiled with dynamic
+        # shapes the aux layer numbers may be symbolic, which index a list (guarding on their
+        # values) but neither equal a dict's int keys nor test `in` as their values would.
+        self.feeds_aux = tuple(index in self.aux_layers for index in range(len(self.layers)))
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: PagedBatchView):
         """Logits [kept rows, V] of the positions cache.keep_index names (flat b * T + t, in
@@ -96,10 +100,10 @@ class LeanDecoder:
         cos, sin = self.rotary(hidden, position_ids)            # [B, T, D]
         cos, signed_sin = cos.unsqueeze(1), rope_signs(sin).unsqueeze(1)
         width = hidden.shape[-1]
-        captured = {}
+        # Each layer's input where an aux layer reads it, in a list by layer (see __init__).
+        layer_inputs = []
         for index, layer in enumerate(self.layers):
-            if index in self.aux_layers:
-                captured[index] = hidden
+            layer_inputs.append(hidden if self.feeds_aux[index] else None)
             attention, mlp = layer.self_attn, layer.mlp
             x = F.rms_norm(hidden, (width,), layer.input_layernorm.weight, self.eps)
             q = _linear(x, attention.q_proj).view(batch, length, heads, head_dim).transpose(1, 2)
@@ -115,7 +119,7 @@ class LeanDecoder:
         logits = self.lm_head(F.rms_norm(kept, (width,), self.final_norm, self.eps))
         if not self.aux_layers:
             return logits
-        features = torch.cat([captured[layer] for layer in self.aux_layers], dim=-1)
+        features = torch.cat([layer_inputs[layer] for layer in self.aux_layers], dim=-1)
         return logits, features.reshape(batch * length, -1)
 
 

@@ -111,16 +111,20 @@ FLEX_QUERY_BLOCK = 128
 FLEX_KEY_TILE = 16
 
 
-def flex_block_tables(tables: torch.Tensor, units: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def flex_block_tables(tables: torch.Tensor, units: int, block_size: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """flex_attention's view of one KV cache group's block tables [B, nb] (NO_BLOCK = -1 for
     blocks a windowed group let go of and past a row's own): (kv_num_blocks [B, 1, 1] int32: the
     blocks row b holds; kv_indices [B, 1, 1, units] int32: those blocks' ids first, in table order;
-    logical_block [units] long: a held block's index in its row's table, 0 for a block no row
-    holds, so it always indexes the tables). The key tensor is the
-    whole pool ([units x block_size] tokens), so the kernel visits exactly a row's blocks, in place.
-    A block sits at the same table index in every row that holds it (a block's keys are those of
-    its positions: shared blocks are shared prefixes), so one logical_block serves the batch.
-    Device ops only: built once per forward and group, shared by its layers."""
+    key_positions [units x block_size] long: the position of the key in each token slot of the
+    pool, a held block's index in its row's table x block_size + the slot's offset, and for a block
+    no row holds, as if it were the first). The key tensor is the whole pool ([units x block_size]
+    tokens), so the kernel visits exactly a row's blocks, in place. A block sits at the same table
+    index in every row that holds it (a block's keys are those of its positions: shared blocks are
+    shared prefixes), so one key_positions serves the batch. Positions are looked up, not computed
+    from the slot inside the mask: integer arithmetic on the key index there is what inductor's
+    CUDA flex template has failed to compile. Device ops only: built once per forward and group,
+    shared by its layers."""
     batch, num_read = tables.shape
     held = tables >= 0
     count = held.sum(-1)
@@ -131,7 +135,9 @@ def flex_block_tables(tables: torch.Tensor, units: int) -> tuple[torch.Tensor, t
     visited = torch.arange(num_read, device=tables.device).unsqueeze(0) < count.unsqueeze(1)
     logical_block = torch.zeros(units + 1, dtype=torch.long, device=tables.device)   # + a sink for unheld entries
     logical_block.scatter_(0, torch.where(visited, compact, units).reshape(-1), order.reshape(-1))
-    return count.to(torch.int32).view(batch, 1, 1), kv_indices.view(batch, 1, 1, units), logical_block[:units]
+    offsets = torch.arange(block_size, device=tables.device)
+    key_positions = (logical_block[:units, None] * block_size + offsets).reshape(-1)
+    return count.to(torch.int32).view(batch, 1, 1), kv_indices.view(batch, 1, 1, units), key_positions
 
 
 def flex_paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
@@ -141,15 +147,16 @@ def flex_paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool
                          softcap: float | None) -> torch.Tensor:
     """Attention of query [B, H, T, D] over the blocks of pools [units, block_size, kv heads, D]
     (the new keys already stored), read in place by flex_attention: the block mask lists each
-    row's blocks (tables [B, nb], NO_BLOCK = -1; block_tables = flex_block_tables(tables)), a key's position is its block's table index x block_size +
-    its offset, and the mask_mod hides keys after the query's position and, with a window of W,
-    those at or before position - W (transformers' rule); a soft-cap is a score_mod applied to the
-    scaled scores, as transformers' eager attention does. -> [B, H, T, D]."""
+    row's blocks (tables [B, nb], NO_BLOCK = -1; block_tables = flex_block_tables(tables)), each
+    key's position is looked up in block_tables' key_positions, and the mask_mod hides keys after
+    the query's position and, with a window of W, those at or before position - W (transformers'
+    rule); a soft-cap is a score_mod applied to the scaled scores, as transformers' eager
+    attention does. -> [B, H, T, D]."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
     batch, heads, columns, _ = query.shape
     units, _, kv_heads, head_dim = key_pool.shape
-    kv_num_blocks, kv_indices, logical_block = block_tables
+    kv_num_blocks, kv_indices, key_positions = block_tables
     query_blocks = -(-columns // FLEX_QUERY_BLOCK)
     if query_blocks > 1:   # a prefill chunk longer than a query block (traced apart)
         kv_num_blocks = kv_num_blocks.expand(batch, 1, query_blocks)
@@ -161,14 +168,13 @@ def flex_paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool
     check_rows = not torch.compiler.is_compiling()
 
     def mask_mod(b, h, q_idx, kv_idx):
-        block = kv_idx // block_size
-        logical = logical_block[block]
-        distance = position_ids[b, q_idx] - (logical * block_size + kv_idx % block_size)
+        key_position = key_positions[kv_idx]
+        distance = position_ids[b, q_idx] - key_position
         # Within a window of W: 0 <= distance < W, as one comparison (floor division), since
         # inductor's CUDA lowering of a mask cannot `&` two index expressions.
         visible = distance >= 0 if sliding_window is None else distance // sliding_window == 0
         if check_rows:
-            visible = visible & (tables[b, logical] == block)
+            visible = visible & (tables[b, key_position // block_size] == kv_idx // block_size)
         return visible
 
     score_mod = None

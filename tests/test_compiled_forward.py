@@ -56,6 +56,31 @@ def test_compiled_rows_equal_eager_rows(monkeypatch, architecture, lean):
             torch.testing.assert_close(got, expected, atol=ATOL, rtol=0, msg=lambda m: f"{call.seq_id}: {m}")
 
 
+@pytest.mark.slow
+def test_an_eagle3_targets_compiled_forward_is_one_graph_with_the_eager_rows_and_features(monkeypatch):
+    """A target serving an EAGLE-3 head returns its aux layers' inputs too. Its aux layers are
+    repeated and out of order, as a small target's clamped defaults are: in a graph compiled with
+    dynamic shapes those layer numbers are symbolic, and a dict keyed by them (or an `in` test on
+    them) had broken the graph, after which dynamo gave up on the forward in that process."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv(compiled_forward.ENFORCE_EAGER_ENV, "0")
+    model = tiny_model("llama")
+    aux_layers = (1, 1, 0)
+    eager = engine_for_model(model, aux_layers=aux_layers, enforce_eager=True)
+    counters.clear()
+    compiled = engine_for_model(model, aux_layers=aux_layers, enforce_eager=False)
+    assert not compiled.runner.step_forward.eager, compiled.runner.step_forward.failure_traceback
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for calls in ragged_steps():
+        got, got_features = compiled.forward_batch_with_features(calls)
+        want, want_features = eager.forward_batch_with_features(calls)
+        for call, rows, expected, features, expected_features in zip(calls, got, want, got_features, want_features):
+            torch.testing.assert_close(rows, expected, atol=ATOL, rtol=0, msg=lambda m: f"{call.seq_id}: {m}")
+            assert features.start == expected_features.start
+            torch.testing.assert_close(features.hidden, expected_features.hidden, atol=ATOL, rtol=0)
+
+
 def test_a_model_that_fails_to_compile_serves_eager_with_one_warning(monkeypatch, caplog):
     """What a machine without a C++ compiler (or a model dynamo cannot trace) sees: the first
     compiled call raises; the runner says why, once, and its rows are the eager ones."""
