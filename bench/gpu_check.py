@@ -772,6 +772,29 @@ def check_eagle3_head(section: Section, target, plan: Plan, prompt: list[int], w
     del runner
 
 
+@contextlib.contextmanager
+def forward_seconds(engine, device: torch.device):
+    """Seconds spent in the engine's model calls (its runner's `_logits`, synchronised at both
+    ends) while the block runs: yields a one-element list that holds the total."""
+    runner, total = engine.runner, [0.0]
+    model_call = runner._logits
+
+    def timed_call(*args, **kwargs):
+        synchronize(device)
+        started = time.perf_counter()
+        try:
+            return model_call(*args, **kwargs)
+        finally:
+            synchronize(device)
+            total[0] += time.perf_counter() - started
+
+    runner._logits = timed_call
+    try:
+        yield total
+    finally:
+        del runner._logits   # the class's method again
+
+
 def near_tie_detail(model, prompt: list[int], want: list[int], got: list[int]) -> str:
     """Where greedy outputs first differ, whether the reference row's top two logits tie within the
     model dtype's rounding: NEAR_TIE in float32; in 16 bits, BF16_TOLERANCE of the row's largest
@@ -950,7 +973,8 @@ def round_timings(section: Section, models: Models, target_model, target, draft_
     alone = greedy_state("alone", prompt, plan.round_tokens, context)
     synchronize(device)
     started = time.perf_counter()
-    list(generate(target, alone))
+    with forward_seconds(target, device) as in_forward:
+        list(generate(target, alone))
     synchronize(device)
     alone_seconds = time.perf_counter() - started
     oracle = OracleProposer({"spec": prompt + alone.output_ids}, plan.oracle_agreement, vocab)
@@ -974,6 +998,9 @@ def round_timings(section: Section, models: Models, target_model, target, draft_
          f"{plan.round_tokens / spec_seconds / hf_rate:.2f}"),
         (f"the same plus {NUM_DRAFT_TOKENS} draft steps a round at the measured {draft_ms:.2f} ms (serial, modelled)",
          f"{plan.round_tokens / modelled:.1f}", f"{plan.round_tokens / modelled / hf_rate:.2f}")])
+    section.line(f"- engine, target only: {alone_seconds / plan.round_tokens * 1e3:.2f} ms a token (prefill included), "
+                 f"{in_forward[0] / plan.round_tokens * 1e3:.2f} ms of it in the model's forward (synchronised); "
+                 "the rest is the host's part of a step (scheduling, layouts, row processing, sampling)")
     same = spec.output_ids == alone.output_ids
     # After a divergence the oracle's continuation (target-only's) no longer fits: few tokens a pass.
     detail = "" if same else near_tie_detail(target_model, prompt, alone.output_ids, spec.output_ids)
