@@ -137,6 +137,11 @@ class CompiledForward:
             # is spent by a few engines, after which it runs the forward eagerly and compiles its
             # callees one by one instead.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            # Past the limit dynamo would run the forward uncompiled while this object still says
+            # compiled, and the view's flex_attention would then run as its dense reference over the
+            # whole pool; raising instead lets warm-up fall back to the eager forward (and a later
+            # step fail loudly rather than exhaust memory).
+            torch._dynamo.config.fail_on_recompile_limit_hit = True
             # On CUDA, CUDA graphs (inductor's cudagraph trees) per padded batch size of the ladder.
             self.cuda_graphs = self.device.type == "cuda"
             self._compiled = self._compile(self.cuda_graphs)

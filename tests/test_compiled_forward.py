@@ -81,6 +81,27 @@ def test_an_eagle3_targets_compiled_forward_is_one_graph_with_the_eager_rows_and
             torch.testing.assert_close(features.hidden, expected_features.hidden, atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow
+def test_a_forward_past_dynamos_recompile_limit_serves_eager_not_compiled_in_name_only(monkeypatch, caplog):
+    """Past its recompile limit dynamo runs a function uncompiled; the runner must then say so and
+    read the cache through the gathering kernel, not run flex_attention's dense reference over the
+    whole pool while it reports a compiled forward. Warm-up traces more graphs than a limit of one."""
+    monkeypatch.setenv(compiled_forward.ENFORCE_EAGER_ENV, "0")
+    monkeypatch.setattr(compiled_forward, "RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    torch._dynamo.reset()   # no graphs of earlier tests' forwards count towards this one's limit
+    model = tiny_model("llama", seed=5)
+    with caplog.at_level(logging.WARNING, logger=compiled_forward.__name__):
+        runner = engine_for_model(model, enforce_eager=False)
+    forward = runner.runner.step_forward
+    assert forward.eager and forward.attention_kernel == "gather" and "RecompileLimit" in forward.describe()
+    assert any("serving eager" in record.getMessage() for record in caplog.records)
+    reference = engine_for_model(model, enforce_eager=True)
+    for calls in ragged_steps():
+        for got, expected in zip(runner.forward_batch(calls), reference.forward_batch(calls)):
+            torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
 def test_a_model_that_fails_to_compile_serves_eager_with_one_warning(monkeypatch, caplog):
     """What a machine without a C++ compiler (or a model dynamo cannot trace) sees: the first
     compiled call raises; the runner says why, once, and its rows are the eager ones."""
