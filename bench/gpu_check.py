@@ -172,8 +172,12 @@ from specserve.decoding.tensor_parallel import weight_bytes  # noqa: E402
 
 
 def engine_runner(model, plan: Plan, name: str, kv_gib: float, prefix_caching: bool = True,
-                  profile_batches: Sequence[tuple[int, int]] | None = None, aux_layers: Sequence[int] = ()):
-    """The engine (a Scheduler over the batched paged runner) for model, its KV cache about kv_gib GiB. On CPU that is
+                  profile_batches: Sequence[tuple[int, int]] | None = None, aux_layers: Sequence[int] = (),
+                  compiled: bool = True):
+    """The engine (a Scheduler over the batched paged runner) for model, its KV cache about kv_gib GiB,
+    its forward compiled where decoding/ compiles it (on CUDA) unless compiled is False: an engine
+    that only stands beside the one under test (a draft, a reference) stays eager, as compiling
+    costs a cold machine tens of seconds an engine out of a quarter of an hour. On CPU the KV size is
     the runner's own setting; on CUDA the engine takes gpu_memory_utilization of its share of the
     device less its own weights and its profiled activations (never what other engines in the
     process hold: vLLM's rule), so the share is set to its weights, kv_gib, ACTIVATION_ROOM_GIB for
@@ -190,7 +194,8 @@ def engine_runner(model, plan: Plan, name: str, kv_gib: float, prefix_caching: b
     else:
         extra["kv_cache_memory_gb"] = kv_gib
     engine = engine_for_model(model, max_sequences=512, model_path=name, max_model_len=plan.max_model_len,
-                              prefix_caching=prefix_caching, aux_layers=aux_layers, **extra)
+                              prefix_caching=prefix_caching, aux_layers=aux_layers,
+                              enforce_eager=None if compiled else True, **extra)
     forward = engine.runner.step_forward
     FORWARDS_BUILT.append((name, forward.describe(), forward.failure_traceback))
     print(f"{name}: {forward.describe()}", flush=True)   # seen even where the check is cut short
@@ -597,7 +602,7 @@ def correctness_checks(section: Section, models: Models) -> None:
     release(runner, names)
 
     # 2. greedy speculative output == target-only, with the draft model and with an oracle draft.
-    draft_runner = engine_runner(draft, plan, "exact-draft", kv_gib=plan.small_kv_gib)
+    draft_runner = engine_runner(draft, plan, "exact-draft", kv_gib=plan.small_kv_gib, compiled=False)
     prompt = random_ids(plan.round_prompt, vocab, 300)
     context = plan.round_prompt + plan.greedy_tokens + NUM_DRAFT_TOKENS + 1
     alone = greedy_state("alone", prompt, plan.greedy_tokens, context)
@@ -616,7 +621,7 @@ def correctness_checks(section: Section, models: Models) -> None:
     # Sampled speculation on the device (the generators, each row's draws, verification), drafted by
     # the target itself on an engine of its own: q equals p up to float rounding, so nearly every
     # draft token must be accepted; and seeded requests decoded again must commit the same tokens.
-    self_draft = engine_runner(target, plan, "exact-self-draft", kv_gib=plan.small_kv_gib)
+    self_draft = engine_runner(target, plan, "exact-self-draft", kv_gib=plan.small_kv_gib, compiled=False)
     outputs, stats = [], []
     for _ in range(2):
         states = [RequestState(f"s{i}", random_ids(plan.round_prompt, vocab, 310 + i),
@@ -637,7 +642,8 @@ def correctness_checks(section: Section, models: Models) -> None:
                   "tokens each when run again")
 
     # 3. fork, a write into the shared partial block, adopt: against a fresh runner's sequence.
-    fresh = engine_runner(target, plan, "exact-fresh", kv_gib=plan.small_kv_gib, prefix_caching=False)
+    fresh = engine_runner(target, plan, "exact-fresh", kv_gib=plan.small_kv_gib, prefix_caching=False,
+                           compiled=False)
     size = block_size(runner)
     history = random_ids(2 * size + size // 2, vocab, 400)   # two full blocks and a partial one
     forward_rows(runner, [("parent", history, 1)])
