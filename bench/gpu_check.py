@@ -55,7 +55,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from specserve.bench.look_alike import peaked  # noqa: E402
+from specserve.bench.look_alike import peaked, timed_forwards  # noqa: E402
 from specserve.decoding.generate import generate, generate_batch  # noqa: E402
 from specserve.decoding.compiled_forward import CompiledForward  # noqa: E402
 from specserve.decoding.proposers import Proposal  # noqa: E402
@@ -778,29 +778,6 @@ def check_eagle3_head(section: Section, target, plan: Plan, prompt: list[int], w
     del runner
 
 
-@contextlib.contextmanager
-def forward_seconds(engine, device: torch.device):
-    """Seconds spent in the engine's model calls (its runner's `_logits`, synchronised at both
-    ends) while the block runs: yields a one-element list that holds the total."""
-    runner, total = engine.runner, [0.0]
-    model_call = runner._logits
-
-    def timed_call(*args, **kwargs):
-        synchronize(device)
-        started = time.perf_counter()
-        try:
-            return model_call(*args, **kwargs)
-        finally:
-            synchronize(device)
-            total[0] += time.perf_counter() - started
-
-    runner._logits = timed_call
-    try:
-        yield total
-    finally:
-        del runner._logits   # the class's method again
-
-
 def near_tie_detail(model, prompt: list[int], want: list[int], got: list[int]) -> str:
     """Where greedy outputs first differ, whether the reference row's top two logits tie within the
     model dtype's rounding: NEAR_TIE in float32; in 16 bits, BF16_TOLERANCE of the row's largest
@@ -979,8 +956,9 @@ def round_timings(section: Section, models: Models, target_model, target, draft_
     alone = greedy_state("alone", prompt, plan.round_tokens, context)
     synchronize(device)
     started = time.perf_counter()
-    with forward_seconds(target, device) as in_forward:
-        list(generate(target, alone))
+    in_forward = [0.0]
+    list(generate(timed_forwards(target, in_forward), alone))
+    del target.runner._logits   # untimed again
     synchronize(device)
     alone_seconds = time.perf_counter() - started
     oracle = OracleProposer({"spec": prompt + alone.output_ids}, plan.oracle_agreement, vocab)

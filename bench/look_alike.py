@@ -63,15 +63,21 @@ def peaked(model, prompts: list[torch.Tensor]) -> float:
 
 def timed_forwards(engine: Scheduler, seconds: list[float], each: list[float] | None = None) -> Scheduler:
     """The engine, its runner's model calls (`_logits`) adding their wall time to seconds[0]
-    (and appending each call's to `each`, where given)."""
+    (and appending each call's to `each`, where given); on CUDA synchronised at both ends, so a
+    call's time is its kernels' and not their launches'. `del engine.runner._logits` undoes it."""
     runner = engine.runner
     model_call = runner._logits
+    cuda = runner.device.type == "cuda"
 
     def timed(*args, **kwargs):
+        if cuda:
+            torch.cuda.synchronize(runner.device)
         started = time.perf_counter()
         try:
             return model_call(*args, **kwargs)
         finally:
+            if cuda:
+                torch.cuda.synchronize(runner.device)
             elapsed = time.perf_counter() - started
             seconds[0] += elapsed
             if each is not None:
