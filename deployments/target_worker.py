@@ -178,11 +178,13 @@ class TargetEngine(EngineCore):
 
     def _ended_by_error(self, call: VerifyCall) -> DecodedSteps | None:
         """A round of several steps that a step's error ends: its answers so far (None: it had
-        none, so the error is the answer); the engine keeps no state of it."""
-        decoding = self.decoding.pop(call.seq_id, None)
-        if decoding is None or decoding.call is not call or not decoding.answers:
+        none, so the error is the answer); the engine keeps no state of it. Another call's round
+        of the same sequence (a newer one) keeps its state."""
+        decoding = self.decoding.get(call.seq_id)
+        if decoding is None or decoding.call is not call:
             return None
-        return self._decoded(decoding)
+        del self.decoding[call.seq_id]
+        return self._decoded(decoding) if decoding.answers else None
 
     def _decoded(self, decoding: _DecodingRound) -> DecodedSteps:
         """A round of several steps' answer; its features (serving a head) for the call to return."""
