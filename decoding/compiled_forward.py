@@ -134,8 +134,7 @@ class CompiledForward:
             torch.fx.experimental._config.use_duck_shape = False
             # Every engine in a process compiles the same forward's code (its own weights and pools
             # guard apart), twice where CUDA graphs fail: dynamo's default of 8 graphs a function
-            # is spent by a few engines, after which it runs the forward eagerly and compiles its
-            # callees one by one instead.
+            # is spent by a few engines.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             # Past the limit dynamo would run the forward uncompiled while this object still says
             # compiled, and the view's flex_attention would then run as its dense reference over the

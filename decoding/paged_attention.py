@@ -104,10 +104,9 @@ ATTENTION_KERNELS = ("flex", "gather", "flash")
 # the compiled kernel does not specialize on the number of new tokens.
 FLEX_QUERY_BLOCK = 128
 # The key tile of inductor's CUDA flex_attention kernels, which must divide a KV block (their
-# default is wider than a small block). A constant, so that a block size on CUDA must be a multiple
-# of it (PagedBatchView checks): a tile computed from the block size would need it known while
-# tracing, and either break the compiled graph (math.gcd of a symbol) or specialise it, and
-# Triton's flex template then fails to compile a mask_mod holding that constant.
+# default is wider than a small block). A constant, and a block size on CUDA must be a multiple of
+# it (PagedBatchView checks): a tile computed from the block size would need the size known while
+# tracing, where it is a symbol (math.gcd of a symbol breaks the graph).
 FLEX_KEY_TILE = 16
 
 

@@ -503,7 +503,8 @@ class PagedBatchView:
             if cache.device.type == "cuda" and cache.block_size % FLEX_KEY_TILE:
                 raise ValueError(f"flex_attention on CUDA reads keys in tiles of {FLEX_KEY_TILE} tokens: "
                                  f"block_size {cache.block_size} must be a multiple of it")
-            self._flex_tables = [flex_block_tables(group.tables, cache.pools.capacity, cache.block_size) for group in layout.groups]
+            self._flex_tables = [flex_block_tables(group.tables, cache.pools.capacity, cache.block_size)
+                                 for group in layout.groups]
 
     def attend(self, layer_idx: int, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
                scaling: float | None = None, sliding_window: int | None = None,
