@@ -132,6 +132,10 @@ class CompiledForward:
             # Sizes that happen to be equal at trace time (rows and new tokens, both 1) stay
             # separate symbols, not one guarded equality.
             torch.fx.experimental._config.use_duck_shape = False
+            # A model's Python floats (a rotary embedding's attention scaling) are constants: left
+            # unspecialised, dynamo passes one into the graph as a CPU scalar tensor, and inductor's
+            # CUDA graphs skip any graph with a CPU input.
+            torch._dynamo.config.specialize_float = True
             # Every engine in a process compiles the same forward's code (its own weights and pools
             # guard apart), twice where CUDA graphs fail: dynamo's default of 8 graphs a function
             # is spent by a few engines.

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch._dynamo
 
 from specserve.decoding.device_copy import host_to_device
 from specserve.decoding.paged_attention import (
@@ -327,12 +328,20 @@ class LayerPools:
 
     Token-major pools ([units, unit_len, kv heads, D], the paged cache's) are one [tokens, kv
     heads, D] tensor seen flat, which the in-place kernels read and the stores scatter into by
-    token slot."""
+    token slot.
 
-    def __init__(self, num_layers: int, unit_len: int, max_units: int, token_major: bool = False) -> None:
+    fixed: the pools hold every unit from the start and never grow (preallocated, as on CUDA).
+    Their tensors are then marked as static addresses for torch.compile, as Hugging Face's static
+    cache marks its own: the forward writes keys into them in place, and inductor's CUDA graphs
+    skip a graph that mutates an input unless that input's address is static (and would otherwise
+    copy every input into buffers of their own at each replay)."""
+
+    def __init__(self, num_layers: int, unit_len: int, max_units: int, token_major: bool = False,
+                 fixed: bool = False) -> None:
         self.unit_len = unit_len
         self.max_units = max_units
         self.token_major = token_major
+        self.fixed = fixed
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self._storage: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # layer -> its keys, values of max_units
@@ -343,8 +352,17 @@ class LayerPools:
         old = self.capacity
         self.capacity = old + num_units
         for layer, storage in self._storage.items():
-            self.keys[layer], self.values[layer] = (whole[:self.capacity] for whole in storage)
+            self.keys[layer], self.values[layer] = self._views(storage)
         return range(old, self.capacity)
+
+    def _views(self, storage: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's keys and values: the first `capacity` units of its storage (static addresses
+        for torch.compile where the pools are fixed)."""
+        views = tuple(whole[:self.capacity] for whole in storage)
+        if self.fixed:
+            for view in views:
+                torch._dynamo.mark_static_address(view)
+        return views
 
     def layer(self, layer_idx: int, like_keys: torch.Tensor, like_values: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -356,7 +374,7 @@ class LayerPools:
             self._storage[layer_idx] = tuple(
                 zeros_on_demand((self.max_units, *shape), like.dtype) if like.device.type == "cpu"
                 else like.new_zeros((self.max_units, *shape)) for shape, like in zip(shapes, (like_keys, like_values)))
-            self.keys[layer_idx], self.values[layer_idx] = (whole[:self.capacity] for whole in self._storage[layer_idx])
+            self.keys[layer_idx], self.values[layer_idx] = self._views(self._storage[layer_idx])
         keys = self.keys[layer_idx]
         heads, head_dim = (keys.shape[2], keys.shape[3]) if self.token_major else (keys.shape[1], keys.shape[3])
         if (heads, head_dim) != (like_keys.shape[1], like_keys.shape[3]):
@@ -398,14 +416,16 @@ class PagedKVCache:
         # layer -> (its group's index, its slot in the pools)
         self.slot_of = {layer: (g, slot) for g, group in enumerate(self.groups)
                         for slot, layer in enumerate(group.layers)}
-        self.pools = LayerPools(len(self.groups[0].layers), block_size, num_blocks, token_major=True)
+        preallocated = self.device.type == "cuda" if preallocate is None else preallocate
+        self.pools = LayerPools(len(self.groups[0].layers), block_size, num_blocks, token_major=True,
+                                fixed=preallocated)
         self.feature_size = feature_size
         self.feature_group = next((g for g, group in enumerate(self.groups) if group.window is None), None)
         if feature_size and self.feature_group is None:
             raise ValueError("target features are kept in a full-attention layer group's blocks; "
                              "every layer of this model has a sliding window")
         self._features: torch.Tensor | None = None   # [num_blocks * block_size, feature_size], made on first write
-        if self.device.type == "cuda" if preallocate is None else preallocate:
+        if preallocated:
             self.reserve(num_blocks)
 
     @property

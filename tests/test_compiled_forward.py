@@ -82,16 +82,54 @@ def test_an_eagle3_targets_compiled_forward_is_one_graph_with_the_eager_rows_and
 
 
 @pytest.mark.slow
+def test_every_input_the_compiled_forward_writes_into_is_static_where_the_pools_are_preallocated(monkeypatch):
+    """The forward stores each layer's keys and values into the pools in place. Inductor's CUDA
+    graphs skip a graph that mutates an input unless its address is static, so on CUDA, where the
+    pools are preallocated (and marked static), every input the compiled graph mutates must be a
+    static one. Checked here on a preallocated CPU pool, at inductor's own compile call."""
+    import torch._inductor.compile_fx as compile_fx
+
+    from specserve.decoding import paged_cache
+
+    monkeypatch.setenv(compiled_forward.ENFORCE_EAGER_ENV, "0")
+    build = paged_cache.PagedKVCache.__init__
+
+    def preallocated(self, *args, **kwargs):
+        build(self, *args, **{"preallocate": True, **kwargs})
+
+    monkeypatch.setattr(paged_cache.PagedKVCache, "__init__", preallocated)
+    graphs = []   # per compiled graph: (inputs it mutates, of which not static)
+
+    def inner(gm, example_inputs, *args, **kwargs):
+        index = {node: i for i, node in enumerate(gm.graph.find_nodes(op="placeholder"))}
+        mutated = {index[node.args[0]] for node in gm.graph.nodes if node.op == "call_function"
+                   and any(op in str(node.target) for op in ("copy_", "index_put_"))
+                   and node.args and node.args[0] in index}
+        graphs.append((mutated, mutated - set(kwargs.get("static_input_idxs", ()))))
+        return compile_fx.compile_fx_inner(gm, example_inputs, *args, **kwargs)
+
+    monkeypatch.setattr(compiled_forward.CompiledForward, "_compile", lambda self, cuda_graphs: torch.compile(
+        self.eager_forward, dynamic=True, backend=lambda gm, inputs: compile_fx.compile_fx(gm, inputs, inner_compile=inner)))
+    torch._dynamo.reset()   # an earlier test's graph of the same shapes would serve this forward untraced
+    with torch._inductor.config.patch(force_disable_caches=True):   # a cache hit would compile nothing
+        runner = engine_for_model(tiny_model("llama"), enforce_eager=False)
+    assert not runner.runner.step_forward.eager and runner.runner.cache.pools.fixed
+    assert graphs and all(mutated for mutated, _ in graphs), graphs   # the stores are there to be checked
+    assert not any(not_static for _, not_static in graphs), graphs
+
+
+@pytest.mark.slow
 def test_a_forward_past_dynamos_recompile_limit_serves_eager_not_compiled_in_name_only(monkeypatch, caplog):
     """Past its recompile limit dynamo runs a function uncompiled; the runner must then say so and
     read the cache through the gathering kernel, not run flex_attention's dense reference over the
     whole pool while it reports a compiled forward. Warm-up traces more graphs than a limit of one."""
     monkeypatch.setenv(compiled_forward.ENFORCE_EAGER_ENV, "0")
     monkeypatch.setattr(compiled_forward, "RECOMPILE_LIMIT", 1)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     torch._dynamo.reset()   # no graphs of earlier tests' forwards count towards this one's limit
     model = tiny_model("llama", seed=5)
-    with caplog.at_level(logging.WARNING, logger=compiled_forward.__name__):
+    # (config.patch restores the setting; monkeypatch would delete the config module's entry)
+    with torch._dynamo.config.patch(recompile_limit=1), \
+            caplog.at_level(logging.WARNING, logger=compiled_forward.__name__):
         runner = engine_for_model(model, enforce_eager=False)
     forward = runner.runner.step_forward
     assert forward.eager and forward.attention_kernel == "gather" and "RecompileLimit" in forward.describe()
@@ -181,3 +219,25 @@ def test_the_compile_cache_lives_under_the_specserve_cache(monkeypatch, tmp_path
     assert compiled_forward.compile_cache_dir() == tmp_path / "inductor"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "chosen"))
     assert compiled_forward.compile_cache_dir() == tmp_path / "chosen"
+
+
+def test_the_traced_forward_takes_no_python_float_as_an_input(monkeypatch):
+    """On CUDA, inductor's CUDA graphs skip a graph with any CPU input, and a model's Python float
+    constants (the rotary embedding's attention scaling) become exactly that, a CPU scalar tensor
+    input, unless dynamo specialises floats. Traced here without inductor (the graph's inputs are
+    what matter), so it compiles nothing."""
+    monkeypatch.setenv(compiled_forward.ENFORCE_EAGER_ENV, "0")
+    inputs = []
+
+    def recording(gm, example_inputs):
+        inputs.extend(node.meta.get("example_value") for node in gm.graph.nodes if node.op == "placeholder")
+        return gm.forward
+
+    monkeypatch.setattr(compiled_forward.CompiledForward, "_compile",
+                        lambda self, cuda_graphs: torch.compile(self.eager_forward, dynamic=True, backend=recording))
+    torch._dynamo.reset()   # an earlier test's graph of the same shapes would serve this forward untraced
+    runner = engine_for_model(tiny_model("llama"), enforce_eager=False)
+    assert not runner.runner.step_forward.eager and inputs
+    scalars = [value for value in inputs if isinstance(value, torch.SymFloat | float)
+               or (isinstance(value, torch.Tensor) and value.dim() == 0)]
+    assert not scalars, scalars

@@ -81,6 +81,22 @@ def test_the_pools_grow_to_what_a_plan_reserves_within_their_budget():
     assert issubclass(NoFreeBlocksError, NoFreeSlotError)   # the engines' "wait, then overloaded" path
 
 
+def test_preallocated_pools_are_static_addresses_for_torch_compile_and_growing_ones_are_not():
+    """A preallocated pool (CUDA's) never moves, so the compiled forward may treat it as a static
+    input, which CUDA graphs need of an input the forward writes into in place
+    (tests/test_compiled_forward.py checks the compiled graph itself); a pool that grows (CPU's)
+    gets new views as it grows, and stays an ordinary input."""
+    from torch._dynamo.utils import get_static_address_type
+
+    keys, values = torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8)
+    fixed = PagedKVCache(num_layers=2, num_blocks=16, block_size=4, preallocate=True)
+    growing = PagedKVCache(num_layers=2, num_blocks=16, block_size=4)
+    growing.reserve(4)
+    for cache, kind in ((fixed, "unguarded"), (growing, None)):
+        for layer in range(2):
+            assert {get_static_address_type(t) for t in cache.pools.layer(layer, keys, values)} == {kind}
+
+
 @pytest.mark.parametrize("architecture", ["llama", "gpt2"])
 def test_ragged_rounds_across_many_small_blocks_give_the_unbatched_rows(architecture):
     """Blocks of 4 tokens: every row spans many blocks, rollbacks cut mid-block, released blocks
