@@ -32,7 +32,7 @@ import torch
 
 from specserve.decoding.block_manager import StepPlan
 from specserve.decoding.model_runner import RunnerBase, load_causal_lm, model_path_of
-from specserve.decoding.compiled_forward import CompiledForward, graph_batch_size, pad_rows
+from specserve.decoding.compiled_forward import CompiledForward, graph_batch_size, pad_kept, pad_rows
 from specserve.decoding.lean_forward import LeanDecoder, lean_support
 from specserve.decoding.null_forward import allowed_tokens, null_logits
 from specserve.decoding.checkpoint import resolve_device
@@ -223,7 +223,14 @@ class BatchedModelRunner(RunnerBase):
         self._dummy_forward(self.cache, rows=1, tokens=1, eager=True)
         self.null_forward_agreement = null_forward_agreement
         self.step_forward.warm_up(lambda: [self._dummy_forward(self.cache, rows, tokens)
-                                           for rows, tokens in WARM_UP_SHAPES], model_path)
+                                           for rows, tokens in self._warm_up_shapes()], model_path)
+
+    def _warm_up_shapes(self) -> tuple[tuple[int, int], ...]:
+        """WARM_UP_SHAPES, and under CUDA graphs a step longer than a graphed one, which the
+        forward compiled without graphs serves (a prefill chunk)."""
+        if not self.step_forward.cuda_graphs:
+            return WARM_UP_SHAPES
+        return (*WARM_UP_SHAPES, (1, self.rollback_tokens + 1))
 
     def _peak_activation_bytes(self, rows: int, tokens: int, block_size: int, flash: bool,
                                groups: Sequence[KVGroup]) -> int:
@@ -331,15 +338,27 @@ class BatchedModelRunner(RunnerBase):
         return list(self._served_columns(logits.float()).split(list(plan.num_rows)))
 
     @torch.inference_mode()
-    def _logits(self, input_ids: torch.Tensor, layout, keep_index: torch.Tensor, view=None) -> torch.Tensor:
+    def _logits(self, input_ids: torch.Tensor, layout, keep_index: torch.Tensor, view=None):
         """The model's logits for the kept positions (keep_index: flat b * T + t), in that
-        order: [kept, V]; compiled unless enforce_eager (decoding.compiled_forward)."""
+        order: [kept, V] (with aux_layers, and the features of every position); compiled unless
+        enforce_eager (decoding.compiled_forward). Under CUDA graphs a step batch (at most
+        rollback_tokens new tokens a row, as decode and verify steps are) is padded to a rung of
+        the ladder, rows and kept positions alike, so that its shapes are the rung's; a longer
+        step (a prefill chunk) and a batch beyond the ladder run without a graph. `view` given:
+        a warm-up's own, unpadded."""
+        kept = keep_index.shape[0]
+        graphed = self.step_forward.cuda_graphs and input_ids.shape[1] <= self.rollback_tokens
         if view is None:
-            rows = graph_batch_size(input_ids.shape[0]) if self.step_forward.cuda_graphs else None
+            rows = graph_batch_size(input_ids.shape[0]) if graphed else None
             if rows is not None:   # a rung of the CUDA-graph ladder
                 input_ids, layout = pad_rows(input_ids, layout, rows)
+                keep_index = pad_kept(keep_index, rows * input_ids.shape[1])
+            graphed = rows is not None
             view = self.cache.view(layout, keep_index, self.step_forward.attention_kernel)
-        return self.step_forward(input_ids, view)
+        out = self.step_forward(input_ids, view, graphed)
+        if isinstance(out, tuple):   # (logits, features): the features are read by write_source
+            return out[0][:kept], out[1]
+        return out[:kept]
 
     def _model_logits(self, input_ids: torch.Tensor, view):
         """The forward that is compiled: the lean forward, or the model's own. The model keeps no

@@ -6,10 +6,11 @@ and every verify; for a small draft that overhead is most of a step, and on a GP
 outrun the arithmetic. torch.compile traces the forward once (the lean forward or the model's own,
 through the attention interface, as vLLM's Transformers backend compiles Hugging Face modules) into
 fused kernels, dynamic in the number of rows, new tokens and cached tokens, so one graph serves
-every step. On CUDA the compiled forward runs under CUDA graphs (inductor's cudagraph trees),
-one per rung of a ladder of batch sizes: a step's rows are padded up to the next rung
-(`graph_batch_size`, `pad_rows`), and a batch beyond the ladder runs the compiled forward without
-a graph.
+every step. On CUDA the compiled forward runs under CUDA graphs (inductor's cudagraph trees,
+which record a graph for every new set of shapes): a step batch's rows and kept positions are
+padded up to the next rung of a ladder of batch sizes (`graph_batch_size`, `pad_rows`,
+`pad_kept`), so its shapes follow from the rung and its columns; a prefill chunk and a batch
+beyond the ladder run the same forward compiled without graphs.
 
 Compiling costs start-up time, paid once per machine: inductor's artifacts are cached on disk
 under the specserve cache directory (`compile_cache_dir`), so a restart reuses them (figures in
@@ -73,6 +74,16 @@ def graph_batch_size(rows: int, ladder: Sequence[int] = CUDA_GRAPH_BATCH_SIZES) 
     return next((size for size in sorted(ladder) if size >= rows), None)
 
 
+def pad_kept(keep_index: torch.Tensor, total: int) -> torch.Tensor:
+    """keep_index (the kept positions, flat b * T + t) padded to `total` entries by repeating its
+    first: a captured graph's shapes must follow from its rung and its columns alone, and how many
+    positions a step keeps varies with its real rows (the caller drops the padding's logits)."""
+    extra = total - keep_index.shape[0]
+    if extra < 0:
+        raise ValueError(f"cannot pad {keep_index.shape[0]} kept positions down to {total}")
+    return keep_index if extra == 0 else torch.cat([keep_index, keep_index[:1].expand(extra)])
+
+
 def pad_rows(input_ids: torch.Tensor, layout, rows: int):
     """(input_ids, layout) of a step padded from B to `rows` rows for a captured graph. A padding
     row repeats row 0 (its tokens, positions, tables and token slots), and its stores take row
@@ -121,6 +132,7 @@ class CompiledForward:
             self.eager, self.reason = False, "compiled"
         self.compile_seconds = 0.0
         self._compiled = None
+        self._plain = None   # where CUDA graphs are on: the forward compiled without them
         self.cuda_graphs = False
         self.failure_traceback: str | None = None   # why compiling failed, whole (for a report)
         if not self.eager:
@@ -132,9 +144,12 @@ class CompiledForward:
             # Sizes that happen to be equal at trace time (rows and new tokens, both 1) stay
             # separate symbols, not one guarded equality.
             torch.fx.experimental._config.use_duck_shape = False
-            # A model's Python floats (a rotary embedding's attention scaling) are constants: left
-            # unspecialised, dynamo passes one into the graph as a CPU scalar tensor, and inductor's
-            # CUDA graphs skip any graph with a CPU input.
+            # The Python numbers a forward reads (head counts and sizes, the block size, aux layer
+            # numbers, a rotary embedding's attention scaling) are the model's and the cache's
+            # constants; what changes from step to step are tensor shapes. Left unspecialised, an int
+            # becomes a symbol (on which math.gcd breaks the graph, and a dict keyed by ints misses)
+            # and a float a CPU scalar tensor input (for which inductor's CUDA graphs skip the graph).
+            torch._dynamo.config.specialize_int = True
             torch._dynamo.config.specialize_float = True
             # Every engine in a process compiles the same forward's code (its own weights and pools
             # guard apart), twice where CUDA graphs fail: dynamo's default of 8 graphs a function
@@ -145,9 +160,13 @@ class CompiledForward:
             # whole pool; raising instead lets warm-up fall back to the eager forward (and a later
             # step fail loudly rather than exhaust memory).
             torch._dynamo.config.fail_on_recompile_limit_hit = True
-            # On CUDA, CUDA graphs (inductor's cudagraph trees) per padded batch size of the ladder.
+            # On CUDA, CUDA graphs (inductor's cudagraph trees) per padded batch size of the ladder,
+            # for the steps the caller graphs; the others (a prefill chunk, a batch beyond the
+            # ladder) run the same forward compiled without graphs (`_plain`): cudagraph trees
+            # record a graph for every new shape they meet, and keep its memory.
             self.cuda_graphs = self.device.type == "cuda"
             self._compiled = self._compile(self.cuda_graphs)
+            self._plain = self._compile(False) if self.cuda_graphs else None
 
     def _compile(self, cuda_graphs: bool) -> Callable:
         """torch.compile of the forward, with CUDA graphs or without. Inductor's graph partitioning
@@ -173,12 +192,12 @@ class CompiledForward:
         started = time.perf_counter()
         failure = self._first_run(run)
         if failure is not None and self.cuda_graphs:
-            self.cuda_graphs, self._compiled = False, self._compile(False)
+            self.cuda_graphs, self._compiled, self._plain = False, self._compile(False), None
             self.reason = f"CUDA graphs failed ({failure})"
             logger.warning("%s: the forward under CUDA graphs failed, compiling without: %s", model_path, failure)
             failure = self._first_run(run)
         if failure is not None:   # what dynamo or inductor cannot compile serves eager
-            self.eager, self._compiled = True, None
+            self.eager, self._compiled, self._plain = True, None, None
             self.reason = f"compiling failed ({failure})"
             logger.warning("%s: torch.compile of the forward failed, serving eager: %s", model_path, self.reason)
             run()
@@ -194,8 +213,12 @@ class CompiledForward:
             return f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
         return None
 
-    def __call__(self, input_ids: torch.Tensor, view) -> torch.Tensor:
-        forward = self.eager_forward if self.eager else self._compiled
+    def __call__(self, input_ids: torch.Tensor, view, graphed: bool = False) -> torch.Tensor:
+        """The forward; graphed: the step is padded to a rung of the ladder, so it may run under
+        CUDA graphs (where they are on), else it runs compiled without them."""
+        if self.eager:
+            return self.eager_forward(input_ids, view)
+        forward = self._plain if self._plain is not None and not graphed else self._compiled
         return forward(input_ids, view)
 
     def describe(self) -> str:

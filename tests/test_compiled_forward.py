@@ -13,6 +13,7 @@ output may differ at near-ties and with what shares a batch (docs/gpu.md)."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -168,9 +169,10 @@ def test_a_model_that_fails_to_compile_serves_eager_with_one_warning(monkeypatch
 
 
 def test_a_forward_that_fails_under_cuda_graphs_is_compiled_without_them(monkeypatch, caplog):
-    """On CUDA the first compile asks for CUDA graphs; when that fails the forward is compiled
-    again without them before any fallback to eager. The device is only named here (nothing runs
-    on it): the fake compile stands in for inductor."""
+    """On CUDA the forward is compiled twice, with CUDA graphs (for graphed step batches) and
+    without (prefill chunks); when a graphed step fails the forward is compiled again without them
+    before any fallback to eager. The device is only named here (nothing runs on it): the fake
+    compile stands in for inductor."""
     asked = []
 
     def compile_failing_with_graphs(forward, **kwargs):
@@ -189,8 +191,8 @@ def test_a_forward_that_fails_under_cuda_graphs_is_compiled_without_them(monkeyp
                                                enforce_eager=False)
     assert forward.cuda_graphs and not forward.eager
     with caplog.at_level(logging.WARNING, logger=compiled_forward.__name__):
-        forward.warm_up(lambda: forward(1, None), "tiny")
-    assert asked == [True, False] and calls == [1]
+        forward.warm_up(lambda: forward(1, None, graphed=True), "tiny")
+    assert asked == [True, False, False] and calls == [1]
     assert not forward.eager and not forward.cuda_graphs and forward.attention_kernel == "flex"
     assert "no CUDA graphs: CUDA graphs failed (NameError: name 'buf0'" in forward.describe()
     assert forward.failure_traceback.rstrip().endswith("name 'buf0' is not defined")
@@ -221,23 +223,26 @@ def test_the_compile_cache_lives_under_the_specserve_cache(monkeypatch, tmp_path
     assert compiled_forward.compile_cache_dir() == tmp_path / "chosen"
 
 
-def test_the_traced_forward_takes_no_python_float_as_an_input(monkeypatch):
-    """On CUDA, inductor's CUDA graphs skip a graph with any CPU input, and a model's Python float
-    constants (the rotary embedding's attention scaling) become exactly that, a CPU scalar tensor
-    input, unless dynamo specialises floats. Traced here without inductor (the graph's inputs are
-    what matter), so it compiles nothing."""
+def test_the_traced_forward_takes_no_python_number_as_an_input(monkeypatch):
+    """The Python numbers a forward reads (head sizes, the block size, aux layer numbers, a rotary
+    embedding's attention scaling) are the model's and the cache's constants. Unspecialised, an int
+    read from an attribute becomes a symbol the graph takes as an input (math.gcd of one broke the
+    graph; a dict keyed by such ints missed), and a float a CPU scalar tensor input, for which
+    inductor's CUDA graphs skip the graph. So the graph's only number inputs must be its tensors'
+    size symbols, which dynamo names s<N>. Traced without inductor, so it compiles nothing."""
     monkeypatch.setenv(compiled_forward.ENFORCE_EAGER_ENV, "0")
-    inputs = []
+    placeholders = []
 
     def recording(gm, example_inputs):
-        inputs.extend(node.meta.get("example_value") for node in gm.graph.nodes if node.op == "placeholder")
+        placeholders.extend((node.name, node.meta.get("example_value")) for node in gm.graph.find_nodes(op="placeholder"))
         return gm.forward
 
     monkeypatch.setattr(compiled_forward.CompiledForward, "_compile",
                         lambda self, cuda_graphs: torch.compile(self.eager_forward, dynamic=True, backend=recording))
     torch._dynamo.reset()   # an earlier test's graph of the same shapes would serve this forward untraced
-    runner = engine_for_model(tiny_model("llama"), enforce_eager=False)
-    assert not runner.runner.step_forward.eager and inputs
-    scalars = [value for value in inputs if isinstance(value, torch.SymFloat | float)
-               or (isinstance(value, torch.Tensor) and value.dim() == 0)]
-    assert not scalars, scalars
+    runner = engine_for_model(tiny_model("llama"), enforce_eager=False, aux_layers=(1, 0))
+    assert not runner.runner.step_forward.eager and placeholders
+    numbers = [(name, value) for name, value in placeholders
+               if isinstance(value, torch.SymFloat | float) or (isinstance(value, torch.Tensor) and value.dim() == 0)
+               or (isinstance(value, torch.SymInt) and not re.fullmatch(r"s\d+", name))]
+    assert not numbers, numbers

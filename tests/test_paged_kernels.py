@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.scheduler import engine_for_model
-from specserve.decoding.compiled_forward import CUDA_GRAPH_BATCH_SIZES, graph_batch_size, pad_rows
+from specserve.decoding.compiled_forward import CUDA_GRAPH_BATCH_SIZES, graph_batch_size, pad_kept, pad_rows
 from specserve.decoding.paged_cache import NO_BLOCK, KVGroup, PagedKVCache, paged_layout
 from tests.tiny_pair import tiny_model
 
@@ -154,6 +154,38 @@ def test_the_cuda_graph_ladder_picks_the_smallest_rung_that_holds_the_batch():
         graph_batch_size(0)
 
 
+def test_under_cuda_graphs_step_batches_are_padded_to_their_rung_and_prefill_chunks_are_not():
+    """What the runner hands the forward when CUDA graphs are on (set by hand here, on CPU): a step
+    batch (decode, verify, a mix) padded to its rung, rows and kept positions alike, so its shapes
+    follow from the rung and its columns alone (cudagraph trees record a graph per new shape), and
+    marked graphed; a prefill chunk longer than a step, unpadded and not graphed. The rows
+    returned are the unpadded step's."""
+    engine, reference = engine_for_model(tiny_model("llama")), engine_for_model(tiny_model("llama"))
+    runner = engine.runner
+    runner.step_forward.cuda_graphs = True
+    seen = []   # (rows, columns, kept, graphed) of each forward
+    forward = runner.step_forward.__call__
+
+    def recording(input_ids, view, graphed=False):
+        seen.append((*input_ids.shape, view.keep_index.shape[0], graphed))
+        return forward(input_ids, view, graphed)
+
+    runner.step_forward = type("Recorded", (), {"__call__": staticmethod(recording),
+                                                "attention_kernel": "gather", "cuda_graphs": True})()
+    prefill = [ForwardCall(name, list(range(3 + 7 * i, 3 + 7 * i + 20 + 3 * i)), 1) for i, name in enumerate("abc")]
+    steps = [
+        [ForwardCall(call.seq_id, call.token_ids + [5], 1) for call in prefill],                 # decode of 3
+        [ForwardCall(call.seq_id, call.token_ids + [5, 6, 7, 8, 9], 5) for call in prefill],     # verify of 3
+        [ForwardCall("a", prefill[0].token_ids + [5, 6, 7, 8, 9, 1], 5),                         # mixed
+         ForwardCall("b", prefill[1].token_ids + [5, 6], 1)],
+    ]
+    for calls in [prefill, *steps]:
+        for got, want in zip(engine.forward_batch(calls), reference.forward_batch(calls)):
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    assert seen[0][3] is False and seen[0][2] == 3                     # the prefill: its 3 kept rows, no graph
+    assert seen[1:] == [(4, 1, 4, True), (4, 5, 20, True), (2, 5, 10, True)], seen[1:]
+
+
 @pytest.mark.parametrize("kernel", ["gather", "flex"])
 def test_padding_rows_for_a_graph_leaves_the_real_rows_and_the_cache_alone(kernel):
     """A step padded to a rung (rows repeating row 0) gives the real rows' logits, and the pools
@@ -174,6 +206,10 @@ def test_padding_rows_for_a_graph_leaves_the_real_rows_and_the_cache_alone(kerne
         padded_ids, padded = pad_rows(input_ids, layout, 8)
         assert padded_ids.shape == (8, 2) and padded.groups[0].tables.shape[0] == 8
         got = runner._model_logits(padded_ids, runner.cache.view(padded, keep_index, kernel))
+        # the kept positions padded too (to rung x columns), as a graphed step's are
+        every_kept = runner._model_logits(padded_ids, runner.cache.view(padded, pad_kept(keep_index, 16), kernel))
     torch.testing.assert_close(got, plain, atol=ATOL, rtol=0)
+    assert every_kept.shape[0] == 16
+    torch.testing.assert_close(every_kept[:5], plain, atol=ATOL, rtol=0)
     for before, after in zip(stored, runner.cache.pools.keys):
         torch.testing.assert_close(after, before, atol=ATOL, rtol=0)
