@@ -356,9 +356,12 @@ class BatchedModelRunner(RunnerBase):
             graphed = rows is not None
             view = self.cache.view(layout, keep_index, self.step_forward.attention_kernel)
         out = self.step_forward(input_ids, view, graphed)
-        if isinstance(out, tuple):   # (logits, features): the features are read by write_source
-            return out[0][:kept], out[1]
-        return out[:kept]
+        logits, features = out if isinstance(out, tuple) else (out, None)
+        logits = logits[:kept]
+        if graphed:   # a graph's outputs live in its memory pool, which its next replay overwrites
+            logits = logits.clone()
+        # (the features, read by the layout's write_source, are stored before any next forward)
+        return logits if features is None else (logits, features)
 
     def _model_logits(self, input_ids: torch.Tensor, view):
         """The forward that is compiled: the lean forward, or the model's own. The model keeps no

@@ -159,16 +159,18 @@ def test_under_cuda_graphs_step_batches_are_padded_to_their_rung_and_prefill_chu
     batch (decode, verify, a mix) padded to its rung, rows and kept positions alike, so its shapes
     follow from the rung and its columns alone (cudagraph trees record a graph per new shape), and
     marked graphed; a prefill chunk longer than a step, unpadded and not graphed. The rows
-    returned are the unpadded step's."""
+    returned are the unpadded step's, and a graphed step's are a copy."""
     engine, reference = engine_for_model(tiny_model("llama")), engine_for_model(tiny_model("llama"))
     runner = engine.runner
     runner.step_forward.cuda_graphs = True
-    seen = []   # (rows, columns, kept, graphed) of each forward
+    seen, outputs = [], []   # (rows, columns, kept, graphed) of each forward; its output's storage
     forward = runner.step_forward.__call__
 
     def recording(input_ids, view, graphed=False):
         seen.append((*input_ids.shape, view.keep_index.shape[0], graphed))
-        return forward(input_ids, view, graphed)
+        out = forward(input_ids, view, graphed)
+        outputs.append(out.untyped_storage().data_ptr())
+        return out
 
     runner.step_forward = type("Recorded", (), {"__call__": staticmethod(recording),
                                                 "attention_kernel": "gather", "cuda_graphs": True})()
@@ -180,8 +182,11 @@ def test_under_cuda_graphs_step_batches_are_padded_to_their_rung_and_prefill_chu
          ForwardCall("b", prefill[1].token_ids + [5, 6], 1)],
     ]
     for calls in [prefill, *steps]:
-        for got, want in zip(engine.forward_batch(calls), reference.forward_batch(calls)):
+        rows = engine.forward_batch(calls)
+        for got, want in zip(rows, reference.forward_batch(calls)):
             torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+        # a graphed step's rows are copied out of the graph's output, which its next replay overwrites
+        assert (rows[0].untyped_storage().data_ptr() == outputs[-1]) is not seen[-1][3]
     assert seen[0][3] is False and seen[0][2] == 3                     # the prefill: its 3 kept rows, no graph
     assert seen[1:] == [(4, 1, 4, True), (4, 5, 20, True), (2, 5, 10, True)], seen[1:]
 
