@@ -104,9 +104,8 @@ ATTENTION_KERNELS = ("flex", "gather", "flash")
 # the compiled kernel does not specialize on the number of new tokens.
 FLEX_QUERY_BLOCK = 128
 # The key tile of inductor's CUDA flex_attention kernels, which must divide a KV block (their
-# default is wider than a small block). A constant, and a block size on CUDA must be a multiple of
-# it (PagedBatchView checks): a tile computed from the block size would need the size known while
-# tracing, where it is a symbol (math.gcd of a symbol breaks the graph).
+# default is wider than a small block). A constant, so that the kernel's options depend on nothing
+# read while tracing, and a block size on CUDA must be a multiple of it (PagedBatchView checks).
 FLEX_KEY_TILE = 16
 
 
