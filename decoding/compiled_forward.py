@@ -169,12 +169,16 @@ class CompiledForward:
             self._plain = self._compile(False) if self.cuda_graphs else None
 
     def _compile(self, cuda_graphs: bool) -> Callable:
-        """torch.compile of the forward, with CUDA graphs or without. Inductor's graph partitioning
+        """torch.compile of the forward, with CUDA graphs or without, as one graph (fullgraph): a
+        graph break would cost the step a return to Python between the pieces (and a CUDA graph
+        for each), and one dynamo cannot resume from makes it give up on the forward's code for
+        the whole process, every later engine's included; whole or not at all, a forward that
+        breaks fails warm-up and serves eager, saying where. Inductor's graph partitioning
         (splitting a graph around what cannot be captured) is off: its generated code has named
         buffers it never defined for this forward on CUDA; a graph that cannot be captured runs
         its compiled kernels without one instead."""
         options = {"triton.cudagraphs": True, "graph_partition": False} if cuda_graphs else None
-        return torch.compile(self.eager_forward, dynamic=True, options=options)
+        return torch.compile(self.eager_forward, dynamic=True, fullgraph=True, options=options)
 
     @property
     def attention_kernel(self) -> str:
