@@ -161,7 +161,8 @@ SMOKE_PLAN = Plan(target=TINY_LLAMA, draft=dict(TINY_LLAMA, hidden_size=32, num_
 ACTIVATION_ROOM_GIB = 6.0
 
 from specserve.decoding import batched_runner as _batched_runner  # noqa: E402
-from specserve.decoding.batched_runner import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_PROFILE_BATCHES  # noqa: E402
+from specserve.decoding.batched_runner import (  # noqa: E402
+    DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_PROFILE_BATCHES, DEFAULT_ROLLBACK_TOKENS, kept_per_row)
 from specserve.decoding.paged_cache import step_peak_bytes  # noqa: E402
 from specserve.decoding.block_manager import ForwardCall  # noqa: E402
 from specserve.decoding.lean_forward import lean_support  # noqa: E402
@@ -187,7 +188,8 @@ def engine_runner(model, plan: Plan, name: str, kv_gib: float, prefix_caching: b
     extra = {} if profile_batches is None else {"profile_batches": list(profile_batches)}
     if device.type == "cuda":
         allowed = torch.cuda.get_device_properties(device).total_memory * DEFAULT_GPU_MEMORY_UTILIZATION
-        sampler_rows = max(rows * tokens for rows, tokens in profile_batches or DEFAULT_PROFILE_BATCHES)
+        sampler_rows = max(rows * kept_per_row(tokens, DEFAULT_ROLLBACK_TOKENS)
+                           for rows, tokens in profile_batches or DEFAULT_PROFILE_BATCHES)
         wanted = (weight_bytes(model) + (kv_gib + ACTIVATION_ROOM_GIB) * 2**30
                   + step_peak_bytes(0, sampler_rows, model.config.vocab_size))
         extra["gpu_share"] = min(1.0, wanted / allowed)

@@ -76,6 +76,13 @@ DEFAULT_ROLLBACK_TOKENS = 16
 WARM_UP_SHAPES = ((1, 1), (1, 2), (2, 1), (2, 2))
 
 
+def kept_per_row(tokens: int, rollback_tokens: int) -> int:
+    """How many of a row's `tokens` new tokens a planned step keeps logits for: in a step batch
+    (tokens up to rollback_tokens, the engine's max_step_tokens) every one, as a verify does; in a
+    longer step, a prefill chunk, its last."""
+    return tokens if tokens <= rollback_tokens else 1
+
+
 @dataclass(frozen=True)
 class TargetFeatures:
     """One row's auxiliary hidden states from a forward: the inputs of the runner's aux_layers at
@@ -246,7 +253,7 @@ class BatchedModelRunner(RunnerBase):
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        kept = tokens if tokens <= self.rollback_tokens else 1
+        kept = kept_per_row(tokens, self.rollback_tokens)
         self._dummy_forward(scratch, rows, tokens, kept, eager=True)
         peak = torch.cuda.max_memory_allocated(self.device) - before - scratch.reserved_bytes()
         del scratch
