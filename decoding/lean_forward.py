@@ -85,9 +85,9 @@ class LeanDecoder:
         self.scaling = float(first.scaling)
         self.layers = list(decoder.layers)
         self.aux_layers = tuple(aux_layers)
-        # Whether each layer's input is an aux feature, as flags: in a graph compiled with dynamic
-        # shapes the aux layer numbers may be symbolic, which index a list (guarding on their
-        # values) but neither equal a dict's int keys nor test `in` as their values would.
+        # Whether each layer's input is an aux feature, as flags read by layer index, so the
+        # forward tests no aux layer number: where dynamo leaves ints unspecialised they are
+        # symbols, which neither equal a dict's int keys nor test `in` as their values would.
         self.feeds_aux = tuple(index in self.aux_layers for index in range(len(self.layers)))
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: PagedBatchView):
