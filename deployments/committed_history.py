@@ -107,6 +107,18 @@ class CommittedHistories:
         self._held[seq_id] = (tokens, digest)
         return tokens
 
+    def extend(self, seq_id: str, new_tokens: Sequence[int]) -> list[int] | None:
+        """The sequence's committed history grown by new_tokens that this engine drew itself and
+        counts as committed (a target-only round the router queued to continue the one before),
+        or None when it holds none."""
+        held = self._held.get(seq_id)
+        if held is None:
+            return None
+        tokens, digest = held
+        tokens.extend(new_tokens)
+        self._held[seq_id] = (tokens, history_digest(new_tokens, digest))
+        return tokens
+
     def held_length(self, seq_id: str) -> int:
         held = self._held.get(seq_id)
         return 0 if held is None else len(held[0])

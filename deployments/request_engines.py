@@ -29,7 +29,7 @@ from ray.serve.handle import DeploymentHandle
 
 from specserve.common.channel import ChannelLostError, ChannelPool
 from specserve.common.config import LimitsSpec
-from specserve.common.messages import EngineEndpoint, UnknownFeatures, UnknownHistory
+from specserve.common.messages import CallSpan, EngineEndpoint, UnknownFeatures, UnknownHistory
 from specserve.decoding.batched_runner import TargetFeatures, merged_features
 from specserve.decoding.proposers import Proposal
 from specserve.decoding.sampling import draft_seed
@@ -83,7 +83,7 @@ class RequestEngines:
                                                  self.limits.engine_wait_s)
         except BaseException as error:
             if draft is not None:
-                draft.add_done_callback(_observed)
+                draft.add_done_callback(observed)
                 draft.cancel()
             if isinstance(error, asyncio.TimeoutError):
                 raise ServerOverloadedError(f"no target replica became available within "
@@ -99,7 +99,7 @@ class RequestEngines:
             return False
         self.touched.append(self.draft)
         prefill = self._call(self.draft, "prefill", state.request_id, self.draft_history.update(state))
-        prefill.add_done_callback(_observed)   # a lost draft shows at the first propose
+        prefill.add_done_callback(observed)   # a lost draft shows at the first propose
         return True
 
     def _call(self, engine: EngineEndpoint, method: str, *args: Any) -> asyncio.Future:
@@ -184,8 +184,21 @@ class RequestEngines:
                 except Exception:  # the replica itself may be going down: try again shortly
                     logger.warning("no target replica reachable yet for %s", state.request_id)
 
+    async def continue_round(self, state: RequestState, steps: int) -> tuple[Any, CallSpan] | None:
+        """A target-only round of up to `steps` tokens that the target engine starts where the
+        round in flight ends (TargetEngine.verify without a history), sent before that one's answer
+        arrives, so the engine decodes on instead of waiting for this side between rounds. ->
+        (rows, the engine's span), or None when the engine could not continue
+        (it lost the round, or the channel): this side then sends the round the usual way."""
+        try:
+            reply = await self._call(self.target, "verify", state.request_id, None, None, state.params, None, None,
+                                     None, self.verification, None, steps)
+        except (*ENGINE_ERRORS, EngineOverloadedError):
+            return None
+        return None if isinstance(reply, UnknownHistory) else reply
 
-def _observed(answer: asyncio.Future) -> None:
+
+def observed(answer: asyncio.Future) -> None:
     """An answer nobody awaits: its failure must not be logged as unhandled."""
     if not answer.cancelled():
         answer.exception()

@@ -15,6 +15,7 @@ this loop only says how many blocks to pre-draft (`choose_fan_out`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from specserve.decoding.capture import captured_block
 from specserve.decoding.proposers import Proposal
 from specserve.decoding.sequence import RequestState
 from specserve.decoding.speculation import LogprobEntries, accept_round, split_logprobs
-from specserve.deployments.request_engines import ENGINE_ERRORS, RequestEngines
+from specserve.deployments.request_engines import ENGINE_ERRORS, RequestEngines, observed
 from specserve.deployments.round_record import RoundObserver, RoundRecord
 from specserve.deployments.round_stages import EngineCall, RoundStages
 from specserve.deployments.streaming import step_chunk
@@ -55,6 +56,8 @@ class RoundLoop:
         self.num_active = num_active
         self.speculation = speculation
         self.profile = profile
+        # The target-only round queued behind the one in flight (RequestEngines.continue_round).
+        self.queued: asyncio.Future | None = None
 
     async def run(self, started_s: float, deadline_s: float, prompt_logprobs: int | None = None) -> None:
         """Prefill (the first token), then rounds until the request finishes or deadline_s passes."""
@@ -73,11 +76,14 @@ class RoundLoop:
         if prompt_entries is not None:
             chunk["prompt_logprobs"] = prompt_entries
         self.emit(chunk)
-        while not state.finished:
-            if time.perf_counter() > deadline_s:
-                state.finish_reason = "timeout"
-                break
-            await self._round()
+        try:
+            while not state.finished:
+                if time.perf_counter() > deadline_s:
+                    state.finish_reason = "timeout"
+                    break
+                await self._round()
+        finally:
+            self._drop_queued()
 
     async def _round(self) -> None:
         """One round."""
@@ -102,7 +108,7 @@ class RoundLoop:
                 engines.lose_draft()
         stages.mark("proposed")
         steps = 1 if proposal.token_ids else self._target_only_steps()
-        rows, verify = await engines.verify(state, proposal, capture_top_k=capture_k, steps=steps)
+        rows, verify = await self._verify(proposal, capture_k, steps, round_started)
         top, context = None, None
         if capture_k is not None:  # the target also answered its top-k at the block's positions
             rows, top = rows
@@ -125,18 +131,61 @@ class RoundLoop:
             captured=captured, predrafting=self.predrafted if proposal.token_ids and
             self.predrafted == predrafted_before else None))
         stages.mark("recorded")
+        if state.finished:
+            self._drop_queued()
         self.emit(step_chunk(state, committed, logprob_rows))
         stages.mark("chunked")
         if stages.enabled:
             self.observer.round_stages(stages.stages())
 
+    async def _verify(self, proposal: Proposal, capture_k: int | None, steps: int, round_started: float
+                      ) -> tuple[object, EngineCall]:
+        """The target's answer to this round: the round queued behind the last one when there is
+        one, else this round's verify; a request without a draft engine queues its next
+        target-only round behind this one at once (`_queue_next`)."""
+        queued, self.queued = self.queued, None
+        if queued is None:
+            current = asyncio.ensure_future(self.engines.verify(self.state, proposal, capture_top_k=capture_k,
+                                                                steps=steps))
+        else:
+            current = queued
+        if self.engines.draft is None and not proposal.token_ids and capture_k is None:
+            self._queue_next(steps)
+        answer = await current
+        if queued is None:
+            return answer
+        if answer is None or isinstance(answer[0], DecodedSteps) and not answer[0].answers:   # it could not continue
+            self._drop_queued()
+            return await self.engines.verify(self.state, proposal, capture_top_k=capture_k, steps=steps)
+        rows, span = answer
+        return rows, EngineCall.queued(round_started, span, time.perf_counter())
+
+    def _queue_next(self, steps: int) -> None:
+        """Queue the target-only round that follows one of `steps` tokens now in flight, unless
+        that one may end the request by max_tokens or the context."""
+        room = self._room() - steps
+        if room > 0:
+            self.queued = asyncio.ensure_future(self.engines.continue_round(
+                self.state, min(self.speculation.target_only_steps, room)))
+
+    def _drop_queued(self) -> None:
+        """Give up the queued round (the request finished): the request's release frees what
+        the engine decoded for it."""
+        queued, self.queued = self.queued, None
+        if queued is not None:
+            queued.cancel()
+            queued.add_done_callback(observed)
+
+    def _room(self) -> int:
+        """Tokens the request may still commit: up to max_tokens and the model's context."""
+        state = self.state
+        return min(state.params.max_tokens - len(state.output_ids),
+                   state.max_context - len(state.prompt_ids) - len(state.output_ids))
+
     def _target_only_steps(self) -> int:
         """Tokens a round without a block may decode in the target at once: the configured
         number, but none past max_tokens or the model's context."""
-        state = self.state
-        room = min(state.params.max_tokens - len(state.output_ids),
-                   state.max_context - len(state.prompt_ids) - len(state.output_ids))
-        return max(1, min(self.speculation.target_only_steps, room))
+        return max(1, min(self.speculation.target_only_steps, self._room()))
 
     def _commit(self, proposal: Proposal, answers: tuple) -> tuple[list[int], LogprobEntries | None]:
         """Commit a round's answers in order (one; or a target-only round's steps, until the

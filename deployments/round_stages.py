@@ -42,6 +42,18 @@ class EngineCall:
     def from_span(cls, sent_s: float, span: CallSpan, answered_s: float) -> "EngineCall":
         return cls(sent_s, span.entered_s, span.started_s, span.left_s, answered_s, span.cached_tokens)
 
+    @classmethod
+    def queued(cls, round_started_s: float, span: CallSpan, answered_s: float) -> "EngineCall":
+        """A call sent before its round began (a target-only round queued behind the one before,
+        deployments.round_loop): its moments counted from when the round began, so what the
+        engine did before that is not the round's, and its hop out is none."""
+        left_s = max(span.left_s, round_started_s)
+
+        def clamped(moment: float) -> float:
+            return min(max(moment, round_started_s), left_s)
+        return cls(round_started_s, clamped(span.entered_s), clamped(span.started_s), left_s, answered_s,
+                   span.cached_tokens)
+
     @property
     def engine_s(self) -> float:
         """Seconds inside the engine: its batching loop's wait and the forward."""

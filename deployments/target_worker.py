@@ -14,6 +14,7 @@ committed token's; the router keeps the committed ones for the draft engine (doc
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -61,6 +62,17 @@ class _DecodingRound:
     features: TargetFeatures | None = None   # serving a head: the steps' features so far, merged
 
 
+@dataclass(frozen=True)
+class RoundEnd:
+    """Where a target-only round left its sequence, for a round that continues it (TargetEngine.
+    verify without a history): the tokens it drew, the output position after them, and whether
+    the last one ends the request."""
+
+    token_ids: tuple[int, ...]
+    next_output_index: int | None
+    ended: bool
+
+
 class TargetEngine(EngineCore):
     """Holds the target model and one KV slot per request id (the Ray actor on the data path)."""
 
@@ -81,6 +93,9 @@ class TargetEngine(EngineCore):
         self.features: dict[str, TargetFeatures] = {}
         # Target-only rounds of several steps in progress, by sequence.
         self.decoding: dict[str, _DecodingRound] = {}
+        # Where each sequence's target-only round in progress will end (None: it failed), for the
+        # round the router queued to continue it.
+        self.round_ends: dict[str, asyncio.Future] = {}
         super().__init__(runner, engine_options, name)
 
     def forget(self, seq_id: str) -> None:
@@ -91,8 +106,9 @@ class TargetEngine(EngineCore):
         self.features.pop(seq_id, None)
         self.features_answered.discard(seq_id)
         self.decoding.pop(seq_id, None)
+        self.round_ends.pop(seq_id, None)
 
-    async def verify(self, seq_id: str, history: HistoryUpdate, proposal: Proposal | None, params: SamplingParams,
+    async def verify(self, seq_id: str, history: HistoryUpdate | None, proposal: Proposal | None, params: SamplingParams,
                      first_output_index: int | None = None, prompt_logprobs: int | None = None,
                      capture_top_k: int | None = None, verification: str = "block",
                      features_from: int | None = None, steps: int = 1) -> tuple[object, CallSpan] | UnknownHistory:
@@ -102,7 +118,9 @@ class TargetEngine(EngineCore):
         left) the call spent in this engine (loop wait + forward). history: the committed history's
         update since this engine's last call for seq_id (deployments.committed_history);
         UnknownHistory answers instead when this engine cannot rebuild it, and the caller sends all
-        of it again. A prefill has no proposal (one row). When params.logprobs is set the answer
+        of it again. history None: a target-only round the router queued behind the one in
+        progress, continuing from where that one ends (`_continued`). A prefill has no proposal
+        (one row). When params.logprobs is set the answer
         comes as (answer, raw log-probability rows [num_rows, V]).
 
         prompt_logprobs: a prefill that also scores every prompt token (its log-probability, the
@@ -116,9 +134,15 @@ class TargetEngine(EngineCore):
         steps: a round without a block may decode up to this many tokens here (`step`)
         and answer DecodedSteps."""
         proposal = proposal or empty_proposal()
-        committed = self.committed(seq_id, history)
-        if isinstance(committed, UnknownHistory):
-            return committed
+        if history is None:
+            continued = await self._continued(seq_id)
+            if not isinstance(continued, tuple):
+                return continued
+            committed, first_output_index = continued
+        else:
+            committed = self.committed(seq_id, history)
+            if isinstance(committed, UnknownHistory):
+                return committed
         if self.reads_features and features_from is None:
             features_from = features_start(committed, seq_id in self.features_answered)
         token_ids = committed + list(proposal.token_ids)
@@ -127,11 +151,49 @@ class TargetEngine(EngineCore):
         call = VerifyCall(seq_id, token_ids, num_rows, params, first_output_index, prompt_logprobs, capture_top_k,
                           proposal, verification, features_from if self.reads_features else None,
                           steps if several else 1)
-        rows, span = await self.submit(call)
+        ends = None
+        if not proposal.token_ids and prompt_logprobs is None and capture_top_k is None:
+            ends = self.round_ends[seq_id] = asyncio.get_running_loop().create_future()
+        try:
+            rows, span = await self.submit(call)
+        except BaseException:
+            if ends is not None:
+                ends.set_result(None)   # failed or given up: nothing to continue from
+            raise
+        if ends is not None:
+            ends.set_result(self._round_end(call, rows))
         span = replace(span, cached_tokens=self.scheduler.blocks.prefix_cached_tokens(seq_id),
                        features=self.features.pop(seq_id, None))
         self.call_log.record("verify", seq_id, span)
         return rows, span
+
+    async def _continued(self, seq_id: str) -> tuple[list[int], int | None] | UnknownHistory | DecodedSteps:
+        """A queued round's start: (committed history, output position) once the sequence's round
+        in progress ends, its tokens counted as committed, as the router commits every token of a
+        round that leaves the request going. The router queues such a round while it waits for the
+        one before, so the engine decodes on at once instead of idling for the round trip (vLLM's
+        engine never waits on its frontend between steps). UnknownHistory when no round is in
+        progress or it failed (the router then sends a round of its own); an empty DecodedSteps
+        when that round ended the request (the router, finishing it, reads no answer)."""
+        ending = self.round_ends.pop(seq_id, None)   # taken at once: a later round cannot see it
+        end = None if ending is None else await ending
+        if end is None:
+            return UnknownHistory(seq_id)
+        self.released.check(seq_id)
+        if end.ended:
+            return DecodedSteps(())
+        committed = self.histories.extend(seq_id, end.token_ids)
+        if committed is None:
+            return UnknownHistory(seq_id)
+        return list(committed), end.next_output_index
+
+    def _round_end(self, call: VerifyCall, rows: object) -> RoundEnd:
+        """Where call's answered round leaves the sequence (RoundEnd)."""
+        answers = rows.answers if isinstance(rows, DecodedSteps) else (rows,)
+        drawn = tuple(target_token(split_logprobs(call.params, answer)[0]) for answer in answers)
+        ended = bool(drawn) and drawn[-1] in ending_ids(self.runner.eos_token_ids, call.params)
+        return RoundEnd(drawn, None if call.first_output_index is None else call.first_output_index + len(drawn),
+                        ended)
 
     def step(self, calls: list[VerifyCall]) -> tuple[dict[int, object], int]:
         """EngineCore.step, with target-only rounds of several steps (VerifyCall.steps) run as

@@ -41,6 +41,7 @@ class ListeningEngine:
         self.engine = engine
         self.updates: list[HistoryUpdate] = []
         self.unknown = 0
+        self.continued = 0     # target-only rounds queued to continue the round before (verify without a history)
         self.held_at_end = 0   # the history length it held when the request ended (before its channels closed)
 
     async def listen(self) -> EngineEndpoint:
@@ -49,6 +50,7 @@ class ListeningEngine:
 
         async def recording(method: str, args: tuple):
             self.updates.extend(arg for arg in args if isinstance(arg, HistoryUpdate))
+            self.continued += method == "verify" and args[1] is None
             reply = await answer(method, args)
             self.unknown += isinstance(reply, UnknownHistory)
             return reply
@@ -207,3 +209,55 @@ def test_target_only_rounds_of_several_steps_commit_what_one_step_rounds_commit(
     assert [record.target_passes for record in alone_records] == [1] * 29
     # 29 tokens after the prefill's first: seven rounds of four and one of the last token
     assert [record.target_passes for record in stepped_records] == [4] * 7 + [1]
+
+
+def run_without_draft(pair, params: SamplingParams, target_only_steps: int):
+    """One request to the end on a target engine alone (a request without a draft engine) ->
+    (state, its chunks, its round records, the target, the sequences it held after the release)."""
+
+    async def scenario():
+        target = ListeningEngine(TargetEngine(spec(pair[0]), options()))
+        state = RequestState("r", PROMPT, params, None, 256, detokenize=lambda ids: " ".join(map(str, ids)))
+        engines = RequestEngines(InProcessWorkers(await target.listen()), None, LimitsSpec(), ChannelPool())
+        speculation = SpeculationSpec(num_draft_tokens=NUM_DRAFT, adaptive=False, target_only_steps=target_only_steps)
+        observer, records = recording_observer(speculation)
+        chunks = []
+        loop = RoundLoop(state, engines, observer, chunks.append, lambda state: 0, lambda: 1, speculation)
+        await loop.run(0.0, float("inf"))
+        await asyncio.sleep(0.05)   # a round dropped at the end may still be decoding: the release waits for it
+        target.engine.loop.release(state.request_id)
+        held = await target.engine.active_sequences()
+        return state, chunks, records, target, held
+
+    return asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("target_only_steps", [1, 4])
+def test_queued_target_only_rounds_commit_what_rounds_sent_one_by_one_commit(pair, target_only_steps):
+    """A request without a draft engine queues each target-only round behind the one in flight, so
+    the target decodes on instead of waiting for the router between rounds: the same tokens,
+    logprobs and finish as rounds sent one at a time (greedy; seeded sampled with a penalty, whose
+    draws come from the request's own stream in the same order), every round after the first
+    answered by the round queued for it, none past max_tokens, nothing held after the release."""
+    for params in (SamplingParams(temperature=0, max_tokens=30, logprobs=2),
+                   SamplingParams(temperature=0.9, max_tokens=30, seed=11, logprobs=2, frequency_penalty=0.5)):
+        alone, alone_chunks, _ = run_with_target_only_steps(pair, params, 1)
+        queued, queued_chunks, records, target, held = run_without_draft(pair, params, target_only_steps)
+        assert queued.output_ids == alone.output_ids and queued.finish_reason == alone.finish_reason == "length"
+        entries = [[entry for chunk in chunks for entry in chunk["logprobs"]] for chunks in (alone_chunks,
+                                                                                          queued_chunks)]
+        assert entries[0] == entries[1]
+        assert target.continued == len(records) - 1 and target.unknown == 0 and held == []
+        assert all(record.hops_s >= 0 and record.target_s >= 0 for record in records)
+
+
+def test_a_queued_round_behind_a_round_that_ends_the_request_is_dropped(pair):
+    """A request that a stop token ends mid-round finishes there; the round queued behind it is
+    given up and the release frees what the target decoded for it."""
+    sampled = SamplingParams(temperature=1.0, max_tokens=30, seed=5, frequency_penalty=1.0)
+    reference, _, _ = run_with_target_only_steps(pair, sampled, 1)
+    ends_at = next(i for i, token in enumerate(reference.output_ids) if i >= 6 and token not in reference.output_ids[:i])
+    stopped = SamplingParams(temperature=1.0, max_tokens=30, seed=5, frequency_penalty=1.0, stop_token_ids=[reference.output_ids[ends_at]])
+    state, _, _, target, held = run_without_draft(pair, stopped, 4)
+    assert state.output_ids == reference.output_ids[:ends_at] and state.finish_reason == "stop"
+    assert target.continued >= 1 and held == [] and target.engine.round_ends == {}
