@@ -304,10 +304,12 @@ class EngineHost:
         engine_args[self.model_spec_arg] = rank_spec(spec, 0, size, address)
         return engine_args, followers
 
-    def get_engine(self, affinity_key: str | None = None) -> EngineEndpoint:
+    async def get_engine(self, affinity_key: str | None = None) -> EngineEndpoint:
         """This replica's engine: its actor and its channel's address. affinity_key: what Serve's
         request router chose the replica by (the target pool's deployments.prefix_router); the
-        replica itself has no use for it."""
+        replica itself has no use for it. A coroutine, so Serve answers it on the replica's event
+        loop: a plain method would go through Serve's thread pool, a thread hop on every
+        request's way to its first token."""
         return self.endpoint
 
     async def record_routing_stats(self) -> dict[str, Any]:
