@@ -11,6 +11,10 @@ target verifies, the draft engine pre-drafts the next block for the verification
 (the speculation cache, decoding/speculation_cache.py); the next propose finds the block of the
 actual outcome ready (a hit) or drafts it just in time. The draft engine decides hit or miss;
 this loop only says how many blocks to pre-draft (`choose_fan_out`).
+
+A request without a draft engine queues each target-only round behind the one in flight
+(`RequestEngines.continue_round`), so the target decodes on while the answer travels here
+(docs/architecture.md, "The round protocol").
 """
 
 from __future__ import annotations
@@ -144,7 +148,7 @@ class RoundLoop:
         one, else this round's verify; a request without a draft engine queues its next
         target-only round behind this one at once (`_queue_next`)."""
         queued, self.queued = self.queued, None
-        if queued is None:
+        if queued is None:   # a task: its call goes out before a round queued behind it
             current = asyncio.ensure_future(self.engines.verify(self.state, proposal, capture_top_k=capture_k,
                                                                 steps=steps))
         else:
