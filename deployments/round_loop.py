@@ -148,12 +148,15 @@ class RoundLoop:
         one, else this round's verify; a request without a draft engine queues its next
         target-only round behind this one at once (`_queue_next`)."""
         queued, self.queued = self.queued, None
-        if queued is None:   # a task: its call goes out before a round queued behind it
+        queues_next = self.engines.draft is None and not proposal.token_ids and capture_k is None
+        if queued is None and not queues_next:
+            return await self.engines.verify(self.state, proposal, capture_top_k=capture_k, steps=steps)
+        if queued is None:   # a task: its call goes out before the round queued behind it
             current = asyncio.ensure_future(self.engines.verify(self.state, proposal, capture_top_k=capture_k,
                                                                 steps=steps))
         else:
             current = queued
-        if self.engines.draft is None and not proposal.token_ids and capture_k is None:
+        if queues_next:
             self._queue_next(steps)
         answer = await current
         if queued is None:
