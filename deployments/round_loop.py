@@ -147,23 +147,19 @@ class RoundLoop:
         """The target's answer to this round: the round queued behind the last one when there is
         one, else this round's verify; a request without a draft engine queues its next
         target-only round behind this one at once (`_queue_next`)."""
-        queued, self.queued = self.queued, None
-        queues_next = self.engines.draft is None and not proposal.token_ids and capture_k is None
-        if queued is None and not queues_next:
-            return await self.engines.verify(self.state, proposal, capture_top_k=capture_k, steps=steps)
-        if queued is None:   # a task: its call goes out before the round queued behind it
-            current = asyncio.ensure_future(self.engines.verify(self.state, proposal, capture_top_k=capture_k,
-                                                                steps=steps))
-        else:
-            current = queued
-        if queues_next:
-            self._queue_next(steps)
-        answer = await current
+        queued, self.queued = self.queued, None   # only a request without a draft engine queues
         if queued is None:
-            return answer
-        if answer is None or isinstance(answer[0], DecodedSteps) and not answer[0].answers:   # it could not continue
+            if self.engines.draft is not None or proposal.token_ids or capture_k is not None:
+                return await self.engines.verify(self.state, proposal, capture_top_k=capture_k, steps=steps)
+            # a task: its call goes out before the round queued behind it
+            current = asyncio.ensure_future(self.engines.verify(self.state, proposal, steps=steps))
+            self._queue_next(steps)
+            return await current
+        self._queue_next(steps)
+        answer = await queued
+        if answer is None:   # the engine could not continue: nor can the round queued behind
             self._drop_queued()
-            return await self.engines.verify(self.state, proposal, capture_top_k=capture_k, steps=steps)
+            return await self.engines.verify(self.state, proposal, steps=steps)
         rows, span = answer
         return rows, EngineCall.queued(round_started, span, time.perf_counter())
 

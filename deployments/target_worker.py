@@ -93,8 +93,8 @@ class TargetEngine(EngineCore):
         self.features: dict[str, TargetFeatures] = {}
         # Target-only rounds of several steps in progress, by sequence.
         self.decoding: dict[str, _DecodingRound] = {}
-        # Where each sequence's target-only round in progress will end (None: it failed), for the
-        # round the router queued to continue it.
+        # Each sequence's target-only round in progress, answered as (its call, its rows) or None
+        # (it failed), for the round the router queued to continue it.
         self.round_ends: dict[str, asyncio.Future] = {}
         super().__init__(runner, engine_options, name)
 
@@ -161,27 +161,28 @@ class TargetEngine(EngineCore):
                 ends.set_result(None)   # failed or given up: nothing to continue from
             raise
         if ends is not None:
-            ends.set_result(self._round_end(call, rows))
+            ends.set_result((call, rows))
         span = replace(span, cached_tokens=self.scheduler.blocks.prefix_cached_tokens(seq_id),
                        features=self.features.pop(seq_id, None))
         self.call_log.record("verify", seq_id, span)
         return rows, span
 
-    async def _continued(self, seq_id: str) -> tuple[list[int], int | None] | UnknownHistory | DecodedSteps:
+    async def _continued(self, seq_id: str) -> tuple[list[int], int | None] | UnknownHistory:
         """A queued round's start: (committed history, output position) once the sequence's round
         in progress ends, its tokens counted as committed, as the router commits every token of a
         round that leaves the request going. The router queues such a round while it waits for the
         one before, so the engine decodes on at once instead of idling for the round trip (vLLM's
         engine never waits on its frontend between steps). UnknownHistory when no round is in
-        progress or it failed (the router then sends a round of its own); an empty DecodedSteps
-        when that round ended the request (the router, finishing it, reads no answer)."""
+        progress, it failed, or it ended the request (the router sends a round of its own, or,
+        finishing the request, reads no answer)."""
         ending = self.round_ends.pop(seq_id, None)   # taken at once: a later round cannot see it
-        end = None if ending is None else await ending
-        if end is None:
+        answered = None if ending is None else await ending
+        if answered is None:
             return UnknownHistory(seq_id)
         self.released.check(seq_id)
+        end = self._round_end(*answered)
         if end.ended:
-            return DecodedSteps(())
+            return UnknownHistory(seq_id)
         committed = self.histories.extend(seq_id, end.token_ids)
         if committed is None:
             return UnknownHistory(seq_id)
