@@ -96,12 +96,15 @@ def serving(speculative: SpecServeConfig, target_only: SpecServeConfig) -> Itera
         yield Endpoints(url, url + TARGET_ONLY_PREFIX, speculative.model_name)
 
 
+TOP_P = 0.95   # the top_p request class's (bench.inprocess.sampling_params too)
+
+
 def request_body(model: str, prompt: str, mode: str, max_tokens: int, seed: int) -> dict:
     """The OpenAI completion request matching bench.inprocess.sampling_params."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
     if mode == "greedy":
         return {**body, "temperature": 0.0}
-    return {**body, "temperature": 0.8, "top_k": 0, "top_p": 1.0, "seed": seed}
+    return {**body, "temperature": 0.8, "top_k": 0, "top_p": TOP_P if mode == "top_p" else 1.0, "seed": seed}
 
 
 async def stream_request(client: httpx.AsyncClient, url: str, body: dict, prompt_id: str,

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
+from specserve.bench.http_rows import TOP_P
 from specserve.bench.records import RequestRecord, StepLatency
 from specserve.decoding.generate import generate
 from specserve.decoding.scheduler import Scheduler, engine_for_model
@@ -126,10 +127,12 @@ def step_context(prompt_ids: Sequence[Sequence[int]], length: int = STEP_CONTEXT
 # -- specserve in-process -----------------------------------------------------------------------
 
 def sampling_params(mode: str, max_tokens: int, seed: int) -> SamplingParams:
-    """greedy: temperature 0; sampled: T = 0.8, no top-k/top-p, seeded."""
+    """greedy: temperature 0; sampled: T = 0.8, no top-k/top-p, seeded; top_p: the same with top-p
+    0.95 (a cut row: its q is as wide as what the cut keeps)."""
     if mode == "greedy":
         return SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    return SamplingParams(temperature=0.8, top_k=0, top_p=1.0, seed=seed, max_tokens=max_tokens)
+    return SamplingParams(temperature=0.8, top_k=0, top_p=TOP_P if mode == "top_p" else 1.0, seed=seed,
+                          max_tokens=max_tokens)
 
 
 def _median(values: list[float]) -> float | None:

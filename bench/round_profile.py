@@ -28,7 +28,7 @@ Also reports tok/s, mean K, acceptance and the share of pipelined rounds. Writes
 bench/results/<name>.json and .md.
 
 `--modes greedy,sampled` sends each prompt once per request class (sampled: temperature 0.8,
-seeded), one at a time, the classes taking turns, and reports per class the orchestration of a
+seeded; top_p: the same with top-p 0.95), one at a time, the classes taking turns, and reports per class the orchestration of a
 round: its wall time minus the time the round waited in the engines (each engine's forwards and
 its batching loop's wait for a forward in progress), i.e. the hops and the router's own work.
 
@@ -236,7 +236,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-stages", dest="stages", action="store_false",
                         help="leave the profiling switch off (SPECSERVE_PROFILE_ROUNDS): no stages, hops "
                              "or outside check, only tok/s and the overhead")
-    parser.add_argument("--modes", default="greedy", help="request classes, comma-separated: greedy, sampled")
+    parser.add_argument("--modes", default="greedy", help="request classes, comma-separated: greedy, sampled, "
+                        "top_p (sampled with top-p 0.95)")
     parser.add_argument("--compare", action="append", default=[], metavar="LABEL=TREE",
                         help="run once per tree (its code serving), the trees taking turns")
     parser.add_argument("--turns", type=int, default=2, help="with --compare: turns per tree")
@@ -244,8 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=DEFAULT_OUT_DIR, help="results folder (publish to bench/results/)")
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
-    if not set(modes) <= {"greedy", "sampled"}:
-        raise SystemExit(f"--modes takes greedy and/or sampled, not {args.modes!r}")
+    if not set(modes) <= {"greedy", "sampled", "top_p"}:
+        raise SystemExit(f"--modes takes greedy, sampled and/or top_p, not {args.modes!r}")
     if args.compare:
         if not args.stages:
             raise SystemExit("--compare reads the rounds' stages: leave --no-stages out")

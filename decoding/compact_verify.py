@@ -48,8 +48,12 @@ class DraftSupport:
 
     @staticmethod
     def stack(rows: "list[DraftSupport]") -> "DraftSupport":
-        """Per-position supports [m] -> one block's [K, m]."""
-        return DraftSupport(torch.stack([row.ids for row in rows]), torch.stack([row.probs for row in rows]))
+        """Per-position supports [m_i] -> one block's [K, max m_i], a narrower row padded with
+        probability-0 entries (a cut row's support is as wide as its step's widest kept row:
+        `draft_support`)."""
+        width = max(row.width for row in rows)
+        return DraftSupport(torch.stack([torch.nn.functional.pad(row.ids, (0, width - row.width)) for row in rows]),
+                            torch.stack([torch.nn.functional.pad(row.probs, (0, width - row.width)) for row in rows]))
 
     def wire(self) -> "DraftSupport":
         """As numpy arrays; rows that are whole vocabularies in id order (`draft_support` where nothing
@@ -94,17 +98,31 @@ def _in_id_order(ids: torch.Tensor) -> bool:
     return width > 1 and ids.numel() > 0 and bool((ids == torch.arange(width, device=ids.device)).all())
 
 
-def draft_support(probs: torch.Tensor, max_candidates: int | None) -> DraftSupport:
+def draft_support(probs: torch.Tensor, max_candidates: int | None, cut: bool = False) -> DraftSupport:
     """The draft's sampling distribution from processed rows probs [..., V]: their top
     min(max_candidates, V) entries renormalised (None: the whole row). Rows already truncated to
-    fewer tokens (top-k, top-p, min-p, a grammar mask) keep exactly their distribution."""
+    fewer tokens (top-k, top-p, min-p, a grammar mask) keep exactly their distribution.
+
+    cut: some row may be truncated. The support is then no wider than the widest row's kept
+    tokens (one host read of that count), since past them a row holds only zeros: a top-p row
+    often keeps a few hundred tokens or fewer, which is then all the q that travels (ids and
+    probabilities, twice a round) instead of max_candidates' worth or a whole row. A cut support
+    is put in id order, as a whole row is, so a seeded draw from it picks the token the same draw
+    picks from the dense row, whatever max_candidates is."""
     probs = probs.float()
-    if max_candidates is None or max_candidates >= probs.shape[-1]:  # the whole row: no sort needed
-        return DraftSupport(torch.arange(probs.shape[-1], device=probs.device).expand_as(probs), probs)
+    vocab_size = probs.shape[-1]
+    width = vocab_size if max_candidates is None else min(max_candidates, vocab_size)
+    if cut and probs.numel():
+        width = min(width, max(1, int((probs > 0).sum(-1).max())))
+    if width >= vocab_size:  # the whole row: no sort needed
+        return DraftSupport(torch.arange(vocab_size, device=probs.device).expand_as(probs), probs)
     # Unsorted: the support is a set (drawing, verifying and the wire read it in any order), and
     # a CPU top-k of thousands over a large vocabulary costs markedly less without the sort.
-    top = torch.topk(probs, max_candidates, dim=-1, sorted=False)
-    return DraftSupport(top.indices, top.values / top.values.sum(-1, keepdim=True))
+    values, ids = torch.topk(probs, width, dim=-1, sorted=False)
+    if cut:
+        ids, order = ids.sort(dim=-1)
+        values = values.gather(-1, order)
+    return DraftSupport(ids, values / values.sum(-1, keepdim=True))
 
 
 def saguaro_support(support: DraftSupport, num_lowered: int, downweight: float) -> DraftSupport:

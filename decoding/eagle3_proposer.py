@@ -109,11 +109,14 @@ class Eagle3Proposer:
 
     def __init__(self, loaded: LoadedHead, max_candidates: int | None = None) -> None:
         """max_candidates: as DraftModelProposer's (a sampled token is drawn from its row's top
-        max_candidates tokens renormalised; None: the whole row)."""
+        max_candidates tokens renormalised; None: the whole row). A head drafting from a reduced
+        vocabulary has no more tokens than that to offer a row: its q is never wider."""
         self.head = loaded.head
         self.aux_layers = loaded.aux_layers
-        self.max_candidates = max_candidates
         self.vocab_size = loaded.head.shape.vocab_size
+        draft_vocab = loaded.head.shape.draft_vocab_size
+        self.max_candidates = (max_candidates if draft_vocab >= self.vocab_size
+                               else min(max_candidates or draft_vocab, draft_vocab))
         self.sequences: dict[str, HeadSequence] = {}
 
     def observe(self, seq_id: str, features: TargetFeatures) -> None:

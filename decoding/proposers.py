@@ -283,11 +283,13 @@ def draft_step(logits: torch.Tensor, calls: Sequence[ProposeCall], processors: S
     supports: dict[int, DraftSupport] = {}
     if sampled:
         rows = index_on(sampled, logits.device)
-        processed = process_rows(logits[rows], RowParams.of([calls[j].params for j in sampled],
-                                                            logits.shape[-1], logits.device))
+        row_params = RowParams.of([calls[j].params for j in sampled], logits.shape[-1], logits.device)
+        processed = process_rows(logits[rows], row_params)
         if own is not None:
             own = own.index_copy(0, rows, processed)
-        q = draft_support(processed, max_candidates)
+        cut = (row_params.uses_top_k or row_params.uses_top_p or row_params.uses_min_p
+               or any(processors[j] is not None for j in sampled))   # a grammar's mask zeroes tokens too
+        q = draft_support(processed, max_candidates, cut)
         lowering = [k for k, j in enumerate(sampled) if calls[j].lowered] if saguaro is not None else []
         if lowering:
             rows_lowered = index_on(lowering, logits.device)

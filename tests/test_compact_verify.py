@@ -73,6 +73,26 @@ def test_a_support_wider_than_the_row_keeps_the_processed_distribution_exactly()
     torch.testing.assert_close(narrower.dense(6), torch.tensor([[0.0, 0.625, 0.0, 0.375, 0.0, 0.0]]))
 
 
+
+def test_a_cut_support_is_as_wide_as_its_widest_kept_row_and_blocks_of_such_rows_stack():
+    rows = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0],    # three kept (a top-p cut)
+                         [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]])   # one kept
+    cut = draft_support(rows, max_candidates=5, cut=True)
+    assert cut.width == 3
+    torch.testing.assert_close(cut.dense(6), rows)
+    assert draft_support(rows, max_candidates=5).width == 5               # not told: max_candidates wide
+    assert draft_support(rows, max_candidates=2, cut=True).width == 2     # never wider than max_candidates
+    uncut = torch.tensor([[0.1, 0.2, 0.3, 0.1, 0.2, 0.1]])
+    assert draft_support(uncut, max_candidates=None, cut=True).width == 6  # a whole row stays whole
+    # A block's steps may keep different counts: stacked, the narrower pads with probability 0.
+    alone = draft_support(rows[1:], max_candidates=5, cut=True)
+    assert alone.width == 1
+    block = DraftSupport.stack([DraftSupport(cut.ids[0], cut.probs[0]), DraftSupport(alone.ids[0], alone.probs[0])])
+    assert block.width == 3
+    torch.testing.assert_close(block.dense(6), rows)
+    assert block.probs_of(torch.tensor([3, 2])).tolist() == pytest.approx([0.3, 1.0])
+    assert block.probs_of(torch.tensor([0, 0])).tolist() == [0.0, 0.0]
+
 @pytest.mark.parametrize("verification", ["token", "block"])
 def test_identical_rows_accept_every_draft_token_and_emit_the_bonus(verification):
     rows = torch.tensor([[[0.2, 0.8, 0.0], [0.5, 0.0, 0.5], [0.1, 0.1, 0.8]]])

@@ -31,7 +31,7 @@ from specserve.common.config import SpecServeConfig
 from specserve.common.messages import ChannelCall, ChannelReply
 from specserve.decoding.batched_runner import TargetFeatures
 from specserve.decoding.proposers import Proposal
-from specserve.decoding.sampling import SamplingParams
+from specserve.decoding.sampling import SamplingParams, draft_seed
 from specserve.decoding.sequence import RequestState
 from specserve.decoding.speculation import accept_round
 from specserve.deployments.committed_history import HistorySender, RunningDigest
@@ -42,12 +42,12 @@ WIDTHS = {"Llama-3.1-8B": 4096, "Llama-3.1-70B": 8192}
 AUX_LAYERS = 3
 
 
-async def round_messages(config: SpecServeConfig, prompt_ids: list[int]) -> dict:
-    """One request's prefill and first speculative round, greedy, K = NUM_DRAFT: the second
-    round's propose and verify calls with their answers (the first propose carries the prompt),
-    and how many positions the verify computed and the round committed."""
+async def round_messages(config: SpecServeConfig, prompt_ids: list[int],
+                         params: SamplingParams = SamplingParams(temperature=0.0, max_tokens=64)) -> dict:
+    """One request's prefill and first speculative round, K = NUM_DRAFT (greedy unless params say
+    otherwise): the second round's propose and verify calls with their answers (the first propose
+    carries the prompt), and how many positions the verify computed and the round committed."""
     draft, target = engines(config, 1)
-    params = SamplingParams(temperature=0.0, max_tokens=64)
     state = RequestState("r", list(prompt_ids), params, eos_token_id=None, max_context=4096)
     digest = RunningDigest()
     to_draft, to_target = HistorySender(digest), HistorySender(digest)
@@ -58,7 +58,7 @@ async def round_messages(config: SpecServeConfig, prompt_ids: list[int]) -> dict
         committed_before = len(state.history)
         # DraftEngine.propose's arguments by name, in its order: the channel sends them positionally.
         propose_args = {"seq_id": "r", "history": to_draft.update(state), "num_tokens": NUM_DRAFT,
-                        "params": params, "seed": None, "prompt_len": len(prompt_ids), "fan_out": (),
+                        "params": params, "seed": draft_seed(params.seed), "prompt_len": len(prompt_ids), "fan_out": (),
                         "features": None, "predraft_tokens": 0}
         proposal, span = await draft.propose(**propose_args)
         verify_args = ("r", to_target.update(state), proposal, params, state.next_output_index, None, None,

@@ -3,6 +3,11 @@ look-alike pair at fixed K: a round's cost should follow K, not the sampling mod
 the vocabulary (docs/sampling.md).
 
     python -m specserve.bench.figures.round_time [--rounds 40] [--warmup 2] [--threads 1] [--draft-top-k N] [--out bench/results/cpu-2core-round-time.md]
+    python -m specserve.bench.figures.round_time --baseline-tree /tmp/tree-before [--turns 3] ... [--out FILE]
+
+With --baseline-tree (a `git worktree` of the code before a change) the same measurement runs in
+its own process under each tree, the trees taking turns --turns times (bench/tree_turns.py), and
+the table gives each variant's medians (of the turns' medians) before and after side by side.
 
 The pair is the shipped default pair's architecture (models/default: target and draft configs)
 with Llama 3's vocabulary width (128,256) and a context of 4,096, random weights made peaked like a
@@ -131,6 +136,24 @@ def table(rows: dict, entropies: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def compared_table(runs: dict[str, list[dict]], command: str) -> tuple[str, dict]:
+    """Per variant, the medians over each tree's turns of its per-run medians, trees side by side."""
+    labels = list(runs)
+    merged = {label: {name: {key: statistics.median(run["summary"][name][key] for run in tree_runs)
+                             for key in ("median_ms", "vs_greedy_short", "outside_forwards_median_ms")}
+                      for name in tree_runs[0]["summary"]} for label, tree_runs in runs.items()}
+    header = " | ".join(f"{label}: ms, / greedy-short's, outside ms" for label in labels)
+    lines = [f"Per-round time, K = {NUM_DRAFT_TOKENS}, V = {VOCAB_SIZE:,}, the trees taking turns, "
+             f"{len(runs[labels[0]])} turns (`{command}`); medians of the turns' medians. The pair and the "
+             "variants as in this bench's own table (bench/figures/round_time.py).", "",
+             f"| variant | {header} |", "|---|" + "---|" * len(labels)]
+    for name in merged[labels[0]]:
+        cells = " | ".join(f"{merged[label][name]['median_ms']:.1f}, {merged[label][name]['vs_greedy_short']:.2f}, "
+                           f"{merged[label][name]['outside_forwards_median_ms']:.1f}" for label in labels)
+        lines.append(f"| {name} | {cells} |")
+    return "\n".join(lines) + "\n", merged
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=40, help="timed rounds per variant")
@@ -139,18 +162,51 @@ def main() -> None:
     parser.add_argument("--draft-top-k", type=int, default=SpeculationSpec().draft_top_k,
                         help="speculation.draft_top_k of the sampled drafts (default: its default)")
     parser.add_argument("--out", type=Path, help="write the table here (and its numbers beside it as .json)")
+    parser.add_argument("--baseline-tree", type=Path, help="a checkout of the code before a change: both trees "
+                        "measured, taking turns")
+    parser.add_argument("--turns", type=int, default=3, help="with --baseline-tree: runs per tree")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     command = (f"python -m specserve.bench.figures.round_time --rounds {args.rounds} --warmup {args.warmup} "
                f"--threads {args.threads} --draft-top-k {args.draft_top_k}")
+    if args.baseline_tree is not None:
+        compare(args, command)
+        return
     seconds, entropies = measure(args.rounds, args.warmup, args.draft_top_k)
     rows = summary(seconds)
+    if args.worker:   # one tree's turn (compare): its numbers, on the last line
+        print(json.dumps({"entropy_nats": entropies, "summary": rows}))
+        return
     text = table(rows, entropies, command)
     print(text)
     if args.out:
         args.out.write_text(text)
         args.out.with_suffix(".json").write_text(json.dumps({"command": command, "entropy_nats": entropies,
                                                              "summary": rows}, indent=1))
+
+
+def compare(args, command: str) -> None:
+    """This bench under the baseline tree and this one, the trees taking turns."""
+    # Imported here: a worker runs this file under a tree whose bench may predate the module.
+    from specserve.bench.tree_turns import script_in_tree, turn_order
+
+    trees = {"before": args.baseline_tree.resolve(), "after": Path(__file__).resolve().parents[2]}
+    worker = ["--worker", "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--threads", str(args.threads),
+              "--draft-top-k", str(args.draft_top_k)]
+    runs: dict[str, list[dict]] = {label: [] for label in trees}
+    for turn in range(args.turns):
+        for label in turn_order(list(trees), turn):
+            runs[label].append(json.loads(script_in_tree(Path(__file__).resolve(), trees[label], worker)))
+            print(label, turn, {name: round(row["median_ms"], 1) for name, row in runs[label][-1]["summary"].items()},
+                  flush=True)
+    command += f" --baseline-tree {args.baseline_tree} --turns {args.turns}"
+    text, merged = compared_table(runs, command)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+        args.out.with_suffix(".json").write_text(json.dumps({"command": command, "trees": {k: str(v) for k, v in trees.items()},
+                                                             "medians": merged, "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":
