@@ -12,7 +12,8 @@ target verifies, the draft engine pre-drafts the next block for the verification
 actual outcome ready (a hit) or drafts it just in time. The draft engine decides hit or miss;
 this loop only says how many blocks to pre-draft (`choose_fan_out`).
 
-A request without a draft engine queues each target-only round behind the one in flight
+A target-only round (no draft engine, or a depth of 0: the policy speculates less or not at all
+under load) queues the next one behind it while the next will be target-only too
 (`RequestEngines.continue_round`), so the target decodes on while the answer travels here
 (docs/architecture.md, "The round protocol").
 """
@@ -96,7 +97,8 @@ class RoundLoop:
         started_alone = self.num_active() == 1
         stages = RoundStages(self.profile)
         stages.mark("start")
-        num_draft = self.choose_depth(state) if engines.draft is not None else 0
+        # A round queued behind the last one is target-only: it is decoding already.
+        num_draft = self.choose_depth(state) if engines.draft is not None and self.queued is None else 0
         capture_k = self.observer.capture_top_k() if num_draft > 0 else None  # online training's sample
         stages.mark("depth")
         proposal, draft_s, draft_hops_s, draft_calls = Proposal([], None), 0.0, 0.0, []
@@ -145,23 +147,30 @@ class RoundLoop:
     async def _verify(self, proposal: Proposal, capture_k: int | None, steps: int, round_started: float
                       ) -> tuple[object, EngineCall]:
         """The target's answer to this round: the round queued behind the last one when there is
-        one, else this round's verify; a request without a draft engine queues its next
-        target-only round behind this one at once (`_queue_next`)."""
-        queued, self.queued = self.queued, None   # only a request without a draft engine queues
+        one, else this round's verify; a target-only round whose next round will be target-only
+        too queues that one behind it at once (`_queue_next`)."""
+        queued, self.queued = self.queued, None
         if queued is None:
-            if self.engines.draft is not None or proposal.token_ids or capture_k is not None:
+            if proposal.token_ids or capture_k is not None or not self._next_is_target_only():
                 return await self.engines.verify(self.state, proposal, capture_top_k=capture_k, steps=steps)
             # a task: its call goes out before the round queued behind it
             current = asyncio.ensure_future(self.engines.verify(self.state, proposal, steps=steps))
             self._queue_next(steps)
             return await current
-        self._queue_next(steps)
+        if self._next_is_target_only():
+            self._queue_next(steps)
         answer = await queued
         if answer is None:   # the engine could not continue: nor can the round queued behind
             self._drop_queued()
             return await self.engines.verify(self.state, proposal, steps=steps)
         rows, span = answer
         return rows, EngineCall.queued(round_started, span, time.perf_counter())
+
+    def _next_is_target_only(self) -> bool:
+        """The round after this target-only one drafts nothing either: the request has no draft
+        engine, or its depth is 0 now (asked again when that round starts: a depth that rose
+        meanwhile waits one round, the one already queued)."""
+        return self.engines.draft is None or self.choose_depth(self.state) == 0
 
     def _queue_next(self, steps: int) -> None:
         """Queue the target-only round that follows one of `steps` tokens now in flight, unless

@@ -4,6 +4,8 @@ RequestEngines) over real draft and target engines and real channels to them (co
 all in this process (no Ray: Serve's get_engine is played by an awaitable giving the endpoint)."""
 
 import asyncio
+import itertools
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -167,24 +169,34 @@ def test_each_round_says_whether_it_is_a_steady_round_of_the_fan_out_on_or_off(p
     assert {True, False, None} <= set(steady)
 
 
-def run_with_target_only_steps(pair, params: SamplingParams, target_only_steps: int, speculate_every: int = 0):
-    """One request to the end, K = NUM_DRAFT every speculate_every-th round and 0 (target-only)
-    otherwise (0: never speculate) -> (state, its chunks, its round records)."""
+def one_by_one() -> Callable[[RequestState], int]:
+    """A depth chooser under which every round is target-only and none is queued behind another:
+    a target-only round asks for a depth at its start (answered 0) and once more for the round
+    after it (RoundLoop._next_is_target_only, answered NUM_DRAFT), so it never queues that one."""
+    answers = itertools.cycle([0, NUM_DRAFT])
+    return lambda state: next(answers)
+
+
+def in_phases(tokens: int) -> Callable[[RequestState], int]:
+    """A depth chooser that speculates (K = NUM_DRAFT) while the output's length is in an odd
+    stretch of `tokens` tokens and not (K = 0, the policy's "not at all") in an even one."""
+    return lambda state: state.draft_budget(NUM_DRAFT) if (len(state.output_ids) // tokens) % 2 else 0
+
+
+def run_with_target_only_steps(pair, params: SamplingParams, target_only_steps: int,
+                               choose_depth: Callable[[RequestState], int] = lambda state: 0):
+    """One request to the end on a target and a draft engine, K as choose_depth says (default: 0,
+    every round target-only) -> (state, its chunks, its round records, the target)."""
 
     async def scenario():
-        _, _, state, engines = await request_on_engines(pair, params)
+        target, _, state, engines = await request_on_engines(pair, params)
         speculation = SpeculationSpec(num_draft_tokens=NUM_DRAFT, adaptive=False, target_only_steps=target_only_steps)
         observer, records = recording_observer(speculation)
         chunks = []
-
-        def choose_depth(state: RequestState) -> int:
-            speculates = speculate_every and len(records) % speculate_every == speculate_every - 1
-            return state.draft_budget(NUM_DRAFT) if speculates else 0
-
         loop = RoundLoop(state, engines, observer, chunks.append, choose_depth, lambda: 1, speculation)
         await loop.run(0.0, float("inf"))
         await asyncio.sleep(0.05)
-        return state, chunks, records
+        return state, chunks, records, target
 
     return asyncio.run(scenario())
 
@@ -195,14 +207,14 @@ def test_target_only_rounds_of_several_steps_commit_what_one_step_rounds_commit(
     rounds; seeded sampled, whose draws come from the request's own streams either way), in a
     quarter of the rounds, none past max_tokens."""
     greedy = SamplingParams(temperature=0, max_tokens=30)
-    one_step, _, _ = run_with_target_only_steps(pair, greedy, 1)
-    mixed, _, mixed_records = run_with_target_only_steps(pair, greedy, 4, speculate_every=3)
+    one_step, _, _, _ = run_with_target_only_steps(pair, greedy, 1, one_by_one())
+    mixed, _, mixed_records, _ = run_with_target_only_steps(pair, greedy, 4, in_phases(8))
     assert mixed.output_ids == one_step.output_ids and mixed.finish_reason == "length"
     assert {record.num_drafted for record in mixed_records} == {0, NUM_DRAFT}
 
     sampled = SamplingParams(temperature=0.9, max_tokens=30, seed=11, logprobs=2, frequency_penalty=0.5)
-    (alone, alone_chunks, alone_records), (stepped, stepped_chunks, stepped_records) = (
-        run_with_target_only_steps(pair, sampled, steps) for steps in (1, 4))
+    (alone, alone_chunks, alone_records, _), (stepped, stepped_chunks, stepped_records, _) = (
+        run_with_target_only_steps(pair, sampled, steps, one_by_one()) for steps in (1, 4))
     assert stepped.output_ids == alone.output_ids and len(stepped.output_ids) == 30
     entries = [[entry for chunk in chunks for entry in chunk["logprobs"]] for chunks in (alone_chunks, stepped_chunks)]
     assert entries[0] == entries[1] and [entry["token_id"] for entry in entries[1]] == stepped.output_ids
@@ -241,7 +253,7 @@ def test_queued_target_only_rounds_commit_what_rounds_sent_one_by_one_commit(pai
     answered by the round queued for it, none past max_tokens, nothing held after the release."""
     for params in (SamplingParams(temperature=0, max_tokens=30, logprobs=2),
                    SamplingParams(temperature=0.9, max_tokens=30, seed=11, logprobs=2, frequency_penalty=0.5)):
-        alone, alone_chunks, _ = run_with_target_only_steps(pair, params, 1)
+        alone, alone_chunks, _, _ = run_with_target_only_steps(pair, params, 1, one_by_one())
         queued, queued_chunks, records, target, held = run_without_draft(pair, params, target_only_steps)
         assert queued.output_ids == alone.output_ids and queued.finish_reason == alone.finish_reason == "length"
         entries = [[entry for chunk in chunks for entry in chunk["logprobs"]] for chunks in (alone_chunks,
@@ -255,9 +267,37 @@ def test_a_queued_round_behind_a_round_that_ends_the_request_is_dropped(pair):
     """A request that a stop token ends mid-round finishes there; the round queued behind it is
     given up and the release frees what the target decoded for it."""
     sampled = SamplingParams(temperature=1.0, max_tokens=30, seed=5, frequency_penalty=1.0)
-    reference, _, _ = run_with_target_only_steps(pair, sampled, 1)
+    reference, _, _, _ = run_with_target_only_steps(pair, sampled, 1, one_by_one())
     ends_at = next(i for i, token in enumerate(reference.output_ids) if i >= 6 and token not in reference.output_ids[:i])
     stopped = SamplingParams(temperature=1.0, max_tokens=30, seed=5, frequency_penalty=1.0, stop_token_ids=[reference.output_ids[ends_at]])
     state, _, _, target, held = run_without_draft(pair, stopped, 4)
     assert state.output_ids == reference.output_ids[:ends_at] and state.finish_reason == "stop"
     assert target.continued >= 1 and held == [] and target.engine.round_ends == {}
+
+
+def test_a_request_whose_depth_is_0_queues_its_target_only_rounds_and_speculates_again_when_it_rises(pair):
+    """A request with a draft engine whose depth is 0 (the policy speculating not at all under
+    load) queues its target-only rounds as a request without one does: the same tokens, logprobs
+    and finish as rounds sent one by one (seeded sampled with a penalty, its draws from its own
+    stream in the same order), every round after the first answered by the round queued for it.
+    When the depth rises, the round already queued runs first, then the request speculates again
+    (greedy: the same tokens; a verify's log-probabilities come from a forward over the block,
+    whose sums may round differently from a one-token step's)."""
+    sampled = SamplingParams(temperature=0.9, max_tokens=30, seed=3, logprobs=2, frequency_penalty=0.5)
+    alone, alone_chunks, _, _ = run_with_target_only_steps(pair, sampled, 1, one_by_one())
+    queued, queued_chunks, records, target = run_with_target_only_steps(pair, sampled, 4)
+    assert queued.output_ids == alone.output_ids and queued.finish_reason == alone.finish_reason == "length"
+    assert [entry for chunk in queued_chunks for entry in chunk["logprobs"]] == \
+        [entry for chunk in alone_chunks for entry in chunk["logprobs"]]
+    assert target.continued == len(records) - 1 and target.unknown == 0
+
+    greedy = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
+    alone, alone_chunks, _, _ = run_with_target_only_steps(pair, greedy, 1, one_by_one())
+    mixed, mixed_chunks, records, target = run_with_target_only_steps(pair, greedy, 4, in_phases(10))
+    assert mixed.output_ids == alone.output_ids and mixed.finish_reason == "length"
+    alone_entries, mixed_entries = ([entry for chunk in chunks for entry in chunk["logprobs"]]
+                                    for chunks in (alone_chunks, mixed_chunks))
+    assert [e["logprob"] for e in mixed_entries] == pytest.approx([e["logprob"] for e in alone_entries], abs=1e-5)
+    drafted = [record.num_drafted for record in records]
+    assert 0 in drafted and NUM_DRAFT in drafted[drafted.index(0):]   # it speculates again after queuing
+    assert target.continued >= 2 and target.unknown == 0
