@@ -12,8 +12,8 @@ target verifies, the draft engine pre-drafts the next block for the verification
 actual outcome ready (a hit) or drafts it just in time. The draft engine decides hit or miss;
 this loop only says how many blocks to pre-draft (`choose_fan_out`).
 
-A target-only round (no draft engine, or a depth of 0: the policy speculates less or not at all
-under load) queues the next one behind it while the next will be target-only too
+A target-only round (no draft engine, or a depth of 0: the policy speculating not at all under
+load) queues the next one behind it while the next will be target-only too
 (`RequestEngines.continue_round`), so the target decodes on while the answer travels here
 (docs/architecture.md, "The round protocol").
 """
@@ -168,8 +168,8 @@ class RoundLoop:
 
     def _next_is_target_only(self) -> bool:
         """The round after this target-only one drafts nothing either: the request has no draft
-        engine, or its depth is 0 now (asked again when that round starts: a depth that rose
-        meanwhile waits one round, the one already queued)."""
+        engine, or its depth is 0 now. A depth that rises meanwhile waits one round: the round
+        already queued runs first, as it is (`_round` asks for none while one is queued)."""
         return self.engines.draft is None or self.choose_depth(self.state) == 0
 
     def _queue_next(self, steps: int) -> None:
