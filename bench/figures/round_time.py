@@ -205,8 +205,9 @@ def compare(args, command: str) -> None:
     print(text)
     if args.out:
         args.out.write_text(text)
-        args.out.with_suffix(".json").write_text(json.dumps({"command": command, "trees": {k: str(v) for k, v in trees.items()},
-                                                             "medians": merged, "runs": runs}, indent=1))
+        trees = {label: str(tree) for label, tree in trees.items()}
+        args.out.with_suffix(".json").write_text(json.dumps({"command": command, "trees": trees, "medians": merged,
+                                                             "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":

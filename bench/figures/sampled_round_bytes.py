@@ -59,13 +59,14 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(measure()))
         return
     trees = {"after": measure()}
-    command = "python -m specserve.bench.figures.sampled_round_bytes " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m specserve.bench.figures.sampled_round_bytes " + " ".join(
+        argv if argv is not None else sys.argv[1:])
     if args.baseline_tree is not None:
         from specserve.bench.tree_turns import script_in_tree
 
         trees = {"before": json.loads(script_in_tree(Path(__file__).resolve(), args.baseline_tree.resolve(),
                                                      ["--worker"])), **trees}
-    lines = [f"# Bytes per round on the channels by sampling mode (K = 4)", "", f"`{command}`", "",
+    lines = ["# Bytes per round on the channels by sampling mode (K = 4)", "", f"`{command}`", "",
              "One round of the shipped pair on the first third-party prompt (bench/figures/head_round_bytes.py), "
              "each message's frame as the channels send it (8-byte length + pickle): propose, the proposal "
              "(its answer), verify, the verdict (its answer).", "",
