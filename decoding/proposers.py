@@ -284,7 +284,7 @@ def draft_step(logits: torch.Tensor, calls: Sequence[ProposeCall], processors: S
     if sampled:
         rows = index_on(sampled, logits.device)
         row_params = RowParams.of([calls[j].params for j in sampled], logits.shape[-1], logits.device)
-        processed = process_rows(logits[rows], row_params)
+        processed = process_rows(logits[rows], row_params, exact_cut=False)
         if own is not None:
             own = own.index_copy(0, rows, processed)
         cut = (row_params.uses_top_k or row_params.uses_top_p or row_params.uses_min_p

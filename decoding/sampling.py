@@ -221,7 +221,7 @@ class RowParams:
             uses_top_k=any(k < vocab_size for k in top_k), uses_top_p=any(p < 1.0 for p in top_p))
 
 
-def process_rows(logits: torch.Tensor, row_params: RowParams) -> torch.Tensor:
+def process_rows(logits: torch.Tensor, row_params: RowParams, exact_cut: bool = True) -> torch.Tensor:
     """Processed probabilities [N, V] (float32) from logits [N, V], each row under its own
     parameters, in batched tensor ops.
 
@@ -230,9 +230,15 @@ def process_rows(logits: torch.Tensor, row_params: RowParams) -> torch.Tensor:
     argmax (ties: the lowest index, as torch.argmax). Top-k ties are broken towards the lowest index
     too, so exactly k tokens survive. Top-p keeps the smallest set of most likely tokens (of the
     top-k renormalised distribution) whose cumulative probability reaches top_p; the top token
-    always survives. Applied identically to draft and target rows: the processed target
-    distribution is the one speculative decoding preserves. Truncating rows go through
-    `truncate_rows` (one host sync per call: which rows' cut fits among their top candidates)."""
+    always survives. The processed target distribution is the one speculative decoding
+    preserves; a draft's rows go through the same code (exact_cut below aside). Truncating rows go through
+    `truncate_rows` (one host sync per call: which rows' cut fits among their top candidates).
+
+    exact_cut False: a row whose cut does not fit among its first CANDIDATE_RUNGS[0] candidates
+    is cut there instead (its top-k / top-p kept set within those candidates, renormalised). A
+    draft's rows are processed so: any q is exact as long as the verifier gets the q drawn from,
+    and a nucleus that long (a flat row) is costly to find exactly on a CPU, where it sorts the
+    whole row, while the mass past the candidates only costs acceptance (docs/sampling.md)."""
     logits = logits.float()
     vocab_size = logits.shape[-1]
     one_hot = None
@@ -247,20 +253,20 @@ def process_rows(logits: torch.Tensor, row_params: RowParams) -> torch.Tensor:
         threshold = row_params.min_p.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True)
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     if row_params.all_truncating:
-        probs = truncate_rows(logits, row_params.top_k, row_params.top_p)
+        probs = truncate_rows(logits, row_params.top_k, row_params.top_p, exact_cut)
     else:
         probs = torch.softmax(logits, dim=-1)
         if row_params.uses_top_k or row_params.uses_top_p:
             # Only the rows that truncate go through top-k / top-p; the others keep the plain softmax.
             rows = row_params.truncating
             probs = probs.index_copy(0, rows, truncate_rows(logits[rows], row_params.top_k[rows],
-                                                            row_params.top_p[rows]))
+                                                            row_params.top_p[rows], exact_cut))
     if one_hot is not None:
         probs = torch.where(row_params.greedy.unsqueeze(-1), one_hot, probs)
     return probs
 
 
-def truncate_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def truncate_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, exact: bool = True) -> torch.Tensor:
     """Top-k then top-p of logits [n, V] (top_k long [n], V where off; top_p float64 [n], +inf where
     off), renormalised: probabilities [n, V] (float32).
 
@@ -274,7 +280,11 @@ def truncate_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     row's result does not depend on the way it took (tests/test_top_p_candidates.py, on CPU, whose
     cumulative sum runs in order; a device's parallel scan may round a prefix's sums differently,
     which moves only a token whose mass before it is within rounding of top_p). Deciding which rows
-    go on is one host sync per rung tried."""
+    go on is one host sync per rung tried. exact False: every row is cut among its first rung's
+    candidates, whether its cut fits there or not (process_rows' exact_cut)."""
+    if not exact and logits.shape[0] and CANDIDATE_RUNGS[0] < logits.shape[-1]:
+        prefix_ids, exact_length, _ = candidate_prefix(logits, CANDIDATE_RUNGS[0])
+        return cut_by_prefix(logits, prefix_ids, top_k, top_p, exact_length)[1]
     probs, rest = None, None   # rest: the rows not cut yet (None: every row)
 
     def remaining() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

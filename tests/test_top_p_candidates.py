@@ -236,7 +236,8 @@ def test_the_comparison_rejects_a_candidate_path_that_never_sorts_whole(monkeypa
     logits, row_params = batch(0)
     reference = full_sort_reference(logits, row_params)
 
-    def candidates_only(rows: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    def candidates_only(rows: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, exact: bool = True
+                        ) -> torch.Tensor:
         return cut_by_prefix(rows, sampling.candidate_prefix(rows, TOP_CANDIDATES)[0], top_k, top_p)[1]
 
     monkeypatch.setattr(sampling, "truncate_rows", candidates_only)
@@ -251,3 +252,19 @@ def test_a_row_narrower_than_the_candidates_is_sorted_whole():
     row_params = RowParams.of([SamplingParams(top_p=0.9), SamplingParams(top_k=7), SamplingParams(top_p=0.5, top_k=30)],
                               logits.shape[-1])
     assert_same_processing(process_rows(logits, row_params), full_sort_reference(logits, row_params))
+
+
+def test_an_inexact_cut_as_a_drafts_keeps_the_nucleus_within_the_first_candidates():
+    """process_rows(exact_cut=False), as a draft's rows are processed: a row whose top-p nucleus
+    fits among its first CANDIDATE_RUNGS[0] candidates is cut exactly; a flatter row is cut at
+    them: the likeliest CANDIDATE_RUNGS[0] tokens of its nucleus, renormalised."""
+    generator = torch.Generator().manual_seed(9)
+    logits = torch.cat([torch.randn(1, 4096, generator=generator) * 8, torch.randn(1, 4096, generator=generator) * 0.5])
+    row_params = RowParams.of([SamplingParams(top_p=0.9)] * 2, logits.shape[-1])
+    exact, inexact = process_rows(logits, row_params), process_rows(logits, row_params, exact_cut=False)
+    width = CANDIDATE_RUNGS[0]
+    assert (exact[0] > 0).sum() < width < (exact[1] > 0).sum()   # one row fits, the flat one does not
+    torch.testing.assert_close(inexact[0], exact[0], atol=0, rtol=0)
+    kept = inexact[1] > 0
+    assert set(kept.nonzero().squeeze(-1).tolist()) == set(exact[1].topk(width).indices.tolist())
+    torch.testing.assert_close(inexact[1], exact[1] * kept / (exact[1] * kept).sum())
