@@ -231,8 +231,9 @@ def process_rows(logits: torch.Tensor, row_params: RowParams, exact_cut: bool = 
     too, so exactly k tokens survive. Top-p keeps the smallest set of most likely tokens (of the
     top-k renormalised distribution) whose cumulative probability reaches top_p; the top token
     always survives. The processed target distribution is the one speculative decoding
-    preserves; a draft's rows go through the same code (exact_cut below aside). Truncating rows go through
-    `truncate_rows` (one host sync per call: which rows' cut fits among their top candidates).
+    preserves; a draft's rows go through the same code (exact_cut below aside). Truncating rows
+    go through `truncate_rows` (one host sync per call: which rows' cut fits among their top
+    candidates).
 
     exact_cut False: a row whose cut does not fit among its first CANDIDATE_RUNGS[0] candidates
     is cut there instead (its top-k / top-p kept set within those candidates, renormalised). A
@@ -266,7 +267,8 @@ def process_rows(logits: torch.Tensor, row_params: RowParams, exact_cut: bool = 
     return probs
 
 
-def truncate_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, exact: bool = True) -> torch.Tensor:
+def truncate_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  exact: bool = True) -> torch.Tensor:
     """Top-k then top-p of logits [n, V] (top_k long [n], V where off; top_p float64 [n], +inf where
     off), renormalised: probabilities [n, V] (float32).
 
