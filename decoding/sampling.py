@@ -284,9 +284,6 @@ def truncate_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     which moves only a token whose mass before it is within rounding of top_p). Deciding which rows
     go on is one host sync per rung tried. exact False: every row is cut among its first rung's
     candidates, whether its cut fits there or not (process_rows' exact_cut)."""
-    if not exact and logits.shape[0] and CANDIDATE_RUNGS[0] < logits.shape[-1]:
-        prefix_ids, exact_length, _ = candidate_prefix(logits, CANDIDATE_RUNGS[0])
-        return cut_by_prefix(logits, prefix_ids, top_k, top_p, exact_length)[1]
     probs, rest = None, None   # rest: the rows not cut yet (None: every row)
 
     def remaining() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -300,7 +297,7 @@ def truncate_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
         fits, cut = cut_by_prefix(rows, prefix_ids, k, p, exact_length)
         fits |= holds_every_finite
         probs = cut if probs is None else probs.index_copy(0, rest, cut)
-        if bool(fits.all()):
+        if not exact or bool(fits.all()):   # inexact: the first rung's cut, fitting or not
             return probs
         missed = (~fits).nonzero().squeeze(-1)
         rest = missed if rest is None else rest[missed]
