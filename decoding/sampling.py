@@ -254,23 +254,24 @@ def process_rows(logits: torch.Tensor, row_params: RowParams, exact_cut: bool = 
         threshold = row_params.min_p.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True)
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     if row_params.all_truncating:
-        probs = truncate_rows(logits, row_params.top_k, row_params.top_p, exact_cut)
+        probs = truncate_rows(logits, row_params.top_k, row_params.top_p, exact_cut, row_params.uses_top_k)
     else:
         probs = torch.softmax(logits, dim=-1)
         if row_params.uses_top_k or row_params.uses_top_p:
             # Only the rows that truncate go through top-k / top-p; the others keep the plain softmax.
             rows = row_params.truncating
-            probs = probs.index_copy(0, rows, truncate_rows(logits[rows], row_params.top_k[rows],
-                                                            row_params.top_p[rows], exact_cut))
+            probs = probs.index_copy(0, rows, truncate_rows(logits[rows], row_params.top_k[rows], row_params.top_p[rows],
+                                                            exact_cut, row_params.uses_top_k))
     if one_hot is not None:
         probs = torch.where(row_params.greedy.unsqueeze(-1), one_hot, probs)
     return probs
 
 
 def truncate_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  exact: bool = True) -> torch.Tensor:
-    """Top-k then top-p of logits [n, V] (top_k long [n], V where off; top_p float64 [n], +inf where
-    off), renormalised: probabilities [n, V] (float32).
+                  exact: bool = True, cuts_top_k: bool = True) -> torch.Tensor:
+    """Top-k then top-p of float32 logits [n, V] (top_k long [n], V where off; top_p float64 [n], +inf
+    where off), renormalised: probabilities [n, V] (float32). cuts_top_k False: the caller knows
+    that no row's top_k is below V (RowParams.uses_top_k), so the cut skips top-k's arithmetic.
 
     Both cuts keep a prefix of the row's tokens in descending order, ties towards the lowest index
     (a stable sort). Sorting all V ids is the costly part over a large vocabulary, and a peaked row's
@@ -283,7 +284,7 @@ def truncate_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     cumulative sum runs in order; a device's parallel scan may round a prefix's sums differently,
     which moves only a token whose mass before it is within rounding of top_p). Deciding which rows
     go on is one host sync per rung tried. exact False: every row is cut among its first rung's
-    candidates, whether its cut fits there or not (process_rows' exact_cut)."""
+    candidates, whether its cut fits there or not (process_rows' exact_cut), which nothing checks."""
     probs, rest = None, None   # rest: the rows not cut yet (None: every row)
 
     def remaining() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -294,7 +295,7 @@ def truncate_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
             break
         rows, k, p = remaining()
         prefix_ids, exact_length, holds_every_finite = candidate_prefix(rows, width)
-        fits, cut = cut_by_prefix(rows, prefix_ids, k, p, exact_length)
+        fits, cut = cut_by_prefix(rows, prefix_ids, k, p, exact_length if exact else None, cuts_top_k)
         fits |= holds_every_finite
         probs = cut if probs is None else probs.index_copy(0, rest, cut)
         if not exact or bool(fits.all()):   # inexact: the first rung's cut, fitting or not
@@ -302,13 +303,14 @@ def truncate_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
         missed = (~fits).nonzero().squeeze(-1)
         rest = missed if rest is None else rest[missed]
     rows, k, p = remaining()
-    cut = cut_by_prefix(rows, sorted_prefix(rows), k, p)[1]
+    cut = cut_by_prefix(rows, sorted_prefix(rows), k, p, cuts_top_k=cuts_top_k)[1]
     return cut if probs is None else probs.index_copy(0, rest, cut)
 
 
 def sorted_prefix(logits: torch.Tensor) -> torch.Tensor:
     """All ids of each row of logits [n, V], descending, ties towards the lowest index."""
-    return torch.sort(logits, dim=-1, descending=True, stable=True).indices
+    ids = torch.arange(logits.shape[-1], device=logits.device).expand_as(logits)
+    return ids.gather(-1, torch.sort(descending_keys(logits, ids), dim=-1, descending=True).indices)
 
 
 def candidate_prefix(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -316,21 +318,34 @@ def candidate_prefix(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, to
     them are surely the sorted row's first ids (long [n]); whether they hold every finite logit of
     the row (bool [n]).
 
-    Every id whose logit is above the last candidate's is a candidate, so re-sorting the candidates
-    (ids ascending, then a stable sort by value) puts those in the sorted row's own order. Ids tied
-    with the last candidate may continue past the candidates (bf16 logits tie often), and
-    torch.topk picks among a tie in no stated order: those positions hold the right values, maybe
-    not the right ids. If the last value is -inf, every finite logit is a candidate, and past those
-    every order gives the same result (probability 0, kept or not)."""
-    values, ids = torch.topk(logits, width, dim=-1, sorted=True)
-    ids = ids.sort(dim=-1).values
-    order = torch.sort(logits.gather(-1, ids), dim=-1, descending=True, stable=True).indices
-    last = values[:, -1:]
+    Every id whose logit is above the last candidate's is a candidate, so ordering the candidates
+    by (value descending, id ascending) puts those in the sorted row's own order. Ids tied with
+    the last candidate may continue past the candidates (bf16 logits tie often), and torch.topk
+    picks among a tie in no stated order: those positions hold the right values, maybe not the
+    right ids. If the last value is -inf, every finite logit is a candidate, and past those every
+    order gives the same result (probability 0, kept or not)."""
+    values, ids = torch.topk(logits, width, dim=-1, sorted=False)
+    order = torch.sort(descending_keys(values, ids), dim=-1, descending=True).indices
+    last = values.amin(dim=-1, keepdim=True)
     return ids.gather(-1, order), (values > last).sum(dim=-1), last.squeeze(-1) == float("-inf")
 
 
+def descending_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """int64 keys whose descending order is values' descending order, ties towards the lowest id:
+    a float32 value's bits, made to order as the floats do, above the id's complement. One sort of
+    distinct keys in place of two stable ones (ids, then values), and an integer sort is the
+    cheaper on a CPU. -0.0 keys as +0.0, as a float comparison ties them; ids below 2**32."""
+    if values.dtype != torch.float32:
+        raise TypeError(f"descending_keys orders float32 values, not {values.dtype}")
+    bits = (values + 0.0).view(torch.int32)   # x + 0.0 turns -0.0 into +0.0
+    # Negative floats order by their magnitude bits reversed: flip those, keep the sign.
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()
+    return ordered * (1 << 32) + ((1 << 32) - 1 - ids)
+
+
 def cut_by_prefix(logits: torch.Tensor, prefix_ids: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  exact_length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  exact_length: torch.Tensor | None = None, cuts_top_k: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k then top-p of logits [n, V] from prefix_ids [n, L], each row's first L ids in the stable
     descending order (L = V: the whole sorted row), of which the first exact_length (long [n];
     None: all L) are surely the right ids and the rest at least the right values:
@@ -338,7 +353,7 @@ def cut_by_prefix(logits: torch.Tensor, prefix_ids: torch.Tensor, top_k: torch.T
 
     A row fits when its cut is decided by its exact ids: top_k <= exact_length, or top-k off and
     top-p already cutting the first inexact position (every later one then has at least as much mass
-    before it). Where a row does not fit its probabilities mean nothing.
+    before it). Where a row does not fit its probabilities mean nothing. cuts_top_k as truncate_rows'.
 
     Only the row's softmax reads all V logits; everything else runs over the L prefix positions, then
     one scatter writes the kept tokens' probabilities into zeros. The top-k-cut row's masses are the
@@ -350,17 +365,19 @@ def cut_by_prefix(logits: torch.Tensor, prefix_ids: torch.Tensor, top_k: torch.T
     costs several times the whole cut: an exp of -inf is slow on CPU.)"""
     num_rows, vocab_size = logits.shape
     length = prefix_ids.shape[-1]
-    positions = torch.arange(length, device=logits.device)
-    k = top_k.unsqueeze(-1)
-    row_probs = torch.softmax(logits, dim=-1).gather(-1, prefix_ids).double()
-    row_mass = row_probs.cumsum(dim=-1)
-    # Where k < V and k <= L the top-k tokens are the prefix's first k: renormalise over their mass.
-    # Otherwise the row is uncut by top-k (k = V: its masses as they are) or does not fit.
-    top_k_mass = row_mass.gather(-1, (k.clamp(max=length) - 1))
-    cut_by_top_k = (k <= length) & (k < vocab_size)
-    sorted_probs = torch.where(cut_by_top_k, torch.where(positions < k, row_probs / top_k_mass, 0.0), row_probs)
-    # Token j survives iff the mass strictly before it is still short of top_p; the top token always does.
+    sorted_probs = torch.softmax(logits, dim=-1).gather(-1, prefix_ids).double()
     mass = sorted_probs.cumsum(dim=-1)
+    if cuts_top_k:   # (False: every k is V, and the masses stay as they are)
+        # Where k < V and k <= L the top-k tokens are the prefix's first k: renormalise over their
+        # mass. Otherwise the row is uncut by top-k (k = V) or does not fit.
+        k = top_k.unsqueeze(-1)
+        positions = torch.arange(length, device=logits.device)
+        top_k_mass = mass.gather(-1, (k.clamp(max=length) - 1))
+        cut_by_top_k = (k <= length) & (k < vocab_size)
+        sorted_probs = torch.where(cut_by_top_k, torch.where(positions < k, sorted_probs / top_k_mass, 0.0),
+                                   sorted_probs)
+        mass = sorted_probs.cumsum(dim=-1)
+    # Token j survives iff the mass strictly before it is still short of top_p; the top token always does.
     outside_nucleus = (mass - sorted_probs) >= top_p.unsqueeze(-1)
     outside_nucleus[:, 0] = False
     if exact_length is None:

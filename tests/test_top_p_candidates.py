@@ -236,8 +236,8 @@ def test_the_comparison_rejects_a_candidate_path_that_never_sorts_whole(monkeypa
     logits, row_params = batch(0)
     reference = full_sort_reference(logits, row_params)
 
-    def candidates_only(rows: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, exact: bool = True
-                        ) -> torch.Tensor:
+    def candidates_only(rows: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, exact: bool = True,
+                        cuts_top_k: bool = True) -> torch.Tensor:
         return cut_by_prefix(rows, sampling.candidate_prefix(rows, TOP_CANDIDATES)[0], top_k, top_p)[1]
 
     monkeypatch.setattr(sampling, "truncate_rows", candidates_only)
@@ -268,3 +268,40 @@ def test_an_inexact_cut_as_a_drafts_keeps_the_nucleus_within_the_first_candidate
     kept = inexact[1] > 0
     assert set(kept.nonzero().squeeze(-1).tolist()) == set(exact[1].topk(width).indices.tolist())
     torch.testing.assert_close(inexact[1], exact[1] * kept / (exact[1] * kept).sum())
+
+
+def test_the_candidates_and_the_whole_row_are_in_the_stable_descending_order():
+    """sorted_prefix and candidate_prefix order by one integer key (decoding.sampling.descending_keys):
+    the order of a stable descending float sort, ties (bf16 rows, -0.0 beside +0.0, -inf) towards
+    the lowest id."""
+    rows = random_rows(1)
+    rows = torch.cat([rows, rows[[0, 2]].bfloat16().float()])
+    rows[0, :40] = torch.tensor([0.0, -0.0] * 20)[torch.randperm(40, generator=torch.Generator().manual_seed(2))]
+    rows[1, ::3] = float("-inf")
+    stable = torch.sort(rows, dim=-1, descending=True, stable=True).indices
+    assert torch.equal(sorted_prefix(rows), stable)
+    width = CANDIDATE_RUNGS[0]
+    prefix_ids, exact_length, _ = sampling.candidate_prefix(rows, width)
+    positions = torch.arange(width)
+    exact = positions < exact_length.unsqueeze(-1)   # past those, tied values whose ids topk chose
+    assert torch.equal(torch.where(exact, prefix_ids, 0), torch.where(exact, stable[:, :width], 0))
+    assert torch.equal(rows.gather(-1, prefix_ids), rows.gather(-1, stable[:, :width]))
+    assert bool((exact_length < width).any())   # the tied rows reach past an exact prefix
+    with pytest.raises(TypeError, match="float32"):
+        sorted_prefix(rows.double())
+
+
+def test_rows_without_a_top_k_skip_its_arithmetic_and_cut_the_same():
+    """truncate_rows(cuts_top_k=False), as process_rows calls it when no row has a top-k, gives
+    bitwise what the top-k arithmetic gives there; where a row has a top-k the flag is not a no-op
+    (so this comparison can fail)."""
+    logits, row_params = batch(1)
+    scaled = logits / row_params.temperature.unsqueeze(-1)
+    no_top_k = (row_params.top_k == VOCAB_SIZE) & (row_params.top_p < 1)
+    rows, top_k, top_p = scaled[no_top_k], row_params.top_k[no_top_k], row_params.top_p[no_top_k]
+    for exact in (True, False):
+        assert torch.equal(truncate_rows(rows, top_k, top_p, exact, cuts_top_k=False),
+                           truncate_rows(rows, top_k, top_p, exact, cuts_top_k=True))
+    with_top_k = row_params.top_k < VOCAB_SIZE
+    rows, top_k, top_p = scaled[with_top_k], row_params.top_k[with_top_k], row_params.top_p[with_top_k]
+    assert not torch.equal(truncate_rows(rows, top_k, top_p, cuts_top_k=False), truncate_rows(rows, top_k, top_p))
