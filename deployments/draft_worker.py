@@ -51,7 +51,7 @@ from specserve.decoding.speculation_cache import Predraft, block_of, continues, 
 from specserve.policies.fan_out import MAX_BONUS_GUESSES, OutcomeCalibration, share_fan_out
 from specserve.decoding.scheduler import CallShape, Schedule
 from specserve.deployments.engine_host import EngineCore, EngineHost, StepOutput, timed_forward
-from specserve.deployments.engine_loop import SequenceReleasedError
+from specserve.deployments.engine_loop import SequenceReleasedError, observed
 from specserve.common.metrics import DraftVersionMetrics
 from specserve.common.naming import ENGINE_NAMESPACE
 
@@ -347,7 +347,7 @@ class DraftEngine(EngineCore):
                            num_tokens=like.num_tokens + predraft.guesses_next, stream_state=state,
                            guess_rank=predraft.guess_rank)
             answer = asyncio.ensure_future(self._submit_predraft(seq_id, call))
-            answer.add_done_callback(_observed)
+            answer.add_done_callback(observed)
             branches.append(_Branch(call.seq_id, predraft, answer))
         self.speculation[seq_id] = branches
 
@@ -492,9 +492,3 @@ def branch_stream_state(stream: torch.Generator) -> torch.Tensor:
     the uniforms earlier blocks were drawn with, which the verification has seen: biased
     (tests/test_predrafting.py)."""
     return stream.get_state()
-
-
-def _observed(answer: asyncio.Future) -> None:
-    """A dropped pre-draft's failure (its release, most often) is expected: mark it seen."""
-    if not answer.cancelled():
-        answer.exception()

@@ -272,3 +272,10 @@ class EngineLoop:
             else:
                 kept.append(queued)
         self._queue = kept
+
+
+def observed(answer: asyncio.Future) -> None:
+    """A done-callback for an answer nobody awaits (a dropped pre-draft, a prefill whose failure
+    shows at the next call): its failure is expected and must not be logged as unhandled."""
+    if not answer.cancelled():
+        answer.exception()

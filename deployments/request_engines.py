@@ -36,7 +36,7 @@ from specserve.decoding.sampling import draft_seed
 from specserve.decoding.sequence import RequestState
 from specserve.deployments.admission import ServerOverloadedError
 from specserve.deployments.committed_history import HistorySender, RunningDigest
-from specserve.deployments.engine_loop import EngineOverloadedError
+from specserve.deployments.engine_loop import EngineOverloadedError, observed
 from specserve.deployments.round_stages import EngineCall
 from specserve.policies.fan_out import FanOut
 from specserve.policies.prefix_routing import prefix_key
@@ -196,9 +196,3 @@ class RequestEngines:
         except (*ENGINE_ERRORS, EngineOverloadedError):
             return None
         return None if isinstance(reply, UnknownHistory) else reply
-
-
-def observed(answer: asyncio.Future) -> None:
-    """An answer nobody awaits: its failure must not be logged as unhandled."""
-    if not answer.cancelled():
-        answer.exception()

@@ -31,7 +31,8 @@ from specserve.decoding.capture import captured_block
 from specserve.decoding.proposers import Proposal
 from specserve.decoding.sequence import RequestState
 from specserve.decoding.speculation import LogprobEntries, accept_round, split_logprobs
-from specserve.deployments.request_engines import ENGINE_ERRORS, RequestEngines, observed
+from specserve.deployments.engine_loop import observed
+from specserve.deployments.request_engines import ENGINE_ERRORS, RequestEngines
 from specserve.deployments.round_record import RoundObserver, RoundRecord
 from specserve.deployments.round_stages import EngineCall, RoundStages
 from specserve.deployments.streaming import step_chunk
