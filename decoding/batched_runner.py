@@ -40,7 +40,7 @@ from specserve.decoding.device_copy import host_to_device, index_on
 from specserve.decoding.eagle3_head import aux_features
 from specserve.decoding.tensor_parallel import TensorParallelRank, agreed_minimum, in_group, join_group, weight_bytes
 from specserve.decoding.paged_attention import ATTENTION_NAME, FLASH_BLOCK_SIZE, PagedAttentionError, flash_kernel_available
-from specserve.decoding.weight_layout import input_major_linears
+from specserve.decoding.weight_layout import input_major_linears, pack_linears, repack_linears
 from specserve.decoding.paged_attention import register as register_paged_attention
 from specserve.decoding.paged_cache import (
     DEFAULT_BLOCK_SIZE,
@@ -173,6 +173,7 @@ class BatchedModelRunner(RunnerBase):
             raise UnsupportedModelError(f"{model_path}: its attention cannot be replaced: {error}") from error
         self._dtype = next(model.parameters()).dtype
         input_major_linears(model)
+        pack_linears(model)
         self.aux_layers = tuple(int(layer) for layer in aux_layers)
         num_layers = self.config.num_hidden_layers
         if not all(0 <= layer < num_layers for layer in self.aux_layers):
@@ -421,6 +422,7 @@ class BatchedModelRunner(RunnerBase):
             raise ValueError(problem)
         with torch.no_grad():
             self.model.load_state_dict(state, strict=True)
+        repack_linears(self.model)
 
     @property
     def block_size(self) -> int:

@@ -3,7 +3,7 @@
 Why: for small models a transformers forward spends a large share of its time in Python around the
 kernels (module calls, keyword plumbing, output objects), and on this project's CPU engines that
 time is paid every draft step and every verify. This forward runs the same arithmetic with the
-model's own modules' weights in the fewest calls: `F.linear` on each projection, `F.rms_norm`,
+model's own modules' weights in the fewest calls: each projection's own product, `F.rms_norm`,
 the rotary embedding from the model's own module (so every rope type it knows is computed its
 way), the same paged attention every model's attention interface calls (`PagedBatchView.attend`),
 and the LM head only over the rows asked for. It is a faster implementation of the engine's one
@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.decoding.paged_cache import PagedBatchView
+from specserve.decoding.weight_layout import PackedLinear
 
 LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 
@@ -55,7 +56,7 @@ def lean_support(model) -> tuple[bool, str]:
             model_type == "mistral" or any(getattr(layer.self_attn, "sliding_window", None) for layer in layers)):
         return False, f"sliding window {window} (the model's own forward passes it per layer)"
     weight_types = {type(getattr(layer.self_attn, name)) for layer in layers for name in ("q_proj", "o_proj")}
-    if weight_types != {torch.nn.Linear}:
+    if not weight_types <= {torch.nn.Linear, PackedLinear}:
         return False, "projections are not plain nn.Linear (quantized?)"
     return True, f"{model_type}: lean decoder forward"
 
@@ -116,7 +117,7 @@ class LeanDecoder:
             x = F.rms_norm(hidden, (width,), layer.post_attention_layernorm.weight, self.eps)
             hidden = hidden + _linear(mlp.act_fn(_linear(x, mlp.gate_proj)) * _linear(x, mlp.up_proj), mlp.down_proj)
         kept = hidden.reshape(batch * length, width).index_select(0, cache.keep_index)
-        logits = self.lm_head(F.rms_norm(kept, (width,), self.final_norm, self.eps))
+        logits = _linear(F.rms_norm(kept, (width,), self.final_norm, self.eps), self.lm_head)
         if not self.aux_layers:
             return logits
         features = torch.cat([layer_inputs[layer] for layer in self.aux_layers], dim=-1)
@@ -138,5 +139,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
 
 def _linear(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
-    """The Linear's arithmetic without its module call."""
-    return F.linear(x, linear.weight, linear.bias)
+    """The Linear's arithmetic without its module call (hooks and all): its own forward, which on
+    the CPU engines picks the weight's layout by the rows (decoding.weight_layout.PackedLinear)."""
+    return linear.forward(x)

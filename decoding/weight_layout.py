@@ -1,24 +1,63 @@
-"""Linear weights stored input-major for the CPU engines.
+"""Linear weights laid out for the CPU engines: input-major for a single row, and a copy in
+oneDNN's packed layout for several.
 
 Why: a decode, draft or verify step multiplies a few rows by every weight matrix, and on the CPU
 that product reads each matrix once, so it costs what reading the weights costs. PyTorch keeps an
-`nn.Linear` weight as [out, in] and computes x · Wᵀ; for few rows the BLAS it calls (MKL) runs that
+`nn.Linear` weight as [out, in] and computes x · Wᵀ; for one row the BLAS it calls (MKL) runs that
 transposed case far slower than the same product over the matrix stored [in, out] (x · W), the
 LM head most of all. Storing the matrix input-major keeps the parameter's shape and values: the
 weight becomes the transpose view of an [in, out] tensor, so every forward (the lean forward,
 transformers' own, the compiled one) and every weight swap (`load_state_dict` copies into it)
-runs unchanged. Measured per step in docs/performance.md ("Weights stored input-major").
+runs unchanged.
 
-Only plain float32 matrices of `nn.Linear` modules are re-stored (the measured case); quantized
-and half-precision weights and tensor subclasses (a DTensor shard) keep their layout, and GPUs
-(whose GEMMs take either layout) are not touched. A weight tied to the input embedding is
+For a few rows (a verify's K + 1, a batch's decode rows) MKL's matrix product reads the weights at
+about half the speed its single-row product does, while oneDNN's product over a weight reordered
+once into its own blocked layout keeps pace: a K = 4 verify's products cost about half. So each
+such Linear also holds that reordered copy (`pack_linears`) and takes it from PACKED_MIN_ROWS rows
+up (`PackedLinear`); a single row stays with MKL over the input-major weight. The copy doubles
+the Linear weights' memory; a weight swap must reorder it again (`repack_linears`). Measured per
+step in docs/performance.md ("Weights stored input-major", "Several rows: oneDNN's packed weights").
+
+Only plain float32 matrices of `nn.Linear` modules are re-stored and packed (the measured case);
+quantized and half-precision weights and tensor subclasses (a DTensor shard) keep their layout, and
+GPUs (whose GEMMs take either layout) are not touched. A weight tied to the input embedding is
 re-stored too: the embedding's lookup then reads strided rows, a cost only a prefill pays, once
 per token.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+import torch.nn.functional as F
+
+# From this many rows a product takes the packed copy (fewer: MKL over the input-major weight,
+# faster for one row, even for two); the copy is reordered for a batch of PACK_ROWS_HINT rows.
+PACKED_MIN_ROWS = 3
+PACK_ROWS_HINT = 8
+# Module -> its packed weight. Beside the module, not in it: a oneDNN tensor has no storage to
+# copy, so a model copied with copy.deepcopy (the tests' references, a saved draft version) gets
+# none, and its Linears compute as plain ones.
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class PackedLinear(torch.nn.Linear):
+    """An nn.Linear (same parameters, same state dict) whose product over PACKED_MIN_ROWS float32
+    rows or more reads its packed copy where it has one (`pack_linears`); traced by torch.compile,
+    the plain product (the compiled graph is inductor's to lay out)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() >= PACKED_MIN_ROWS * x.shape[-1] and not torch.compiler.is_compiling():
+            packed = _PACKED.get(self)
+            if packed is not None and x.dtype == torch.float32:
+                return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def _plain_cpu_float32(weight: torch.Tensor) -> bool:
+    return (type(weight.data) is torch.Tensor and weight.device.type == "cpu" and weight.dtype == torch.float32
+            and weight.dim() == 2)
 
 
 def input_major_linears(model: torch.nn.Module) -> int:
@@ -29,10 +68,37 @@ def input_major_linears(model: torch.nn.Module) -> int:
         if not isinstance(module, torch.nn.Linear):
             continue
         weight = module.weight
-        if (type(weight.data) is not torch.Tensor or weight.device.type != "cpu" or weight.dtype != torch.float32
-                or weight.dim() != 2 or not weight.is_contiguous()):
+        if not _plain_cpu_float32(weight) or not weight.is_contiguous():
             continue   # another kind of tensor, or already re-stored (a tied weight seen twice)
         with torch.no_grad():
             weight.data = weight.data.t().contiguous().t()
         restored += 1
     return restored
+
+
+def pack_linears(model: torch.nn.Module) -> int:
+    """Give each plain float32 `nn.Linear` of `model` (on the CPU) its packed copy, which its
+    product over several rows takes from then on (the module becomes a PackedLinear: same
+    parameters and state dict). -> how many were packed (none where oneDNN is not built in)."""
+    if not torch.backends.mkldnn.is_available():
+        return 0
+    packed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and _plain_cpu_float32(module.weight):
+            module.__class__ = PackedLinear
+            _PACKED[module] = _reordered(module.weight)
+            packed += 1
+    return packed
+
+
+def repack_linears(model: torch.nn.Module) -> None:
+    """Reorder every packed copy in `model` from its weight as it is now: after a weight swap,
+    which copies new values into the weights but not into the copies."""
+    for module in model.modules():
+        if module in _PACKED:
+            _PACKED[module] = _reordered(module.weight)
+
+
+def _reordered(weight: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)

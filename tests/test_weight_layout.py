@@ -1,5 +1,6 @@
-"""The CPU engines store Linear weights input-major (decoding.weight_layout): same shapes and
-values, a layout the engine's forward and a weight swap keep."""
+"""The CPU engines store Linear weights input-major, with a oneDNN-packed copy for products of
+several rows (decoding.weight_layout): same shapes, values and state dict, a layout the engine's
+forward and a weight swap keep."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 
 from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.scheduler import engine_for_model
-from specserve.decoding.weight_layout import input_major_linears
+from specserve.decoding.weight_layout import (PACKED_MIN_ROWS, PackedLinear, input_major_linears, pack_linears,
+                                              repack_linears)
 from tests.tiny_pair import tiny_model
 
 
@@ -65,3 +67,50 @@ def test_a_weight_swap_copies_into_the_input_major_weights():
     for name, weight in linear_weights(model).items():
         assert input_major(weight), name
         assert torch.equal(weight, new_state[f"{name}.weight"]), name
+
+
+def test_a_packed_linear_takes_its_packed_copy_from_several_rows_and_the_plain_product_below():
+    model = tiny_model("llama")
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    linears = linear_weights(model)
+    assert pack_linears(model) == len(linears)
+    assert all(type(module) is PackedLinear for name, module in model.named_modules() if name in linears)
+    assert all(torch.equal(tensor, state[name]) for name, tensor in model.state_dict().items())
+    module = model.model.layers[0].mlp.up_proj
+    generator = torch.Generator().manual_seed(0)
+    for rows in (1, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 8):
+        x = torch.randn(rows, module.in_features, generator=generator)
+        torch.testing.assert_close(module(x), torch.nn.functional.linear(x, module.weight), atol=1e-5, rtol=0)
+    # The copy is what several rows read: weights changed behind it leave it stale (a swap
+    # repacks, below), which one row, read from the weight itself, does not see.
+    with torch.no_grad():
+        module.weight.mul_(2.0)
+    one, several = torch.randn(1, module.in_features), torch.randn(PACKED_MIN_ROWS, module.in_features)
+    assert torch.equal(module(one), torch.nn.functional.linear(one, module.weight))
+    assert not torch.allclose(module(several), torch.nn.functional.linear(several, module.weight), atol=1e-3)
+    repack_linears(model)
+    torch.testing.assert_close(module(several), torch.nn.functional.linear(several, module.weight), atol=1e-5, rtol=0)
+
+
+def test_half_precision_weights_are_not_packed_and_a_copied_model_computes_plainly():
+    assert pack_linears(tiny_model("llama").to(torch.bfloat16)) == 0
+    model = tiny_model("llama")
+    pack_linears(model)
+    copied = copy.deepcopy(model)   # a packed copy has no storage to copy: the copy goes without
+    module, its_copy = model.model.layers[0].self_attn.q_proj, copied.model.layers[0].self_attn.q_proj
+    x = torch.randn(4, module.in_features)
+    assert torch.equal(its_copy(x), torch.nn.functional.linear(x, its_copy.weight))
+    torch.testing.assert_close(its_copy(x), module(x), atol=1e-5, rtol=0)
+
+
+def test_a_weight_swap_reorders_the_packed_copies():
+    """A verify's rows (several, so the packed copies) after a swap are the new weights' rows: the
+    swapped engine's equal an engine built over the new weights."""
+    model = tiny_model("llama")
+    engine = engine_for_model(model)
+    new_model = tiny_model("llama", seed=1)
+    fresh = engine_for_model(copy.deepcopy(new_model))
+    engine.load_weights(new_model.state_dict(), "swapped")
+    history = [(7 * i) % 90 + 2 for i in range(30)]
+    calls = [ForwardCall("s", history, PACKED_MIN_ROWS + 2)]
+    torch.testing.assert_close(engine.forward_batch(calls)[0], fresh.forward_batch(calls)[0], atol=1e-5, rtol=0)
