@@ -10,9 +10,9 @@ weight becomes the transpose view of an [in, out] tensor, so every forward (the 
 transformers' own, the compiled one) and every weight swap (`load_state_dict` copies into it)
 runs unchanged.
 
-For a few rows (a verify's K + 1, a batch's decode rows) MKL's matrix product reads the weights at
-about half the speed its single-row product does, while oneDNN's product over a weight reordered
-once into its own blocked layout keeps pace: a K = 4 verify's products cost about half. So each
+For a few rows (a verify's K + 1, a batch's decode rows) MKL's matrix product reads the weights
+far slower than its single-row product does, while oneDNN's product over a weight reordered once
+into its own blocked layout keeps pace. So each
 such Linear also holds that reordered copy (`pack_linears`) and takes it from PACKED_MIN_ROWS rows
 up (`PackedLinear`); a single row stays with MKL over the input-major weight. The copy doubles
 the Linear weights' memory; a weight swap must reorder it again (`repack_linears`). Measured per
