@@ -1,5 +1,6 @@
 """In-process rows: target-only and speculative decoding through decoding.generate, and Hugging
-Face assisted generation, on the same model objects (one copy of the weights, same dtype/device).
+Face assisted generation, on the same checkpoints in the same dtype and device (the engines' own
+copies of the weights, laid out their way; Hugging Face's as loaded).
 
 Orchestration overhead is measured from the outside, without touching decoding/: forward hooks on
 the models time every forward pass, and a round's overhead is its wall time minus the model time
@@ -86,7 +87,7 @@ class ForwardClock:
 
 @dataclass
 class LoadedPair:
-    """HF models (for assisted generation) and engines over the very same modules."""
+    """HF models (for Hugging Face's own rows) and engines over their own copies of the weights."""
 
     target_model: torch.nn.Module
     draft_model: torch.nn.Module
@@ -96,15 +97,18 @@ class LoadedPair:
 
 
 def load_pair(target_path: str, draft_path: str, device: str = "cpu", dtype: str = "float32") -> LoadedPair:
-    """Load both models once; engine_for_model wraps them so every row uses the same weights."""
-    models = []
-    for path in (target_path, draft_path):
+    """Each model loaded twice, in the same dtype on the same device: once for Hugging Face's rows,
+    as a user's `generate` runs it, and once for the engines, which lay its weights out their own
+    way (decoding.weight_layout) and would otherwise change what Hugging Face's rows compute."""
+
+    def loaded(path: str) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=_DTYPES[dtype])
-        models.append(model.to(torch.device(device)).eval())
-    target_model, draft_model = models
-    clock = ForwardClock(models)
-    return LoadedPair(target_model, draft_model, clock.counting(engine_for_model(target_model)),
-                      clock.counting(engine_for_model(draft_model)), clock)
+        return model.to(torch.device(device)).eval()
+
+    target_model, draft_model = loaded(target_path), loaded(draft_path)
+    clock = ForwardClock([target_model, draft_model])
+    return LoadedPair(target_model, draft_model, clock.counting(engine_for_model(loaded(target_path))),
+                      clock.counting(engine_for_model(loaded(draft_path))), clock)
 
 
 # -- step latencies -----------------------------------------------------------------------------

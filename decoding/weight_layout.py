@@ -48,7 +48,8 @@ class PackedLinear(torch.nn.Linear):
     the plain product (the compiled graph is inductor's to lay out)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() >= PACKED_MIN_ROWS * x.shape[-1] and not torch.compiler.is_compiling():
+        # Asked first: traced, a test of the rows would put a guard on them in the graph.
+        if not torch.compiler.is_compiling() and x.numel() >= PACKED_MIN_ROWS * x.shape[-1]:
             packed = _PACKED.get(self)
             if packed is not None and x.dtype == torch.float32:
                 return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
