@@ -12,11 +12,11 @@ runs unchanged.
 
 For a few rows (a verify's K + 1, a batch's decode rows) MKL's matrix product reads the weights
 far slower than its single-row product does, while oneDNN's product over a weight reordered once
-into its own blocked layout keeps pace. So each
-such Linear also holds that reordered copy (`pack_linears`) and takes it from PACKED_MIN_ROWS rows
-up (`PackedLinear`); a single row stays with MKL over the input-major weight. The copy doubles
-the Linear weights' memory; a weight swap must reorder it again (`repack_linears`). Measured per
-step in docs/performance.md ("Weights stored input-major", "Several rows: oneDNN's packed weights").
+into its own blocked layout keeps pace. So each such Linear also holds that reordered copy
+(`pack_linears`) and takes it from PACKED_MIN_ROWS rows up (`PackedLinear`); a single row stays
+with MKL over the input-major weight. The copy doubles the Linear weights' memory; a weight swap
+must reorder it again (`repack_linears`). Measured per step in docs/performance.md ("Weights
+stored input-major", "Several rows: oneDNN's packed weights").
 
 Only plain float32 matrices of `nn.Linear` modules are re-stored and packed (the measured case);
 quantized and half-precision weights and tensor subclasses (a DTensor shard) keep their layout, and
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 # From this many rows a product takes the packed copy (fewer: MKL over the input-major weight,
-# faster for one row, even for two); the copy is reordered for a batch of PACK_ROWS_HINT rows.
+# the faster for one row; two are about even); the copy is reordered for PACK_ROWS_HINT rows.
 PACKED_MIN_ROWS = 3
 PACK_ROWS_HINT = 8
 # Module -> its packed weight. Beside the module, not in it: a oneDNN tensor has no storage to
