@@ -44,12 +44,14 @@ _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 class PackedLinear(torch.nn.Linear):
     """An nn.Linear (same parameters, same state dict) whose product over PACKED_MIN_ROWS float32
-    rows or more reads its packed copy where it has one (`pack_linears`); traced by torch.compile,
-    the plain product (the compiled graph is inductor's to lay out)."""
+    rows or more reads its packed copy where it has one (`pack_linears`), outside autograd (the
+    copy carries no gradient to the weight: a model trained takes the plain product); traced by
+    torch.compile, the plain product too (the compiled graph is inductor's to lay out)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Asked first: traced, a test of the rows would put a guard on them in the graph.
-        if not torch.compiler.is_compiling() and x.numel() >= PACKED_MIN_ROWS * x.shape[-1]:
+        if (not torch.compiler.is_compiling() and not torch.is_grad_enabled()
+                and x.numel() >= PACKED_MIN_ROWS * x.shape[-1]):
             packed = _PACKED.get(self)
             if packed is not None and x.dtype == torch.float32:
                 return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")

@@ -78,18 +78,34 @@ def test_a_packed_linear_takes_its_packed_copy_from_several_rows_and_the_plain_p
     assert all(torch.equal(tensor, state[name]) for name, tensor in model.state_dict().items())
     module = model.model.layers[0].mlp.up_proj
     generator = torch.Generator().manual_seed(0)
-    for rows in (1, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 8):
-        x = torch.randn(rows, module.in_features, generator=generator)
-        torch.testing.assert_close(module(x), torch.nn.functional.linear(x, module.weight), atol=1e-5, rtol=0)
+    with torch.inference_mode():   # as the engines run
+        for rows in (1, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 8):
+            x = torch.randn(rows, module.in_features, generator=generator)
+            torch.testing.assert_close(module(x), torch.nn.functional.linear(x, module.weight), atol=1e-5, rtol=0)
     # The copy is what several rows read: weights changed behind it leave it stale (a swap
     # repacks, below), which one row, read from the weight itself, does not see.
     with torch.no_grad():
         module.weight.mul_(2.0)
-    one, several = torch.randn(1, module.in_features), torch.randn(PACKED_MIN_ROWS, module.in_features)
-    assert torch.equal(module(one), torch.nn.functional.linear(one, module.weight))
-    assert not torch.allclose(module(several), torch.nn.functional.linear(several, module.weight), atol=1e-3)
-    repack_linears(model)
-    torch.testing.assert_close(module(several), torch.nn.functional.linear(several, module.weight), atol=1e-5, rtol=0)
+        one, several = torch.randn(1, module.in_features), torch.randn(PACKED_MIN_ROWS, module.in_features)
+        assert torch.equal(module(one), torch.nn.functional.linear(one, module.weight))
+        assert not torch.allclose(module(several), torch.nn.functional.linear(several, module.weight), atol=1e-3)
+        repack_linears(model)
+        torch.testing.assert_close(module(several), torch.nn.functional.linear(several, module.weight),
+                                   atol=1e-5, rtol=0)
+
+
+def test_a_packed_linear_under_autograd_takes_the_plain_product_and_its_gradient():
+    """Training a packed model (grad enabled) must reach the weights: the packed copy is left out."""
+    model = tiny_model("llama")
+    pack_linears(model)
+    module = model.model.layers[0].mlp.up_proj
+    with torch.no_grad():
+        module.weight.mul_(2.0)   # the copy is stale: a product that read it would show
+    x = torch.randn(8, module.in_features)
+    module(x).sum().backward()
+    expected = x.sum(dim=0).expand_as(module.weight)
+    torch.testing.assert_close(module.weight.grad, expected)
+    assert torch.equal(module(x), torch.nn.functional.linear(x, module.weight))
 
 
 def test_half_precision_weights_are_not_packed_and_a_copied_model_computes_plainly():
