@@ -42,20 +42,26 @@ PACK_ROWS_HINT = 8
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, module: torch.nn.Module) -> torch.Tensor:
+    """x · weightᵀ + bias, over module's packed copy of weight (`pack_weight`) for PACKED_MIN_ROWS
+    float32 rows or more where it has one, outside autograd (the copy carries no gradient to the
+    weight: a model trained takes the plain product); traced by torch.compile, the plain product
+    too (the compiled graph is inductor's to lay out)."""
+    # Asked first: traced, a test of the rows would put a guard on them in the graph.
+    if (not torch.compiler.is_compiling() and not torch.is_grad_enabled()
+            and x.numel() >= PACKED_MIN_ROWS * x.shape[-1]):
+        packed = _PACKED.get(module)
+        if packed is not None and x.dtype == torch.float32:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 class PackedLinear(torch.nn.Linear):
-    """An nn.Linear (same parameters, same state dict) whose product over PACKED_MIN_ROWS float32
-    rows or more reads its packed copy where it has one (`pack_linears`), outside autograd (the
-    copy carries no gradient to the weight: a model trained takes the plain product); traced by
-    torch.compile, the plain product too (the compiled graph is inductor's to lay out)."""
+    """An nn.Linear (same parameters, same state dict) whose product over several rows reads its
+    packed copy (`pack_linears`, `linear`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Asked first: traced, a test of the rows would put a guard on them in the graph.
-        if (not torch.compiler.is_compiling() and not torch.is_grad_enabled()
-                and x.numel() >= PACKED_MIN_ROWS * x.shape[-1]):
-            packed = _PACKED.get(self)
-            if packed is not None and x.dtype == torch.float32:
-                return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self)
 
 
 def _plain_cpu_float32(weight: torch.Tensor) -> bool:
@@ -82,12 +88,14 @@ def input_major_linears(model: torch.nn.Module) -> int:
 def pack_linears(model: torch.nn.Module) -> int:
     """Give each plain float32 `nn.Linear` of `model` (on the CPU) its packed copy, which its
     product over several rows takes from then on (the module becomes a PackedLinear: same
-    parameters and state dict). -> how many were packed (none where oneDNN is not built in)."""
+    parameters and state dict). A subclass of nn.Linear computes its own way (an LM head over a
+    token map: decoding.token_map) and is left as it is. -> how many were packed (none where
+    oneDNN is not built in)."""
     if not torch.backends.mkldnn.is_available():
         return 0
     packed = 0
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and _plain_cpu_float32(module.weight):
+        if type(module) in (torch.nn.Linear, PackedLinear) and _plain_cpu_float32(module.weight):
             module.__class__ = PackedLinear
             _PACKED[module] = _reordered(module.weight)
             packed += 1
@@ -95,11 +103,20 @@ def pack_linears(model: torch.nn.Module) -> int:
 
 
 def repack_linears(model: torch.nn.Module) -> None:
-    """Reorder every packed copy in `model` from its weight as it is now: after a weight swap,
-    which copies new values into the weights but not into the copies."""
+    """Reorder every PackedLinear's copy in `model` from its weight as it is now: after a weight
+    swap, which copies new values into the weights but not into the copies."""
     for module in model.modules():
-        if module in _PACKED:
+        if type(module) is PackedLinear and module in _PACKED:
             _PACKED[module] = _reordered(module.weight)
+
+
+def pack_weight(module: torch.nn.Module, weight: torch.Tensor) -> None:
+    """Give module (one computing through `linear`) a packed copy of weight, or none where the
+    weight is not a plain float32 CPU matrix or oneDNN is not built in."""
+    if torch.backends.mkldnn.is_available() and _plain_cpu_float32(weight):
+        _PACKED[module] = _reordered(weight)
+    else:
+        _PACKED.pop(module, None)
 
 
 def _reordered(weight: torch.Tensor) -> torch.Tensor:
