@@ -39,6 +39,9 @@ commit to compare), and writes one table of the classes' orchestration per tree:
     git worktree add /tmp/specserve-before <commit>
     python -m specserve.bench.round_profile --modes greedy,sampled --turns 2 \
         --compare before=/tmp/specserve-before --compare after=. --name <name> --out bench/results
+
+`--compare-config LABEL=YAML` gives one label a config of its own, so one tree under two labels
+compares two configs the same way.
 """
 
 from __future__ import annotations
@@ -183,20 +186,27 @@ def compare_trees(args) -> None:
     trees = parse_trees(args.compare)
     child = ["--passes", str(args.passes), "--max-tokens", str(args.max_tokens), "--prompts", args.prompts,
              "--modes", args.modes]
-    if args.config:
-        child += ["--config", str(Path(args.config).resolve())]
     if args.num_draft_tokens is not None:
         child += ["-K", str(args.num_draft_tokens)]
+    configs = dict(parse_trees(args.compare_config)) if args.compare_config else {}
+    if set(configs) - {label for label, _ in trees}:
+        raise SystemExit(f"--compare-config names labels no --compare gives: {sorted(set(configs) - dict(trees).keys())}")
+    default_config = Path(args.config).resolve() if args.config else None
+    label_args = {label: ["--config", str(configs.get(label, default_config))] for label, _ in trees
+                  if configs.get(label, default_config) is not None}
     modes = args.modes.split(",")
-    runs = runs_per_tree("specserve.bench.round_profile", child, trees, args.turns)
+    runs = runs_per_tree("specserve.bench.round_profile", child, trees, args.turns, label_args)
     command = "python -m specserve.bench.round_profile " + " ".join(sys.argv[1:])
     result = {"name": args.name, "command": command, "machine": f"{os.cpu_count()} CPUs",
               "trees": {label: str(tree) for label, tree in trees}, "turns": args.turns,
+              "configs": {label: arguments[-1] for label, arguments in label_args.items()},
               "runs": {label: [run["classes"] for run in label_runs] for label, label_runs in runs.items()}}
     lines = [f"# round orchestration: {args.name}", "", f"- command: `{command}`",
              f"- trees: {', '.join(f'{label} = {tree}' for label, tree in trees)}; {args.turns} turns, "
              f"the trees taking turns; per turn {args.passes} passes of the {args.prompts} prompts, one request at a "
              f"time, {args.max_tokens} tokens, {result['machine']}",
+             *([f"- configs: {', '.join(f'{label} = {path}' for label, path in result['configs'].items())}"]
+               if result["configs"] else []),
              "- orchestration per round = round wall time minus the time it waited in the engines "
              "(forwards and batching-loop waits): hops plus the router's own work", "",
              "| class | tree | orchestration ms per round, median (per turn) | mean | hops ms, median | "
@@ -240,6 +250,9 @@ def main(argv: list[str] | None = None) -> None:
                         "top_p (sampled with top-p 0.95)")
     parser.add_argument("--compare", action="append", default=[], metavar="LABEL=TREE",
                         help="run once per tree (its code serving), the trees taking turns")
+    parser.add_argument("--compare-config", action="append", default=[], metavar="LABEL=YAML",
+                        help="with --compare: that label's runs serve this config (in place of --config), so "
+                        "one tree compared with itself compares configs")
     parser.add_argument("--turns", type=int, default=2, help="with --compare: turns per tree")
     parser.add_argument("--name", default="round-profile-thirdparty")
     parser.add_argument("--out", default=DEFAULT_OUT_DIR, help="results folder (publish to bench/results/)")

@@ -33,15 +33,19 @@ def served_code() -> str:
     return str(Path(sys.modules["specserve"].__file__).resolve().parents[1])
 
 
-def runs_per_tree(module: str, child_args: list[str], trees: list[tuple[str, Path]], turns: int) -> dict[str, list[dict]]:
+def runs_per_tree(module: str, child_args: list[str], trees: list[tuple[str, Path]], turns: int,
+                  label_args: dict[str, list[str]] | None = None) -> dict[str, list[dict]]:
     """`python -m module *child_args --name N --out SCRATCH` once per tree and turn, the trees
-    taking turns; -> each tree's results (the JSON each run wrote), in turn order."""
+    taking turns (label_args: arguments one label's runs add, such as its own config, so two labels
+    may run one tree two ways); -> each tree's results (the JSON each run wrote), in turn order."""
     runs: dict[str, list[dict]] = defaultdict(list)
+    label_args = label_args or {}
     with tempfile.TemporaryDirectory() as scratch:
         for turn in range(turns):
             for label, root in trees:
                 name = f"{label}-turn{turn}"
-                subprocess.run([sys.executable, "-m", module, *child_args, "--name", name, "--out", scratch],
+                arguments = [*child_args, *label_args.get(label, []), "--name", name, "--out", scratch]
+                subprocess.run([sys.executable, "-m", module, *arguments],
                                env={**os.environ, "PYTHONPATH": str(root)}, cwd=root, check=True,
                                stdout=subprocess.DEVNULL)
                 run = json.loads((Path(scratch) / f"{name}.json").read_text())
