@@ -40,6 +40,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights dtype of both models (default auto: the checkpoint's on GPU, float32 on CPU)")
     p.add_argument("--tensor-parallel-size", type=int, help="split each target engine over this many rank actors "
                    "(one GPU each on a GPU cluster; target_workers.tensor_parallel_size)")
+    p.add_argument("--token-map", help="a file of the token ids the draft model may propose (JSON list or "
+                   "torch.save'd tensor): its LM head scores only those (draft.token_map; docs/token-map.md)")
     p.add_argument("--enforce-eager", action="store_true", help="run both models' forwards uncompiled (no "
                    "torch.compile, no CUDA graphs: faster start, slower steps; enforce_eager)")
 
@@ -60,6 +62,10 @@ def config_from_args(args: argparse.Namespace):
         data["draft"] = {**(data["draft"] or data["target"]), "path": args.draft}
         # A folder holding an EAGLE-3 head (either format) is served as one, else as a draft model.
         data["speculation"] = {**data["speculation"], "proposer": "eagle3" if head_format(args.draft) else "draft"}
+    if getattr(args, "token_map", None):
+        if not data.get("draft"):
+            raise SystemExit("--token-map restricts a draft model's proposals: give a draft (--draft or draft.path)")
+        data["draft"]["token_map"] = args.token_map
     if args.tokenizer:
         data["tokenizer_path"] = args.tokenizer
     if args.max_model_len:
@@ -83,6 +89,8 @@ def draft_line(config) -> str:
     if not speculation.needs_draft_path:
         return speculation.draft_kind
     line = f"{speculation.draft_kind} {config.draft.path}"
+    if config.draft.token_map:
+        line += f", proposing only the tokens of {config.draft.token_map}"
     if speculation.proposer == "eagle3":
         line += f" (the draft engine reads the target's embeddings and config from {config.target.path})"
     return line

@@ -17,6 +17,7 @@ from ray.serve.schema import ApplicationStatus, DeploymentStatus
 from specserve.cluster.builder import APP_NAME, build_app, checked_head, custom_resources_needed, logical_cpus_needed
 from specserve.cluster.serve_data_plane import added_to_environment, local_cluster_env
 from specserve.common.config import SpecServeConfig
+from specserve.decoding.token_map import load_token_map
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,11 @@ def check_model_paths(config: SpecServeConfig) -> None:
                                     "in your config, or train the default pair with `specserve train-default`")
     if config.speculation.proposer == "eagle3":   # a head that does not fit the target is refused here, named
         checked_head(config)
+    if config.draft is not None and config.draft.token_map is not None:   # one the draft cannot serve, named
+        from transformers import AutoConfig
+
+        draft_config = AutoConfig.from_pretrained(config.draft.path, local_files_only=True)
+        load_token_map(config.draft.token_map, draft_config.get_text_config(decoder=True).vocab_size)
 
 
 class PortInUseError(ValueError):

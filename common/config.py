@@ -60,6 +60,9 @@ class ModelSpec(_Strict):
                                                  "model is not computed; its logits follow a hashed rule that a "
                                                  "runner with this setting predicts at this rate (a draft at a, its "
                                                  "target at 1: acceptance a; decoding/null_forward.py)")
+    token_map: str | None = Field(None, description="a draft model's only: a file of the token ids it may propose "
+                                  "(a JSON list, or a tensor saved with torch.save); its LM head scores only those, "
+                                  "a cheaper step for some acceptance (FR-Spec; docs/token-map.md)")
     prefix_caching: bool = Field(True, description="keep finished sequences' full KV blocks findable by their "
                                  "tokens, so a shared prefix (system prompt, n choices, a chat's earlier turns) is "
                                  "not prefilled again; evicted LRU when the pool needs room (as vLLM; docs/kv-memory.md)")
@@ -374,6 +377,19 @@ class SpecServeConfig(_Strict):
             raise ValueError(f"speculation.proposer {self.speculation.proposer!r} needs a draft model (set draft.path)")
         if self.draft_training.enabled and (self.draft is None or not self.speculation.needs_draft_model):
             raise ValueError("draft_training.enabled needs a draft model (speculation.proposer 'draft')")
+        return self
+
+    @model_validator(mode="after")
+    def _token_map_on_a_draft_model(self) -> "SpecServeConfig":
+        if self.target.token_map is not None:
+            raise ValueError("target.token_map: a token map restricts what a draft proposes; the target scores "
+                             "every token (set draft.token_map)")
+        if self.draft is not None and self.draft.token_map is not None:
+            if not self.speculation.needs_draft_model:
+                raise ValueError(f"draft.token_map needs a draft model (speculation.proposer 'draft'), not "
+                                 f"{self.speculation.proposer!r}")
+            if self.draft_workers.tensor_parallel_size > 1:
+                raise ValueError("draft.token_map needs draft_workers.tensor_parallel_size 1")
         return self
 
     @model_validator(mode="after")

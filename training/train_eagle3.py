@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 from specserve.decoding.eagle3_checkpoint import default_aux_layers, load_eagle3_head
 from specserve.decoding.eagle3_head import Eagle3Head, Eagle3Shape, aux_features
 from specserve.decoding.lean_forward import apply_rope, rope_signs
+from specserve.decoding.token_map import frequent_tokens
 from specserve.training.corpus import iter_stdlib_files, split_corpus
 from specserve.training.default_pair import encode_files, lr_at, sample_batch, save_checkpoint
 
@@ -73,14 +74,6 @@ def new_head(target, aux_layers: tuple[int, int, int]) -> Eagle3Head:
     head.embed.requires_grad_(False)
     head.lm_head.requires_grad_(False)
     return head
-
-
-def frequent_tokens(stream: torch.Tensor, count: int, vocab_size: int) -> torch.Tensor:
-    """The count most frequent token ids of a token stream, ascending: a reduced draft vocabulary,
-    as EAGLE-3 heads draft from about a quarter of Llama-3's (its lm_head is then that much
-    cheaper a step, and a token outside it is never proposed, so the mass lost is acceptance)."""
-    counts = torch.bincount(stream.flatten().long(), minlength=vocab_size)
-    return counts.topk(count).indices.sort().values
 
 
 def with_vocabulary(head: Eagle3Head, token_ids: torch.Tensor) -> Eagle3Head:

@@ -132,12 +132,28 @@ def run_case(engines: dict, prompts: list[list[int]], mode: str, streams: int, m
     return summary
 
 
+def run_cases(engines: dict, prompts: list[list[int]], max_tokens: int, k: int) -> list[dict]:
+    """run_case for every mode and stream count, each case printed as it ends."""
+    cases = []
+    for mode in MODES:
+        for streams in STREAMS:
+            cases.append({"mode": mode, "streams": streams,
+                          "results": run_case(engines, prompts, mode, streams, max_tokens, k)})
+            print(json.dumps(cases[-1]), flush=True)
+    return cases
+
+
 def table(report: dict) -> str:
+    return round_table(report["cases"], ["draft model", *map(head_name, report["heads"])])
+
+
+def round_table(cases: list[dict], drafters: list[str]) -> str:
+    """run_case's results per case (mode, streams) as one table: drafters, then target-only."""
     lines = ["| mode | streams | drafter | per-token acceptance | tokens per target pass | draft ms per drafted token "
              "| tok/s | × target-only |", "|---|---|---|---|---|---|---|---|"]
-    for case in report["cases"]:
+    for case in cases:
         base = case["results"]["target only"]["tokens_per_s"]
-        for name in ("draft model", *map(head_name, report["heads"]), "target only"):
+        for name in (*drafters, "target only"):
             row = case["results"][name]
             acceptance = "-" if row["per_token_acceptance"] is None else row["per_token_acceptance"]
             cost = "-" if row["draft_ms_per_token"] is None else row["draft_ms_per_token"]
@@ -145,7 +161,7 @@ def table(report: dict) -> str:
                          f"{row['tokens_per_target_pass']} | {cost} | {row['tokens_per_s']} | "
                          f"{row['tokens_per_s'] / base:.2f} |")
     differ = [f"{case['mode']} x{case['streams']}: {', '.join(case['results']['greedy_outputs_differ'])}"
-              for case in report["cases"] if case["results"].get("greedy_outputs_differ")]
+              for case in cases if case["results"].get("greedy_outputs_differ")]
     return "\n".join(lines) + "\n\n" + ("Greedy outputs differing from target-only: " + "; ".join(differ)
                                         if differ else "Greedy outputs: all equal on every prompt.") + "\n"
 
@@ -184,12 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [tokenizer(p.text, add_special_tokens=False)["input_ids"]
                for p in select_prompts(load_prompt_set(args.prompts).prompts, args.num_prompts)]
     engines = variants(models, args.head)
-    cases = []
-    for mode in MODES:
-        for streams in STREAMS:
-            cases.append({"mode": mode, "streams": streams,
-                          "results": run_case(engines, prompts, mode, streams, args.max_tokens, args.k)})
-            print(json.dumps(cases[-1]), flush=True)
+    cases = run_cases(engines, prompts, args.max_tokens, args.k)
     report = {"command": "python -m specserve.bench.figures.head_vs_draft "
                          + " ".join(argv if argv is not None else sys.argv[1:]),
               "heads": args.head, "prompts": f"{args.prompts} ({len(prompts)})", "max_tokens": args.max_tokens,

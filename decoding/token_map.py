@@ -1,0 +1,125 @@
+"""A draft model's LM head over a token map: the draft scores, and so proposes, only the tokens the
+map names (FR-Spec's frequency-ranked draft vocabulary; SGLang's `--speculative-token-map`).
+
+Why: a small draft's step is mostly its LM head where the vocabulary is large (at Llama-3's
+128,256 tokens the head is a fifth of a 1B draft's weights and most of a tiny one's), and a step
+reads every row of it. Text keeps to a small share of a vocabulary most of the time, so the rows
+of its most frequent tokens make nearly every greedy proposal the full head would, for the cost
+of those rows. It stays lossless: rejection sampling is exact for any q the draft token was drawn
+from, and a token outside the map gets q = 0, so the target's residual alone supplies it; what a
+map costs is acceptance where the target's token lies outside it (more so sampled, where the mass
+outside is what a row loses). Measured in docs/token-map.md.
+
+`MappedHead` keeps the head's parameters and state dict (a weight swap of the draft loads into
+them as before, `remap_heads` then copies the map's rows again) and returns logits over the whole
+vocabulary, FLOOR outside the map, so everything downstream (penalties, grammar masks, sampling,
+the speculation cache's guesses, the verify's q) runs unchanged. FLOOR is finite rather than -inf
+so a row whose grammar allows only tokens outside the map is still a distribution (uniform over
+what it allows); its softmax weight beside any real logit is exactly zero in float32.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from specserve.decoding.weight_layout import linear, pack_weight
+
+# The logit of a token outside the map: exp(FLOOR - m) underflows to 0 in float32 for any row
+# whose largest logit m is above FLOOR + 104, and it survives a temperature's division in half
+# precision.
+FLOOR = -1.0e4
+
+
+class TokenMapError(ValueError):
+    """A token map that cannot be served: missing, unreadable, empty, or naming ids the model lacks."""
+
+
+def load_token_map(path: str | Path, vocab_size: int) -> torch.Tensor:
+    """The token ids a map file names, ascending and distinct (int64). The file is a JSON list of
+    ids, or a tensor of them saved with torch.save (SGLang's token-map format). TokenMapError
+    naming why it cannot be served over a vocabulary of vocab_size tokens."""
+    path = Path(path)
+    if not path.is_file():
+        raise TokenMapError(f"token map {path} not found")
+    try:
+        if path.suffix == ".json":
+            raw = json.loads(path.read_text())
+            ids = torch.tensor(raw, dtype=torch.long) if isinstance(raw, list) and all(
+                type(value) is int for value in raw) else None
+        else:
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+            ids = loaded.long() if isinstance(loaded, torch.Tensor) and not loaded.is_floating_point() else None
+    except (OSError, ValueError, RuntimeError) as error:
+        raise TokenMapError(f"token map {path} cannot be read: {error}") from None
+    if ids is None or ids.dim() != 1:
+        raise TokenMapError(f"token map {path} must hold one list of integer token ids")
+    ids = ids.unique()
+    if ids.numel() == 0:
+        raise TokenMapError(f"token map {path} names no tokens")
+    if int(ids[0]) < 0 or int(ids[-1]) >= vocab_size:
+        raise TokenMapError(f"token map {path} names token ids outside the draft's vocabulary of {vocab_size} "
+                            f"(from {int(ids[0])} to {int(ids[-1])})")
+    return ids
+
+
+def frequent_tokens(stream: torch.Tensor, count: int, vocab_size: int) -> torch.Tensor:
+    """The count most frequent token ids of a token stream, ascending: a token map (or an EAGLE-3
+    head's reduced vocabulary)."""
+    counts = torch.bincount(stream.flatten().long(), minlength=vocab_size)
+    return counts.topk(count).indices.sort().values
+
+
+class MappedHead(torch.nn.Linear):
+    """An LM head (an nn.Linear: same parameters, same state dict) that computes only the rows of
+    its token map and returns logits over the whole vocabulary, FLOOR elsewhere. The map's ids and
+    its rows (copied from the weight, input-major: a single row's product is the faster over that
+    layout on the CPU, with a oneDNN-packed copy for several rows as every CPU Linear has) are
+    left out of the state dict."""
+
+    token_ids: torch.Tensor
+    mapped_weight: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = linear(x, self.mapped_weight, None if self.bias is None else self.bias[self.token_ids], self)
+        logits = scores.new_full((*x.shape[:-1], self.out_features), FLOOR)
+        return logits.index_copy_(-1, self.token_ids, scores)
+
+    def remap(self) -> None:
+        """Copy the map's rows from the weight as it is now (after a weight swap), and on the CPU
+        their packed copy for products of several rows (decoding.weight_layout)."""
+        with torch.no_grad():
+            rows = self.weight.detach().index_select(0, self.token_ids)
+            self.mapped_weight = rows.t().contiguous().t() if rows.device.type == "cpu" else rows
+            pack_weight(self, rows)
+
+
+def map_lm_head(model: torch.nn.Module, token_ids: torch.Tensor) -> MappedHead:
+    """Make model's output embedding (its LM head) a MappedHead over token_ids (ascending, in range:
+    `load_token_map`), in place; a head tied to the input embedding stays tied."""
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        raise TokenMapError(f"a token map needs a plain nn.Linear LM head, this model's is {type(head).__name__}")
+    if int(token_ids[-1]) >= head.out_features:
+        raise TokenMapError(f"token map names token {int(token_ids[-1])}, the LM head has {head.out_features} rows")
+    head.__class__ = MappedHead
+    head.register_buffer("token_ids", token_ids.to(head.weight.device), persistent=False)
+    head.register_buffer("mapped_weight", torch.empty(0, device=head.weight.device), persistent=False)
+    head.remap()
+    return head
+
+
+def remap_heads(model: torch.nn.Module) -> None:
+    """Every MappedHead of model copies its rows again: after a weight swap, which loads new
+    values into the weights but not into the copies."""
+    for module in model.modules():
+        if isinstance(module, MappedHead):
+            module.remap()
+
+
+def mapped_size(model: torch.nn.Module) -> int | None:
+    """How many tokens model's LM head scores when it is a MappedHead, else None."""
+    head = model.get_output_embeddings()
+    return int(head.token_ids.numel()) if isinstance(head, MappedHead) else None

@@ -1,0 +1,178 @@
+"""A draft model over a token map (decoding/token_map.py): its head scores only the map's tokens,
+proposes nothing else, and speculation over it stays exact.
+
+The statistical test runs 6,000 seeded requests through the real round path
+(decoding.generate.generate_batch: DraftModelProposer over a mapped head, target rows, rejection
+sampling) with a draft that may propose only half of the vocabulary: the emitted tokens' marginal
+at the first two speculative positions must pass a chi-square test (p > 1e-3) and stay under exact
+sampling's 99.9% TV quantile against the target's exact marginal, while the same test rejects the
+mapped draft's own marginal (a sampler that emitted the draft's tokens would fail)."""
+
+import argparse
+import copy
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from specserve.cluster.cli import add_model_args, config_from_args, draft_line
+from specserve.cluster.local import check_model_paths
+from specserve.common.config import SpecServeConfig
+from specserve.decoding.batched_runner import load_runner
+from specserve.decoding.generate import generate
+from specserve.decoding.proposers import DraftModelProposer
+from specserve.decoding.sampling import SamplingParams
+from specserve.decoding.scheduler import engine_for_model
+from specserve.decoding.sequence import RequestState
+from specserve.decoding.token_map import (FLOOR, MappedHead, TokenMapError, load_token_map, map_lm_head,
+                                          mapped_size)
+from specserve.training.token_map import corpus_texts, token_map
+from tests.reference_runner import reference_model
+from tests.test_decoder_statistics import PROMPT, VOCAB_SIZE, assert_speculation_follows_the_target
+from tests.tiny_pair import make_tiny_pair, tiny_llama
+
+MAP = list(range(0, VOCAB_SIZE, 2))          # half of the vocabulary: what the draft may propose
+NUM_REQUESTS = 6_000
+
+
+def mapped_copy(model, token_ids):
+    copied = copy.deepcopy(model)
+    map_lm_head(copied, torch.tensor(token_ids))
+    return copied
+
+
+def test_a_map_file_loads_as_ascending_distinct_ids_in_either_format(tmp_path):
+    (tmp_path / "map.json").write_text(json.dumps([7, 3, 3, 0]))
+    torch.save(torch.tensor([5, 1, 2], dtype=torch.int32), tmp_path / "map.pt")
+    assert load_token_map(tmp_path / "map.json", 8).tolist() == [0, 3, 7]
+    assert load_token_map(tmp_path / "map.pt", 8).tolist() == [1, 2, 5]
+
+
+@pytest.mark.parametrize("content, why", [
+    (None, "not found"), ("[]", "names no tokens"), ("[1, 2.5]", "integer token ids"), ("[[1, 2]]", "integer token ids"),
+    ('{"ids": [1]}', "integer token ids"), ("[1, 8]", "outside the draft's vocabulary of 8"), ("[-1]", "outside"),
+    ("not json", "cannot be read")])
+def test_a_map_that_cannot_be_served_is_refused_naming_why(tmp_path, content, why):
+    path = tmp_path / "map.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(TokenMapError, match=why):
+        load_token_map(path, 8)
+
+
+def test_the_mapped_head_scores_the_map_and_floors_the_rest_with_the_same_weights_and_state_dict():
+    model = tiny_llama(vocab_size=VOCAB_SIZE, seed=3)
+    whole = reference_model(model)
+    mapped = mapped_copy(model, MAP)
+    assert isinstance(mapped.lm_head, MappedHead) and mapped_size(mapped) == len(MAP) and mapped_size(model) is None
+    assert mapped.state_dict().keys() == model.state_dict().keys()
+    assert all(torch.equal(mapped.state_dict()[name], tensor) for name, tensor in model.state_dict().items())
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        expected, got = whole(ids).logits[0], reference_model(mapped)(ids).logits[0]
+    outside = torch.tensor([i for i in range(VOCAB_SIZE) if i not in MAP])
+    torch.testing.assert_close(got[:, MAP], expected[:, MAP], rtol=1e-5, atol=1e-5)
+    assert (got[:, outside] == FLOOR).all()
+    assert (torch.softmax(got, dim=-1)[:, outside] == 0).all()
+
+
+def test_a_tied_head_stays_tied_and_a_weight_swap_copies_the_maps_rows_again():
+    model = tiny_llama(vocab_size=VOCAB_SIZE, seed=4)
+    model.lm_head.weight = model.model.embed_tokens.weight      # tied, as the shipped draft's
+    runner = engine_for_model(mapped_copy(model, MAP)).runner
+    assert runner.model.lm_head.weight is runner.model.model.embed_tokens.weight
+    trained = {name: tensor + 0.05 * torch.randn_like(tensor) for name, tensor in model.state_dict().items()}
+    runner.load_weights(trained)
+    head = runner.model.lm_head
+    torch.testing.assert_close(head.mapped_weight, trained["lm_head.weight"][MAP])
+    rows = torch.randn(8, head.in_features)   # several rows: the packed copy's product, on the CPU
+    with torch.no_grad():
+        torch.testing.assert_close(head(rows)[:, MAP], rows @ trained["lm_head.weight"][MAP].T, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_speculation_over_a_map_is_target_only_greedy():
+    target, draft = tiny_llama(vocab_size=96, seed=0), tiny_llama(vocab_size=96, seed=1)
+    proposer = DraftModelProposer(engine_for_model(mapped_copy(draft, list(range(0, 96, 3)))))
+    target_engine = engine_for_model(target)
+    for index, prompt in enumerate(([5, 17, 42, 8], [60, 2, 33], [11] * 6)):
+        params = SamplingParams(temperature=0.0, max_tokens=40)
+        alone = RequestState(f"alone{index}", prompt, params, None, max_context=96)
+        list(generate(target_engine, alone, None, 0))
+        drafted = RequestState(f"drafted{index}", prompt, params, None, max_context=96)
+        list(generate(target_engine, drafted, proposer, 4))
+        assert drafted.output_ids == alone.output_ids
+        assert drafted.stats.num_drafted > 0
+
+
+def test_a_mapped_draft_proposes_only_the_maps_tokens():
+    draft = engine_for_model(mapped_copy(tiny_llama(vocab_size=VOCAB_SIZE, seed=1), MAP))
+    proposer = DraftModelProposer(draft)
+    proposed = []
+    for seed in range(200):
+        params = SamplingParams(temperature=1.0, max_tokens=8, seed=seed)
+        proposal = proposer.propose(f"s{seed}", PROMPT, 4, params, torch.Generator().manual_seed(seed))
+        proposed += proposal.token_ids
+        proposer.release(f"s{seed}")
+    assert set(proposed) <= set(MAP) and len(set(proposed)) > 4
+
+
+def test_sampled_speculation_over_a_map_follows_the_target_and_the_test_rejects_the_drafts_marginal():
+    outside = [i for i in range(VOCAB_SIZE) if i not in MAP]
+
+    def the_target_wants_what_the_draft_cannot_give(marginals):
+        assert float(marginals["target"][0][outside].sum()) > 0.2
+
+    assert_speculation_follows_the_target(tiny_llama(vocab_size=VOCAB_SIZE, seed=0),
+                                          mapped_copy(tiny_llama(vocab_size=VOCAB_SIZE, seed=1), MAP), NUM_REQUESTS,
+                                          seed=2027, check=the_target_wants_what_the_draft_cannot_give)
+
+
+def test_a_runner_built_from_a_spec_with_a_map_serves_the_mapped_head(tmp_path):
+    _, draft_dir = make_tiny_pair(tmp_path)
+    (tmp_path / "map.json").write_text(json.dumps([0, 1, 2, 5, 9]))
+    spec = {"path": str(draft_dir), "dtype": "float32", "device": "cpu", "torch_threads": 1, "max_sequences": 4,
+            "token_map": str(tmp_path / "map.json")}
+    assert mapped_size(load_runner(spec).model) == 5
+    assert mapped_size(load_runner({**spec, "token_map": None}).model) is None
+
+
+def test_the_config_takes_a_map_on_a_draft_model_only_and_a_bad_one_stops_the_start(tmp_path):
+    target_dir, draft_dir = make_tiny_pair(tmp_path)
+    good, bad = tmp_path / "map.json", tmp_path / "bad.json"
+    good.write_text(json.dumps([0, 1, 2]))
+    bad.write_text(json.dumps([0, 10 ** 6]))
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config")
+    add_model_args(parser)
+    args = parser.parse_args(["--target", str(target_dir), "--draft", str(draft_dir), "--token-map", str(good)])
+    config = config_from_args(args)
+    assert config.draft.token_map == str(good) and str(good) in draft_line(config)
+    check_model_paths(config)
+    with pytest.raises(TokenMapError, match="outside the draft's vocabulary"):
+        check_model_paths(config.model_copy(update={"draft": config.draft.model_copy(update={"token_map": str(bad)})}))
+    base = config.model_dump()
+    with pytest.raises(ValueError, match="target.token_map"):
+        SpecServeConfig.model_validate({**base, "target": {**base["target"], "token_map": str(good)}})
+    with pytest.raises(ValueError, match="needs a draft model"):
+        SpecServeConfig.model_validate({**base, "speculation": {**base["speculation"], "proposer": "ngram"}})
+
+
+def test_a_map_written_from_a_corpus_holds_its_most_frequent_tokens_and_eos(tmp_path):
+    from transformers import AutoTokenizer
+
+    from tests.tiny_pair import TOKENIZER_DIR
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR, local_files_only=True)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.py").write_text("def f(x):\n    return x + 1\n" * 50)
+    (tmp_path / "b.txt").write_text("return return return")
+    texts = corpus_texts([str(tmp_path / "corpus"), str(tmp_path / "b.txt")])
+    assert len(texts) == 2
+    ids = token_map(tokenizer, texts, 4)
+    assert ids == sorted(ids) and tokenizer.eos_token_id in ids and len(ids) in (4, 5)
+    counts = Counter(token for text in texts for token in tokenizer.encode(text, add_special_tokens=False))
+    (most, _), (least, _) = counts.most_common()[0], counts.most_common()[-1]
+    assert most in ids and least not in ids
+    with pytest.raises(ValueError, match="--size"):
+        token_map(tokenizer, texts, 0)
