@@ -67,7 +67,7 @@ from pathlib import Path
 from specserve.bench import DEFAULT_OUT_DIR
 from specserve.bench.http_rows import free_port, request_body, run_level, served_apps, sweep_request_count
 from specserve.bench.perfmodel import median_or_none
-from specserve.bench.tree_turns import parse_trees, runs_per_tree, served_code
+from specserve.bench.tree_turns import label_configs, parse_trees, runs_per_tree, served_code
 from specserve.common.config import SpecServeConfig, load_config
 from specserve.training.prompts import DEFAULT_PROMPT_SET, PROMPT_SETS, load_prompt_set, select_prompts
 
@@ -307,18 +307,21 @@ def compare_trees(args, argv: list[str]) -> None:
              str(args.requests_per_level), "--requests-per-stream", str(args.requests_per_stream), "--max-tokens",
              str(args.max_tokens), "--mode", args.mode, "-K", str(args.num_draft_tokens), "--prompts", args.prompts,
              "--interleave", str(args.interleave)]
-    for flag, value in (("--config", args.config), ("--num-prompts", args.num_prompts),
-                        ("--null-forward", args.null_forward)):
+    for flag, value in (("--num-prompts", args.num_prompts), ("--null-forward", args.null_forward)):
         if value is not None:
-            child += [flag, str(Path(value).resolve()) if flag == "--config" else str(value)]
-    runs = runs_per_tree("specserve.bench.load_sweep", child, trees, args.turns)
+            child += [flag, str(value)]
+    label_args = label_configs(args.compare_config, trees, args.config)
+    runs = runs_per_tree("specserve.bench.load_sweep", child, trees, args.turns, label_args)
     first = next(iter(runs.values()))[0]
     command = "specserve bench-load " + " ".join(argv)
     keys = ("tokens_per_s", "ttft_p50_ms", "latency_p50_ms", "overhead_ms")
     summary: dict[str, dict] = {}
     lines = [f"# specserve load sweep, trees compared: {args.name}", "", f"- command: `{command}`",
              f"- trees: {', '.join(f'{label} = {tree}' for label, tree in trees)}; {args.turns} turns, the trees "
-             f"taking turns; per turn the whole sweep", f"- prompts: {first['prompts']}; max_tokens "
+             f"taking turns; per turn the whole sweep",
+             *([f"- configs: {', '.join(f'{label} = {arguments[-1]}' for label, arguments in label_args.items())}"]
+               if label_args else []),
+             f"- prompts: {first['prompts']}; max_tokens "
              f"{first['max_tokens']}; mode {first['mode']}; machine: {first['machine']}"]
     if first.get("null_forward") is not None:
         lines.append(f"- engines: null forwards (no model computed), the draft agreeing with the target at "
@@ -340,6 +343,7 @@ def compare_trees(args, argv: list[str]) -> None:
                              f"{medians['tokens_per_s'] / base:.2f}× | {_fmt(medians['ttft_p50_ms'], 0)} | "
                              f"{_fmt(medians['latency_p50_ms'], 0)} | {_fmt(medians['overhead_ms'], 2)} |")
     result = {"name": args.name, "command": command, "trees": {label: str(tree) for label, tree in trees},
+              "configs": {label: arguments[-1] for label, arguments in label_args.items()},
               "turns": args.turns, "summary": summary}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -436,6 +440,9 @@ def main(argv: list[str] | None = None) -> None:
                              "A): the capacity of the stack itself (module docstring)")
     parser.add_argument("--compare", action="append", default=[], metavar="LABEL=TREE",
                         help="run the sweep once per tree (its code serving), the trees taking turns")
+    parser.add_argument("--compare-config", action="append", default=[], metavar="LABEL=YAML",
+                        help="with --compare: that label's runs serve this config (in place of --config), so "
+                        "one tree compared with itself compares configs")
     parser.add_argument("--turns", type=int, default=2, help="with --compare: turns per tree")
     parser.add_argument("--combine", nargs="+", metavar="NAME",
                         help="no run: average these results in --out (names or JSON paths) of the same sweep, "

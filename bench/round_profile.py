@@ -59,7 +59,7 @@ import psutil
 
 from specserve.bench import DEFAULT_OUT_DIR
 from specserve.bench.http_rows import free_port, request_body, run_level
-from specserve.bench.tree_turns import parse_trees, runs_per_tree, served_code
+from specserve.bench.tree_turns import label_configs, parse_trees, runs_per_tree, served_code
 from specserve.common.config import load_config
 from specserve.training.prompts import load_prompt_set
 
@@ -188,12 +188,7 @@ def compare_trees(args) -> None:
              "--modes", args.modes]
     if args.num_draft_tokens is not None:
         child += ["-K", str(args.num_draft_tokens)]
-    configs = dict(parse_trees(args.compare_config)) if args.compare_config else {}
-    if set(configs) - {label for label, _ in trees}:
-        raise SystemExit(f"--compare-config names labels no --compare gives: {sorted(set(configs) - dict(trees).keys())}")
-    default_config = Path(args.config).resolve() if args.config else None
-    label_args = {label: ["--config", str(configs.get(label, default_config))] for label, _ in trees
-                  if configs.get(label, default_config) is not None}
+    label_args = label_configs(args.compare_config, trees, args.config)
     modes = args.modes.split(",")
     runs = runs_per_tree("specserve.bench.round_profile", child, trees, args.turns, label_args)
     command = "python -m specserve.bench.round_profile " + " ".join(sys.argv[1:])

@@ -28,6 +28,19 @@ def parse_trees(entries: list[str]) -> list[tuple[str, Path]]:
     return [(label, Path(tree).resolve()) for label, tree in trees]
 
 
+def label_configs(entries: list[str], trees: list[tuple[str, Path]], default: str | None) -> dict[str, list[str]]:
+    """The `--config` arguments of each compared label: its own (`--compare-config LABEL=YAML`
+    entries), else default (none where neither is given); paths resolved, as each run's working
+    directory is its tree."""
+    configs = dict(parse_trees(entries)) if entries else {}
+    unknown = sorted(set(configs) - {label for label, _ in trees})
+    if unknown:
+        raise SystemExit(f"--compare-config names labels no --compare gives: {unknown}")
+    fallback = Path(default).resolve() if default else None
+    return {label: ["--config", str(configs.get(label, fallback))] for label, _ in trees
+            if configs.get(label, fallback) is not None}
+
+
 def served_code() -> str:
     """The tree whose specserve this process imported: what a child run reports as its code."""
     return str(Path(sys.modules["specserve"].__file__).resolve().parents[1])

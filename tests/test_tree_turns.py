@@ -1,6 +1,8 @@
 """bench/tree_turns.py: a bench run per tree and turn, the trees taking turns, each label with its own arguments."""
 
-from specserve.bench.tree_turns import parse_trees, runs_per_tree
+import pytest
+
+from specserve.bench.tree_turns import label_configs, parse_trees, runs_per_tree
 
 ECHO = '''import json, sys
 from pathlib import Path
@@ -21,3 +23,14 @@ def test_labels_take_turns_and_each_runs_with_its_own_arguments(tmp_path):
     assert all(run["args"][:2] == ["--shared", "1"] and "--config" not in run["args"] for run in runs["plain"])
     assert all(run["args"][2:4] == ["--config", "c.yaml"] for run in runs["configured"])
     assert len(runs["plain"]) == len(runs["configured"]) == 2
+
+
+def test_each_label_serves_its_own_config_or_the_shared_one(tmp_path):
+    trees = parse_trees([f"a={tmp_path}", f"b={tmp_path}"])
+    assert label_configs([], trees, None) == {}
+    own = label_configs(["b=own.yaml"], trees, None)
+    assert list(own) == ["b"] and own["b"][0] == "--config" and own["b"][1].endswith("/own.yaml")
+    shared = label_configs(["b=own.yaml"], trees, "shared.yaml")
+    assert shared["a"][1].endswith("shared.yaml") and shared["b"][1].endswith("own.yaml")
+    with pytest.raises(SystemExit, match="no --compare gives"):
+        label_configs(["c=own.yaml"], trees, None)
