@@ -117,9 +117,3 @@ def remap_heads(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, MappedHead):
             module.remap()
-
-
-def mapped_size(model: torch.nn.Module) -> int | None:
-    """How many tokens model's LM head scores when it is a MappedHead, else None."""
-    head = model.get_output_embeddings()
-    return int(head.token_ids.numel()) if isinstance(head, MappedHead) else None

@@ -88,8 +88,8 @@ def input_major_linears(model: torch.nn.Module) -> int:
 def pack_linears(model: torch.nn.Module) -> int:
     """Give each plain float32 `nn.Linear` of `model` (on the CPU) its packed copy, which its
     product over several rows takes from then on (the module becomes a PackedLinear: same
-    parameters and state dict). A subclass of nn.Linear computes its own way (an LM head over a
-    token map: decoding.token_map) and is left as it is. -> how many were packed (none where
+    parameters and state dict). Another subclass of nn.Linear computes its own way (an LM head
+    over a token map: decoding.token_map) and is left as it is. -> how many were packed (none where
     oneDNN is not built in)."""
     if not torch.backends.mkldnn.is_available():
         return 0

@@ -25,8 +25,7 @@ from specserve.decoding.proposers import DraftModelProposer
 from specserve.decoding.sampling import SamplingParams
 from specserve.decoding.scheduler import engine_for_model
 from specserve.decoding.sequence import RequestState
-from specserve.decoding.token_map import (FLOOR, MappedHead, TokenMapError, load_token_map, map_lm_head,
-                                          mapped_size)
+from specserve.decoding.token_map import FLOOR, MappedHead, TokenMapError, load_token_map, map_lm_head
 from specserve.training.token_map import corpus_texts, token_map
 from tests.reference_runner import reference_model
 from tests.test_decoder_statistics import PROMPT, VOCAB_SIZE, assert_speculation_follows_the_target
@@ -34,6 +33,12 @@ from tests.tiny_pair import make_tiny_pair, tiny_llama
 
 MAP = list(range(0, VOCAB_SIZE, 2))          # half of the vocabulary: what the draft may propose
 NUM_REQUESTS = 6_000
+
+
+def mapped_size(model) -> int | None:
+    """How many tokens model's LM head scores where it is a MappedHead, else None."""
+    head = model.get_output_embeddings()
+    return int(head.token_ids.numel()) if isinstance(head, MappedHead) else None
 
 
 def mapped_copy(model, token_ids):
