@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import sys
-from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
