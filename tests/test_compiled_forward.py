@@ -22,6 +22,7 @@ from specserve.decoding import compiled_forward
 from specserve.decoding.batched_runner import runner_for_model
 from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.scheduler import engine_for_model
+from specserve.decoding.token_map import FLOOR, map_lm_head
 from tests.tiny_pair import tiny_model
 
 # fp32: fused kernels reassociate sums (~1e-6 on these logits); a wrong mask or position moves
@@ -36,6 +37,21 @@ def ragged_steps() -> list[list[ForwardCall]]:
             [ForwardCall("a", a[:35], 6), ForwardCall("b", b[:8], 3), ForwardCall("c", c[:21], 1)],
             [ForwardCall("a", a[:36], 1), ForwardCall("b", b[:9], 1), ForwardCall("c", c[:22], 1)],
             [ForwardCall("a", a[:37], 1)]]
+
+
+@pytest.mark.slow
+def test_a_draft_over_a_token_map_compiles_to_the_rows_it_computes_eagerly(monkeypatch):
+    """The mapped LM head (decoding.token_map) inside the compiled forward, as a GPU runs it."""
+    monkeypatch.setenv(compiled_forward.ENFORCE_EAGER_ENV, "0")
+    model = tiny_model("llama")
+    map_lm_head(model, torch.arange(0, model.config.vocab_size, 3))
+    eager = engine_for_model(model, enforce_eager=True)
+    compiled = engine_for_model(model, enforce_eager=False)
+    assert not compiled.runner.step_forward.eager, compiled.runner.step_forward.reason
+    for calls in ragged_steps():
+        for call, got, expected in zip(calls, compiled.forward_batch(calls), eager.forward_batch(calls)):
+            torch.testing.assert_close(got, expected, atol=ATOL, rtol=0, msg=lambda m: f"{call.seq_id}: {m}")
+            assert (got[:, 1::3] == FLOOR).all()
 
 
 @pytest.mark.slow
