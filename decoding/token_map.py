@@ -76,14 +76,15 @@ class MappedHead(torch.nn.Linear):
     """An LM head (an nn.Linear: same parameters, same state dict) that computes only the rows of
     its token map and returns logits over the whole vocabulary, FLOOR elsewhere. The map's ids and
     its rows (copied from the weight, input-major: a single row's product is the faster over that
-    layout on the CPU, with a oneDNN-packed copy for several rows as every CPU Linear has) are
-    left out of the state dict."""
+    layout on the CPU, with a oneDNN-packed copy for several rows as every CPU Linear has) and their
+    bias are left out of the state dict."""
 
     token_ids: torch.Tensor
     mapped_weight: torch.Tensor
+    mapped_bias: torch.Tensor | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scores = linear(x, self.mapped_weight, None if self.bias is None else self.bias[self.token_ids], self)
+        scores = linear(x, self.mapped_weight, self.mapped_bias, self)
         logits = scores.new_full((*x.shape[:-1], self.out_features), FLOOR)
         return logits.index_copy_(-1, self.token_ids, scores)
 
@@ -93,6 +94,7 @@ class MappedHead(torch.nn.Linear):
         with torch.no_grad():
             rows = self.weight.detach().index_select(0, self.token_ids)
             self.mapped_weight = rows.t().contiguous().t() if rows.device.type == "cpu" else rows
+            self.mapped_bias = None if self.bias is None else self.bias.detach().index_select(0, self.token_ids)
             pack_weight(self, rows)
 
 
@@ -107,6 +109,7 @@ def map_lm_head(model: torch.nn.Module, token_ids: torch.Tensor) -> MappedHead:
     head.__class__ = MappedHead
     head.register_buffer("token_ids", token_ids.to(head.weight.device), persistent=False)
     head.register_buffer("mapped_weight", torch.empty(0, device=head.weight.device), persistent=False)
+    head.register_buffer("mapped_bias", None, persistent=False)
     head.remap()
     return head
 

@@ -97,7 +97,7 @@ def pack_linears(model: torch.nn.Module) -> int:
     for module in model.modules():
         if type(module) in (torch.nn.Linear, PackedLinear) and _plain_cpu_float32(module.weight):
             module.__class__ = PackedLinear
-            _PACKED[module] = _reordered(module.weight)
+            pack_weight(module, module.weight)
             packed += 1
     return packed
 
@@ -107,7 +107,7 @@ def repack_linears(model: torch.nn.Module) -> None:
     swap, which copies new values into the weights but not into the copies."""
     for module in model.modules():
         if type(module) is PackedLinear and module in _PACKED:
-            _PACKED[module] = _reordered(module.weight)
+            pack_weight(module, module.weight)
 
 
 def pack_weight(module: torch.nn.Module, weight: torch.Tensor) -> None:

@@ -25,7 +25,8 @@ from specserve.decoding.proposers import DraftModelProposer
 from specserve.decoding.sampling import SamplingParams
 from specserve.decoding.scheduler import engine_for_model
 from specserve.decoding.sequence import RequestState
-from specserve.decoding.token_map import FLOOR, MappedHead, TokenMapError, load_token_map, map_lm_head
+from specserve.decoding.token_map import (FLOOR, MappedHead, TokenMapError, load_token_map, map_lm_head,
+                                          remap_heads)
 from specserve.training.token_map import corpus_texts, token_map
 from tests.reference_runner import reference_model
 from tests.test_decoder_statistics import PROMPT, VOCAB_SIZE, assert_speculation_follows_the_target
@@ -80,6 +81,24 @@ def test_the_mapped_head_scores_the_map_and_floors_the_rest_with_the_same_weight
     torch.testing.assert_close(got[:, MAP], expected[:, MAP], rtol=1e-5, atol=1e-5)
     assert (got[:, outside] == FLOOR).all()
     assert (torch.softmax(got, dim=-1)[:, outside] == 0).all()
+
+
+def test_a_head_with_a_bias_adds_the_maps_entries_of_it_and_a_swap_copies_them_again():
+    model = tiny_llama(vocab_size=VOCAB_SIZE, seed=5)
+    old = model.lm_head
+    model.lm_head = torch.nn.Linear(old.in_features, old.out_features, bias=True)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(old.weight)
+        model.lm_head.bias.normal_()
+    head = map_lm_head(model, torch.tensor(MAP))
+    rows = torch.randn(8, head.in_features)
+    for _ in range(2):   # as built, then after new values are loaded into the head
+        with torch.no_grad():
+            torch.testing.assert_close(head(rows[:1])[:, MAP], (rows[:1] @ head.weight.T + head.bias)[:, MAP])
+            torch.testing.assert_close(head(rows)[:, MAP], (rows @ head.weight.T + head.bias)[:, MAP])
+            head.bias.add_(1.0)
+            head.weight.mul_(0.5)
+        remap_heads(model)
 
 
 def test_a_tied_head_stays_tied_and_a_weight_swap_copies_the_maps_rows_again():
