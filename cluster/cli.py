@@ -59,7 +59,9 @@ def config_from_args(args: argparse.Namespace):
     if args.draft:
         from specserve.decoding.eagle3_checkpoint import head_format
 
-        data["draft"] = {**(data["draft"] or data["target"]), "path": args.draft}
+        # Another draft's token ids are not this one's: its map is dropped unless --token-map names one.
+        data["draft"] = {**(data["draft"] or data["target"]), "path": args.draft, "token_map": None,
+                         "token_map_sampled": False}
         # A folder holding an EAGLE-3 head (either format) is served as one, else as a draft model.
         data["speculation"] = {**data["speculation"], "proposer": "eagle3" if head_format(args.draft) else "draft"}
     if getattr(args, "token_map", None):

@@ -62,7 +62,11 @@ class ModelSpec(_Strict):
                                                  "target at 1: acceptance a; decoding/null_forward.py)")
     token_map: str | None = Field(None, description="a draft model's only: a file of the token ids it may propose "
                                   "(a JSON list, or a tensor saved with torch.save); its LM head scores only those, "
-                                  "a cheaper step for some acceptance (FR-Spec; docs/token-map.md)")
+                                  "in steps whose rows are all greedy: a cheaper step for a little acceptance "
+                                  "(FR-Spec; docs/token-map.md). The default pair's draft has one")
+    token_map_sampled: bool = Field(False, description="score sampled rows over the token map too (SGLang's "
+                                    "behaviour): cheaper steps for all rows, but a sampled row loses acceptance on "
+                                    "the target's mass outside the map")
     prefix_caching: bool = Field(True, description="keep finished sequences' full KV blocks findable by their "
                                  "tokens, so a shared prefix (system prompt, n choices, a chat's earlier turns) is "
                                  "not prefilled again; evicted LRU when the pool needs room (as vLLM; docs/kv-memory.md)")
@@ -355,7 +359,8 @@ class SpecServeConfig(_Strict):
 
     model_name: str = "specserve-default"
     target: ModelSpec = ModelSpec(path=str(DEFAULT_MODELS_DIR / "target"))
-    draft: ModelSpec | None = ModelSpec(path=str(DEFAULT_MODELS_DIR / "draft"))
+    draft: ModelSpec | None = ModelSpec(path=str(DEFAULT_MODELS_DIR / "draft"),
+                                        token_map=str(DEFAULT_MODELS_DIR / "draft-token-map.json"))
     tokenizer_path: str | None = Field(None, description="defaults to the target's path")
     chat_template: str | None = Field(None, description="a Jinja chat template, or the path of a file holding "
                                       "one, used instead of the tokenizer's (vLLM's --chat-template)")
@@ -384,6 +389,11 @@ class SpecServeConfig(_Strict):
         if self.target.token_map is not None:
             raise ValueError("target.token_map: a token map restricts what a draft proposes; the target scores "
                              "every token (set draft.token_map)")
+        for role in ("target", "draft"):
+            spec = getattr(self, role)
+            if spec is not None and spec.token_map_sampled and spec.token_map is None:
+                raise ValueError(f"{role}.token_map_sampled: scores sampled rows over a token map, but "
+                                 f"{role}.token_map names none")
         if self.draft is not None and self.draft.token_map is not None:
             if not self.speculation.needs_draft_model:
                 raise ValueError(f"draft.token_map needs a draft model (speculation.proposer 'draft'), not "

@@ -41,7 +41,7 @@ from specserve.decoding.eagle3_head import aux_features
 from specserve.decoding.tensor_parallel import TensorParallelRank, agreed_minimum, in_group, join_group, weight_bytes
 from specserve.decoding.paged_attention import ATTENTION_NAME, FLASH_BLOCK_SIZE, PagedAttentionError, flash_kernel_available
 from specserve.decoding.weight_layout import input_major_linears, pack_linears, repack_linears
-from specserve.decoding.token_map import load_token_map, map_lm_head, remap_heads
+from specserve.decoding.token_map import load_token_map, map_lm_head, mapped_head, remap_heads
 from specserve.decoding.paged_attention import register as register_paged_attention
 from specserve.decoding.paged_cache import (
     DEFAULT_BLOCK_SIZE,
@@ -175,6 +175,7 @@ class BatchedModelRunner(RunnerBase):
         self._dtype = next(model.parameters()).dtype
         input_major_linears(model)
         pack_linears(model)
+        self.mapped_head = mapped_head(model)   # a draft's LM head over a token map: told each step's rows
         self.aux_layers = tuple(int(layer) for layer in aux_layers)
         num_layers = self.config.num_hidden_layers
         if not all(0 <= layer < num_layers for layer in self.aux_layers):
@@ -231,8 +232,19 @@ class BatchedModelRunner(RunnerBase):
         # compiled (over shaped pools: a graph traced before them would not be reused).
         self._dummy_forward(self.cache, rows=1, tokens=1, eager=True)
         self.null_forward_agreement = null_forward_agreement
-        self.step_forward.warm_up(lambda: [self._dummy_forward(self.cache, rows, tokens)
+        self.step_forward.warm_up(lambda: [self._dummy_forward(self.cache, rows, tokens, over_map=over_map)
+                                           for over_map in self._head_modes()
                                            for rows, tokens in self._warm_up_shapes()], model_path)
+
+    def _head_modes(self) -> tuple[bool, ...]:
+        """The steps' `over_map` values whose forwards differ: both for a head over a token map that
+        scores only the steps that may be (each compiles its own graph), else one."""
+        return (True, False) if self.mapped_head is not None and not self.mapped_head.maps_sampled else (False,)
+
+    def _score_rows(self, over_map: bool) -> None:
+        """Tell a head over a token map whether the next forward's rows may be scored over it."""
+        if self.mapped_head is not None:
+            self.mapped_head.for_step(over_map)
 
     def _warm_up_shapes(self) -> tuple[tuple[int, int], ...]:
         """WARM_UP_SHAPES, and under CUDA graphs a step longer than a graphed one, which the
@@ -286,7 +298,8 @@ class BatchedModelRunner(RunnerBase):
                 for window in (view.windows[layer] for layer in range(num_layers))]
 
     @torch.inference_mode()   # as a step's forward: a compiled graph guards on its inputs' mode
-    def _dummy_forward(self, cache: PagedKVCache, rows: int, tokens: int, kept: int = 1, eager: bool = False):
+    def _dummy_forward(self, cache: PagedKVCache, rows: int, tokens: int, kept: int = 1, eager: bool = False,
+                       over_map: bool = False):
         """One forward of rows new sequences of `tokens` tokens over distinct blocks of `cache`
         (nothing else holds them: at load, or a throw-away cache), keeping each row's last `kept`
         logits (eager: without compiling); -> its PagedBatchView (which layers attended through it)."""
@@ -301,6 +314,7 @@ class BatchedModelRunner(RunnerBase):
         kernel = "gather" if eager else self.step_forward.attention_kernel
         view = cache.view(layout, keep_index, kernel)
         input_ids = torch.zeros((rows, tokens), dtype=torch.long, device=self.device)
+        self._score_rows(over_map)
         if eager:
             self._model_logits(input_ids, view)
         else:
@@ -327,6 +341,7 @@ class BatchedModelRunner(RunnerBase):
         self.cache.reserve(plan.pool_blocks)
         for source, destination in plan.copies:
             self.cache.copy_block(source, destination)
+        self._score_rows(plan.over_map)
         num_new = [len(ids) for ids in plan.input_ids]
         layout = paged_layout(plan.group_tables, plan.starts, num_new, self.block_size, dtype=self._dtype,
                               device=self.device)
@@ -493,8 +508,8 @@ def runner_for_model(model, max_sequences: int = 256, model_path: str | None = N
 def load_runner(spec: dict):
     """The runner for a model spec mapping (path, dtype, device, torch_threads, max_sequences,
     lean_forward, and optionally max_model_len, kv_cache_memory_gb, gpu_memory_utilization,
-    prefix_caching, cache_salt, aux_layers (an EAGLE-3 head's target), token_map (a draft's: its LM
-    head scores only those tokens, decoding.token_map), and the builder's gpu_share,
+    prefix_caching, cache_salt, aux_layers (an EAGLE-3 head's target), token_map and token_map_sampled
+    (a draft's: its LM head scores only those tokens, in greedy steps or in all, decoding.token_map), and the builder's gpu_share,
     profile_batches and rollback_tokens: see BatchedModelRunner._init_from_model).
 
     With `tensor_parallel` ({rank, size, store_address}: this process is one rank of a group) it
@@ -507,9 +522,9 @@ def load_runner(spec: dict):
                            num_threads=spec["torch_threads"], tensor_parallel_size=group.size if group else 1)
     if spec.get("token_map"):
         token_ids = load_token_map(spec["token_map"], model.get_output_embeddings().out_features)
-        map_lm_head(model, token_ids)
-        logger.info("%s: the LM head scores the %d tokens of the token map %s", spec["path"], len(token_ids),
-                    spec["token_map"])
+        map_lm_head(model, token_ids, maps_sampled=spec.get("token_map_sampled", False))
+        logger.info("%s: the LM head scores the %d tokens of the token map %s in %s", spec["path"], len(token_ids),
+                    spec["token_map"], "every step" if spec.get("token_map_sampled") else "steps whose rows are all greedy")
     runner = runner_for_model(model, max_sequences=spec["max_sequences"], model_path=spec["path"],
                               lean_forward=spec.get("lean_forward", True), max_model_len=spec.get("max_model_len"),
                               kv_cache_memory_gb=spec.get("kv_cache_memory_gb"),

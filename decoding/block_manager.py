@@ -59,6 +59,8 @@ class ForwardCall:
     seq_id: str
     token_ids: Sequence[int]
     num_rows: int = 1
+    # Its rows may be scored over a draft's token map (decoding.token_map): drawn by argmax, or never read.
+    over_map: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class StepPlan:
     group_tables: tuple[tuple[tuple[int, ...], ...], ...]
     copies: tuple[tuple[int, int], ...] = ()   # copy-on-write: (source, destination) blocks, before the forward
     pool_blocks: int = 0                       # block ids the pools must have room for
+    over_map: bool = False                     # every row's call may be scored over a token map
 
     @property
     def num_new_tokens(self) -> int:
@@ -285,7 +288,8 @@ class BlockManager:
             input_ids=tuple(tuple(history[start:]) for history, start in zip(histories, starts)),
             starts=tuple(starts), num_rows=tuple(call.num_rows for call in calls),
             group_tables=tuple(tuple(tuple(entry.tables[g]) for entry in entries) for g in range(self.num_groups)),
-            copies=tuple(pair for row in copies for pair in row), pool_blocks=self.allocator.capacity)
+            copies=tuple(pair for row in copies for pair in row), pool_blocks=self.allocator.capacity,
+            over_map=all(call.over_map for call in calls))
         self._pending[id(plan)] = _Pending(entries, histories, [call.seq_id for call, reuse in zip(calls, reuses)
                                                                 if reuse.new], [bool(row) for row in copies])
         return plan

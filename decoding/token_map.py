@@ -7,8 +7,10 @@ reads every row of it. Text keeps to a small share of a vocabulary most of the t
 of its most frequent tokens make nearly every greedy proposal the full head would, for the cost
 of those rows. It stays lossless: rejection sampling is exact for any q the draft token was drawn
 from, and a token outside the map gets q = 0, so the target's residual alone supplies it; what a
-map costs is acceptance where the target's token lies outside it (more so sampled, where the mass
-outside is what a row loses). Measured in docs/token-map.md.
+map costs is acceptance where the target's token lies outside it: a greedy row only where the
+full head's argmax does, a sampled row on all the mass outside. So only a step whose rows are all
+greedy scores the map, any other the whole head, unless the map is for sampled rows too
+(`draft.token_map_sampled`). Measured in docs/token-map.md.
 
 `MappedHead` keeps the head's parameters and state dict (a weight swap of the draft loads into
 them as before, `remap_heads` then copies the map's rows again) and returns logits over the whole
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.decoding.weight_layout import linear, pack_weight
+from specserve.decoding.weight_layout import PackedLinear, linear, pack_weight
 
 # The logit of a token outside the map: exp(FLOOR - m) underflows to 0 in float32 for any row
 # whose largest logit m is above FLOOR + 104, and it survives a temperature's division in half
@@ -72,19 +74,32 @@ def frequent_tokens(stream: torch.Tensor, count: int, vocab_size: int) -> torch.
     return counts.topk(count).indices.sort().values
 
 
-class MappedHead(torch.nn.Linear):
-    """An LM head (an nn.Linear: same parameters, same state dict) that computes only the rows of
-    its token map and returns logits over the whole vocabulary, FLOOR elsewhere. The map's ids and
+class MappedHead(PackedLinear):
+    """An LM head (an nn.Linear: same parameters, same state dict) that, in a step whose rows it
+    may map (`for_step`), computes only the rows of its token map and returns logits over the
+    whole vocabulary, FLOOR elsewhere; in any other step it is the whole head. The map's ids and
     its rows (copied from the weight, input-major: a single row's product is the faster over that
-    layout on the CPU, with a oneDNN-packed copy for several rows as every CPU Linear has) and their
-    bias are left out of the state dict."""
+    layout on the CPU, with a oneDNN-packed copy for several rows, as the whole weight has) and
+    their bias are left out of the state dict."""
 
     token_ids: torch.Tensor
     mapped_weight: torch.Tensor
     mapped_bias: torch.Tensor | None
+    maps_sampled: bool   # sampled rows scored over the map too (else greedy steps only)
+    over_map: bool       # the step running now is scored over the map
+
+    def for_step(self, over_map: bool) -> None:
+        """Score the next forwards over the map when their rows may be (all greedy, or never read:
+        decoding.block_manager.ForwardCall.over_map), or always when the map is for sampled rows
+        too. Why not sampled rows by default: a greedy row loses a proposal only where the full
+        head's argmax lies outside the map, a sampled row loses acceptance on all the mass the
+        target puts outside it (docs/token-map.md)."""
+        self.over_map = over_map or self.maps_sampled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scores = linear(x, self.mapped_weight, self.mapped_bias, self)
+        if not self.over_map:
+            return linear(x, self.weight, self.bias)
+        scores = linear(x, self.mapped_weight, self.mapped_bias)
         logits = scores.new_full((*x.shape[:-1], self.out_features), FLOOR)
         return logits.index_copy_(-1, self.token_ids, scores)
 
@@ -95,14 +110,15 @@ class MappedHead(torch.nn.Linear):
             rows = self.weight.detach().index_select(0, self.token_ids)
             self.mapped_weight = rows.t().contiguous().t() if rows.device.type == "cpu" else rows
             self.mapped_bias = None if self.bias is None else self.bias.detach().index_select(0, self.token_ids)
-            pack_weight(self, rows)
+            pack_weight(self.mapped_weight)
 
 
-def map_lm_head(model: torch.nn.Module, token_ids: torch.Tensor) -> MappedHead:
+def map_lm_head(model: torch.nn.Module, token_ids: torch.Tensor, maps_sampled: bool = False) -> MappedHead:
     """Make model's output embedding (its LM head) a MappedHead over token_ids (ascending, in range:
-    `load_token_map`), in place; a head tied to the input embedding stays tied."""
+    `load_token_map`), in place; a head tied to the input embedding stays tied. maps_sampled: score
+    sampled rows over the map too (MappedHead.for_step); it starts over the map."""
     head = model.get_output_embeddings()
-    if type(head) is not torch.nn.Linear:
+    if type(head) not in (torch.nn.Linear, PackedLinear):
         raise TokenMapError(f"a token map needs a plain nn.Linear LM head, this model's is {type(head).__name__}")
     if int(token_ids[-1]) >= head.out_features:
         raise TokenMapError(f"token map names token {int(token_ids[-1])}, the LM head has {head.out_features} rows")
@@ -110,8 +126,16 @@ def map_lm_head(model: torch.nn.Module, token_ids: torch.Tensor) -> MappedHead:
     head.register_buffer("token_ids", token_ids.to(head.weight.device), persistent=False)
     head.register_buffer("mapped_weight", torch.empty(0, device=head.weight.device), persistent=False)
     head.register_buffer("mapped_bias", None, persistent=False)
+    head.maps_sampled = maps_sampled
+    head.over_map = True
     head.remap()
     return head
+
+
+def mapped_head(model: torch.nn.Module) -> MappedHead | None:
+    """model's LM head where it is a MappedHead, else None."""
+    head = model.get_output_embeddings()
+    return head if isinstance(head, MappedHead) else None
 
 
 def remap_heads(model: torch.nn.Module) -> None:

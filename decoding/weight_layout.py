@@ -27,30 +27,31 @@ per token.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 # From this many rows a product takes the packed copy (fewer: MKL over the input-major weight,
 # the faster for one row; two are about even); the copy is reordered for PACK_ROWS_HINT rows.
 PACKED_MIN_ROWS = 3
 PACK_ROWS_HINT = 8
-# Module -> its packed weight. Beside the module, not in it: a oneDNN tensor has no storage to
-# copy, so a model copied with copy.deepcopy (the tests' references, a saved draft version) gets
-# none, and its Linears compute as plain ones.
-_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Weight tensor -> its packed copy. Beside the weight, not in its module: a oneDNN tensor has no
+# storage to copy, so a model copied with copy.deepcopy (the tests' references, a saved draft
+# version) gets none, and its Linears compute as plain ones. Keyed by the tensor a forward passes
+# (a Parameter keeps its identity through a weight swap's in-place copy), so one module may hold
+# several (an LM head over a token map: its whole weight and its map's rows).
+_PACKED = WeakIdKeyDictionary()   # keyed by identity: a tensor's == is elementwise
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, module: torch.nn.Module) -> torch.Tensor:
-    """x · weightᵀ + bias, over module's packed copy of weight (`pack_weight`) for PACKED_MIN_ROWS
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x · weightᵀ + bias, over weight's packed copy (`pack_weight`) for PACKED_MIN_ROWS
     float32 rows or more where it has one, outside autograd (the copy carries no gradient to the
     weight: a model trained takes the plain product); traced by torch.compile, the plain product
     too (the compiled graph is inductor's to lay out)."""
     # Asked first: traced, a test of the rows would put a guard on them in the graph.
     if (not torch.compiler.is_compiling() and not torch.is_grad_enabled()
             and x.numel() >= PACKED_MIN_ROWS * x.shape[-1]):
-        packed = _PACKED.get(module)
+        packed = _PACKED.get(weight)
         if packed is not None and x.dtype == torch.float32:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -61,7 +62,7 @@ class PackedLinear(torch.nn.Linear):
     packed copy (`pack_linears`, `linear`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self)
+        return linear(x, self.weight, self.bias)
 
 
 def _plain_cpu_float32(weight: torch.Tensor) -> bool:
@@ -88,16 +89,17 @@ def input_major_linears(model: torch.nn.Module) -> int:
 def pack_linears(model: torch.nn.Module) -> int:
     """Give each plain float32 `nn.Linear` of `model` (on the CPU) its packed copy, which its
     product over several rows takes from then on (the module becomes a PackedLinear: same
-    parameters and state dict). Another subclass of nn.Linear computes its own way (an LM head
-    over a token map: decoding.token_map) and is left as it is. -> how many were packed (none where
+    parameters and state dict); a PackedLinear's subclass (an LM head over a token map:
+    decoding.token_map) gets the copy of its weight and stays what it is. -> how many were packed (none where
     oneDNN is not built in)."""
     if not torch.backends.mkldnn.is_available():
         return 0
     packed = 0
     for module in model.modules():
-        if type(module) in (torch.nn.Linear, PackedLinear) and _plain_cpu_float32(module.weight):
-            module.__class__ = PackedLinear
-            pack_weight(module, module.weight)
+        if (type(module) is torch.nn.Linear or isinstance(module, PackedLinear)) and _plain_cpu_float32(module.weight):
+            if type(module) is torch.nn.Linear:
+                module.__class__ = PackedLinear
+            pack_weight(module.weight)
             packed += 1
     return packed
 
@@ -106,17 +108,17 @@ def repack_linears(model: torch.nn.Module) -> None:
     """Reorder every PackedLinear's copy in `model` from its weight as it is now: after a weight
     swap, which copies new values into the weights but not into the copies."""
     for module in model.modules():
-        if type(module) is PackedLinear and module in _PACKED:
-            pack_weight(module, module.weight)
+        if isinstance(module, PackedLinear) and module.weight in _PACKED:
+            pack_weight(module.weight)
 
 
-def pack_weight(module: torch.nn.Module, weight: torch.Tensor) -> None:
-    """Give module (one computing through `linear`) a packed copy of weight, or none where the
-    weight is not a plain float32 CPU matrix or oneDNN is not built in."""
+def pack_weight(weight: torch.Tensor) -> None:
+    """Give weight (one a forward passes to `linear`) a packed copy of its values as they are now,
+    or none where it is not a plain float32 CPU matrix or oneDNN is not built in."""
     if torch.backends.mkldnn.is_available() and _plain_cpu_float32(weight):
-        _PACKED[module] = _reordered(weight)
+        _PACKED[weight] = _reordered(weight)
     else:
-        _PACKED.pop(module, None)
+        _PACKED.pop(weight, None)
 
 
 def _reordered(weight: torch.Tensor) -> torch.Tensor:

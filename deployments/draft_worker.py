@@ -451,7 +451,8 @@ class DraftEngine(EngineCore):
         for index, chunk in schedule.plan.prefills:
             tokens = self._tokens(calls[index])
             end = schedule.calls[index].chunk_end(chunk)
-            forward_calls.append(ForwardCall(calls[index].seq_id, tokens if end is None else tokens[:end], 1))
+            forward_calls.append(ForwardCall(calls[index].seq_id, tokens if end is None else tokens[:end], 1,
+                                             over_map=True))   # its logits are not read
             if end is None:
                 complete.append(index)
         _, cost = timed_forward(self.scheduler, forward_calls)

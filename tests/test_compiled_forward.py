@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -41,17 +42,20 @@ def ragged_steps() -> list[list[ForwardCall]]:
 
 @pytest.mark.slow
 def test_a_draft_over_a_token_map_compiles_to_the_rows_it_computes_eagerly(monkeypatch):
-    """The mapped LM head (decoding.token_map) inside the compiled forward, as a GPU runs it."""
+    """The mapped LM head (decoding.token_map) inside the compiled forward, as a GPU runs it: steps
+    scored over the map and steps over the whole head, each its own graph."""
     monkeypatch.setenv(compiled_forward.ENFORCE_EAGER_ENV, "0")
     model = tiny_model("llama")
     map_lm_head(model, torch.arange(0, model.config.vocab_size, 3))
     eager = engine_for_model(model, enforce_eager=True)
     compiled = engine_for_model(model, enforce_eager=False)
     assert not compiled.runner.step_forward.eager, compiled.runner.step_forward.reason
-    for calls in ragged_steps():
-        for call, got, expected in zip(calls, compiled.forward_batch(calls), eager.forward_batch(calls)):
-            torch.testing.assert_close(got, expected, atol=ATOL, rtol=0, msg=lambda m: f"{call.seq_id}: {m}")
-            assert (got[:, 1::3] == FLOOR).all()
+    for over_map in (True, False):
+        for steps in ragged_steps():
+            calls = [replace(call, seq_id=f"{call.seq_id}-{over_map}", over_map=over_map) for call in steps]
+            for call, got, expected in zip(calls, compiled.forward_batch(calls), eager.forward_batch(calls)):
+                torch.testing.assert_close(got, expected, atol=ATOL, rtol=0, msg=lambda m: f"{call.seq_id}: {m}")
+                assert (got[:, 1::3] == FLOOR).all() == over_map
 
 
 @pytest.mark.slow

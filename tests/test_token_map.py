@@ -1,9 +1,11 @@
-"""A draft model over a token map (decoding/token_map.py): its head scores only the map's tokens,
-proposes nothing else, and speculation over it stays exact.
+"""A draft model over a token map (decoding/token_map.py): in a step whose rows are all greedy its
+head scores only the map's tokens and the draft proposes nothing else; a sampled row (or a step
+mixing them) scores the whole head unless the map is for sampled rows too; speculation over it
+stays exact.
 
 The statistical test runs 6,000 seeded requests through the real round path
-(decoding.generate.generate_batch: DraftModelProposer over a mapped head, target rows, rejection
-sampling) with a draft that may propose only half of the vocabulary: the emitted tokens' marginal
+(decoding.generate.generate_batch: DraftModelProposer over a head mapped for sampled rows too,
+target rows, rejection sampling) with a draft that may propose only half of the vocabulary: the emitted tokens' marginal
 at the first two speculative positions must pass a chi-square test (p > 1e-3) and stay under exact
 sampling's 99.9% TV quantile against the target's exact marginal, while the same test rejects the
 mapped draft's own marginal (a sampler that emitted the draft's tokens would fail)."""
@@ -21,7 +23,7 @@ from specserve.cluster.local import check_model_paths
 from specserve.common.config import SpecServeConfig
 from specserve.decoding.batched_runner import load_runner
 from specserve.decoding.generate import generate
-from specserve.decoding.proposers import DraftModelProposer
+from specserve.decoding.proposers import DraftModelProposer, ProposeCall
 from specserve.decoding.sampling import SamplingParams
 from specserve.decoding.scheduler import engine_for_model
 from specserve.decoding.sequence import RequestState
@@ -42,9 +44,9 @@ def mapped_size(model) -> int | None:
     return int(head.token_ids.numel()) if isinstance(head, MappedHead) else None
 
 
-def mapped_copy(model, token_ids):
+def mapped_copy(model, token_ids, maps_sampled: bool = False):
     copied = copy.deepcopy(model)
-    map_lm_head(copied, torch.tensor(token_ids))
+    map_lm_head(copied, torch.tensor(token_ids), maps_sampled)
     return copied
 
 
@@ -81,6 +83,9 @@ def test_the_mapped_head_scores_the_map_and_floors_the_rest_with_the_same_weight
     torch.testing.assert_close(got[:, MAP], expected[:, MAP], rtol=1e-5, atol=1e-5)
     assert (got[:, outside] == FLOOR).all()
     assert (torch.softmax(got, dim=-1)[:, outside] == 0).all()
+    reference_model(mapped).lm_head.for_step(over_map=False)   # a step with a sampled row: the whole head
+    with torch.no_grad():
+        torch.testing.assert_close(reference_model(mapped)(ids).logits[0], expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_head_with_a_bias_adds_the_maps_entries_of_it_and_a_swap_copies_them_again():
@@ -115,6 +120,24 @@ def test_a_tied_head_stays_tied_and_a_weight_swap_copies_the_maps_rows_again():
         torch.testing.assert_close(head(rows)[:, MAP], rows @ trained["lm_head.weight"][MAP].T, rtol=1e-5, atol=1e-5)
 
 
+def test_the_whole_head_and_the_maps_rows_each_read_their_own_packed_copy_for_several_rows():
+    """On the CPU a product of several rows reads a packed copy (decoding.weight_layout): the whole
+    head's is its weight's, the map's its rows'. Weights changed without a repack leave both copies
+    stale, which several rows show in either mode and one row in neither."""
+    runner = engine_for_model(mapped_copy(tiny_llama(vocab_size=VOCAB_SIZE, seed=6), MAP)).runner
+    head = runner.model.lm_head
+    with torch.no_grad():
+        head.weight.mul_(0.5)
+        head.mapped_weight.mul_(0.5)
+    one, several = torch.randn(1, head.in_features), torch.randn(8, head.in_features)
+    for over_map, columns in ((True, MAP), (False, list(range(VOCAB_SIZE)))):
+        head.for_step(over_map)
+        with torch.no_grad():
+            fresh = lambda rows: (rows @ head.weight.T)[:, columns]  # noqa: E731
+            torch.testing.assert_close(head(one)[:, columns], fresh(one), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(head(several)[:, columns], 2 * fresh(several), rtol=1e-4, atol=1e-4)
+
+
 def test_greedy_speculation_over_a_map_is_target_only_greedy():
     target, draft = tiny_llama(vocab_size=96, seed=0), tiny_llama(vocab_size=96, seed=1)
     proposer = DraftModelProposer(engine_for_model(mapped_copy(draft, list(range(0, 96, 3)))))
@@ -129,16 +152,48 @@ def test_greedy_speculation_over_a_map_is_target_only_greedy():
         assert drafted.stats.num_drafted > 0
 
 
-def test_a_mapped_draft_proposes_only_the_maps_tokens():
-    draft = engine_for_model(mapped_copy(tiny_llama(vocab_size=VOCAB_SIZE, seed=1), MAP))
-    proposer = DraftModelProposer(draft)
-    proposed = []
-    for seed in range(200):
-        params = SamplingParams(temperature=1.0, max_tokens=8, seed=seed)
-        proposal = proposer.propose(f"s{seed}", PROMPT, 4, params, torch.Generator().manual_seed(seed))
-        proposed += proposal.token_ids
-        proposer.release(f"s{seed}")
-    assert set(proposed) <= set(MAP) and len(set(proposed)) > 4
+def proposed_tokens(proposer, temperature: float, count: int = 200) -> list[list[int]]:
+    """count proposals of 4 tokens, each alone in its steps: sampled from PROMPT with seeds, or
+    greedy from PROMPT followed by one token of each id."""
+    proposals = []
+    for index in range(count):
+        history = PROMPT if temperature else PROMPT + [index % VOCAB_SIZE]
+        params = SamplingParams(temperature=temperature, max_tokens=8, seed=index)
+        proposals.append(proposer.propose(f"s{index}", history, 4, params,
+                                          torch.Generator().manual_seed(index)).token_ids)
+        proposer.release(f"s{index}")
+    return proposals
+
+
+def test_a_mapped_draft_proposes_only_the_maps_tokens_greedy_and_sampled_ones_only_where_asked():
+    draft = tiny_llama(vocab_size=VOCAB_SIZE, seed=1)
+    whole, mapped, mapped_sampled = (DraftModelProposer(engine_for_model(model)) for model in (
+        draft, mapped_copy(draft, MAP), mapped_copy(draft, MAP, maps_sampled=True)))
+    outside = lambda proposals: {token for proposal in proposals for token in proposal} - set(MAP)  # noqa: E731
+    assert outside(proposed_tokens(whole, 0.0)) and outside(proposed_tokens(whole, 1.0))   # the check can fail
+    assert not outside(proposed_tokens(mapped, 0.0))
+    assert proposed_tokens(mapped, 1.0) == proposed_tokens(whole, 1.0)   # sampled: the whole head, same draws
+    sampled_over_map = proposed_tokens(mapped_sampled, 1.0)
+    assert not outside(sampled_over_map) and len({token for proposal in sampled_over_map for token in proposal}) > 4
+
+
+def test_a_step_mixing_greedy_and_sampled_rows_scores_the_whole_head():
+    draft = tiny_llama(vocab_size=VOCAB_SIZE, seed=1)
+    whole, mapped = DraftModelProposer(engine_for_model(draft)), DraftModelProposer(engine_for_model(mapped_copy(draft, MAP)))
+    greedy = SamplingParams(temperature=0.0)
+    for token in range(VOCAB_SIZE):   # a history whose greedy draft over the whole head leaves the map
+        history = PROMPT + [token]
+        expected = whole.propose("probe", history, 4, greedy).token_ids
+        whole.release("probe")
+        if set(expected) - set(MAP):
+            break
+    else:
+        pytest.fail("no greedy draft of the whole head leaves the map: the test could not fail")
+    assert set(mapped.propose("alone", history, 4, greedy).token_ids) <= set(MAP)
+    mixed = mapped.propose_batch([ProposeCall("g", history, 4, greedy),
+                                  ProposeCall("s", PROMPT, 4, SamplingParams(temperature=1.0, seed=3),
+                                              torch.Generator().manual_seed(3))])
+    assert mixed[0].token_ids == expected
 
 
 def test_sampled_speculation_over_a_map_follows_the_target_and_the_test_rejects_the_drafts_marginal():
@@ -148,7 +203,8 @@ def test_sampled_speculation_over_a_map_follows_the_target_and_the_test_rejects_
         assert float(marginals["target"][0][outside].sum()) > 0.2
 
     assert_speculation_follows_the_target(tiny_llama(vocab_size=VOCAB_SIZE, seed=0),
-                                          mapped_copy(tiny_llama(vocab_size=VOCAB_SIZE, seed=1), MAP), NUM_REQUESTS,
+                                          mapped_copy(tiny_llama(vocab_size=VOCAB_SIZE, seed=1), MAP, maps_sampled=True),
+                                          NUM_REQUESTS,
                                           seed=2027, check=the_target_wants_what_the_draft_cannot_give)
 
 
@@ -158,6 +214,8 @@ def test_a_runner_built_from_a_spec_with_a_map_serves_the_mapped_head(tmp_path):
     spec = {"path": str(draft_dir), "dtype": "float32", "device": "cpu", "torch_threads": 1, "max_sequences": 4,
             "token_map": str(tmp_path / "map.json")}
     assert mapped_size(load_runner(spec).model) == 5
+    assert not load_runner(spec).model.lm_head.maps_sampled
+    assert load_runner({**spec, "token_map_sampled": True}).model.lm_head.maps_sampled
     assert mapped_size(load_runner({**spec, "token_map": None}).model) is None
 
 
@@ -180,6 +238,21 @@ def test_the_config_takes_a_map_on_a_draft_model_only_and_a_bad_one_stops_the_st
         SpecServeConfig.model_validate({**base, "target": {**base["target"], "token_map": str(good)}})
     with pytest.raises(ValueError, match="needs a draft model"):
         SpecServeConfig.model_validate({**base, "speculation": {**base["speculation"], "proposer": "ngram"}})
+    with pytest.raises(ValueError, match="draft.token_map names none"):
+        SpecServeConfig.model_validate({**base, "draft": {**base["draft"], "token_map": None, "token_map_sampled": True}})
+
+
+def test_the_default_pairs_draft_has_a_map_that_another_draft_does_not_inherit(tmp_path):
+    default = SpecServeConfig()
+    assert default.draft.token_map and not default.draft.token_map_sampled
+    check_model_paths(default)   # the shipped map fits the shipped draft
+    target_dir, draft_dir = make_tiny_pair(tmp_path)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config")
+    add_model_args(parser)
+    for flags in (["--draft", str(draft_dir)], ["--target", str(target_dir), "--draft", str(draft_dir)]):
+        config = config_from_args(parser.parse_args(flags))
+        assert config.draft.path == str(draft_dir) and config.draft.token_map is None
 
 
 def test_a_map_written_from_a_corpus_holds_its_most_frequent_tokens_and_eos(tmp_path):
