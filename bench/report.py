@@ -88,6 +88,11 @@ def _prompt_set_tag(prompt_set: dict) -> str:
     return f", prompts `{prompt_set['name']}` v{prompt_set['version']}" if "name" in prompt_set else ""
 
 
+def _token_map_note(token_map: str | None) -> str:
+    """Where the served draft has a token map (docs/token-map.md): the in-process rows' has none."""
+    return f"; served, the draft's greedy steps score only the token map `{token_map}`" if token_map else ""
+
+
 def render_markdown(result: dict) -> str:
     """The human-readable report of one benchmark run."""
     settings, machine, steps = result["settings"], result["machine"], result.get("step_latency") or {}
@@ -97,7 +102,8 @@ def render_markdown(result: dict) -> str:
                f"max_tokens {settings['max_tokens']}; {settings['runs']} run(s), tok/s = median over runs")
     out.append(f"- models: target `{settings['target_path']}`, draft `{settings['draft_path']}` "
                f"({settings['dtype']} on {settings['device']}); K = {settings['num_draft_tokens']}"
-               f"{' (HTTP rows: adaptive depth)' if settings.get('adaptive') else ''}")
+               f"{' (HTTP rows: adaptive depth)' if settings.get('adaptive') else ''}"
+               f"{_token_map_note(settings.get('draft_token_map'))}")
     out.append(f"- machine: {machine['cpu_count']} CPUs, {machine.get('device_name', settings['device'])}, torch "
                f"{machine['torch']}, transformers {machine['transformers']}, ray {machine.get('ray') or 'n/a'}; "
                f"in-process torch threads {settings['threads']}; load average {machine.get('loadavg_start')} → "

@@ -149,14 +149,15 @@ def served_model_specs(config: SpecServeConfig) -> tuple[dict[str, Any], dict[st
               # The deepest a step rolls back (its speculative tail): windowed layers keep the keys for it.
               "rollback_tokens": engine["max_step_tokens"]}
     target = {**config.target.model_dump(), **served, "gpu_share": gpu_share(config.target_workers.num_gpus),
-              "tensor_parallel_timeout_s": config.target_workers.tensor_parallel_timeout_s}
+              "tensor_parallel_timeout_s": config.target_workers.tensor_parallel_timeout_s, "token_map": None}
     if config.speculation.proposer == "eagle3" and config.draft is not None:
         return head_specs(config, target)
     draft = None
     if config.draft is not None and config.speculation.needs_draft_model:
         draft = {**config.draft.model_dump(), **served, "gpu_share": gpu_share(config.draft_workers.num_gpus),
                  "max_model_len": min(target_len, context_length(config.draft.path)),
-                 "tensor_parallel_timeout_s": config.draft_workers.tensor_parallel_timeout_s}
+                 "tensor_parallel_timeout_s": config.draft_workers.tensor_parallel_timeout_s,
+                 "token_map": config.draft_token_map}
     return target, draft
 
 
@@ -166,7 +167,7 @@ def head_specs(config: SpecServeConfig, target: dict[str, Any]) -> tuple[dict[st
     the start before any engine does; the target computes the head's aux layers' features, and
     the draft engine reads the target's embeddings from target_path."""
     head = checked_head(config)
-    draft = {**config.draft.model_dump(), "target_path": config.target.path}
+    draft = {**config.draft.model_dump(), "target_path": config.target.path, "token_map": None}
     return {**target, "aux_layers": list(head.aux_layers)}, draft
 
 

@@ -13,6 +13,7 @@ import time
 import httpx
 
 from specserve.common.config import load_config
+from specserve.decoding.token_map import AUTO_TOKEN_MAP
 
 # No trailing newline: the tokenizer merges a newline with the next line's indentation, so a
 # prompt that ends in "\n" leaves the model mid-token.
@@ -59,8 +60,8 @@ def config_from_args(args: argparse.Namespace):
     if args.draft:
         from specserve.decoding.eagle3_checkpoint import head_format
 
-        # Another draft's token ids are not this one's: its map is dropped unless --token-map names one.
-        data["draft"] = {**(data["draft"] or data["target"]), "path": args.draft, "token_map": None,
+        # Another draft's token ids are not this one's: it serves its own folder's map, if any.
+        data["draft"] = {**(data["draft"] or data["target"]), "path": args.draft, "token_map": AUTO_TOKEN_MAP,
                          "token_map_sampled": False}
         # A folder holding an EAGLE-3 head (either format) is served as one, else as a draft model.
         data["speculation"] = {**data["speculation"], "proposer": "eagle3" if head_format(args.draft) else "draft"}
@@ -91,8 +92,8 @@ def draft_line(config) -> str:
     if not speculation.needs_draft_path:
         return speculation.draft_kind
     line = f"{speculation.draft_kind} {config.draft.path}"
-    if config.draft.token_map:
-        line += f", proposing only the tokens of {config.draft.token_map}"
+    if config.draft_token_map:
+        line += f", its greedy steps proposing only the tokens of {config.draft_token_map}"
     if speculation.proposer == "eagle3":
         line += f" (the draft engine reads the target's embeddings and config from {config.target.path})"
     return line

@@ -80,11 +80,11 @@ def check_model_paths(config: SpecServeConfig) -> None:
                                     "in your config, or train the default pair with `specserve train-default`")
     if config.speculation.proposer == "eagle3":   # a head that does not fit the target is refused here, named
         checked_head(config)
-    if config.draft is not None and config.draft.token_map is not None:   # one the draft cannot serve, named
+    if config.draft_token_map is not None:   # one the draft cannot serve, named
         from transformers import AutoConfig
 
         draft_config = AutoConfig.from_pretrained(config.draft.path, local_files_only=True)
-        load_token_map(config.draft.token_map, draft_config.get_text_config(decoder=True).vocab_size)
+        load_token_map(config.draft_token_map, draft_config.get_text_config(decoder=True).vocab_size)
 
 
 class PortInUseError(ValueError):

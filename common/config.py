@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, 
 from specserve.common.messages import MAX_DRAFT_TOKENS
 from specserve.common.naming import draft_trainer_name, policy_actor_name
 from specserve.decoding.proposer_registry import NO_PROPOSER, PROPOSERS, proposer_kind
+from specserve.decoding.token_map import AUTO_TOKEN_MAP, served_token_map
 
 MAX_FAN_OUT = 16  # pre-drafted blocks per request per round: past this the pre-drafts crowd out the rounds
 
@@ -60,10 +61,12 @@ class ModelSpec(_Strict):
                                                  "model is not computed; its logits follow a hashed rule that a "
                                                  "runner with this setting predicts at this rate (a draft at a, its "
                                                  "target at 1: acceptance a; decoding/null_forward.py)")
-    token_map: str | None = Field(None, description="a draft model's only: a file of the token ids it may propose "
-                                  "(a JSON list, or a tensor saved with torch.save); its LM head scores only those, "
-                                  "in steps whose rows are all greedy: a cheaper step for a little acceptance "
-                                  "(FR-Spec; docs/token-map.md). The default pair's draft has one")
+    token_map: str | None = Field(AUTO_TOKEN_MAP, description="a draft model's only: a file of the token ids it "
+                                  "may propose (a JSON list, or a tensor saved with torch.save); its LM head scores "
+                                  "only those in steps whose rows are all greedy: a cheaper step for a little "
+                                  "acceptance (FR-Spec; docs/token-map.md). auto: the draft folder's token_map.json "
+                                  "where it has one (the default pair's draft does) and the draft is a draft model on "
+                                  "one rank; null: none")
     token_map_sampled: bool = Field(False, description="score sampled rows over the token map too (SGLang's "
                                     "behaviour): cheaper steps for all rows, but a sampled row loses acceptance on "
                                     "the target's mass outside the map")
@@ -359,8 +362,7 @@ class SpecServeConfig(_Strict):
 
     model_name: str = "specserve-default"
     target: ModelSpec = ModelSpec(path=str(DEFAULT_MODELS_DIR / "target"))
-    draft: ModelSpec | None = ModelSpec(path=str(DEFAULT_MODELS_DIR / "draft"),
-                                        token_map=str(DEFAULT_MODELS_DIR / "draft-token-map.json"))
+    draft: ModelSpec | None = ModelSpec(path=str(DEFAULT_MODELS_DIR / "draft"))
     tokenizer_path: str | None = Field(None, description="defaults to the target's path")
     chat_template: str | None = Field(None, description="a Jinja chat template, or the path of a file holding "
                                       "one, used instead of the tokenizer's (vLLM's --chat-template)")
@@ -386,15 +388,14 @@ class SpecServeConfig(_Strict):
 
     @model_validator(mode="after")
     def _token_map_on_a_draft_model(self) -> "SpecServeConfig":
-        if self.target.token_map is not None:
+        if self.target.token_map not in (None, AUTO_TOKEN_MAP) or self.target.token_map_sampled:
             raise ValueError("target.token_map: a token map restricts what a draft proposes; the target scores "
                              "every token (set draft.token_map)")
-        for role in ("target", "draft"):
-            spec = getattr(self, role)
-            if spec is not None and spec.token_map_sampled and spec.token_map is None:
-                raise ValueError(f"{role}.token_map_sampled: scores sampled rows over a token map, but "
-                                 f"{role}.token_map names none")
-        if self.draft is not None and self.draft.token_map is not None:
+        if self.draft is not None and self.draft.token_map_sampled and self.draft.token_map is None:
+            raise ValueError("draft.token_map_sampled: scores sampled rows over a token map, but draft.token_map "
+                             "is null")
+        # auto asks for the folder's map only where it can serve (decoding.token_map.folder_token_map).
+        if self.draft is not None and self.draft.token_map not in (None, AUTO_TOKEN_MAP):
             if not self.speculation.needs_draft_model:
                 raise ValueError(f"draft.token_map needs a draft model (speculation.proposer 'draft'), not "
                                  f"{self.speculation.proposer!r}")
@@ -432,6 +433,14 @@ class SpecServeConfig(_Strict):
     @property
     def resolved_tokenizer_path(self) -> str:
         return self.tokenizer_path or self.target.path
+
+    @property
+    def draft_token_map(self) -> str | None:
+        """The file of the token map the draft model serves with, or None (draft.token_map with
+        auto resolved: the draft folder's own, where it drafts as a draft model on one rank)."""
+        if self.draft is None or not self.speculation.needs_draft_model:
+            return None
+        return served_token_map(self.draft.token_map, self.draft.path, self.draft_workers.tensor_parallel_size == 1)
 
     @property
     def resolved_chat_template(self) -> str | None:

@@ -41,7 +41,7 @@ from specserve.decoding.eagle3_head import aux_features
 from specserve.decoding.tensor_parallel import TensorParallelRank, agreed_minimum, in_group, join_group, weight_bytes
 from specserve.decoding.paged_attention import ATTENTION_NAME, FLASH_BLOCK_SIZE, PagedAttentionError, flash_kernel_available
 from specserve.decoding.weight_layout import input_major_linears, pack_linears, repack_linears
-from specserve.decoding.token_map import load_token_map, map_lm_head, mapped_head, remap_heads
+from specserve.decoding.token_map import load_token_map, map_lm_head, mapped_head, remap_heads, served_token_map
 from specserve.decoding.paged_attention import register as register_paged_attention
 from specserve.decoding.paged_cache import (
     DEFAULT_BLOCK_SIZE,
@@ -509,8 +509,10 @@ def load_runner(spec: dict):
     """The runner for a model spec mapping (path, dtype, device, torch_threads, max_sequences,
     lean_forward, and optionally max_model_len, kv_cache_memory_gb, gpu_memory_utilization,
     prefix_caching, cache_salt, aux_layers (an EAGLE-3 head's target), token_map and token_map_sampled
-    (a draft's: its LM head scores only those tokens, in greedy steps or in all, decoding.token_map), and the builder's gpu_share,
-    profile_batches and rollback_tokens: see BatchedModelRunner._init_from_model).
+    (a draft's: its LM head scores only those tokens, in greedy steps or in all; auto: its folder's
+    map, decoding.token_map.served_token_map; the builder gives a target None),
+    and the builder's gpu_share, profile_batches and rollback_tokens: see
+    BatchedModelRunner._init_from_model).
 
     With `tensor_parallel` ({rank, size, store_address}: this process is one rank of a group) it
     joins the group and loads this rank's shards; rank 0 gets the MirroredRunner the engine
@@ -520,11 +522,12 @@ def load_runner(spec: dict):
     control = None if group is None else join_group(group, resolve_device(spec["device"]))
     model = load_causal_lm(spec["path"], dtype=spec["dtype"], device=spec["device"],
                            num_threads=spec["torch_threads"], tensor_parallel_size=group.size if group else 1)
-    if spec.get("token_map"):
-        token_ids = load_token_map(spec["token_map"], model.get_output_embeddings().out_features)
+    token_map = served_token_map(spec.get("token_map"), spec["path"], drafts=group is None)
+    if token_map:
+        token_ids = load_token_map(token_map, model.get_output_embeddings().out_features)
         map_lm_head(model, token_ids, maps_sampled=spec.get("token_map_sampled", False))
         logger.info("%s: the LM head scores the %d tokens of the token map %s in %s", spec["path"], len(token_ids),
-                    spec["token_map"], "every step" if spec.get("token_map_sampled") else "steps whose rows are all greedy")
+                    token_map, "every step" if spec.get("token_map_sampled") else "greedy steps")
     runner = runner_for_model(model, max_sequences=spec["max_sequences"], model_path=spec["path"],
                               lean_forward=spec.get("lean_forward", True), max_model_len=spec.get("max_model_len"),
                               kv_cache_memory_gb=spec.get("kv_cache_memory_gb"),

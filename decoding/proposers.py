@@ -222,8 +222,8 @@ class DraftModelProposer:
         its own generator, so a seeded request's draft does not depend on what else shares the
         step, nor on which steps it shared: a draft engine may start new drafts between the steps
         of others (continuous batching), and each block is the one drafting it alone draws."""
-        logits = self.runner.forward_batch([ForwardCall(draft.call.seq_id, draft.history, 1, over_map=draft.call.params.is_greedy)
-                                            for draft in drafts])
+        logits = self.runner.forward_batch([ForwardCall(draft.call.seq_id, draft.history, 1,
+                                                        over_map=draft.call.params.is_greedy) for draft in drafts])
         rows = torch.cat([row_logits[-1:] for row_logits in logits])
         for draft in drafts:  # built on the first step, where the rows' width and device are known
             if draft.processor is None and draft.call.params.uses_history:

@@ -29,6 +29,11 @@ import torch
 
 from specserve.decoding.weight_layout import PackedLinear, linear, pack_weight
 
+# A ModelSpec's token_map that asks for the draft folder's own map (`folder_token_map`).
+AUTO_TOKEN_MAP = "auto"
+# Where a draft checkpoint keeps its map, beside its weights (the default pair's draft does).
+FOLDER_TOKEN_MAP = "token_map.json"
+
 # The logit of a token outside the map: exp(FLOOR - m) underflows to 0 in float32 for any row
 # whose largest logit m is above FLOOR + 104, and it survives a temperature's division in half
 # precision.
@@ -65,6 +70,21 @@ def load_token_map(path: str | Path, vocab_size: int) -> torch.Tensor:
         raise TokenMapError(f"token map {path} names token ids outside the draft's vocabulary of {vocab_size} "
                             f"(from {int(ids[0])} to {int(ids[-1])})")
     return ids
+
+
+def folder_token_map(model_path: str | Path) -> str | None:
+    """The map a draft checkpoint carries (FOLDER_TOKEN_MAP in its folder), or None."""
+    path = Path(model_path) / FOLDER_TOKEN_MAP
+    return str(path) if path.is_file() else None
+
+
+def served_token_map(token_map: str | None, model_path: str | Path, drafts: bool) -> str | None:
+    """The map a model serves with, given its spec's token_map: AUTO_TOKEN_MAP is its folder's own
+    map where the model drafts as a draft model on one rank (drafts), else none; a path or None
+    as it is (the config refuses a path where the model does not draft so)."""
+    if token_map != AUTO_TOKEN_MAP:
+        return token_map
+    return folder_token_map(model_path) if drafts else None
 
 
 def frequent_tokens(stream: torch.Tensor, count: int, vocab_size: int) -> torch.Tensor:

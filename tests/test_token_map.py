@@ -14,10 +14,12 @@ import argparse
 import copy
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 
+from specserve.cluster.builder import served_model_specs
 from specserve.cluster.cli import add_model_args, config_from_args, draft_line
 from specserve.cluster.local import check_model_paths
 from specserve.common.config import SpecServeConfig
@@ -27,8 +29,8 @@ from specserve.decoding.proposers import DraftModelProposer, ProposeCall
 from specserve.decoding.sampling import SamplingParams
 from specserve.decoding.scheduler import engine_for_model
 from specserve.decoding.sequence import RequestState
-from specserve.decoding.token_map import (FLOOR, MappedHead, TokenMapError, load_token_map, map_lm_head,
-                                          remap_heads)
+from specserve.decoding.token_map import (AUTO_TOKEN_MAP, FLOOR, FOLDER_TOKEN_MAP, MappedHead, TokenMapError,
+                                          load_token_map, map_lm_head, remap_heads)
 from specserve.training.token_map import corpus_texts, token_map
 from tests.reference_runner import reference_model
 from tests.test_decoder_statistics import PROMPT, VOCAB_SIZE, assert_speculation_follows_the_target
@@ -238,21 +240,34 @@ def test_the_config_takes_a_map_on_a_draft_model_only_and_a_bad_one_stops_the_st
         SpecServeConfig.model_validate({**base, "target": {**base["target"], "token_map": str(good)}})
     with pytest.raises(ValueError, match="needs a draft model"):
         SpecServeConfig.model_validate({**base, "speculation": {**base["speculation"], "proposer": "ngram"}})
-    with pytest.raises(ValueError, match="draft.token_map names none"):
+    with pytest.raises(ValueError, match="draft.token_map is null"):
         SpecServeConfig.model_validate({**base, "draft": {**base["draft"], "token_map": None, "token_map_sampled": True}})
+    with pytest.raises(ValueError, match="target.token_map"):
+        SpecServeConfig.model_validate({**base, "target": {**base["target"], "token_map_sampled": True}})
 
 
-def test_the_default_pairs_draft_has_a_map_that_another_draft_does_not_inherit(tmp_path):
+def test_a_draft_folders_own_map_serves_by_default_where_it_drafts_as_a_draft_model_on_one_rank(tmp_path):
     default = SpecServeConfig()
-    assert default.draft.token_map and not default.draft.token_map_sampled
+    assert default.draft.token_map == AUTO_TOKEN_MAP and not default.draft.token_map_sampled
+    assert default.draft_token_map == str(Path(default.draft.path) / FOLDER_TOKEN_MAP)
     check_model_paths(default)   # the shipped map fits the shipped draft
+    target_spec, draft_spec = served_model_specs(default)
+    assert draft_spec["token_map"] == default.draft_token_map and target_spec["token_map"] is None
+    base = default.model_dump()
+    for elsewhere in ({"speculation": {**base["speculation"], "proposer": "none"}},
+                      {"draft_workers": {**base["draft_workers"], "tensor_parallel_size": 2}}):
+        assert SpecServeConfig.model_validate({**base, **elsewhere}).draft_token_map is None
     target_dir, draft_dir = make_tiny_pair(tmp_path)
     parser = argparse.ArgumentParser()
     parser.add_argument("--config")
     add_model_args(parser)
-    for flags in (["--draft", str(draft_dir)], ["--target", str(target_dir), "--draft", str(draft_dir)]):
-        config = config_from_args(parser.parse_args(flags))
-        assert config.draft.path == str(draft_dir) and config.draft.token_map is None
+    config = config_from_args(parser.parse_args(["--target", str(target_dir), "--draft", str(draft_dir)]))
+    assert config.draft.token_map == AUTO_TOKEN_MAP and config.draft_token_map is None   # its folder has none
+    (draft_dir / FOLDER_TOKEN_MAP).write_text(json.dumps([0, 1, 2]))
+    assert config.draft_token_map == str(draft_dir / FOLDER_TOKEN_MAP) and FOLDER_TOKEN_MAP in draft_line(config)
+    spec = {"path": str(draft_dir), "dtype": "float32", "device": "cpu", "torch_threads": 1, "max_sequences": 4}
+    assert mapped_size(load_runner({**spec, "token_map": AUTO_TOKEN_MAP}).model) == 3
+    assert mapped_size(load_runner({**spec, "token_map": None}).model) is None
 
 
 def test_a_map_written_from_a_corpus_holds_its_most_frequent_tokens_and_eos(tmp_path):

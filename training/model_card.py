@@ -52,6 +52,10 @@ fraction of its guesses the target accepts.
   the shared tokenizer beside it; load them with `AutoModelForCausalLM.from_pretrained(path)`.
 - `tokenizer/`: the tokenizer alone. `training.json`: training config, parameter counts, tokens,
   held-out loss, loss log. `evaluation.json`: everything measured below, with the prompts.
+- `draft/token_map.json`: the 2048 most frequent tokens of the training corpus, which the served
+  draft scores alone in greedy steps (`draft.token_map: auto`, docs/token-map.md; written by
+  `python -m specserve.training.token_map --tokenizer models/default/tokenizer --size 2048 --out
+  models/default/draft/token_map.json`).
 
 ## Training data
 
