@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "threads": args.threads, "rows": args.rows, "concurrency": args.concurrency,
                      "sweep_max_requests": args.sweep_max_requests, "config": args.config,
                      "target_path": config.target.path, "draft_path": config.draft.path,
-                     "draft_token_map": config.draft.token_map},
+                     "draft_token_map": config.draft_token_map},
         "machine": machine,
         "step_latency": {"context_tokens": STEP_CONTEXT_TOKENS,
                          "target_ms": {str(n): 1000 * s for n, s in sorted(steps.target_s.items())},
