@@ -37,6 +37,7 @@ if str(REPO) not in specserve.__path__:
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import copy  # noqa: E402
 import datetime  # noqa: E402
 import gc  # noqa: E402
 import os  # noqa: E402
@@ -170,6 +171,7 @@ from specserve.decoding.paged_attention import ATTENTION_NAME, flash_kernel_avai
 from specserve.decoding.proposers import DraftModelProposer, ProposeCall  # noqa: E402
 from specserve.decoding.scheduler import engine_for_model  # noqa: E402
 from specserve.decoding.tensor_parallel import weight_bytes  # noqa: E402
+from specserve.decoding.token_map import FLOOR, map_lm_head  # noqa: E402
 
 
 def engine_runner(model, plan: Plan, name: str, kv_gib: float, prefix_caching: bool = True,
@@ -619,6 +621,7 @@ def correctness_checks(section: Section, models: Models) -> None:
         detail = "" if same else near_tie_detail(target, prompt, alone.output_ids, state.output_ids)
         section.check(same, f"greedy speculative ({label}, K = {NUM_DRAFT_TOKENS}) == target-only, "
                       f"{plan.greedy_tokens} tokens in {rounds} target passes{detail}")
+    check_token_map_draft(section, draft, runner, plan, prompt, alone.output_ids, context)
     check_eagle3_head(section, target, plan, prompt, alone.output_ids, context)
 
     # Sampled speculation on the device (the generators, each row's draws, verification), drafted by
@@ -744,6 +747,40 @@ def correctness_checks(section: Section, models: Models) -> None:
                   f"argmax {float(spread_agree):.1%} (tolerance: the larger of {BF16_TOLERANCE:.0e} and "
                   f"{BF16_SPREAD_FACTOR:g}x that spread, {tolerance:.2e})")
     release(target, names)
+
+
+def check_token_map_draft(section: Section, draft, target_runner, plan: Plan, prompt: list[int], want: list[int],
+                          context: int) -> None:
+    """A draft over a token map (decoding/token_map.py) on the device, compiled as the engines run
+    it: a greedy step scores the map (FLOOR elsewhere) and any other step the whole head, each its
+    own graph (CUDA graphs on a GPU), with the rows of the same draft run eagerly; and greedy output
+    with it drafting equals target-only."""
+    mapped_model = copy.deepcopy(draft)
+    vocab = mapped_model.config.vocab_size
+    map_lm_head(mapped_model, torch.arange(0, vocab, 2, device=next(mapped_model.parameters()).device))
+    compiled = engine_runner(mapped_model, plan, "exact-draft-over-a-map", kv_gib=plan.small_kv_gib)
+    eager = engine_runner(mapped_model, plan, "exact-draft-over-a-map-eager", kv_gib=plan.small_kv_gib, compiled=False)
+    histories = [random_ids(length, vocab, 700 + i) for i, length in enumerate(plan.prompt_lengths)]
+    errors, floored = [], []
+    for over_map in (True, False, True):
+        for step in range(3):   # a prefill, then decode steps of one token a row
+            calls = [ForwardCall(f"m{over_map}{i}", history[:len(history) - 2 + step], 1, over_map=over_map)
+                     for i, history in enumerate(histories)]
+            for got, expected in zip(compiled.forward_batch(calls), eager.forward_batch(calls)):
+                errors.append(relative_error(got, expected))
+                floored.append(bool((got[:, 1::2] == FLOOR).all()) == over_map)
+    for engine in (compiled, eager):
+        release(engine, [f"m{over_map}{i}" for over_map in (True, False) for i in range(len(histories))])
+    state = greedy_state("mapped", prompt, plan.greedy_tokens, context)
+    list(generate(target_runner, state, draft_proposer(compiled), NUM_DRAFT_TOKENS))
+    same = state.output_ids == want
+    section.check(max(errors) <= FP32_TOLERANCE and all(floored) and same,
+                  f"a draft over a token map of half its vocabulary ({compiled.runner.step_forward.describe()}): "
+                  f"greedy steps over the map, then steps over the whole head, then the map again, vs the same "
+                  f"draft eager: max relative diff {max(errors):.2e}, FLOOR outside the map exactly in the greedy "
+                  f"steps ({'yes' if all(floored) else 'NO'}); greedy speculative output with it drafting "
+                  f"{'==' if same else '!='} target-only")
+    del compiled, eager, mapped_model
 
 
 def check_eagle3_head(section: Section, target, plan: Plan, prompt: list[int], want: list[int], context: int) -> None:
