@@ -288,3 +288,19 @@ def test_a_map_written_from_a_corpus_holds_its_most_frequent_tokens_and_eos(tmp_
     assert most in ids and least not in ids
     with pytest.raises(ValueError, match="--size"):
         token_map(tokenizer, texts, 0)
+
+
+def test_the_ranked_map_a_draft_folder_carries_is_what_auto_serves(tmp_path):
+    """training.token_map.ranked_tokens ranks a token stream (`specserve train-default` writes the
+    default pair's map so, from its training split) and write_folder_map saves it where
+    `draft.token_map: auto` looks."""
+    from specserve.decoding.token_map import folder_token_map
+    from specserve.training.token_map import ranked_tokens, write_folder_map
+
+    stream = torch.tensor([5, 5, 5, 3, 3, 9, 1, 5, 3, 7])
+    assert ranked_tokens(stream, 2, 12, eos_token_id=None) == [3, 5]
+    assert ranked_tokens(stream, 2, 12, eos_token_id=11) == [3, 5, 11]
+    with pytest.raises(ValueError, match="between 1 and the vocabulary's 12"):
+        ranked_tokens(stream, 13, 12, eos_token_id=None)
+    path = write_folder_map(tmp_path, [3, 5, 11])
+    assert folder_token_map(tmp_path) == str(path) and load_token_map(path, 12).tolist() == [3, 5, 11]

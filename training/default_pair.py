@@ -5,7 +5,8 @@ One run does three things, all deterministic given the seed:
 2. a Llama-architecture target trained on next-token cross-entropy;
 3. a much smaller Llama draft trained *at the same time* on KL(p_target || q_draft) against the
    target's detached distributions (online distillation: it reuses the target forward that
-   training already pays for), then a short pure-distillation phase against the final target.
+   training already pays for), then a short pure-distillation phase against the final target;
+and beside the draft its token map, the corpus's most frequent tokens (docs/token-map.md).
 Distillation, not plain LM training, is what makes the draft agree with *this* target,
 which is what speculative decoding's acceptance rate measures.
 
@@ -305,6 +306,11 @@ def main(argv: list[str] | None = None) -> None:
     target_held, _ = held_out_loss(target, held_stream.to(device), cfg.seq_len)
     draft_held, _ = held_out_loss(draft, held_stream.to(device), cfg.seq_len)
     save_pair(target, draft, tokenizer, out)
+    # Imported here: training.token_map imports this module.
+    from specserve.training.token_map import DEFAULT_PAIR_MAP_SIZE, ranked_tokens, write_folder_map
+
+    write_folder_map(out / "draft", ranked_tokens(train_stream, DEFAULT_PAIR_MAP_SIZE, len(tokenizer),
+                                                  tokenizer.eos_token_id))
     summary = {
         "config": asdict(cfg),
         "target_params": n_target,
