@@ -94,6 +94,23 @@ def frequent_tokens(stream: torch.Tensor, count: int, vocab_size: int) -> torch.
     return counts.topk(count).indices.sort().values
 
 
+def ranked_tokens(stream: torch.Tensor, size: int, vocab_size: int, eos_token_id: int | None) -> list[int]:
+    """A token map of a token stream: its size most frequent ids (ascending), EOS always among them."""
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"--size must be between 1 and the vocabulary's {vocab_size} tokens, got {size}")
+    ids = set(frequent_tokens(stream, size, vocab_size).tolist())
+    if eos_token_id is not None:
+        ids.add(eos_token_id)
+    return sorted(ids)
+
+
+def write_folder_map(model_dir: str | Path, ids: list[int]) -> Path:
+    """Save ids as the map a draft checkpoint carries (`draft.token_map: auto` serves it)."""
+    path = Path(model_dir) / FOLDER_TOKEN_MAP
+    path.write_text(json.dumps(ids))
+    return path
+
+
 class MappedHead(PackedLinear):
     """An LM head (an nn.Linear: same parameters, same state dict) that, in a step whose rows it
     may map (`for_step`), computes only the rows of its token map and returns logits over the

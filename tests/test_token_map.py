@@ -291,11 +291,9 @@ def test_a_map_written_from_a_corpus_holds_its_most_frequent_tokens_and_eos(tmp_
 
 
 def test_the_ranked_map_a_draft_folder_carries_is_what_auto_serves(tmp_path):
-    """training.token_map.ranked_tokens ranks a token stream (`specserve train-default` writes the
-    default pair's map so, from its training split) and write_folder_map saves it where
-    `draft.token_map: auto` looks."""
-    from specserve.decoding.token_map import folder_token_map
-    from specserve.training.token_map import ranked_tokens, write_folder_map
+    """ranked_tokens ranks a token stream (`specserve train-default` writes the default pair's map
+    so, from its training split) and write_folder_map saves it where `draft.token_map: auto` looks."""
+    from specserve.decoding.token_map import folder_token_map, ranked_tokens, write_folder_map
 
     stream = torch.tensor([5, 5, 5, 3, 3, 9, 1, 5, 3, 7])
     assert ranked_tokens(stream, 2, 12, eos_token_id=None) == [3, 5]

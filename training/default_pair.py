@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from specserve.decoding.token_map import ranked_tokens, write_folder_map
 from specserve.training.corpus import iter_stdlib_files, split_corpus
 
 EOS_TOKEN = "<|endoftext|>"
@@ -53,6 +54,7 @@ class PairConfig:
     draft_lr: float = 2e-3
     warmup_steps: int = 100
     seed: int = 0
+    token_map_size: int = 2048   # the draft's token map (docs/token-map.md measures this size)
 
 
 def llama_config(cfg: PairConfig, hidden: int, layers: int, heads: int, intermediate: int):
@@ -306,10 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     target_held, _ = held_out_loss(target, held_stream.to(device), cfg.seq_len)
     draft_held, _ = held_out_loss(draft, held_stream.to(device), cfg.seq_len)
     save_pair(target, draft, tokenizer, out)
-    # Imported here: training.token_map imports this module.
-    from specserve.training.token_map import DEFAULT_PAIR_MAP_SIZE, ranked_tokens, write_folder_map
-
-    write_folder_map(out / "draft", ranked_tokens(train_stream, DEFAULT_PAIR_MAP_SIZE, len(tokenizer),
+    write_folder_map(out / "draft", ranked_tokens(train_stream, cfg.token_map_size, len(tokenizer),
                                                   tokenizer.eos_token_id))
     summary = {
         "config": asdict(cfg),

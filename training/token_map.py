@@ -16,15 +16,9 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-import torch
-
-from specserve.decoding.token_map import FOLDER_TOKEN_MAP, frequent_tokens
+from specserve.decoding.token_map import ranked_tokens
 from specserve.training.corpus import iter_stdlib_files, split_corpus
 from specserve.training.default_pair import encode_files
-
-
-# The default pair's draft carries a map of this many tokens (docs/token-map.md measures it).
-DEFAULT_PAIR_MAP_SIZE = 2048
 
 
 def corpus_texts(paths: Iterable[str]) -> list[str]:
@@ -44,23 +38,6 @@ def corpus_texts(paths: Iterable[str]) -> list[str]:
 def token_map(tokenizer, texts: list[str], size: int) -> list[int]:
     """The size most frequent token ids over texts (ascending); the tokenizer's EOS always among them."""
     return ranked_tokens(encode_files(tokenizer, texts), size, len(tokenizer), tokenizer.eos_token_id)
-
-
-def ranked_tokens(stream: torch.Tensor, size: int, vocab_size: int, eos_token_id: int | None) -> list[int]:
-    """The size most frequent ids of a token stream (ascending), EOS always among them."""
-    if not 0 < size <= vocab_size:
-        raise ValueError(f"--size must be between 1 and the vocabulary's {vocab_size} tokens, got {size}")
-    ids = set(frequent_tokens(stream, size, vocab_size).tolist())
-    if eos_token_id is not None:
-        ids.add(eos_token_id)
-    return sorted(ids)
-
-
-def write_folder_map(model_dir: str | Path, ids: list[int]) -> Path:
-    """Save ids as the map a draft checkpoint carries (`draft.token_map: auto` serves it)."""
-    path = Path(model_dir) / FOLDER_TOKEN_MAP
-    path.write_text(json.dumps(ids))
-    return path
 
 
 def main(argv: list[str] | None = None) -> None:
