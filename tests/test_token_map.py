@@ -221,16 +221,20 @@ def test_a_runner_built_from_a_spec_with_a_map_serves_the_mapped_head(tmp_path):
     assert mapped_size(load_runner({**spec, "token_map": None}).model) is None
 
 
+def config_from_flags(*flags: str) -> SpecServeConfig:
+    """The config the command line's model flags give (cluster.cli.config_from_args)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config")
+    add_model_args(parser)
+    return config_from_args(parser.parse_args(list(flags)))
+
+
 def test_the_config_takes_a_map_on_a_draft_model_only_and_a_bad_one_stops_the_start(tmp_path):
     target_dir, draft_dir = make_tiny_pair(tmp_path)
     good, bad = tmp_path / "map.json", tmp_path / "bad.json"
     good.write_text(json.dumps([0, 1, 2]))
     bad.write_text(json.dumps([0, 10 ** 6]))
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config")
-    add_model_args(parser)
-    args = parser.parse_args(["--target", str(target_dir), "--draft", str(draft_dir), "--token-map", str(good)])
-    config = config_from_args(args)
+    config = config_from_flags("--target", str(target_dir), "--draft", str(draft_dir), "--token-map", str(good))
     assert config.draft.token_map == str(good) and str(good) in draft_line(config)
     check_model_paths(config)
     with pytest.raises(TokenMapError, match="outside the draft's vocabulary"):
@@ -258,10 +262,7 @@ def test_a_draft_folders_own_map_serves_by_default_where_it_drafts_as_a_draft_mo
                       {"draft_workers": {**base["draft_workers"], "tensor_parallel_size": 2}}):
         assert SpecServeConfig.model_validate({**base, **elsewhere}).draft_token_map is None
     target_dir, draft_dir = make_tiny_pair(tmp_path)
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config")
-    add_model_args(parser)
-    config = config_from_args(parser.parse_args(["--target", str(target_dir), "--draft", str(draft_dir)]))
+    config = config_from_flags("--target", str(target_dir), "--draft", str(draft_dir))
     assert config.draft.token_map == AUTO_TOKEN_MAP and config.draft_token_map is None   # its folder has none
     (draft_dir / FOLDER_TOKEN_MAP).write_text(json.dumps([0, 1, 2]))
     assert config.draft_token_map == str(draft_dir / FOLDER_TOKEN_MAP) and FOLDER_TOKEN_MAP in draft_line(config)
