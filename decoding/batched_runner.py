@@ -186,7 +186,7 @@ class BatchedModelRunner(RunnerBase):
         elif self.device.type == "cuda":
             logger.warning("%s: flash-attn with a paged kernel is not installed: attention gathers each sequence's "
                            "blocks per layer (the CPU path); install flash-attn for the paged kernel", model_path)
-        self.lean = LeanDecoder(model, self.aux_layers) if lean and lean_support(model)[0] else None
+        self.lean = LeanDecoder(model, self.aux_layers, self.max_context) if lean and lean_support(model)[0] else None
         decoder = model.get_decoder()
         if self.lean is None and not getattr(decoder, "_specserve_keeps_rows", False):
             # The model's own forward: its decoder's output narrowed to the kept rows (once per model).

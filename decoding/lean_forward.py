@@ -22,11 +22,14 @@ layer; anything else runs the model's own forward over the same attention.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from specserve.decoding.paged_cache import PagedBatchView
-from specserve.decoding.weight_layout import PackedLinear
+from specserve.decoding.weight_layout import PackedLinear, linear
 
 LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 
@@ -67,8 +70,10 @@ class LeanDecoder:
     `attend(layer, q, k, v)` stores the new keys and attends, and whose keep_index names the rows
     that reach the LM head). It holds references to the model's modules, no copies."""
 
-    def __init__(self, model, aux_layers: tuple[int, ...] = ()) -> None:
-        """aux_layers: layers whose inputs `forward` also returns (an EAGLE-3 head's features)."""
+    def __init__(self, model, aux_layers: tuple[int, ...] = (), max_positions: int | None = None) -> None:
+        """aux_layers: layers whose inputs `forward` also returns (an EAGLE-3 head's features).
+        max_positions: the longest context served (default: the model's max_position_embeddings),
+        the length of the rotary table (`rope_table`)."""
         supported, reason = lean_support(model)
         if not supported:
             raise ValueError(f"no lean forward for this model: {reason}")
@@ -85,6 +90,12 @@ class LeanDecoder:
         self.num_kv_heads = int(config.num_key_value_heads)
         self.scaling = float(first.scaling)
         self.layers = list(decoder.layers)
+        # Each layer's tensors read once here rather than through its modules every step: a
+        # module attribute lookup costs about what a small kernel does, and a step makes a dozen
+        # a layer. They are the modules' own parameters (no copies), so an in-place weight swap
+        # and the packed copies keyed by the weight (decoding.weight_layout) are what a step reads.
+        self.layer_weights = tuple(LayerWeights.of(layer) for layer in self.layers)
+        self.rope_table = rope_table(self.rotary, max_positions or config.max_position_embeddings, self.embed.weight)
         self.aux_layers = tuple(aux_layers)
         # Whether each layer's input is an aux feature, as flags read by layer index, so the
         # forward tests no aux layer number: where dynamo leaves ints unspecialised they are
@@ -98,30 +109,91 @@ class LeanDecoder:
         batch, length = input_ids.shape
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         hidden = self.embed(input_ids)
-        cos, sin = self.rotary(hidden, position_ids)            # [B, T, D]
-        cos, signed_sin = cos.unsqueeze(1), rope_signs(sin).unsqueeze(1)
-        width = hidden.shape[-1]
+        cos, signed_sin = self.rope(hidden, position_ids)        # each [B, 1, T, D]
+        width, eps = hidden.shape[-1], self.eps
         # Each layer's input where an aux layer reads it, in a list by layer (see __init__).
         layer_inputs = []
-        for index, layer in enumerate(self.layers):
+        for index, weights in enumerate(self.layer_weights):
             layer_inputs.append(hidden if self.feeds_aux[index] else None)
-            attention, mlp = layer.self_attn, layer.mlp
-            x = F.rms_norm(hidden, (width,), layer.input_layernorm.weight, self.eps)
-            q = _linear(x, attention.q_proj).view(batch, length, heads, head_dim).transpose(1, 2)
-            k = _linear(x, attention.k_proj).view(batch, length, kv_heads, head_dim).transpose(1, 2)
-            v = _linear(x, attention.v_proj).view(batch, length, kv_heads, head_dim).transpose(1, 2)
+            x = F.rms_norm(hidden, (width,), weights.input_norm, eps)
+            q = linear(x, weights.q, weights.q_bias).view(batch, length, heads, head_dim).transpose(1, 2)
+            k = linear(x, weights.k, weights.k_bias).view(batch, length, kv_heads, head_dim).transpose(1, 2)
+            v = linear(x, weights.v, weights.v_bias).view(batch, length, kv_heads, head_dim).transpose(1, 2)
             q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
             attended = cache.attend(index, q, k, v, scaling=self.scaling)
             attended = attended.transpose(1, 2).reshape(batch, length, heads * head_dim)
-            hidden = hidden + _linear(attended, attention.o_proj)
-            x = F.rms_norm(hidden, (width,), layer.post_attention_layernorm.weight, self.eps)
-            hidden = hidden + _linear(mlp.act_fn(_linear(x, mlp.gate_proj)) * _linear(x, mlp.up_proj), mlp.down_proj)
+            hidden = hidden + linear(attended, weights.o, weights.o_bias)
+            x = F.rms_norm(hidden, (width,), weights.post_norm, eps)
+            gated = weights.act_fn(linear(x, weights.gate, weights.gate_bias)) * linear(x, weights.up, weights.up_bias)
+            hidden = hidden + linear(gated, weights.down, weights.down_bias)
         kept = hidden.reshape(batch * length, width).index_select(0, cache.keep_index)
-        logits = _linear(F.rms_norm(kept, (width,), self.final_norm, self.eps), self.lm_head)
+        logits = self.lm_head.forward(F.rms_norm(kept, (width,), self.final_norm, eps))   # no module hooks
         if not self.aux_layers:
             return logits
         features = torch.cat([layer_inputs[layer] for layer in self.aux_layers], dim=-1)
         return logits, features.reshape(batch * length, -1)
+
+    def rope(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed_sin) of position_ids [B, T] for `apply_rope`, each [B, 1, T, D]: rows of
+        the rotary table where there is one, else the model's rotary module computing them."""
+        if self.rope_table is not None:
+            batch, length = position_ids.shape
+            cos, signed_sin = self.rope_table.index_select(1, position_ids.reshape(-1)).view(2, batch, 1, length, -1)
+            return cos, signed_sin
+        cos, sin = self.rotary(hidden, position_ids)
+        return cos.unsqueeze(1), rope_signs(sin).unsqueeze(1)
+
+
+class LayerWeights(NamedTuple):
+    """One decoder layer's tensors as the lean forward reads them (the modules' own; biases None
+    where the model has none)."""
+
+    input_norm: torch.Tensor
+    q: torch.Tensor
+    q_bias: torch.Tensor | None
+    k: torch.Tensor
+    k_bias: torch.Tensor | None
+    v: torch.Tensor
+    v_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate: torch.Tensor
+    gate_bias: torch.Tensor | None
+    up: torch.Tensor
+    up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+    act_fn: Callable[[torch.Tensor], torch.Tensor]
+
+    @staticmethod
+    def of(layer) -> "LayerWeights":
+        attention, mlp = layer.self_attn, layer.mlp
+        projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
+        gate, up, down = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        q, k, v, o = ((module.weight, module.bias) for module in projections)
+        return LayerWeights(layer.input_layernorm.weight, *q, *k, *v, *o, layer.post_attention_layernorm.weight,
+                            gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias, mlp.act_fn)
+
+
+# Rope types whose cos/sin depend on the position alone (no rescaling by the sequence's length,
+# as transformers' dynamic and longrope types do at run time).
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+
+
+def rope_table(rotary, max_positions: int, like: torch.Tensor) -> torch.Tensor | None:
+    """[2, positions, D]: each position's cos and signed sin (`rope_signs`) as the model's rotary
+    module computes them, in like's dtype on its device, for a rotary whose values depend on the
+    position alone; None for any other (it then runs every forward). Why: a step then looks its
+    positions up in one gather instead of a dozen small ops, and the values are the module's
+    own, bit for bit (transformers computes each position's angles elementwise)."""
+    rope_type = getattr(rotary, "rope_type", None)
+    if not isinstance(rope_type, str) or rope_type not in STATIC_ROPE_TYPES:
+        return None
+    positions = torch.arange(int(max_positions), device=like.device).unsqueeze(0)
+    with torch.no_grad():
+        cos, sin = rotary(like.new_empty(0), positions)
+    return torch.stack((cos[0], rope_signs(sin)[0]))
 
 
 def rope_signs(sin: torch.Tensor) -> torch.Tensor:
@@ -137,8 +209,3 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     numbers bit for bit (a product's sign does not depend on which factor carries it)."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
-
-def _linear(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
-    """The Linear's arithmetic without its module call (hooks and all): its own forward, which on
-    the CPU engines picks the weight's layout by the rows (decoding.weight_layout.PackedLinear)."""
-    return linear.forward(x)

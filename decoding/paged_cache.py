@@ -525,6 +525,9 @@ class PagedBatchView:
                                  f"block_size {cache.block_size} must be a multiple of it")
             self._flex_tables = [flex_block_tables(group.tables, cache.pools.capacity, cache.block_size)
                                  for group in layout.groups]
+        # Each group's blocks as `_read` gathers them, built at its first read in this forward
+        # rather than for every layer's keys and values.
+        self._read_blocks: dict[int, torch.Tensor] = {}
 
     def attend(self, layer_idx: int, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
                scaling: float | None = None, sliding_window: int | None = None,
@@ -588,8 +591,10 @@ class PagedBatchView:
     def _read(self, pool: torch.Tensor, group: int) -> torch.Tensor:
         """Rows' blocks as [B, H, kv_length, D] in one copy (NO_BLOCK and padding read block 0,
         which the mask hides)."""
-        tables = self.layout.groups[group].tables
-        batch, num_read = tables.shape
+        batch, num_read = self.layout.groups[group].tables.shape
         _, block_size, heads, head_dim = pool.shape
-        gathered = pool.index_select(0, tables.clamp_min(0).reshape(-1))
+        blocks = self._read_blocks.get(group)
+        if blocks is None:
+            blocks = self._read_blocks[group] = self.layout.groups[group].tables.clamp_min(0).reshape(-1)
+        gathered = pool.index_select(0, blocks)
         return gathered.view(batch, num_read * block_size, heads, head_dim)[:, :self.layout.kv_length].transpose(1, 2)

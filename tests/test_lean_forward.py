@@ -22,6 +22,8 @@ VARIANTS = [
     ("llama", {}),
     ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": False}),
     ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
+    # rescaled by the sequence's length at run time: no rotary table, the module runs every forward
+    ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}),
     ("qwen2", {}),   # q/k/v biases
     ("mistral", {}),
 ]
@@ -39,6 +41,8 @@ def engine_pair(model) -> tuple[Scheduler, Scheduler]:
 @pytest.mark.parametrize("architecture, overrides", VARIANTS)
 def test_lean_rows_equal_the_transformers_forward_over_ragged_batches(architecture, overrides):
     lean, reference = engine_pair(tiny_model(architecture, **overrides))
+    rope_type = overrides.get("rope_parameters", {}).get("rope_type", "default")
+    assert (lean.runner.lean.rope_table is None) == (rope_type == "dynamic")
     rounds = ragged_rounds() + [[ForwardCall("e", random_ids(5, 9), 3), ForwardCall("a", random_ids(1, 40)[:36], 2)]]
     for index, calls in enumerate(rounds):
         if index == len(rounds) - 1:   # a released slot is reused: the old keys must stay hidden
@@ -53,8 +57,9 @@ def test_the_tolerance_catches_a_lean_forward_without_rotary_positions(monkeypat
     lean, reference = engine_pair(tiny_model("llama"))
     decoder = lean.runner.lean
     def no_rotation(hidden, positions):
-        return torch.ones(*positions.shape, decoder.head_dim), torch.zeros(*positions.shape, decoder.head_dim)
-    monkeypatch.setattr(decoder, "rotary", no_rotation)
+        batch, length = positions.shape
+        return torch.ones(batch, 1, length, decoder.head_dim), torch.zeros(batch, 1, length, decoder.head_dim)
+    monkeypatch.setattr(decoder, "rope", no_rotation)
     calls = ragged_rounds()[0]
     differences = [(got - expected).abs().max().item()
                    for got, expected in zip(lean.forward_batch(calls), reference.forward_batch(calls))]
