@@ -194,7 +194,10 @@ def rope_table(rotary, max_positions: int, like: torch.Tensor) -> torch.Tensor |
     positions = torch.arange(int(max_positions), device=like.device).unsqueeze(0)
     with torch.no_grad():
         cos, sin = rotary(like.new_empty(0), positions)
-    return torch.stack((cos[0], rope_signs(sin)[0]))
+    table = torch.stack((cos[0], rope_signs(sin)[0]))
+    # Read in place by CUDA graphs, as the weights are, rather than copied in at every replay.
+    torch._dynamo.mark_static_address(table)
+    return table
 
 
 def rope_signs(sin: torch.Tensor) -> torch.Tensor:
