@@ -5,9 +5,9 @@ kernels (module calls, keyword plumbing, output objects), and on this project's 
 time is paid every draft step and every verify. This forward runs the same arithmetic with the
 model's own modules' weights in the fewest calls: each projection's own product, `F.rms_norm`,
 the rotary embedding from the model's own module (so every rope type it knows is computed its
-way; where the type fixes each position's values, computed once for every position and looked up,
-as vLLM's rotary cache is), the same paged attention every model's attention interface calls (`PagedBatchView.attend`),
-and the LM head only over the rows asked for. It is a faster implementation of the engine's one
+way; where the type fixes each position's values, computed once for every position and looked
+up, as vLLM's rotary cache is), the same paged attention every model's attention interface calls
+(`PagedBatchView.attend`), and the LM head only over the rows asked for. It is a faster implementation of the engine's one
 path, not a second engine: it is kept only while it measures faster (docs/performance.md).
 vLLM and gpt-fast likewise run their own model code rather than the reference implementation.
 
