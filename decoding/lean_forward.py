@@ -212,4 +212,3 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     [-x2 * s1, x1 * s2], and x rolled by half ([x2, x1]) times [-s1, s2] (rope_signs) is the same
     numbers bit for bit (a product's sign does not depend on which factor carries it)."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
-
