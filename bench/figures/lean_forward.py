@@ -21,6 +21,7 @@ import importlib.util
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -95,7 +96,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cached", type=int, default=145)
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--baseline-tree", help="a checkout whose lean forward runs as a third runner, lean_baseline")
-    parser.add_argument("--name", help="results file name (default lean-forward-<device>)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -118,8 +118,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{model:6s} {rows} x {new_tokens}: transformers {row['transformers_ms']:7.3f} ms, "
                   f"lean {row['lean_ms']:7.3f} ms ({row['speedup']:.2f}x){against}, "
                   f"max |diff| {row['max_abs_logit_diff']:.2e}")
-    out = Path(args.out) / f"{args.name or 'lean-forward-' + args.device}.json"
-    out.write_text(json.dumps({"command": "python -m specserve.bench.figures.lean_forward " + " ".join(argv or []),
+    out = Path(args.out) / f"lean-forward-{args.device}.json"
+    given = sys.argv[1:] if argv is None else argv
+    out.write_text(json.dumps({"command": " ".join(["python -m specserve.bench.figures.lean_forward", *given]),
                                "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
                                "dtype": args.dtype, "threads": args.threads, "cached_tokens": args.cached,
                                "baseline_tree": args.baseline_tree, "rows": results}, indent=2) + "\n")
