@@ -285,7 +285,7 @@ def draft_step(logits: torch.Tensor, calls: Sequence[ProposeCall], processors: S
     if sampled:
         rows = index_on(sampled, logits.device)
         row_params = RowParams.of([calls[j].params for j in sampled], logits.shape[-1], logits.device)
-        processed = process_rows(logits[rows], row_params, exact_cut=False)
+        processed = process_rows(logits.index_select(0, rows), row_params, exact_cut=False)
         if own is not None:
             own = own.index_copy(0, rows, processed)
         cut = (row_params.uses_top_k or row_params.uses_top_p or row_params.uses_min_p
@@ -294,15 +294,15 @@ def draft_step(logits: torch.Tensor, calls: Sequence[ProposeCall], processors: S
         lowering = [k for k, j in enumerate(sampled) if calls[j].lowered] if saguaro is not None else []
         if lowering:
             rows_lowered = index_on(lowering, logits.device)
-            down = saguaro_support(DraftSupport(q.ids[rows_lowered], q.probs[rows_lowered]), saguaro.num_lowered,
-                                   saguaro.downweight)
+            lowered = DraftSupport(q.ids.index_select(0, rows_lowered), q.probs.index_select(0, rows_lowered))
+            down = saguaro_support(lowered, saguaro.num_lowered, saguaro.downweight)
             q = DraftSupport(q.ids, q.probs.index_copy(0, rows_lowered, down.probs))
         drawing = [k for k, j in enumerate(sampled) if j not in guesses]
         if drawing:
             at = index_on(drawing, logits.device)
-            pick = sample_rows(q.probs[at], [calls[sampled[k]].generator for k in drawing])
-            chosen = q.ids[at].gather(-1, pick.unsqueeze(-1)).squeeze(-1)
-            tokens = tokens.index_copy(0, rows[at], chosen)
+            pick = sample_rows(q.probs.index_select(0, at), [calls[sampled[k]].generator for k in drawing])
+            chosen = q.ids.index_select(0, at).gather(-1, pick.unsqueeze(-1)).squeeze(-1)
+            tokens = tokens.index_copy(0, rows.index_select(0, at), chosen)
     top = torch.topk(own, width, dim=-1) if width else None
     if guesses:
         guessed = index_on(list(guesses), logits.device)
@@ -315,7 +315,8 @@ def draft_step(logits: torch.Tensor, calls: Sequence[ProposeCall], processors: S
         guessed_rows = [k for k, j in enumerate(sampled) if j in guesses]
         if guessed_rows:
             at = index_on(guessed_rows, logits.device)
-            one_hot = (q.ids[at] == tokens[rows[at]].unsqueeze(-1)).to(q.probs.dtype)
+            guessed_tokens = tokens.index_select(0, rows.index_select(0, at))
+            one_hot = (q.ids.index_select(0, at) == guessed_tokens.unsqueeze(-1)).to(q.probs.dtype)
             drawn_probs = drawn_probs.index_copy(0, at, one_hot)
         drawn = DraftSupport(q.ids, drawn_probs)
         for k, j in enumerate(sampled):
@@ -328,9 +329,9 @@ def draft_step(logits: torch.Tensor, calls: Sequence[ProposeCall], processors: S
         residual = torch.zeros_like(drawn_token)
         if sampled:   # the sampled rows at once: drawn as [S, m] supports, the candidates [S, width]
             per_candidate = DraftSupport(drawn.ids.unsqueeze(1), drawn.probs.unsqueeze(1))
-            drawn_top = drawn_top.index_copy(0, rows, per_candidate.probs_of(top.indices[rows]).to(drawn_top.dtype))
-            drawn_token = drawn_token.index_copy(0, rows, drawn.probs_of(tokens[rows]))
-            residual = residual.index_copy(0, rows, (own[rows] - drawn.dense(own.shape[-1])).clamp(min=0).sum(-1))
+            drawn_top = drawn_top.index_copy(0, rows, per_candidate.probs_of(top.indices.index_select(0, rows)).to(drawn_top.dtype))
+            drawn_token = drawn_token.index_copy(0, rows, drawn.probs_of(tokens.index_select(0, rows)))
+            residual = residual.index_copy(0, rows, (own.index_select(0, rows) - drawn.dense(own.shape[-1])).clamp(min=0).sum(-1))
         columns += [top.indices[:, :num_candidates].double(), top.values[:, :num_candidates].double(),
                     drawn_top[:, :num_candidates].double(), residual.unsqueeze(-1).double(),
                     own.gather(-1, tokens.unsqueeze(-1)).double(), drawn_token.unsqueeze(-1).double()]

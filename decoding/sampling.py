@@ -201,24 +201,34 @@ class RowParams:
 
     @staticmethod
     def of(params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str = "cpu") -> "RowParams":
-        """One row per entry of params (repeat a request's params for each of its rows)."""
-        greedy = [p.is_greedy for p in params]
-        top_k = [p.top_k if 0 < p.top_k < vocab_size and not g else vocab_size for p, g in zip(params, greedy)]
-        top_p = [p.top_p if p.top_p < 1.0 and not g else float("inf") for p, g in zip(params, greedy)]
-        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
-        on_device = functools.partial(host_to_device, device=device)
-        truncating = [i for i, (k, p) in enumerate(zip(top_k, top_p)) if k < vocab_size or p < 1.0]
-        return RowParams(
-            greedy=on_device(torch.tensor(greedy, dtype=torch.bool)),
-            temperature=on_device(torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
-                                               dtype=torch.float32)),
-            min_p=on_device(torch.tensor(min_p, dtype=torch.float32)),
-            top_k=on_device(torch.tensor(top_k, dtype=torch.long)),
-            top_p=on_device(torch.tensor(top_p, dtype=torch.float64)),
-            truncating=on_device(torch.tensor(truncating, dtype=torch.long)),
-            all_greedy=bool(greedy) and all(greedy), any_greedy=any(greedy),
-            all_truncating=bool(greedy) and len(truncating) == len(greedy), uses_min_p=any(m > 0.0 for m in min_p),
-            uses_top_k=any(k < vocab_size for k in top_k), uses_top_p=any(p < 1.0 for p in top_p))
+        """One row per entry of params (repeat a request's params for each of its rows). Built once
+        per rows' settings and vocabulary and then reused (`row_params_of_settings`): a batch's rows
+        ask for the same ones step after step, and building six small tensors costs a draft step
+        more than its sampling does. Nothing writes into them."""
+        settings = tuple((p.is_greedy, p.temperature, p.top_k, p.top_p, p.min_p) for p in params)
+        return row_params_of_settings(settings, vocab_size, torch.device(device))
+
+
+@functools.lru_cache(maxsize=256)
+def row_params_of_settings(settings: tuple[tuple[bool, float, int, float, float], ...], vocab_size: int,
+                           device: torch.device) -> RowParams:
+    """RowParams of rows whose (greedy, temperature, top_k, top_p, min_p) are settings."""
+    greedy = [g for g, *_ in settings]
+    top_k = [k if 0 < k < vocab_size and not g else vocab_size for g, _, k, _, _ in settings]
+    top_p = [p if p < 1.0 and not g else float("inf") for g, _, _, p, _ in settings]
+    min_p = [0.0 if g else m for g, _, _, _, m in settings]
+    on_device = functools.partial(host_to_device, device=device)
+    truncating = [i for i, (k, p) in enumerate(zip(top_k, top_p)) if k < vocab_size or p < 1.0]
+    return RowParams(
+        greedy=on_device(torch.tensor(greedy, dtype=torch.bool)),
+        temperature=on_device(torch.tensor([1.0 if g else t for g, t, *_ in settings], dtype=torch.float32)),
+        min_p=on_device(torch.tensor(min_p, dtype=torch.float32)),
+        top_k=on_device(torch.tensor(top_k, dtype=torch.long)),
+        top_p=on_device(torch.tensor(top_p, dtype=torch.float64)),
+        truncating=on_device(torch.tensor(truncating, dtype=torch.long)),
+        all_greedy=bool(greedy) and all(greedy), any_greedy=any(greedy),
+        all_truncating=bool(greedy) and len(truncating) == len(greedy), uses_min_p=any(m > 0.0 for m in min_p),
+        uses_top_k=any(k < vocab_size for k in top_k), uses_top_p=any(p < 1.0 for p in top_p))
 
 
 def process_rows(logits: torch.Tensor, row_params: RowParams, exact_cut: bool = True) -> torch.Tensor:

@@ -85,6 +85,21 @@ def test_mixed_rows_are_processed_as_each_row_alone():
     torch.testing.assert_close(batched, alone, rtol=0, atol=1e-7)
 
 
+def test_row_params_are_built_once_per_settings_and_vocabulary_and_told_apart_by_each():
+    """RowParams.of is memoised: the same rows' settings give the same tensors, while a change of
+    any setting, of the vocabulary or of the rows' order gives its own."""
+    base, greedy = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05), SamplingParams(temperature=0)
+    built = RowParams.of([base, greedy], VOCAB_SIZE)
+    assert RowParams.of([base.model_copy(update={"seed": 3}), greedy], VOCAB_SIZE) is built   # seed: not a row setting
+    for name, value in (("temperature", 0.8), ("top_k", 6), ("top_p", 0.95), ("min_p", 0.1)):
+        other = RowParams.of([base.model_copy(update={name: value}), greedy], VOCAB_SIZE)
+        row = {"top_k": other.top_k, "top_p": other.top_p, "min_p": other.min_p,
+               "temperature": other.temperature}[name]
+        assert float(row[0]) == pytest.approx(value), name
+    assert int(RowParams.of([greedy, base], VOCAB_SIZE).top_k[1]) == 5   # rows in their own order
+    assert int(RowParams.of([greedy], VOCAB_SIZE + 1).top_k[0]) == VOCAB_SIZE + 1   # top-k off: V of its own
+
+
 def test_batched_step_draws_each_rows_exact_distribution_and_greedy_rows_take_the_argmax():
     logits = mixed_logits(2)
     exact = exact_rows(logits, MIXED)

@@ -53,6 +53,7 @@ def baseline_lean_class(tree: str):
     path = Path(tree) / "decoding" / "lean_forward.py"
     spec = importlib.util.spec_from_file_location("_baseline_lean_forward", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # where dataclasses look their module up
     spec.loader.exec_module(module)
     return module.LeanDecoder
 
