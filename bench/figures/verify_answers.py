@@ -1,13 +1,16 @@
-"""What answering a verify step costs the target engine beyond its forward, before and after a
-change, in one run: `decoding.speculation.answer_verifies` over one forward's logits split by call
-(as the runner hands them over), at Llama 3's vocabulary width.
+"""What answering a verify step costs the target engine beyond its forward, and (`--steps
+verify,draft`) what drawing a draft step costs the draft engine beyond its forward, before and
+after a change, in one run: `decoding.speculation.answer_verifies` over one forward's logits split
+by call (as the runner hands them over), and `decoding.proposers.draft_step` over one draft
+forward's last rows, at Llama 3's vocabulary width (`--vocab-size`: another).
 
-    python -m specserve.bench.figures.verify_answers --baseline-tree /tmp/specserve-before [--rounds 3]
+    python -m specserve.bench.figures.verify_answers --baseline-tree /tmp/specserve-before [--rounds 3] [--steps verify,draft]
 
-Shapes: 1 and 8 calls of K + 1 = 5 rows each, greedy and sampled (temperature 0.8), V = 128,256,
-random logits, one torch thread. Each measurement runs in its own process with PYTHONPATH set to
-the tree under test, the trees taking turns every round (this box drifts); medians over rounds of
-each process's median over its repetitions. Writes bench/results/<name>.json and .md.
+Shapes: 1 and 8 calls, greedy and sampled (temperature 0.8), V = 128,256, random logits, one
+torch thread; a verify call holds K + 1 = 5 rows, a draft call one row (no fan-out candidates).
+Each measurement runs in its own process with PYTHONPATH set to the tree under test, the trees
+taking turns every round (this box drifts); medians over rounds of each process's median over its
+repetitions. Writes bench/results/<name>.json and .md.
 """
 
 from __future__ import annotations
@@ -23,11 +26,16 @@ ROOT = Path(__file__).resolve().parents[2]
 VOCAB_SIZE = 128_256
 ROWS_PER_CALL = 5
 SHAPES = [(calls, mode) for calls in (1, 8) for mode in ("greedy", "sampled")]
+STEPS = ("verify", "draft")
 
 
-def worker(calls: int, mode: str, reps: int) -> float:
-    """Median ms of answer_verifies over `calls` calls' split logits, in this process's tree."""
+def worker(step: str, calls: int, mode: str, reps: int, vocab_size: int = VOCAB_SIZE) -> float:
+    """Median ms of answer_verifies over `calls` calls' split logits (step "verify") or of
+    draft_step over `calls` rows (step "draft"), in this process's tree."""
     import torch
+
+    if step == "draft":
+        return draft_worker(calls, mode, reps, vocab_size)
 
     from specserve.decoding.compact_verify import DraftSupport
     from specserve.decoding.proposers import Proposal
@@ -42,7 +50,7 @@ def worker(calls: int, mode: str, reps: int) -> float:
     proposals = [Proposal([1, 2, 3, 4], None if mode == "greedy" else support) for _ in range(calls)]
     times = []
     for _ in range(reps):
-        logits = torch.randn(calls * ROWS_PER_CALL, VOCAB_SIZE)
+        logits = torch.randn(calls * ROWS_PER_CALL, vocab_size)
         rows = list(logits.split([ROWS_PER_CALL] * calls))
         generators = [torch.Generator().manual_seed(i) for i in range(calls)]
         started = time.perf_counter()
@@ -51,11 +59,33 @@ def worker(calls: int, mode: str, reps: int) -> float:
     return 1e3 * statistics.median(times[2:])
 
 
-def measure(tree: Path, calls: int, mode: str, reps: int) -> float:
+def draft_worker(calls: int, mode: str, reps: int, vocab_size: int) -> float:
+    """Median ms of one draft_step over `calls` rows of logits, each row its own request's."""
+    import torch
+
+    from specserve.decoding.proposers import ProposeCall, draft_step
+    from specserve.decoding.sampling import SamplingParams
+
+    torch.set_num_threads(1)
+    params = SamplingParams(temperature=0.0 if mode == "greedy" else 0.8, seed=None if mode == "greedy" else 7)
+    propose_calls = [ProposeCall(f"s{i}", list(range(20)), 4, params, torch.Generator().manual_seed(i))
+                     for i in range(calls)]
+    times = []
+    for _ in range(reps):
+        logits = torch.randn(calls, vocab_size)
+        started = time.perf_counter()
+        draft_step(logits, propose_calls, [None] * calls, [False] * calls)
+        times.append(time.perf_counter() - started)
+    return 1e3 * statistics.median(times[2:])
+
+
+def measure(tree: Path, step: str, calls: int, mode: str, reps: int, vocab_size: int) -> float:
     # Imported here, not above: a worker runs this file under a tree that may predate the module.
     from specserve.bench.tree_turns import script_in_tree
 
-    return float(script_in_tree(Path(__file__).resolve(), tree, ["--worker", f"{calls},{mode}", "--reps", str(reps)]))
+    return float(script_in_tree(Path(__file__).resolve(), tree,
+                                ["--worker", f"{step},{calls},{mode}", "--reps", str(reps),
+                                 "--vocab-size", str(vocab_size)]))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,32 +95,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=20, help="timed steps per process")
     parser.add_argument("--name", default="cpu-2core-verify-answers")
+    parser.add_argument("--vocab-size", type=int, default=VOCAB_SIZE, help="the logits' width")
+    parser.add_argument("--steps", default="verify", help=f"which steps, comma-separated: {', '.join(STEPS)}")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        calls, mode = args.worker.split(",")
-        print(worker(int(calls), mode, args.reps))
+        step, calls, mode = args.worker.split(",")
+        print(worker(step, int(calls), mode, args.reps, args.vocab_size))
         return
     from specserve.bench.tree_turns import turn_order
 
+    steps = [step for step in args.steps.split(",") if step]
+    if not steps or set(steps) - set(STEPS):
+        parser.error(f"--steps: a comma-separated choice of {', '.join(STEPS)}")
+    shapes = [(step, calls, mode) for step in steps for calls, mode in SHAPES]
     trees = {"after": ROOT} | ({"before": Path(args.baseline_tree).resolve()} if args.baseline_tree else {})
     samples: dict[tuple, list[float]] = {}
     for round_index in range(args.rounds):
-        for calls, mode in SHAPES:
+        for shape in shapes:
             for tree_name in turn_order(list(trees), round_index):
-                samples.setdefault((calls, mode, tree_name), []).append(measure(trees[tree_name], calls, mode, args.reps))
-    rows = [{"calls": calls, "mode": mode, "tree": tree_name,
-             "median_ms": round(statistics.median(samples[(calls, mode, tree_name)]), 2),
-             "per_round_ms": [round(value, 2) for value in samples[(calls, mode, tree_name)]]}
-            for calls, mode in SHAPES for tree_name in trees]
+                samples.setdefault((*shape, tree_name), []).append(
+                    measure(trees[tree_name], *shape, args.reps, args.vocab_size))
+    rows = [{"step": step, "calls": calls, "mode": mode, "tree": tree_name,
+             "median_ms": round(statistics.median(samples[(step, calls, mode, tree_name)]), 2),
+             "per_round_ms": [round(value, 2) for value in samples[(step, calls, mode, tree_name)]]}
+            for step, calls, mode in shapes for tree_name in trees]
     command = "python -m specserve.bench.figures.verify_answers " + " ".join(argv if argv is not None else sys.argv[1:])
     out = ROOT / "bench/results" / args.name
     out.with_suffix(".json").write_text(json.dumps({"command": command, "rounds": args.rounds, "reps": args.reps,
-                                                    "vocab_size": VOCAB_SIZE, "rows": rows}, indent=2))
-    lines = [f"# A verify step's answers beyond the forward (V = {VOCAB_SIZE:,}, {ROWS_PER_CALL} rows a call, "
-             f"1 thread, {args.rounds} rounds, medians)", "", f"`{command}`", "",
-             "| calls | mode | code | ms per step, median (per round) |", "|---|---|---|---|"]
-    lines += [f"| {r['calls']} | {r['mode']} | {r['tree']} | {r['median_ms']} "
+                                                    "vocab_size": args.vocab_size, "rows": rows}, indent=2))
+    lines = [f"# A step's sampling work beyond the forward (V = {args.vocab_size:,}; a verify call {ROWS_PER_CALL} rows, "
+             f"a draft call one; 1 thread, {args.rounds} rounds, medians)", "", f"`{command}`", "",
+             "| step | calls | mode | code | ms per step, median (per round) |", "|---|---|---|---|---|"]
+    lines += [f"| {r['step']} | {r['calls']} | {r['mode']} | {r['tree']} | {r['median_ms']} "
               f"({', '.join(str(v) for v in r['per_round_ms'])}) |" for r in rows]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
