@@ -329,9 +329,11 @@ def draft_step(logits: torch.Tensor, calls: Sequence[ProposeCall], processors: S
         residual = torch.zeros_like(drawn_token)
         if sampled:   # the sampled rows at once: drawn as [S, m] supports, the candidates [S, width]
             per_candidate = DraftSupport(drawn.ids.unsqueeze(1), drawn.probs.unsqueeze(1))
-            drawn_top = drawn_top.index_copy(0, rows, per_candidate.probs_of(top.indices.index_select(0, rows)).to(drawn_top.dtype))
+            candidates_q = per_candidate.probs_of(top.indices.index_select(0, rows)).to(drawn_top.dtype)
+            drawn_top = drawn_top.index_copy(0, rows, candidates_q)
             drawn_token = drawn_token.index_copy(0, rows, drawn.probs_of(tokens.index_select(0, rows)))
-            residual = residual.index_copy(0, rows, (own.index_select(0, rows) - drawn.dense(own.shape[-1])).clamp(min=0).sum(-1))
+            left = (own.index_select(0, rows) - drawn.dense(own.shape[-1])).clamp(min=0).sum(-1)
+            residual = residual.index_copy(0, rows, left)
         columns += [top.indices[:, :num_candidates].double(), top.values[:, :num_candidates].double(),
                     drawn_top[:, :num_candidates].double(), residual.unsqueeze(-1).double(),
                     own.gather(-1, tokens.unsqueeze(-1)).double(), drawn_token.unsqueeze(-1).double()]
