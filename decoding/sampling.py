@@ -204,7 +204,7 @@ class RowParams:
         """One row per entry of params (repeat a request's params for each of its rows). Built once
         per rows' settings and vocabulary and then reused (`row_params_of_settings`): a batch's rows
         ask for the same ones step after step, and building six small tensors costs a draft step
-        more than its sampling does. Nothing writes into them."""
+        about what its sampling does. Nothing writes into them."""
         settings = tuple((p.is_greedy, p.temperature, p.top_k, p.top_p, p.min_p) for p in params)
         return row_params_of_settings(settings, vocab_size, torch.device(device))
 
