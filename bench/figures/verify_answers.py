@@ -26,37 +26,28 @@ ROOT = Path(__file__).resolve().parents[2]
 VOCAB_SIZE = 128_256
 ROWS_PER_CALL = 5
 SHAPES = [(calls, mode) for calls in (1, 8) for mode in ("greedy", "sampled")]
-STEPS = ("verify", "draft")
 
 
-def worker(step: str, calls: int, mode: str, reps: int, vocab_size: int = VOCAB_SIZE) -> float:
-    """Median ms of answer_verifies over `calls` calls' split logits (step "verify") or of
-    draft_step over `calls` rows (step "draft"), in this process's tree."""
+def verify_worker(calls: int, mode: str, reps: int, vocab_size: int) -> float:
+    """Median ms of answer_verifies over `calls` calls' split logits, in this process's tree."""
     import torch
-
-    if step == "draft":
-        return draft_worker(calls, mode, reps, vocab_size)
 
     from specserve.decoding.compact_verify import DraftSupport
     from specserve.decoding.proposers import Proposal
-    from specserve.decoding.sampling import SamplingParams
     from specserve.decoding.speculation import RowsCall, answer_verifies
 
-    torch.set_num_threads(1)
-    params = SamplingParams(temperature=0.0 if mode == "greedy" else 0.8, seed=None if mode == "greedy" else 7)
+    params = step_params(mode)
     row_calls = [RowsCall(ROWS_PER_CALL, params, 10, list(range(20)), None, [2]) for _ in range(calls)]
     # A sampled draft's q: each drafted token's probability 0.5, the rest of its support beside it.
     support = DraftSupport(torch.tensor([[token, token + 100] for token in (1, 2, 3, 4)]), torch.full((4, 2), 0.5))
     proposals = [Proposal([1, 2, 3, 4], None if mode == "greedy" else support) for _ in range(calls)]
-    times = []
-    for _ in range(reps):
-        logits = torch.randn(calls * ROWS_PER_CALL, vocab_size)
-        rows = list(logits.split([ROWS_PER_CALL] * calls))
+
+    def prepared():
+        rows = list(torch.randn(calls * ROWS_PER_CALL, vocab_size).split([ROWS_PER_CALL] * calls))
         generators = [torch.Generator().manual_seed(i) for i in range(calls)]
-        started = time.perf_counter()
-        answer_verifies(rows, row_calls, proposals, lambda i: generators[i], ["block"] * calls)
-        times.append(time.perf_counter() - started)
-    return 1e3 * statistics.median(times[2:])
+        return lambda: answer_verifies(rows, row_calls, proposals, lambda i: generators[i], ["block"] * calls)
+
+    return median_ms(prepared, reps)
 
 
 def draft_worker(calls: int, mode: str, reps: int, vocab_size: int) -> float:
@@ -64,17 +55,39 @@ def draft_worker(calls: int, mode: str, reps: int, vocab_size: int) -> float:
     import torch
 
     from specserve.decoding.proposers import ProposeCall, draft_step
+
+    params = step_params(mode)
+    propose_calls = [ProposeCall(f"s{i}", list(range(20)), 4, params, torch.Generator().manual_seed(i))
+                     for i in range(calls)]
+
+    def prepared():
+        logits = torch.randn(calls, vocab_size)
+        return lambda: draft_step(logits, propose_calls, [None] * calls, [False] * calls)
+
+    return median_ms(prepared, reps)
+
+
+WORKERS = {"verify": verify_worker, "draft": draft_worker}
+
+
+def step_params(mode: str):
+    """One torch thread, and the sampling parameters of a `mode` ("greedy" or "sampled") request."""
+    import torch
+
     from specserve.decoding.sampling import SamplingParams
 
     torch.set_num_threads(1)
-    params = SamplingParams(temperature=0.0 if mode == "greedy" else 0.8, seed=None if mode == "greedy" else 7)
-    propose_calls = [ProposeCall(f"s{i}", list(range(20)), 4, params, torch.Generator().manual_seed(i))
-                     for i in range(calls)]
+    return SamplingParams(temperature=0.0 if mode == "greedy" else 0.8, seed=None if mode == "greedy" else 7)
+
+
+def median_ms(prepared, reps: int) -> float:
+    """Median ms of reps calls, each of what prepared() returns (its inputs made outside the
+    timing), the first two not counted."""
     times = []
     for _ in range(reps):
-        logits = torch.randn(calls, vocab_size)
+        run = prepared()
         started = time.perf_counter()
-        draft_step(logits, propose_calls, [None] * calls, [False] * calls)
+        run()
         times.append(time.perf_counter() - started)
     return 1e3 * statistics.median(times[2:])
 
@@ -96,18 +109,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=20, help="timed steps per process")
     parser.add_argument("--name", default="cpu-2core-verify-answers")
     parser.add_argument("--vocab-size", type=int, default=VOCAB_SIZE, help="the logits' width")
-    parser.add_argument("--steps", default="verify", help=f"which steps, comma-separated: {', '.join(STEPS)}")
+    parser.add_argument("--steps", default="verify", help="which steps, comma-separated: verify, draft")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         step, calls, mode = args.worker.split(",")
-        print(worker(step, int(calls), mode, args.reps, args.vocab_size))
+        print(WORKERS[step](int(calls), mode, args.reps, args.vocab_size))
         return
     from specserve.bench.tree_turns import turn_order
 
     steps = [step for step in args.steps.split(",") if step]
-    if not steps or set(steps) - set(STEPS):
-        parser.error(f"--steps: a comma-separated choice of {', '.join(STEPS)}")
+    if not steps or set(steps) - set(WORKERS):
+        parser.error(f"--steps: a comma-separated choice of {', '.join(WORKERS)}")
     shapes = [(step, calls, mode) for step in steps for calls, mode in SHAPES]
     trees = {"after": ROOT} | ({"before": Path(args.baseline_tree).resolve()} if args.baseline_tree else {})
     samples: dict[tuple, list[float]] = {}
