@@ -90,18 +90,17 @@ class LeanDecoder:
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(config.num_key_value_heads)
         self.scaling = float(first.scaling)
-        self.layers = list(decoder.layers)
         # Each layer's tensors read once here rather than through its modules every step: a
         # module attribute lookup costs about what a small kernel does, and a step makes a dozen
         # a layer. They are the modules' own parameters (no copies), so an in-place weight swap
         # and the packed copies keyed by the weight (decoding.weight_layout) are what a step reads.
-        self.layer_weights = tuple(LayerWeights.of(layer) for layer in self.layers)
+        self.layer_weights = tuple(LayerWeights.of(layer) for layer in decoder.layers)
         self.rope_table = rope_table(self.rotary, max_positions or config.max_position_embeddings, self.embed.weight)
         self.aux_layers = tuple(aux_layers)
         # Whether each layer's input is an aux feature, as flags read by layer index, so the
         # forward tests no aux layer number: where dynamo leaves ints unspecialised they are
         # symbols, which neither equal a dict's int keys nor test `in` as their values would.
-        self.feeds_aux = tuple(index in self.aux_layers for index in range(len(self.layers)))
+        self.feeds_aux = tuple(index in self.aux_layers for index in range(len(self.layer_weights)))
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: PagedBatchView):
         """Logits [kept rows, V] of the positions cache.keep_index names (flat b * T + t, in
