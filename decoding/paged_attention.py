@@ -168,9 +168,10 @@ def flex_paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool
     def mask_mod(b, h, q_idx, kv_idx):
         key_position = key_positions[kv_idx]
         distance = position_ids[b, q_idx] - key_position
-        # Within a window of W: 0 <= distance < W, as one comparison (floor division), since
-        # inductor's CUDA lowering of a mask cannot `&` two index expressions.
-        visible = distance >= 0 if sliding_window is None else distance // sliding_window == 0
+        # Within a window of W: 0 <= distance < W, which for integers is distance x (W - 1 -
+        # distance) >= 0: one comparison with neither a floor division nor an `&`, the two
+        # things inductor's CUDA lowering of this mask has failed on (docs/gpu.md).
+        visible = distance >= 0 if sliding_window is None else distance * (sliding_window - 1 - distance) >= 0
         if check_rows:
             visible = visible & (tables[b, key_position // block_size] == kv_idx // block_size)
         return visible
