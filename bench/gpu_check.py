@@ -1,5 +1,5 @@
 """The prepared GPU check: one command that exercises the engines' device paths through decoding/
-alone (no Ray, no network), prints each section as it finishes and appends it to a report.
+alone (no Ray, no network), printing each line of its report as it appends it.
 
     make gpu-check                       # python3 bench/gpu_check.py, after installing .whl/ if present
     python3 bench/gpu_check.py [--out DIR] [--time-limit 330] [--smoke]
@@ -9,14 +9,18 @@ included (docs/testing.md, "The GPU check"). On CUDA it builds randomly initiali
 exact published configs (Llama-3.1-8B target and Llama-3.2-1B draft in bf16, vocabulary 128,256; a
 few-layer fp32 copy of the 8B for exactness; a Gemma-3-1B-shaped windowed model), each next-token
 distribution made peaked like a trained model's where entropy matters (bench.look_alike's
-`peaked`), and runs five sections: environment, correctness, host syncs and kernel launches,
-timings, memory. Without CUDA (or with --smoke) the same sections run on tiny configs in well
-under a minute: `make test` runs that smoke (tests/test_gpu_check.py), so the check never rots.
+`peaked`), and runs six sections: environment, correctness (the compiled engine against
+transformers, speculation, the bf16 target), host syncs and kernel launches, timings, memory, and
+the other device paths (fork, the attention kernel, the windowed model, a token-map draft, an
+EAGLE-3 head), the most needed first. Without CUDA (or with --smoke) the same sections run on tiny
+configs in well under a minute: `make test` runs that smoke (tests/test_gpu_check.py), so the
+check never rots.
 
 The report is `<out>/gpu-<device>-check.md` (out: --out, else SPECSERVE_GPU_CHECK_OUT, else
-bench/results/), header first (command, commit, date), then each section as it finishes, so a run
-cut short keeps what ran. Sections that the time limit leaves no room for are skipped with a line
-saying so. Every call into the engine's runner goes through the adapter section below.
+bench/results/), header first (command, commit, date), then each line as a section writes it, so a
+run cut short keeps what ran. Checks that would start after the time limit are skipped with a line
+saying so (a compile under way still finishes: the limit must leave room for one). Every call into
+the engine's runner goes through the adapter section below.
 """
 
 from __future__ import annotations
@@ -81,6 +85,8 @@ GRAPH_BREAK_REASONS = 8   # the most frequent, in the report
 # (engine name, compile outcome, failure traceback or None) as the sections build engines: strings,
 # not the forward itself, which would keep each engine's KV pools alive to the end of the check.
 FORWARDS_BUILT: list[tuple[str, str, str | None]] = []
+FORWARDS_REPORTED = 0   # of FORWARDS_BUILT, those a section has listed
+STARTED = time.monotonic()   # the log's engine lines say when each was ready
 NEAR_TIE = 1e-2   # a greedy divergence whose top-2 logits are this close is float rounding (shared/README)
 
 # Published configs (shared/CHECKPOINTS.md; Gemma 3 1B from its config.json, best knowledge).
@@ -202,7 +208,7 @@ def engine_runner(model, plan: Plan, name: str, kv_gib: float, prefix_caching: b
                               enforce_eager=None if compiled else True, **extra)
     forward = engine.runner.step_forward
     FORWARDS_BUILT.append((name, forward.describe(), forward.failure_traceback))
-    print(f"{name}: {forward.describe()}", flush=True)   # seen even where the check is cut short
+    print(f"[{time.monotonic() - STARTED:.0f} s] {name}: {forward.describe()}", flush=True)
     return engine
 
 
@@ -367,25 +373,33 @@ def release_memory() -> None:
 
 @dataclass
 class Section:
+    """A section's lines, each appended to the report (and printed) as it is written where the
+    section has one: a machine taken back mid-section keeps every line that ran."""
+
     title: str
+    report: "Report | None" = None
     lines: list[str] = field(default_factory=list)
     failures: int = 0
 
     def line(self, text: str) -> None:
-        self.lines.append(text)
+        self._write([text])
 
     def check(self, ok: bool, text: str) -> None:
         self.failures += not ok
-        self.lines.append(f"- {'PASS' if ok else 'FAIL'}: {text}")
+        self._write([f"- {'PASS' if ok else 'FAIL'}: {text}"])
 
     def table(self, header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
-        self.lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        self.lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
-        self.lines.append("")
+        self._write(["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                    + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows] + [""])
+
+    def _write(self, lines: list[str]) -> None:
+        self.lines += lines
+        if self.report is not None:
+            self.report.append("".join(line + "\n" for line in lines))
 
 
 class Report:
-    """The markdown report, appended to (and printed) as each section finishes."""
+    """The markdown report, appended to (and printed) line by line as the sections write."""
 
     def __init__(self, path: Path, header: str) -> None:
         self.path = path
@@ -396,7 +410,7 @@ class Report:
     def append(self, text: str) -> None:
         with self.path.open("a") as handle:
             handle.write(text)
-        print(text, flush=True)
+        print(text, end="", flush=True)
 
 
 def median_ms(seconds: Sequence[float]) -> str:
@@ -465,13 +479,17 @@ def prefill(runner, histories: dict[str, list[int]], plan: Plan) -> None:
 
 
 class Models:
-    """The models the sections share, built on first use; the exact fp32 copies are freed once the
-    correctness section is done, before the 8B pair takes the device."""
+    """The models, engines and reference outputs the sections share, each built on first use: the
+    fp32 exactness copies and their compiled engine serve section 2 and the last section alike, so
+    the forward compiles once."""
 
     def __init__(self, plan: Plan, device: torch.device) -> None:
         self.plan = plan
         self.device = device
         self._pair = None
+        self._exact = None
+        self._exact_runner = None
+        self._greedy = None
         self.entropies: dict[str, float] = {}
 
     def peak_prompts(self, vocab: int) -> list[list[int]]:
@@ -480,13 +498,41 @@ class Models:
 
     def exact(self):
         """The fp32 few-layer copies of target and draft (peaked), without runners."""
-        plan = self.plan
-        prompts = self.peak_prompts(plan.target["vocab_size"])
-        target, t_entropy = build_model("llama", plan.target, plan.exact_layers, torch.float32, self.device, 0, prompts)
-        draft, d_entropy = build_model("llama", plan.draft, min(plan.exact_layers, plan.draft["num_hidden_layers"]),
-                                       torch.float32, self.device, 1, prompts)
-        self.entropies.update(exact_target=t_entropy, exact_draft=d_entropy)
-        return target, draft
+        if self._exact is None:
+            plan = self.plan
+            prompts = self.peak_prompts(plan.target["vocab_size"])
+            target, t_entropy = build_model("llama", plan.target, plan.exact_layers, torch.float32, self.device, 0,
+                                            prompts)
+            draft, d_entropy = build_model("llama", plan.draft, min(plan.exact_layers, plan.draft["num_hidden_layers"]),
+                                           torch.float32, self.device, 1, prompts)
+            self.entropies.update(exact_target=t_entropy, exact_draft=d_entropy)
+            self._exact = (target, draft)
+        return self._exact
+
+    def exact_runner(self):
+        """The fp32 target's engine, compiled as the engines run it."""
+        if self._exact_runner is None:
+            self._exact_runner = engine_runner(self.exact()[0], self.plan, "exact-target", kv_gib=self.plan.small_kv_gib)
+        return self._exact_runner
+
+    def ragged(self) -> tuple[list[list[int]], list[list[int]]]:
+        """The ragged batch the logits checks run: prompts, and each extended by K + 1 tokens."""
+        vocab = self.plan.target["vocab_size"]
+        prompts = [random_ids(length, vocab, 100 + i) for i, length in enumerate(self.plan.prompt_lengths)]
+        extended = [prompt + random_ids(NUM_DRAFT_TOKENS + 1, vocab, 200 + i) for i, prompt in enumerate(prompts)]
+        return prompts, extended
+
+    def greedy_reference(self) -> tuple[list[int], list[int], int]:
+        """(prompt, the fp32 target's greedy output for it, the context a speculative request of it
+        needs), from the exact engine decoding target-only."""
+        if self._greedy is None:
+            plan = self.plan
+            prompt = random_ids(plan.round_prompt, plan.target["vocab_size"], 300)
+            context = plan.round_prompt + plan.greedy_tokens + NUM_DRAFT_TOKENS + 1
+            alone = greedy_state("alone", prompt, plan.greedy_tokens, context)
+            list(generate(self.exact_runner(), alone))
+            self._greedy = (prompt, alone.output_ids, context)
+        return self._greedy
 
     def pair(self):
         """(target model, target runner, draft model, draft runner, draft proposer) in bf16."""
@@ -558,9 +604,12 @@ def engine_compilation() -> str:
 
 
 def report_compilation(section: "Section") -> None:
-    """Each engine built so far: compiled or eager and why; each distinct compile failure's
-    traceback (its last frames), so that a failure on a machine lent briefly can be mended without it."""
-    for name, outcome, _ in FORWARDS_BUILT:
+    """Each engine built since the last report: compiled or eager and why; each distinct compile
+    failure's traceback (its last frames), so that a failure on a machine lent briefly can be
+    mended without it."""
+    global FORWARDS_REPORTED
+    built, FORWARDS_REPORTED = FORWARDS_BUILT[FORWARDS_REPORTED:], len(FORWARDS_BUILT)
+    for name, outcome, _ in built:
         section.line(f"- forward of {name}: {outcome}")
     from torch._dynamo.utils import counters
 
@@ -569,8 +618,9 @@ def report_compilation(section: "Section") -> None:
         section.line("\nGraph breaks while compiling (most frequent reasons):\n")
         section.table(("reason", "times"), [(reason.replace("\n", " ").replace("|", "/")[:300], count)
                                             for reason, count in breaks])
+        counters["graph_break"].clear()
     failures = {}   # each distinct failure (by the one line that says why), first seen first
-    for name, outcome, failure in FORWARDS_BUILT:
+    for name, outcome, failure in built:
         if failure:
             failures.setdefault(outcome, (name, failure))
     for name, failure in list(failures.values())[:DISTINCT_FAILURES]:
@@ -578,55 +628,84 @@ def report_compilation(section: "Section") -> None:
         section.line(f"\nCompiling {name} failed; the last {TRACEBACK_LINES} lines of its traceback:\n\n```\n{tail}\n```")
 
 
-def section_correctness(section: Section, models: Models, clock: Clock) -> None:
+def run_checks(section: Section, models: Models, clock: Clock, checks: Sequence[Callable]) -> None:
+    """Each check(section, models) in turn while the check's time limit lasts (one line names those
+    it leaves out), then each engine's compile outcome, also where a check crashed: it is what a
+    rerun needs."""
     try:
-        correctness_checks(section, models)
-    finally:   # each engine's compile outcome, also where a check crashed: it is what a rerun needs
+        for index, check in enumerate(checks):
+            if clock.left() <= 0:
+                section.line("- skipped (the check's time limit ran out): "
+                             + ", ".join(c.__name__.removeprefix("check_") for c in checks[index:]))
+                break
+            check(section, models)
+    finally:
         report_compilation(section)
 
 
-def correctness_checks(section: Section, models: Models) -> None:
-    plan, device = models.plan, models.device
-    vocab = plan.target["vocab_size"]
+def section_correctness(section: Section, models: Models, clock: Clock) -> None:
+    """What a GPU must get right first, and what builds the engines the timings need: the compiled
+    fp32 engine against transformers, greedy and sampled speculation, the bf16 pair's target."""
     target, draft = models.exact()
-    section.line(f"fp32 copies: {plan.exact_layers} layers of the target's and draft's shapes, peaked "
+    section.line(f"fp32 copies: {models.plan.exact_layers} layers of the target's and draft's shapes, peaked "
                  f"(mean entropy {models.entropies['exact_target']:.2f} / {models.entropies['exact_draft']:.2f} nats).")
-    # 1. logits against transformers' forward: a ragged prefill, then a K+1-row verify on each.
-    prompts = [random_ids(length, vocab, 100 + i) for i, length in enumerate(plan.prompt_lengths)]
-    extended = [prompt + random_ids(NUM_DRAFT_TOKENS + 1, vocab, 200 + i) for i, prompt in enumerate(prompts)]
+    run_checks(section, models, clock, (check_exact_logits, check_greedy_speculation, check_sampled_speculation,
+                                        check_bf16_target))
+
+
+def section_other_paths(section: Section, models: Models, clock: Clock) -> None:
+    """The device paths beside the main one, after the timings (each compiled engine here costs a
+    cold machine a minute or more): a draft over a token map, an EAGLE-3 head, fork and adopt,
+    the attention kernel, the windowed model."""
+    run_checks(section, models, clock, (check_fork_and_adopt, check_attention_kernel, check_windowed_model,
+                                        check_token_map_draft, check_eagle3_head))
+
+
+def check_exact_logits(section: Section, models: Models) -> None:
+    """The compiled fp32 engine's logits against transformers' cache-free forward: a ragged
+    prefill, then a K+1-row verify on each."""
+    target, _ = models.exact()
+    prompts, extended = models.ragged()
     want_prefill = reference_rows(target, prompts, 4)
     want_verify = reference_rows(target, extended, NUM_DRAFT_TOKENS + 1)
-    runner = engine_runner(target, plan, "exact-target", kv_gib=plan.small_kv_gib)
+    runner = models.exact_runner()
     names = [f"e{i}" for i in range(len(prompts))]
     got_prefill = forward_rows(runner, [(n, p, 4) for n, p in zip(names, prompts)])
     got_verify = forward_rows(runner, [(n, p, NUM_DRAFT_TOKENS + 1) for n, p in zip(names, extended)])
     error = max(relative_error(g, w) for g, w in zip(got_prefill + got_verify, want_prefill + want_verify))
     section.check(error <= FP32_TOLERANCE, f"fp32 engine logits vs transformers' cache-free forward (ragged prefill "
-                  f"{list(plan.prompt_lengths)} tokens, then a {NUM_DRAFT_TOKENS + 1}-row verify each): max |diff| / "
-                  f"max |logit| = {error:.2e} (tolerance {FP32_TOLERANCE:.0e})")
+                  f"{list(models.plan.prompt_lengths)} tokens, then a {NUM_DRAFT_TOKENS + 1}-row verify each): max "
+                  f"|diff| / max |logit| = {error:.2e} (tolerance {FP32_TOLERANCE:.0e})")
     release(runner, names)
 
-    # 2. greedy speculative output == target-only, with the draft model and with an oracle draft.
+
+def check_greedy_speculation(section: Section, models: Models) -> None:
+    """Greedy speculative output == target-only, with the draft model and with an oracle draft."""
+    plan = models.plan
+    target, draft = models.exact()
+    runner = models.exact_runner()
+    prompt, want, context = models.greedy_reference()
     draft_runner = engine_runner(draft, plan, "exact-draft", kv_gib=plan.small_kv_gib, compiled=False)
-    prompt = random_ids(plan.round_prompt, vocab, 300)
-    context = plan.round_prompt + plan.greedy_tokens + NUM_DRAFT_TOKENS + 1
-    alone = greedy_state("alone", prompt, plan.greedy_tokens, context)
-    list(generate(runner, alone))
     for label, proposer in [("draft model", draft_proposer(draft_runner)),
                             (f"oracle draft agreeing {plan.oracle_agreement:.0%}",
-                             OracleProposer({"spec": prompt + alone.output_ids}, plan.oracle_agreement, vocab))]:
+                             OracleProposer({"spec": prompt + want}, plan.oracle_agreement, plan.target["vocab_size"]))]:
         state = greedy_state("spec", prompt, plan.greedy_tokens, context)
         rounds = len(list(generate(runner, state, proposer, NUM_DRAFT_TOKENS)))
-        same = state.output_ids == alone.output_ids
-        detail = "" if same else near_tie_detail(target, prompt, alone.output_ids, state.output_ids)
+        same = state.output_ids == want
+        detail = "" if same else near_tie_detail(target, prompt, want, state.output_ids)
         section.check(same, f"greedy speculative ({label}, K = {NUM_DRAFT_TOKENS}) == target-only, "
                       f"{plan.greedy_tokens} tokens in {rounds} target passes{detail}")
-    check_token_map_draft(section, draft, runner, plan, prompt, alone.output_ids, context)
-    check_eagle3_head(section, target, plan, prompt, alone.output_ids, context)
 
-    # Sampled speculation on the device (the generators, each row's draws, verification), drafted by
-    # the target itself on an engine of its own: q equals p up to float rounding, so nearly every
-    # draft token must be accepted; and seeded requests decoded again must commit the same tokens.
+
+def check_sampled_speculation(section: Section, models: Models) -> None:
+    """Sampled speculation on the device (the generators, each row's draws, verification), drafted by
+    the target itself on an engine of its own: q equals p up to float rounding, so nearly every
+    draft token must be accepted; and seeded requests decoded again must commit the same tokens."""
+    plan = models.plan
+    vocab = plan.target["vocab_size"]
+    target, _ = models.exact()
+    runner = models.exact_runner()
+    _, _, context = models.greedy_reference()
     self_draft = engine_runner(target, plan, "exact-self-draft", kv_gib=plan.small_kv_gib, compiled=False)
     outputs, stats = [], []
     for _ in range(2):
@@ -638,7 +717,6 @@ def correctness_checks(section: Section, models: Models) -> None:
         outputs.append([state.output_ids for state in states])
         stats = [state.stats for state in states]
     release(self_draft, [state.request_id for state in states])
-    del self_draft
     drafted, accepted = sum(stat.num_drafted for stat in stats), sum(stat.num_accepted for stat in stats)
     section.check(outputs[0] == outputs[1] and all(len(o) == plan.greedy_tokens for o in outputs[0])
                   and accepted >= SELF_DRAFT_ACCEPTANCE * drafted,
@@ -647,85 +725,13 @@ def correctness_checks(section: Section, models: Models) -> None:
                   f"accepted (at least {SELF_DRAFT_ACCEPTANCE:.0%} expected), and the same {plan.greedy_tokens} "
                   "tokens each when run again")
 
-    # 3. fork, a write into the shared partial block, adopt: against a fresh runner's sequence.
-    fresh = engine_runner(target, plan, "exact-fresh", kv_gib=plan.small_kv_gib, prefix_caching=False,
-                           compiled=False)
-    size = block_size(runner)
-    history = random_ids(2 * size + size // 2, vocab, 400)   # two full blocks and a partial one
-    forward_rows(runner, [("parent", history, 1)])
-    used = kv_summary(runner)["blocks_used"]
-    fork(runner, "parent", "child")
-    shared = kv_summary(runner)["blocks_used"] == used
-    child = history[:2 * size + 1] + [7, 8]                 # writes into the shared partial block
-    parent = history + [9]
-    errors = [relative_error(forward_rows(runner, [("child", child, 2)])[0], forward_rows(fresh, [("c", child, 2)])[0]),
-              relative_error(forward_rows(runner, [("parent", parent, 2)])[0],
-                             forward_rows(fresh, [("p", parent, 2)])[0])]
-    adopt(runner, "parent", "child")
-    errors.append(relative_error(forward_rows(runner, [("parent", child + [3], 1)])[0],
-                                 forward_rows(fresh, [("c2", child + [3], 1)])[0]))
-    release(runner, ["parent"])
-    release(fresh, ["c", "p", "c2"])
-    section.check(shared and max(errors) <= FP32_TOLERANCE and kv_summary(runner)["blocks_used"] == 0,
-                  f"fork shares the parent's blocks ({'yes' if shared else 'NO'}), the child's write into the "
-                  f"shared partial block and the parent's own next token, then adopt: rows vs a fresh sequence, "
-                  f"max relative diff {max(errors):.2e}; every block given back at release "
-                  f"(block size {size}, device {device.type})")
 
-    # 4. the engine's attention kernel against the gathered reference.
-    ragged = [(f"k{i}", p, NUM_DRAFT_TOKENS + 1) for i, p in enumerate(extended)]
-    if flash_kernel_available(device):
-        with gathered_path_only():
-            gathered = engine_runner(target, plan, "exact-gathered", kv_gib=plan.small_kv_gib, prefix_caching=False)
-        error = max(relative_error(g, w) for g, w in zip(forward_rows(fresh, ragged), forward_rows(gathered, ragged)))
-        section.check(error <= FP32_TOLERANCE, f"flash-attn's paged kernel vs SDPA over gathered blocks (ragged "
-                      f"verify): max relative diff {error:.2e}")
-        release(gathered, [name for name, _, _ in ragged])
-        del gathered
-    else:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        default_rows = forward_rows(fresh, ragged)
-        release(fresh, [name for name, _, _ in ragged])
-        with sdpa_kernel([SDPBackend.MATH]):
-            math_rows = forward_rows(fresh, ragged)
-        error = max(relative_error(g, w) for g, w in zip(default_rows, math_rows))
-        section.check(error <= FP32_TOLERANCE, "flash-attn's paged kernel is not installed, so the engine gathers "
-                      "each row's blocks and runs SDPA: its default backend vs SDPA's math backend on the same "
-                      f"ragged verify, max relative diff {error:.2e}")
-        release(fresh, [name for name, _, _ in ragged])
-    del runner, draft_runner, proposer, fresh, target, draft
-    release_memory()
-
-    # 5. the windowed model: prefill past several windows, verifies with rollback, against transformers.
-    windowed, _ = build_model("gemma", plan.windowed, plan.windowed_layers, torch.float32, device, 5)
-    window = plan.windowed["sliding_window"]
-    histories = [random_ids(length, plan.windowed["vocab_size"], 500 + i)
-                 for i, length in enumerate(plan.windowed_lengths)]
-    steps = [histories]
-    for step in range(3):   # each step drops the last 2 tokens (a rejection) and verifies K+1 new ones
-        steps.append([h[:-2] + random_ids(NUM_DRAFT_TOKENS + 1, plan.windowed["vocab_size"], 600 + 10 * step + i)
-                      for i, h in enumerate(steps[-1])])
-    wants = [reference_rows(windowed, step, NUM_DRAFT_TOKENS + 1) for step in steps]
-    runner = engine_runner(windowed, plan, "gemma-3-1b-shaped", kv_gib=plan.small_kv_gib)
-    names = [f"w{i}" for i in range(len(histories))]
-    errors = []
-    for step, want in zip(steps, wants):
-        got = forward_rows(runner, [(n, h, NUM_DRAFT_TOKENS + 1) for n, h in zip(names, step)])
-        errors += [relative_error(g, w) for g, w in zip(got, want)]
-    held = blocks_held(runner, names[-1])
-    section.check(max(errors) <= FP32_TOLERANCE,
-                  f"windowed model ({plan.windowed_layers} layers of Gemma 3 1B's shapes, window {window}, fp32): "
-                  f"histories {list(plan.windowed_lengths)} tokens prefilled, then 3 verifies of "
-                  f"{NUM_DRAFT_TOKENS + 1} rows each after a 2-token rollback, vs transformers' cache-free forward: "
-                  f"max relative diff {max(errors):.2e}; blocks held per KV group by the longest: {held}")
-    release(runner, names)
-    del runner, windowed
-    release_memory()
-
-    # 6. the bf16 pair's target (published shapes) against transformers' forward in bf16. Rounding
-    # through 32 layers of random weights is measured, not guessed: transformers' eager attention
-    # against its own SDPA on the same rows is the spread any bf16 implementation may show.
+def check_bf16_target(section: Section, models: Models) -> None:
+    """The bf16 pair's target (published shapes) against transformers' forward in bf16. Rounding
+    through 32 layers of random weights is measured, not guessed: transformers' eager attention
+    against its own SDPA on the same rows is the spread any bf16 implementation may show."""
+    plan = models.plan
+    prompts, extended = models.ragged()
     target_model, target, _, _, _ = models.pair()
     want_prefill = reference_rows(target_model, prompts, 4)
     want_verify = reference_rows(target_model, extended, NUM_DRAFT_TOKENS + 1)
@@ -749,12 +755,103 @@ def correctness_checks(section: Section, models: Models) -> None:
     release(target, names)
 
 
-def check_token_map_draft(section: Section, draft, target_runner, plan: Plan, prompt: list[int], want: list[int],
-                          context: int) -> None:
+def check_fork_and_adopt(section: Section, models: Models) -> None:
+    """Fork, a write into the shared partial block, adopt: against a fresh engine's sequence."""
+    plan, device = models.plan, models.device
+    target, _ = models.exact()
+    runner = models.exact_runner()
+    fresh = engine_runner(target, plan, "exact-fresh", kv_gib=plan.small_kv_gib, prefix_caching=False,
+                          compiled=False)
+    size = block_size(runner)
+    history = random_ids(2 * size + size // 2, plan.target["vocab_size"], 400)   # two full blocks and a partial one
+    forward_rows(runner, [("parent", history, 1)])
+    used = kv_summary(runner)["blocks_used"]
+    fork(runner, "parent", "child")
+    shared = kv_summary(runner)["blocks_used"] == used
+    child = history[:2 * size + 1] + [7, 8]                 # writes into the shared partial block
+    parent = history + [9]
+    errors = [relative_error(forward_rows(runner, [("child", child, 2)])[0], forward_rows(fresh, [("c", child, 2)])[0]),
+              relative_error(forward_rows(runner, [("parent", parent, 2)])[0],
+                             forward_rows(fresh, [("p", parent, 2)])[0])]
+    adopt(runner, "parent", "child")
+    errors.append(relative_error(forward_rows(runner, [("parent", child + [3], 1)])[0],
+                                 forward_rows(fresh, [("c2", child + [3], 1)])[0]))
+    release(runner, ["parent"])
+    release(fresh, ["c", "p", "c2"])
+    section.check(shared and max(errors) <= FP32_TOLERANCE and kv_summary(runner)["blocks_used"] == 0,
+                  f"fork shares the parent's blocks ({'yes' if shared else 'NO'}), the child's write into the "
+                  f"shared partial block and the parent's own next token, then adopt: rows vs a fresh sequence, "
+                  f"max relative diff {max(errors):.2e}; every block given back at release "
+                  f"(block size {size}, device {device.type})")
+
+
+def check_attention_kernel(section: Section, models: Models) -> None:
+    """The eager engine's attention kernel against a reference on the same ragged verify:
+    flash-attn's paged kernel against SDPA over gathered blocks where it is installed, else SDPA's
+    default backend against its math backend."""
+    plan, device = models.plan, models.device
+    target, _ = models.exact()
+    _, extended = models.ragged()
+    ragged = [(f"k{i}", p, NUM_DRAFT_TOKENS + 1) for i, p in enumerate(extended)]
+    eager = engine_runner(target, plan, "exact-eager", kv_gib=plan.small_kv_gib, prefix_caching=False, compiled=False)
+    if flash_kernel_available(device):
+        with gathered_path_only():
+            gathered = engine_runner(target, plan, "exact-gathered", kv_gib=plan.small_kv_gib, prefix_caching=False,
+                                     compiled=False)
+        error = max(relative_error(g, w) for g, w in zip(forward_rows(eager, ragged), forward_rows(gathered, ragged)))
+        section.check(error <= FP32_TOLERANCE, f"flash-attn's paged kernel vs SDPA over gathered blocks (ragged "
+                      f"verify): max relative diff {error:.2e}")
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    default_rows = forward_rows(eager, ragged)
+    release(eager, [name for name, _, _ in ragged])
+    with sdpa_kernel([SDPBackend.MATH]):
+        math_rows = forward_rows(eager, ragged)
+    error = max(relative_error(g, w) for g, w in zip(default_rows, math_rows))
+    section.check(error <= FP32_TOLERANCE, "flash-attn's paged kernel is not installed, so the engine gathers "
+                  "each row's blocks and runs SDPA: its default backend vs SDPA's math backend on the same "
+                  f"ragged verify, max relative diff {error:.2e}")
+
+
+def check_windowed_model(section: Section, models: Models) -> None:
+    """The windowed model, compiled: a prefill past several windows, verifies with rollback,
+    against transformers."""
+    plan, device = models.plan, models.device
+    windowed, _ = build_model("gemma", plan.windowed, plan.windowed_layers, torch.float32, device, 5)
+    window = plan.windowed["sliding_window"]
+    histories = [random_ids(length, plan.windowed["vocab_size"], 500 + i)
+                 for i, length in enumerate(plan.windowed_lengths)]
+    steps = [histories]
+    for step in range(3):   # each step drops the last 2 tokens (a rejection) and verifies K+1 new ones
+        steps.append([h[:-2] + random_ids(NUM_DRAFT_TOKENS + 1, plan.windowed["vocab_size"], 600 + 10 * step + i)
+                      for i, h in enumerate(steps[-1])])
+    wants = [reference_rows(windowed, step, NUM_DRAFT_TOKENS + 1) for step in steps]
+    runner = engine_runner(windowed, plan, "gemma-3-1b-shaped", kv_gib=plan.small_kv_gib)
+    names = [f"w{i}" for i in range(len(histories))]
+    errors = []
+    for step, want in zip(steps, wants):
+        got = forward_rows(runner, [(n, h, NUM_DRAFT_TOKENS + 1) for n, h in zip(names, step)])
+        errors += [relative_error(g, w) for g, w in zip(got, want)]
+    held = blocks_held(runner, names[-1])
+    section.check(max(errors) <= FP32_TOLERANCE,
+                  f"windowed model ({plan.windowed_layers} layers of Gemma 3 1B's shapes, window {window}, fp32, "
+                  f"{runner.runner.step_forward.describe()}): histories {list(plan.windowed_lengths)} tokens "
+                  f"prefilled, then 3 verifies of {NUM_DRAFT_TOKENS + 1} rows each after a 2-token rollback, vs "
+                  f"transformers' cache-free forward: max relative diff {max(errors):.2e}; blocks held per KV group "
+                  f"by the longest: {held}")
+    release(runner, names)
+
+
+def check_token_map_draft(section: Section, models: Models) -> None:
     """A draft over a token map (decoding/token_map.py) on the device, compiled as the engines run
     it: a greedy step scores the map (FLOOR elsewhere) and any other step the whole head, each its
     own graph (CUDA graphs on a GPU), with the rows of the same draft run eagerly; and greedy output
     with it drafting equals target-only."""
+    plan = models.plan
+    _, draft = models.exact()
+    target_runner = models.exact_runner()
+    prompt, want, context = models.greedy_reference()
     mapped_model = copy.deepcopy(draft)
     vocab = mapped_model.config.vocab_size
     map_lm_head(mapped_model, torch.arange(0, vocab, 2, device=next(mapped_model.parameters()).device))
@@ -780,10 +877,9 @@ def check_token_map_draft(section: Section, draft, target_runner, plan: Plan, pr
                   f"draft eager: max relative diff {max(errors):.2e}, FLOOR outside the map exactly in the greedy "
                   f"steps ({'yes' if all(floored) else 'NO'}); greedy speculative output with it drafting "
                   f"{'==' if same else '!='} target-only")
-    del compiled, eager, mapped_model
 
 
-def check_eagle3_head(section: Section, target, plan: Plan, prompt: list[int], want: list[int], context: int) -> None:
+def check_eagle3_head(section: Section, models: Models) -> None:
     """An EAGLE-3 head drafting for the target on the device (random layers over the target's own
     norm and lm_head: training/train_eagle3.new_head): the target engine stores its aux layers'
     features in the KV pool, so a prefix-cache hit's features must equal transformers'
@@ -792,6 +888,9 @@ def check_eagle3_head(section: Section, target, plan: Plan, prompt: list[int], w
     from specserve.decoding.eagle3_proposer import Eagle3Proposer
     from specserve.training.train_eagle3 import new_head, target_features
 
+    plan = models.plan
+    target, _ = models.exact()
+    prompt, want, context = models.greedy_reference()
     layers = default_aux_layers(target.config.num_hidden_layers)
     head = new_head(target, layers).to(next(target.parameters()).device).eval()
     loaded = LoadedHead(head, layers, "speculators", "random head")
@@ -815,7 +914,6 @@ def check_eagle3_head(section: Section, target, plan: Plan, prompt: list[int], w
                   f"hidden_states, max relative diff {error:.2e}; greedy speculative with the head (K = "
                   f"{NUM_DRAFT_TOKENS}) == target-only, {plan.greedy_tokens} tokens in {rounds} target passes, "
                   f"{state.stats.num_accepted} of {state.stats.num_drafted} drafted accepted{detail}")
-    del runner
 
 
 def near_tie_detail(model, prompt: list[int], want: list[int], got: list[int]) -> str:
@@ -1107,7 +1205,7 @@ def section_memory(section: Section, models: Models, clock: Clock) -> None:
 
 SECTIONS = (("1. Environment", section_environment), ("2. Correctness", section_correctness),
             ("3. Host syncs and kernel launches", section_syncs), ("4. Timings", section_timings),
-            ("5. Memory", section_memory))
+            ("5. Memory", section_memory), ("6. Other device paths", section_other_paths))
 
 
 def commit() -> str:
@@ -1148,7 +1246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     models = Models(plan, device)
     outcomes = []
     for title, run in SECTIONS:
-        section = Section(title)
+        report.append(f"## {title}\n\n")
+        section = Section(title, report)
         if clock.left() <= 0:
             section.line(f"Skipped: the check's time limit ({args.time_limit:.0f} s) ran out before it started.")
             outcomes.append((title, "skipped (time)"))
@@ -1166,7 +1265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
             section.line(f"\n_{clock.elapsed() - started:.1f} s{memory}_")
             outcomes.append((title, outcome))
-        report.append(f"## {title}\n\n" + "\n".join(section.lines) + "\n\n")
+        report.append("\n")
     summary = Section("Summary")
     summary.table(("section", "outcome"), outcomes)
     summary.line(f"Total {clock.elapsed():.1f} s of a {args.time_limit:.0f} s limit.")

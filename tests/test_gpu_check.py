@@ -1,20 +1,23 @@
 """The prepared GPU check (bench/gpu_check.py, docs/testing.md "The GPU check") runs its CPU smoke here,
 so the one command a rare, brief GPU machine gets never rots: every section runs on tiny configs
 in a fresh interpreter where Ray and llguidance cannot be imported (the GPU machine has neither),
-the report is written where it is told, and a time limit already spent skips every section with a
-line saying so."""
+the report is written where it is told, and a time limit already spent skips every section (and
+one spent inside a section, the checks left) with a line saying so."""
 
 from __future__ import annotations
 
+import runpy
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # Not on the GPU machine, and not carried there (docs/testing.md). pydantic is not there either, but
 # SamplingParams is a pydantic model, so it travels in .whl/ and is not blocked here.
 NOT_ON_THE_GPU_MACHINE = ("ray", "llguidance")
-SECTIONS = ("1. Environment", "2. Correctness", "3. Host syncs and kernel launches", "4. Timings", "5. Memory")
+SECTIONS = ("1. Environment", "2. Correctness", "3. Host syncs and kernel launches", "4. Timings", "5. Memory",
+            "6. Other device paths")
 
 RUN = """
 import importlib.abc, runpy, sys
@@ -53,3 +56,22 @@ def test_the_gpu_checks_smoke_runs_every_section_without_ray_or_llguidance_and_w
     cut_short = (skipped / "gpu-cpu-smoke-check.md").read_text()
     assert cut_short.count("Skipped: the check's time limit (0 s) ran out before it started.") == len(SECTIONS)
     assert all(f"| {title} | skipped (time) |" in cut_short for title in SECTIONS)
+
+
+def test_a_time_limit_spent_inside_a_section_skips_its_remaining_checks_by_name():
+    """A compile can take minutes on a cold GPU machine, so the limit is also checked before each
+    check, not only before each section; what it leaves out is named in the report."""
+    check = runpy.run_path(str(REPO / "bench" / "gpu_check.py"), run_name="gpu_check")
+    ran = []
+
+    def check_slow_compile(section, models):
+        ran.append("slow")
+        time.sleep(0.2)
+
+    def check_next(section, models):
+        ran.append("next")
+
+    section = check["Section"]("2. Correctness")
+    check["run_checks"](section, None, check["Clock"](0.1), (check_slow_compile, check_next))
+    assert ran == ["slow"]
+    assert "- skipped (the check's time limit ran out): next" in section.lines
