@@ -144,6 +144,9 @@ class Terminated(Exception):
 
 
 def _raise_terminated(signum, frame) -> None:
+    """The first SIGTERM stops the server; any later one is ignored from here on, before the
+    exception unwinds, so none can land inside the drain or the stop and cut them short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Terminated()
 
 
@@ -207,13 +210,14 @@ def _serve(args: argparse.Namespace, config, console) -> None:
         while True:
             time.sleep(3600)
     except (KeyboardInterrupt, Terminated):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # after Ctrl-C too: nothing cuts the drain short
         grace_s = config.limits.shutdown_grace_s
         console.say(f"specserve: stopping; requests in flight get up to {grace_s:.0f} s to finish")
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the drain short
         left = drain_local(grace_s)
         if left:
             console.say(f"specserve: {left} requests still running after {grace_s:.0f} s are cancelled")
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # nor the stop (after a demo, say)
         stop_local()
         console.say("specserve: stopped")
 

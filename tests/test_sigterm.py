@@ -1,7 +1,8 @@
 """`specserve serve` from outside, one start and stop of the real CLI: nothing on its port answers
 200 until every engine pool answers (one readiness truth, polled from the moment the command
 starts); it stops on SIGTERM (docker stop, systemd, Kubernetes) as it does on Ctrl-C: a request in
-flight finishes, the process exits 0 without Ray's crash dump, and nothing it started survives;
+flight finishes, a second SIGTERM during the drain changes nothing, the process exits 0 without
+Ray's crash dump or a traceback, and nothing it started survives;
 and what it prints is what specserve did, none of Ray's own lines. Runs the CLI in its own session
 so every process it spawns can be found after."""
 
@@ -73,7 +74,7 @@ def _poll_until_ready(url: str, log_path: Path, polls: list, stop: threading.Eve
 @pytest.fixture(scope="module")
 def served_and_stopped(tmp_path_factory) -> dict:
     """One `specserve serve` (the default pair), polled from its first moment until ready, one
-    streamed request, SIGTERM mid-stream; what was seen."""
+    streamed request, SIGTERM mid-stream and again mid-drain; what was seen."""
     tmp_path = tmp_path_factory.mktemp("serve")
     port = free_port()
     env = {**os.environ, "SPECSERVE__HTTP__PORT": str(port), "SPECSERVE__OBSERVABILITY__METRICS_EXPORT_PORT": "0"}
@@ -101,6 +102,12 @@ def served_and_stopped(tmp_path_factory) -> dict:
         client.start()
         assert started.wait(timeout=120)
         server.send_signal(signal.SIGTERM)  # mid-stream: 200 tokens take seconds here
+        # A second SIGTERM mid-drain (an impatient supervisor) must change nothing.
+        deadline = time.monotonic() + 30
+        while "specserve: stopping" not in log_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if server.poll() is None:
+            server.send_signal(signal.SIGTERM)
         seen["exit_code"] = server.wait(timeout=90)
         client.join(timeout=30)
         seen["result"] = result
