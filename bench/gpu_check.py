@@ -646,7 +646,7 @@ def run_checks(section: Section, models: Models, clock: Clock, checks: Sequence[
 def section_correctness(section: Section, models: Models, clock: Clock) -> None:
     """What a GPU must get right first, and what builds the engines the timings need: the compiled
     fp32 engine against transformers, greedy and sampled speculation, the bf16 pair's target."""
-    target, draft = models.exact()
+    models.exact()
     section.line(f"fp32 copies: {models.plan.exact_layers} layers of the target's and draft's shapes, peaked "
                  f"(mean entropy {models.entropies['exact_target']:.2f} / {models.entropies['exact_draft']:.2f} nats).")
     run_checks(section, models, clock, (check_exact_logits, check_greedy_speculation, check_sampled_speculation,
