@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specserve.decoding.device_copy import host_to_device
 from specserve.decoding.rejection import _assemble, _block_weights, stop_probabilities_from_mass
 from specserve.decoding.sampling import inverse_cdf, row_chunks, sample_from_probs
 
@@ -243,8 +244,8 @@ def ragged_target_numbers(target_probs: torch.Tensor, draft_token_ids: Sequence[
     if row != num_rows:
         raise ValueError(f"{num_rows} target rows for blocks needing {row}")
     num_positions = len(draft_rows)
-    layout = torch.tensor(draft_rows + padded_at + [int(t) for ids in draft_token_ids for t in ids],
-                          dtype=torch.long).to(device)
+    layout = host_to_device(torch.tensor(draft_rows + padded_at + [int(t) for ids in draft_token_ids for t in ids],
+                                         dtype=torch.long), device)
     draft_rows_at, padded_at, draft_ids = layout.split([num_positions] * 3)
     support_ids, support_probs = _stacked_supports(supports, draft_token_ids, device)
     target_of_draft = target[draft_rows_at, draft_ids]
@@ -254,8 +255,9 @@ def ragged_target_numbers(target_probs: torch.Tensor, draft_token_ids: Sequence[
         ratios = log_ratios(target_of_draft, draft_of_draft)
         padded = torch.zeros(len(counts) * width, dtype=torch.float64, device=device).index_copy_(0, padded_at, ratios)
         block_weights = _block_weights(padded.view(len(counts), width))[:, :width].reshape(-1)[padded_at]
-        is_block = torch.tensor([b for b, count in zip(block, counts) for _ in range(count)], dtype=torch.bool)
-        weights[draft_rows_at] = torch.where(is_block.to(device), block_weights, 1.0)
+        is_block = host_to_device(torch.tensor([b for b, count in zip(block, counts) for _ in range(count)],
+                                               dtype=torch.bool), device)
+        weights[draft_rows_at] = torch.where(is_block, block_weights, 1.0)
     uniforms = torch.cat([draw for count, generator in zip(counts, generators) for draw in (
         *((torch.rand(count, generator=generator, dtype=torch.float64, device=device),) if count else ()),
         torch.rand(1, generator=generator, dtype=torch.float64, device=device))])
@@ -303,7 +305,15 @@ def _stacked_supports(supports: Sequence[DraftSupport | None], draft_token_ids: 
     if not ids:
         return (torch.zeros(0, width, dtype=torch.long, device=device),
                 torch.zeros(0, width, dtype=torch.float32, device=device))
-    return torch.cat([part.to(device) for part in ids]), torch.cat([part.to(device) for part in probs])
+    return _on(ids, device), _on(probs, device)
+
+
+def _on(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """parts concatenated on device: host parts (off the wire) in one copy that makes the host wait
+    for nothing, parts already there (in process) as they are."""
+    if all(part.device.type == "cpu" for part in parts):
+        return host_to_device(torch.cat(parts), device)
+    return torch.cat([part.to(device) for part in parts])
 
 
 def _residual_rows(weights: torch.Tensor, rows: torch.Tensor, draft: torch.Tensor
