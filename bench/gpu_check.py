@@ -655,8 +655,8 @@ def section_correctness(section: Section, models: Models, clock: Clock) -> None:
 
 def section_other_paths(section: Section, models: Models, clock: Clock) -> None:
     """The device paths beside the main one, after the timings (each compiled engine here costs a
-    cold machine a minute or more): a draft over a token map, an EAGLE-3 head, fork and adopt,
-    the attention kernel, the windowed model."""
+    cold machine a minute or more): fork and adopt, the attention kernel, the windowed model, a
+    draft over a token map, an EAGLE-3 head."""
     run_checks(section, models, clock, (check_fork_and_adopt, check_attention_kernel, check_windowed_model,
                                         check_token_map_draft, check_eagle3_head))
 
