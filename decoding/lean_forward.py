@@ -194,8 +194,10 @@ def rope_table(rotary, max_positions: int, like: torch.Tensor) -> torch.Tensor |
     with torch.no_grad():
         cos, sin = rotary(like.new_empty(0), positions)
     table = torch.stack((cos[0], rope_signs(sin)[0]))
-    # Read in place by CUDA graphs, as the weights are, rather than copied in at every replay.
+    # Read in place by CUDA graphs, as the weights are, rather than copied in at every replay; and
+    # its shape the engine's constant in a compiled forward, as a weight's is.
     torch._dynamo.mark_static_address(table)
+    torch._dynamo.mark_static(table)
     return table
 
 

@@ -135,7 +135,11 @@ def flex_block_tables(tables: torch.Tensor, units: int, block_size: int
     logical_block.scatter_(0, torch.where(visited, compact, units).reshape(-1), order.reshape(-1))
     offsets = torch.arange(block_size, device=tables.device)
     key_positions = (logical_block[:units, None] * block_size + offsets).reshape(-1)
-    return count.to(torch.int32).view(batch, 1, 1), kv_indices.view(batch, 1, 1, units), key_positions
+    kv_num_blocks, kv_indices = count.to(torch.int32).view(batch, 1, 1), kv_indices.view(batch, 1, 1, units)
+    # Their ones are ones in a compiled forward too (not symbols of sizes that happen to be 1 now).
+    torch._dynamo.mark_static(kv_num_blocks, [1, 2])
+    torch._dynamo.mark_static(kv_indices, [1, 2])
+    return kv_num_blocks, kv_indices, key_positions
 
 
 def flex_paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
@@ -155,6 +159,13 @@ def flex_paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool
     batch, heads, columns, _ = query.shape
     units, _, kv_heads, head_dim = key_pool.shape
     kv_num_blocks, kv_indices, key_positions = block_tables
+    # The tables come into a compiled forward as inputs of their own, each size a symbol of its
+    # own: said equal to the query's rows and the pool's units here, they are one symbol each,
+    # and inductor need not reason about sizes it cannot tell are the same.
+    torch._check(kv_num_blocks.shape[0] == batch)
+    torch._check(kv_indices.shape[0] == batch)
+    torch._check(kv_indices.shape[-1] == units)
+    torch._check(key_positions.shape[0] == units * block_size)
     query_blocks = -(-columns // FLEX_QUERY_BLOCK)
     if query_blocks > 1:   # a prefill chunk longer than a query block (traced apart)
         kv_num_blocks = kv_num_blocks.expand(batch, 1, query_blocks)

@@ -266,3 +266,45 @@ def test_the_traced_forward_takes_no_python_number_as_an_input(monkeypatch):
                if isinstance(value, torch.SymFloat | float) or (isinstance(value, torch.Tensor) and value.dim() == 0)
                or (isinstance(value, torch.SymInt) and not re.fullmatch(r"s\d+", name))]
     assert not numbers, numbers
+
+
+def test_a_traced_forwards_flex_tables_and_rotary_table_bring_no_sizes_of_their_own(monkeypatch):
+    """The flex tables come into a compiled forward as inputs of their own, and dynamo gives each of
+    their sizes a symbol: rows equal to the query's, units equal to the pools', ones. Said equal
+    where flex_attention meets them (and their ones static), they add no symbol beside the step's
+    and the pools' own; the rotary table is the engine's constant, with no symbol at all. Sizes
+    inductor cannot tell are equal are the kind of question its code generation has failed on
+    (docs/gpu.md). Traced as on CUDA (the pools preallocated and fixed), without inductor, so it
+    compiles nothing."""
+    from torch._guards import TracingContext
+
+    from specserve.decoding import paged_cache
+
+    monkeypatch.setenv(compiled_forward.ENFORCE_EAGER_ENV, "0")
+    build = paged_cache.PagedKVCache.__init__
+    monkeypatch.setattr(paged_cache.PagedKVCache, "__init__",
+                        lambda self, *args, **kwargs: build(self, *args, **{"preallocate": True, **kwargs}))
+    graphs = []   # per graph: input name -> the free symbols of its sizes, after dynamo's replacements
+
+    def recording(gm, example_inputs):
+        shape_env = TracingContext.get().fake_mode.shape_env
+        symbols = {}
+        for node in gm.graph.find_nodes(op="placeholder"):
+            value = node.meta.get("example_value")
+            if isinstance(value, torch.Tensor):
+                symbols[node.name] = set().union(*(shape_env.replace(size.node.expr).free_symbols
+                                                   for size in value.shape if isinstance(size, torch.SymInt)))
+        graphs.append(symbols)
+        return gm.forward
+
+    monkeypatch.setattr(compiled_forward.CompiledForward, "_compile", lambda self, cuda_graphs: torch.compile(
+        self.eager_forward, dynamic=True, fullgraph=True, backend=recording))
+    torch._dynamo.reset()   # an earlier test's graph of the same shapes would serve this forward untraced
+    runner = engine_for_model(tiny_model("llama"), enforce_eager=False, kv_cache_memory_gb=0.001)
+    assert not runner.runner.step_forward.eager and runner.runner.cache.pools.fixed and graphs
+    for symbols in graphs:
+        own = set().union(*(found for name, found in symbols.items() if "input_ids" in name or "pools" in name))
+        flex = set().union(*(found for name, found in symbols.items() if "flex_tables" in name))
+        rotary = [found for name, found in symbols.items() if "rope_table" in name]
+        assert flex and flex <= own, symbols
+        assert rotary == [set()], symbols
