@@ -489,6 +489,7 @@ class Models:
         self._pair = None
         self._exact = None
         self._exact_runner = None
+        self._exact_eager_runner = None
         self._greedy = None
         self.entropies: dict[str, float] = {}
 
@@ -514,6 +515,15 @@ class Models:
         if self._exact_runner is None:
             self._exact_runner = engine_runner(self.exact()[0], self.plan, "exact-target", kv_gib=self.plan.small_kv_gib)
         return self._exact_runner
+
+    def exact_eager_runner(self):
+        """The fp32 target's engine run eagerly, without prefix caching: the reference the
+        compiled engine's forks and the attention kernels are held to."""
+        if self._exact_eager_runner is None:
+            self._exact_eager_runner = engine_runner(self.exact()[0], self.plan, "exact-eager",
+                                                     kv_gib=self.plan.small_kv_gib, prefix_caching=False,
+                                                     compiled=False)
+        return self._exact_eager_runner
 
     def ragged(self) -> tuple[list[list[int]], list[list[int]]]:
         """The ragged batch the logits checks run: prompts, and each extended by K + 1 tokens."""
@@ -760,8 +770,7 @@ def check_fork_and_adopt(section: Section, models: Models) -> None:
     plan, device = models.plan, models.device
     target, _ = models.exact()
     runner = models.exact_runner()
-    fresh = engine_runner(target, plan, "exact-fresh", kv_gib=plan.small_kv_gib, prefix_caching=False,
-                          compiled=False)
+    fresh = models.exact_eager_runner()
     size = block_size(runner)
     history = random_ids(2 * size + size // 2, plan.target["vocab_size"], 400)   # two full blocks and a partial one
     forward_rows(runner, [("parent", history, 1)])
@@ -793,7 +802,8 @@ def check_attention_kernel(section: Section, models: Models) -> None:
     target, _ = models.exact()
     _, extended = models.ragged()
     ragged = [(f"k{i}", p, NUM_DRAFT_TOKENS + 1) for i, p in enumerate(extended)]
-    eager = engine_runner(target, plan, "exact-eager", kv_gib=plan.small_kv_gib, prefix_caching=False, compiled=False)
+    names = [name for name, _, _ in ragged]
+    eager = models.exact_eager_runner()
     if flash_kernel_available(device):
         with gathered_path_only():
             gathered = engine_runner(target, plan, "exact-gathered", kv_gib=plan.small_kv_gib, prefix_caching=False,
@@ -801,13 +811,15 @@ def check_attention_kernel(section: Section, models: Models) -> None:
         error = max(relative_error(g, w) for g, w in zip(forward_rows(eager, ragged), forward_rows(gathered, ragged)))
         section.check(error <= FP32_TOLERANCE, f"flash-attn's paged kernel vs SDPA over gathered blocks (ragged "
                       f"verify): max relative diff {error:.2e}")
+        release(eager, names)
         return
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     default_rows = forward_rows(eager, ragged)
-    release(eager, [name for name, _, _ in ragged])
+    release(eager, names)
     with sdpa_kernel([SDPBackend.MATH]):
         math_rows = forward_rows(eager, ragged)
+    release(eager, names)
     error = max(relative_error(g, w) for g, w in zip(default_rows, math_rows))
     section.check(error <= FP32_TOLERANCE, "flash-attn's paged kernel is not installed, so the engine gathers "
                   "each row's blocks and runs SDPA: its default backend vs SDPA's math backend on the same "
