@@ -168,8 +168,11 @@ def flex_paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool
     torch._check(key_positions.shape[0] == units * block_size)
     query_blocks = -(-columns // FLEX_QUERY_BLOCK)
     if query_blocks > 1:   # a prefill chunk longer than a query block (traced apart)
-        kv_num_blocks = kv_num_blocks.expand(batch, 1, query_blocks)
-        kv_indices = kv_indices.expand(batch, 1, query_blocks, units)
+        # Copied out, not broadcast: the compiled kernels address a query block's entry from the
+        # tables' batch and head strides as if they were contiguous, so a stride-0 broadcast has
+        # a later row read its neighbour's blocks (or past the tables' end).
+        kv_num_blocks = kv_num_blocks.expand(batch, 1, query_blocks).contiguous()
+        kv_indices = kv_indices.expand(batch, 1, query_blocks, units).contiguous()
 
     # The compiled kernels visit only the blocks the block mask lists; flex_attention's eager
     # reference evaluates the mask over the whole pool, so there the block must be checked to be

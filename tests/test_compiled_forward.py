@@ -78,6 +78,24 @@ def test_compiled_rows_equal_eager_rows(monkeypatch, architecture, lean):
 
 
 @pytest.mark.slow
+def test_a_ragged_prefill_longer_than_a_query_block_compiles_to_the_eager_rows(monkeypatch):
+    """Rows of a prefill chunk past flex_attention's query block (decoding.paged_attention's
+    FLEX_QUERY_BLOCK) list their blocks once per query block: every row of such a batch, not only
+    the first, must read its own blocks in the compiled kernel."""
+    monkeypatch.setenv(compiled_forward.ENFORCE_EAGER_ENV, "0")
+    model = tiny_model("llama", max_position_embeddings=512)
+    eager = engine_for_model(model, enforce_eager=True)
+    compiled = engine_for_model(model, enforce_eager=False)
+    assert not compiled.runner.step_forward.eager, compiled.runner.step_forward.reason
+    histories = {name: [2 + (7 * i + offset) % 90 for i in range(length)]
+                 for name, offset, length in (("a", 0, 300), ("b", 11, 140), ("c", 23, 37))}
+    for steps in ([ForwardCall(name, history, 4) for name, history in histories.items()],
+                  [ForwardCall(name, history + [5, 6, 7], 4) for name, history in histories.items()]):
+        for call, got, expected in zip(steps, compiled.forward_batch(steps), eager.forward_batch(steps)):
+            torch.testing.assert_close(got, expected, atol=ATOL, rtol=0, msg=lambda m: f"{call.seq_id}: {m}")
+
+
+@pytest.mark.slow
 def test_an_eagle3_targets_compiled_forward_is_one_graph_with_the_eager_rows_and_features(monkeypatch):
     """A target serving an EAGLE-3 head returns its aux layers' inputs too. Its aux layers are
     repeated and out of order, as a small target's clamped defaults are: in a graph compiled with
