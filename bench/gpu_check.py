@@ -660,7 +660,7 @@ def section_correctness(section: Section, models: Models, clock: Clock) -> None:
     section.line(f"fp32 copies: {models.plan.exact_layers} layers of the target's and draft's shapes, peaked "
                  f"(mean entropy {models.entropies['exact_target']:.2f} / {models.entropies['exact_draft']:.2f} nats).")
     run_checks(section, models, clock, (check_exact_logits, check_greedy_speculation, check_sampled_speculation,
-                                        check_bf16_target))
+                                        check_bf16_compile, check_bf16_target))
 
 
 def section_other_paths(section: Section, models: Models, clock: Clock) -> None:
@@ -734,6 +734,29 @@ def check_sampled_speculation(section: Section, models: Models) -> None:
                   f"drafting for itself, a batch of 4 seeded requests): {accepted} of {drafted} draft tokens "
                   f"accepted (at least {SELF_DRAFT_ACCEPTANCE:.0%} expected), and the same {plan.greedy_tokens} "
                   "tokens each when run again")
+
+
+def check_bf16_compile(section: Section, models: Models) -> None:
+    """A few-layer copy of the pair's target in the pair's dtype, compiled as the pair's engines
+    are: the dtype is what the fp32 copies do not try, and a compile failure costs a few layers'
+    compile here instead of the whole model's (its outcome and traceback close the section)."""
+    plan, device = models.plan, models.device
+    model, _ = build_model("llama", plan.target, plan.exact_layers, plan.pair_dtype, device, 4)
+    engine = engine_runner(model, plan, f"{str(plan.pair_dtype).removeprefix('torch.')}-copy", kv_gib=plan.small_kv_gib)
+    forward = engine.runner.step_forward
+    prompts, extended = models.ragged()
+    names = [f"c{i}" for i in range(len(prompts))]
+    forward_rows(engine, [(n, p, 1) for n, p in zip(names, prompts)])
+    got = forward_rows(engine, [(n, p, NUM_DRAFT_TOKENS + 1) for n, p in zip(names, extended)])
+    want = reference_rows(model, extended, NUM_DRAFT_TOKENS + 1)
+    error = max(relative_error(g, w) for g, w in zip(got, want))
+    agree = torch.cat([g.argmax(-1) == w.argmax(-1) for g, w in zip(got, want)]).float().mean()
+    section.check(forward.eager == (device.type != "cuda"),
+                  f"{str(plan.pair_dtype).removeprefix('torch.')} copy ({plan.exact_layers} layers of the target's "
+                  f"shapes) compiled as the pair's engines are: {forward.describe()}; its verify rows vs "
+                  f"transformers' SDPA forward: max |diff| / max |logit| = {error:.2e}, argmax agrees on "
+                  f"{float(agree):.1%}")
+    release(engine, names)
 
 
 def check_bf16_target(section: Section, models: Models) -> None:

@@ -14,9 +14,10 @@ beyond the ladder run the same forward compiled without graphs.
 
 Compiling costs start-up time, paid once per machine: inductor's artifacts are cached on disk
 under the specserve cache directory (`compile_cache_dir`), so a restart reuses them (figures in
-docs/performance.md). `enforce_eager` (vLLM's name) turns compilation off; a model whose forward
-that fails under CUDA graphs is compiled without them, and one that fails to compile serves eager,
-each with one warning naming why (`CompiledForward.warm_up`).
+docs/performance.md). `enforce_eager` (vLLM's name) turns compilation off. A forward inductor cannot generate code for
+is compiled again with its loop-rewriting fusions off (`PLAIN_FUSION`), one that fails under CUDA
+graphs is compiled without them, and one that still fails serves eager, each with one warning
+naming why (`CompiledForward.warm_up`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ ENFORCE_EAGER_ENV = "SPECSERVE_ENFORCE_EAGER"
 CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 # Graphs dynamo keeps per function before it gives up compiling it (its own default is 8).
 RECOMPILE_LIMIT = 64
+# Inductor's fusions that rewrite a node's loops (reorder, reindex, or fuse reductions over
+# different dimensions) to fit it into a neighbour's kernel: with dynamic sizes such a fused kernel
+# can ask codegen to split a range by one it cannot prove divides it (docs/gpu.md), and the forward
+# fails to compile. The retry after a code-generation failure turns them off, keeping the plain
+# fusions; the names a given torch does not have are left out.
+PLAIN_FUSION = {"loop_ordering_after_fusion": False, "loop_reindexing_after_fusion": False,
+                "triton.mix_order_reduction": False}
 
 
 def compile_cache_dir() -> Path:
@@ -64,6 +72,21 @@ def compile_cache_dir() -> Path:
 def eager_by_default() -> bool:
     """True where ENFORCE_EAGER_ENV asks runners not to compile (the tests)."""
     return os.environ.get(ENFORCE_EAGER_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def plain_fusion_options() -> dict[str, bool]:
+    """PLAIN_FUSION less the settings this torch's inductor does not have (torch.compile
+    rejects unknown ones)."""
+    import torch._inductor.config as inductor_config
+
+    def known(name: str) -> bool:
+        owner = inductor_config
+        *parents, leaf = name.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent, None)
+        return owner is not None and hasattr(owner, leaf)
+
+    return {name: value for name, value in PLAIN_FUSION.items() if known(name)}
 
 
 def graph_batch_size(rows: int, ladder: Sequence[int] = CUDA_GRAPH_BATCH_SIZES) -> int | None:
@@ -134,6 +157,7 @@ class CompiledForward:
         self._compiled = None
         self._plain = None   # where CUDA graphs are on: the forward compiled without them
         self.cuda_graphs = False
+        self.plain_fusion_after: str | None = None   # the code-generation failure PLAIN_FUSION followed
         self.failure_traceback: str | None = None   # why compiling failed, whole (for a report)
         if not self.eager:
             compile_cache_dir()
@@ -177,8 +201,10 @@ class CompiledForward:
         (splitting a graph around what cannot be captured) is off: its generated code has named
         buffers it never defined for this forward on CUDA; a graph that cannot be captured runs
         its compiled kernels without one instead."""
-        options = {"triton.cudagraphs": True, "graph_partition": False} if cuda_graphs else None
-        return torch.compile(self.eager_forward, dynamic=True, fullgraph=True, options=options)
+        options = {"triton.cudagraphs": True, "graph_partition": False} if cuda_graphs else {}
+        if self.plain_fusion_after is not None:
+            options.update(plain_fusion_options())
+        return torch.compile(self.eager_forward, dynamic=True, fullgraph=True, options=options or None)
 
     @property
     def attention_kernel(self) -> str:
@@ -195,6 +221,13 @@ class CompiledForward:
             return
         started = time.perf_counter()
         failure = self._first_run(run)
+        if failure is not None and failure.startswith("InductorError"):   # code generation, not graphs
+            self.plain_fusion_after = failure
+            self._compiled = self._compile(self.cuda_graphs)
+            self._plain = self._compile(False) if self.cuda_graphs else None
+            logger.warning("%s: inductor failed to generate the forward, compiling with its loop-rewriting "
+                           "fusions off: %s", model_path, failure)
+            failure = self._first_run(run)
         if failure is not None and self.cuda_graphs:
             self.cuda_graphs, self._compiled, self._plain = False, self._compile(False), None
             self.reason = f"CUDA graphs failed ({failure})"
@@ -233,5 +266,7 @@ class CompiledForward:
             graphs = ", CUDA graphs for batches of " + "/".join(map(str, CUDA_GRAPH_BATCH_SIZES))
         else:
             graphs = f", no CUDA graphs: {self.reason}" if self.device.type == "cuda" else ""
+        if self.plain_fusion_after is not None:
+            graphs += f", loop-rewriting fusions off after {self.plain_fusion_after}"
         return (f"compiled forward{graphs} ({self.compile_seconds:.1f} s to compile at start; cache "
                 f"{compile_cache_dir()})")

@@ -237,6 +237,43 @@ def test_a_forward_that_fails_under_cuda_graphs_is_compiled_without_them(monkeyp
     assert [record.levelno for record in caplog.records] == [logging.WARNING]
 
 
+class InductorError(Exception):
+    """Stands in for torch._inductor.exc.InductorError, which CompiledForward tells apart by name."""
+
+
+def test_a_forward_inductor_cannot_generate_is_compiled_again_with_plain_fusion(monkeypatch, caplog):
+    """A code-generation failure (inductor's CantSplit) is about fusion, not graphs: the forward is
+    compiled again, CUDA graphs kept, with the loop-rewriting fusions off (the names this torch
+    has), before any fallback without graphs or to eager."""
+    asked = []
+
+    def compile_failing_with_loop_rewrites(forward, **kwargs):
+        options = kwargs.get("options") or {}
+        plain = options.get("loop_ordering_after_fusion") is False
+        asked.append((bool(options.get("triton.cudagraphs")), plain))
+
+        def compiled(*args):
+            if not plain:
+                raise InductorError("CantSplit: 4096*s70 not divisible by s12*s70")
+            return forward(*args)
+        return compiled
+
+    monkeypatch.setattr(compiled_forward.torch, "compile", compile_failing_with_loop_rewrites)
+    assert compiled_forward.plain_fusion_options() == compiled_forward.PLAIN_FUSION   # this torch has them all
+    monkeypatch.setitem(compiled_forward.PLAIN_FUSION, "triton.no_such_setting", False)
+    assert "triton.no_such_setting" not in compiled_forward.plain_fusion_options()
+    calls = []
+    forward = compiled_forward.CompiledForward(lambda ids, view: calls.append(ids) or ids, torch.device("cuda"),
+                                               enforce_eager=False)
+    with caplog.at_level(logging.WARNING, logger=compiled_forward.__name__):
+        forward.warm_up(lambda: forward(1, None, graphed=True), "tiny")
+    assert asked == [(True, False), (False, False), (True, True), (False, True)] and calls == [1]
+    assert not forward.eager and forward.cuda_graphs
+    assert "CUDA graphs for batches of" in forward.describe()
+    assert "loop-rewriting fusions off after InductorError: CantSplit" in forward.describe()
+    assert [record.levelno for record in caplog.records] == [logging.WARNING]
+
+
 def test_enforce_eager_and_the_environment_keep_the_forward_uncompiled(monkeypatch):
     model = tiny_model("llama")
     monkeypatch.setenv(compiled_forward.ENFORCE_EAGER_ENV, "0")
