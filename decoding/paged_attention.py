@@ -99,10 +99,13 @@ def flash_kernel_available(device: torch.device) -> bool:
 FLASH_BLOCK_SIZE = 256
 # How a forward's attention reads the paged cache (decoding.paged_cache.PagedBatchView).
 ATTENTION_KERNELS = ("flex", "gather", "flash")
-# Query rows flex_attention's block mask takes per block: one block for any decode, verify or draft
-# step (a prefill chunk of more tokens has several, each listing the row's blocks). A constant, so
-# the compiled kernel does not specialize on the number of new tokens.
-FLEX_QUERY_BLOCK = 128
+# Query rows flex_attention's block mask takes per block: more than any step has, so that every
+# step (decode, verify, draft or a prefill chunk) is one query block. Every query of a row reads the
+# same list of blocks (the mask_mod hides what a query must not see), so finer query blocks would
+# only repeat that list, and a list repeated per query block is what inductor's CUDA kernel read out
+# of bounds (docs/gpu.md). A constant, so the compiled kernel does not specialize on the number of
+# new tokens; a power of two, as the kernel's query tile must divide it.
+FLEX_QUERY_BLOCK = 1 << 20
 # The key tile of inductor's CUDA flex_attention kernels, which must divide a KV block (their
 # default is wider than a small block). A constant, so that the kernel's options depend on nothing
 # read while tracing, and a block size on CUDA must be a multiple of it (PagedBatchView checks).
@@ -166,13 +169,7 @@ def flex_paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool
     torch._check(kv_indices.shape[0] == batch)
     torch._check(kv_indices.shape[-1] == units)
     torch._check(key_positions.shape[0] == units * block_size)
-    query_blocks = -(-columns // FLEX_QUERY_BLOCK)
-    if query_blocks > 1:   # a prefill chunk longer than a query block (traced apart)
-        # Copied out, not broadcast: the compiled kernels address a query block's entry from the
-        # tables' batch and head strides as if they were contiguous, so a stride-0 broadcast has
-        # a later row read its neighbour's blocks (or past the tables' end).
-        kv_num_blocks = kv_num_blocks.expand(batch, 1, query_blocks).contiguous()
-        kv_indices = kv_indices.expand(batch, 1, query_blocks, units).contiguous()
+    torch._check(columns <= FLEX_QUERY_BLOCK)
 
     # The compiled kernels visit only the blocks the block mask lists; flex_attention's eager
     # reference evaluates the mask over the whole pool, so there the block must be checked to be
