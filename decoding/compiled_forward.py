@@ -15,9 +15,9 @@ beyond the ladder run the same forward compiled without graphs.
 Compiling costs start-up time, paid once per machine: inductor's artifacts are cached on disk
 under the specserve cache directory (`compile_cache_dir`), so a restart reuses them (figures in
 docs/performance.md). `enforce_eager` (vLLM's name) turns compilation off. A forward inductor cannot generate code for
-is compiled again with its loop-rewriting fusions off (`PLAIN_FUSION`), one that fails under CUDA
-graphs is compiled without them, and one that still fails serves eager, each with one warning
-naming why (`CompiledForward.warm_up`).
+is compiled again with its loop-rewriting fusions off (`PLAIN_FUSION`), one that fails otherwise
+under CUDA graphs is compiled without them, and one that still fails serves eager, each with one
+warning naming why (`CompiledForward.warm_up`).
 """
 
 from __future__ import annotations
@@ -87,6 +87,13 @@ def plain_fusion_options() -> dict[str, bool]:
         return owner is not None and hasattr(owner, leaf)
 
     return {name: value for name, value in PLAIN_FUSION.items() if known(name)}
+
+
+def code_generation_failed(failure: str) -> bool:
+    """Whether a compile failure (CompiledForward's one line) is inductor failing to lower or
+    generate the graph's kernels: that comes of the kernels' fusion, not of CUDA graphs, and
+    compiling again without graphs only meets it again (minutes for a large model)."""
+    return failure.startswith("InductorError")
 
 
 def graph_batch_size(rows: int, ladder: Sequence[int] = CUDA_GRAPH_BATCH_SIZES) -> int | None:
@@ -214,21 +221,22 @@ class CompiledForward:
 
     def warm_up(self, run: Callable[[], object], model_path: str) -> None:
         """Run `run` (forwards through this object, of the shapes to trace) once, compiling. A
-        failure under CUDA graphs compiles again without them; a failure to compile serves eager
-        from then on (`run` is then repeated eagerly); each with one warning naming why. An eager
-        forward has nothing to trace: it runs nothing at start."""
+        failure to generate the kernels compiles again with PLAIN_FUSION; another failure under
+        CUDA graphs compiles again without them; a failure left serves eager from then on (`run`
+        is then repeated eagerly); each with one warning naming why. An eager forward has nothing
+        to trace: it runs nothing at start."""
         if self.eager:
             return
         started = time.perf_counter()
         failure = self._first_run(run)
-        if failure is not None and failure.startswith("InductorError"):   # code generation, not graphs
+        if failure is not None and code_generation_failed(failure):   # inductor's kernels, not graphs
             self.plain_fusion_after = failure
             self._compiled = self._compile(self.cuda_graphs)
             self._plain = self._compile(False) if self.cuda_graphs else None
             logger.warning("%s: inductor failed to generate the forward, compiling with its loop-rewriting "
                            "fusions off: %s", model_path, failure)
             failure = self._first_run(run)
-        if failure is not None and self.cuda_graphs:
+        if failure is not None and self.cuda_graphs and not code_generation_failed(failure):
             self.cuda_graphs, self._compiled, self._plain = False, self._compile(False), None
             self.reason = f"CUDA graphs failed ({failure})"
             logger.warning("%s: the forward under CUDA graphs failed, compiling without: %s", model_path, failure)
