@@ -14,10 +14,10 @@ beyond the ladder run the same forward compiled without graphs.
 
 Compiling costs start-up time, paid once per machine: inductor's artifacts are cached on disk
 under the specserve cache directory (`compile_cache_dir`), so a restart reuses them (figures in
-docs/performance.md). `enforce_eager` (vLLM's name) turns compilation off. A forward inductor cannot generate code for
-is compiled again with its loop-rewriting fusions off (`PLAIN_FUSION`), one that fails otherwise
-under CUDA graphs is compiled without them, and one that still fails serves eager, each with one
-warning naming why (`CompiledForward.warm_up`).
+docs/performance.md). `enforce_eager` (vLLM's name) turns compilation off. A forward inductor
+cannot generate kernels for is compiled again with its loop-rewriting fusions off
+(`PLAIN_FUSION`), one that fails otherwise under CUDA graphs is compiled without them, and one that
+still fails serves eager, each with one warning naming why (`CompiledForward.warm_up`).
 """
 
 from __future__ import annotations

@@ -102,9 +102,10 @@ ATTENTION_KERNELS = ("flex", "gather", "flash")
 # Query rows flex_attention's block mask takes per block: more than any step has, so that every
 # step (decode, verify, draft or a prefill chunk) is one query block. Every query of a row reads the
 # same list of blocks (the mask_mod hides what a query must not see), so finer query blocks would
-# only repeat that list, and a list repeated per query block is what inductor's CUDA kernel read out
-# of bounds (docs/gpu.md). A constant, so the compiled kernel does not specialize on the number of
-# new tokens; a power of two, as the kernel's query tile must divide it.
+# only repeat that list; repeated, the compiled kernels read it wrong (broadcast, a row read another
+# row's; copied out, the CUDA kernel faulted: docs/gpu.md). A constant, so the compiled kernel does
+# not specialize on the number of new tokens; a power of two, as the kernel's query tile must
+# divide it.
 FLEX_QUERY_BLOCK = 1 << 20
 # The key tile of inductor's CUDA flex_attention kernels, which must divide a KV block (their
 # default is wider than a small block). A constant, so that the kernel's options depend on nothing
