@@ -64,7 +64,7 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, Llama
 
 from specserve.bench.look_alike import peaked, timed_forwards  # noqa: E402
 from specserve.decoding.generate import generate, generate_batch  # noqa: E402
-from specserve.decoding.compiled_forward import CompiledForward  # noqa: E402
+from specserve.decoding.compiled_forward import CompiledForward, plain_fusion_options  # noqa: E402
 from specserve.decoding.proposers import Proposal  # noqa: E402
 from specserve.decoding.sampling import SamplingParams  # noqa: E402
 from specserve.decoding.sequence import RequestState  # noqa: E402
@@ -185,7 +185,7 @@ from specserve.decoding.token_map import FLOOR, map_lm_head  # noqa: E402
 
 def engine_runner(model, plan: Plan, name: str, kv_gib: float, prefix_caching: bool = True,
                   profile_batches: Sequence[tuple[int, int]] | None = None, aux_layers: Sequence[int] = (),
-                  compiled: bool = True):
+                  compiled: bool = True, inductor_options: dict | None = None):
     """The engine (a Scheduler over the batched paged runner) for model, its KV cache about kv_gib GiB,
     its forward compiled where decoding/ compiles it (on CUDA) unless compiled is False: an engine
     that only stands beside the one under test (a draft, a reference) stays eager, as compiling
@@ -194,7 +194,7 @@ def engine_runner(model, plan: Plan, name: str, kv_gib: float, prefix_caching: b
     device less its own weights and its profiled activations (never what other engines in the
     process hold: vLLM's rule), so the share is set to its weights, kv_gib, ACTIVATION_ROOM_GIB for
     the forward and the sampler's rows of the largest step batch it profiles (a Gemma vocabulary's
-    rows alone outgrow the room)."""
+    rows alone outgrow the room). inductor_options: the engine's (decoding.compiled_forward)."""
     device = next(model.parameters()).device
     extra = {} if profile_batches is None else {"profile_batches": list(profile_batches)}
     if device.type == "cuda":
@@ -209,7 +209,7 @@ def engine_runner(model, plan: Plan, name: str, kv_gib: float, prefix_caching: b
     engine = engine_for_model(model, max_sequences=512, model_path=name, max_model_len=plan.max_model_len,
                               prefix_caching=prefix_caching, aux_layers=aux_layers,
                               enforce_eager=True if not compiled else (False if plan.compile_on_cpu else None),
-                              **extra)
+                              inductor_options=inductor_options, **extra)
     forward = engine.runner.step_forward
     FORWARDS_BUILT.append((name, forward.describe(), forward.failure_traceback))
     print(f"[{time.monotonic() - STARTED:.0f} s] {name}: {forward.describe()}", flush=True)
@@ -496,6 +496,9 @@ class Models:
         self._exact_eager_runner = None
         self._greedy = None
         self.entropies: dict[str, float] = {}
+        # The pair's inductor settings: PLAIN_FUSION from the start where the few-layer copy in the
+        # pair's dtype needed it (check_bf16_compile), so the 32-layer models do not fail first.
+        self.pair_inductor_options: dict | None = None
 
     def peak_prompts(self, vocab: int) -> list[list[int]]:
         lengths = (100, 400) if self.device.type == "cuda" else (20, 40)
@@ -558,10 +561,11 @@ class Models:
             # The batches the sections run, so the engine's budget leaves room for their activations.
             target_runner = engine_runner(target, plan, "llama-3.1-8b-shaped", plan.target_kv_gib, profile_batches=[
                 (max(plan.batches), NUM_DRAFT_TOKENS + 1), (plan.prefill_rows, plan.prefill_chunk),
-                (1, plan.long_chunk)])
+                (1, plan.long_chunk)], inductor_options=self.pair_inductor_options)
             draft, self.entropies["draft"] = build_model("llama", plan.draft, None, plan.pair_dtype, self.device, 3, prompts)
             draft_runner = engine_runner(draft, plan, "llama-3.2-1b-shaped", plan.draft_kv_gib,
-                                         profile_batches=[(max(plan.batches), 1), (plan.prefill_rows, plan.prefill_chunk)])
+                                         profile_batches=[(max(plan.batches), 1), (plan.prefill_rows, plan.prefill_chunk)],
+                                         inductor_options=self.pair_inductor_options)
             self._pair = (target, target_runner, draft, draft_runner, draft_proposer(draft_runner))
         return self._pair
 
@@ -760,6 +764,9 @@ def check_bf16_compile(section: Section, models: Models) -> None:
                   f"shapes) compiled as the pair's engines are: {forward.describe()}; its verify rows vs "
                   f"transformers' SDPA forward: max |diff| / max |logit| = {error:.2e}, argmax agrees on "
                   f"{float(agree):.1%}")
+    if forward.plain_fusion_after is not None:
+        models.pair_inductor_options = plain_fusion_options()
+        section.line(f"- so the pair compiles with {models.pair_inductor_options} from the start")
     release(engine, names)
 
 

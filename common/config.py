@@ -51,6 +51,10 @@ class ModelSpec(_Strict):
                                        "torch.compile it (CUDA graphs on a GPU, artifacts cached on disk); unset: "
                                        "compiled on a GPU, eager on CPU, where compiling costs minutes of start-up "
                                        "for little (docs/performance.md)")
+    inductor_options: dict[str, bool | int | float | str] | None = Field(
+        None, description="inductor's settings for every compile of the forward (torch.compile's options, as "
+        "vLLM's inductor_compile_config), e.g. {\"loop_ordering_after_fusion\": false}; unset: inductor's "
+        "defaults, retried with its loop-rewriting fusions off where it cannot generate the kernels (docs/gpu.md)")
     kv_cache_memory_gb: float = Field(4.0, gt=0, description="KV cache budget (GiB) per engine replica on CPU "
                                       "(per rank of a tensor-parallel engine, whose pool holds its heads only); "
                                       "the pool grows with use up to it (docs/kv-memory.md)")

@@ -142,9 +142,11 @@ class BatchedModelRunner(RunnerBase):
                          profile_batches: Sequence[tuple[int, int]] = DEFAULT_PROFILE_BATCHES,
                          prefix_caching: bool = True, cache_salt: str | None = None,
                          rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS, enforce_eager: bool | None = None,
-                         aux_layers: Sequence[int] = (), null_forward_agreement: float | None = None) -> None:
+                         aux_layers: Sequence[int] = (), null_forward_agreement: float | None = None,
+                         inductor_options: dict | None = None) -> None:
         """enforce_eager: True runs the forward uncompiled, False compiles it, None compiles on CUDA
-        only (and not where SPECSERVE_ENFORCE_EAGER=1; decoding.compiled_forward.CompiledForward).
+        only (and not where SPECSERVE_ENFORCE_EAGER=1; decoding.compiled_forward.CompiledForward);
+        inductor_options: inductor's settings for every compile of the forward.
         lean: run decoding.lean_forward where the architecture has one (else transformers' forward).
         max_model_len: longest sequence served (default: the model's max_position_embeddings).
         kv_cache_memory_gb: the KV budget on CPU; on CUDA, gpu_memory_utilization of the engine's
@@ -194,7 +196,7 @@ class BatchedModelRunner(RunnerBase):
             decoder._specserve_keeps_rows = True
         self.null_forward_agreement = None   # the start-up checks and the pools' shaping run the model
         self._null_allowed: tuple[tuple, torch.Tensor | None] = ((), None)   # (vocab size, EOS ids) -> allowed ids
-        self.step_forward = CompiledForward(self._model_logits, self.device, enforce_eager)
+        self.step_forward = CompiledForward(self._model_logits, self.device, enforce_eager, inductor_options)
         # One rank of a tensor-parallel group (decoding.tensor_parallel): its pool holds its heads.
         self.tensor_parallel_size = int(getattr(model, "tp_size", None) or 1)
         self.rollback_tokens = rollback_tokens
@@ -480,7 +482,8 @@ def runner_for_model(model, max_sequences: int = 256, model_path: str | None = N
                      prefix_caching: bool = True, cache_salt: str | None = None,
                      rollback_tokens: int = DEFAULT_ROLLBACK_TOKENS,
                      enforce_eager: bool | None = None, aux_layers: Sequence[int] = (),
-                     null_forward_agreement: float | None = None) -> BatchedModelRunner:
+                     null_forward_agreement: float | None = None,
+                     inductor_options: dict | None = None) -> BatchedModelRunner:
     """BatchedModelRunner over `model` (running the lean forward where the architecture has one and
     lean_forward is set); logs one line saying which forward, the KV capacity and whether prefix
     caching is on (see BatchedModelRunner._init_from_model). UnsupportedModelError for a model it
@@ -493,7 +496,7 @@ def runner_for_model(model, max_sequences: int = 256, model_path: str | None = N
                             gpu_memory_utilization=gpu_memory_utilization, gpu_share=gpu_share,
                             profile_batches=profile_batches, prefix_caching=prefix_caching, cache_salt=cache_salt,
                             rollback_tokens=rollback_tokens, enforce_eager=enforce_eager, aux_layers=aux_layers,
-                            null_forward_agreement=null_forward_agreement)
+                            null_forward_agreement=null_forward_agreement, inductor_options=inductor_options)
     group = "" if runner.tensor_parallel_size == 1 else (
         f"tensor-parallel rank {torch.distributed.get_rank()} of {runner.tensor_parallel_size}: "
         f"{weight_bytes(model) / 2 ** 20:,.1f} MiB of weights; ")
@@ -537,6 +540,7 @@ def load_runner(spec: dict):
                               prefix_caching=spec.get("prefix_caching", True), cache_salt=spec.get("cache_salt"),
                               rollback_tokens=spec.get("rollback_tokens", DEFAULT_ROLLBACK_TOKENS),
                               enforce_eager=spec.get("enforce_eager"), aux_layers=spec.get("aux_layers", ()),
-                              null_forward_agreement=spec.get("null_forward_agreement"))
+                              null_forward_agreement=spec.get("null_forward_agreement"),
+                              inductor_options=spec.get("inductor_options"))
     runner.serve_as(spec.get("vocab_size"), spec.get("eos_token_ids"))
     return runner if group is None else in_group(runner, group.rank, control)

@@ -26,7 +26,7 @@ import logging
 import os
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -149,8 +149,12 @@ class CompiledForward:
     of start-up per model on a cold cache (docs/performance.md), which a server that should answer
     its first request soon does not pay unless asked."""
 
-    def __init__(self, forward: Callable, device: torch.device, enforce_eager: bool | None = None) -> None:
+    def __init__(self, forward: Callable, device: torch.device, enforce_eager: bool | None = None,
+                 inductor_options: Mapping[str, object] | None = None) -> None:
         self.eager_forward = forward
+        # Inductor's settings for every compile of this forward (torch.compile's options; vLLM's
+        # inductor_compile_config), under the ones this object sets itself.
+        self.inductor_options = dict(inductor_options or {})
         self.device = torch.device(device)
         if enforce_eager is not None:
             self.eager, self.reason = enforce_eager, "enforce_eager" if enforce_eager else "compiled"
@@ -208,7 +212,9 @@ class CompiledForward:
         (splitting a graph around what cannot be captured) is off: its generated code has named
         buffers it never defined for this forward on CUDA; a graph that cannot be captured runs
         its compiled kernels without one instead."""
-        options = {"triton.cudagraphs": True, "graph_partition": False} if cuda_graphs else {}
+        options = dict(self.inductor_options)
+        if cuda_graphs:
+            options.update({"triton.cudagraphs": True, "graph_partition": False})
         if self.plain_fusion_after is not None:
             options.update(plain_fusion_options())
         return torch.compile(self.eager_forward, dynamic=True, fullgraph=True, options=options or None)
@@ -276,5 +282,7 @@ class CompiledForward:
             graphs = f", no CUDA graphs: {self.reason}" if self.device.type == "cuda" else ""
         if self.plain_fusion_after is not None:
             graphs += f", loop-rewriting fusions off after {self.plain_fusion_after}"
+        if self.inductor_options:
+            graphs += ", inductor options " + ", ".join(f"{k}={v}" for k, v in sorted(self.inductor_options.items()))
         return (f"compiled forward{graphs} ({self.compile_seconds:.1f} s to compile at start; cache "
                 f"{compile_cache_dir()})")

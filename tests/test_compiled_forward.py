@@ -19,6 +19,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from specserve.common.config import ModelSpec
 from specserve.decoding import compiled_forward
 from specserve.decoding.batched_runner import runner_for_model
 from specserve.decoding.block_manager import ForwardCall
@@ -279,6 +280,28 @@ def test_a_forward_inductor_cannot_generate_is_compiled_again_with_plain_fusion(
     else:
         assert forward.eager and "compiling failed (InductorError: CantSplit" in forward.describe()
     assert len(caplog.records) == (1 if plain_fusion_compiles else 2)   # the retry's warning (and the fallback's)
+
+
+def test_inductor_options_reach_every_compile_of_the_forward_from_the_engine_config(monkeypatch):
+    """An engine's inductor_options (common.config.ModelSpec, as vLLM's inductor_compile_config)
+    are in every torch.compile of its forward, under the settings the forward sets itself."""
+    asked = []
+
+    def compile_recording(forward, **kwargs):
+        if getattr(forward, "__name__", None) in ("_model_logits", "<lambda>"):   # the forwards, not other compiles
+            asked.append(dict(kwargs.get("options") or {}))
+        return forward
+
+    monkeypatch.setattr(compiled_forward.torch, "compile", compile_recording)
+    options = ModelSpec(path="unused", inductor_options={"max_autotune": True}).inductor_options
+    runner = engine_for_model(tiny_model("llama"), enforce_eager=False, inductor_options=options)
+    assert asked == [{"max_autotune": True}] and not runner.runner.step_forward.eager
+    assert "inductor options max_autotune=True" in runner.runner.step_forward.describe()
+    asked.clear()
+    compiled_forward.CompiledForward(lambda ids, view: ids, torch.device("cuda"), enforce_eager=False,
+                                     inductor_options={"max_autotune": True, "triton.cudagraphs": False})
+    assert asked == [{"max_autotune": True, "triton.cudagraphs": True, "graph_partition": False},
+                     {"max_autotune": True, "triton.cudagraphs": False}]
 
 
 def test_enforce_eager_and_the_environment_keep_the_forward_uncompiled(monkeypatch):
