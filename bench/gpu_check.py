@@ -155,7 +155,7 @@ GPU_PLAN = Plan(target=LLAMA_31_8B, draft=LLAMA_32_1B, windowed=GEMMA_3_1B, exac
                 long_context=16_384, long_chunk=4096, max_model_len=16_400, pair_dtype=torch.bfloat16, target_kv_gib=36.0, draft_kv_gib=8.0,
                 small_kv_gib=2.0)
 SMOKE_PLAN = Plan(target=TINY_LLAMA, draft=dict(TINY_LLAMA, hidden_size=32, num_hidden_layers=1), windowed=TINY_GEMMA,
-                  exact_layers=2, windowed_layers=6, prompt_lengths=(5, 20, 41), windowed_lengths=(30, 45),
+                  exact_layers=2, windowed_layers=6, prompt_lengths=(5, 41, 150), windowed_lengths=(30, 45),
                   greedy_tokens=12, contexts=(16, 48), batches=(1, 4), draft_batches=(1, 4), repeats=2, warmup=1,
                   prefill_chunk=16, prefill_rows=4, round_prompt=16, round_tokens=12, oracle_agreement=0.7,
                   throughput_batch=4, throughput_tokens=8, stress_sequences=4, stress_context=64, long_context=128,
