@@ -43,13 +43,14 @@ ENFORCE_EAGER_ENV = "SPECSERVE_ENFORCE_EAGER"
 CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 # Graphs dynamo keeps per function before it gives up compiling it (its own default is 8).
 RECOMPILE_LIMIT = 64
-# Inductor's fusions that rewrite a node's loops (reorder, reindex, or fuse reductions over
-# different dimensions) to fit it into a neighbour's kernel: with dynamic sizes such a fused kernel
-# can ask codegen to split a range by one it cannot prove divides it (docs/gpu.md), and the forward
-# fails to compile. The retry after a code-generation failure turns them off, keeping the plain
-# fusions; the names a given torch does not have are left out.
+# Inductor's fusions that fit a node into a kernel whose loops are not its own: rewriting its loops
+# (reorder, reindex, reductions over different dimensions) or fusing pointwise work into a
+# template's kernel (flex_attention's, a matmul's) as its prologue or epilogue. With dynamic sizes
+# such a kernel can ask codegen to split a range by one it cannot prove divides it (docs/gpu.md),
+# and the forward fails to compile. The retry after a code-generation failure turns them off,
+# keeping the plain fusions; the names a given torch does not have are left out.
 PLAIN_FUSION = {"loop_ordering_after_fusion": False, "loop_reindexing_after_fusion": False,
-                "triton.mix_order_reduction": False}
+                "triton.mix_order_reduction": False, "prologue_fusion": False, "epilogue_fusion": False}
 
 
 def compile_cache_dir() -> Path:
