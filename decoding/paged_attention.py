@@ -46,8 +46,10 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         return _plain_attention(query, key, value, attention_mask, scaling, softcap)
     if kwargs.get("s_aux") is not None:
         raise PagedAttentionError("attention sinks (s_aux) are not supported by the paged attention")
+    groups = getattr(module, "num_key_value_groups", None)
     attended = paged_batch.attend(module.layer_idx, query, key, value, scaling=scaling,
-                                  sliding_window=sliding_window, softcap=softcap)
+                                  sliding_window=sliding_window, softcap=softcap,
+                                  query_per_kv=groups if isinstance(groups, int) else None)
     return attended.transpose(1, 2).contiguous(), None
 
 

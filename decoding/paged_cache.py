@@ -531,11 +531,20 @@ class PagedBatchView:
 
     def attend(self, layer_idx: int, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
                scaling: float | None = None, sliding_window: int | None = None,
-               softcap: float | None = None) -> torch.Tensor:
-        """query [B, H, T, D] and this forward's keys/values [B, kv heads, T, D] -> [B, H, T, D]."""
+               softcap: float | None = None, query_per_kv: int | None = None) -> torch.Tensor:
+        """query [B, H, T, D] and this forward's keys/values [B, kv heads, T, D] -> [B, H, T, D].
+        query_per_kv: H over the kv heads, where the caller knows it as a number (a transformers
+        attention module's num_key_value_groups)."""
         self.windows[layer_idx] = sliding_window
         group = self.cache.slot_of[layer_idx][0]
         keys, values = self._store(key_states, value_states, layer_idx)
+        if self.kernel == "flex" and query_per_kv is not None:
+            # transformers' attention infers its head count (`view(..., -1, head_dim)`), which a
+            # compiled forward may hold as an expression of the step's sizes, and flex_attention's
+            # CUDA lowering takes only numbers where it asks whether the query heads per kv head
+            # are a power of two (docs/gpu.md): the pool's kv heads (a number where the pools are
+            # fixed, as on CUDA) times the module's groups say it.
+            query = query.reshape(query.shape[0], keys.shape[2] * query_per_kv, query.shape[2], query.shape[3])
         if self.kernel == "flex":
             return flex_paged_attention(query, keys, values, self.layout.groups[group].tables, self._flex_tables[group],
                                         self.layout.position_ids,
