@@ -762,8 +762,9 @@ def check_bf16_compile(section: Section, models: Models) -> None:
     are: the dtype is what the fp32 copies do not try, and a compile failure costs a few layers'
     compile here instead of the whole model's (its outcome and traceback close the section)."""
     plan, device = models.plan, models.device
+    dtype = str(plan.pair_dtype).removeprefix("torch.")
     model, _ = build_model("llama", plan.target, plan.exact_layers, plan.pair_dtype, device, 4)
-    engine = engine_runner(model, plan, f"{str(plan.pair_dtype).removeprefix('torch.')}-copy", kv_gib=plan.small_kv_gib)
+    engine = engine_runner(model, plan, f"{dtype}-copy", kv_gib=plan.small_kv_gib)
     forward = engine.runner.step_forward
     prompts, extended = models.ragged()
     names = [f"c{i}" for i in range(len(prompts))]
@@ -773,7 +774,7 @@ def check_bf16_compile(section: Section, models: Models) -> None:
     error = max(relative_error(g, w) for g, w in zip(got, want))
     agree = torch.cat([g.argmax(-1) == w.argmax(-1) for g, w in zip(got, want)]).float().mean()
     section.check(forward.eager == (device.type != "cuda" and not plan.compile_on_cpu),
-                  f"{str(plan.pair_dtype).removeprefix('torch.')} copy ({plan.exact_layers} layers of the target's "
+                  f"{dtype} copy ({plan.exact_layers} layers of the target's "
                   f"shapes) compiled as the pair's engines are: {forward.describe()}; its verify rows vs "
                   f"transformers' SDPA forward: max |diff| / max |logit| = {error:.2e}, argmax agrees on "
                   f"{float(agree):.1%}")

@@ -538,14 +538,14 @@ class PagedBatchView:
         self.windows[layer_idx] = sliding_window
         group = self.cache.slot_of[layer_idx][0]
         keys, values = self._store(key_states, value_states, layer_idx)
-        if self.kernel == "flex" and query_per_kv is not None:
-            # transformers' attention infers its head count (`view(..., -1, head_dim)`), which a
-            # compiled forward may hold as an expression of the step's sizes, and flex_attention's
-            # CUDA lowering takes only numbers where it asks whether the query heads per kv head
-            # are a power of two (docs/gpu.md): the pool's kv heads (a number where the pools are
-            # fixed, as on CUDA) times the module's groups say it.
-            query = query.reshape(query.shape[0], keys.shape[2] * query_per_kv, query.shape[2], query.shape[3])
         if self.kernel == "flex":
+            if query_per_kv is not None:
+                # transformers' attention infers its head count (`view(..., -1, head_dim)`), which a
+                # compiled forward may hold as an expression of the step's sizes, and flex_attention's
+                # CUDA lowering takes only numbers where it asks whether the query heads per kv head
+                # are a power of two (docs/gpu.md): the pool's kv heads (a number where the pools are
+                # fixed, as on CUDA) times the module's groups say it.
+                query = query.reshape(query.shape[0], keys.shape[2] * query_per_kv, query.shape[2], query.shape[3])
             return flex_paged_attention(query, keys, values, self.layout.groups[group].tables, self._flex_tables[group],
                                         self.layout.position_ids,
                                         self.layout.block_size, scaling, sliding_window, softcap)
