@@ -39,7 +39,7 @@ class CallSpan:
     left_s: float
     cached_tokens: int = 0   # tokens of the sequence the engine found in its prefix cache when it admitted it
     # A target run for an EAGLE-3 head: its aux layers' features of every position the answering
-    # forward computed (decoding.batched_runner.TargetFeatures, on the CPU); the router keeps the
+    # forward computed (decoding.target_features.TargetFeatures, on the CPU); the router keeps the
     # committed ones for the draft engine's next propose.
     features: Any = None
 

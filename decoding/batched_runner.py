@@ -26,7 +26,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -38,6 +38,7 @@ from specserve.decoding.null_forward import allowed_tokens, null_logits
 from specserve.decoding.checkpoint import resolve_device
 from specserve.decoding.device_copy import host_to_device, index_on
 from specserve.decoding.eagle3_head import aux_features
+from specserve.decoding.target_features import TargetFeatures
 from specserve.decoding.tensor_parallel import TensorParallelRank, agreed_minimum, in_group, join_group, weight_bytes
 from specserve.decoding.paged_attention import ATTENTION_NAME, FLASH_BLOCK_SIZE, PagedAttentionError, flash_kernel_available
 from specserve.decoding.weight_layout import input_major_linears, pack_linears, repack_linears
@@ -57,7 +58,7 @@ from specserve.decoding.paged_cache import (
     paged_layout,
 )
 
-__all__ = ["BatchedModelRunner", "TargetFeatures", "UnsupportedModelError", "decoder_support", "load_runner",
+__all__ = ["BatchedModelRunner", "UnsupportedModelError", "decoder_support", "load_runner",
            "runner_for_model"]
 
 logger = logging.getLogger(__name__)
@@ -82,49 +83,6 @@ def kept_per_row(tokens: int, rollback_tokens: int) -> int:
     (tokens up to rollback_tokens, the engine's max_step_tokens) every one, as a verify does; in a
     longer step, a prefill chunk, its last."""
     return tokens if tokens <= rollback_tokens else 1
-
-
-@dataclass(frozen=True)
-class TargetFeatures:
-    """One row's auxiliary hidden states from a forward: the inputs of the runner's aux_layers at
-    the positions start, start + 1, ... the forward computed, concatenated in layer order
-    ([new tokens, len(aux_layers) x hidden], the model's dtype): what an EAGLE-3 head fuses."""
-
-    start: int
-    hidden: torch.Tensor
-
-    @property
-    def end(self) -> int:
-        """One past the last position held."""
-        return self.start + self.hidden.shape[0]
-
-    def followed_by(self, newer: "TargetFeatures") -> "TargetFeatures":
-        """These features with a later forward's laid over them: the newer replace these from
-        newer.start on (a forward recomputing positions gives them afresh). A newer set that leaves
-        a gap after these, or starts before them, is taken alone."""
-        if not self.start <= newer.start <= self.end:
-            return newer
-        return TargetFeatures(self.start, torch.cat([self.hidden[:newer.start - self.start], newer.hidden]))
-
-    def before(self, position: int) -> "TargetFeatures | None":
-        """The positions before `position` (None when there are none)."""
-        if position <= self.start:
-            return None
-        return TargetFeatures(self.start, self.hidden[:position - self.start])
-
-
-def merged_features(older: TargetFeatures | None, newer: TargetFeatures | None) -> TargetFeatures | None:
-    """older followed by newer (either may be None)."""
-    if older is None or newer is None:
-        return newer if older is None else older
-    return older.followed_by(newer)
-
-
-def features_start(history: Sequence[int], answered: bool) -> int:
-    """Where the target's features a request's head lacks start, for a forward over history (its
-    committed tokens): its last committed token's position once earlier features were answered;
-    else 0, the prompt's every position (those a prefix-cache hit reused too)."""
-    return len(history) - 1 if answered else 0
 
 
 class UnsupportedModelError(ValueError):

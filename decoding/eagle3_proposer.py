@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.decoding.batched_runner import TargetFeatures, merged_features
+from specserve.decoding.target_features import TargetFeatures, merged_features
 from specserve.decoding.eagle3_checkpoint import LoadedHead
 from specserve.decoding.eagle3_head import HeadKV, HeadStep
 from specserve.decoding.errors import SequenceStateError

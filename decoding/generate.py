@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from specserve.decoding.batched_runner import features_start
+from specserve.decoding.target_features import features_start
 from specserve.decoding.grammar import GrammarDeadEndError, GrammarMatcher, GrammarMatchers
 from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.proposers import ProposeCall, Proposer, empty_proposal, reads_target_features

@@ -196,8 +196,10 @@ def rope_table(rotary, max_positions: int, like: torch.Tensor) -> torch.Tensor |
     table = torch.stack((cos[0], rope_signs(sin)[0]))
     # Read in place by CUDA graphs, as the weights are, rather than copied in at every replay; and
     # its shape the engine's constant in a compiled forward, as a weight's is.
-    torch._dynamo.mark_static_address(table)
-    torch._dynamo.mark_static(table)
+    import torch._dynamo as dynamo
+
+    dynamo.mark_static_address(table)
+    dynamo.mark_static(table)
     return table
 
 

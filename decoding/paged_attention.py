@@ -143,8 +143,10 @@ def flex_block_tables(tables: torch.Tensor, units: int, block_size: int
     key_positions = (logical_block[:units, None] * block_size + offsets).reshape(-1)
     kv_num_blocks, kv_indices = count.to(torch.int32).view(batch, 1, 1), kv_indices.view(batch, 1, 1, units)
     # Their ones are ones in a compiled forward too (not symbols of sizes that happen to be 1 now).
-    torch._dynamo.mark_static(kv_num_blocks, [1, 2])
-    torch._dynamo.mark_static(kv_indices, [1, 2])
+    import torch._dynamo as dynamo
+
+    dynamo.mark_static(kv_num_blocks, [1, 2])
+    dynamo.mark_static(kv_indices, [1, 2])
     return kv_num_blocks, kv_indices, key_positions
 
 

@@ -46,7 +46,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch._dynamo
 
 from specserve.decoding.device_copy import host_to_device
 from specserve.decoding.paged_attention import (
@@ -360,8 +359,10 @@ class LayerPools:
         for torch.compile where the pools are fixed)."""
         views = tuple(whole[:self.capacity] for whole in storage)
         if self.fixed:
+            import torch._dynamo as dynamo   # here: the processes that plan blocks without a pool import this module
+
             for view in views:
-                torch._dynamo.mark_static_address(view)
+                dynamo.mark_static_address(view)
         return views
 
     def layer(self, layer_idx: int, like_keys: torch.Tensor, like_values: torch.Tensor

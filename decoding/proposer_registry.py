@@ -3,17 +3,20 @@
 Why a module of its own: the registry names every proposer, including those built on the drafting
 primitives of decoding/proposers.py (the EAGLE-3 head's), so it sits above them all and imports
 run one way. Adding a proposer is one entry in PROPOSERS (docs/extending.md).
+
+The config validates `speculation.proposer` against this registry in every process that reads a
+config (the ingress, the router, the CLI), so it imports no engine code: each builder imports its
+proposer when a draft engine calls it, and only the draft engine pays for those imports.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from specserve.decoding.grammar import GrammarMatchers
-from specserve.decoding.proposers import (SAGUARO_LOWERED, DraftModelProposer, NgramProposer, Proposer,
-                                          SaguaroSampling)
+if TYPE_CHECKING:
+    from specserve.decoding.proposers import DraftModelProposer, Proposer
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,9 @@ class ProposerKind:
 
 def _draft_model_proposer(runner: Any, model_spec: Mapping[str, Any] | None,
                           engine_options: Mapping[str, Any]) -> DraftModelProposer:
+    from specserve.decoding.grammar import GrammarMatchers
+    from specserve.decoding.proposers import SAGUARO_LOWERED, DraftModelProposer, SaguaroSampling
+
     assert runner is not None and model_spec is not None, "a draft-model proposer needs its runner and spec"
     grammars = GrammarMatchers.for_runner(runner, model_spec.get("tokenizer_path") or model_spec["path"])
     downweight = engine_options.get("saguaro_downweight")
@@ -45,9 +51,7 @@ def _draft_model_proposer(runner: Any, model_spec: Mapping[str, Any] | None,
 
 def _eagle3_proposer(runner: Any, model_spec: Mapping[str, Any] | None, engine_options: Mapping[str, Any]):
     """The head in model_spec["path"] over the target's embeddings, read from model_spec["target_path"]
-    (the draft engine loads those, not the target's layers). Imported here, not at the top: the
-    config imports this registry, and a head's loaders pull in transformers' quantizer modules,
-    whose load warnings `specserve serve` must not print before it starts."""
+    (the draft engine loads those, not the target's layers)."""
     from specserve.decoding.checkpoint import resolve_device, resolve_dtype
     from specserve.decoding.eagle3_checkpoint import load_eagle3_head, target_embeddings
     from specserve.decoding.eagle3_proposer import Eagle3Proposer
@@ -59,13 +63,19 @@ def _eagle3_proposer(runner: Any, model_spec: Mapping[str, Any] | None, engine_o
     return Eagle3Proposer(load_eagle3_head(model_spec["path"], target), engine_options.get("draft_top_k"))
 
 
+def _ngram_proposer(runner: Any, model_spec: Mapping[str, Any] | None, engine_options: Mapping[str, Any]):
+    from specserve.decoding.proposers import NgramProposer
+
+    return NgramProposer()
+
+
 # Every proposer `speculation.proposer` can name: an entry here is all a new one needs (the config
 # accepts its name, the draft engine builds it). NO_PROPOSER, target-only, is the absence of one.
 PROPOSERS: dict[str, ProposerKind] = {
     "draft": ProposerKind(True, _draft_model_proposer, "a draft model drafting autoregressively (draft.path)"),
     "eagle3": ProposerKind(False, _eagle3_proposer, "an EAGLE-3 head (draft.path) fed the target's hidden features "
                            "each round (docs/eagle3.md)", needs_path=True),
-    "ngram": ProposerKind(False, lambda runner, model_spec, engine_options: NgramProposer(),
+    "ngram": ProposerKind(False, _ngram_proposer,
                           "prompt lookup: continue a suffix that occurred earlier in the text, no model"),
 }
 NO_PROPOSER = "none"

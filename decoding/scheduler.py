@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from specserve.decoding.batched_runner import TargetFeatures, runner_for_model
+from specserve.decoding.batched_runner import runner_for_model
+from specserve.decoding.target_features import TargetFeatures
 from specserve.decoding.block_manager import BlockManager, ForwardCall, StepPlan
 from specserve.decoding.errors import SequenceStateError
 

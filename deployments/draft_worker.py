@@ -253,7 +253,7 @@ class DraftEngine(EngineCore):
         each max(num_tokens, predraft_tokens) tokens deep: a round may draft deeper than the one
         before it, and a pre-drafted block is used cut to its round's depth, never lengthened.
         features: an EAGLE-3 head's, the target's features of the positions committed since the
-        last propose (decoding.batched_runner.TargetFeatures); UnknownFeatures answers when the head
+        last propose (decoding.target_features.TargetFeatures); UnknownFeatures answers when the head
         lacks some it needs."""
         if features is not None:
             self.proposer.observe(seq_id, features)

@@ -30,7 +30,7 @@ from ray.serve.handle import DeploymentHandle
 from specserve.common.channel import ChannelLostError, ChannelPool
 from specserve.common.config import LimitsSpec
 from specserve.common.messages import CallSpan, EngineEndpoint, UnknownFeatures, UnknownHistory
-from specserve.decoding.batched_runner import TargetFeatures, merged_features
+from specserve.decoding.target_features import TargetFeatures, merged_features
 from specserve.decoding.proposers import Proposal
 from specserve.decoding.sampling import draft_seed
 from specserve.decoding.sequence import RequestState

@@ -22,7 +22,8 @@ import torch
 from ray import serve
 
 from specserve.common.messages import CallSpan, DecodedSteps, HistoryUpdate, UnknownHistory
-from specserve.decoding.batched_runner import TargetFeatures, features_start, load_runner, merged_features
+from specserve.decoding.batched_runner import load_runner
+from specserve.decoding.target_features import TargetFeatures, features_start, merged_features
 from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.capture import top_rows
 from specserve.decoding.grammar import GrammarDeadEndError, GrammarMatcher, GrammarMatchers

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specserve.decoding.batched_runner import TargetFeatures
+from specserve.decoding.target_features import TargetFeatures
 from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.eagle3_checkpoint import (Eagle3CheckpointError, default_aux_layers, head_format,
                                                   load_eagle3_head)

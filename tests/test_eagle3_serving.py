@@ -242,7 +242,7 @@ def test_a_head_serving_targets_round_of_several_steps_answers_every_steps_featu
     import asyncio
 
     from specserve.common.messages import DecodedSteps
-    from specserve.decoding.batched_runner import merged_features
+    from specserve.decoding.target_features import merged_features
     from specserve.decoding.proposers import Proposal
     from specserve.decoding.sampling import SamplingParams
     from specserve.decoding.sequence import RequestState

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import ast
 import functools
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -140,3 +143,26 @@ def test_the_checks_see_an_upward_import_and_a_circle():
     graph = import_graph(sources, set(sources))
     assert upward_imports(graph) == ["common.config -> cluster.builder"]
     assert cycles(graph) == {frozenset({"cluster.builder", "cluster.local"})}
+
+
+# The processes that load no model: Serve's ingress and router replicas and the CLI. What they
+# import each replica pays at every start (a failover's, an autoscaled replica's), beside the
+# engines importing theirs on the same cores; the engine-only modules below cost seconds.
+MODEL_FREE = ["specserve.deployments.ingress", "specserve.deployments.router", "specserve.cluster.cli"]
+ENGINE_ONLY = ["torch._dynamo", "transformers.modeling_utils"]
+
+
+def test_the_processes_that_load_no_model_import_no_engine_code():
+    """One fresh interpreter imports the model-free processes' modules, then an engine module,
+    and says which engine-only modules each step brought in: none for the first, and all of them
+    for the second (so the probe sees an import when there is one)."""
+    probe = (f"import importlib, json, sys\n"
+             f"def loaded(): return [name for name in {ENGINE_ONLY!r} if name in sys.modules]\n"
+             f"for name in {MODEL_FREE!r}: importlib.import_module(name)\n"
+             f"light = loaded()\n"
+             f"importlib.import_module('specserve.decoding.batched_runner')\n"
+             f"print(json.dumps([light, loaded()]))\n")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    light, engine = json.loads(out.stdout.strip().splitlines()[-1])
+    assert light == []
+    assert engine == ENGINE_ONLY

@@ -6,7 +6,7 @@ target_worker.py) as the router runs it, and its four messages are encoded as th
 them (common/channel.encode_frame): the propose and its answer, the verify and its answer. With a
 head for a draft, the verify's answer also carries the target's features of every position its
 forward computed, and the next propose those of the positions committed since the last one
-([tokens, 3 x hidden], the model's dtype: decoding.batched_runner.TargetFeatures); they are laid
+([tokens, 3 x hidden], the model's dtype: decoding.target_features.TargetFeatures); they are laid
 into the same frames at the width named (Llama-3.1-8B: 4,096; Llama-3.1-70B: 8,192; bfloat16).
 Everything else in the frames is the round's own.
 
@@ -29,7 +29,7 @@ from specserve.bench.figures.cache_hits import engines
 from specserve.common.channel import encode_frame
 from specserve.common.config import SpecServeConfig
 from specserve.common.messages import ChannelCall, ChannelReply
-from specserve.decoding.batched_runner import TargetFeatures
+from specserve.decoding.target_features import TargetFeatures
 from specserve.decoding.proposers import Proposal
 from specserve.decoding.sampling import SamplingParams, draft_seed
 from specserve.decoding.sequence import RequestState
