@@ -16,12 +16,10 @@ import yaml
 from ray.serve import Application
 
 from specserve.common.config import SpecServeConfig, WorkerResources
-from specserve.deployments.draft_worker import DraftWorker
-from specserve.deployments.engine_host import REPLICA_CPUS, engine_bundles
+from specserve.deployments.engine_host import REPLICA_CPUS, DraftWorker, TargetWorker, engine_bundles
 from specserve.deployments.ingress import Ingress
 from specserve.deployments.prefix_router import ROUTER_CLASS_PATH as PREFIX_ROUTER_CLASS_PATH
 from specserve.deployments.router import Router
-from specserve.deployments.target_worker import TargetWorker
 from specserve.policies.decision import PolicySettings
 
 APP_NAME = "specserve"

@@ -1,4 +1,4 @@
-"""Draft worker: proposes K tokens (and, when sampling, the q each was drawn from as (ids, probs))
+"""Draft engine: proposes K tokens (and, when sampling, the q each was drawn from as (ids, probs))
 per round, for every request drafting now in batched decode steps.
 
 Batching is continuous at step granularity: an engine iteration runs ONE decode step for every
@@ -38,7 +38,6 @@ from typing import Any
 
 import ray
 import torch
-from ray import serve
 
 from specserve.common.messages import CallSpan, HistoryUpdate, UnknownFeatures, UnknownHistory
 from specserve.decoding.batched_runner import load_runner
@@ -50,7 +49,7 @@ from specserve.decoding.sampling import SamplingParams, make_generator
 from specserve.decoding.speculation_cache import Predraft, block_of, continues, may_continue, predrafts, tokens_thrown_away
 from specserve.policies.fan_out import MAX_BONUS_GUESSES, OutcomeCalibration, share_fan_out
 from specserve.decoding.scheduler import CallShape, Schedule
-from specserve.deployments.engine_host import EngineCore, EngineHost, StepOutput, timed_forward
+from specserve.deployments.engine_core import EngineCore, StepOutput, timed_forward
 from specserve.deployments.engine_loop import SequenceReleasedError, observed
 from specserve.common.metrics import DraftVersionMetrics
 from specserve.common.naming import ENGINE_NAMESPACE
@@ -479,12 +478,6 @@ class DraftEngine(EngineCore):
     def _to_wire(self, proposal: Proposal) -> Proposal:
         return replace(proposal, support=None if proposal.support is None else proposal.support.wire(),
                        draft_version=self.draft_version)
-
-
-@serve.deployment
-class DraftWorker(EngineHost):
-    engine_class = DraftEngine
-    model_spec_arg = 1
 
 
 def branch_stream_state(stream: torch.Generator) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The small pieces an engine actor keeps beside its step (deployments.engine_host.EngineCore).
+"""The small pieces an engine actor keeps beside its step (deployments.engine_core.EngineCore).
 
 Each one owns one kind of state and knows nothing of the engine that holds it:
 - `ReleasedIds`: request ids released lately, so a call that arrives after its release is refused;

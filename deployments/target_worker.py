@@ -1,4 +1,4 @@
-"""Target worker: scores draft blocks, every request waiting on it in ONE batched forward, and
+"""Target engine: scores draft blocks, every request waiting on it in ONE batched forward, and
 answers each with what its verification needs (decoding.speculation.verify_answer): O(K) numbers.
 
 A prefill asked for the prompt's log-probabilities runs chunk by chunk like any prefill, each
@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
-from ray import serve
 
 from specserve.common.messages import CallSpan, DecodedSteps, HistoryUpdate, UnknownHistory
 from specserve.decoding.batched_runner import load_runner
@@ -34,7 +33,7 @@ from specserve.decoding.scheduler import CallShape, Schedule
 from specserve.decoding.sequence import ending_ids
 from specserve.decoding.speculation import (LogprobEntries, RowsCall, answer_verifies, split_logprobs, target_token,
                                             token_logprobs, tokens_each_row_may_commit)
-from specserve.deployments.engine_host import EngineCore, EngineHost, StepOutput, timed_forward
+from specserve.deployments.engine_core import EngineCore, StepOutput, timed_forward
 
 
 @dataclass(frozen=True)
@@ -399,8 +398,3 @@ def prompt_logprob_entries(token_ids: Sequence[int], logits: torch.Tensor, num_a
         entries.append(entry)
     return entries
 
-
-@serve.deployment
-class TargetWorker(EngineHost):
-    engine_class = TargetEngine
-    model_spec_arg = 0

@@ -145,10 +145,12 @@ def test_the_checks_see_an_upward_import_and_a_circle():
     assert cycles(graph) == {frozenset({"cluster.builder", "cluster.local"})}
 
 
-# The processes that load no model: Serve's ingress and router replicas and the CLI. What they
-# import each replica pays at every start (a failover's, an autoscaled replica's), beside the
-# engines importing theirs on the same cores; the engine-only modules below cost seconds.
-MODEL_FREE = ["specserve.deployments.ingress", "specserve.deployments.router", "specserve.cluster.cli"]
+# The processes that load no model: Serve's ingress, router and engine-host replicas (an engine's
+# own actor loads it) and the CLI. What they import each replica pays at every start (a
+# failover's, an autoscaled replica's), beside the engines importing theirs on the same cores; the
+# engine-only modules below cost seconds.
+MODEL_FREE = ["specserve.deployments.ingress", "specserve.deployments.router", "specserve.deployments.engine_host",
+              "specserve.cluster.cli"]
 ENGINE_ONLY = ["torch._dynamo", "transformers.modeling_utils"]
 
 

@@ -31,11 +31,12 @@ from specserve.bench.report import markdown_table
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "small-model-as-target.yaml"
 
 
-def install_timer(engine) -> int:
-    """(in the engine actor) Time its runner's model calls (bench.look_alike.timed_forwards),
-    keeping each call's seconds."""
+def install_timer(process) -> int:
+    """(in the engine's actor, deployments.engine_host.EngineProcess) Time its runner's model calls
+    (bench.look_alike.timed_forwards), keeping each call's seconds."""
     from specserve.bench.look_alike import timed_forwards
 
+    engine = process.engine
     runner = engine.scheduler.runner
     if not hasattr(runner, "served_step_seconds"):
         runner.served_step_seconds = []
@@ -43,22 +44,22 @@ def install_timer(engine) -> int:
     return len(runner.served_step_seconds)
 
 
-def take_times(engine) -> list[float]:
-    """(in the engine actor) The model calls' seconds since the last take."""
-    seconds = engine.scheduler.runner.served_step_seconds
+def take_times(process) -> list[float]:
+    """(in the engine's actor) The model calls' seconds since the last take."""
+    seconds = process.engine.scheduler.runner.served_step_seconds
     taken = list(seconds)
     seconds.clear()
     return taken
 
 
-def decode_alone(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> int:
-    """(in the engine actor) Each prompt decoded greedily through the engine's own iteration, one
+def decode_alone(process, prompts: list[list[int]], max_tokens: int, tag: str) -> int:
+    """(in the engine's actor) Each prompt decoded greedily through the engine's own iteration, one
     token a step, with no other call in flight; -> tokens decoded."""
     from specserve.decoding.proposers import empty_proposal
     from specserve.decoding.sampling import SamplingParams
     from specserve.deployments.target_worker import VerifyCall
 
-    greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
+    engine, greedy = process.engine, SamplingParams(temperature=0, max_tokens=max_tokens)
     decoded = 0
     for index, prompt in enumerate(prompts):
         seq_id, history = f"served-step-{tag}-{index}", list(prompt)
