@@ -13,6 +13,7 @@ from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.row_processors import HistoryProcessor, RowBatch, history_processor
 from specserve.decoding.compact_verify import DraftSupport, draft_support, saguaro_support
 from specserve.decoding.device_copy import index_on
+from specserve.decoding.draft_odds import DraftOdds
 from specserve.decoding.sampling import RowParams, SamplingParams, process_rows, sample_rows
 
 
@@ -29,7 +30,7 @@ class Proposal:
     candidates: list[list[int]] | None = None
     # The draft's own numbers at each drafted position (with candidates): what the fan-out is
     # shared out by (policies.fan_out.share_fan_out). Engine-internal like candidates.
-    odds: list["DraftOdds"] | None = None
+    odds: list[DraftOdds] | None = None
     # Set by the draft engine: the block was pre-drafted during the last verify (a speculation
     # cache hit, decoding.speculation_cache), and the pre-drafted tokens thrown away when this
     # round's outcome was known.
@@ -39,22 +40,6 @@ class Proposal:
     # engine-internal): a pre-draft that is used leaves the request's stream where drafting its
     # block just in time would have.
     stream_states: list[torch.Tensor] | None = None
-
-
-@dataclass(frozen=True)
-class DraftOdds:
-    """One drafted position's numbers, for guessing the verification's outcome there: the
-    draft's own probability (its processed row, the target's stand-in) of each candidate
-    (`Proposal.candidates`, best first) and of the drafted token, and the probability the draft
-    drew them with (the Saguaro-lowered q; None when greedy: the argmax, no draw)."""
-
-    candidate_q: tuple[float, ...]
-    candidate_drawn: tuple[float, ...] | None
-    drafted_q: float
-    drafted_drawn: float | None
-    # sum over the vocabulary of max(own - drawn, 0): where a rejection's residual would be if the
-    # target were the draft (0 when greedy, or when the draft draws from its own row).
-    residual_mass: float = 0.0
 
 
 # How many of a sampled draft row's likeliest tokens Saguaro sampling lowers: those the speculation

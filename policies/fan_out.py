@@ -19,7 +19,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specserve.decoding.proposers import DraftOdds
+from specserve.decoding.draft_odds import DraftOdds
 from specserve.policies.replicas import PoolLoad, ScalingThresholds
 
 

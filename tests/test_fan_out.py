@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from specserve.decoding.proposers import DraftOdds
+from specserve.decoding.draft_odds import DraftOdds
 from specserve.policies.fan_out import (ACCEPT_BINS, OutcomeCalibration, accept_odds, may_predraft,
                                         recovered_order, share_fan_out)
 

@@ -148,23 +148,29 @@ def test_the_checks_see_an_upward_import_and_a_circle():
 # The processes that load no model: Serve's ingress, router and engine-host replicas (an engine's
 # own actor loads it) and the CLI. What they import each replica pays at every start (a
 # failover's, an autoscaled replica's), beside the engines importing theirs on the same cores; the
-# engine-only modules below cost seconds.
+# engine-only modules below cost seconds. The Serve controller (the autoscaling policy) and the
+# policy actor import the policies, which need no tensors at all.
+POLICIES = ["specserve.policies.autoscaling", "specserve.policies.actor"]
 MODEL_FREE = ["specserve.deployments.ingress", "specserve.deployments.router", "specserve.deployments.engine_host",
               "specserve.cluster.cli"]
 ENGINE_ONLY = ["torch._dynamo", "transformers.modeling_utils"]
 
 
 def test_the_processes_that_load_no_model_import_no_engine_code():
-    """One fresh interpreter imports the model-free processes' modules, then an engine module,
-    and says which engine-only modules each step brought in: none for the first, and all of them
-    for the second (so the probe sees an import when there is one)."""
+    """One fresh interpreter imports the policies, then the model-free processes' modules, then
+    an engine module, and says what each step brought in: no torch for the first, no engine-only
+    module for the second, and all of them for the third (so the probe sees an import when there
+    is one)."""
     probe = (f"import importlib, json, sys\n"
-             f"def loaded(): return [name for name in {ENGINE_ONLY!r} if name in sys.modules]\n"
+             f"def loaded(names): return [name for name in names if name in sys.modules]\n"
+             f"for name in {POLICIES!r}: importlib.import_module(name)\n"
+             f"policies = loaded(['torch'])\n"
              f"for name in {MODEL_FREE!r}: importlib.import_module(name)\n"
-             f"light = loaded()\n"
+             f"light = loaded({ENGINE_ONLY!r})\n"
              f"importlib.import_module('specserve.decoding.batched_runner')\n"
-             f"print(json.dumps([light, loaded()]))\n")
+             f"print(json.dumps([policies, light, loaded({ENGINE_ONLY!r})]))\n")
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
-    light, engine = json.loads(out.stdout.strip().splitlines()[-1])
+    policies, light, engine = json.loads(out.stdout.strip().splitlines()[-1])
+    assert policies == []
     assert light == []
     assert engine == ENGINE_ONLY

@@ -18,7 +18,6 @@ import torch
 from transformers import LlamaForCausalLM
 
 import specserve.decoding.proposers as proposers
-import specserve.decoding.proposer_registry as proposer_registry
 import specserve.deployments.draft_worker as draft_worker
 from specserve.decoding.batched_runner import BatchedModelRunner
 from specserve.decoding.compact_verify import DraftSupport
@@ -300,7 +299,7 @@ def exact_joint(target_path, prompt: list[int], params: SamplingParams) -> dict[
 def saguaro_engines(pair, max_sequences: int) -> tuple[DraftEngine, TargetEngine]:
     """The draft model's engines, its sampled rows lowered by Saguaro sampling as the joint test sets it."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(proposer_registry, "SAGUARO_LOWERED", JOINT_LOWERED)
+        patch.setattr(proposers, "SAGUARO_LOWERED", JOINT_LOWERED)   # the registry reads it when it builds
         draft, target = new_engines(pair, max_sequences, saguaro_downweight=JOINT_DOWNWEIGHT)
     assert draft.proposer.saguaro == SaguaroSampling(JOINT_LOWERED, JOINT_DOWNWEIGHT)
     return draft, target
