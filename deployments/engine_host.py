@@ -86,6 +86,9 @@ class EngineProcess:
     async def load_draft(self, *args: Any) -> Any:
         return await self._call("load_draft", *args)
 
+    async def version(self) -> dict[str, Any]:
+        return await self._call("version")
+
 
 def spawn_engine(engine_path: str, num_cpus: float, num_gpus: float, resources: dict[str, float],
                  name: str | None, *args: Any, bundle_index: int = ENGINE_BUNDLE_INDEX) -> "ray.actor.ActorHandle":

@@ -5,6 +5,7 @@ The equalities asserted here hold on CPU in float32, where the tests run; on a G
 output may differ at near-ties and with what shares a batch (docs/gpu.md)."""
 
 import asyncio
+import inspect
 import time
 
 import pytest
@@ -22,6 +23,8 @@ from specserve.decoding.proposer_registry import PROPOSERS, ProposerKind
 from specserve.decoding.proposers import SAGUARO_LOWERED, DraftModelProposer, Proposal, ProposeCall, SaguaroSampling
 from specserve.deployments.committed_history import history_digest, whole_history as whole
 from specserve.deployments.draft_worker import DraftEngine
+from specserve.deployments.engine_group import RankFollower
+from specserve.deployments.engine_host import EngineProcess
 from specserve.deployments.engine_loop import EngineOverloadedError, SequenceReleasedError
 from specserve.deployments.target_worker import TargetEngine
 from tests.tiny_pair import make_tiny_pair
@@ -50,6 +53,24 @@ async def verify(engine: TargetEngine, seq_id: str, token_ids, num_rows: int, pa
     committed = len(token_ids) - (num_rows - 1)
     return await engine.verify(seq_id, whole(token_ids[:committed]), Proposal(list(token_ids[committed:]), None),
                                params, *args, **kwargs)
+
+
+# What an engine's own coroutines call in process rather than through Ray: the queue the channel
+# methods put their calls on.
+IN_PROCESS_ONLY = {"submit"}
+
+
+def test_the_engines_actor_answers_every_coroutine_an_engine_offers_beside_its_channel():
+    """An engine runs inside an EngineProcess actor, whose methods are all Ray reaches: every
+    public coroutine of an engine that is not a channel method must be one of them, or a call
+    to it through Ray fails at run time. A tensor-parallel follower's methods likewise."""
+    offered = set(dir(EngineProcess))
+    for engine in (DraftEngine, TargetEngine):
+        coroutines = {name for name in dir(engine) if not name.startswith("_")
+                      and inspect.iscoroutinefunction(getattr(engine, name))}
+        assert coroutines - engine.channel_methods - IN_PROCESS_ONLY - offered == set(), engine.__name__
+    follower = {name for name in vars(RankFollower) if not name.startswith("_")}
+    assert follower - offered == set()
 
 
 def test_concurrent_verifies_share_a_forward_and_match_unbatched_rows(pair):
