@@ -359,7 +359,7 @@ class LayerPools:
         for torch.compile where the pools are fixed)."""
         views = tuple(whole[:self.capacity] for whole in storage)
         if self.fixed:
-            import torch._dynamo as dynamo   # here: the processes that plan blocks without a pool import this module
+            import torch._dynamo as dynamo   # here: processes that load no model import this module
 
             for view in views:
                 dynamo.mark_static_address(view)
