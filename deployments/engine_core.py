@@ -4,7 +4,7 @@ Its `step` is one iteration of the batching loop (engine_loop.py), shaped like n
 `LLMEngine.step`: the scheduler plans, the engine's `run` runs the plan on its runner, the answers
 go back. Around it: release, the stats the policy actor and `specserve status` read
 (common.messages.EngineStats), and the small pieces of engine_parts.py. An engine runs in the
-actor its replica spawns (deployments.engine_host.EngineProcess).
+actor its replica spawns (deployments.engine_process.EngineProcess).
 """
 
 from __future__ import annotations

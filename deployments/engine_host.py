@@ -11,17 +11,15 @@ request through Serve. The rounds then go over the router's channel to the engin
 replica dies, its engine dies with it (the replica owns it).
 
 This module imports no engine code, and the replica none: it names its engine class by path, and
-the engine's actor (EngineProcess) imports it. An engine's imports (torch, transformers, the
-runner) cost seconds of CPU, which a replica paying them too before it could spawn its engine
-would add to every start, a failover's and an autoscaled replica's included, on the cores the
-engines load on (docs/performance.md, "Start-up").
+the engine's actor (deployments.engine_process.EngineProcess) imports it. An engine's imports
+(torch, transformers, the runner) cost seconds of CPU, which a replica paying them too before it
+could spawn its engine would add to every start, a failover's and an autoscaled replica's
+included, on the cores the engines load on (docs/performance.md, "Start-up").
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
-import inspect
 import time
 from typing import Any
 
@@ -32,6 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from specserve.common.messages import EngineEndpoint
 from specserve.common.naming import ENGINE_NAMESPACE, current_replica_id, engine_actor_name, rank_actor_name
+from specserve.deployments.engine_process import EngineProcess
 
 ENGINE_BUNDLE_INDEX = 1
 REPLICA_CPUS = 0.01  # the replica only relays the engine handle and health checks
@@ -45,49 +44,6 @@ def engine_bundles(num_cpus: float, num_gpus: float, resources: dict[str, float]
     engine = {"CPU": num_cpus, "GPU": num_gpus, **(resources or {})}
     rank = {k: v for k, v in engine.items() if v > 0} or {"CPU": REPLICA_CPUS}
     return [{"CPU": REPLICA_CPUS}] + [dict(rank) for _ in range(tensor_parallel_size)]
-
-
-class EngineProcess:
-    """The actor an engine runs in: it imports the engine class named by `engine_path`
-    ("module:Class") and builds it from the remaining arguments. Its methods are what is called on
-    an engine through Ray (health, stats, the channel's address, a draft's new weights); the rounds
-    go over the channel the engine serves itself. `engine` is the engine object, for a function
-    sent with Ray's `__ray_call__`."""
-
-    def __init__(self, engine_path: str, *args: Any) -> None:
-        module, _, name = engine_path.partition(":")
-        self.engine = getattr(importlib.import_module(module), name)(*args)
-
-    async def _call(self, method: str, *args: Any) -> Any:
-        answer = getattr(self.engine, method)(*args)
-        return await answer if inspect.isawaitable(answer) else answer
-
-    async def ping(self) -> bool:
-        return await self._call("ping")
-
-    async def stats(self) -> Any:
-        return await self._call("stats")
-
-    async def open_channel(self, host: str | None = None) -> str:
-        return await self._call("open_channel", host)
-
-    async def set_followers(self, followers: list[Any]) -> None:
-        return await self._call("set_followers", followers)
-
-    async def release(self, seq_id: str) -> None:
-        return await self._call("release", seq_id)
-
-    async def active_sequences(self) -> list[str]:
-        return await self._call("active_sequences")
-
-    async def call_times(self) -> list[tuple[str, str, float, float]]:
-        return await self._call("call_times")
-
-    async def load_draft(self, *args: Any) -> Any:
-        return await self._call("load_draft", *args)
-
-    async def version(self) -> dict[str, Any]:
-        return await self._call("version")
 
 
 def spawn_engine(engine_path: str, num_cpus: float, num_gpus: float, resources: dict[str, float],

@@ -24,7 +24,7 @@ from specserve.decoding.proposers import SAGUARO_LOWERED, DraftModelProposer, Pr
 from specserve.deployments.committed_history import history_digest, whole_history as whole
 from specserve.deployments.draft_worker import DraftEngine
 from specserve.deployments.engine_group import RankFollower
-from specserve.deployments.engine_host import EngineProcess
+from specserve.deployments.engine_process import EngineProcess
 from specserve.deployments.engine_loop import EngineOverloadedError, SequenceReleasedError
 from specserve.deployments.target_worker import TargetEngine
 from tests.tiny_pair import make_tiny_pair

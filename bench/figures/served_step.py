@@ -32,7 +32,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "small-model-as-target.yaml"
 
 
 def install_timer(process) -> int:
-    """(in the engine's actor, deployments.engine_host.EngineProcess) Time its runner's model calls
+    """(in the engine's actor, deployments.engine_process.EngineProcess) Time its runner's model calls
     (bench.look_alike.timed_forwards), keeping each call's seconds."""
     from specserve.bench.look_alike import timed_forwards
 
