@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         result = serve_worker() if args.worker == "serve" else import_worker(args.worker)
         print(json.dumps(result))
         return
+    from specserve.bench.report import markdown_table
     from specserve.bench.tree_turns import turn_order
 
     trees = {"after": ROOT} | ({"before": Path(args.baseline_tree).resolve()} if args.baseline_tree else {})
@@ -101,10 +102,11 @@ def main(argv: list[str] | None = None) -> None:
     command = "python -m specserve.bench.figures.startup " + " ".join(argv if argv is not None else sys.argv[1:])
     out = ROOT / "bench/results" / args.name
     out.with_suffix(".json").write_text(json.dumps({"command": command, "rounds": args.rounds, "rows": rows}, indent=2))
+    table = markdown_table(["measure", "code", "seconds, median (per round)"],
+                           [[r["measure"], r["tree"], f"{r['median_s']} ({', '.join(str(v) for v in r['per_round_s'])})"]
+                            for r in rows])
     lines = [f"# Starting the served default pair ({args.rounds} rounds, the trees taking turns, medians)", "",
-             f"`{command}`", "", "| measure | code | seconds, median (per round) |", "|---|---|---|"]
-    lines += [f"| {r['measure']} | {r['tree']} | {r['median_s']} ({', '.join(str(v) for v in r['per_round_s'])}) |"
-              for r in rows]
+             f"`{command}`", "", table]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
