@@ -242,8 +242,8 @@ def process_rows(logits: torch.Tensor, row_params: RowParams, exact_cut: bool = 
     top-k renormalised distribution) whose cumulative probability reaches top_p; the top token
     always survives. The processed target distribution is the one speculative decoding
     preserves; a draft's rows go through the same code (exact_cut below aside). Truncating rows
-    go through `truncate_rows` (one host sync per call: which rows' cut fits among their top
-    candidates).
+    go through `truncate_rows` (on a CPU, one host sync per call: which rows' cut fits among their
+    top candidates; none on an accelerator).
 
     exact_cut False: a row whose cut does not fit among its first CANDIDATE_RUNGS[0] candidates
     is cut there instead (its top-k / top-p kept set within those candidates, renormalised). A
@@ -293,14 +293,17 @@ def truncate_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     row's result does not depend on the way it took (tests/test_top_p_candidates.py, on CPU, whose
     cumulative sum runs in order; a device's parallel scan may round a prefix's sums differently,
     which moves only a token whose mass before it is within rounding of top_p). Deciding which rows
-    go on is one host sync per rung tried. exact False: every row is cut among its first rung's
-    candidates, whether its cut fits there or not (process_rows' exact_cut), which nothing checks."""
+    go on is one host sync per rung tried, so on an accelerator, where sorting whole rows is cheap
+    (vLLM's sampler sorts them) and a sync stalls the step, an exact cut sorts whole rows at once.
+    exact False: every row is cut among its first rung's candidates, whether its cut fits there or
+    not (process_rows' exact_cut), which nothing checks; no host sync on any device."""
     probs, rest = None, None   # rest: the rows not cut yet (None: every row)
+    rungs = exact_cut_rungs(logits.device) if exact else CANDIDATE_RUNGS[:1]
 
     def remaining() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return (logits, top_k, top_p) if rest is None else (logits[rest], top_k[rest], top_p[rest])
 
-    for width in CANDIDATE_RUNGS:
+    for width in rungs:
         if logits.shape[0] == 0 or width >= logits.shape[-1]:
             break
         rows, k, p = remaining()
@@ -315,6 +318,12 @@ def truncate_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     rows, k, p = remaining()
     cut = cut_by_prefix(rows, sorted_prefix(rows), k, p, cuts_top_k=cuts_top_k)[1]
     return cut if probs is None else probs.index_copy(0, rest, cut)
+
+
+def exact_cut_rungs(device: torch.device) -> tuple[int, ...]:
+    """The candidate widths an exact cut tries on this device before sorting whole rows:
+    CANDIDATE_RUNGS on a CPU, none on an accelerator (truncate_rows says why)."""
+    return CANDIDATE_RUNGS if device.type == "cpu" else ()
 
 
 def sorted_prefix(logits: torch.Tensor) -> torch.Tensor:

@@ -305,3 +305,20 @@ def test_rows_without_a_top_k_skip_its_arithmetic_and_cut_the_same():
     with_top_k = row_params.top_k < VOCAB_SIZE
     rows, top_k, top_p = scaled[with_top_k], row_params.top_k[with_top_k], row_params.top_p[with_top_k]
     assert not torch.equal(truncate_rows(rows, top_k, top_p, cuts_top_k=False), truncate_rows(rows, top_k, top_p))
+
+
+def test_on_an_accelerator_an_exact_cut_reads_nothing_back_to_the_host(monkeypatch):
+    """process_rows over truncating, greedy and plain rows on PyTorch's meta device, where any read
+    of a value on the host (item, bool, tolist) raises: the exact cut sorts whole rows there, the
+    draft's inexact one keeps its first candidates, and neither waits on the device. The CPU's rung
+    ladder, which asks which rows' cut fits, raises there (so this test can fail)."""
+    params = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(top_k=40), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0), SamplingParams(top_k=50, top_p=0.8, min_p=0.05)]
+    meta = torch.device("meta")
+    logits = torch.empty(len(params), VOCAB_SIZE, device=meta)
+    row_params = RowParams.of(params, VOCAB_SIZE, meta)
+    for exact_cut in (True, False):
+        assert process_rows(logits, row_params, exact_cut=exact_cut).shape == logits.shape
+    monkeypatch.setattr(sampling, "exact_cut_rungs", lambda device: CANDIDATE_RUNGS)
+    with pytest.raises(RuntimeError, match="meta"):
+        process_rows(logits, row_params)
