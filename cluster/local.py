@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
+import signal
 import socket
 import time
 from pathlib import Path
@@ -118,14 +120,40 @@ def init_local_ray(**ray_init_kwargs) -> None:
                 ray.init(configure_logging=False, log_to_driver=False, **ray_init_kwargs)
             return
         except Exception as exc:  # Ray raises a bare Exception when its node does not come up
+            seen = "; ".join(started_processes(before)) or "no process of it left"
             ray.shutdown()
             started = [child for child in psutil.Process().children(recursive=True) if child.pid not in before]
             for child in started:
                 child.kill()
             psutil.wait_procs(started, timeout=RAY_STOP_WAIT_S)
             if attempt + 1 == RAY_START_ATTEMPTS:
-                raise StartupError(f"Ray did not start on this machine: {exc}") from exc
-            logger.warning("Ray did not start (%s); starting it once more", exc)
+                raise StartupError(f"Ray did not start on this machine: {exc} ({seen})") from exc
+            logger.warning("Ray did not start (%s; %s); starting it once more", exc, seen)
+
+
+def started_processes(before: set[int]) -> list[str]:
+    """What became of the processes this one started since `before` (pids): each one's name and
+    state, and for one that has already ended, how (reaped here). Why: a node that misses Ray's
+    start-up limits says only which file it waited for, not whether its process hung or died."""
+    seen = []
+    for child in psutil.Process().children(recursive=True):
+        if child.pid in before:
+            continue
+        try:
+            name, state = child.name(), child.status()
+        except psutil.Error:
+            continue
+        if state == psutil.STATUS_ZOMBIE:
+            try:
+                _, status = os.waitpid(child.pid, os.WNOHANG)
+            except ChildProcessError:   # a grandchild: its own parent reaps it
+                status = None
+            if status is not None and os.WIFSIGNALED(status):
+                state = f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+            elif status is not None:
+                state = f"exited with {os.WEXITSTATUS(status)}"
+        seen.append(f"{name} (pid {child.pid}): {state}")
+    return seen
 
 
 def start_local(config: SpecServeConfig, dashboard: bool = False, timeout_s: float = 300.0) -> str:

@@ -113,6 +113,7 @@ def test_an_engine_loads_a_version_from_the_object_store_into_its_serving_runner
 
     import ray
 
+    from specserve.cluster.local import init_local_ray
     from specserve.deployments.draft_trainer import DraftTrainer
     from specserve.training.online_trainer import DraftVersion
 
@@ -134,7 +135,7 @@ def test_an_engine_loads_a_version_from_the_object_store_into_its_serving_runner
         assert await offering._weights_of(offering.core.version(0)) is None        # so is the start-up draft
         return weights
 
-    ray.init(num_cpus=1, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    init_local_ray(num_cpus=1, include_dashboard=False)
     try:
         weights = asyncio.run(offered())
         shutil.rmtree(version_dir)  # as on another node: nothing on this disk to read

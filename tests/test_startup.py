@@ -1,9 +1,12 @@
 """Start-up truth: a busy HTTP port fails `specserve serve` at once, naming the port, before Ray starts;
 a Ray node that misses its start-up limits is started once more."""
 
+import logging
 import socket
 import subprocess
+import time
 
+import psutil
 import pytest
 import ray
 
@@ -111,23 +114,33 @@ def test_a_start_that_fails_never_answers_200_and_ends_with_the_replicas_own_err
     assert "Token authentication" not in stdout + stderr and "(raylet)" not in stdout + stderr
 
 
-def test_a_ray_start_that_misses_its_limits_is_tried_once_more_and_leaves_nothing_of_the_failed_try(monkeypatch):
+def test_a_ray_start_that_misses_its_limits_is_tried_once_more_and_leaves_nothing_of_the_failed_try(
+        monkeypatch, caplog):
     """The first start fails as a node that never comes up does (its GCS process started, then the
     port-file wait gives up: Ray raises a bare RuntimeError); the second is asked with the same
-    arguments, after what the first left behind has ended."""
+    arguments, after what the first left behind has ended. The warning says what became of the
+    failed start's processes: one still running, one killed at birth."""
     failed_children, second_starts = [], []
 
     def init_whose_node_times_out_once(**kwargs):
         if not failed_children:
             failed_children.append(subprocess.Popen(["sleep", "60"]))  # a process of the failed start
+            died = subprocess.Popen(["sh", "-c", "kill -9 $$"])
+            while psutil.Process(died.pid).status() != psutil.STATUS_ZOMBIE:   # dead, not reaped
+                time.sleep(0.01)
+            failed_children.append(died)
             raise RuntimeError("Timed out waiting for file .../gcs_server_port")
         second_starts.append((kwargs, failed_children[0].poll()))
 
     monkeypatch.setattr(ray, "init", init_whose_node_times_out_once)
-    init_local_ray(num_cpus=1, include_dashboard=False)
+    with caplog.at_level(logging.WARNING, logger="specserve.cluster.local"):
+        init_local_ray(num_cpus=1, include_dashboard=False)
     (kwargs, first_exit), = second_starts
     assert kwargs["num_cpus"] == 1 and kwargs["include_dashboard"] is False
     assert first_exit is not None  # ended before the second try
+    sleeping, died = failed_children
+    assert f"sleep (pid {sleeping.pid}): sleeping" in caplog.text
+    assert f"sh (pid {died.pid}): killed by SIGKILL" in caplog.text
 
 
 def test_a_ray_start_that_fails_twice_is_a_startup_error(monkeypatch):
