@@ -32,8 +32,11 @@ serve: $(STAMP)
 generate: $(STAMP)
 	$(VENV)/bin/specserve generate
 
+# Two pytest-xdist workers: most tests run one torch thread, and a Serve test spends much of its
+# time waiting on replicas. Every Ray test runs on one worker, in order (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # The long fuzz run: 5,000 hypothesis bodies per fuzz test plus schemathesis on /openapi.json.
 fuzz: $(STAMP)

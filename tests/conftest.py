@@ -19,15 +19,62 @@ def _shares_the_server(module_items: list) -> bool:
     return any(SHARED_SERVER in item.fixturenames for item in module_items)
 
 
-def pytest_collection_modifyitems(items):
+@pytest.hookimpl(tryfirst=True)   # before pytest-xdist's worker reads the groups
+def pytest_collection_modifyitems(config, items):
     """Run the modules that use the shared served tiny pair one after another (each module whole,
     in collection order, at the place of the first of them), so its Ray cluster and Serve app
     start once for all of them instead of once per module. A test using it must be marked `ray`,
-    so that `-m "not ray"` selects tests that start no Ray cluster."""
+    so that `-m "not ray"` selects tests that start no Ray cluster.
+
+    Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`), every test marked `ray`
+    joins one group, which one worker runs in this order: one Ray cluster at a time on the
+    machine, the shared server started once. Each other module is a group of its own, so its
+    module-scoped fixtures (models built once) are built on one worker only."""
     unmarked = [item.nodeid for item in items
                 if SHARED_SERVER in item.fixturenames and item.get_closest_marker("ray") is None]
     if unmarked:
         raise pytest.UsageError(f"these tests use {SHARED_SERVER} but are not marked ray: {unmarked[:3]}")
+    _run_the_shared_server_modules_together(items)
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            group = "ray" if item.get_closest_marker("ray") else item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """Refuse to run in parallel where pytest-xdist did not group the tests (it names a test's group
+    in its node id, which some pytest releases do not let it set): two Ray clusters would start at
+    once and the shared server's modules would be split across workers."""
+    if node.config.getvalue("dist") == "loadgroup" and ids and not all("@" in nodeid for nodeid in ids):
+        pytest.exit("pytest-xdist could not group the tests: this pytest and pytest-xdist disagree on node "
+                    "ids; install the versions in constraints-cpu.txt", returncode=pytest.ExitCode.USAGE_ERROR)
+
+
+UNSERVED_NICENESS = 10   # of an xdist worker while it runs a test that starts no Ray cluster
+
+
+def pytest_runtest_protocol(item):
+    """Under pytest-xdist, a worker running a test that starts no Ray cluster yields the CPU to the
+    worker running the served ones: a Serve start keeps both cores busy (replicas importing torch
+    at once) and, starved, it takes over twice as long, which makes the served group the run's
+    longest path. Raising a niceness needs no privilege; lowering it back (a worker that ran other
+    tests before the served group) does, and where it is refused the worker stays nice."""
+    if not hasattr(item.config, "workerinput"):
+        return
+    niceness = 0 if item.get_closest_marker("ray") else UNSERVED_NICENESS
+    if os.getpriority(os.PRIO_PROCESS, 0) == niceness:
+        return
+    # Linux keeps a niceness per thread: every thread of the worker (torch's too), and what it starts.
+    threads = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]
+    for thread in threads:
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(thread), niceness)
+        except (PermissionError, ProcessLookupError):
+            pass
+
+
+def _run_the_shared_server_modules_together(items: list) -> None:
     modules: dict = {}
     for item in items:
         modules.setdefault(getattr(item, "module", None), []).append(item)
