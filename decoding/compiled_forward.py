@@ -33,9 +33,10 @@ import torch
 import torch._dynamo
 import torch.fx.experimental._config
 
+from specserve.decoding.cache_dir import specserve_cache_dir
+
 logger = logging.getLogger(__name__)
 
-CACHE_DIR_ENV = "SPECSERVE_CACHE_DIR"
 # Set (to 1) where runners should not compile unless asked: the test suite, whose hundreds of
 # runners would each pay a compile (docs/testing.md).
 ENFORCE_EAGER_ENV = "SPECSERVE_ENFORCE_EAGER"
@@ -65,8 +66,7 @@ def compile_cache_dir() -> Path:
 
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if not chosen or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
-        root = os.environ.get(CACHE_DIR_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specserve"
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(root) / "inductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(specserve_cache_dir() / "inductor")
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 

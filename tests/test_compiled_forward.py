@@ -19,6 +19,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from specserve.decoding.cache_dir import CACHE_DIR_ENV
 from specserve.common.config import ModelSpec
 from specserve.decoding import compiled_forward
 from specserve.decoding.batched_runner import runner_for_model
@@ -315,7 +316,7 @@ def test_enforce_eager_and_the_environment_keep_the_forward_uncompiled(monkeypat
 
 def test_the_compile_cache_lives_under_the_specserve_cache(monkeypatch, tmp_path):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    monkeypatch.setenv(compiled_forward.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
     assert compiled_forward.compile_cache_dir() == tmp_path / "inductor"
     import os
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")

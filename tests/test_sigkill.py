@@ -1,0 +1,99 @@
+"""Processes of `specserve serve` killed outright (SIGKILL, as the OOM killer does), on the real
+CLI with HAProxy run through specserve's launcher (cluster/serve_data_plane.py): kill Serve's
+HAProxy manager, and its HAProxy ends and the manager Serve starts in its place serves HTTP again
+(through the launcher: start, reload); kill the CLI, and its port is free again with no HAProxy
+left. Without the launcher a killed server's HAProxy outlived it in four of five trials here,
+holding the HTTP port and HAProxy's fixed stats ports for the next start to fail on, and in others
+the manager's own exit ended it: so this test shows the launcher serving, and
+tests/test_serve_data_plane.py (a deterministic child) shows the binding. One start, in its own
+session so every process it spawns can be found after."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.local_server import free_port
+from tests.test_sigterm import READY_LINE, STARTED_WITHIN_S, _session_processes
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]   # make reliability: a whole CLI start costs a minute
+
+PORT_FREED_WITHIN_S = 30
+SERVING_AGAIN_WITHIN_S = 120
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _named(session: int, name: str) -> list[psutil.Process]:
+    return [process for process in _session_processes(session) if name in " ".join(process.cmdline())]
+
+
+def _ended(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait(condition, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return condition()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url + "/v1/models", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_haproxy_ends_with_its_manager_and_with_the_server(tmp_path):
+    """Kill the HAProxy manager: its HAProxy ends, Serve's replacement serves HTTP again. Then
+    kill the CLI: the port is free again and no HAProxy is left."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "SPECSERVE__HTTP__PORT": str(port), "SPECSERVE__OBSERVABILITY__METRICS_EXPORT_PORT": "0"}
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen([sys.executable, "-m", "specserve.cluster.cli", "serve"], env=env, stdout=log,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + STARTED_WITHIN_S
+        while READY_LINE not in log_path.read_text():
+            assert server.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.5)
+        first = _named(server.pid, "bin/haproxy")
+        assert first, "the data plane runs HAProxy (tests/test_serve_data_plane.py checks it is installed)"
+        for manager in _named(server.pid, "ray::HAProxyManager"):
+            manager.kill()
+        assert _wait(lambda: all(map(_ended, first)), 10), [process.cmdline() for process in first]
+        assert _wait(lambda: _answers(url), SERVING_AGAIN_WITHIN_S), log_path.read_text()
+
+        running = _named(server.pid, "bin/haproxy")
+        server.send_signal(signal.SIGKILL)   # the CLI alone
+        server.wait()
+        assert _wait(lambda: port_free(port), PORT_FREED_WITHIN_S), [" ".join(p.cmdline()) for p in
+                                                                     _session_processes(server.pid)]
+        assert all(map(_ended, running))
+    finally:
+        for process in _session_processes(server.pid):   # Ray's agents end on their own, later
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
