@@ -144,7 +144,8 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict, prompt
         server_ttft_s=None if server_ttft_ms is None else server_ttft_ms / 1000,
         median_hops_s=_seconds(spec.get("median_hops_ms")), median_router_s=_seconds(spec.get("median_router_ms")),
         finish_reason=(final.get("choices") or [{}])[0].get("finish_reason"), output_text="".join(pieces),
-        round_stages_ms=spec.get("round_stages_ms"), cache_hits=spec.get("pipelined_rounds", 0),
+        round_stages_ms=spec.get("round_stages_ms"), first_token_stages_ms=spec.get("first_token_stages_ms"),
+        cache_hits=spec.get("pipelined_rounds", 0),
         cache_misses=spec.get("speculation_cache_misses", 0))
     return record, started, ended
 

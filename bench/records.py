@@ -37,6 +37,7 @@ class RequestRecord:
     median_router_s: float | None = None   # of the overhead: the rest, the router's own work (HTTP rows)
     finish_reason: str | None = None
     round_stages_ms: list[dict] | None = None  # per round, when the router profiles (deployments/round_stages.py)
+    first_token_stages_ms: dict | None = None  # the first token's engine lookup and prefill, when it profiles
     cache_hits: int = 0                    # rounds whose block was pre-drafted (speculation cache, HTTP rows)
     cache_misses: int = 0                  # rounds drafted just in time although blocks were pre-drafted
     # What was generated, so rows can be checked against each other (greedy speculation is

@@ -158,6 +158,40 @@ def orchestration_ms(stages: dict[str, float]) -> float:
     return stages["wall"] - sum(stages.get(stage, 0.0) for stage in ENGINE_STAGES)
 
 
+FIRST_TOKEN_PARTS = ("client", "outside_router", "router", "engine_lookup", "prefill_hops", "prefill_loop_wait",
+                     "prefill_compute")
+
+
+def first_token_split(records: list[dict]) -> dict[str, float] | None:
+    """Medians (ms) of where a request's first token went: the client's wait, of it the way in and
+    out of the router (HAProxy, the ingress, Serve's call to the router, the chunk's way back) and
+    the router's own wait; of that, Serve's engine lookup, the prefill's hops, its engine's
+    batching-loop wait and its compute. None without the router's profiled split."""
+    split = [(1000 * r["ttft_s"], 1000 * r["server_ttft_s"], r["first_token_stages_ms"]) for r in records
+             if r.get("ttft_s") is not None and r.get("server_ttft_s") is not None and r.get("first_token_stages_ms")]
+    if not split:
+        return None
+    parts = {"client": [c for c, _, _ in split], "outside_router": [c - r for c, r, _ in split],
+             "router": [r for _, r, _ in split], "engine_lookup": [s["engine_lookup"] for _, _, s in split],
+             "prefill_hops": [s["target_hop_out"] + s["target_hop_back"] for _, _, s in split],
+             "prefill_loop_wait": [s["target_loop_wait"] for _, _, s in split],
+             "prefill_compute": [s["target_compute"] for _, _, s in split]}
+    return {name: round(statistics.median(parts[name]), 3) for name in FIRST_TOKEN_PARTS}
+
+
+def first_token_lines(split_by_row: dict[str, dict[str, float] | None]) -> list[str]:
+    """A markdown table of first_token_split per row (a class, or a class and a tree)."""
+    rows = {row: split for row, split in split_by_row.items() if split}
+    if not rows:
+        return []
+    return ["", "First token, median ms: the client's wait; of it, outside the router (HAProxy, the ingress, "
+            "Serve's call to the router, the chunk's way back) and the router's; of the router's, Serve's "
+            "engine lookup, the prefill's hops, its engine's batching-loop wait and its compute", "",
+            "| row | " + " | ".join(FIRST_TOKEN_PARTS) + " |", "|---|" + "---|" * len(FIRST_TOKEN_PARTS),
+            *(f"| {row} | " + " | ".join(str(split[name]) for name in FIRST_TOKEN_PARTS) + " |"
+              for row, split in rows.items())]
+
+
 def class_summary(records: list[dict], span_s: float) -> dict:
     """One request class's figures: tok/s over its requests' own wall time, the client's time to
     the first token (median), and per round the orchestration (median, mean), the hops and the
@@ -172,6 +206,7 @@ def class_summary(records: list[dict], span_s: float) -> dict:
     return {"requests": len(records), "rounds_profiled": len(stages),
             "tokens_per_s": round(tokens / span_s, 1) if span_s > 0 else None,
             "ttft_median_ms": round(statistics.median(first_token_ms), 3) if first_token_ms else None,
+            "first_token_split_ms": first_token_split(records),
             "acceptance": round(sum(r["num_accepted"] for r in records) / drafted, 3) if drafted else None,
             "orchestration_median_ms": round(statistics.median(orchestration), 3) if stages else None,
             "orchestration_mean_ms": round(statistics.fmean(orchestration), 3) if stages else None,
@@ -179,6 +214,14 @@ def class_summary(records: list[dict], span_s: float) -> dict:
             "wall_median_ms": round(statistics.median(r["wall"] for r in stages), 3) if stages else None,
             "engines_median_ms": round(statistics.median(
                 sum(r.get(s, 0.0) for s in ENGINE_STAGES) for r in stages), 3) if stages else None}
+
+
+def median_split(per_turn: list[dict]) -> dict[str, float] | None:
+    """The turns' first_token_split medians, part by part (None where a turn has none)."""
+    splits = [summary.get("first_token_split_ms") for summary in per_turn]
+    if not splits or any(split is None for split in splits):
+        return None
+    return {name: round(statistics.median(split[name] for split in splits), 3) for name in FIRST_TOKEN_PARTS}
 
 
 def compare_trees(args) -> None:
@@ -222,6 +265,8 @@ def compare_trees(args) -> None:
                          f"({', '.join(str(c['tokens_per_s']) for c in per_turn)}) | {median('ttft_median_ms')} "
                          f"({', '.join(str(c['ttft_median_ms']) for c in per_turn)}) |")
     result["summary"] = summary
+    lines += first_token_lines({f"{mode} / {label}": median_split([run["classes"][mode] for run in runs[label]])
+                                for mode in modes for label, _ in trees})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
@@ -340,6 +385,7 @@ def main(argv: list[str] | None = None) -> None:
                       "| stage | median | mean | mean over all rounds |", "|---|---|---|---|"]
             lines += [f"| {stage} | {v['median_ms']} | {v['mean_ms']} | {v['mean_over_all_rounds_ms']} |"
                       for stage, v in result[key].items()]
+    lines += first_token_lines({mode: summary["first_token_split_ms"] for mode, summary in result["classes"].items()})
     lines += ["", "CPU ms per target pass, by process (while the measured requests ran)", "",
               "| process | CPU ms |", "|---|---|"]
     lines += [f"| {role} | {ms} |" for role, ms in result["cpu_ms_per_target_pass"].items()]

@@ -68,8 +68,10 @@ class RoundLoop:
     async def run(self, started_s: float, deadline_s: float, prompt_logprobs: int | None = None) -> None:
         """Prefill (the first token), then rounds until the request finishes or deadline_s passes."""
         state = self.state
+        looking_up = time.perf_counter()
         if not await self.engines.acquire(state):
             self.observer.draft_lost()
+        engine_lookup_s = time.perf_counter() - looking_up
         rows, prefill = await self.engines.verify(state, prompt_logprobs=prompt_logprobs)
         state.num_cached_tokens = prefill.cached_tokens
         prompt_entries = None
@@ -77,7 +79,8 @@ class RoundLoop:
             rows, prompt_entries = rows
         rows, logprob_rows = split_logprobs(state.params, rows)
         committed = accept_round(state, Proposal([], None), rows)
-        self.observer.first_token(time.perf_counter() - started_s)
+        self.observer.first_token(time.perf_counter() - started_s,
+                                  {"engine_lookup": engine_lookup_s, **prefill.stages("target")} if self.profile else None)
         chunk = step_chunk(state, committed, logprob_rows)
         if prompt_entries is not None:
             chunk["prompt_logprobs"] = prompt_entries

@@ -55,6 +55,9 @@ class RoundTimings:
     draft_depths: list[int] = field(default_factory=list)
     first_token_s: float | None = None
     round_stages: list[dict[str, float]] | None = None  # per round, when profiling (round_stages.py)
+    # When profiling, the first token's wait in the router: Serve's engine lookup, then the
+    # prefill's hops and its time in the target engine (round_stages.EngineCall.stages).
+    first_token_stages: dict[str, float] | None = None
 
     def add(self, record: RoundRecord) -> None:
         self.round_wall_s.append(record.wall_s)
@@ -77,6 +80,8 @@ class RoundTimings:
             timings["median_router_ms"] = median_ms([o - h for o, h in zip(self.round_overhead_s, self.round_hops_s)])
             timings["round_stages_ms"] = [{name: round(1000 * seconds, 4) for name, seconds in stages.items()}
                                           for stages in self.round_stages]
+            timings["first_token_stages_ms"] = {name: round(1000 * seconds, 4)
+                                                for name, seconds in (self.first_token_stages or {}).items()}
         return timings
 
 
@@ -94,8 +99,9 @@ class RoundObserver:
         """The top-k the next round's verify should also return for online training, or None."""
         return None if self.capture is None else self.capture.top_k_for_round()
 
-    def first_token(self, seconds: float) -> None:
+    def first_token(self, seconds: float, stages: dict[str, float] | None = None) -> None:
         self.timings.first_token_s = seconds
+        self.timings.first_token_stages = stages
         self.metrics.record_first_token(seconds)
 
     def draft_lost(self) -> None:

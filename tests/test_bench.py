@@ -315,6 +315,22 @@ def test_a_classes_orchestration_is_each_rounds_wall_minus_its_time_in_the_engin
     assert summary["tokens_per_s"] == 5.0 and summary["acceptance"] == 0.75 and summary["ttft_median_ms"] == 50.0
 
 
+def test_the_first_token_splits_into_the_way_in_and_out_and_the_routers_wait():
+    from specserve.bench.round_profile import class_summary, first_token_lines
+
+    stages = {"engine_lookup": 4.0, "target_hop_out": 0.5, "target_loop_wait": 1.0, "target_compute": 60.0,
+              "target_hop_back": 0.5}
+    records = [{"num_output_tokens": 4, "num_drafted": 0, "num_accepted": 0, "ttft_s": client, "server_ttft_s": router,
+                "first_token_stages_ms": stages} for client, router in ((0.080, 0.070), (0.090, 0.071))]
+    split = class_summary(records, 1.0)["first_token_split_ms"]
+    assert split == {"client": 85.0, "outside_router": 14.5, "router": 70.5, "engine_lookup": 4.0, "prefill_hops": 1.0,
+                     "prefill_loop_wait": 1.0, "prefill_compute": 60.0}
+    assert "| greedy | 85.0 | 14.5 | 70.5 | 4.0 | 1.0 | 1.0 | 60.0 |" in first_token_lines({"greedy": split})
+    # without the router's profiled split (the switch off) there is nothing to report
+    assert class_summary([{**records[0], "first_token_stages_ms": None}], 1.0)["first_token_split_ms"] is None
+    assert first_token_lines({"greedy": None}) == []
+
+
 def test_combined_sweep_runs_average_each_variant_and_level():
     from specserve.bench.load_sweep import adaptive_against_fixed, combine_runs
 

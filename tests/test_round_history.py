@@ -5,6 +5,7 @@ all in this process (no Ray: Serve's get_engine is played by an awaitable giving
 
 import asyncio
 import itertools
+import time
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -301,3 +302,27 @@ def test_a_request_whose_depth_is_0_queues_its_target_only_rounds_and_speculates
     drafted = [record.num_drafted for record in records]
     assert 0 in drafted and NUM_DRAFT in drafted[drafted.index(0):]   # it speculates again after queuing
     assert target.continued >= 2 and target.unknown == 0
+
+
+def test_a_profiled_request_splits_its_first_token_and_an_unprofiled_one_does_not(pair):
+    """With the profiling switch (the router's round_stages list) the response's timings split the
+    router's wait for the first token: Serve's engine lookup, the prefill's hops, its engine's
+    loop wait and compute, which add up to no more than that wait (bench.round_profile reads them)."""
+    speculation = SpeculationSpec(num_draft_tokens=NUM_DRAFT, adaptive=False)
+
+    async def timings(profile: bool) -> dict:
+        _, _, state, engines = await greedy_request(pair, 8)
+        timed = RoundTimings(round_stages=[] if profile else None)
+        observer = RoundObserver(timed, DepthChooser(speculation), RouterMetrics())
+        loop = RoundLoop(state, engines, observer, lambda chunk: None, lambda state: state.draft_budget(NUM_DRAFT),
+                         lambda: 1, speculation, profile)
+        await loop.run(time.perf_counter(), float("inf"))
+        return timed.to_dict()
+
+    profiled = asyncio.run(timings(True))
+    split = profiled["first_token_stages_ms"]
+    assert set(split) == {"engine_lookup", "target_hop_out", "target_loop_wait", "target_compute", "target_hop_back"}
+    assert all(value >= 0 for value in split.values()) and split["target_compute"] > 0
+    assert sum(split.values()) <= profiled["time_to_first_token_ms"] + 1e-3
+    assert "first_token_stages_ms" not in asyncio.run(timings(False))
+
