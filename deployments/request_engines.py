@@ -61,6 +61,7 @@ class RequestEngines:
         self.target: EngineEndpoint | None = None
         self.draft: EngineEndpoint | None = None
         self.affinity_key: str | None = None   # the prompt's prefix key (set by acquire)
+        self._draft_lookup: asyncio.Future | None = None   # acquire's draft engine, until draft_acquired
         self.touched: list[EngineEndpoint] = []
         digest = RunningDigest()
         self.target_history = HistorySender(digest)  # what the target engine was told of the committed history
@@ -68,32 +69,30 @@ class RequestEngines:
         self.features: TargetFeatures | None = None   # the target's, not yet sent to the draft engine
         self.features_from: int | None = None         # the next verify computes the features again from here
 
-    async def acquire(self, state: RequestState) -> bool:
+    async def acquire(self, state: RequestState) -> None:
         """A target engine, preferably the one likely to hold the prompt's prefix
-        (policies.prefix_routing; 503 when no target replica answers in time) and a draft engine if one
-        answers within limits.draft_wait_s: speculation is an optimisation, so a request serves
-        target-only rather than wait. Both are asked at once (each a Serve call), and the draft
-        prefills while the target does.
-        -> False when there is a draft pool but none of its engines answered."""
+        (policies.prefix_routing; 503 when no target replica answers in time), each a Serve call.
+        Where there is a draft pool, its engine is asked for at the same time; it prefills as soon
+        as it answers, and `draft_acquired` awaits it: the target's prefill does not wait for it."""
         self.affinity_key = prefix_key(state.prompt_ids)
-        draft = None if self.draft_workers is None else asyncio.ensure_future(
-            asyncio.wait_for(self.draft_workers.get_engine.remote(), self.limits.draft_wait_s))
+        if self.draft_workers is not None:
+            self._draft_lookup = asyncio.ensure_future(self._acquire_draft(state))
         try:
             self.target = await asyncio.wait_for(self.target_workers.get_engine.remote(self.affinity_key),
                                                  self.limits.engine_wait_s)
         except BaseException as error:
-            if draft is not None:
-                draft.add_done_callback(observed)
-                draft.cancel()
+            self.abandon_draft()
             if isinstance(error, asyncio.TimeoutError):
                 raise ServerOverloadedError(f"no target replica became available within "
                                             f"{self.limits.engine_wait_s:.0f} s", retry_after_s=5.0) from None
             raise
         self.touched.append(self.target)
-        if draft is None:
-            return True
+
+    async def _acquire_draft(self, state: RequestState) -> bool:
+        """A draft engine if one answers within limits.draft_wait_s (speculation is an
+        optimisation, so a request serves target-only rather than wait), which starts prefilling."""
         try:
-            self.draft = await draft
+            self.draft = await asyncio.wait_for(self.draft_workers.get_engine.remote(), self.limits.draft_wait_s)
         except Exception:
             logger.warning("no draft engine available; serving target-only", exc_info=True)
             return False
@@ -101,6 +100,21 @@ class RequestEngines:
         prefill = self._call(self.draft, "prefill", state.request_id, self.draft_history.update(state))
         prefill.add_done_callback(observed)   # a lost draft shows at the first propose
         return True
+
+    async def draft_acquired(self) -> bool:
+        """Await the draft engine `acquire` asked for. -> False when there is a draft pool but none
+        of its engines answered."""
+        lookup, self._draft_lookup = self._draft_lookup, None
+        return True if lookup is None else await lookup
+
+    def abandon_draft(self) -> None:
+        """Stop a draft lookup still under way (the request ended, or failed, before it needed the
+        draft): a lookup stopped before it answered started nothing on any engine, and one that
+        answered is in `touched`, so the router releases it."""
+        if self._draft_lookup is not None:
+            self._draft_lookup.add_done_callback(observed)
+            self._draft_lookup.cancel()
+            self._draft_lookup = None
 
     def _call(self, engine: EngineEndpoint, method: str, *args: Any) -> asyncio.Future:
         return self.channels.to(engine.address).call(method, *args)

@@ -66,25 +66,32 @@ class RoundLoop:
         self.queued: asyncio.Future | None = None
 
     async def run(self, started_s: float, deadline_s: float, prompt_logprobs: int | None = None) -> None:
-        """Prefill (the first token), then rounds until the request finishes or deadline_s passes."""
+        """Prefill (the first token), then rounds until the request finishes or deadline_s passes.
+        The target prefills as soon as Serve names its engine; the draft engine's lookup goes on
+        beside it and is awaited only once the first token is out."""
         state = self.state
         looking_up = time.perf_counter()
-        if not await self.engines.acquire(state):
-            self.observer.draft_lost()
+        await self.engines.acquire(state)
         engine_lookup_s = time.perf_counter() - looking_up
-        rows, prefill = await self.engines.verify(state, prompt_logprobs=prompt_logprobs)
-        state.num_cached_tokens = prefill.cached_tokens
-        prompt_entries = None
-        if prompt_logprobs is not None:  # the prefill answered (its usual answer, the prompt's entries)
-            rows, prompt_entries = rows
-        rows, logprob_rows = split_logprobs(state.params, rows)
-        committed = accept_round(state, Proposal([], None), rows)
-        self.observer.first_token(time.perf_counter() - started_s,
-                                  {"engine_lookup": engine_lookup_s, **prefill.stages("target")} if self.profile else None)
-        chunk = step_chunk(state, committed, logprob_rows)
-        if prompt_entries is not None:
-            chunk["prompt_logprobs"] = prompt_entries
-        self.emit(chunk)
+        try:
+            rows, prefill = await self.engines.verify(state, prompt_logprobs=prompt_logprobs)
+            state.num_cached_tokens = prefill.cached_tokens
+            prompt_entries = None
+            if prompt_logprobs is not None:  # the prefill answered (its usual answer, the prompt's entries)
+                rows, prompt_entries = rows
+            rows, logprob_rows = split_logprobs(state.params, rows)
+            committed = accept_round(state, Proposal([], None), rows)
+            self.observer.first_token(time.perf_counter() - started_s,
+                                      {"engine_lookup": engine_lookup_s, **prefill.stages("target")}
+                                      if self.profile else None)
+            chunk = step_chunk(state, committed, logprob_rows)
+            if prompt_entries is not None:
+                chunk["prompt_logprobs"] = prompt_entries
+            self.emit(chunk)
+            if not state.finished and not await self.engines.draft_acquired():
+                self.observer.draft_lost()
+        finally:
+            self.engines.abandon_draft()   # the request ended before its draft engine was needed
         try:
             while not state.finished:
                 if time.perf_counter() > deadline_s:

@@ -326,3 +326,48 @@ def test_a_profiled_request_splits_its_first_token_and_an_unprofiled_one_does_no
     assert sum(split.values()) <= profiled["time_to_first_token_ms"] + 1e-3
     assert "first_token_stages_ms" not in asyncio.run(timings(False))
 
+
+class HeldWorkers:
+    """A pool whose Serve lookup answers only once `answer` is set."""
+
+    def __init__(self, endpoint: EngineEndpoint) -> None:
+        self.answer = asyncio.Event()
+
+        async def lookup(affinity_key=None) -> EngineEndpoint:
+            await self.answer.wait()
+            return endpoint
+        self.get_engine = SimpleNamespace(remote=lookup)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 24])
+def test_the_first_token_does_not_wait_for_the_draft_engines_lookup(pair, max_tokens):
+    """The target prefills and the first token goes out while Serve has not yet named the draft
+    engine; the rounds then draft as usual. A request that its first token ends stops the lookup,
+    and the draft engine never hears of it."""
+    speculation = SpeculationSpec(num_draft_tokens=NUM_DRAFT, adaptive=False)
+
+    async def scenario():
+        target, draft, state, engines = await greedy_request(pair, max_tokens)
+        held = HeldWorkers(await draft.listen())
+        engines.draft_workers = held
+        chunks = []
+        observer = RoundObserver(RoundTimings(), DepthChooser(speculation), RouterMetrics())
+        loop = RoundLoop(state, engines, observer, chunks.append, lambda state: state.draft_budget(NUM_DRAFT),
+                         lambda: 1, speculation)
+        running = asyncio.ensure_future(loop.run(time.perf_counter(), float("inf")))
+        for _ in range(1000):   # up to 10 s: the code before this waited for the lookup, forever here
+            if chunks or running.done():
+                break
+            await asyncio.sleep(0.01)
+        first_before_lookup = bool(chunks) and not held.answer.is_set()
+        held.answer.set()
+        await running
+        await asyncio.sleep(0.05)
+        return first_before_lookup, state, draft, engines
+
+    first_before_lookup, state, draft, engines = asyncio.run(scenario())
+    assert first_before_lookup
+    if max_tokens == 1:
+        assert state.finish_reason == "length" and engines.draft is None and draft.updates == []
+    else:
+        assert state.stats.num_drafted > 0 and draft.updates and engines.draft in engines.touched
