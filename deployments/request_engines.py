@@ -179,7 +179,8 @@ class RequestEngines:
                     self.target_history.forget()
                     continue
                 rows, span = reply
-                if self.draft is not None and span.features is not None:
+                # kept while a draft engine has been asked for, too: the prefill may answer first
+                if (self.draft is not None or self._draft_lookup is not None) and span.features is not None:
                     self.features = merged_features(self.features, span.features)
                 return rows, EngineCall.from_span(sent_s, span, time.perf_counter())
             except EngineOverloadedError as exc:

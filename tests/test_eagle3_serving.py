@@ -277,3 +277,51 @@ def test_a_head_serving_targets_round_of_several_steps_answers_every_steps_featu
     assert stepped == plain and len(plain) == 5
     assert (stepped_features.start, stepped_features.end) == (plain_features.start, plain_features.end) == (0, 10)
     torch.testing.assert_close(stepped_features.hidden, plain_features.hidden, atol=1e-5, rtol=0)
+
+
+def test_a_heads_first_round_drafts_from_the_prefills_features_when_the_draft_lookup_answers_late(family):
+    """The target prefills before Serve names the draft engine (deployments.round_loop): the
+    features its prefill answered are kept for the head all the same, so the first round drafts
+    (without them the head would answer UnknownFeatures and the round go target-only). In process,
+    over channels, the draft pool's lookup held until the first token is out."""
+    import asyncio
+
+    from specserve.common.channel import ChannelPool
+    from specserve.common.config import LimitsSpec, SpeculationSpec
+    from specserve.decoding.sampling import SamplingParams
+    from specserve.decoding.sequence import RequestState
+    from specserve.deployments.draft_worker import DraftEngine
+    from specserve.deployments.request_engines import RequestEngines
+    from specserve.deployments.round_loop import RoundLoop
+    from specserve.deployments.target_worker import TargetEngine
+    from tests.test_engines import options, spec
+    from tests.test_round_history import HeldWorkers, InProcessWorkers, ListeningEngine, recording_observer
+
+    family_, heads = family
+    speculation = SpeculationSpec(num_draft_tokens=3, adaptive=False)
+
+    async def scenario():
+        target = ListeningEngine(TargetEngine({**spec(family_.target, 2), "aux_layers": SPECULATORS_LAYERS}, options()))
+        draft = ListeningEngine(DraftEngine("eagle3", {**spec(heads["speculators"], 2),
+                                                       "target_path": str(family_.target)},
+                                            str(family_.target), options()))
+        held = HeldWorkers(await draft.listen())
+        engines = RequestEngines(InProcessWorkers(await target.listen()), held, LimitsSpec(), ChannelPool())
+        state = RequestState("r", [5, 17, 42, 8, 3, 33], SamplingParams(temperature=0, max_tokens=12), None, 256,
+                             detokenize=lambda ids: " ".join(map(str, ids)))
+        observer, records = recording_observer(speculation)
+        chunks = []
+        loop = RoundLoop(state, engines, observer, chunks.append, lambda state: state.draft_budget(3), lambda: 1,
+                         speculation)
+        running = asyncio.ensure_future(loop.run(0.0, float("inf")))
+        for _ in range(1000):
+            if chunks or running.done():
+                break
+            await asyncio.sleep(0.01)
+        first_before_lookup = bool(chunks)
+        held.answer.set()
+        await running
+        return first_before_lookup, records
+
+    first_before_lookup, records = asyncio.run(scenario())
+    assert first_before_lookup and records[0].num_drafted > 0
