@@ -30,6 +30,11 @@ from tests.test_rejection import assert_differs, assert_matches, total_variation
 from tests.tiny_pair import make_tiny_pair
 from specserve.training.online_trainer import OnlineTrainer, load_draft_model, rolls_back
 
+# Some of these tests reach Ray's API (a version put in the object store), which starts a Ray
+# cluster of its own where none runs: under `make test`'s two workers that start collided with the
+# served group's cluster starts (tests/conftest.py), so the whole module runs in that group.
+pytestmark = pytest.mark.ray
+
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
 SAMPLED = SamplingParams(temperature=1.5, top_k=8, max_tokens=2)
 PROMPT = [5, 17, 42, 8, 3, 33, 61, 12]
