@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from tests.local_server import free_port
+from tests.test_serve_data_plane import ended
 from tests.test_sigterm import READY_LINE, STARTED_WITHIN_S, _session_processes
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]   # make reliability: a whole CLI start costs a minute
@@ -40,13 +41,6 @@ def port_free(port: int) -> bool:
 
 def _named(session: int, name: str) -> list[psutil.Process]:
     return [process for process in _session_processes(session) if name in " ".join(process.cmdline())]
-
-
-def _ended(process: psutil.Process) -> bool:
-    try:
-        return process.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def _wait(condition, within_s: float) -> bool:
@@ -82,7 +76,7 @@ def test_haproxy_ends_with_its_manager_and_with_the_server(tmp_path):
         assert first, "the data plane runs HAProxy (tests/test_serve_data_plane.py checks it is installed)"
         for manager in _named(server.pid, "ray::HAProxyManager"):
             manager.kill()
-        assert _wait(lambda: all(map(_ended, first)), 10), [process.cmdline() for process in first]
+        assert _wait(lambda: all(ended(process.pid) for process in first), 10), [process.cmdline() for process in first]
         assert _wait(lambda: _answers(url), SERVING_AGAIN_WITHIN_S), log_path.read_text()
 
         running = _named(server.pid, "bin/haproxy")
@@ -90,7 +84,7 @@ def test_haproxy_ends_with_its_manager_and_with_the_server(tmp_path):
         server.wait()
         assert _wait(lambda: port_free(port), PORT_FREED_WITHIN_S), [" ".join(p.cmdline()) for p in
                                                                      _session_processes(server.pid)]
-        assert all(map(_ended, running))
+        assert all(ended(process.pid) for process in running)
     finally:
         for process in _session_processes(server.pid):   # Ray's agents end on their own, later
             try:
