@@ -1,5 +1,6 @@
 """Goodput model and cost curve: K goes deep when verify is flat in tokens, to 0 when it is linear."""
 
+import numpy as np
 import pytest
 
 from specserve.policies.cost_curve import CostCurve, fit_cost_curve
@@ -55,6 +56,59 @@ def test_cost_curve_never_decreases_with_tokens_even_on_noisy_samples():
     curve = fit_cost_curve([(1, 0.012), (2, 0.010), (4, 0.011), (8, 0.009)])
     assert curve.per_token_s >= 0 and curve.fixed_s >= 0
     assert curve.seconds(100) >= curve.seconds(1)
+
+
+
+def reference_fit(samples: list[tuple[float, float]]) -> CostCurve | None:
+    """The hinge fit point by point, knee by knee, as the module's docstring states it."""
+    points = [(float(x), float(y)) for x, y in samples if x > 0 and y >= 0]
+    if len({x for x, _ in points}) < 2:
+        return None
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    floor = max(max(ys) * 1e-3, 1e-9)
+    ws = [1.0 / max(y, floor) ** 2 for y in ys]
+
+    def line(hs: list[float]) -> tuple[float, float]:
+        total = sum(ws)
+        mean_h, mean_y = sum(w * h for w, h in zip(ws, hs)) / total, sum(w * y for w, y in zip(ws, ys)) / total
+        shh = sum(w * (h - mean_h) ** 2 for w, h in zip(ws, hs))
+        slope = sum(w * (h - mean_h) * (y - mean_y) for w, h, y in zip(ws, hs, ys)) / shh if shh > 0 else 0.0
+        if slope <= 0:
+            return mean_y, 0.0
+        if mean_y - slope * mean_h < 0:
+            return 0.0, sum(w * h * y for w, h, y in zip(ws, hs, ys)) / sum(w * h * h for w, h in zip(ws, hs))
+        return mean_y - slope * mean_h, slope
+
+    def error(curve: CostCurve) -> float:
+        return sum(w * (curve.seconds(x) - y) ** 2 for w, x, y in zip(ws, xs, ys))
+
+    best = CostCurve(*line(xs), 0.0, len(points))
+    if len(points) < 4:
+        return best
+    for knee in sorted(set(xs))[1:-1]:
+        candidate = CostCurve(*line([max(0.0, x - knee) for x in xs]), knee, len(points))
+        if error(candidate) < error(best) * (1 - 1e-9):
+            best = candidate
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_cost_curve_equals_the_point_by_point_fit_on_noisy_samples(seed):
+    """The fit works on sums per distinct token count; it must choose the same knee and
+    coefficients as fitting every sample at every knee (repeated counts, noise, outliers, zero
+    and negative samples the fit ignores)."""
+    rng = np.random.default_rng(seed)
+    knee, fixed, per_token = rng.choice([0, 16, 64]), rng.uniform(1e-3, 2e-2), rng.uniform(0, 1e-3)
+    tokens = rng.choice(rng.integers(1, 300, size=rng.integers(2, 40)), size=rng.integers(2, 200))
+    seconds = (fixed + per_token * np.maximum(0, tokens - knee)) * rng.lognormal(0, 0.3, size=len(tokens))
+    samples = [(float(x), float(y)) for x, y in zip(tokens, seconds)] + [(0.0, 0.01), (8.0, -1.0)]
+    ours, reference = fit_cost_curve(samples), reference_fit(samples)
+    if reference is None:
+        assert ours is None
+        return
+    assert (ours.knee_tokens, ours.num_samples) == (reference.knee_tokens, reference.num_samples)
+    assert ours.fixed_s == pytest.approx(reference.fixed_s, rel=1e-9, abs=1e-15)
+    assert ours.per_token_s == pytest.approx(reference.per_token_s, rel=1e-9, abs=1e-15)
 
 
 # --- goodput model ----------------------------------------------------------------------------
