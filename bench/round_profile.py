@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 from collections import defaultdict
@@ -123,25 +122,35 @@ def process_role(process: psutil.Process) -> str:
     except psutil.Error:
         return "gone"
     head = cmdline[0] if cmdline else process.name()
-    if head.startswith("ray::"):
-        return re.split(r"[.:]", head[5:].replace("ServeReplica:", "").split(" ")[0])[-1] or head
+    if head.startswith("ray::"):   # ray::ServeReplica:app:Router.handle_request (the method changes as it runs)
+        return head[5:].split(" ")[0].split(".")[0].split(":")[-1] or head
     for name in ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py", "runtime_env"):
         if name in " ".join(cmdline[:3]):
             return name
     return os.path.basename(head) or "other"
 
 
-def cpu_seconds_by_role() -> dict[str, float]:
-    """CPU seconds (user + system) so far of this process and every process it started, by role."""
+def cpu_seconds_by_process() -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) so far of this process and every process it started: pid ->
+    (role, seconds)."""
     me = psutil.Process()
-    totals: dict[str, float] = defaultdict(float)
+    seen: dict[int, tuple[str, float]] = {}
     for process in [me, *me.children(recursive=True)]:
         try:
             times = process.cpu_times()
         except psutil.Error:
             continue
         role = "client (this benchmark)" if process.pid == me.pid else process_role(process)
-        totals[role] += times.user + times.system
+        seen[process.pid] = (role, times.user + times.system)
+    return seen
+
+
+def cpu_seconds_between(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds each role's processes spent between two `cpu_seconds_by_process` readings,
+    process by process (a process started in between counts whole)."""
+    totals: dict[str, float] = defaultdict(float)
+    for pid, (role, seconds) in after.items():
+        totals[role] += seconds - before.get(pid, (role, 0.0))[1]
     return totals
 
 
@@ -267,11 +276,24 @@ def compare_trees(args) -> None:
     result["summary"] = summary
     lines += first_token_lines({f"{mode} / {label}": median_split([run["classes"][mode] for run in runs[label]])
                                 for mode in modes for label, _ in trees})
+    result["cpu_ms_per_target_pass"] = cpu = {label: median_cpu([run["cpu_ms_per_target_pass"] for run in runs[label]])
+                                              for label, _ in trees}
+    lines += ["", "CPU ms per target pass, by process (while the measured requests ran; median of the turns)", "",
+              f"| process | {' | '.join(label for label, _ in trees)} |", f"|---|{'---|' * len(trees)}"]
+    roles = sorted({role for by_role in cpu.values() for role in by_role}, key=lambda role: -max(
+        by_role.get(role, 0.0) for by_role in cpu.values()))
+    lines += [f"| {role} | {' | '.join(str(cpu[label].get(role, 0.0)) for label, _ in trees)} |" for role in roles]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
     (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def median_cpu(turns: list[dict[str, float]]) -> dict[str, float]:
+    """Each process's CPU ms per target pass, the median over turns (0 in a turn it did not show)."""
+    roles = {role for turn in turns for role in turn}
+    return {role: round(statistics.median(turn.get(role, 0.0) for turn in turns), 3) for role in roles}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -326,9 +348,9 @@ def main(argv: list[str] | None = None) -> None:
     url = start_local(config)
     try:
         run_level(url, bodies[:2], 1)  # warm-up
-        cpu_before = cpu_seconds_by_role()
+        cpu_before = cpu_seconds_by_process()
         levels = [run_level(url, bodies, 1) for _ in range(args.passes)]
-        cpu_after = cpu_seconds_by_role()
+        cpu_after = cpu_seconds_by_process()
         logs = engine_call_logs()
     finally:
         stop_local()
@@ -346,8 +368,9 @@ def main(argv: list[str] | None = None) -> None:
     pipelined = [r for r in stages if "draft_compute" not in r]
     fresh = [r for r in stages if "draft_compute" in r]
     target_passes = sum(r["target_passes"] for r in records)
-    cpu_per_round_ms = {role: round(1000 * (cpu_after.get(role, 0.0) - cpu_before.get(role, 0.0)) / max(1, target_passes), 3)
-                        for role in sorted(cpu_after, key=lambda k: cpu_before.get(k, 0.0) - cpu_after[k])}
+    cpu_spent = cpu_seconds_between(cpu_before, cpu_after)
+    cpu_per_round_ms = {role: round(1000 * seconds / max(1, target_passes), 3)
+                        for role, seconds in sorted(cpu_spent.items(), key=lambda item: -item[1])}
     result = {
         "name": args.name, "command": "python -m specserve.bench.round_profile " + " ".join(argv if argv is not None else sys.argv[1:]),
         "prompts": args.prompts, "max_tokens": args.max_tokens, "requests": len(records),

@@ -445,3 +445,23 @@ def test_the_benches_start_their_cluster_as_specserve_serve_does(monkeypatch):
     with pytest.raises(ClusterStarted):
         run_interleaved({"k4": config}, None, [1], 1, print, None)
     assert len(started) == 2
+
+
+def test_round_profile_names_a_process_by_its_actor_not_the_method_it_runs():
+    """A Ray worker's title names the method it runs now; the CPU table must not split one
+    process into several roles (nor match one reading's role to another process)."""
+    from specserve.bench.round_profile import cpu_seconds_between, process_role
+
+    class Titled:
+        def __init__(self, title: str) -> None:
+            self.title = title
+
+        def cmdline(self) -> list[str]:
+            return [self.title]
+
+    assert {process_role(Titled(title)) for title in (
+        "ray::ServeReplica:specserve:Router", "ray::ServeReplica:specserve:Router.handle_request_with_rejection")} == {"Router"}
+    assert process_role(Titled("ray::PolicyActor.decision")) == "PolicyActor"
+    before = {1: ("Router", 10.0), 2: ("PolicyActor", 5.0)}
+    after = {1: ("Router", 10.5), 2: ("PolicyActor", 5.25), 3: ("EngineProcess", 1.0)}
+    assert cpu_seconds_between(before, after) == {"Router": 0.5, "PolicyActor": 0.25, "EngineProcess": 1.0}
