@@ -465,3 +465,17 @@ def test_round_profile_names_a_process_by_its_actor_not_the_method_it_runs():
     before = {1: ("Router", 10.0), 2: ("PolicyActor", 5.0)}
     after = {1: ("Router", 10.5), 2: ("PolicyActor", 5.25), 3: ("EngineProcess", 1.0)}
     assert cpu_seconds_between(before, after) == {"Router": 0.5, "PolicyActor": 0.25, "EngineProcess": 1.0}
+
+
+def test_process_cpu_takes_each_process_median_over_turns_counting_a_missing_one_as_idle():
+    from specserve.bench.figures.process_cpu import markdown, median_shares
+
+    runs = [{"tokens_per_s": 10.0, "cpu_percent": {"loaded": {"Router": 40.0, "PolicyActor": 30.0}, "idle": {}}},
+            {"tokens_per_s": 12.0, "cpu_percent": {"loaded": {"Router": 44.0}, "idle": {"PolicyActor": 2.0}}}]
+    assert median_shares(runs, "loaded") == {"Router": 42.0, "PolicyActor": 15.0}
+    result = {"name": "n", "command": "c", "streams": 1, "requests": 2, "max_tokens": 3, "idle_s": 4, "turns": 2,
+              "trees": {"after": "."}, "runs": {"after": runs},
+              "summary": {"after": {"tokens_per_s": 11.0, "loaded": median_shares(runs, "loaded"),
+                                    "idle": median_shares(runs, "idle")}}}
+    text = markdown(result)
+    assert "| Router | 42.0 |" in text and "| all | 57.0 |" in text and "| after | 11.0 (10.0, 12.0) |" in text
