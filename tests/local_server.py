@@ -7,11 +7,16 @@ serve_tiny_pair. A test's cluster ends with stop_test_cluster."""
 
 from __future__ import annotations
 
+import os
 import random
 import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import ray
 
 from specserve.common.config import SpecServeConfig
@@ -195,3 +200,37 @@ def shared_server_running() -> bool:
 def forget_shared_server() -> None:
     """The caller is about to stop Ray (and with it the shared server): the next use starts one."""
     _shared.pop("server", None)
+
+
+# The real CLI (`specserve serve`), for the modules that test it from outside.
+READY_LINE = "Ctrl-C to stop"
+STARTED_WITHIN_S = 480  # a loaded 2-core box has taken minutes to load the engines
+
+
+def start_cli_server(port: int, log_path: Path) -> subprocess.Popen:
+    """`specserve serve` (the default pair) on port, its output to log_path, in its own session so
+    every process it spawns can be found after (`session_processes`)."""
+    env = {**os.environ, "SPECSERVE__HTTP__PORT": str(port), "SPECSERVE__OBSERVABILITY__METRICS_EXPORT_PORT": "0"}
+    with open(log_path, "w") as log:
+        return subprocess.Popen([sys.executable, "-m", "specserve.cluster.cli", "serve"], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_until_serving(server: subprocess.Popen, log_path: Path) -> None:
+    """Until the CLI prints that it serves; fails with its output if it exits or takes too long."""
+    deadline = time.monotonic() + STARTED_WITHIN_S
+    while READY_LINE not in log_path.read_text():
+        assert server.poll() is None and time.monotonic() < deadline, log_path.read_text()
+        time.sleep(0.5)
+
+
+def session_processes(session_id: int) -> list[psutil.Process]:
+    """Every process of the session session_id (a `start_cli_server` server's pid)."""
+    found = []
+    for process in psutil.process_iter(["pid"]):
+        try:
+            if os.getsid(process.pid) == session_id:
+                found.append(process)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            pass
+    return found

@@ -8,20 +8,16 @@ the manager's own exit ended it: so this test shows the launcher serving, and
 tests/test_serve_data_plane.py (a deterministic child) shows the binding. One start, in its own
 session so every process it spawns can be found after."""
 
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import psutil
 import pytest
 
-from tests.local_server import free_port
+from specserve.cluster.local import PortInUseError, check_port_free
+from tests.local_server import free_port, session_processes, start_cli_server, wait_until_serving
 from tests.test_serve_data_plane import ended
-from tests.test_sigterm import READY_LINE, STARTED_WITHIN_S, _session_processes
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]   # make reliability: a whole CLI start costs a minute
 
@@ -30,17 +26,15 @@ SERVING_AGAIN_WITHIN_S = 120
 
 
 def port_free(port: int) -> bool:
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
+    try:
+        check_port_free("127.0.0.1", port)
+    except PortInUseError:
+        return False
     return True
 
 
 def _named(session: int, name: str) -> list[psutil.Process]:
-    return [process for process in _session_processes(session) if name in " ".join(process.cmdline())]
+    return [process for process in session_processes(session) if name in " ".join(process.cmdline())]
 
 
 def _wait(condition, within_s: float) -> bool:
@@ -62,16 +56,10 @@ def test_haproxy_ends_with_its_manager_and_with_the_server(tmp_path):
     kill the CLI: the port is free again and no HAProxy is left."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "SPECSERVE__HTTP__PORT": str(port), "SPECSERVE__OBSERVABILITY__METRICS_EXPORT_PORT": "0"}
     log_path = tmp_path / "serve.log"
-    with open(log_path, "w") as log:
-        server = subprocess.Popen([sys.executable, "-m", "specserve.cluster.cli", "serve"], env=env, stdout=log,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+    server = start_cli_server(port, log_path)
     try:
-        deadline = time.monotonic() + STARTED_WITHIN_S
-        while READY_LINE not in log_path.read_text():
-            assert server.poll() is None and time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.5)
+        wait_until_serving(server, log_path)
         first = _named(server.pid, "bin/haproxy")
         assert first, "the data plane runs HAProxy (tests/test_serve_data_plane.py checks it is installed)"
         for manager in _named(server.pid, "ray::HAProxyManager"):
@@ -83,10 +71,10 @@ def test_haproxy_ends_with_its_manager_and_with_the_server(tmp_path):
         server.send_signal(signal.SIGKILL)   # the CLI alone
         server.wait()
         assert _wait(lambda: port_free(port), PORT_FREED_WITHIN_S), [" ".join(p.cmdline()) for p in
-                                                                     _session_processes(server.pid)]
+                                                                     session_processes(server.pid)]
         assert all(ended(process.pid) for process in running)
     finally:
-        for process in _session_processes(server.pid):   # Ray's agents end on their own, later
+        for process in session_processes(server.pid):   # Ray's agents end on their own, later
             try:
                 process.kill()
             except psutil.Error:

@@ -9,30 +9,16 @@ so every process it spawns can be found after."""
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
-from tests.local_server import free_port
+from tests.local_server import READY_LINE, free_port, session_processes, start_cli_server, wait_until_serving
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]   # make reliability: a whole CLI start costs a minute
-
-
-def _session_processes(session_id: int) -> list[psutil.Process]:
-    found = []
-    for process in psutil.process_iter(["pid"]):
-        try:
-            if os.getsid(process.pid) == session_id:
-                found.append(process)
-        except (ProcessLookupError, PermissionError, psutil.Error):
-            pass
-    return found
 
 
 def _stream(url: str, result: dict, started: threading.Event) -> None:
@@ -53,8 +39,6 @@ def _stream(url: str, result: dict, started: threading.Event) -> None:
     started.set()
 
 
-READY_LINE = "Ctrl-C to stop"
-STARTED_WITHIN_S = 480  # a loaded 2-core box has taken minutes to load the engines
 POLL_S = 0.2
 
 
@@ -77,22 +61,16 @@ def served_and_stopped(tmp_path_factory) -> dict:
     streamed request, SIGTERM mid-stream and again mid-drain; what was seen."""
     tmp_path = tmp_path_factory.mktemp("serve")
     port = free_port()
-    env = {**os.environ, "SPECSERVE__HTTP__PORT": str(port), "SPECSERVE__OBSERVABILITY__METRICS_EXPORT_PORT": "0"}
     log_path = tmp_path / "serve.log"
-    log = open(log_path, "w+")
     url = f"http://127.0.0.1:{port}"
     polls: list = []
     stop_polling = threading.Event()
     poller = threading.Thread(target=_poll_until_ready, args=(url, log_path, polls, stop_polling))
-    server = subprocess.Popen([sys.executable, "-m", "specserve.cluster.cli", "serve"], env=env, stdout=log,
-                              stderr=subprocess.STDOUT, start_new_session=True)
+    server = start_cli_server(port, log_path)
     poller.start()
     seen: dict = {"polls": polls}
     try:
-        deadline = time.monotonic() + STARTED_WITHIN_S
-        while READY_LINE not in log_path.read_text():
-            assert server.poll() is None and time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.5)
+        wait_until_serving(server, log_path)
         poller.join(timeout=30)
         seen["after_ready"] = {route: httpx.get(url + route, timeout=10).status_code
                                for route in ("/v1/models", "/health")}
@@ -117,7 +95,7 @@ def served_and_stopped(tmp_path_factory) -> dict:
             os.killpg(server.pid, signal.SIGKILL)
     seen["output"] = log_path.read_text()
     deadline = time.monotonic() + 30
-    while (left := _session_processes(server.pid)) and time.monotonic() < deadline:
+    while (left := session_processes(server.pid)) and time.monotonic() < deadline:
         time.sleep(0.5)
     seen["left"] = [process.cmdline()[:1] for process in left]
     return seen
