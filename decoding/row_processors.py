@@ -15,6 +15,10 @@ the history plus block[:i], to a `RowBatch`, which processes every request's row
 step in one pass on the rows' device; `process(logits, block)` is that for one request alone.
 `advance(tokens)` appends tokens to the history (a draft step). A verify adds its K+1 rows with
 block = d1..dK; a drafter adds one row per step and advances by the token it drew.
+
+A logit bias (`LogitBias`: logit_bias, allowed_token_ids) depends on no history; it is a processor
+here so that it is applied in the same pass, first, as vLLM's sampler applies it before penalties
+(a repetition penalty scales a logit, so the order changes the result).
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ from specserve.decoding.sampling import SamplingParams, penalize
 
 class RowBatch:
     """History-dependent processing of a batch of rows, gathered request by request and applied in
-    one pass (`apply`): every request's penalized entries in one gather and scatter, every grammar
-    mask in one masked fill, every min_tokens stop-token mask in one masked fill. A request adds
-    its rows with its processor's `contribute`; rows nobody adds are left alone. Nothing here
+    one pass (`apply`), in vLLM's order: every allowed-tokens mask in one masked fill, every logit
+    bias in one scatter-add, every request's penalized entries in one gather and scatter, every
+    grammar mask in one masked fill, every min_tokens stop-token mask in one masked fill. A request
+    adds its rows with its processor's `contribute`; rows nobody adds are left alone. Nothing here
     reads a value back from the device."""
 
     def __init__(self) -> None:
@@ -46,6 +51,30 @@ class RowBatch:
         self._masks: list[torch.Tensor] = []
         self._stop_rows: list[int] = []
         self._stop_ids: list[list[int]] = []
+        self._bias_rows: list[torch.Tensor] = []
+        self._bias_columns: list[torch.Tensor] = []
+        self._bias_values: list[torch.Tensor] = []
+        self._allow_rows: list[torch.Tensor] = []
+        self._allow_columns: list[torch.Tensor] = []
+        self._allowing_rows: list[int] = []
+
+    def bias(self, first_row: int, num_rows: int, columns: torch.Tensor, values: torch.Tensor) -> None:
+        """Rows first_row.. (num_rows of them) get values [c] added at columns [c] (distinct)."""
+        self._bias_rows.append(torch.arange(first_row, first_row + num_rows,
+                                            device=columns.device).repeat_interleave(len(columns)))
+        self._bias_columns.append(columns.repeat(num_rows))
+        self._bias_values.append(values.repeat(num_rows))
+
+    def allow(self, first_row: int, num_rows: int, columns: torch.Tensor) -> None:
+        """Rows first_row.. (num_rows of them) keep only the logits at columns; the rest become
+        -inf. A row none of whose columns is finite stays as it was: a draft's row that cannot
+        propose any of them (an EAGLE-3 head's reduced vocabulary) only proposes worse, and a
+        target's row always can (the ingress admits only ids of its vocabulary)."""
+        local = len(self._allowing_rows)
+        self._allow_rows.append(torch.arange(local, local + num_rows,
+                                             device=columns.device).repeat_interleave(len(columns)))
+        self._allow_columns.append(columns.repeat(num_rows))
+        self._allowing_rows.extend(range(first_row, first_row + num_rows))
 
     def penalize(self, first_row: int, columns: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor,
                  params: SamplingParams) -> None:
@@ -74,10 +103,21 @@ class RowBatch:
         """The processed logits [N, V] float32: a new tensor where anything applies, else the
         logits themselves (no copy of a vocabulary-wide batch a step; callers only read it)."""
         logits = logits.float()
-        if not (self._penalty_rows or self._masks or self._stop_rows):
+        if not (self._penalty_rows or self._masks or self._stop_rows or self._bias_rows or self._allowing_rows):
             return logits
         logits = logits.clone()
         device, vocab_size = logits.device, logits.shape[-1]
+        if self._allowing_rows:
+            rows = index_on(self._allowing_rows, device)
+            kept = torch.zeros(len(self._allowing_rows), vocab_size, dtype=torch.bool, device=device)
+            kept[torch.cat(self._allow_rows).to(device), torch.cat(self._allow_columns).to(device)] = True
+            rows_logits = logits[rows]
+            allowed = rows_logits.masked_fill(~kept, float("-inf"))
+            keeps_some = torch.isfinite(allowed).any(dim=-1, keepdim=True)
+            logits[rows] = torch.where(keeps_some, allowed, rows_logits)
+        if self._bias_rows:
+            logits.index_put_((torch.cat(self._bias_rows).to(device), torch.cat(self._bias_columns).to(device)),
+                              torch.cat(self._bias_values).to(device), accumulate=True)
         if self._penalty_rows:
             rows, columns = torch.cat(self._penalty_rows).to(device), torch.cat(self._penalty_columns).to(device)
             values = [host_to_device(torch.tensor([value[j] for value in self._penalty_values]), device)
@@ -118,6 +158,33 @@ def _process_alone(processor: HistoryProcessor, logits: torch.Tensor, block: Seq
     batch = RowBatch()
     processor.contribute(batch, 0, logits.shape[0], block)
     return batch.apply(logits)
+
+
+class LogitBias:
+    """A request's logit_bias and allowed_token_ids (decoding.sampling.SamplingParams), the same
+    on every row whatever came before it. Ids past the rows' width are left out: the target's rows
+    cover every id the ingress admits, and a draft with a smaller vocabulary only proposes worse
+    (verification stays lossless); a draft row that has none of the allowed ids is left unmasked
+    (`RowBatch.allow`)."""
+
+    def __init__(self, params: SamplingParams, vocab_size: int, device: torch.device | str = "cpu") -> None:
+        biased = sorted((token, bias) for token, bias in params.logit_bias.items() if token < vocab_size)
+        self.columns = torch.tensor([token for token, _ in biased], dtype=torch.long).to(device)
+        self.values = torch.tensor([bias for _, bias in biased], dtype=torch.float32).to(device)
+        allowed = sorted({token for token in params.allowed_token_ids or () if token < vocab_size})
+        self.allowed = torch.tensor(allowed, dtype=torch.long).to(device) if allowed else None
+
+    def contribute(self, batch: RowBatch, first_row: int, num_rows: int, block: Sequence[int] = ()) -> None:
+        if self.allowed is not None:
+            batch.allow(first_row, num_rows, self.allowed)
+        if len(self.columns):
+            batch.bias(first_row, num_rows, self.columns, self.values)
+
+    def process(self, logits: torch.Tensor, block: Sequence[int] = ()) -> torch.Tensor:
+        return _process_alone(self, logits, block)
+
+    def advance(self, token_ids: Sequence[int]) -> None:
+        """Nothing: the bias does not depend on the history."""
 
 
 class Penalties:
@@ -202,8 +269,8 @@ class GrammarMask:
 
 
 class Composed:
-    """Processors applied in order (penalties, then the grammar mask: a masked logit stays -inf
-    under any penalty, so the order does not change the result)."""
+    """Several processors' rows added to one batch, which applies them in its own order
+    (`RowBatch.apply`); each processor advances with the history."""
 
     def __init__(self, processors: Sequence[HistoryProcessor]) -> None:
         self.processors = list(processors)
@@ -223,12 +290,14 @@ class Composed:
 def history_processor(params: SamplingParams, token_ids: Sequence[int], prompt_len: int | None,
                       vocab_size: int, device: torch.device | str = "cpu",
                       grammar: GrammarMatcher | None = None) -> HistoryProcessor | None:
-    """The request's history-dependent processor for a call over token_ids (prompt + committed
-    output; prompt_len tokens of prompt), or None when it has none, so that requests without
-    penalties or a grammar pay nothing. grammar: the request's matcher synced to the committed
+    """The request's row processor for a call over token_ids (prompt + committed output;
+    prompt_len tokens of prompt), or None when it has none, so that requests without a logit
+    bias, penalties or a grammar pay nothing. grammar: the request's matcher synced to the committed
     output (needed when params.structured is set; None there leaves the rows unmasked, which
     only a draft may do: its proposals are then merely worse, verification stays lossless)."""
     processors: list[HistoryProcessor] = []
+    if params.biases_logits:
+        processors.append(LogitBias(params, vocab_size, device))
     if params.uses_penalties:
         if prompt_len is None:
             raise ValueError("penalties need the prompt's length to tell output tokens from prompt tokens")

@@ -39,6 +39,8 @@ MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (vLLM's d
 MIN_PRESENCE_PENALTY, MAX_PRESENCE_PENALTY = -2.0, 2.0
 MIN_FREQUENCY_PENALTY, MAX_FREQUENCY_PENALTY = -2.0, 2.0
 MIN_P_RANGE = (0.0, 1.0)
+# logit_bias: OpenAI's documented range of a token's bias (added to its logit before sampling).
+MIN_LOGIT_BIAS, MAX_LOGIT_BIAS = -100.0, 100.0
 # Top-k / top-p look for their cut among a row's most likely tokens, this many first, then this
 # many for the rows whose cut is not there (sampling.truncate_rows), and sort the whole row only
 # where it is in neither. The widest covers the top_k values requests use; a peaked row's top-p
@@ -79,6 +81,9 @@ PresencePenalty = Annotated[float, Field(ge=MIN_PRESENCE_PENALTY, le=MAX_PRESENC
 FrequencyPenalty = Annotated[float, Field(ge=MIN_FREQUENCY_PENALTY, le=MAX_FREQUENCY_PENALTY, allow_inf_nan=False)]
 RepetitionPenalty = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
 MinP = Annotated[float, Field(ge=MIN_P_RANGE[0], le=MIN_P_RANGE[1], allow_inf_nan=False)]
+TokenId = Annotated[int, Field(ge=0)]
+LogitBias = dict[TokenId, Annotated[float, Field(ge=MIN_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]]
+AllowedTokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class SamplingParams(BaseModel):
@@ -98,6 +103,9 @@ class SamplingParams(BaseModel):
     `structured` constrains the output to a grammar (docs/structured-outputs.md): draft and target
     rows are masked to what it allows after each row's history; it cannot go with ignore_eos
     (the request ends when the grammar does).
+    `logit_bias` (OpenAI's) adds a bias to the logits of the tokens it names and vLLM's
+    `allowed_token_ids` keeps only the tokens it lists, before penalties, on draft and target rows
+    alike (decoding.row_processors.LogitBias); greedy decoding applies them too.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -128,6 +136,10 @@ class SamplingParams(BaseModel):
                                              "and this many most likely alternatives; None: none")
     structured: GrammarSpec | None = Field(default=None, description="the grammar the output must follow "
                                            "(response_format / structured_outputs); None: unconstrained")
+    logit_bias: LogitBias = Field(default_factory=dict, description="token id -> a bias added to its logit "
+                                  f"before sampling ({MIN_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g})")
+    allowed_token_ids: AllowedTokenIds | None = Field(default=None, description="vLLM extension: only these "
+                                                      "token ids may be generated; None: every token")
 
     @model_validator(mode="after")
     def _min_tokens_within_max(self) -> "SamplingParams":
@@ -135,6 +147,9 @@ class SamplingParams(BaseModel):
         if self.structured is not None and self.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with structured outputs: the request ends when "
                              "its grammar does")
+        if self.structured is not None and self.allowed_token_ids is not None:
+            raise ValueError("allowed_token_ids cannot be combined with structured outputs: the grammar says "
+                             "which tokens may come, and the two could leave none")
         return self
 
     @property
@@ -147,9 +162,15 @@ class SamplingParams(BaseModel):
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
+    def biases_logits(self) -> bool:
+        """True when a row's logits are biased or restricted to some tokens (logit_bias, allowed_token_ids)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
+
+    @property
     def uses_history(self) -> bool:
-        """True when rows need a history processor (decoding.row_processors): penalties or a grammar."""
-        return self.uses_penalties or self.structured is not None
+        """True when rows need a row processor (decoding.row_processors): penalties, a grammar, or a
+        logit bias (which needs no history, but is applied before the penalties, in the same pass)."""
+        return self.uses_penalties or self.structured is not None or self.biases_logits
 
 
 def penalize(logits: torch.Tensor, output_counts: torch.Tensor, seen: torch.Tensor,

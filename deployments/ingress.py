@@ -423,10 +423,15 @@ class Ingress:
             raise OpenAIError(f"The model '{body.model}' does not exist; this server serves "
                               f"'{self.config.model_name}'", param="model")
         max_tokens = self._max_tokens(body, num_prompt_tokens)
-        unknown = [token for token in body.stop_token_ids if token >= len(self.tokenizer)]
-        if unknown:
-            raise OpenAIError(f"stop_token_ids {unknown} are not ids of this model's tokenizer "
-                              f"({len(self.tokenizer)} ids)", param="stop_token_ids")
+        for param, token_ids in (("stop_token_ids", body.stop_token_ids), ("logit_bias", body.logit_bias),
+                                 ("allowed_token_ids", body.allowed_token_ids or ())):
+            unknown = sorted(token for token in token_ids if token >= len(self.tokenizer))
+            if unknown:
+                raise OpenAIError(f"{param} names {unknown}, not ids of this model's tokenizer "
+                                  f"({len(self.tokenizer)} ids)", param=param)
+        if structured is not None and body.allowed_token_ids is not None:
+            raise OpenAIError("allowed_token_ids cannot be combined with structured outputs: the grammar says "
+                              "which tokens may come, and the two could leave none", param="allowed_token_ids")
         try:
             check_min_tokens(body.min_tokens, max_tokens)
         except ValueError as exc:
@@ -437,6 +442,7 @@ class Ingress:
                                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                   stop_token_ids=body.stop_token_ids,
                                   include_stop_str_in_output=body.include_stop_str_in_output,
+                                  logit_bias=body.logit_bias, allowed_token_ids=body.allowed_token_ids,
                                   logprobs=body.num_logprobs, structured=structured)
         except ValidationError as exc:  # the request models share these limits: a bug if it happens
             raise OpenAIError(validation_error_body(exc.errors())["error"]["message"]) from None

@@ -33,7 +33,7 @@ def refusal(model, body) -> dict:
 
 
 @pytest.mark.parametrize("field, value", [
-    ("logit_bias", {"50": 10}), ("best_of", 2),
+    ("best_of", 2),
     ("suffix", "return x"),
     ("n", 17), ("tools", [{"type": "function", "function": {"name": "f"}}]), ("functions", [{"name": "f"}]),
     ("tool_choice", "auto"),
@@ -204,6 +204,8 @@ def _accepts(make) -> bool:
     ("frequency_penalty", [-2.01, -2.0, -1, 2.0, 2.01, float("inf")]),
     ("repetition_penalty", [-1.0, 0.0, 1e-3, 1.0, 1.2, 50.0, float("inf")]),
     ("min_p", [-0.01, 0.0, 0.1, 1.0, 1.01, float("nan")]),
+    ("logit_bias", [{}, {"5": 100}, {"5": -100.01}, {"x": 1}, {"-1": 0}, {"5": float("nan")}]),
+    ("allowed_token_ids", [[], [0], [3, -1], [4, 4]]),
 ])
 def test_the_ingress_admits_exactly_what_sampling_params_accept(field, values):
     """One source of truth: a request the ingress admits never fails later in the router, and the
@@ -223,6 +225,23 @@ def test_penalties_and_min_p_are_served_and_out_of_range_values_refused_naming_t
     assert getattr(model.model_validate({**base, field: served}), field) == served
     error = refusal(model, {**base, field: value})
     assert error["param"] == field and field in error["message"]
+
+
+@pytest.mark.parametrize("field, value, param", [
+    ("logit_bias", {"50": 100.5}, "logit_bias.50"), ("logit_bias", {"x": 1}, "logit_bias.x.[key]"),
+    ("logit_bias", {"-1": 1}, "logit_bias.-1.[key]"), ("logit_bias", [[50, 1]], "logit_bias"),
+    ("logit_bias", {"50": "inf"}, "logit_bias.50"),
+    ("allowed_token_ids", [], "allowed_token_ids"), ("allowed_token_ids", [3, -2], "allowed_token_ids.1"),
+    ("allowed_token_ids", "3", "allowed_token_ids")])
+@pytest.mark.parametrize("model, base", [(CompletionRequest, COMPLETION), (ChatCompletionRequest, CHAT)])
+def test_logit_bias_and_allowed_token_ids_are_served_and_malformed_ones_refused_naming_the_field(
+        model, base, field, value, param):
+    served = model.model_validate({**base, "logit_bias": {"50": 10, "7": -100}, "allowed_token_ids": [7, 50]})
+    assert served.logit_bias == {50: 10.0, 7: -100.0} and served.allowed_token_ids == [7, 50]
+    params = SamplingParams(logit_bias=served.logit_bias, allowed_token_ids=served.allowed_token_ids)
+    assert SamplingParams.model_validate(params.model_dump()) == params   # as the router rebuilds them
+    error = refusal(model, {**base, field: value})
+    assert error["param"] == param and field in error["message"]
 
 
 def test_content_as_a_list_of_text_parts_is_joined():

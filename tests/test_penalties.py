@@ -164,7 +164,7 @@ BROKEN_SAMPLES = 500   # the broken variant is rejected at this size (both runs)
 
 
 def exact_joint(model, params: SamplingParams, prompt: list[int], num_tokens: int) -> dict[tuple, float]:
-    """P(t1..tn) of the penalized, processed target, enumerated over the top-k support (float64)."""
+    """P(t1..tn) of the processed (penalized, biased) target, enumerated over the top-k support (float64)."""
     joint = {(): 1.0}
     for _ in range(num_tokens):
         prefixes = list(joint)
@@ -172,7 +172,8 @@ def exact_joint(model, params: SamplingParams, prompt: list[int], num_tokens: in
             logits = model(torch.tensor([prompt + list(p) for p in prefixes])).logits[:, -1].float()
         grown = {}
         for prefix, row in zip(prefixes, logits):
-            row = history_processor(params, prompt + list(prefix), len(prompt), row.shape[-1]).process(row[None])[0]
+            processor = history_processor(params, prompt + list(prefix), len(prompt), row.shape[-1])
+            row = row if processor is None else processor.process(row[None])[0]
             probs = logits_to_probs(row, params).double()
             for token in torch.nonzero(probs).flatten().tolist():
                 grown[prefix + (token,)] = joint[prefix] * float(probs[token])
@@ -188,15 +189,15 @@ def broken_target_rows(logits, params, eos_token_id=None, first_output_index=Non
 
 
 def speculative_samples(target_model, draft_model, prompt: list[int], num_samples: int,
-                        rows=target_rows) -> tuple[Counter, float]:
-    """The first NUM_EMITTED tokens of num_samples seeded speculative requests, run BATCH at a time
-    through the production pieces (batched runners, DraftModelProposer, rows, accept_round), and
-    the acceptance rate."""
+                        rows=target_rows, sampling: dict = SAMPLING) -> tuple[Counter, float]:
+    """The first NUM_EMITTED tokens of num_samples seeded speculative requests under `sampling`,
+    run BATCH at a time through the production pieces (batched runners, DraftModelProposer, rows,
+    accept_round), and the acceptance rate."""
     target = engine_for_model(target_model, max_sequences=BATCH)
     proposer = DraftModelProposer(engine_for_model(draft_model, max_sequences=BATCH))
     observed, drafted, accepted = Counter(), 0, 0
     for start in range(0, num_samples, BATCH):
-        states = [RequestState(f"s{seed}", prompt, SamplingParams(**SAMPLING, seed=seed), None, 128)
+        states = [RequestState(f"s{seed}", prompt, SamplingParams(**sampling, seed=seed), None, 128)
                   for seed in range(start, min(start + BATCH, num_samples))]
         blocks = [empty_proposal() for _ in states]  # the first pass is the prefill
         live = states
@@ -204,7 +205,7 @@ def speculative_samples(target_model, draft_model, prompt: list[int], num_sample
             logits = target.forward_batch([ForwardCall(s.request_id, s.history + b.token_ids, len(b.token_ids) + 1)
                                            for s, b in zip(live, blocks)])
             for state, block, row in zip(live, blocks, logits):
-                processed = rows(row, SAMPLED, None, state.next_output_index, state.history + block.token_ids)
+                processed = rows(row, state.params, None, state.next_output_index, state.history + block.token_ids)
                 accept_round(state, block, verify_answer(processed, block, state.verify_generator))
             live = [s for s in live if len(s.output_ids) < NUM_EMITTED]
             blocks = proposer.propose_batch([ProposeCall(s.request_id, s.history, s.draft_budget(NUM_DRAFT_TOKENS),

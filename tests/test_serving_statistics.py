@@ -27,8 +27,9 @@ apart; the top-k and top-p cases ask after a prompt where they can (docs/testing
 
 The penalties case's third token follows the target only if the verify's second row (and the
 draft's second step) saw the block's first draft token; it must also reject the unpenalized
-distribution. Greedy with penalties, through the official openai client, equals HF `generate`
-with the same processors.
+distribution, as the logit_bias case must reject the unbiased one. Greedy with penalties, and
+greedy with a logit_bias and allowed_token_ids, through the official openai client, equal HF
+`generate` with the same processors.
 
 The equalities asserted here hold on CPU in float32, where the tests run; on a GPU in bf16 greedy
 output may differ at near-ties and with what shares a batch (docs/gpu.md).
@@ -43,7 +44,7 @@ import httpx
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import AutoTokenizer, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaForCausalLM, LogitsProcessorList, SequenceBiasLogitsProcessor
 
 import openai
 
@@ -51,6 +52,7 @@ from specserve.decoding.row_processors import history_processor
 from specserve.decoding.sampling import SamplingParams, logits_to_probs
 from tests.local_server import SHARED_MODEL
 from tests.test_generate import null_tv_bound
+from tests.test_logit_bias import AllowedTokens
 from tests.test_penalties import hf_processors
 
 pytestmark = pytest.mark.ray
@@ -215,6 +217,46 @@ def test_sampled_text_over_http_follows_the_targets_distribution(server, target,
     if params.uses_penalties:   # a server ignoring penalties would be caught too
         unpenalized = params.model_copy(update=NEUTRAL_PENALTIES)
         assert chi_square_p_value(observed, text_distribution(*target, prompt, unpenalized)) < P_VALUE_FLOOR
+
+
+def test_sampled_text_with_a_logit_bias_follows_the_biased_target(server, target, draft):
+    """logit_bias lowers the target's likeliest first token and lifts its third: the texts follow
+    the biased target, and the unbiased target's distribution is rejected."""
+    url, _ = server
+    model, tokenizer = target
+    prompt_ids = tokenizer.encode(PROMPT, add_special_tokens=True)
+    with torch.no_grad():
+        ranked = model(torch.tensor([prompt_ids])).logits[0, -1].argsort(descending=True).tolist()
+    sampling = {"temperature": 1.5, "top_k": 4, "logit_bias": {ranked[0]: -1.5, ranked[2]: 1.5}}
+    params, observed = assert_follows_the_target(url, MODEL, target, sampling, range(40_000, 40_000 + NUM_REQUESTS),
+                                                 PROMPT, draft)
+    unbiased = params.model_copy(update={"logit_bias": {}})
+    assert chi_square_p_value(observed, text_distribution(*target, PROMPT, unbiased)) < P_VALUE_FLOOR
+
+
+def test_greedy_with_a_logit_bias_and_allowed_ids_over_the_openai_client_equals_hf_generate(server, target):
+    url, _ = server
+    model, tokenizer = target
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    prompt_ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    plain_ids = tokenizer.encode(plain.choices[0].text, add_special_tokens=False)
+    # Ban the unbiased text's first token; allow only ids the unbiased text and a few others use.
+    bias = {plain_ids[0]: -100, plain_ids[1]: 2.0}
+    allowed = sorted(set(plain_ids[1:]) | set(range(20, 60)) | {tokenizer.eos_token_id})
+    reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
+                                      logit_bias={str(token): value for token, value in bias.items()},
+                                      extra_body={"allowed_token_ids": allowed})
+    with torch.no_grad():
+        output = model.generate(torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False,
+                                logits_processor=LogitsProcessorList([AllowedTokens(allowed), SequenceBiasLogitsProcessor(
+                                    {(token,): value for token, value in bias.items()})]),
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    ids = output[0, len(prompt_ids):].tolist()
+    ids = ids[:ids.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in ids else ids
+    assert reply.choices[0].text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert ids and ids[0] != plain_ids[0] and set(ids) <= set(allowed)
+    assert reply.model_extra["speculation"]["num_drafted"] > 0
 
 
 def test_greedy_with_penalties_over_the_openai_client_equals_hf_generate(server, target):
