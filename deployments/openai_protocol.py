@@ -120,10 +120,9 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 # Accepted and ignored: metadata, routing and hints that change neither tokens nor response shape.
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prediction",
                   "spaces_between_special_tokens", "prompt_cache_key", "safety_identifier",
-                  # vLLM's: its own request id (ours is generated), a prefix-cache salt (no cache is
-                  # shared between requests here), offsets only its /render endpoints return,
-                  # reasoning output (no reasoning parser: nothing to include or leave out).
-                  "request_id", "cache_salt", "return_token_offsets", "include_reasoning")
+                  # vLLM's: its own request id (ours is generated), offsets only its /render endpoints
+                  # return, reasoning output (no reasoning parser: nothing to include or leave out).
+                  "request_id", "return_token_offsets", "include_reasoning")
 
 # Served only at these values (compared with ==, so 0 == 0.0 and [] == []).
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
@@ -154,6 +153,9 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "thinking_token_budget": (),
     "repetition_detection": (),
     "return_token_ids": (False,),
+    # vLLM's per-request prefix-cache salt isolates a tenant's cached blocks; every request of an
+    # engine shares its cache here, so a salt would promise an isolation it does not get.
+    "cache_salt": (),
 }
 _CHAT_ONLY_NEUTRAL = {"echo": (False,), "add_generation_prompt": (True,), "continue_final_message": (False,),
                       "prompt_logprobs": ()}
@@ -308,7 +310,6 @@ class _RequestFields(BaseModel):
     prompt_cache_key: Any = None
     safety_identifier: Any = None
     request_id: Any = None
-    cache_salt: Any = None
     return_token_offsets: Any = None
     include_reasoning: Any = None
 
@@ -346,6 +347,7 @@ class _RequestFields(BaseModel):
     thinking_token_budget: Any = None
     repetition_detection: Any = None
     return_token_ids: Any = None
+    cache_salt: Any = None
 
     @model_validator(mode="before")
     @classmethod
