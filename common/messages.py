@@ -55,11 +55,14 @@ class HistoryUpdate:
     whole history, as to an engine that never saw the request), and a digest of the whole
     committed history (deployments.committed_history.history_digest) that the engine checks the
     history it builds against. A round so carries the few tokens committed since the last one,
-    not the context. Speculative tokens (a draft block) never go in it: the calls carry them apart."""
+    not the context. Speculative tokens (a draft block) never go in it: the calls carry them apart.
+    A whole history (start 0) also carries the request's cache_salt, under which the engine keys
+    the request's prefix-cache blocks (decoding.block_manager.BlockManager.salt_sequence)."""
 
     start: int
     new_tokens: tuple[int, ...]
     digest: int
+    cache_salt: str | None = None
 
     @property
     def length(self) -> int:

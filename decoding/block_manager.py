@@ -205,6 +205,7 @@ class _Sequence:
     # With prefix caching: the chained hash of each full block of token_ids (block_key).
     hashes: list[int] = field(default_factory=list)
     cached_tokens: int = 0   # tokens it has found in the prefix cache (at admission, or a later chunk's)
+    root: int = 0            # the parent of its first block's key (`BlockManager._root`)
 
 
 @dataclass
@@ -253,6 +254,7 @@ class BlockManager:
         self.prefix_caching = prefix_caching
         self._salt = salt_hash(cache_salt)
         self._sequences: dict[str, _Sequence] = {}
+        self._tenant_salts: dict[str, str] = {}   # seq_id -> its request's cache_salt (`salt_sequence`)
         self._pending: dict[int, _Pending] = {}
         # vLLM's counters: tokens calls looked for in the prefix cache (all a new sequence's but the
         # rows it asks for; a held one's past what it holds, when it recomputes any), and found there.
@@ -280,7 +282,8 @@ class BlockManager:
             raise ValueError("a step plans at least one call")
         histories = self._checked_batch(calls)
         held = [self._sequences.get(call.seq_id) for call in calls]
-        reuses = [self._reuse(history, call.num_rows, entry) for call, history, entry in zip(calls, histories, held)]
+        reuses = [self._reuse(history, call.num_rows, entry, self._root(call.seq_id))
+                  for call, history, entry in zip(calls, histories, held)]
         entries, copies = self._take_blocks(calls, histories, held, reuses)
         starts = [reuse.start for reuse in reuses]
         plan = StepPlan(
@@ -329,13 +332,13 @@ class BlockManager:
                                   "finished sequences first")
         return histories
 
-    def _reuse(self, history: list[int], num_rows: int, entry: _Sequence | None) -> _Reuse:
+    def _reuse(self, history: list[int], num_rows: int, entry: _Sequence | None, root: int) -> _Reuse:
         """Where a call starts: the longest prefix of history its own table holds (cropping the
         rest: a rollback), extended by cached blocks that hold the next full blocks of history.
         Only the crop changes state (as a rollback, it is valid whatever follows); num_rows
         positions are always recomputed."""
         limit = len(history) - num_rows
-        held, hits = self._reusable(history, limit, entry)
+        held, hits = self._reusable(history, limit, entry, root)
         if entry is not None:
             self._crop(entry, held)
         aligned = held // self.block_size * self.block_size
@@ -346,31 +349,32 @@ class BlockManager:
             self._crop(entry, aligned)   # its partly valid last block gives way to a cached full one
         return _Reuse(aligned + len(hits) * self.block_size, hits, entry is None, looked_up)
 
-    def _reusable(self, history: list[int], limit: int, entry: _Sequence | None
+    def _reusable(self, history: list[int], limit: int, entry: _Sequence | None, root: int
                   ) -> tuple[int, list[tuple[tuple[int, ...], int]]]:
         """(tokens of history's first limit that entry holds and a call can start from, the cached
         blocks extending them from the last full block they fill: none when there are none, or when
         a windowed group could not start there). Changes nothing: `_reuse` takes it, and the
         scheduler plans from it (`cached_prefix_length`)."""
         held = 0 if entry is None else self._servable(entry, common_prefix_length(entry.token_ids, history, limit))
-        hits = self._cached_blocks(history, held, limit, [] if entry is None else entry.hashes)
+        hits = self._cached_blocks(history, held, limit, [] if entry is None else entry.hashes, root)
         aligned = held // self.block_size * self.block_size
         if hits and entry is not None and self._servable(entry, aligned) < aligned:
             return held, []
         return held, hits
 
-    def _cached_blocks(self, history: list[int], held: int, limit: int, hashes: list[int]
+    def _cached_blocks(self, history: list[int], held: int, limit: int, hashes: list[int], root: int
                        ) -> list[tuple[tuple[int, ...], int]]:
         """(every group's block, chained hash) of the cached blocks holding history's full blocks
         after the first held tokens, up to the first one some group has not cached, within the first
-        limit tokens (hashes: those of the held full blocks). A windowed group must still have the
-        block too, even one outside the window of the hit's end (it is let go again after the
-        forward): the simplest rule that is right, at the cost of hits vLLM's would find."""
+        limit tokens (hashes: those of the held full blocks; root: the first block's parent). A
+        windowed group must still have the block too, even one outside the window of the hit's end
+        (it is let go again after the forward): the simplest rule that is right, at the cost of
+        hits vLLM's would find."""
         if not self.prefix_caching:
             return []
         size = self.block_size
         first = held // size
-        parent = hashes[first - 1] if first else self._salt
+        parent = hashes[first - 1] if first else root
         hits = []
         for index in range(first, limit // size):
             key = block_key(parent, history[index * size:(index + 1) * size])
@@ -404,7 +408,8 @@ class BlockManager:
         entries = []
         for call, history, entry, reuse in zip(calls, histories, held, reuses):
             if entry is None:
-                entry = self._sequences[call.seq_id] = _Sequence([[] for _ in range(self.num_groups)], [])
+                entry = self._sequences[call.seq_id] = _Sequence([[] for _ in range(self.num_groups)], [],
+                                                                 root=self._root(call.seq_id))
             entry.cached_tokens += len(reuse.hits) * size
             self.prefix_cache_queries += reuse.looked_up
             self.prefix_cache_hits += len(reuse.hits) * size
@@ -444,7 +449,7 @@ class BlockManager:
     def _publish_full_blocks(self, entry: _Sequence) -> None:
         """Make the blocks entry has just filled findable by their chained keys."""
         size, tokens = self.block_size, entry.token_ids
-        parent = entry.hashes[-1] if entry.hashes else self._salt
+        parent = entry.hashes[-1] if entry.hashes else entry.root
         for index in range(len(entry.hashes), len(tokens) // size):
             key = block_key(parent, tokens[index * size:(index + 1) * size])
             for group, table in enumerate(entry.tables):
@@ -493,8 +498,31 @@ class BlockManager:
 
     # Sequences
 
+    def salt_sequence(self, seq_id: str, cache_salt: str | None) -> None:
+        """seq_id's blocks are keyed under its request's cache_salt (vLLM's per-request salt): from
+        its next admission on, it finds only blocks computed under the same salt, and the blocks it
+        fills are found only by those (tenant isolation: no request learns from a cache hit what
+        another tenant's prompts held). None: the engine's shared cache. The salt outlives the
+        sequence's KV (a preempted sequence is admitted again under it) until `forget`."""
+        if cache_salt is None:
+            self._tenant_salts.pop(seq_id, None)
+        else:
+            self._tenant_salts[seq_id] = cache_salt
+
+    def _root(self, seq_id: str) -> int:
+        """The parent of seq_id's first block's key: the engine's salt (its model and weights), mixed
+        with its request's cache_salt where it has one."""
+        tenant = self._tenant_salts.get(seq_id)
+        return self._salt if tenant is None else hash((self._salt, tenant))
+
+    def forget(self, seq_id: str) -> None:
+        """`release`, and seq_id's cache_salt with it: its request is gone from this engine."""
+        self.release(seq_id)
+        self._tenant_salts.pop(seq_id, None)
+
     def release(self, seq_id: str) -> None:
-        """Forget seq_id and let go of its blocks (idempotent); its full blocks stay cached."""
+        """Let go of seq_id's KV (idempotent): its blocks, of which the full ones stay cached; its
+        cache_salt stays (`forget`)."""
         entry = self._sequences.pop(seq_id, None)
         if entry is not None:
             for table in entry.tables:
@@ -523,11 +551,14 @@ class BlockManager:
                 if block != NO_BLOCK:
                     self.allocator.share(block)
         self._sequences[child_id] = _Sequence([list(table) for table in parent.tables], list(parent.token_ids),
-                                              list(parent.hashes))
+                                              list(parent.hashes), root=parent.root)
+        if parent_id in self._tenant_salts:
+            self._tenant_salts[child_id] = self._tenant_salts[parent_id]
 
     def adopt(self, seq_id: str, branch_id: str) -> None:
         """seq_id takes over branch_id's KV (the branch whose block was used), letting go of its
         own; branch_id is forgotten. If branch_id holds nothing, seq_id keeps what it holds."""
+        self._tenant_salts.pop(branch_id, None)
         branch = self._sequences.pop(branch_id, None)
         if branch is None:
             return
@@ -565,7 +596,7 @@ class BlockManager:
         """Tokens of token_ids a call would not compute now: what seq_id holds of them, extended
         by the prefix cache (what the scheduler plans a new sequence's prefill from)."""
         history = list(token_ids)
-        held, hits = self._reusable(history, len(history) - num_rows, self._sequences.get(seq_id))
+        held, hits = self._reusable(history, len(history) - num_rows, self._sequences.get(seq_id), self._root(seq_id))
         return held // self.block_size * self.block_size + len(hits) * self.block_size if hits else held
 
     def prefix_cached_tokens(self, seq_id: str) -> int:

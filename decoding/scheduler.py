@@ -241,9 +241,10 @@ class Scheduler:
         return self.forward_batch([ForwardCall(seq_id, token_ids, num_rows)])[0]
 
     def release(self, seq_id: str) -> None:
-        """Forget seq_id and let go of its blocks (idempotent); its full blocks stay cached."""
+        """Forget seq_id (its cache_salt too) and let go of its blocks (idempotent); its full
+        blocks stay cached."""
         if self.blocks is not None:
-            self.blocks.release(seq_id)
+            self.blocks.forget(seq_id)
 
     def load_weights(self, state, cache_salt: str) -> None:
         """The runner serves `state` from the next forward (BatchedModelRunner.load_weights), and

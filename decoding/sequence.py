@@ -83,6 +83,7 @@ class RequestState:
     finish_reason: str | None = None   # "stop" (EOS or stop string) | "length" | None while running
     stats: SpecStats = field(default_factory=SpecStats)
     num_cached_tokens: int = 0   # prompt tokens the target found in its prefix cache (usage's cached_tokens)
+    cache_salt: str | None = None   # its prefix-cache blocks are keyed under it (tenant isolation); None: shared
     # Rounds by draft position (policies.acceptance.count_round_positions), for this request's depth.
     draft_reached: list[int] = field(default_factory=list)
     draft_accepted_at: list[int] = field(default_factory=list)

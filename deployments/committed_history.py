@@ -60,7 +60,8 @@ class HistorySender:
     def update(self, state: RequestState) -> HistoryUpdate:
         """The update for the next call to this engine, which is then counted as told: if the
         call never arrives, the engine's next answer is UnknownHistory and `forget` resets."""
-        update = HistoryUpdate(self.sent, tuple(committed_tail(state, self.sent)), self.digest.of(state))
+        update = HistoryUpdate(self.sent, tuple(committed_tail(state, self.sent)), self.digest.of(state),
+                               state.cache_salt if self.sent == 0 else None)
         self.sent = update.length
         return update
 
@@ -69,10 +70,10 @@ class HistorySender:
         self.sent = 0
 
 
-def whole_history(token_ids: Sequence[int]) -> HistoryUpdate:
+def whole_history(token_ids: Sequence[int], cache_salt: str | None = None) -> HistoryUpdate:
     """A committed history sent whole, as to an engine that never saw the request (tests and
     in-process benchmarks call engines without a router's HistorySender)."""
-    return HistoryUpdate(0, tuple(token_ids), history_digest(token_ids))
+    return HistoryUpdate(0, tuple(token_ids), history_digest(token_ids), cache_salt)
 
 
 def committed_tail(state: RequestState, start: int) -> list[int]:

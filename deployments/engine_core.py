@@ -140,14 +140,19 @@ class EngineCore:
 
     def committed(self, seq_id: str, update: HistoryUpdate) -> list[int] | UnknownHistory:
         """seq_id's committed history with update applied (a new list, the caller's to extend),
-        or UnknownHistory when this engine cannot rebuild it (deployments.committed_history).
+        or UnknownHistory when this engine cannot rebuild it (deployments.committed_history). A
+        whole history's cache_salt keys the request's prefix-cache blocks from its admission on.
         A released sequence raises SequenceReleasedError, so none is remembered after its release.
 
         The history outlives the sequence's KV: a preempted sequence, or every sequence after a
         draft weight swap, is prefilled again from it without the router's help."""
         self.released.check(seq_id)
         history = self.histories.apply(seq_id, update)
-        return UnknownHistory(seq_id) if history is None else list(history)
+        if history is None:
+            return UnknownHistory(seq_id)
+        if update.start == 0 and self.scheduler.paged:   # a whole history says its request's salt
+            self.scheduler.blocks.salt_sequence(seq_id, update.cache_salt)
+        return list(history)
 
     def _holds(self, seq_id: str) -> bool:
         """The runner holds seq_id's KV (between iterations: the loop asks then)."""

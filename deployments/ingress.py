@@ -452,7 +452,8 @@ class Ingress:
         request_id = new_id("cmpl" if kind == "text_completion" else "chatcmpl")
         streams = [await self.streams.open(functools.partial(
             self.router.generate.remote, request_id=request_id if len(choices) == 1 else f"{request_id}-{choice.index}",
-            prompt_ids=choice.prompt_ids, params=choice.params.model_dump(), prompt_logprobs=choice.prompt_logprobs))
+            prompt_ids=choice.prompt_ids, params=choice.params.model_dump(), prompt_logprobs=choice.prompt_logprobs,
+            cache_salt=body.cache_salt))
             for choice in choices]
         firsts = await _first_chunks(streams)  # before any byte goes out, so overload can still be a 503
         if body.stream:

@@ -11,7 +11,7 @@ fields, so a client never believes it got what it did not:
   allowed_token_ids (docs/sampling.md), stream,
   stream_options (include_usage, and vLLM's continuous_usage_stats), echo (completions; with
   max_tokens 0 it returns the prompt alone, as vLLM), and vLLM's ignore_eos, min_tokens,
-  prompt_logprobs, return_tokens_as_token_ids, stop_token_ids, include_stop_str_in_output and
+  prompt_logprobs, return_tokens_as_token_ids, stop_token_ids, include_stop_str_in_output, cache_salt and
   (chat) chat_template / chat_template_kwargs. Sampling fields a request leaves out take the
   target's generation_config.json defaults (deployments/ingress.py, as vLLM's --generation-config
   auto). Structured outputs: OpenAI's response_format (text, json_object, json_schema) and vLLM's
@@ -153,9 +153,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "thinking_token_budget": (),
     "repetition_detection": (),
     "return_token_ids": (False,),
-    # vLLM's per-request prefix-cache salt isolates a tenant's cached blocks; every request of an
-    # engine shares its cache here, so a salt would promise an isolation it does not get.
-    "cache_salt": (),
 }
 _CHAT_ONLY_NEUTRAL = {"echo": (False,), "add_generation_prompt": (True,), "continue_final_message": (False,),
                       "prompt_logprobs": ()}
@@ -294,6 +291,8 @@ class _RequestFields(BaseModel):
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] = Field(
         default_factory=list, description="vLLM extension: token ids that end the request as EOS does")
     include_stop_str_in_output: StrictBool = Field(False, description="vLLM extension: keep the stop string")
+    cache_salt: Text | None = Field(None, min_length=1, description="vLLM extension: the request's prefix-cache "
+                                    "blocks are keyed under it, found only by requests with the same salt")
     logit_bias: LogitBias = Field(default_factory=dict, description="token id (a string, as JSON keys are) -> "
                                   "a bias added to its logit before sampling, -100 to 100")
     allowed_token_ids: AllowedTokenIds | None = Field(None, description="vLLM extension: only these token ids "
@@ -347,7 +346,6 @@ class _RequestFields(BaseModel):
     thinking_token_budget: Any = None
     repetition_detection: Any = None
     return_token_ids: Any = None
-    cache_salt: Any = None
 
     @model_validator(mode="before")
     @classmethod

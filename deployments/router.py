@@ -124,17 +124,19 @@ class Router:
                             self.depth.round_costs.overhead_s)
 
     async def generate(self, sink: StreamSink, request_id: str, prompt_ids: list[int], params: dict,
-                       prompt_logprobs: int | None = None) -> None:
+                       prompt_logprobs: int | None = None, cache_salt: str | None = None) -> None:
         """Generate, pushing {"text", "token_ids", "finish_reason"} chunks to the ingress's stream
         `sink` (deployments.streaming); the last adds "usage" and "speculation". Returns once the
         last chunk, or the error that ended the request, is delivered there; cancelled (the client
         left), the request ends and every engine it touched releases it.
         prompt_logprobs: the first chunk adds "prompt_logprobs", an entry per prompt token (the
         first's logprob None) with this many alternatives, from the target's prefill.
+        cache_salt: the engines key this request's prefix-cache blocks under it (vLLM's tenant
+        isolation); None: the engines' shared cache.
         """
         state = RequestState(request_id=request_id, prompt_ids=list(prompt_ids),
                              params=SamplingParams.model_validate(params), eos_token_id=self.eos_token_ids,
-                             max_context=self.max_context, detokenize=self._detokenize)
+                             max_context=self.max_context, detokenize=self._detokenize, cache_salt=cache_salt)
         chunks = ChunkSender(self.channels.to(sink.address), sink)
         self._ensure_policy_loop()
         await chunks.finish(await self._decode(state, chunks, prompt_logprobs))

@@ -40,7 +40,7 @@ def refusal(model, body) -> dict:
     ("use_beam_search", True), ("include_stop_str_in_output", "yes"), ("audio", {"voice": "x"}),
     ("skip_special_tokens", False), ("stop_token_ids", "5"),
     ("guided_regex", "a+"), ("priority", 1), ("truncate_prompt_tokens", 4), ("bad_words", ["x"]),
-    ("return_token_ids", True), ("length_penalty", 0.5), ("cache_salt", "tenant-a"),
+    ("return_token_ids", True), ("length_penalty", 0.5),
 ])
 @pytest.mark.parametrize("model, base", [(CompletionRequest, COMPLETION), (ChatCompletionRequest, CHAT)])
 def test_fields_that_change_semantics_are_refused_naming_the_field(model, base, field, value):
@@ -134,6 +134,12 @@ def test_vllm_fields_that_change_nothing_here_are_accepted(field, value):
     assert field in IGNORED_FIELDS
     CompletionRequest.model_validate({**COMPLETION, field: value})
     ChatCompletionRequest.model_validate({**CHAT, field: value})
+
+
+@pytest.mark.parametrize("model, base", [(CompletionRequest, COMPLETION), (ChatCompletionRequest, CHAT)])
+def test_cache_salt_is_served_and_an_empty_one_refused(model, base):
+    assert model.model_validate({**base, "cache_salt": "tenant-a"}).cache_salt == "tenant-a"
+    assert refusal(model, {**base, "cache_salt": ""})["param"] == "cache_salt"
 
 
 def test_continuous_usage_stats_is_served_with_include_usage():

@@ -254,6 +254,39 @@ def test_the_cache_salt_keeps_blocks_of_other_weights_from_being_found():
     assert cached.blocks.cached_prefix_length("b", prompt) == 0
 
 
+def test_a_requests_cache_salt_finds_only_blocks_of_the_same_salt():
+    """vLLM's per-request cache_salt: tenants with other salts (or none) never find each other's
+    blocks, the same salt does; the salt stays through a preemption's release, goes with a forget,
+    and a fork (a pre-draft branch) keys its blocks under its parent's."""
+    cached, _, reference = engines()
+    blocks, prompt = cached.blocks, random_ids(16, 12)
+    blocks.salt_sequence("a", "tenant-a")
+    rows = cached.forward("a", prompt)
+    blocks.release("a")                        # as a preemption lets it go: its salt stays
+    assert blocks.cached_prefix_length("a", prompt) == 8
+    for other, salt in (("b", "tenant-b"), ("plain", None)):
+        blocks.salt_sequence(other, salt)
+        assert blocks.cached_prefix_length(other, prompt) == 0
+        cached.forward(other, prompt)
+        assert blocks.prefix_cached_tokens(other) == 0
+    blocks.salt_sequence("a2", "tenant-a")
+    again = cached.forward("a2", prompt)
+    assert blocks.prefix_cached_tokens("a2") == 8
+    torch.testing.assert_close(again, rows, atol=ATOL, rtol=0)
+    torch.testing.assert_close(again, reference.forward("a2", prompt), atol=ATOL, rtol=0)
+    blocks.fork("a2", "branch")
+    cached.forward("branch", prompt + random_ids(17, 6))       # fills blocks under tenant-a's chain
+    cached.release("branch")
+    blocks.salt_sequence("a3", "tenant-a")
+    assert blocks.cached_prefix_length("a3", prompt + random_ids(17, 6)) == 16
+    assert blocks.cached_prefix_length("plain2", prompt + random_ids(17, 6)) == 12   # the unsalted run's
+    cached.release("a2")                       # the engine forgets the request: its salt goes too
+    assert blocks.cached_prefix_length("a2", prompt) == 8 and "a2" not in blocks._tenant_salts
+    for seq_id in ("a", "b", "plain", "a3"):
+        cached.release(seq_id)
+    assert_no_leak(cached)
+
+
 def test_with_prefix_caching_off_released_blocks_are_simply_free():
     _, uncached, _ = engines()
     prompt = random_ids(15, 12)

@@ -196,6 +196,27 @@ def test_a_repeated_prompt_reports_its_cached_tokens_and_the_same_greedy_text(cl
     _assert_no_leftovers()
 
 
+def test_a_cache_salt_finds_only_its_own_tenants_cached_blocks(client, reference):
+    """vLLM's cache_salt: a prompt another tenant (or an unsalted request) has cached is computed
+    afresh under a new salt, found by the same salt, and the text is the same greedy text."""
+    prompt = "# tenant isolation\n" + "".join(PROMPTS) * 3
+    salted = {"cache_salt": "tenant-a"}
+    unsalted = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, extra_body=salted)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, extra_body=salted)
+    other = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                      extra_body={"cache_salt": "tenant-b"})
+    full_blocks = (unsalted.usage.prompt_tokens - 1) // 16 * 16
+    assert full_blocks >= 32
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == full_blocks
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert unsalted.choices[0].text == first.choices[0].text == again.choices[0].text == other.choices[0].text \
+        == reference(prompt, 16)
+    assert first.model_extra["speculation"]["num_drafted"] > 0
+    _assert_no_leftovers()
+
+
 def test_streamed_completion_equals_non_streamed(client):
     prompt = PROMPTS[0]
     whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0)
