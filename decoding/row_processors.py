@@ -35,9 +35,10 @@ from specserve.decoding.sampling import SamplingParams, penalize
 
 class RowBatch:
     """History-dependent processing of a batch of rows, gathered request by request and applied in
-    one pass (`apply`), in vLLM's order: every allowed-tokens mask in one masked fill, every logit
-    bias in one scatter-add, every request's penalized entries in one gather and scatter, every
-    grammar mask in one masked fill, every min_tokens stop-token mask in one masked fill. A request
+    one pass (`apply`), in vLLM's order: every allowed-tokens mask in one masked fill, every bad
+    word's ban in one scatter, every logit bias in one scatter-add, every request's penalized
+    entries in one gather and scatter, every grammar mask in one masked fill, every min_tokens
+    stop-token mask in one masked fill. A request
     adds its rows with its processor's `contribute`; rows nobody adds are left alone. Nothing here
     reads a value back from the device."""
 
@@ -57,6 +58,13 @@ class RowBatch:
         self._allow_rows: list[torch.Tensor] = []
         self._allow_columns: list[torch.Tensor] = []
         self._allowing_rows: list[int] = []
+        self._ban_rows: list[int] = []
+        self._ban_columns: list[int] = []
+
+    def ban(self, row: int, columns: Sequence[int]) -> None:
+        """Row `row` loses the tokens columns (bad words), unless nothing else is left in it."""
+        self._ban_rows.extend([row] * len(columns))
+        self._ban_columns.extend(columns)
 
     def bias(self, first_row: int, num_rows: int, columns: torch.Tensor, values: torch.Tensor) -> None:
         """Rows first_row.. (num_rows of them) get values [c] added at columns [c] (distinct)."""
@@ -103,7 +111,8 @@ class RowBatch:
         """The processed logits [N, V] float32: a new tensor where anything applies, else the
         logits themselves (no copy of a vocabulary-wide batch a step; callers only read it)."""
         logits = logits.float()
-        if not (self._penalty_rows or self._masks or self._stop_rows or self._bias_rows or self._allowing_rows):
+        if not (self._penalty_rows or self._masks or self._stop_rows or self._bias_rows or self._allowing_rows
+                or self._ban_rows):
             return logits
         logits = logits.clone()
         device, vocab_size = logits.device, logits.shape[-1]
@@ -115,6 +124,13 @@ class RowBatch:
             allowed = rows_logits.masked_fill(~kept, float("-inf"))
             keeps_some = torch.isfinite(allowed).any(dim=-1, keepdim=True)
             logits[rows] = torch.where(keeps_some, allowed, rows_logits)
+        if self._ban_rows:
+            rows = index_on(sorted(set(self._ban_rows)), device)
+            kept = logits[rows]
+            local = {row: index for index, row in enumerate(sorted(set(self._ban_rows)))}
+            banned = kept.index_put((index_on([local[row] for row in self._ban_rows], device),
+                                     index_on(self._ban_columns, device)), kept.new_full((), float("-inf")))
+            logits[rows] = torch.where(torch.isfinite(banned).any(dim=-1, keepdim=True), banned, kept)
         if self._bias_rows:
             logits.index_put_((torch.cat(self._bias_rows).to(device), torch.cat(self._bias_columns).to(device)),
                               torch.cat(self._bias_values).to(device), accumulate=True)
@@ -185,6 +201,53 @@ class LogitBias:
 
     def advance(self, token_ids: Sequence[int]) -> None:
         """Nothing: the bias does not depend on the history."""
+
+
+def bad_words_token_ids(words: Sequence[str], encode) -> list[list[int]]:
+    """vLLM's tokenization of bad_words: each word as written (leading spaces dropped) and, where
+    a leading space makes other tokens of the same count (a word in mid-text), that way too.
+    encode(text) -> token ids without special tokens."""
+    sequences = []
+    for word in words:
+        bare = encode(word.lstrip())
+        if bare:
+            sequences.append(bare)
+        spaced = encode(" " + word.lstrip())
+        if spaced and (not bare or (spaced[0] != bare[0] and len(spaced) == len(bare))):
+            sequences.append(spaced)
+    return sequences
+
+
+class BadWords:
+    """vLLM's bad_words for one request, tokenized (SamplingParams.bad_words_token_ids): a row
+    loses each word's last token where the output before it (committed output + the block's
+    earlier tokens) ends with the rest of the word; a one-token word is banned everywhere. Only
+    the output counts, not the prompt, as in vLLM."""
+
+    def __init__(self, params: SamplingParams, token_ids: Sequence[int], prompt_len: int, vocab_size: int) -> None:
+        self.words = [list(word) for word in params.bad_words_token_ids if word[-1] < vocab_size]
+        self.longest = max((len(word) for word in self.words), default=1)
+        self.output = list(token_ids[prompt_len:])
+
+    def _banned(self, output: Sequence[int]) -> list[int]:
+        return sorted({word[-1] for word in self.words
+                       if len(word) == 1 or (len(output) >= len(word) - 1
+                                             and list(output[len(output) - len(word) + 1:]) == word[:-1])})
+
+    def contribute(self, batch: RowBatch, first_row: int, num_rows: int, block: Sequence[int] = ()) -> None:
+        if len(block) < num_rows - 1:
+            raise ValueError(f"{num_rows} rows need a block of at least {num_rows - 1} tokens, got {len(block)}")
+        tail = self.output[len(self.output) - self.longest + 1:] if self.longest > 1 else []
+        for row in range(num_rows):
+            banned = self._banned(tail + list(block[:row]))
+            if banned:
+                batch.ban(first_row + row, banned)
+
+    def process(self, logits: torch.Tensor, block: Sequence[int] = ()) -> torch.Tensor:
+        return _process_alone(self, logits, block)
+
+    def advance(self, token_ids: Sequence[int]) -> None:
+        self.output.extend(token_ids)
 
 
 class Penalties:
@@ -298,6 +361,10 @@ def history_processor(params: SamplingParams, token_ids: Sequence[int], prompt_l
     processors: list[HistoryProcessor] = []
     if params.biases_logits:
         processors.append(LogitBias(params, vocab_size, device))
+    if params.bad_words_token_ids:
+        if prompt_len is None:
+            raise ValueError("bad words need the prompt's length to find the output")
+        processors.append(BadWords(params, token_ids, prompt_len, vocab_size))
     if params.uses_penalties:
         if prompt_len is None:
             raise ValueError("penalties need the prompt's length to tell output tokens from prompt tokens")

@@ -41,6 +41,8 @@ MIN_FREQUENCY_PENALTY, MAX_FREQUENCY_PENALTY = -2.0, 2.0
 MIN_P_RANGE = (0.0, 1.0)
 # logit_bias: OpenAI's documented range of a token's bias (added to its logit before sampling).
 MIN_LOGIT_BIAS, MAX_LOGIT_BIAS = -100.0, 100.0
+# bad_words (vLLM): how many words a request may ban, and their tokens in all (vLLM's own bounds).
+MAX_BAD_WORDS, MAX_BAD_WORDS_TOKENS = 128, 1024
 # Top-k / top-p look for their cut among a row's most likely tokens, this many first, then this
 # many for the rows whose cut is not there (sampling.truncate_rows), and sort the whole row only
 # where it is in neither. The widest covers the top_k values requests use; a peaked row's top-p
@@ -86,6 +88,17 @@ LogitBias = dict[TokenId, Annotated[float, Field(ge=MIN_LOGIT_BIAS, le=MAX_LOGIT
 AllowedTokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
+def check_bad_words_tokens(words: list[list[int]]) -> list[list[int]]:
+    if any(not word for word in words):
+        raise ValueError("a bad word's token sequence must not be empty")
+    if len(words) > 2 * MAX_BAD_WORDS or sum(len(word) for word in words) > MAX_BAD_WORDS_TOKENS:
+        raise ValueError(f"bad words may take at most {MAX_BAD_WORDS_TOKENS} tokens in all")
+    return words
+
+
+BadWordsTokenIds = Annotated[list[list[TokenId]], AfterValidator(check_bad_words_tokens)]
+
+
 class SamplingParams(BaseModel):
     """Per-request sampling parameters, validated at the edge.
 
@@ -105,7 +118,9 @@ class SamplingParams(BaseModel):
     (the request ends when the grammar does).
     `logit_bias` (OpenAI's) adds a bias to the logits of the tokens it names and vLLM's
     `allowed_token_ids` keeps only the tokens it lists, before penalties, on draft and target rows
-    alike (decoding.row_processors.LogitBias); greedy decoding applies them too.
+    alike (decoding.row_processors.LogitBias); greedy decoding applies them too. vLLM's bad_words
+    arrive tokenized (`bad_words_token_ids`, decoding.row_processors.bad_words_token_ids): a
+    word's last token is banned where the output so far ends with the rest of it.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -140,6 +155,8 @@ class SamplingParams(BaseModel):
                                   f"before sampling ({MIN_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g})")
     allowed_token_ids: AllowedTokenIds | None = Field(default=None, description="vLLM extension: only these "
                                                       "token ids may be generated; None: every token")
+    bad_words_token_ids: BadWordsTokenIds = Field(default_factory=list, description="vLLM's bad_words, "
+                                                  "tokenized: the output never ends with one of these sequences")
 
     @model_validator(mode="after")
     def _min_tokens_within_max(self) -> "SamplingParams":
@@ -168,9 +185,11 @@ class SamplingParams(BaseModel):
 
     @property
     def uses_history(self) -> bool:
-        """True when rows need a row processor (decoding.row_processors): penalties, a grammar, or a
-        logit bias (which needs no history, but is applied before the penalties, in the same pass)."""
-        return self.uses_penalties or self.structured is not None or self.biases_logits
+        """True when rows need a row processor (decoding.row_processors): penalties, a grammar, bad
+        words, or a logit bias (which needs no history, but is applied before the penalties, in
+        the same pass)."""
+        return (self.uses_penalties or self.structured is not None or self.biases_logits
+                or bool(self.bad_words_token_ids))
 
 
 def penalize(logits: torch.Tensor, output_counts: torch.Tensor, seen: torch.Tensor,

@@ -45,6 +45,7 @@ from specserve.decoding.checkpoint import GENERATION_DEFAULT_FIELDS, eos_token_i
 from specserve.decoding.grammar import GrammarCompiler, GrammarDeadEndError, GrammarSpec, StructuredOutputError
 from specserve.decoding.model_runner import output_width, served_vocab_size
 from specserve.decoding.sampling import MAX_SEED, SamplingParams, check_min_tokens
+from specserve.decoding.row_processors import bad_words_token_ids
 from specserve.deployments.admission import ServerOverloadedError
 from specserve.deployments.openai_protocol import (
     ChatCompletionRequest,
@@ -417,6 +418,10 @@ class Ingress:
                               "messages or completion.", param=param)
         return requested
 
+    def _encode_plain(self, text: str) -> list[int]:
+        """text's token ids without special tokens (a bad word's, as vLLM tokenizes it)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def _sampling_params(self, body: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int,
                          structured: GrammarSpec | None = None) -> SamplingParams:
         if body.model != self.config.model_name:
@@ -443,6 +448,7 @@ class Ingress:
                                   stop_token_ids=body.stop_token_ids,
                                   include_stop_str_in_output=body.include_stop_str_in_output,
                                   logit_bias=body.logit_bias, allowed_token_ids=body.allowed_token_ids,
+                                  bad_words_token_ids=bad_words_token_ids(body.bad_words, self._encode_plain),
                                   logprobs=body.num_logprobs, structured=structured)
         except ValidationError as exc:  # the request models share these limits: a bug if it happens
             raise OpenAIError(validation_error_body(exc.errors())["error"]["message"]) from None

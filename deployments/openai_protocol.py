@@ -7,8 +7,8 @@ fields, so a client never believes it got what it did not:
 - *served*: model, prompt (a string, a list of strings, token ids or a list of token-id lists:
   one choice per prompt) / messages, n (independent choices per prompt), max_tokens,
   max_completion_tokens (wins over max_tokens, as in vLLM), temperature, top_p, top_k, min_p, seed,
-  stop, presence_penalty, frequency_penalty, logit_bias, vLLM's repetition_penalty and
-  allowed_token_ids (docs/sampling.md), stream,
+  stop, presence_penalty, frequency_penalty, logit_bias, vLLM's repetition_penalty,
+  allowed_token_ids and bad_words (docs/sampling.md), stream,
   stream_options (include_usage, and vLLM's continuous_usage_stats), echo (completions; with
   max_tokens 0 it returns the prompt alone, as vLLM), and vLLM's ignore_eos, min_tokens,
   prompt_logprobs, return_tokens_as_token_ids, stop_token_ids, include_stop_str_in_output, cache_salt and
@@ -22,7 +22,7 @@ fields, so a client never believes it got what it did not:
   target's raw distribution; with echo (or prompt_logprobs) the prompt's too, from its prefill.
 - *accepted and ignored* (they change neither the tokens nor the response shape): ``IGNORED_FIELDS``.
 - *served only at their neutral value* (anything else changes semantics we do not serve, so 400
-  naming the field): ``NEUTRAL_VALUES``, e.g. best_of=1, bad_words=[], tools=[],
+  naming the field): ``NEUTRAL_VALUES``, e.g. best_of=1, suffix="", tools=[],
   guided_json (vLLM's older names of structured_outputs: none).
 - *unknown*: 400 "Unrecognized request argument supplied: X", as OpenAI's own API answers. An
   unknown field cannot be known to be harmless, and silently dropping one is how a benchmark ends
@@ -45,9 +45,9 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 
 from specserve.common.config import hash_key
 from specserve.decoding.grammar import GrammarSpec, StructuredOutputError
-from specserve.decoding.sampling import (MAX_LOGPROBS, MAX_STOP_STRINGS, AllowedTokenIds, FrequencyPenalty, LogitBias,
-                                         MinP, PresencePenalty, RepetitionPenalty, Seed, Temperature, TopP,
-                                         check_stop_strings, stop_as_list)
+from specserve.decoding.sampling import (MAX_BAD_WORDS, MAX_LOGPROBS, MAX_STOP_STRINGS, AllowedTokenIds,
+                                         FrequencyPenalty, LogitBias, MinP, PresencePenalty, RepetitionPenalty, Seed,
+                                         Temperature, TopP, check_stop_strings, stop_as_list)
 
 
 class OpenAIError(Exception):
@@ -142,7 +142,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "length_penalty": (1,),             # beam search only
     "priority": (0,),                   # vLLM too refuses a priority without priority scheduling
     "truncate_prompt_tokens": (),
-    "bad_words": ([],),
     "logits_processors": (),
     # vLLM's older, deprecated names for structured_outputs: not served, send structured_outputs.
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
@@ -297,6 +296,8 @@ class _RequestFields(BaseModel):
                                   "a bias added to its logit before sampling, -100 to 100")
     allowed_token_ids: AllowedTokenIds | None = Field(None, description="vLLM extension: only these token ids "
                                                       "may be generated")
+    bad_words: list[Annotated[Text, Field(min_length=1)]] = Field(
+        default_factory=list, max_length=MAX_BAD_WORDS, description="vLLM extension: words the output never ends with")
 
     # Accepted and ignored (IGNORED_FIELDS).
     user: Any = None
@@ -333,7 +334,6 @@ class _RequestFields(BaseModel):
     length_penalty: Any = None
     priority: Any = None
     truncate_prompt_tokens: Any = None
-    bad_words: Any = None
     logits_processors: Any = None
     guided_json: Any = None
     guided_regex: Any = None

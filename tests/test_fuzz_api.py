@@ -217,6 +217,7 @@ SAMPLING_FIELDS = {
     "repetition_penalty": st.floats(0.5, 2), "min_p": st.floats(0, 1), "logprobs": st.just(False), "response_format": st.just({"type": "text"}),
     "logit_bias": st.dictionaries(st.integers(0, 255).map(str), st.floats(-100, 100), max_size=3),
     "allowed_token_ids": st.lists(st.integers(0, 255), min_size=1, max_size=4),
+    "bad_words": st.lists(plain_text, max_size=3),
 }
 completion_bodies = st.fixed_dictionaries(
     {"model": st.one_of(st.just(MODEL), st.just(MODEL), plausible_text),

@@ -39,7 +39,7 @@ def refusal(model, body) -> dict:
     ("tool_choice", "auto"),
     ("use_beam_search", True), ("include_stop_str_in_output", "yes"), ("audio", {"voice": "x"}),
     ("skip_special_tokens", False), ("stop_token_ids", "5"),
-    ("guided_regex", "a+"), ("priority", 1), ("truncate_prompt_tokens", 4), ("bad_words", ["x"]),
+    ("guided_regex", "a+"), ("priority", 1), ("truncate_prompt_tokens", 4),
     ("return_token_ids", True), ("length_penalty", 0.5),
 ])
 @pytest.mark.parametrize("model, base", [(CompletionRequest, COMPLETION), (ChatCompletionRequest, CHAT)])
@@ -134,6 +134,14 @@ def test_vllm_fields_that_change_nothing_here_are_accepted(field, value):
     assert field in IGNORED_FIELDS
     CompletionRequest.model_validate({**COMPLETION, field: value})
     ChatCompletionRequest.model_validate({**CHAT, field: value})
+
+
+@pytest.mark.parametrize("model, base", [(CompletionRequest, COMPLETION), (ChatCompletionRequest, CHAT)])
+def test_bad_words_are_served_and_empty_or_too_many_refused(model, base):
+    assert model.model_validate({**base, "bad_words": ["foo", " bar baz"]}).bad_words == ["foo", " bar baz"]
+    assert refusal(model, {**base, "bad_words": [""]})["param"] == "bad_words.0"
+    assert refusal(model, {**base, "bad_words": ["w"] * 129})["param"] == "bad_words"
+    assert refusal(model, {**base, "bad_words": "foo"})["param"] == "bad_words"
 
 
 @pytest.mark.parametrize("model, base", [(CompletionRequest, COMPLETION), (ChatCompletionRequest, CHAT)])

@@ -248,10 +248,17 @@ def test_sampled_speculation_with_penalties_follows_the_penalized_target(target_
                                                                          num_samples, tv_bound):
     prompt, expected = lossless_case
     observed, acceptance = speculative_samples(target_model, draft_model, prompt, num_samples)
-    assert 0.2 < acceptance < 0.98  # rounds both accept and reject: every block position is exercised
+    assert_lossless(observed, acceptance, expected, tv_bound, "lossless")
+
+
+def assert_lossless(observed: Counter, acceptance: float, expected: dict[tuple, float], tv_bound: float,
+                    label: str) -> None:
+    """The samples follow the enumerated distribution (chi-square above P_VALUE_FLOOR, TV under
+    tv_bound), from rounds that both accept and reject, so every block position is exercised."""
+    assert 0.2 < acceptance < 0.98
     assert set(observed) <= set(expected)
     p_value, distance = chi_square_p_value(observed, expected), total_variation(observed, expected)
-    print(f"lossless: acceptance {acceptance:.3f}, p {p_value:.3g}, TV {distance:.4f}")
+    print(f"{label}: acceptance {acceptance:.3f}, p {p_value:.3g}, TV {distance:.4f}")
     assert p_value > P_VALUE_FLOOR
     assert distance < tv_bound
 

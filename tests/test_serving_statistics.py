@@ -27,9 +27,9 @@ apart; the top-k and top-p cases ask after a prompt where they can (docs/testing
 
 The penalties case's third token follows the target only if the verify's second row (and the
 draft's second step) saw the block's first draft token; it must also reject the unpenalized
-distribution, as the logit_bias case must reject the unbiased one. Greedy with penalties, and
-greedy with a logit_bias and allowed_token_ids, through the official openai client, equal HF
-`generate` with the same processors.
+distribution, as the logit_bias case must reject the unbiased one. Greedy with penalties, greedy
+with a logit_bias and allowed_token_ids, and greedy with bad_words, through the official openai
+client, equal HF `generate` with the same processors.
 
 The equalities asserted here hold on CPU in float32, where the tests run; on a GPU in bf16 greedy
 output may differ at near-ties and with what shares a batch (docs/gpu.md).
@@ -48,11 +48,11 @@ from transformers import AutoTokenizer, LlamaForCausalLM, LogitsProcessorList, S
 
 import openai
 
-from specserve.decoding.row_processors import history_processor
+from specserve.decoding.row_processors import bad_words_token_ids, history_processor
 from specserve.decoding.sampling import SamplingParams, logits_to_probs
 from tests.local_server import SHARED_MODEL
 from tests.test_generate import null_tv_bound
-from tests.test_logit_bias import AllowedTokens
+from tests.test_logit_bias import AllowedTokens, OutputBadWords
 from tests.test_penalties import hf_processors
 
 pytestmark = pytest.mark.ray
@@ -256,6 +256,31 @@ def test_greedy_with_a_logit_bias_and_allowed_ids_over_the_openai_client_equals_
     ids = ids[:ids.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in ids else ids
     assert reply.choices[0].text == tokenizer.decode(ids, skip_special_tokens=True)
     assert ids and ids[0] != plain_ids[0] and set(ids) <= set(allowed)
+    assert reply.model_extra["speculation"]["num_drafted"] > 0
+
+
+def test_greedy_with_bad_words_over_the_openai_client_equals_hf_generate(server, target):
+    """The tiny target repeats the prompt's last character; banning it (and a two-token word)
+    changes the text, which equals HF `generate` with the same bad words (multi-token matching is
+    checked in process, tests/test_logit_bias.py)."""
+    url, _ = server
+    model, tokenizer = target
+    prompt = TOP_K_CASE[0]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+    bad_words = [plain.strip()[0], "i in"]
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                      extra_body={"bad_words": bad_words})
+    words = bad_words_token_ids(bad_words, lambda text: tokenizer.encode(text, add_special_tokens=False))
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=True)
+    with torch.no_grad():
+        output = model.generate(torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False,
+                                logits_processor=LogitsProcessorList([OutputBadWords(len(prompt_ids), words)]),
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    ids = output[0, len(prompt_ids):].tolist()
+    ids = ids[:ids.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in ids else ids
+    assert reply.choices[0].text == tokenizer.decode(ids, skip_special_tokens=True) != plain
+    assert bad_words[0] not in reply.choices[0].text
     assert reply.model_extra["speculation"]["num_drafted"] > 0
 
 
