@@ -121,16 +121,14 @@ class RowBatch:
             kept = torch.zeros(len(self._allowing_rows), vocab_size, dtype=torch.bool, device=device)
             kept[torch.cat(self._allow_rows).to(device), torch.cat(self._allow_columns).to(device)] = True
             rows_logits = logits[rows]
-            allowed = rows_logits.masked_fill(~kept, float("-inf"))
-            keeps_some = torch.isfinite(allowed).any(dim=-1, keepdim=True)
-            logits[rows] = torch.where(keeps_some, allowed, rows_logits)
+            logits[rows] = unless_emptied(rows_logits.masked_fill(~kept, float("-inf")), rows_logits)
         if self._ban_rows:
-            rows = index_on(sorted(set(self._ban_rows)), device)
+            banning = sorted(set(self._ban_rows))
+            rows, local = index_on(banning, device), {row: index for index, row in enumerate(banning)}
             kept = logits[rows]
-            local = {row: index for index, row in enumerate(sorted(set(self._ban_rows)))}
             banned = kept.index_put((index_on([local[row] for row in self._ban_rows], device),
                                      index_on(self._ban_columns, device)), kept.new_full((), float("-inf")))
-            logits[rows] = torch.where(torch.isfinite(banned).any(dim=-1, keepdim=True), banned, kept)
+            logits[rows] = unless_emptied(banned, kept)
         if self._bias_rows:
             logits.index_put_((torch.cat(self._bias_rows).to(device), torch.cat(self._bias_columns).to(device)),
                               torch.cat(self._bias_values).to(device), accumulate=True)
@@ -153,9 +151,13 @@ class RowBatch:
             stops = [token for ids in self._stop_ids for token in ids]
             kept = logits[rows]
             others = kept.index_put((index_on(local, device), index_on(stops, device)), kept.new_full((), float("-inf")))
-            keeps_some = torch.isfinite(others).any(dim=-1, keepdim=True)
-            logits[rows] = torch.where(keeps_some, others, kept)
+            logits[rows] = unless_emptied(others, kept)
         return logits
+
+
+def unless_emptied(masked: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """masked's rows, except where masking left a row no finite logit: there the row as it was."""
+    return torch.where(torch.isfinite(masked).any(dim=-1, keepdim=True), masked, rows)
 
 
 class HistoryProcessor(Protocol):
