@@ -246,7 +246,7 @@ class IngressBody:
     an event loop), run in-process on the same code."""
 
 
-for _name in ("_encode", "_chat_prompt", "_sampling_fields", "_max_tokens", "_sampling_params"):
+for _name in ("_encode", "_encode_plain", "_chat_prompt", "_sampling_fields", "_max_tokens", "_sampling_params"):
     setattr(IngressBody, _name, getattr(Ingress.func_or_class, _name))
 
 
