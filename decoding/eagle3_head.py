@@ -116,6 +116,7 @@ class Eagle3Head(nn.Module):
         self.lm_head = nn.Linear(hidden, shape.draft_vocab_size, bias=False)
         self.register_buffer("draft_to_target", torch.arange(shape.draft_vocab_size), persistent=False)
         self.rotary = LlamaRotaryEmbedding(shape.rope_config)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None   # (cos, signed sin) [P, head_dim]
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.shape.rms_norm_eps)
@@ -140,7 +141,8 @@ class Eagle3Head(nn.Module):
         kv = self.new_kv() if kv is None else kv
         length = token_ids.shape[0]
         q, k, v, residual = self._projected(token_ids, features,
-                                            torch.arange(start, start + length, device=token_ids.device))
+                                            torch.arange(start, start + length, device=token_ids.device),
+                                            start + length)
         kv.write(start, k, v)
         attended = self._attend(q, *kv.entries(start + length))
         logits, prenorm = self._output(attended, residual)
@@ -157,21 +159,25 @@ class Eagle3Head(nn.Module):
         call, not once a sequence (a drafting step: one row each; making entries from the
         target's features: the rows each round committed); each row attends over its own
         sequence's entries."""
-        positions = torch.cat([torch.arange(start, start + length) for start, length in zip(starts, lengths)])
-        q, k, v, residual = self._projected(token_ids, features, positions.to(token_ids.device))
+        positions = torch.tensor([start + row for start, length in zip(starts, lengths) for row in range(length)],
+                                 device=token_ids.device)
+        q, k, v, residual = self._projected(token_ids, features, positions,
+                                            max(start + length for start, length in zip(starts, lengths)))
         ends = list(itertools.accumulate(lengths))
         attended = []
         for kv, start, length, end in zip(kvs, starts, lengths, ends):
             kv.write(start, k[:, end - length:end], v[:, end - length:end])
             attended.append(self._attend(q[:, end - 1:end], *kv.entries(start + length)))
-        last_rows = torch.tensor([end - 1 for end in ends], device=residual.device)
-        logits, prenorm = self._output(torch.cat(attended, dim=1), residual.index_select(0, last_rows))
+        if len(ends) < residual.shape[0]:   # some sequence has rows before its last
+            residual = residual.index_select(0, torch.tensor([end - 1 for end in ends], device=residual.device))
+        logits, prenorm = self._output(torch.cat(attended, dim=1), residual)
         return [HeadStep(logits[b:b + 1], prenorm[b:b + 1]) for b in range(len(kvs))]
 
-    def _projected(self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rows [T] -> their rotated queries [heads, T, head_dim], keys and values [kv_heads, T,
-        head_dim], and the residual [T, hidden] the attention output adds to."""
+    def _projected(self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                   end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows [T] at positions (every one below end) -> their rotated queries [heads, T,
+        head_dim], keys and values [kv_heads, T, head_dim], and the residual [T, hidden] the
+        attention output adds to."""
         shape = self.shape
         length = token_ids.shape[0]
         embeds = self._rms(self.embed(token_ids).to(features.dtype), self.input_layernorm)
@@ -182,12 +188,27 @@ class Eagle3Head(nn.Module):
             residual = features
             normed = self._rms(features, self.hidden_norm)
         x = torch.cat([embeds, normed], dim=-1)
-        q = self.q_proj(x).view(length, shape.num_heads, shape.head_dim).transpose(0, 1)
-        k = self.k_proj(x).view(length, shape.num_kv_heads, shape.head_dim).transpose(0, 1)
-        v = self.v_proj(x).view(length, shape.num_kv_heads, shape.head_dim).transpose(0, 1)
-        cos, sin = self.rotary(x, positions.unsqueeze(0))        # [1, T, D]
-        signed_sin = rope_signs(sin)
+        # The modules' own forwards, without their call's hook machinery (a drafting step is a few
+        # small products, where that bookkeeping shows).
+        q = self.q_proj.forward(x).view(length, shape.num_heads, shape.head_dim).transpose(0, 1)
+        k = self.k_proj.forward(x).view(length, shape.num_kv_heads, shape.head_dim).transpose(0, 1)
+        v = self.v_proj.forward(x).view(length, shape.num_kv_heads, shape.head_dim).transpose(0, 1)
+        cos, signed_sin = self._rope(positions, end, x.dtype)
         return apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin), v, residual
+
+    def _rope(self, positions: torch.Tensor, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [1, T, head_dim] of positions [T] (each below end), read from tables
+        of positions 0..P-1 made by the rotary module once (P doubling as positions grow). A row of
+        the table equals the module's own output at that position (each entry is one product of
+        the position and a frequency, then elementwise functions), so a step indexes rows instead
+        of recomputing them."""
+        table = self._rope_table
+        if table is None or table[0].shape[0] < end or table[0].dtype != dtype or table[0].device != positions.device:
+            size = max(end, 2 * (0 if table is None else table[0].shape[0]), 256)
+            every = torch.arange(size, device=positions.device)
+            cos, sin = self.rotary(torch.empty(0, dtype=dtype, device=positions.device), every.unsqueeze(0))
+            table = self._rope_table = (cos[0], rope_signs(sin)[0])
+        return table[0][positions].unsqueeze(0), table[1][positions].unsqueeze(0)
 
     def _attend(self, q: torch.Tensor, all_keys: torch.Tensor, all_values: torch.Tensor) -> torch.Tensor:
         """Consecutive rows of one sequence, the last T of its entries, over the entries before
@@ -212,10 +233,10 @@ class Eagle3Head(nn.Module):
     def _output(self, attended: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention output [heads, T, head_dim] and residual [T, hidden] -> (scores over the
         head's vocabulary [T, draft_vocab], the pre-norm hidden state [T, hidden])."""
-        hidden = self.o_proj(attended.transpose(0, 1).reshape(residual.shape[0], -1)) + residual
+        hidden = self.o_proj.forward(attended.transpose(0, 1).reshape(residual.shape[0], -1)) + residual
         x = self._rms(hidden, self.post_attention_layernorm)
-        prenorm = hidden + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.lm_head(self._rms(prenorm, self.norm)), prenorm
+        prenorm = hidden + self.down_proj.forward(F.silu(self.gate_proj.forward(x)) * self.up_proj.forward(x))
+        return self.lm_head.forward(self._rms(prenorm, self.norm)), prenorm
 
     def target_logits(self, draft_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Scores over the target's vocabulary [T, vocab_size]: the head's rows at their target ids,

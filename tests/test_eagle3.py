@@ -23,6 +23,7 @@ from specserve.decoding.eagle3_checkpoint import (Eagle3CheckpointError, default
 from specserve.decoding.eagle3_head import HeadKV
 from specserve.decoding.eagle3_proposer import Eagle3Proposer
 from specserve.decoding.generate import generate
+from specserve.decoding.lean_forward import rope_signs
 from specserve.decoding.model_runner import load_causal_lm
 from specserve.decoding.proposers import ProposeCall
 from specserve.decoding.sampling import SamplingParams, make_generator
@@ -91,6 +92,19 @@ def test_the_heads_rotary_embedding_is_the_targets(llama3):
     head = load_eagle3_head(heads["eagle"], target).head
     assert head.rotary.rope_type == "llama3"
     assert torch.allclose(head.rotary.inv_freq, target.model.rotary_emb.inv_freq)
+
+
+def test_the_heads_rope_tables_answer_what_its_rotary_module_computes_bit_for_bit(llama3):
+    """A step reads cos and sin from tables made once; they must be the module's own numbers at
+    every position, those past the first table's end (which grow it) included."""
+    _, target, heads = llama3
+    head = load_eagle3_head(heads["eagle"], target).head
+    for positions in ([3, 0, 7], [200, 255], [256, 1000], [5]):   # the first table holds 0..255
+        cos, signed_sin = head._rope(torch.tensor(positions), max(positions) + 1, torch.float32)
+        expected_cos, expected_sin = head.rotary(torch.empty(0), torch.tensor([positions]))
+        assert torch.equal(cos, expected_cos)
+        assert torch.equal(signed_sin, rope_signs(expected_sin))
+    assert head._rope_table[0].shape[0] >= 1001
 
 
 def malformed(folder, tmp_path, edit_config=None, edit_weights=None):
