@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.decoding.target_features import TargetFeatures, merged_features
+from specserve.decoding.block_manager import common_prefix_length
 from specserve.decoding.eagle3_checkpoint import LoadedHead
 from specserve.decoding.eagle3_head import HeadKV, HeadStep
 from specserve.decoding.errors import SequenceStateError
 from specserve.decoding.proposers import Drafting, Proposal, ProposeCall, draft_step, empty_proposal
 from specserve.decoding.row_processors import history_processor
 from specserve.decoding.sampling import SamplingParams
+from specserve.decoding.target_features import TargetFeatures, merged_features
 
 
 @dataclass(frozen=True)
@@ -278,9 +279,7 @@ def _entries_to_make(sequence: HeadSequence, history: list[int]) -> tuple[int, i
     that read tokens history no longer has go, and so does the last kept one when its output was
     let go (it is computed again)."""
     wanted = len(history) - 1
-    agreed = 0
-    while agreed < min(sequence.num_entries, wanted) and sequence.tokens[agreed] == history[agreed + 1]:
-        agreed += 1
+    agreed = common_prefix_length(sequence.tokens, history[1:], wanted)
     kept_output = agreed == sequence.num_entries and sequence.last_logits is not None
     if kept_output and agreed == wanted:
         return wanted, wanted
