@@ -339,7 +339,7 @@ class BatchedModelRunner(RunnerBase):
                 keep_index = pad_kept(keep_index, rows * input_ids.shape[1])
             graphed = rows is not None
             view = self.cache.view(layout, keep_index, self.step_forward.attention_kernel)
-        out = self.step_forward(input_ids, view, graphed)
+        out = self.step_forward(input_ids, view, graphed=graphed)
         logits, features = out if isinstance(out, tuple) else (out, None)
         logits = logits[:kept]
         if graphed:   # a graph's outputs live in its memory pool, which its next replay overwrites

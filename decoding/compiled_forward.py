@@ -151,8 +151,11 @@ class CompiledForward:
     its first request soon does not pay unless asked."""
 
     def __init__(self, forward: Callable, device: torch.device, enforce_eager: bool | None = None,
-                 inductor_options: Mapping[str, object] | None = None) -> None:
+                 inductor_options: Mapping[str, object] | None = None, cuda_graphs: bool = True) -> None:
+        """cuda_graphs False: on CUDA too, compiled without graphs only (for a caller that pads
+        nothing to the ladder's rungs)."""
         self.eager_forward = forward
+        self.graphs_asked = cuda_graphs
         # Inductor's settings for every compile of this forward (torch.compile's options; vLLM's
         # inductor_compile_config), under the ones this object sets itself.
         self.inductor_options = dict(inductor_options or {})
@@ -200,7 +203,7 @@ class CompiledForward:
             # for the steps the caller graphs; the others (a prefill chunk, a batch beyond the
             # ladder) run the same forward compiled without graphs (`_plain`): cudagraph trees
             # record a graph for every new shape they meet, and keep its memory.
-            self.cuda_graphs = self.device.type == "cuda"
+            self.cuda_graphs = self.device.type == "cuda" and cuda_graphs
             self._compiled = self._compile(self.cuda_graphs)
             self._plain = self._compile(False) if self.cuda_graphs else None
 
@@ -265,13 +268,14 @@ class CompiledForward:
             return f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
         return None
 
-    def __call__(self, input_ids: torch.Tensor, view, graphed: bool = False) -> torch.Tensor:
-        """The forward; graphed: the step is padded to a rung of the ladder, so it may run under
-        CUDA graphs (where they are on), else it runs compiled without them."""
+    def __call__(self, *args, graphed: bool = False):
+        """The forward over args (a runner's: input ids and the cache's view); graphed: the step is
+        padded to a rung of the ladder, so it may run under CUDA graphs (where they are on), else
+        it runs compiled without them."""
         if self.eager:
-            return self.eager_forward(input_ids, view)
+            return self.eager_forward(*args)
         forward = self._plain if self._plain is not None and not graphed else self._compiled
-        return forward(input_ids, view)
+        return forward(*args)
 
     def describe(self) -> str:
         """For the start-up line: eager or compiled, and what compiling cost."""
@@ -279,8 +283,10 @@ class CompiledForward:
             return f"eager forward ({self.reason})"
         if self.cuda_graphs:
             graphs = ", CUDA graphs for batches of " + "/".join(map(str, CUDA_GRAPH_BATCH_SIZES))
+        elif self.device.type == "cuda":
+            graphs = f", no CUDA graphs: {self.reason if self.graphs_asked else 'not asked for'}"
         else:
-            graphs = f", no CUDA graphs: {self.reason}" if self.device.type == "cuda" else ""
+            graphs = ""
         if self.plain_fusion_after is not None:
             graphs += f", loop-rewriting fusions off after {self.plain_fusion_after}"
         if self.inductor_options:

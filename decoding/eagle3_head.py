@@ -27,6 +27,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from specserve.decoding.compiled_forward import CompiledForward
 from specserve.decoding.lean_forward import apply_rope, rope_signs
 
 
@@ -117,6 +118,7 @@ class Eagle3Head(nn.Module):
         self.register_buffer("draft_to_target", torch.arange(shape.draft_vocab_size), persistent=False)
         self.rotary = LlamaRotaryEmbedding(shape.rope_config)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None   # (cos, signed sin) [P, head_dim]
+        self.compiled_steps: tuple[CompiledForward, CompiledForward] | None = None   # `compile_steps`
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.shape.rms_norm_eps)
@@ -145,7 +147,7 @@ class Eagle3Head(nn.Module):
                                             start + length)
         kv.write(start, k, v)
         attended = self._attend(q, *kv.entries(start + length))
-        logits, prenorm = self._output(attended, residual)
+        logits, prenorm = self._rows_out(attended, residual)
         return HeadStep(logits, prenorm)
 
     def step_sequences(self, token_ids: torch.Tensor, features: torch.Tensor, starts: Sequence[int],
@@ -170,14 +172,49 @@ class Eagle3Head(nn.Module):
             attended.append(self._attend(q[:, end - 1:end], *kv.entries(start + length)))
         if len(ends) < residual.shape[0]:   # some sequence has rows before its last
             residual = residual.index_select(0, torch.tensor([end - 1 for end in ends], device=residual.device))
-        logits, prenorm = self._output(torch.cat(attended, dim=1), residual)
+        logits, prenorm = self._rows_out(torch.cat(attended, dim=1), residual)
         return [HeadStep(logits[b:b + 1], prenorm[b:b + 1]) for b in range(len(kvs))]
+
+    def compile_steps(self, enforce_eager: bool | None = None, inductor_options: dict | None = None,
+                      name: str = "EAGLE-3 head") -> str:
+        """Compile a step's dense parts, the rows in (norms, projections, rotary) and the rows out
+        (output projection, MLP, norm, LM head), as the engines compile their forwards
+        (decoding.compiled_forward: on a GPU unless enforce_eager, on CPU only where it is False;
+        dynamic in the number of rows; eager, with one warning, where compiling fails; no CUDA
+        graphs, whose rungs the rows are not padded to). Attention over each sequence's own entries
+        runs eagerly between them. Why: a drafting step is a few
+        small products among tens of elementwise ops whose dispatch (launches, on a GPU) costs more
+        than their arithmetic; compiled, they run fused. -> what runs, for the start-up line."""
+        device, dtype = self.fc.weight.device, self.fc.weight.dtype
+        rows_in = CompiledForward(self._rows_in, device, enforce_eager, inductor_options, cuda_graphs=False)
+        rows_out = CompiledForward(self._output, device, enforce_eager, inductor_options, cuda_graphs=False)
+        self.compiled_steps = (rows_in, rows_out)
+        shape = self.shape
+        rows_in_args, rows_out_args = [], []
+        for rows in (1, 3):   # one row (a drafting step) and several (a round's entries)
+            features = torch.zeros(rows, shape.hidden_size, dtype=dtype, device=device)
+            rows_in_args.append((torch.zeros(rows, dtype=torch.long, device=device), features,
+                                 *self._rope(torch.arange(rows, device=device), rows, dtype)))
+            rows_out_args.append((torch.zeros(shape.num_heads, rows, shape.head_dim, dtype=dtype, device=device),
+                                  features))
+        with torch.inference_mode():   # as drafting runs (a compiled graph is kept per grad mode)
+            rows_in.warm_up(lambda: [rows_in(*args) for args in rows_in_args], name)
+            rows_out.warm_up(lambda: [rows_out(*args) for args in rows_out_args], name)
+        return f"rows in: {rows_in.describe()}; rows out: {rows_out.describe()}"
 
     def _projected(self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                    end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows [T] at positions (every one below end) -> their rotated queries [heads, T,
         head_dim], keys and values [kv_heads, T, head_dim], and the residual [T, hidden] the
         attention output adds to."""
+        cos, signed_sin = self._rope(positions, end, features.dtype)
+        rows_in = self._rows_in if self.compiled_steps is None else self.compiled_steps[0]
+        return rows_in(token_ids, features, cos, signed_sin)
+
+    def _rows_in(self, token_ids: torch.Tensor, features: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`_projected` once the rows' cos and signed sin [T, head_dim] are read (no leading 1: a
+        compiled graph's sizes are symbols, not specialised to 1, so a [1, T] would not broadcast)."""
         shape = self.shape
         length = token_ids.shape[0]
         embeds = self._rms(self.embed(token_ids).to(features.dtype), self.input_layernorm)
@@ -193,11 +230,10 @@ class Eagle3Head(nn.Module):
         q = self.q_proj.forward(x).view(length, shape.num_heads, shape.head_dim).transpose(0, 1)
         k = self.k_proj.forward(x).view(length, shape.num_kv_heads, shape.head_dim).transpose(0, 1)
         v = self.v_proj.forward(x).view(length, shape.num_kv_heads, shape.head_dim).transpose(0, 1)
-        cos, signed_sin = self._rope(positions, end, x.dtype)
         return apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin), v, residual
 
     def _rope(self, positions: torch.Tensor, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [1, T, head_dim] of positions [T] (each below end), read from tables
+        """cos and signed sin [T, head_dim] of positions [T] (each below end), read from tables
         of positions 0..P-1 made by the rotary module once (P doubling as positions grow). A row of
         the table equals the module's own output at that position (each entry is one product of
         the position and a frequency, then elementwise functions), so a step indexes rows instead
@@ -208,7 +244,7 @@ class Eagle3Head(nn.Module):
             every = torch.arange(size, device=positions.device)
             cos, sin = self.rotary(torch.empty(0, dtype=dtype, device=positions.device), every.unsqueeze(0))
             table = self._rope_table = (cos[0], rope_signs(sin)[0])
-        return table[0][positions].unsqueeze(0), table[1][positions].unsqueeze(0)
+        return table[0][positions], table[1][positions]
 
     def _attend(self, q: torch.Tensor, all_keys: torch.Tensor, all_values: torch.Tensor) -> torch.Tensor:
         """Consecutive rows of one sequence, the last T of its entries, over the entries before
@@ -229,6 +265,10 @@ class Eagle3Head(nn.Module):
         # the softmax in float32 whatever the head's dtype, as transformers' eager attention does
         weights = scores.softmax(-1, dtype=torch.float32).to(all_values.dtype)
         return torch.matmul(weights, all_values).view(heads, length, head_dim)
+
+    def _rows_out(self, attended: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_output`, compiled where `compile_steps` compiled it."""
+        return (self._output if self.compiled_steps is None else self.compiled_steps[1])(attended, residual)
 
     def _output(self, attended: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention output [heads, T, head_dim] and residual [T, hidden] -> (scores over the

@@ -11,12 +11,15 @@ proposer when a draft engine calls it, and only the draft engine pays for those 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from specserve.decoding.proposers import DraftModelProposer, Proposer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,11 @@ def _eagle3_proposer(runner: Any, model_spec: Mapping[str, Any] | None, engine_o
     device = resolve_device(model_spec["device"])
     target = target_embeddings(model_spec["target_path"],
                                resolve_dtype(model_spec["dtype"], model_spec["target_path"], device), device)
-    return Eagle3Proposer(load_eagle3_head(model_spec["path"], target), engine_options.get("draft_top_k"))
+    loaded = load_eagle3_head(model_spec["path"], target)
+    steps = loaded.head.compile_steps(model_spec.get("enforce_eager"), model_spec.get("inductor_options"),
+                                      model_spec["path"])
+    logger.info("EAGLE-3 head %s: %s", model_spec["path"], steps)
+    return Eagle3Proposer(loaded, engine_options.get("draft_top_k"))
 
 
 def _ngram_proposer(runner: Any, model_spec: Mapping[str, Any] | None, engine_options: Mapping[str, Any]):

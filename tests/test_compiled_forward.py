@@ -305,6 +305,19 @@ def test_inductor_options_reach_every_compile_of_the_forward_from_the_engine_con
                      {"max_autotune": True, "triton.cudagraphs": False}]
 
 
+def test_a_forward_that_asks_for_no_cuda_graphs_compiles_once_without_them_on_cuda(monkeypatch):
+    """cuda_graphs False (an EAGLE-3 head's step parts, whose rows are not padded to the ladder):
+    one compile, without cudagraphs, which every call runs, and the start-up line says so."""
+    asked = []
+    monkeypatch.setattr(compiled_forward.torch, "compile",
+                        lambda forward, **kwargs: asked.append(dict(kwargs.get("options") or {})) or forward)
+    forward = compiled_forward.CompiledForward(lambda rows, features: rows + features, torch.device("cuda"),
+                                               enforce_eager=False, cuda_graphs=False)
+    assert asked == [{}] and not forward.cuda_graphs and not forward.eager
+    assert forward(1, 2) == 3 and forward(1, 2, graphed=True) == 3
+    assert "no CUDA graphs: not asked for" in forward.describe()
+
+
 def test_enforce_eager_and_the_environment_keep_the_forward_uncompiled(monkeypatch):
     model = tiny_model("llama")
     monkeypatch.setenv(compiled_forward.ENFORCE_EAGER_ENV, "0")

@@ -9,6 +9,7 @@ output may differ at near-ties and with what shares a batch (docs/gpu.md)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 
@@ -102,8 +103,8 @@ def test_the_heads_rope_tables_answer_what_its_rotary_module_computes_bit_for_bi
     for positions in ([3, 0, 7], [200, 255], [256, 1000], [5]):   # the first table holds 0..255
         cos, signed_sin = head._rope(torch.tensor(positions), max(positions) + 1, torch.float32)
         expected_cos, expected_sin = head.rotary(torch.empty(0), torch.tensor([positions]))
-        assert torch.equal(cos, expected_cos)
-        assert torch.equal(signed_sin, rope_signs(expected_sin))
+        assert torch.equal(cos, expected_cos[0])
+        assert torch.equal(signed_sin, rope_signs(expected_sin)[0])
     assert head._rope_table[0].shape[0] >= 1001
 
 
@@ -244,6 +245,30 @@ def test_a_batched_step_over_several_sequences_writes_and_answers_what_each_alon
         assert torch.allclose(step.logits[0], whole.logits[-1], atol=1e-5)
         assert torch.allclose(step.prenorm[0], whole.prenorm[-1], atol=1e-5)
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(kv.entries(end), kv_alone.entries(end)))
+
+
+def test_a_compiled_heads_steps_answer_what_the_eager_heads_do(small):
+    """compile_steps (asked for on CPU: enforce_eager False) compiles both dense parts, and steps
+    of one row and of several, alone and batched, answer the eager head's scores and features
+    within float32 rounding; the eager head's path is left as it was."""
+    _, loaded = small
+    eager = loaded.head
+    compiled = copy.deepcopy(eager)
+    described = compiled.compile_steps(enforce_eager=False, name="small head")
+    assert all(not part.eager for part in compiled.compiled_steps), described
+    assert eager.compiled_steps is None
+    torch.manual_seed(3)
+    tokens, features = torch.tensor([5, 9, 3, 60, 7, 11, 2]), eager.fuse(torch.randn(7, 3 * 32))
+    with torch.inference_mode():
+        answers = []
+        for head in (eager, compiled):
+            kvs = [head.new_kv(), head.new_kv()]
+            steps = [head.step(tokens[:4], features[:4], 0, kvs[0]), head.step(tokens[4:5], features[4:5], 0, kvs[1])]
+            steps += head.step_sequences(tokens[5:7], features[5:7], [4, 1], [1, 1], kvs)
+            answers.append(steps)
+    for expected, got in zip(*answers):
+        torch.testing.assert_close(got.logits, expected.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.prenorm, expected.prenorm, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("form", FORMATS)

@@ -72,15 +72,25 @@ def head_name(head_dir: str) -> str:
     return f"EAGLE-3 head {Path(head_dir).name}"
 
 
-def variants(models: Path, head_dirs: list[str]) -> dict:
-    """name -> (target engine, proposer or None), each target its own engine over one model."""
+def variants(models: Path, head_dirs: list[str], compiled: bool = False) -> dict:
+    """name -> (target engine, proposer or None), each target its own engine over one model;
+    compiled: each drafter also as a variant of its own whose steps are compiled (the draft
+    model's forward, the heads' dense parts: Eagle3Head.compile_steps), as enforce_eager false
+    serves them on CPU."""
     target = load_causal_lm(str(models / "target"), dtype="float32", device="cpu")
     draft = load_causal_lm(str(models / "draft"), dtype="float32", device="cpu")
     found = {"target only": (engine_for_model(target), None),
              "draft model": (engine_for_model(target), DraftModelProposer(engine_for_model(draft)))}
+    if compiled:
+        found["draft model, compiled"] = (engine_for_model(target), DraftModelProposer(
+            engine_for_model(draft, enforce_eager=False)))
     for head_dir in head_dirs:
-        loaded = load_eagle3_head(head_dir, target)
-        found[head_name(head_dir)] = (engine_for_model(target, aux_layers=loaded.aux_layers), Eagle3Proposer(loaded))
+        for compiling in (False, True) if compiled else (False,):
+            loaded = load_eagle3_head(head_dir, target)
+            if compiling:
+                loaded.head.compile_steps(enforce_eager=False, name=head_dir)
+            found[head_name(head_dir) + (", compiled" if compiling else "")] = (
+                engine_for_model(target, aux_layers=loaded.aux_layers), Eagle3Proposer(loaded))
     return found
 
 
@@ -144,7 +154,8 @@ def run_cases(engines: dict, prompts: list[list[int]], max_tokens: int, k: int) 
 
 
 def table(report: dict) -> str:
-    return round_table(report["cases"], ["draft model", *map(head_name, report["heads"])])
+    drafters = [name for name in report["cases"][0]["results"] if name not in ("target only", "greedy_outputs_differ")]
+    return round_table(report["cases"], drafters)
 
 
 def round_table(cases: list[dict], drafters: list[str]) -> str:
@@ -193,13 +204,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = drafter_arguments(argparse.ArgumentParser(prog="python -m specserve.bench.figures.head_vs_draft",
                                                        description=__doc__.splitlines()[0]))
     parser.add_argument("--k", type=int, default=4, help="draft tokens a round (fixed: both drafters alike)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="each drafter also with its steps compiled, as a variant of its own")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     models = Path(args.models)
     tokenizer = AutoTokenizer.from_pretrained(str(models / "target"))
     prompts = [tokenizer(p.text, add_special_tokens=False)["input_ids"]
                for p in select_prompts(load_prompt_set(args.prompts).prompts, args.num_prompts)]
-    engines = variants(models, args.head)
+    engines = variants(models, args.head, args.compiled)
     cases = run_cases(engines, prompts, args.max_tokens, args.k)
     report = {"command": "python -m specserve.bench.figures.head_vs_draft "
                          + " ".join(argv if argv is not None else sys.argv[1:]),
