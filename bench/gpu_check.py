@@ -952,7 +952,8 @@ def check_eagle3_head(section: Section, models: Models) -> None:
     target, _ = models.exact()
     prompt, want, context = models.greedy_reference()
     layers = default_aux_layers(target.config.num_hidden_layers)
-    head = new_head(target, layers).to(next(target.parameters()).device).eval()
+    head = new_head(target, layers).to(next(target.parameters()).device).eval().requires_grad_(False)
+    steps = head.compile_steps(name="random head")   # as a served draft engine: compiled on a GPU
     loaded = LoadedHead(head, layers, "speculators", "random head")
     runner = engine_runner(target, plan, "exact-target-eagle3", kv_gib=plan.small_kv_gib, aux_layers=layers)
     size = block_size(runner)
@@ -973,7 +974,8 @@ def check_eagle3_head(section: Section, models: Models) -> None:
                   f"lm_head): features of a {cached}-token prefix-cache hit read from the pool vs transformers' "
                   f"hidden_states, max relative diff {error:.2e}; greedy speculative with the head (K = "
                   f"{NUM_DRAFT_TOKENS}) == target-only, {plan.greedy_tokens} tokens in {rounds} target passes, "
-                  f"{state.stats.num_accepted} of {state.stats.num_drafted} drafted accepted{detail}")
+                  f"{state.stats.num_accepted} of {state.stats.num_drafted} drafted accepted; head steps: "
+                  f"{steps}{detail}")
 
 
 def near_tie_detail(model, prompt: list[int], want: list[int], got: list[int]) -> str:
