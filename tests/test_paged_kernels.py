@@ -168,7 +168,7 @@ def test_under_cuda_graphs_step_batches_are_padded_to_their_rung_and_prefill_chu
 
     def recording(input_ids, view, graphed=False):
         seen.append((*input_ids.shape, view.keep_index.shape[0], graphed))
-        out = forward(input_ids, view, graphed)
+        out = forward(input_ids, view, graphed=graphed)
         outputs.append(out.untyped_storage().data_ptr())
         return out
 
