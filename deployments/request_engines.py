@@ -62,6 +62,7 @@ class RequestEngines:
         self.draft: EngineEndpoint | None = None
         self.affinity_key: str | None = None   # the prompt's prefix key (set by acquire)
         self._draft_lookup: asyncio.Future | None = None   # acquire's draft engine, until draft_acquired
+        self._draft_abandoned = False   # the request ended before its draft engine was needed
         self.touched: list[EngineEndpoint] = []
         digest = RunningDigest()
         self.target_history = HistorySender(digest)  # what the target engine was told of the committed history
@@ -92,10 +93,16 @@ class RequestEngines:
         """A draft engine if one answers within limits.draft_wait_s (speculation is an
         optimisation, so a request serves target-only rather than wait), which starts prefilling."""
         try:
-            self.draft = await asyncio.wait_for(self.draft_workers.get_engine.remote(), self.limits.draft_wait_s)
+            draft = await asyncio.wait_for(self.draft_workers.get_engine.remote(), self.limits.draft_wait_s)
         except Exception:
             logger.warning("no draft engine available; serving target-only", exc_info=True)
             return False
+        if self._draft_abandoned:
+            # asyncio.wait_for (Python 3.11) returns an answer that arrived in the same event-loop
+            # turn as its cancel instead of raising: the request is gone, and the router may have
+            # released its engines already, so nothing may start on this one.
+            return False
+        self.draft = draft
         self.touched.append(self.draft)
         prefill = self._call(self.draft, "prefill", state.request_id, self.draft_history.update(state))
         prefill.add_done_callback(observed)   # a lost draft shows at the first propose
@@ -109,9 +116,11 @@ class RequestEngines:
 
     def abandon_draft(self) -> None:
         """Stop a draft lookup still under way (the request ended, or failed, before it needed the
-        draft): a lookup stopped before it answered started nothing on any engine, and one that
-        answered is in `touched`, so the router releases it."""
+        draft): a lookup stopped starts nothing on any engine, even one whose answer came in the
+        same turn as the stop, and one that answered before is in `touched`, so the router
+        releases it."""
         if self._draft_lookup is not None:
+            self._draft_abandoned = True
             self._draft_lookup.add_done_callback(observed)
             self._draft_lookup.cancel()
             self._draft_lookup = None

@@ -371,3 +371,25 @@ def test_the_first_token_does_not_wait_for_the_draft_engines_lookup(pair, max_to
         assert state.finish_reason == "length" and engines.draft is None and draft.updates == []
     else:
         assert state.stats.num_drafted > 0 and draft.updates and engines.draft in engines.touched
+
+
+def test_a_draft_engine_named_in_the_turn_its_request_ends_is_sent_nothing(pair):
+    """Serve names the draft engine in the very event-loop turn the request ends (the client left
+    during the target's prefill): asyncio.wait_for may then hand the lookup its answer despite the
+    cancel, but the request is gone and the router releases only the engines touched by then, so
+    the draft engine must not be told of it (it would hold the request's KV with no one to free it)."""
+
+    async def scenario():
+        target, draft, state, engines = await greedy_request(pair, 8)
+        answer = asyncio.get_running_loop().create_future()
+        engines.draft_workers = SimpleNamespace(get_engine=SimpleNamespace(remote=lambda: answer))
+        await engines.acquire(state)
+        await asyncio.sleep(0)   # the lookup waits on Serve's answer
+        answer.set_result(await draft.listen())
+        engines.abandon_draft()   # in the same turn
+        await asyncio.sleep(0.2)
+        return engines, draft, await draft.engine.active_sequences()
+
+    engines, draft, held = asyncio.run(scenario())
+    assert engines.touched == [engines.target] and engines.draft is None
+    assert draft.updates == [] and held == []
