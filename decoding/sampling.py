@@ -74,6 +74,20 @@ def check_min_tokens(min_tokens: int, max_tokens: int) -> None:
         raise ValueError(f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})")
 
 
+def structured_conflict(structured, ignore_eos: bool, allowed_token_ids) -> tuple[str, str] | None:
+    """(the field, why) when structured outputs come with a field that excludes them, else None:
+    the HTTP request models answer it as a 400 naming the field, SamplingParams refuses the same."""
+    if structured is None:
+        return None
+    if ignore_eos:
+        return "ignore_eos", ("ignore_eos cannot be combined with structured outputs: the request ends when its "
+                              "grammar does")
+    if allowed_token_ids is not None:
+        return "allowed_token_ids", ("allowed_token_ids cannot be combined with structured outputs: the grammar "
+                                     "says which tokens may come, and the two could leave none")
+    return None
+
+
 # Field types shared with the HTTP request models (theirs holds stop strings as checked Text).
 StopStrings = Annotated[list[str], BeforeValidator(stop_as_list), AfterValidator(check_stop_strings)]
 Temperature = Annotated[float, Field(ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE, allow_inf_nan=False)]
@@ -161,12 +175,9 @@ class SamplingParams(BaseModel):
     @model_validator(mode="after")
     def _min_tokens_within_max(self) -> "SamplingParams":
         check_min_tokens(self.min_tokens, self.max_tokens)
-        if self.structured is not None and self.ignore_eos:
-            raise ValueError("ignore_eos cannot be combined with structured outputs: the request ends when "
-                             "its grammar does")
-        if self.structured is not None and self.allowed_token_ids is not None:
-            raise ValueError("allowed_token_ids cannot be combined with structured outputs: the grammar says "
-                             "which tokens may come, and the two could leave none")
+        conflict = structured_conflict(self.structured, self.ignore_eos, self.allowed_token_ids)
+        if conflict is not None:
+            raise ValueError(conflict[1])
         return self
 
     @property

@@ -434,9 +434,6 @@ class Ingress:
             if unknown:
                 raise OpenAIError(f"{param} names {unknown}, not ids of this model's tokenizer "
                                   f"({len(self.tokenizer)} ids)", param=param)
-        if structured is not None and body.allowed_token_ids is not None:
-            raise OpenAIError("allowed_token_ids cannot be combined with structured outputs: the grammar says "
-                              "which tokens may come, and the two could leave none", param="allowed_token_ids")
         try:
             check_min_tokens(body.min_tokens, max_tokens)
         except ValueError as exc:

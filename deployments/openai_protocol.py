@@ -47,7 +47,7 @@ from specserve.common.config import hash_key
 from specserve.decoding.grammar import GrammarSpec, StructuredOutputError
 from specserve.decoding.sampling import (MAX_BAD_WORDS, MAX_LOGPROBS, MAX_STOP_STRINGS, AllowedTokenIds,
                                          FrequencyPenalty, LogitBias, MinP, PresencePenalty, RepetitionPenalty, Seed,
-                                         Temperature, TopP, check_stop_strings, stop_as_list)
+                                         Temperature, TopP, check_stop_strings, stop_as_list, structured_conflict)
 
 
 class OpenAIError(Exception):
@@ -390,9 +390,9 @@ class _RequestFields(BaseModel):
                 spec = self.structured_outputs.spec()
             except StructuredOutputError as exc:
                 raise OpenAIError(str(exc), param=exc.param) from None
-        if spec is not None and self.ignore_eos:
-            raise OpenAIError("ignore_eos cannot be combined with structured outputs: the request ends when its "
-                              "grammar does", param="ignore_eos")
+        conflict = structured_conflict(spec, self.ignore_eos, self.allowed_token_ids)
+        if conflict is not None:
+            raise OpenAIError(conflict[1], param=conflict[0])
         return spec
 
     @property

@@ -266,6 +266,7 @@ def test_choice_and_regex_structured_outputs_on_completions(server):
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+    ({"structured_outputs": {"choice": ["a"]}, "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
 ])
 def test_bad_structured_outputs_are_400s_naming_the_field(server, extra, param):
     url, _ = server
