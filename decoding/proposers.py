@@ -14,7 +14,7 @@ from specserve.decoding.row_processors import HistoryProcessor, RowBatch, histor
 from specserve.decoding.compact_verify import DraftSupport, draft_support, saguaro_support
 from specserve.decoding.device_copy import index_on
 from specserve.decoding.draft_odds import DraftOdds
-from specserve.decoding.sampling import RowParams, SamplingParams, process_rows, sample_rows
+from specserve.decoding.sampling import RowParams, SamplingParams, greedy_ids, process_rows, sample_rows
 
 
 @dataclass
@@ -258,7 +258,7 @@ def draft_step(logits: torch.Tensor, calls: Sequence[ProposeCall], processors: S
             except GrammarDeadEndError:
                 dead.add(j)
     logits = batch.apply(logits)
-    tokens = logits.argmax(dim=-1)
+    tokens = greedy_ids(logits)
     guesses = {j: call.guess_rank for j, call in enumerate(calls) if call.guess_rank is not None and first[j]}
     num_candidates = max((call.num_candidates for call in calls), default=0)
     width = min(max([num_candidates, *(rank + 1 for rank in guesses.values())]), logits.shape[-1])

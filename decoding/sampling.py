@@ -282,6 +282,39 @@ def row_params_of_settings(settings: tuple[tuple[bool, float, int, float, float]
         uses_top_k=any(k < vocab_size for k in top_k), uses_top_p=any(p < 1.0 for p in top_p))
 
 
+# greedy_ids on a CPU: each row's maxima per block of this many logits first, from this many logits
+# in all (fewer: torch.argmax, whose one pass costs less than the blocked pass's extra ops).
+ARGMAX_BLOCK = 128
+BLOCKED_ARGMAX_FROM = 4 * 8192
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax ids [...] (int64) of logits [..., V], ties to the lowest index, as torch.argmax.
+
+    Why not torch.argmax on a CPU: its kernel is a scalar loop, several times slower there than
+    the vectorised max reduction, and a step argmaxes every greedy row it answers (a verify's K+1
+    per request, a batch's draft rows). So each row's maxima per block of ARGMAX_BLOCK logits come
+    first, in one reduction; the first block holding the row's maximum is found among those, and
+    the first maximum within it; a tail past the last whole block is compared apart. The same ids
+    as torch.argmax for rows without NaN (tests/test_sampling.py). On other devices, torch.argmax."""
+    vocab_size = logits.shape[-1]
+    if logits.device.type != "cpu" or logits.numel() < BLOCKED_ARGMAX_FROM or vocab_size < 2 * ARGMAX_BLOCK:
+        return logits.argmax(dim=-1)
+    leading = logits.shape[:-1]
+    logits = logits.reshape(-1, vocab_size) if logits.stride(-1) == 1 else logits.contiguous().view(-1, vocab_size)
+    num_rows = logits.shape[0]
+    whole = vocab_size // ARGMAX_BLOCK * ARGMAX_BLOCK
+    blocks = logits[:, :whole].view(num_rows, whole // ARGMAX_BLOCK, ARGMAX_BLOCK)
+    block_max = blocks.amax(dim=-1)                            # [N, V / block]
+    block = block_max.argmax(dim=-1)                           # the first block holding the row's maximum
+    rows = torch.arange(num_rows, device=logits.device)
+    ids = block * ARGMAX_BLOCK + blocks[rows, block].argmax(dim=-1)
+    if whole < vocab_size:   # a tail's maximum wins only above every whole block's (ties: the earlier)
+        tail_max, tail_ids = logits[:, whole:].max(dim=-1)
+        ids = torch.where(tail_max > block_max[rows, block], whole + tail_ids, ids)
+    return ids.view(leading)
+
+
 def process_rows(logits: torch.Tensor, row_params: RowParams, exact_cut: bool = True) -> torch.Tensor:
     """Processed probabilities [N, V] (float32) from logits [N, V], each row under its own
     parameters, in batched tensor ops.
@@ -305,7 +338,7 @@ def process_rows(logits: torch.Tensor, row_params: RowParams, exact_cut: bool = 
     vocab_size = logits.shape[-1]
     one_hot = None
     if row_params.any_greedy:
-        one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), vocab_size).float()
+        one_hot = torch.nn.functional.one_hot(greedy_ids(logits), vocab_size).float()
         if row_params.all_greedy:
             return one_hot
 

@@ -19,7 +19,7 @@ from specserve.decoding.compact_verify import (TargetNumbers, compact_block_veri
                                                ragged_target_numbers)
 from specserve.decoding.rejection import PLACEHOLDER_TOKEN_ID
 from specserve.decoding.row_processors import RowBatch, history_processor
-from specserve.decoding.sampling import RowParams, SamplingParams, process_rows
+from specserve.decoding.sampling import RowParams, SamplingParams, greedy_ids, process_rows
 from specserve.decoding.sequence import RequestState, ending_ids
 
 
@@ -80,7 +80,7 @@ def target_rows_batch(logits: torch.Tensor, calls: Sequence[RowsCall]) -> list[t
         raise ValueError(f"{logits.shape[0]} rows for calls of {first_row} rows")
     processed = batch.apply(logits)
     greedy = [call.params.is_greedy for call in calls]
-    argmax = processed.argmax(dim=-1) if any(greedy) else None
+    argmax = greedy_ids(processed) if any(greedy) else None
     probs = None
     if not all(greedy):   # (a greedy batch, the common case, needs no per-row parameters on the device)
         probs = process_rows(processed, RowParams.of([call.params for call in calls for _ in range(call.num_rows)],

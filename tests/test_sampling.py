@@ -10,6 +10,7 @@ from specserve.decoding.sampling import (
     MAX_TEMPERATURE,
     SamplingParams,
     draft_seed,
+    greedy_ids,
     logits_to_probs,
     make_generator,
     sample_from_probs,
@@ -111,6 +112,30 @@ def test_greedy_gives_one_hot_at_argmax_with_lowest_index_on_ties():
     probs = logits_to_probs(logits, SamplingParams(temperature=0))
     assert probs.dtype == torch.float32
     assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("shape", [(1, 8192), (5, 8192), (64, 2048), (3, 4, 8192), (7, 32001), (2, 128256)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_ids_are_torch_argmax_ties_to_the_lowest_index(shape, dtype):
+    """The blocked CPU argmax picks what torch.argmax picks: random rows (bfloat16's coarse values
+    tie often), a maximum repeated in two blocks, twice in one block, in the tail past the last
+    whole block (tied with a block's: the block's, earlier), rows of -inf with one finite logit or
+    none, and rows read through a strided view."""
+    logits = torch.randn(shape, generator=make_generator(3)).to(dtype)
+    flat = logits.view(-1, shape[-1])
+    vocab = shape[-1]
+    flat[0, [vocab - 1, 300, 5]] = 50.0                     # in two blocks and the tail: the first
+    if flat.shape[0] > 1:
+        flat[1, [140, 130]] = 50.0                          # twice in one block
+        flat[-1] = float("-inf")                            # nothing finite: 0, as torch.argmax
+    if flat.shape[0] > 2:
+        flat[2] = float("-inf")
+        flat[2, vocab - 2] = 1.0                            # only the tail's (or last block's) logit
+    assert torch.equal(greedy_ids(logits), logits.argmax(dim=-1))
+    strided = torch.cat([logits, logits], dim=-1)[..., :vocab]   # rows 2V apart
+    assert torch.equal(greedy_ids(strided), logits.argmax(dim=-1))
+    transposed = logits.reshape(-1, vocab).t().contiguous().t()  # the vocabulary not contiguous
+    assert torch.equal(greedy_ids(transposed), transposed.argmax(dim=-1))
 
 
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 2.0])
