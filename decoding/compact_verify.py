@@ -275,8 +275,11 @@ def ragged_target_numbers(target_probs: torch.Tensor, draft_token_ids: Sequence[
         residual.index_put_(at_support, -support_probs[first:last], accumulate=True)
         residual[at_support] = residual[at_support].clamp(min=0.0)
         mass[start:stop] = residual.sum(-1)
-        sampled = torch.where((mass[start:stop] <= 0).unsqueeze(-1), rows, residual)   # p = q at that position
-        tokens[start:stop] = inverse_cdf(sampled, uniforms[start:stop])
+        spent = mass[start:stop] <= 0   # p = q at that position: the draw is p's
+        # A CPU reads the flags for free and skips the whole-row select when no row needs it.
+        if device.type != "cpu" or bool(spent.any()):
+            residual = torch.where(spent.unsqueeze(-1), rows, residual)
+        tokens[start:stop] = inverse_cdf(residual, uniforms[start:stop])
     return RaggedNumbers(counts, target_of_draft.double(), mass[draft_rows_at].double(), tokens)
 
 

@@ -258,19 +258,21 @@ def draft_step(logits: torch.Tensor, calls: Sequence[ProposeCall], processors: S
             except GrammarDeadEndError:
                 dead.add(j)
     logits = batch.apply(logits)
-    tokens = greedy_ids(logits)
+    sampled = [j for j, call in enumerate(calls) if not call.params.is_greedy]
+    # The greedy rows' tokens (a sampled row's is drawn below, so an all-sampled step needs none)
+    tokens = (greedy_ids(logits) if len(sampled) < len(calls)
+              else torch.zeros(len(calls), dtype=torch.long, device=logits.device))
     guesses = {j: call.guess_rank for j, call in enumerate(calls) if call.guess_rank is not None and first[j]}
     num_candidates = max((call.num_candidates for call in calls), default=0)
     width = min(max([num_candidates, *(rank + 1 for rank in guesses.values())]), logits.shape[-1])
     # The draft's processed rows (the target's stand-in when its odds are guessed): softmax for
     # greedy rows, process_rows for sampled ones. Ranked once, for candidates and guesses alike.
     own = torch.softmax(logits.float(), dim=-1) if width else None
-    sampled = [j for j, call in enumerate(calls) if not call.params.is_greedy]
     supports: dict[int, DraftSupport] = {}
     if sampled:
         rows = index_on(sampled, logits.device)
         row_params = RowParams.of([calls[j].params for j in sampled], logits.shape[-1], logits.device)
-        processed = process_rows(logits.index_select(0, rows), row_params, exact_cut=False)
+        processed = process_rows(rows_at(logits, sampled, rows), row_params, exact_cut=False)
         if own is not None:
             own = own.index_copy(0, rows, processed)
         cut = (row_params.uses_top_k or row_params.uses_top_p or row_params.uses_min_p
@@ -285,8 +287,8 @@ def draft_step(logits: torch.Tensor, calls: Sequence[ProposeCall], processors: S
         drawing = [k for k, j in enumerate(sampled) if j not in guesses]
         if drawing:
             at = index_on(drawing, logits.device)
-            pick = sample_rows(q.probs.index_select(0, at), [calls[sampled[k]].generator for k in drawing])
-            chosen = q.ids.index_select(0, at).gather(-1, pick.unsqueeze(-1)).squeeze(-1)
+            pick = sample_rows(rows_at(q.probs, drawing, at), [calls[sampled[k]].generator for k in drawing])
+            chosen = rows_at(q.ids, drawing, at).gather(-1, pick.unsqueeze(-1)).squeeze(-1)
             tokens = tokens.index_copy(0, rows.index_select(0, at), chosen)
     top = torch.topk(own, width, dim=-1) if width else None
     if guesses:
@@ -317,7 +319,7 @@ def draft_step(logits: torch.Tensor, calls: Sequence[ProposeCall], processors: S
             candidates_q = per_candidate.probs_of(top.indices.index_select(0, rows)).to(drawn_top.dtype)
             drawn_top = drawn_top.index_copy(0, rows, candidates_q)
             drawn_token = drawn_token.index_copy(0, rows, drawn.probs_of(tokens.index_select(0, rows)))
-            left = (own.index_select(0, rows) - drawn.dense(own.shape[-1])).clamp(min=0).sum(-1)
+            left = (rows_at(own, sampled, rows) - drawn.dense(own.shape[-1])).clamp(min=0).sum(-1)
             residual = residual.index_copy(0, rows, left)
         columns += [top.indices[:, :num_candidates].double(), top.values[:, :num_candidates].double(),
                     drawn_top[:, :num_candidates].double(), residual.unsqueeze(-1).double(),
@@ -338,6 +340,15 @@ def draft_step(logits: torch.Tensor, calls: Sequence[ProposeCall], processors: S
                              None if greedy else row[-1], 0.0 if greedy else row[-3])
         steps.append((int(row[0]), ranked, supports.get(j), odds))
     return steps
+
+
+def rows_at(tensor: torch.Tensor, positions: list[int], index: torch.Tensor) -> torch.Tensor:
+    """tensor's rows at positions (index: the same positions on tensor's device); the tensor
+    itself when they are all its rows in order, the common case (every row sampled), where a
+    copy of rows as wide as the vocabulary would cost a CPU step as much as processing them."""
+    if len(positions) == tensor.shape[0] and positions == list(range(len(positions))):
+        return tensor
+    return tensor.index_select(0, index)
 
 
 class NgramProposer:

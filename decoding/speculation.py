@@ -121,7 +121,7 @@ def verify_answers(rows: Sequence[torch.Tensor], proposals: Sequence[Proposal],
     parts = [rows[i] for i in greedy]
     if sampled:
         numbers = ragged_target_numbers(
-            torch.cat([rows[i] for i in sampled]), [proposals[i].token_ids for i in sampled],
+            joined_rows([rows[i] for i in sampled]), [proposals[i].token_ids for i in sampled],
             [proposals[i].support for i in sampled], [generators[i] for i in sampled],
             [verifications[i] == "block" and proposals[i].support is not None for i in sampled])
         parts += [numbers.target_of_draft, numbers.residual_mass, numbers.tokens]

@@ -154,6 +154,25 @@ def test_a_ragged_batch_answers_each_request_as_it_would_alone_under_its_own_see
         token_start += count + 1
 
 
+@pytest.mark.parametrize("block", [False, True])
+def test_a_position_whose_q_is_p_draws_its_recovered_token_from_p_in_a_ragged_batch_as_alone(block):
+    """Where the draft's q equals the target's p the residual max(p - q, 0) has no mass, and the
+    recovered token (never emitted: every token there is accepted) is drawn from p itself so the
+    stream's draws stay in step; a ragged batch mixing such a request with others answers it bit
+    for bit as it answers alone."""
+    generator = torch.Generator().manual_seed(11)
+    same = torch.softmax(torch.randn(3, 7, generator=generator) * 2, -1)
+    blocks = [(same, [1, 4], draft_support(same[:2], None), block, 21), *ragged_blocks(seed=5)[:3]]
+    numbers = ragged_target_numbers(torch.cat([rows for rows, *_ in blocks]), [ids for _, ids, *_ in blocks],
+                                    [support for _, _, support, *_ in blocks],
+                                    [make_generator(seed) for *_, seed in blocks], [b for *_, b, _ in blocks])
+    alone = target_numbers(torch.tensor([[1, 4]]), DraftSupport(blocks[0][2].ids[None], blocks[0][2].probs[None]),
+                           same[None], make_generator(21), block=block)
+    assert numbers.residual_mass[:2].tolist() == [0.0, 0.0] == alone.residual_mass[0].tolist()
+    assert numbers.tokens[:3].tolist() == [*alone.recovered[0].tolist(), alone.bonus.item()]
+    assert all(same[i, token] > 0 for i, token in enumerate(numbers.tokens[:2].tolist()))
+
+
 def test_whole_rows_travel_without_their_ids_and_answer_as_they_do_in_process():
     """A draft row that nothing cut is the whole vocabulary in id order: the wire drops those ids
     (half its bytes) and the receiver restores them; a cut row keeps its own. A ragged batch of
