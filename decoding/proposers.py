@@ -259,22 +259,23 @@ def draft_step(logits: torch.Tensor, calls: Sequence[ProposeCall], processors: S
                 dead.add(j)
     logits = batch.apply(logits)
     sampled = [j for j, call in enumerate(calls) if not call.params.is_greedy]
+    all_sampled = len(sampled) == len(calls)
     # The greedy rows' tokens (a sampled row's is drawn below, so an all-sampled step needs none)
-    tokens = (greedy_ids(logits) if len(sampled) < len(calls)
-              else torch.zeros(len(calls), dtype=torch.long, device=logits.device))
+    tokens = (torch.zeros(len(calls), dtype=torch.long, device=logits.device) if all_sampled
+              else greedy_ids(logits))
     guesses = {j: call.guess_rank for j, call in enumerate(calls) if call.guess_rank is not None and first[j]}
     num_candidates = max((call.num_candidates for call in calls), default=0)
     width = min(max([num_candidates, *(rank + 1 for rank in guesses.values())]), logits.shape[-1])
     # The draft's processed rows (the target's stand-in when its odds are guessed): softmax for
     # greedy rows, process_rows for sampled ones. Ranked once, for candidates and guesses alike.
-    own = torch.softmax(logits.float(), dim=-1) if width else None
+    own = torch.softmax(logits.float(), dim=-1) if width and not all_sampled else None
     supports: dict[int, DraftSupport] = {}
     if sampled:
         rows = index_on(sampled, logits.device)
         row_params = RowParams.of([calls[j].params for j in sampled], logits.shape[-1], logits.device)
         processed = process_rows(rows_at(logits, sampled, rows), row_params, exact_cut=False)
-        if own is not None:
-            own = own.index_copy(0, rows, processed)
+        if width:
+            own = processed if own is None else own.index_copy(0, rows, processed)
         cut = (row_params.uses_top_k or row_params.uses_top_p or row_params.uses_min_p
                or any(processors[j] is not None for j in sampled))   # a grammar's mask zeroes tokens too
         q = draft_support(processed, max_candidates, cut)
