@@ -23,6 +23,7 @@ import yaml
 
 from specserve.cluster.builder import serve_config_yaml
 from specserve.cluster.serve_data_plane import HIGH_THROUGHPUT_ENV
+from specserve.decoding.host_memory import ENGINE_ENV
 from specserve.common.config import SpecServeConfig, WorkerResources
 
 DEFAULT_IMAGE = "specserve:0.1.0-gpu"  # built from k8s/Dockerfile
@@ -44,7 +45,8 @@ def _pod(image: str, cpus: float, gpus: float, memory_gb: float, models_claim: s
         mounts.append({"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True})
         volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": models_claim, "readOnly": True}})
     container = {"name": "ray", "image": image, "resources": {"limits": limits, "requests": dict(limits)},
-                 "env": [{"name": name, "value": value} for name, value in HIGH_THROUGHPUT_ENV.items()],
+                 "env": [{"name": name, "value": value}
+                         for name, value in {**HIGH_THROUGHPUT_ENV, **ENGINE_ENV}.items()],
                  "volumeMounts": mounts}
     return {"containers": [container], "volumes": volumes}
 

@@ -18,6 +18,7 @@ from ray.serve.schema import ApplicationStatus, DeploymentStatus
 
 from specserve.cluster.builder import APP_NAME, build_app, checked_head, custom_resources_needed, logical_cpus_needed
 from specserve.cluster.serve_data_plane import added_to_environment, local_cluster_env
+from specserve.decoding.host_memory import malloc_env
 from specserve.common.config import SpecServeConfig
 from specserve.decoding.token_map import load_token_map
 
@@ -112,11 +113,12 @@ def init_local_ray(**ray_init_kwargs) -> None:
     twice: on a busy machine a node now and then misses Ray's own start-up limits (its GCS never
     writes its port file, or its raylet never registers), and a second start succeeds where the
     first did not. What a failed attempt started is ended before the next. StartupError if both fail.
-    The cluster's processes start with Serve's high-throughput data plane (cluster/serve_data_plane.py)."""
+    The cluster's processes start with Serve's high-throughput data plane (cluster/serve_data_plane.py)
+    and the engines' malloc settings (decoding/host_memory.py)."""
     for attempt in range(RAY_START_ATTEMPTS):
         before = {child.pid for child in psutil.Process().children(recursive=True)}
         try:
-            with added_to_environment(local_cluster_env()):
+            with added_to_environment({**local_cluster_env(), **malloc_env()}):
                 ray.init(configure_logging=False, log_to_driver=False, **ray_init_kwargs)
             return
         except Exception as exc:  # Ray raises a bare Exception when its node does not come up

@@ -38,6 +38,7 @@ from specserve.decoding.null_forward import allowed_tokens, null_logits
 from specserve.decoding.checkpoint import resolve_device
 from specserve.decoding.device_copy import host_to_device, index_on
 from specserve.decoding.eagle3_head import aux_features
+from specserve.decoding.host_memory import keep_freed_memory
 from specserve.decoding.target_features import TargetFeatures
 from specserve.decoding.tensor_parallel import TensorParallelRank, agreed_minimum, in_group, join_group, weight_bytes
 from specserve.decoding.paged_attention import ATTENTION_NAME, FLASH_BLOCK_SIZE, PagedAttentionError, flash_kernel_available
@@ -135,6 +136,8 @@ class BatchedModelRunner(RunnerBase):
         self._dtype = next(model.parameters()).dtype
         input_major_linears(model)
         pack_linears(model)
+        if self.device.type == "cpu":
+            keep_freed_memory()   # each step's tensors on pages already mapped (decoding/host_memory.py)
         self.mapped_head = mapped_head(model)   # a draft's LM head over a token map: told each step's rows
         self.aux_layers = tuple(int(layer) for layer in aux_layers)
         num_layers = self.config.num_hidden_layers

@@ -162,6 +162,18 @@ def test_http_comes_through_haproxy_not_serves_python_proxy(server):
     assert {psutil.Process(pid).name() for pid in holders} == {"haproxy"}
 
 
+def test_engine_processes_start_with_the_engines_malloc_settings(server):
+    """glibc reads them once, at a process's start (decoding/host_memory.py): a local cluster starts
+    every process with them, the engines' actors included, not given them later."""
+    from specserve.decoding.host_memory import ENGINE_ENV
+
+    for pool in ("TargetWorker", "DraftWorker"):
+        engine = serve.get_deployment_handle(pool, APP_NAME).get_engine.remote().result()
+        pid = ray.get(engine.actor.__ray_call__.remote(lambda actor: __import__("os").getpid()))
+        started_with = psutil.Process(pid).environ()
+        assert {name: started_with.get(name) for name in ENGINE_ENV} == ENGINE_ENV, pool
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_completion_equals_target_only_greedy(client, reference, prompt):
     response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0)

@@ -8,8 +8,8 @@ forward's last rows, at Llama 3's vocabulary width (`--vocab-size`: another).
 
 Shapes: 1 and 8 calls, greedy and sampled (temperature 0.8), V = 128,256, random logits, one
 torch thread; a verify call holds K + 1 = 5 rows, a draft call one row (no fan-out candidates).
-Each measurement runs in its own process with PYTHONPATH set to the tree under test, the trees
-taking turns every round (this box drifts); medians over rounds of each process's median over its
+Each measurement runs in its own process with PYTHONPATH set to the tree under test and malloc as
+that tree's engine processes hold it, the trees taking turns every round (this box drifts); medians over rounds of each process's median over its
 repetitions. Writes bench/results/<name>.json and .md.
 """
 
@@ -71,12 +71,19 @@ WORKERS = {"verify": verify_worker, "draft": draft_worker}
 
 
 def step_params(mode: str):
-    """One torch thread, and the sampling parameters of a `mode` ("greedy" or "sampled") request."""
+    """One torch thread, malloc set as the tree's engine processes have it (decoding/host_memory.py,
+    where the tree has it), and the sampling parameters of a `mode` ("greedy" or "sampled") request."""
     import torch
 
     from specserve.decoding.sampling import SamplingParams
 
     torch.set_num_threads(1)
+    try:
+        from specserve.decoding.host_memory import keep_freed_memory
+    except ImportError:   # a tree from before the engines set it
+        pass
+    else:
+        keep_freed_memory()
     return SamplingParams(temperature=0.0 if mode == "greedy" else 0.8, seed=None if mode == "greedy" else 7)
 
 
