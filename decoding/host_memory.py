@@ -5,7 +5,7 @@ and a batch's activations, and frees them by the end of the step. glibc's malloc
 above its mmap threshold (128 KiB at first, moving with what is freed) with a fresh mapping, and
 hands a large free top of its heap back to the kernel; either way the next step's tensor lands on
 pages the kernel must fault in and zero again, and at a large vocabulary that costs a sampled step
-more than its arithmetic (docs/performance.md, "Host memory kept"). With fixed thresholds blocks up to
+more than its arithmetic (docs/performance.md, "Host memory kept (CPU)"). With fixed thresholds blocks up to
 MMAP_THRESHOLD come from the heap and up to TRIM_THRESHOLD of free heap stays mapped; one arena
 keeps the engine's forward thread on the main heap, which is not capped as a thread's arena is
 (64 MiB a heap, whole heaps unmapped once free). What a process holds is then its steps' peak, as
@@ -36,7 +36,6 @@ ARENA_MAX = 1
 
 ENGINE_ENV = {"MALLOC_ARENA_MAX": str(ARENA_MAX), "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD),
               "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
-
 
 
 def malloc_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:

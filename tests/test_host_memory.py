@@ -44,8 +44,8 @@ thread.join()
 
 def test_an_engine_process_takes_a_tenth_of_the_page_faults_or_fewer_with_its_malloc_settings():
     """Three processes over the same steps: malloc as glibc starts it (the test's own check that the
-    steps fault at all), started with ENGINE_ENV (as an engine actor is: misspelt names would be
-    ignored silently), and set from inside by keep_freed_memory (an in-process engine)."""
+    steps fault at all), started with ENGINE_ENV (as a local cluster's processes are: a misspelt
+    name would be ignored silently), and set from inside by keep_freed_memory (an in-process engine)."""
     assert keep_freed_memory()   # glibc, as every machine this project runs on
     plain_env = {name: value for name, value in os.environ.items() if not name.startswith("MALLOC_")}
     runs = {"default": (plain_env, "plain"), "ENGINE_ENV": ({**plain_env, **ENGINE_ENV}, "plain"),

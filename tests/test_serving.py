@@ -11,6 +11,7 @@ output may differ at near-ties and with what shares a batch (docs/gpu.md).
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -169,7 +170,7 @@ def test_engine_processes_start_with_the_engines_malloc_settings(server):
 
     for pool in ("TargetWorker", "DraftWorker"):
         engine = serve.get_deployment_handle(pool, APP_NAME).get_engine.remote().result()
-        pid = ray.get(engine.actor.__ray_call__.remote(lambda actor: __import__("os").getpid()))
+        pid = ray.get(engine.actor.__ray_call__.remote(lambda actor: os.getpid()))
         started_with = psutil.Process(pid).environ()
         assert {name: started_with.get(name) for name in ENGINE_ENV} == ENGINE_ENV, pool
 

@@ -9,8 +9,9 @@ forward's last rows, at Llama 3's vocabulary width (`--vocab-size`: another).
 Shapes: 1 and 8 calls, greedy and sampled (temperature 0.8), V = 128,256, random logits, one
 torch thread; a verify call holds K + 1 = 5 rows, a draft call one row (no fan-out candidates).
 Each measurement runs in its own process with PYTHONPATH set to the tree under test and malloc as
-that tree's engine processes hold it, the trees taking turns every round (this box drifts); medians over rounds of each process's median over its
-repetitions. Writes bench/results/<name>.json and .md.
+that tree's engine processes hold it, the trees taking turns every round (this box drifts);
+medians over rounds of each process's median over its repetitions. Writes
+bench/results/<name>.json and .md.
 """
 
 from __future__ import annotations
