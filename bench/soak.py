@@ -11,6 +11,10 @@ or KV sequence left held once the clients stop; the JSON goes to --out.
 
 Why after warm-up: the first minute allocates for good (model weights, torch's allocator pools,
 the KV block pool growing to the tokens it holds, compiled regex caches). A leak keeps growing.
+An engine's KV pool grows into its budget as prefix-cached blocks accumulate (docs/kv-memory.md),
+by design, so with the default budget (gigabytes) an engine's RSS would rise for the whole run
+without leaking anything: the soak gives each engine a budget of --kv-tokens tokens, which the
+run's requests fill within the warm-up, after which the pool evicts and holds its size.
 """
 
 from __future__ import annotations
@@ -28,16 +32,26 @@ from pathlib import Path
 
 import httpx
 import psutil
+import torch
+from transformers import AutoConfig
 
 from specserve.bench import DEFAULT_OUT_DIR
 from specserve.bench.http_rows import free_port
-from specserve.common.config import load_config
+from specserve.common.config import ModelSpec, load_config
+from specserve.decoding.paged_cache import kv_bytes_per_token
 from specserve.training.prompts import load_prompt_set
 
 KINDS = ("greedy", "sampled_stream", "greedy_stream", "chat", "dropped")
 APP_PROCESS = re.compile(r"^ray::(?:ServeReplica:specserve:)?(\w+)")
-APP_ACTORS = {"Ingress", "Router", "TargetWorker", "DraftWorker", "TargetEngine", "DraftEngine",
+# EngineProcess: a worker replica's engine actor (deployments/engine_process.py), the model's process.
+APP_ACTORS = {"Ingress", "Router", "TargetWorker", "DraftWorker", "EngineProcess",
               "PolicyActor", "ProxyActor", "ServeController"}
+
+
+def kv_budget(spec: ModelSpec, tokens: int) -> ModelSpec:
+    """spec with a KV budget of `tokens` tokens (float32 keys and values, as a CPU engine holds them)."""
+    config = AutoConfig.from_pretrained(spec.path, local_files_only=True).get_text_config(decoder=True)
+    return spec.model_copy(update={"kv_cache_memory_gb": tokens * kv_bytes_per_token(config, torch.float32) / 2**30})
 
 
 def app_processes() -> dict[int, str]:
@@ -166,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--sample-every-s", type=float, default=5.0)
     parser.add_argument("--max-growth", type=float, default=0.10)
+    parser.add_argument("--kv-tokens", type=int, default=8192,
+                        help="each engine's KV budget in tokens: few enough for the warm-up to fill it")
     parser.add_argument("--prompts", default="thirdparty")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=f"{DEFAULT_OUT_DIR}/soak.json", help="the JSON (published: bench/results/soak-cpu-2core.json)")
@@ -174,7 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     from specserve.cluster.local import start_local, stop_local
 
     base = load_config(args.config)
-    config = base.model_copy(update={"http": base.http.model_copy(update={"host": "127.0.0.1", "port": free_port()})})
+    config = base.model_copy(update={
+        "http": base.http.model_copy(update={"host": "127.0.0.1", "port": free_port()}),
+        "target": kv_budget(base.target, args.kv_tokens),
+        "draft": base.draft and kv_budget(base.draft, args.kv_tokens)})
     prompts = [p.text for p in load_prompt_set(args.prompts).prompts]
     url = start_local(config)
     memory, tally, stop = MemoryTrace(), Tally(), threading.Event()
@@ -200,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     passed = not tally.errors and worst <= args.max_growth and held == {"active_requests": 0, "sequences": 0}
     result = {"command": "python -m specserve.bench.soak " + " ".join(argv if argv is not None else sys.argv[1:]),
               "duration_s": args.duration_s, "warmup_s": args.warmup_s, "streams": args.streams,
+              "kv_tokens": args.kv_tokens,
               "requests": tally.done, "requests_total": sum(tally.done.values()), "completion_tokens": tally.tokens,
               "errors": len(tally.errors), "error_samples": tally.errors[:10], "held_after": held,
               "max_growth_allowed": args.max_growth, "max_growth_allowed_percent": round(100 * args.max_growth, 2),
