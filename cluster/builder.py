@@ -234,6 +234,6 @@ def serve_config_yaml(config: SpecServeConfig) -> str:
               "# Ray must offer the logical CPUs the deployments ask for, whatever the machine's core count:\n"
               f"#   ray start --head --num-cpus {logical_cpus_needed(config)} && serve run THIS_FILE\n"
               "# CPU engines keep the host memory they free with glibc's malloc set where `ray start` runs\n"
-              "# (docs/performance.md, \"Host memory kept\"):\n"
+              "# (docs/performance.md, \"Host memory kept (CPU)\"):\n"
               f"#   export {' '.join(f'{name}={value}' for name, value in ENGINE_ENV.items())}\n")
     return header + yaml.safe_dump(document, sort_keys=False)

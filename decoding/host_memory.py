@@ -34,8 +34,10 @@ MMAP_THRESHOLD = 32 * 1024 * 1024   # glibc's largest (HEAP_MAX_SIZE / 2 on 64-b
 TRIM_THRESHOLD = 256 * 1024 * 1024
 ARENA_MAX = 1
 
-ENGINE_ENV = {"MALLOC_ARENA_MAX": str(ARENA_MAX), "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD),
-              "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
+# Each setting's environment variable -> its mallopt parameter (glibc's malloc.h) and value.
+SETTINGS = {"MALLOC_ARENA_MAX": (-8, ARENA_MAX), "MALLOC_MMAP_THRESHOLD_": (-3, MMAP_THRESHOLD),
+            "MALLOC_TRIM_THRESHOLD_": (-1, TRIM_THRESHOLD)}
+ENGINE_ENV = {name: str(value) for name, (_, value) in SETTINGS.items()}
 
 
 def malloc_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -44,14 +46,11 @@ def malloc_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     return {name: value for name, value in ENGINE_ENV.items() if name not in environ}
 
 
-# mallopt's parameters (glibc's malloc.h)
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
-
-
 @functools.cache
 def keep_freed_memory() -> bool:
-    """Set this process's malloc to ENGINE_ENV's values; False where the C library is not glibc
-    (no mallopt: nothing to set) or refuses a value. Once per process."""
+    """Set this process's malloc to ENGINE_ENV's values, each but where its environment variable is
+    set (the user's choice stands, as in malloc_env); False where the C library is not glibc (no
+    mallopt: nothing to set) or refuses a value. Once per process."""
     name = ctypes.util.find_library("c")
     try:
         mallopt = ctypes.CDLL(name).mallopt if name else None
@@ -59,5 +58,4 @@ def keep_freed_memory() -> bool:
         mallopt = None
     if mallopt is None:
         return False
-    return all(mallopt(parameter, value) == 1 for parameter, value in
-               ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_ARENA_MAX, ARENA_MAX)))
+    return all(mallopt(*SETTINGS[name]) == 1 for name in malloc_env())
