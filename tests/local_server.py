@@ -193,6 +193,26 @@ def shared_server(tmp_path_factory) -> tuple[str, SpecServeConfig]:
     return _shared["server"]
 
 
+def wait_until_a_lone_greedy_request_drafts(timeout_s: float = 30.0) -> None:
+    """Until the shared server's router would give a greedy request arriving alone a depth above 0.
+
+    Why: under the load an earlier test left (hundreds of concurrent sampled requests), the policy
+    actor's goodput model may choose target-only for both classes, and that decision stands until
+    the routers next read one made after the load has gone (policies/depth_chooser.py). A short
+    request sent at once runs every round target-only, so a test asserting that it drafted would
+    fail on timing alone. The router's status answers with the depth a fresh lone greedy request
+    gets from the decision it holds."""
+    from ray import serve
+
+    from specserve.cluster.builder import APP_NAME
+
+    router = serve.get_deployment_handle("Router", APP_NAME)
+    deadline = time.monotonic() + timeout_s
+    while (status := router.status.remote().result())["num_draft_tokens"] <= 0:
+        assert time.monotonic() < deadline, f"the router still gives a lone greedy request K = 0: {status}"
+        time.sleep(0.2)
+
+
 def shared_server_running() -> bool:
     return "server" in _shared
 

@@ -30,7 +30,7 @@ from specserve.decoding.batched_runner import BatchedModelRunner
 from specserve.decoding.scheduler import Scheduler
 from specserve.decoding.sampling import SamplingParams
 from specserve.decoding.sequence import RequestState
-from tests.local_server import SHARED_MODEL, greedy_reference
+from tests.local_server import SHARED_MODEL, greedy_reference, wait_until_a_lone_greedy_request_drafts
 
 pytestmark = pytest.mark.ray
 MODEL = SHARED_MODEL
@@ -177,6 +177,7 @@ def test_engine_processes_start_with_the_engines_malloc_settings(server):
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_completion_equals_target_only_greedy(client, reference, prompt):
+    wait_until_a_lone_greedy_request_drafts()
     response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0)
     assert response.choices[0].text == reference(prompt, 48)
     assert response.usage.completion_tokens == 48
@@ -214,6 +215,7 @@ def test_a_cache_salt_finds_only_its_own_tenants_cached_blocks(client, reference
     afresh under a new salt, found by the same salt, and the text is the same greedy text."""
     prompt = "# tenant isolation\n" + "".join(PROMPTS) * 3
     salted = {"cache_salt": "tenant-a"}
+    wait_until_a_lone_greedy_request_drafts()
     unsalted = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, extra_body=salted)
     again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, extra_body=salted)

@@ -50,7 +50,7 @@ import openai
 
 from specserve.decoding.row_processors import bad_words_token_ids, history_processor
 from specserve.decoding.sampling import SamplingParams, logits_to_probs
-from tests.local_server import SHARED_MODEL
+from tests.local_server import SHARED_MODEL, wait_until_a_lone_greedy_request_drafts
 from tests.test_generate import null_tv_bound
 from tests.test_logit_bias import AllowedTokens, OutputBadWords
 from tests.test_penalties import hf_processors
@@ -239,6 +239,7 @@ def test_greedy_with_a_logit_bias_and_allowed_ids_over_the_openai_client_equals_
     model, tokenizer = target
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
     prompt_ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    wait_until_a_lone_greedy_request_drafts()
     plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
     plain_ids = tokenizer.encode(plain.choices[0].text, add_special_tokens=False)
     # Ban the unbiased text's first token; allow only ids the unbiased text and a few others use.
@@ -267,6 +268,7 @@ def test_greedy_with_bad_words_over_the_openai_client_equals_hf_generate(server,
     model, tokenizer = target
     prompt = TOP_K_CASE[0]
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    wait_until_a_lone_greedy_request_drafts()
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0).choices[0].text
     bad_words = [plain.strip()[0], "i in"]
     reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
