@@ -174,8 +174,9 @@ class SpeculationSpec(_Strict):
                                       "often, for some acceptance (0.05 gave the measured hits). Exact for any value; "
                                       "1 (the default, until tokens/s shows it pays): off (docs/speculation-cache.md)")
     draft_top_k: int = Field(8192, ge=1, description="a sampled draft token is drawn from at most this many of "
-                             "its row's most likely tokens (fewer where the request's top-k / top-p cut it "
-                             "shorter; the whole row where the vocabulary has no more), and that q goes to the "
+                             "its row's most likely tokens, leaving out those under a millionth of the likeliest's "
+                             "probability (fewer where the request's top-k / top-p cut it shorter; the whole row, "
+                             "tail and all, where the vocabulary has no more), and that q goes to the "
                              "target as (ids, probs), 8 bytes a token of it (4 for a whole row). Exact for any "
                              "value; the cut costs acceptance up to the mass it removes, which a small draft "
                              "spreads thinly over thousands of tokens (docs/sampling.md#how-wide-the-drafts-q-is)")

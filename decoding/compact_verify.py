@@ -4,9 +4,10 @@
 rows. Only a few numbers of those rows decide the outcome, and the target engine, which has p,
 can compute them where p lives:
 
-- the draft samples each token from a truncated support, the top `max_candidates` of its
-  processed row q renormalised (`draft_support`; where the request's own top-k / top-p already cut
-  the row shorter, that is exactly the processed row), and ships (ids, probs), not the [V] row.
+- the draft samples each token from a truncated support, the likely tokens of its processed row q
+  (at most `max_candidates`, the likeliest) renormalised (`draft_support`; where the request's own
+  top-k / top-p already cut the row shorter, that is exactly the processed row), and ships (ids,
+  probs), not the [V] row.
   Verification is exact for whatever q the draft sampled from, as long as the verifier uses that
   very q: a truncated q only lowers acceptance by the mass it cut;
 - the target computes, per drafted position i (`target_numbers`), p_i(x_i), a token drawn from the
@@ -99,31 +100,57 @@ def _in_id_order(ids: torch.Tensor) -> bool:
     return width > 1 and ids.numel() > 0 and bool((ids == torch.arange(width, device=ids.device)).all())
 
 
-def draft_support(probs: torch.Tensor, max_candidates: int | None, cut: bool = False) -> DraftSupport:
-    """The draft's sampling distribution from processed rows probs [..., V]: their top
-    min(max_candidates, V) entries renormalised (None: the whole row). Rows already truncated to
-    fewer tokens (top-k, top-p, min-p, a grammar mask) keep exactly their distribution.
+# A draft's q leaves out the tokens whose probability is at most this share of its likeliest's.
+TAIL_SHARE = 2.0 ** -20
 
-    cut: some row may be truncated. The support is then no wider than the widest row's kept
-    tokens (one host read of that count), since past them a row holds only zeros: a top-p row
-    often keeps a few hundred tokens or fewer, which is then all the q that travels (ids and
-    probabilities, twice a round) instead of max_candidates' worth or a whole row. A cut support
-    is put in id order, as a whole row is, so a seeded draw from it picks the token the same draw
-    picks from the dense row, whatever max_candidates is."""
+
+def draft_support(probs: torch.Tensor, max_candidates: int | None, cut: bool = False) -> DraftSupport:
+    """The draft's sampling distribution from processed rows probs [..., V]: each row's likely
+    tokens, at most min(max_candidates, V) of them (the likeliest), renormalised (None: the whole
+    row). Rows already truncated to fewer tokens (top-k, top-p, min-p, a grammar mask) keep exactly
+    their distribution.
+
+    Likely: above TAIL_SHARE of the row's likeliest token's probability, or, where some row may be
+    truncated (cut), above 0. Why the tail is left out: finding a row's likeliest few thousand
+    of a large vocabulary (a top-k over all of it) costs a CPU several times what a pass that
+    marks the likely tokens and gathers them does, and the tokens left out hold at most
+    max_candidates * TAIL_SHARE of the likeliest's mass, which a rejection sampler loses as
+    acceptance only: verification is exact for whatever q the draft drew from. Where more tokens
+    than max_candidates are likely, the likeliest of them are kept (a top-k over those alone, or
+    over the whole row where several times max_candidates are likely).
+
+    The support is as wide as the row with the most likely tokens (one host read of the counts),
+    a narrower row padded with probability-0 entries, so a peaked row's q travels as a few hundred
+    (id, probability) pairs, not max_candidates of them. A support within max_candidates is in id
+    order, as a whole row is, and so is a cut row's, so a seeded draw from a cut row picks the
+    token the same draw picks from the dense row, whatever max_candidates is."""
     probs = probs.float()
     vocab_size = probs.shape[-1]
     width = vocab_size if max_candidates is None else min(max_candidates, vocab_size)
-    if cut and probs.numel():
-        width = min(width, max(1, int((probs > 0).sum(-1).max())))
-    if width >= vocab_size:  # the whole row: no sort needed
+    if width >= vocab_size or not probs.numel():  # the whole row: nothing to find
         return DraftSupport(torch.arange(vocab_size, device=probs.device).expand_as(probs), probs)
-    # Unsorted: the support is a set (drawing, verifying and the wire read it in any order), and
-    # a CPU top-k of thousands over a large vocabulary costs markedly less without the sort.
-    values, ids = torch.topk(probs, width, dim=-1, sorted=False)
+    rows = probs.reshape(-1, vocab_size)
+    floor = 0.0 if cut else rows.amax(dim=-1, keepdim=True) * TAIL_SHARE
+    likely = rows > floor
+    counts = likely.sum(dim=-1)
+    widest = max(1, int(counts.max()))
+    if widest > 4 * width:   # far more likely tokens than kept: one top-k over the row
+        values, ids = torch.topk(rows, width, dim=-1, sorted=False)
+    else:
+        row_of, ids_of = likely.nonzero(as_tuple=True)   # in row, then id order
+        slot = torch.arange(ids_of.numel(), device=probs.device) - (counts.cumsum(0) - counts)[row_of]
+        ids = torch.zeros(rows.shape[0], widest, dtype=torch.long, device=probs.device)
+        values = torch.zeros(rows.shape[0], widest, device=probs.device)
+        ids[row_of, slot] = ids_of
+        values[row_of, slot] = rows[row_of, ids_of]
+        if widest > width:
+            values, order = torch.topk(values, width, dim=-1, sorted=False)
+            ids = ids.gather(-1, order)
     if cut:
         ids, order = ids.sort(dim=-1)
         values = values.gather(-1, order)
-    return DraftSupport(ids, values / values.sum(-1, keepdim=True))
+    shape = (*probs.shape[:-1], ids.shape[-1])
+    return DraftSupport(ids.reshape(shape), (values / values.sum(-1, keepdim=True)).reshape(shape))
 
 
 def saguaro_support(support: DraftSupport, num_lowered: int, downweight: float) -> DraftSupport:

@@ -163,8 +163,8 @@ class DraftModelProposer:
 
     def __init__(self, runner: Any, grammars: GrammarMatchers | None = None,
                  max_candidates: int | None = None, saguaro: SaguaroSampling | None = None) -> None:
-        """max_candidates: a sampled draft token is drawn from its processed row's top
-        max_candidates tokens renormalised (decoding.compact_verify.draft_support), which is the q
+        """max_candidates: a sampled draft token is drawn from at most this many of its processed
+        row's likely tokens renormalised (decoding.compact_verify.draft_support), which is the q
         verified against; None: the whole row (`speculation.draft_top_k` on the served path).
         runner: what the draft forwards run on (a Scheduler: forward_batch, release, max_context).
         saguaro: sampled drafts lower their top tokens so that a rejection's residual lands on the

@@ -12,7 +12,7 @@ handed the untruncated row instead of the q the draft sampled from is rejected b
 import pytest
 import torch
 
-from specserve.decoding.compact_verify import (DraftSupport, compact_block_verify, compact_rejection_sample, draft_support,
+from specserve.decoding.compact_verify import (TAIL_SHARE, DraftSupport, compact_block_verify, compact_rejection_sample, draft_support,
                                                ragged_target_numbers, target_numbers)
 from specserve.decoding.sampling import make_generator, sample_from_probs
 from tests.test_block_verify import P_VALUE_THRESHOLD, continued_with_target, joint_fit, toy_models
@@ -80,7 +80,7 @@ def test_a_cut_support_is_as_wide_as_its_widest_kept_row_and_blocks_of_such_rows
     cut = draft_support(rows, max_candidates=5, cut=True)
     assert cut.width == 3
     torch.testing.assert_close(cut.dense(6), rows)
-    assert draft_support(rows, max_candidates=5).width == 5               # not told: max_candidates wide
+    assert draft_support(rows, max_candidates=5).width == 3               # not told: its likely tokens, as wide
     assert draft_support(rows, max_candidates=2, cut=True).width == 2     # never wider than max_candidates
     uncut = torch.tensor([[0.1, 0.2, 0.3, 0.1, 0.2, 0.1]])
     assert draft_support(uncut, max_candidates=None, cut=True).width == 6  # a whole row stays whole
@@ -92,6 +92,36 @@ def test_a_cut_support_is_as_wide_as_its_widest_kept_row_and_blocks_of_such_rows
     torch.testing.assert_close(block.dense(6), rows)
     assert block.probs_of(torch.tensor([3, 2])).tolist() == pytest.approx([0.3, 1.0])
     assert block.probs_of(torch.tensor([0, 0])).tolist() == [0.0, 0.0]
+
+def test_a_support_leaves_out_the_tail_below_its_share_of_the_likeliest_and_keeps_the_likeliest():
+    """The support: at most max_candidates tokens, the likeliest, none at or below TAIL_SHARE of
+    the row's likeliest token's probability; found from the likely tokens, with a top-k over them
+    where there are more than max_candidates, or by one top-k over the row where there are far
+    more. Against the definition, on rows of all three kinds."""
+    generator = torch.Generator().manual_seed(0)
+    vocab_size, max_candidates = 4096, 64
+    peaked = torch.softmax(torch.randn(3, vocab_size, generator=generator) * 14, -1)    # fewer likely than 64
+    wide = torch.softmax(torch.randn(3, vocab_size, generator=generator) * 8, -1)       # more, under 4 * 64
+    flat = torch.full((1, vocab_size), 1.0 / vocab_size)                                 # all of it likely
+    for rows in (peaked, wide, flat, torch.cat([peaked, wide])):
+        support = draft_support(rows, max_candidates)
+        for row, ids, probs in zip(rows, support.ids, support.probs):
+            likely = set((row > row.max() * TAIL_SHARE).nonzero().squeeze(-1).tolist())
+            kept = ids[probs > 0]
+            left = torch.tensor(sorted(likely - set(kept.tolist())), dtype=torch.long)
+            assert set(kept.tolist()) <= likely and len(set(kept.tolist())) == min(max_candidates, len(likely))
+            assert not left.numel() or row[kept].min() >= row[left].max()   # the likeliest (ties either way)
+            torch.testing.assert_close(probs[probs > 0], row[kept] / row[kept].sum())
+        assert support.width <= max_candidates
+
+    def likely_counts(rows):
+        return (rows > rows.max(-1, keepdim=True).values * TAIL_SHARE).sum(-1)
+
+    # each path taken: the likely tokens gathered, then also a top-k over them, then one over the row
+    assert likely_counts(peaked).max() < max_candidates < (peaked > 0).sum(-1).min()   # a tail left out
+    assert max_candidates < likely_counts(wide).max() <= 4 * max_candidates
+    assert likely_counts(flat).min() > 4 * max_candidates
+
 
 @pytest.mark.parametrize("verification", ["token", "block"])
 def test_identical_rows_accept_every_draft_token_and_emit_the_bonus(verification):
