@@ -119,11 +119,13 @@ def draft_support(probs: torch.Tensor, max_candidates: int | None, cut: bool = F
     than max_candidates are likely, the likeliest of them are kept (a top-k over those alone, or
     over the whole row where several times max_candidates are likely).
 
-    The support is as wide as the row with the most likely tokens (one host read of the counts),
-    a narrower row padded with probability-0 entries, so a peaked row's q travels as a few hundred
-    (id, probability) pairs, not max_candidates of them. A support within max_candidates is in id
-    order, as a whole row is, and so is a cut row's, so a seeded draw from a cut row picks the
-    token the same draw picks from the dense row, whatever max_candidates is."""
+    On a CPU the support is as wide as the row with the most likely tokens (one host read of the
+    counts), a narrower row padded with probability-0 entries, so a peaked row's q travels as the
+    tokens it holds, not max_candidates of them. On an accelerator a top-k over the row costs
+    little and that read would stall the step, so an uncut support is max_candidates wide, its
+    tail's entries at probability 0 (a cut one still takes its width from one read, as the kept
+    tokens' count). A cut support is in id order, as a whole row is, so a seeded draw from a cut
+    row picks the token the same draw picks from the dense row, whatever max_candidates is."""
     probs = probs.float()
     vocab_size = probs.shape[-1]
     width = vocab_size if max_candidates is None else min(max_candidates, vocab_size)
@@ -131,26 +133,49 @@ def draft_support(probs: torch.Tensor, max_candidates: int | None, cut: bool = F
         return DraftSupport(torch.arange(vocab_size, device=probs.device).expand_as(probs), probs)
     rows = probs.reshape(-1, vocab_size)
     floor = 0.0 if cut else rows.amax(dim=-1, keepdim=True) * TAIL_SHARE
-    likely = rows > floor
-    counts = likely.sum(dim=-1)
-    widest = max(1, int(counts.max()))
-    if widest > 4 * width:   # far more likely tokens than kept: one top-k over the row
-        values, ids = torch.topk(rows, width, dim=-1, sorted=False)
+    if rows.device.type == "cpu":
+        values, ids = _likeliest_of_likely(rows, floor, width)
     else:
-        row_of, ids_of = likely.nonzero(as_tuple=True)   # in row, then id order
-        slot = torch.arange(ids_of.numel(), device=probs.device) - (counts.cumsum(0) - counts)[row_of]
-        ids = torch.zeros(rows.shape[0], widest, dtype=torch.long, device=probs.device)
-        values = torch.zeros(rows.shape[0], widest, device=probs.device)
-        ids[row_of, slot] = ids_of
-        values[row_of, slot] = rows[row_of, ids_of]
-        if widest > width:
-            values, order = torch.topk(values, width, dim=-1, sorted=False)
-            ids = ids.gather(-1, order)
+        values, ids = _top_entries_above(rows, floor, width, cut)
     if cut:
         ids, order = ids.sort(dim=-1)
         values = values.gather(-1, order)
     shape = (*probs.shape[:-1], ids.shape[-1])
     return DraftSupport(ids.reshape(shape), (values / values.sum(-1, keepdim=True)).reshape(shape))
+
+
+def _top_entries_above(rows: torch.Tensor, floor: torch.Tensor | float, width: int,
+                       cut: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) [n, width] of each row's top width entries, those at or below floor set to
+    0: the likely entries without reading a count back (cut rows: width is their widest kept count,
+    one read)."""
+    if cut:
+        width = min(width, max(1, int((rows > 0).sum(dim=-1).max())))
+    values, ids = torch.topk(rows, width, dim=-1, sorted=False)
+    return values * (values > floor), ids
+
+
+def _likeliest_of_likely(rows: torch.Tensor, floor: torch.Tensor | float,
+                         width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) [n, m] of each row's entries above floor, at most width of them, the
+    likeliest; m the most any row keeps, the others padded with (0, id 0). Gathered in id order
+    where they fit; past that a top-k over them, or over the whole rows where some row has far
+    more (`_top_entries_above`)."""
+    likely = rows > floor
+    counts = likely.sum(dim=-1)
+    widest = max(1, int(counts.max()))
+    if widest > 4 * width:
+        return _top_entries_above(rows, floor, width, cut=False)
+    row_of, ids_of = likely.nonzero(as_tuple=True)   # in row, then id order
+    slot = torch.arange(ids_of.numel(), device=rows.device) - (counts.cumsum(0) - counts)[row_of]
+    ids = torch.zeros(rows.shape[0], widest, dtype=torch.long, device=rows.device)
+    values = torch.zeros(rows.shape[0], widest, device=rows.device)
+    ids[row_of, slot] = ids_of
+    values[row_of, slot] = rows[row_of, ids_of]
+    if widest <= width:
+        return values, ids
+    values, order = torch.topk(values, width, dim=-1, sorted=False)
+    return values, ids.gather(-1, order)
 
 
 def saguaro_support(support: DraftSupport, num_lowered: int, downweight: float) -> DraftSupport:

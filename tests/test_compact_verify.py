@@ -12,6 +12,7 @@ handed the untruncated row instead of the q the draft sampled from is rejected b
 import pytest
 import torch
 
+from specserve.decoding import compact_verify
 from specserve.decoding.compact_verify import (TAIL_SHARE, DraftSupport, compact_block_verify, compact_rejection_sample, draft_support,
                                                ragged_target_numbers, target_numbers)
 from specserve.decoding.sampling import make_generator, sample_from_probs
@@ -103,7 +104,7 @@ def test_a_support_leaves_out_the_tail_below_its_share_of_the_likeliest_and_keep
     peaked = torch.softmax(torch.randn(3, vocab_size, generator=generator) * 14, -1)    # fewer likely than 64
     wide = torch.softmax(torch.randn(3, vocab_size, generator=generator) * 8, -1)       # more, under 4 * 64
     flat = torch.full((1, vocab_size), 1.0 / vocab_size)                                 # all of it likely
-    for rows in (peaked, wide, flat, torch.cat([peaked, wide])):
+    for rows in (peaked, wide, flat, torch.cat([peaked, wide]), torch.cat([peaked, flat])):
         support = draft_support(rows, max_candidates)
         for row, ids, probs in zip(rows, support.ids, support.probs):
             likely = set((row > row.max() * TAIL_SHARE).nonzero().squeeze(-1).tolist())
@@ -121,6 +122,23 @@ def test_a_support_leaves_out_the_tail_below_its_share_of_the_likeliest_and_keep
     assert likely_counts(peaked).max() < max_candidates < (peaked > 0).sum(-1).min()   # a tail left out
     assert max_candidates < likely_counts(wide).max() <= 4 * max_candidates
     assert likely_counts(flat).min() > 4 * max_candidates
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_an_accelerators_support_is_the_same_distribution_without_reading_counts_back(cut):
+    """On an accelerator the support is a top-k over the row with the tail at probability 0 (no
+    host read of counts for an uncut row): the same distribution as the CPU's gathered support."""
+    generator = torch.Generator().manual_seed(3)
+    rows = torch.softmax(torch.randn(4, 4096, generator=generator) * torch.tensor([[14.0], [8.0], [3.0], [0.0]]), -1)
+    if cut:   # top-k 40 (the flat row keeps its ties: all of it)
+        rows = rows * (rows >= rows.topk(40, dim=-1).values[:, -1:])
+        rows = rows / rows.sum(-1, keepdim=True)
+    on_cpu = draft_support(rows, 64, cut)
+    floor = 0.0 if cut else rows.amax(dim=-1, keepdim=True) * TAIL_SHARE
+    values, ids = compact_verify._top_entries_above(rows, floor, 64, cut)
+    torch.testing.assert_close(DraftSupport(ids, values / values.sum(-1, keepdim=True)).dense(4096), on_cpu.dense(4096),
+                               rtol=1e-4, atol=1e-7)   # the same entries, summed in another order
+    assert ids.shape[-1] == (min(64, int((rows > 0).sum(-1).max())) if cut else 64)
 
 
 @pytest.mark.parametrize("verification", ["token", "block"])
