@@ -102,6 +102,7 @@ def _in_id_order(ids: torch.Tensor) -> bool:
 
 # A draft's q leaves out the tokens whose probability is at most this share of its likeliest's.
 TAIL_SHARE = 2.0 ** -20
+FLAT_SAMPLE_STRIDE = 16   # draft_support looks for flat rows among every this-many-th id
 
 
 def draft_support(probs: torch.Tensor, max_candidates: int | None, cut: bool = False) -> DraftSupport:
@@ -160,7 +161,11 @@ def _likeliest_of_likely(rows: torch.Tensor, floor: torch.Tensor | float,
     """(values, ids) [n, m] of each row's entries above floor, at most width of them, the
     likeliest; m the most any row keeps, the others padded with (0, id 0). Gathered in id order
     where they fit; past that a top-k over them, or over the whole rows where some row has far
-    more (`_top_entries_above`)."""
+    more (`_top_entries_above`). A flat row, most of its ids likely, shows so in every
+    FLAT_SAMPLE_STRIDE-th id, read first at a fraction of the cost of marking every id."""
+    sampled = (rows[:, ::FLAT_SAMPLE_STRIDE] > floor).sum(dim=-1)
+    if int(sampled.max()) * FLAT_SAMPLE_STRIDE > 8 * width:
+        return _top_entries_above(rows, floor, width, cut=False)
     likely = rows > floor
     counts = likely.sum(dim=-1)
     widest = max(1, int(counts.max()))
