@@ -114,9 +114,10 @@ def draft_support(probs: torch.Tensor, max_candidates: int | None, cut: bool = F
     Likely: above TAIL_SHARE of the row's likeliest token's probability, or, where some row may be
     truncated (cut), above 0. Why the tail is left out: finding a row's likeliest few thousand
     of a large vocabulary (a top-k over all of it) costs a CPU several times what a pass that
-    marks the likely tokens and gathers them does, and the tokens left out hold at most
-    max_candidates * TAIL_SHARE of the likeliest's mass, which a rejection sampler loses as
-    acceptance only: verification is exact for whatever q the draft drew from. Where more tokens
+    marks the likely tokens and gathers them does, and the tail tokens among the top
+    max_candidates hold at most max_candidates * TAIL_SHARE of the likeliest's mass, which a
+    rejection sampler loses as acceptance only: verification is exact for whatever q the draft
+    drew from. Where more tokens
     than max_candidates are likely, the likeliest of them are kept (a top-k over those alone, or
     over the whole row where several times max_candidates are likely).
 
