@@ -193,6 +193,22 @@ def shared_server(tmp_path_factory) -> tuple[str, SpecServeConfig]:
     return _shared["server"]
 
 
+def wait_for(predicate, timeout_s: float = 60.0, what: str = "condition"):
+    """predicate()'s first true value, asked every 0.2 s (an actor restarting or slow to answer
+    counts as not yet); TimeoutError naming `what` after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
 def wait_until_a_lone_greedy_request_drafts(timeout_s: float = 30.0) -> None:
     """Until the shared server's router would give a greedy request arriving alone a depth above 0.
 
@@ -207,10 +223,8 @@ def wait_until_a_lone_greedy_request_drafts(timeout_s: float = 30.0) -> None:
     from specserve.cluster.builder import APP_NAME
 
     router = serve.get_deployment_handle("Router", APP_NAME)
-    deadline = time.monotonic() + timeout_s
-    while (status := router.status.remote().result())["num_draft_tokens"] <= 0:
-        assert time.monotonic() < deadline, f"the router still gives a lone greedy request K = 0: {status}"
-        time.sleep(0.2)
+    wait_for(lambda: router.status.remote().result()["num_draft_tokens"] > 0, timeout_s,
+             what="the router to give a lone greedy request a depth above 0")
 
 
 def shared_server_running() -> bool:

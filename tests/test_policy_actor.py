@@ -14,25 +14,12 @@ from specserve.policies.actor import POLICY_ACTOR_NAME, POLICY_NAMESPACE, get_or
 from specserve.common.naming import policy_actor_name
 from specserve.policies.decision import PolicySettings
 from specserve.policies.replicas import ScalingThresholds
+from tests.local_server import wait_for
 
 pytestmark = pytest.mark.ray
 SETTINGS = PolicySettings(target_bounds=(1, 3), draft_bounds=(1, 3), thresholds=ScalingThresholds(cooldown_s=0.0),
                           report_ttl_s=3.0, decide_interval_s=0.2)
 COST_SAMPLES = tuple((tokens, 0.010 + 0.00001 * tokens) for tokens in (1, 2, 4, 8, 16))
-
-
-def wait_for(predicate, timeout_s: float = 60.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            value = predicate()
-            if value:
-                return value
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 class Reporter:
