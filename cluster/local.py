@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 # RPC reply rather than in the object store, which costs an extra round trip per round.
 RAY_SYSTEM_CONFIG = {"max_direct_call_object_size": 4 * 1024 * 1024}
 DRAIN_FLUSH_S = 0.5  # after the routers are empty, time for the ingress to send the last chunks
-RAY_START_ATTEMPTS = 2
+RAY_START_ATTEMPTS = 3
 RAY_STOP_WAIT_S = 10.0  # for the processes of a failed start to exit after a kill
 STATUS_POLL_S = 0.25  # how often a start-up looks at the application's status
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
@@ -110,9 +110,11 @@ def check_port_free(host: str, port: int) -> None:
 
 def init_local_ray(**ray_init_kwargs) -> None:
     """Start a Ray cluster on this machine (ray.init with these arguments, quiet logging), trying
-    twice: on a busy machine a node now and then misses Ray's own start-up limits (its GCS never
-    writes its port file, or its raylet never registers), and a second start succeeds where the
-    first did not. What a failed attempt started is ended before the next. StartupError if both fail.
+    up to three times: on a busy machine a node now and then misses Ray's own start-up limits (its
+    GCS never writes its port file, its raylet never registers, or one of the processes it forks
+    aborts at start, as seen from a driver that had run earlier sessions), and a later start
+    succeeds where one did not. What a failed attempt started is ended before the next.
+    StartupError if every attempt fails.
     The cluster's processes start with Serve's high-throughput data plane (cluster/serve_data_plane.py)
     and the engines' malloc settings (decoding/host_memory.py)."""
     for attempt in range(RAY_START_ATTEMPTS):
