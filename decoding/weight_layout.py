@@ -27,20 +27,56 @@ per token.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
-from torch.utils.weak import WeakIdKeyDictionary
 
 # From this many rows a product takes the packed copy (fewer: MKL over the input-major weight,
 # the faster for one row; two are about even); the copy is reordered for PACK_ROWS_HINT rows.
 PACKED_MIN_ROWS = 3
 PACK_ROWS_HINT = 8
-# Weight tensor -> its packed copy. Beside the weight, not in its module: a oneDNN tensor has no
-# storage to copy, so a model copied with copy.deepcopy (the tests' references, a saved draft
-# version) gets none, and its Linears compute as plain ones. Keyed by the tensor a forward passes
-# (a Parameter keeps its identity through a weight swap's in-place copy), so one module may hold
+
+
+class PackedCopies:
+    """Weight tensor -> its packed copy, by the tensor's identity (a tensor's == is elementwise),
+    held while the weight lives. A plain dict keyed by id(): every product of several rows looks its
+    weight up, and torch's WeakIdKeyDictionary builds a weak reference for each lookup. Each entry
+    keeps a weak reference to its weight, which tells a live weight from a collected one whose id a
+    new tensor took, and whose callback drops the entry when the weight goes."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor | None:
+        entry = self._entries.get(id(weight))
+        return entry[1] if entry is not None and entry[0]() is weight else None
+
+    def __contains__(self, weight: torch.Tensor) -> bool:
+        return self.get(weight) is not None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __setitem__(self, weight: torch.Tensor, packed: torch.Tensor) -> None:
+        key, entries = id(weight), self._entries
+
+        def forget(ref: weakref.ref) -> None:
+            if entries.get(key, (None,))[0] is ref:   # not an entry of a newer tensor with the same id
+                del entries[key]
+        entries[key] = (weakref.ref(weight, forget), packed)
+
+    def pop(self, weight: torch.Tensor) -> None:
+        if weight in self:
+            del self._entries[id(weight)]
+
+
+# Each weight's packed copy. Beside the weight, not in its module: a oneDNN tensor has no storage
+# to copy, so a model copied with copy.deepcopy (the tests' references, a saved draft version)
+# gets none, and its Linears compute as plain ones. Keyed by the tensor a forward passes (a
+# Parameter keeps its identity through a weight swap's in-place copy), so one module may hold
 # several (an LM head over a token map: its whole weight and its map's rows).
-_PACKED = WeakIdKeyDictionary()   # keyed by identity: a tensor's == is elementwise
+_PACKED = PackedCopies()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -118,7 +154,7 @@ def pack_weight(weight: torch.Tensor) -> None:
     if torch.backends.mkldnn.is_available() and _plain_cpu_float32(weight):
         _PACKED[weight] = _reordered(weight)
     else:
-        _PACKED.pop(weight, None)
+        _PACKED.pop(weight)
 
 
 def _reordered(weight: torch.Tensor) -> torch.Tensor:

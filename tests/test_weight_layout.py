@@ -10,8 +10,8 @@ import torch
 
 from specserve.decoding.block_manager import ForwardCall
 from specserve.decoding.scheduler import engine_for_model
-from specserve.decoding.weight_layout import (PACKED_MIN_ROWS, PackedLinear, input_major_linears, pack_linears,
-                                              repack_linears)
+from specserve.decoding.weight_layout import (PACKED_MIN_ROWS, PackedCopies, PackedLinear, input_major_linears,
+                                              pack_linears, repack_linears)
 from tests.tiny_pair import tiny_model
 
 
@@ -130,3 +130,23 @@ def test_a_weight_swap_reorders_the_packed_copies():
     history = [(7 * i) % 90 + 2 for i in range(30)]
     calls = [ForwardCall("s", history, PACKED_MIN_ROWS + 2)]
     torch.testing.assert_close(engine.forward_batch(calls)[0], fresh.forward_batch(calls)[0], atol=1e-5, rtol=0)
+
+
+
+def test_packed_copies_are_found_by_their_weight_alone_and_dropped_with_it():
+    """A copy is found for its own tensor, not for an equal one, and goes when its weight is
+    collected; a tensor whose id an entry of another tensor holds (a collected weight's id taken
+    by a new tensor) finds nothing."""
+    import gc
+
+    copies = PackedCopies()
+    weight, equal = torch.ones(3, 3), torch.ones(3, 3)
+    copies[weight] = torch.zeros(1)
+    assert copies.get(weight) is not None and weight in copies
+    assert copies.get(equal) is None and equal not in copies
+    copies._entries[id(equal)] = copies._entries[id(weight)]   # equal's id, weight's entry
+    assert copies.get(equal) is None
+    del copies._entries[id(equal)]
+    del weight
+    gc.collect()
+    assert len(copies) == 0
