@@ -63,7 +63,7 @@ class PackedCopies:
 
         def forget(ref: weakref.ref) -> None:
             if entries.get(key, (None,))[0] is ref:   # not an entry of a newer tensor with the same id
-                del entries[key]
+                entries.pop(key, None)
         entries[key] = (weakref.ref(weight, forget), packed)
 
     def pop(self, weight: torch.Tensor) -> None:
