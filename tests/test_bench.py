@@ -479,3 +479,17 @@ def test_process_cpu_takes_each_process_median_over_turns_counting_a_missing_one
                                     "idle": median_shares(runs, "idle")}}}
     text = markdown(result)
     assert "| Router | 42.0 |" in text and "| all | 57.0 |" in text and "| after | 11.0 (10.0, 12.0) |" in text
+
+
+def test_channel_hops_times_every_variant_and_writes_its_tables(tmp_path):
+    """A short run of the hop-floor bench: every variant timed in every turn, a positive figure each,
+    the markdown and json written where asked."""
+    import json
+
+    from specserve.bench.figures.channel_hops import main
+
+    result = main(["--calls", "20", "--turns", "2", "--out", str(tmp_path), "--name", "hops"])
+    assert len(result["median_us"]) == 4
+    assert all(len(turns) == 2 and min(turns) > 0 for turns in result["turns_us"].values())
+    assert json.loads((tmp_path / "hops.json").read_text())["median_us"] == result["median_us"]
+    assert "| channel round trip |" in (tmp_path / "hops.md").read_text()

@@ -35,6 +35,11 @@ from specserve.bench.report import markdown_table
 
 SPACING_S = 0.002   # idle between calls, as between a round's hops: each call finds its peer asleep
 WARMUP_CALLS = 200
+# The echo server starts fresh rather than forked from a process whose threads (torch's, a test
+# runner's) might hold a lock at the fork; a spinner is forked, so it spins at once, and it runs
+# nothing that could wait on such a lock.
+SERVER_PROCESS = multiprocessing.get_context("spawn")
+SPINNER_PROCESS = multiprocessing.get_context("fork")
 
 
 async def _echo(method: str, args: tuple) -> object:
@@ -109,7 +114,7 @@ async def _inline_calls(calls: int) -> list[float]:
 
 
 def _with_spinners(count: int, run):
-    spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(count)]
+    spinners = [SPINNER_PROCESS.Process(target=_spin, daemon=True) for _ in range(count)]
     for spinner in spinners:
         spinner.start()
     try:
@@ -130,8 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     import uvloop
 
-    addresses = multiprocessing.Queue()
-    server = multiprocessing.Process(target=_serve_channel, args=(addresses,), daemon=True)
+    addresses = SERVER_PROCESS.Queue()
+    server = SERVER_PROCESS.Process(target=_serve_channel, args=(addresses,), daemon=True)
     server.start()
     address = addresses.get(timeout=30)
     cores = os.cpu_count() or 1
