@@ -132,7 +132,6 @@ def test_a_weight_swap_reorders_the_packed_copies():
     torch.testing.assert_close(engine.forward_batch(calls)[0], fresh.forward_batch(calls)[0], atol=1e-5, rtol=0)
 
 
-
 def test_packed_copies_are_found_by_their_weight_alone_and_dropped_with_it():
     """A copy is found for its own tensor, not for an equal one, and goes when its weight is
     collected; a tensor whose id an entry of another tensor holds (a collected weight's id taken
