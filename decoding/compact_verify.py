@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from specserve.decoding.device_copy import host_to_device
-from specserve.decoding.rejection import _assemble, _block_weights, stop_probabilities_from_mass
+from specserve.decoding.rejection import PLACEHOLDER_TOKEN_ID, _block_weights
 from specserve.decoding.sampling import inverse_cdf, row_chunks, sample_from_probs
 
 
@@ -88,8 +88,15 @@ class DraftSupport:
         rows = torch.zeros(*self.ids.shape[:-1], vocab_size, dtype=torch.float32, device=self.ids.device)
         return rows.scatter_add_(-1, self.ids.long(), self.probs.float())
 
-    def probs_of(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """q(x) per row [...] for token ids [...]: 0 where x is not in the row's support."""
+    def probs_of(self, token_ids: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+        """q(x) per row [...] for token ids [...]: 0 where x is not in the row's support. Tensors
+        in a process; off the wire (numpy, whole rows without their ids) a numpy array, as the
+        router's verifiers take it."""
+        if isinstance(self.probs, np.ndarray):
+            token_ids = np.asarray(token_ids, dtype=np.int64)[..., None]
+            if self.ids.shape[-1] == 0:   # whole rows: x is its own index
+                return np.take_along_axis(self.probs, token_ids, axis=-1)[..., 0]
+            return np.where(self.ids == token_ids, self.probs, np.float32(0)).sum(-1)
         hits = self.ids.long() == token_ids.long().unsqueeze(-1)
         return (hits * self.probs.float()).sum(-1)
 
@@ -208,20 +215,14 @@ class TargetNumbers:
     """What the target engine answers for a sampled block of K draft tokens (batch B):
     target_of_draft [B, K]: p_i(x_i); residual_mass [B, K]: sum_x max(P_i p_i(x) - q_i(x), 0);
     recovered [B, K]: a token drawn from norm(max(P_i p_i - q_i, 0)) (p_i if that is empty);
-    bonus [B]: a token drawn from p_K."""
+    bonus [B]: a token drawn from p_K. Tensors in a process; a verify answer off the wire holds
+    one request's as plain lists and its bonus as an int (decoding.speculation.verify_answers
+    brings a batch's numbers to the host in one copy), which the verifiers read as a batch of one."""
 
-    target_of_draft: torch.Tensor
-    residual_mass: torch.Tensor
-    recovered: torch.Tensor
-    bonus: torch.Tensor
-
-    def tensors(self, device: torch.device | str = "cpu") -> "TargetNumbers":
-        """A verify answer's plain lists (and the bonus an int: decoding.speculation.verify_answers
-        brings a batch's numbers to the host in one copy) back as a batch of one."""
-        return TargetNumbers(torch.tensor([self.target_of_draft], dtype=torch.float64, device=device),
-                             torch.tensor([self.residual_mass], dtype=torch.float64, device=device),
-                             torch.tensor([self.recovered], dtype=torch.long, device=device).reshape(1, -1),
-                             torch.tensor([self.bonus], dtype=torch.long, device=device))
+    target_of_draft: torch.Tensor | Sequence[float]
+    residual_mass: torch.Tensor | Sequence[float]
+    recovered: torch.Tensor | Sequence[int]
+    bonus: torch.Tensor | int
 
 
 def log_ratios(target_of_draft: torch.Tensor, draft_of_draft: torch.Tensor) -> torch.Tensor:
@@ -386,39 +387,113 @@ def _residual_rows(weights: torch.Tensor, rows: torch.Tensor, draft: torch.Tenso
     return mass, torch.where((mass <= 0).unsqueeze(-1), rows, residual)
 
 
-def compact_rejection_sample(draft_token_ids: torch.Tensor, draft_of_draft: torch.Tensor,
-                             numbers: TargetNumbers, generator: torch.Generator | None = None) -> torch.Tensor:
+def compact_rejection_sample(draft_token_ids, draft_of_draft, numbers: TargetNumbers,
+                             generator: torch.Generator | None = None) -> np.ndarray:
     """Token-wise rejection sampling on the target's numbers (token-wise residuals): output ids
-    [B, K+1] as rejection_sample's. draft_of_draft [B, K]: q_i(x_i) of the q the draft sampled
-    from (DraftSupport.probs_of; ones for a deterministic proposer)."""
-    batch_size, num_draft_tokens = draft_token_ids.shape
-    uniform = torch.rand(batch_size, num_draft_tokens, generator=generator, device=draft_token_ids.device)
-    accepted = uniform * draft_of_draft.double() < numbers.target_of_draft.double()   # u < p/q, no division
-    num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)
-    return _assemble(draft_token_ids.long(), num_accepted, _emitted(numbers, num_accepted))
+    [B, K+1] as rejection_sample's, a numpy array. draft_token_ids and draft_of_draft [B, K]:
+    the drafted ids and their q_i(x_i) under the q the draft sampled from (DraftSupport.probs_of;
+    ones for a deterministic proposer); arrays, tensors or lists, as the target's numbers are.
+
+    Why on the host, in numpy: the owner verifies one request's block at a time on a few numbers,
+    where each torch op's dispatch would cost more than its arithmetic (docs/transport.md)."""
+    draft_ids, batch_size, num_draft_tokens = _draft_block(draft_token_ids)
+    target_of_draft, _, recovered, bonus = _numbers_on_host(numbers, batch_size, num_draft_tokens)
+    uniform = acceptance_uniforms(generator, batch_size, num_draft_tokens)
+    # u < p/q written as u*q < p: q(x) = 0 < p(x) accepts, p(x) = 0 always rejects, no division.
+    accepted = uniform * _on_host(draft_of_draft, np.float64).reshape(batch_size, num_draft_tokens) < target_of_draft
+    num_accepted = np.cumprod(accepted, axis=-1).sum(axis=-1)
+    return _assembled(draft_ids, num_accepted, recovered, bonus)
 
 
-def compact_block_verify(draft_token_ids: torch.Tensor, draft_of_draft: torch.Tensor,
-                         numbers: TargetNumbers, generator: torch.Generator | None = None) -> torch.Tensor:
+def compact_block_verify(draft_token_ids, draft_of_draft, numbers: TargetNumbers,
+                         generator: torch.Generator | None = None) -> np.ndarray:
     """Block verification (block_verify's algorithm) on the target's numbers (weighted residuals,
-    `target_numbers(..., block=True)`): output ids [B, K+1]."""
-    batch_size, num_draft_tokens = draft_token_ids.shape
-    weights = _block_weights(log_ratios(numbers.target_of_draft, draft_of_draft))            # P_0..P_K
-    stop = stop_probabilities_from_mass(weights, numbers.residual_mass[:, 1:])                  # h_1..h_K
-    uniform = torch.rand(batch_size, num_draft_tokens, generator=generator, device=draft_token_ids.device)
-    positions = torch.arange(1, num_draft_tokens + 1, device=draft_token_ids.device)
-    num_accepted = ((uniform.double() < stop).long() * positions).max(dim=-1).values if num_draft_tokens else (
-        torch.zeros(batch_size, dtype=torch.long, device=draft_token_ids.device))
-    return _assemble(draft_token_ids.long(), num_accepted, _emitted(numbers, num_accepted))
+    `target_numbers(..., block=True)`): output ids [B, K+1], a numpy array; arguments as
+    compact_rejection_sample's."""
+    draft_ids, batch_size, num_draft_tokens = _draft_block(draft_token_ids)
+    target_of_draft, residual_mass, recovered, bonus = _numbers_on_host(numbers, batch_size, num_draft_tokens)
+    draft_of_draft = _on_host(draft_of_draft, np.float64).reshape(batch_size, num_draft_tokens)
+    weights = host_block_weights(host_log_ratios(target_of_draft, draft_of_draft))            # P_0..P_K
+    stop = host_stop_probabilities(weights, residual_mass[:, 1:])                               # h_1..h_K
+    uniform = acceptance_uniforms(generator, batch_size, num_draft_tokens)
+    positions = np.arange(1, num_draft_tokens + 1)
+    num_accepted = ((uniform < stop) * positions).max(axis=-1, initial=0)
+    return _assembled(draft_ids, num_accepted, recovered, bonus)
 
 
-def _emitted(numbers: TargetNumbers, num_accepted: torch.Tensor) -> torch.Tensor:
-    """The bonus token where every draft token was accepted, else the recovered one at the cut."""
-    num_draft_tokens = numbers.recovered.shape[1]
-    if num_draft_tokens == 0:
-        return numbers.bonus.long()
-    at_cut = numbers.recovered.long().gather(1, num_accepted.clamp(max=num_draft_tokens - 1).unsqueeze(1)).squeeze(1)
-    return torch.where(num_accepted == num_draft_tokens, numbers.bonus.long(), at_cut)
+def acceptance_uniforms(generator: torch.Generator | None, batch_size: int, num_draft_tokens: int) -> np.ndarray:
+    """The owner's acceptance uniforms [B, K] (float64 holding float32 draws), from its generator's
+    stream on the generator's device, so a seeded request draws what it always has."""
+    device = generator.device if generator is not None else "cpu"
+    uniform = torch.rand(batch_size, num_draft_tokens, generator=generator, device=device)
+    return uniform.cpu().numpy().astype(np.float64)
+
+
+def host_log_ratios(target_of_draft: np.ndarray, draft_of_draft: np.ndarray) -> np.ndarray:
+    """`log_ratios` on host arrays (float64): +inf where q(x) = 0 < p(x), -inf where p(x) = 0."""
+    with np.errstate(divide="ignore"):
+        return np.where(target_of_draft > 0,
+                        np.where(draft_of_draft > 0, np.log(target_of_draft) - np.log(draft_of_draft), np.inf),
+                        -np.inf)
+
+
+def host_block_weights(log_ratio: np.ndarray) -> np.ndarray:
+    """decoding.rejection's `_block_weights` on host arrays: P_0..P_K [B, K+1] (float64) from the
+    log ratios [B, K], the same sums, running maxima and sentinels (tests hold the two equal)."""
+    finite = np.clip(log_ratio, -1e30, 1e10)
+    sums = np.concatenate([np.zeros_like(finite[:, :1]), np.cumsum(finite, axis=-1)], axis=1)
+    return np.exp(sums - np.maximum.accumulate(sums, axis=-1))
+
+
+def host_stop_probabilities(weights: np.ndarray, mass: np.ndarray) -> np.ndarray:
+    """decoding.rejection's `stop_probabilities_from_mass` on host arrays: h_1..h_K [B, K]."""
+    num_draft_tokens = weights.shape[1] - 1
+    inner = weights[:, 1:num_draft_tokens]
+    stop = np.where(mass > 0, mass / np.maximum(mass + 1.0 - inner, 1e-300), 0.0)
+    return np.concatenate([stop, weights[:, num_draft_tokens:]], axis=1)
+
+
+def _on_host(values, dtype) -> np.ndarray:
+    """A tensor (on any device), an array or a list as a numpy array of dtype."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    return np.asarray(values, dtype=dtype)
+
+
+def _draft_block(draft_token_ids) -> tuple[np.ndarray, int, int]:
+    """(draft ids [B, K] int64, B, K)."""
+    draft_ids = _on_host(draft_token_ids, np.int64)
+    draft_ids = draft_ids.reshape(1, -1) if draft_ids.ndim < 2 else draft_ids
+    return draft_ids, draft_ids.shape[0], draft_ids.shape[1]
+
+
+def _numbers_on_host(numbers: TargetNumbers, batch_size: int, num_draft_tokens: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The target's numbers as host arrays: p_i(x_i) and residual masses [B, K] float64,
+    recovered [B, K] and bonus [B] int64 (a verify answer's flat lists are a batch of one)."""
+    shape = (batch_size, num_draft_tokens)
+    return (_on_host(numbers.target_of_draft, np.float64).reshape(shape),
+            _on_host(numbers.residual_mass, np.float64).reshape(shape),
+            _on_host(numbers.recovered, np.int64).reshape(shape),
+            _on_host(numbers.bonus, np.int64).reshape(batch_size))
+
+
+def _assembled(draft_ids: np.ndarray, num_accepted: np.ndarray, recovered: np.ndarray,
+               bonus: np.ndarray) -> np.ndarray:
+    """Output ids [B, K+1]: the first num_accepted draft ids, then the bonus token where every
+    draft token was accepted or the recovered one at the cut, then PLACEHOLDER_TOKEN_ID."""
+    batch_size, num_draft_tokens = draft_ids.shape
+    rows = np.arange(batch_size)
+    if num_draft_tokens:
+        at_cut = recovered[rows, np.minimum(num_accepted, num_draft_tokens - 1)]
+        emitted = np.where(num_accepted == num_draft_tokens, bonus, at_cut)
+    else:
+        emitted = bonus
+    output = np.full((batch_size, num_draft_tokens + 1), PLACEHOLDER_TOKEN_ID, dtype=np.int64)
+    output[:, :num_draft_tokens] = np.where(np.arange(num_draft_tokens) < num_accepted[:, None], draft_ids,
+                                            PLACEHOLDER_TOKEN_ID)
+    output[rows, num_accepted] = emitted
+    return output
 
 
 def sample_from_support(support: DraftSupport, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -208,8 +208,9 @@ def _stop_probabilities(weights: torch.Tensor, target: torch.Tensor, draft: torc
 
 def stop_probabilities_from_mass(weights: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     """h_1..h_K [B, K] (float64) from P_0..P_K [B, K+1] and the weighted residual masses r_1..r_{K-1}
-    [B, K-1]: h_i = r_i / (r_i + 1 - P_i), 0 where r_i = 0; h_K = P_K. Shared with the compact
-    verifier (decoding.compact_verify), which gets the masses from the target engine."""
+    [B, K-1]: h_i = r_i / (r_i + 1 - P_i), 0 where r_i = 0; h_K = P_K. The compact verifier
+    (decoding.compact_verify), which gets the masses from the target engine, computes the same on
+    host arrays."""
     num_draft_tokens = weights.shape[1] - 1
     inner = weights[:, 1:num_draft_tokens]
     mass = mass.double()

@@ -234,16 +234,17 @@ def accept_round(state: RequestState, proposal: Proposal,
     else:
         if len(answer.recovered) != num_drafted:
             raise ValueError(f"expected numbers for {num_drafted} draft tokens, got {len(answer.recovered)}")
-        device = state.generator.device  # the uniforms are drawn where the request's generator lives
-        numbers = answer.tensors(device)
-        draft_ids = torch.tensor([proposal.token_ids], dtype=torch.long, device=device).reshape(1, num_drafted)
+        # One request's block, verified on the host (decoding.compact_verify); the uniforms come
+        # from the request's generator, on its device.
+        draft_ids = np.asarray(proposal.token_ids, dtype=np.int64)
         if proposal.support is None:
-            draft_of_draft = torch.ones(1, num_drafted, dtype=torch.float64, device=device)
+            draft_of_draft = np.ones(num_drafted)
         else:
-            draft_of_draft = proposal.support.tensors(device).probs_of(draft_ids[0]).unsqueeze(0)
+            draft_of_draft = proposal.support.probs_of(draft_ids if isinstance(proposal.support.probs, np.ndarray)
+                                                       else torch.from_numpy(draft_ids).to(proposal.support.ids.device))
         block = verification == "block" and proposal.support is not None
         verify = compact_block_verify if block else compact_rejection_sample
-        output = verify(draft_ids, draft_of_draft, numbers, state.generator)
+        output = verify(draft_ids, draft_of_draft, answer, state.generator)
         emitted = [token for token in output[0].tolist() if token != PLACEHOLDER_TOKEN_ID]
     committed = state.commit(emitted)
 

@@ -9,12 +9,15 @@ MAX_CANDIDATES of its V tokens, so its truncated q differs from its processed ro
 handed the untruncated row instead of the q the draft sampled from is rejected by the same test.
 """
 
+import numpy as np
 import pytest
 import torch
 
 from specserve.decoding import compact_verify
-from specserve.decoding.compact_verify import (TAIL_SHARE, DraftSupport, compact_block_verify, compact_rejection_sample, draft_support,
-                                               ragged_target_numbers, target_numbers)
+from specserve.decoding.compact_verify import (TAIL_SHARE, DraftSupport, TargetNumbers, compact_block_verify,
+                                               compact_rejection_sample, draft_support, ragged_target_numbers,
+                                               sample_from_support, target_numbers)
+from specserve.decoding.rejection import _block_weights, stop_probabilities_from_mass
 from specserve.decoding.sampling import make_generator, sample_from_probs
 from tests.test_block_verify import P_VALUE_THRESHOLD, continued_with_target, joint_fit, toy_models
 from tests.test_rejection import rows_given_prefix
@@ -45,7 +48,7 @@ def compact_sequences(target_tables, draft_tables, verification: str, seed: int,
         [rows_given_prefix(table, prefix[:i], batch_size) for i, table in enumerate(target_tables)], dim=1)
     numbers = target_numbers(draft_ids, support, target_probs, target_generator, block=verification == "block")
     sequences = VERIFIERS[verification](draft_ids, support.probs_of(draft_ids), numbers, owner_generator)
-    return continued_with_target(sequences, target_tables, owner_generator)
+    return continued_with_target(torch.from_numpy(sequences), target_tables, owner_generator)
 
 
 @pytest.mark.parametrize("verification", ["token", "block"])
@@ -156,6 +159,44 @@ def test_zero_draft_tokens_emit_one_token_from_target_row_zero():
     numbers = target_numbers(torch.zeros(5, 0, dtype=torch.long), None, rows, make_generator(0))
     output = compact_rejection_sample(torch.zeros(5, 0, dtype=torch.long), torch.zeros(5, 0), numbers)
     assert output.tolist() == [[1]] * 5
+
+
+def test_the_hosts_block_weights_and_stop_probabilities_are_the_dense_verifiers():
+    """The owner's verifiers run on host arrays; their P_i and h_i are decoding.rejection's, on
+    ratios of every kind (p = 0, q = 0 < p, both, finite)."""
+    generator = torch.Generator().manual_seed(5)
+    log_ratio = torch.randn(64, 6, generator=generator, dtype=torch.float64) * 3
+    kinds = torch.randint(0, 8, (64, 6), generator=generator)
+    log_ratio = torch.where(kinds == 0, float("-inf"), torch.where(kinds == 1, float("inf"), log_ratio))
+    weights = compact_verify.host_block_weights(log_ratio.numpy())
+    np.testing.assert_allclose(weights, _block_weights(log_ratio).numpy(), rtol=1e-13, atol=0)
+    mass = torch.rand(64, 5, generator=generator, dtype=torch.float64) * (torch.rand(64, 5, generator=generator) > 0.2)
+    np.testing.assert_allclose(compact_verify.host_stop_probabilities(weights, mass.numpy()),
+                               stop_probabilities_from_mass(torch.from_numpy(weights), mass).numpy(), rtol=1e-13, atol=0)
+    draft_of_draft = torch.rand(64, 6, generator=generator, dtype=torch.float64) * (kinds != 2)
+    target_of_draft = torch.rand(64, 6, generator=generator, dtype=torch.float64) * (kinds != 3)
+    np.testing.assert_array_equal(compact_verify.host_log_ratios(target_of_draft.numpy(), draft_of_draft.numpy()),
+                                  compact_verify.log_ratios(target_of_draft, draft_of_draft).numpy())
+
+
+@pytest.mark.parametrize("verification", ["token", "block"])
+def test_a_verify_answer_off_the_wire_verifies_as_in_process(verification):
+    """The router's case: one request's numbers as lists, its q off the wire (numpy, whole rows
+    without their ids, or a truncated support), the same output as the tensors in process."""
+    generator = torch.Generator().manual_seed(6)
+    for max_candidates in (None, 3):
+        rows = torch.softmax(torch.randn(1, 4, 7, generator=generator), -1)
+        support = draft_support(rows[:, :3], max_candidates)
+        draft_ids = sample_from_support(support, generator)
+        numbers = target_numbers(draft_ids, support, rows, make_generator(0), block=verification == "block")
+        in_process = VERIFIERS[verification](draft_ids, support.probs_of(draft_ids), numbers, make_generator(1))
+        wired = DraftSupport(support.ids[0], support.probs[0]).wire()
+        listed = TargetNumbers(numbers.target_of_draft[0].tolist(), numbers.residual_mass[0].tolist(),
+                               numbers.recovered[0].tolist(), int(numbers.bonus[0]))
+        off_wire = VERIFIERS[verification](draft_ids[0].numpy(), wired.probs_of(draft_ids[0].numpy()), listed,
+                                           make_generator(1))
+        np.testing.assert_array_equal(off_wire, in_process)
+        np.testing.assert_array_equal(wired.probs_of(draft_ids[0].numpy()), support.probs_of(draft_ids)[0].numpy())
 
 
 def test_the_same_seeds_give_the_same_output():
