@@ -5,8 +5,14 @@ chunks stream back.
 Why not a Ray actor call per round, or a Serve streaming item per chunk: each one costs pickling,
 Ray's transport and an event-loop handoff on both ends, paid every round (docs/transport.md). Ray
 and Serve still place the processes and hand a router the engines' and the ingress's addresses
-once per request; the rounds and chunks go over TCP connections that each pair of processes opens
-once and reuses.
+once per request; the rounds and chunks go over connections that each pair of processes opens
+once and reuses: a local socket where both share a host (its round trip is shorter than
+loopback TCP's), TCP across hosts.
+
+Addresses: "host:port@name", the TCP address and the name of the server's local socket (an
+abstract Unix socket: no file to clean up, reachable only from the same network namespace, which
+on Kubernetes is the same pod); "host:port" where there is none. A caller tries the local socket
+first and takes TCP where it is not there, so nobody has to know which processes share a host.
 
 Batching: every call a process's coroutines make to one engine in one event-loop turn leaves as
 ONE frame (its entries keyed by call id); the engine runs them as concurrent tasks (its batching
@@ -35,9 +41,12 @@ import asyncio
 import contextvars
 import itertools
 import logging
+import os
 import pickle
+import secrets
 import socket
 import struct
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -55,6 +64,8 @@ HEARTBEAT_INTERVAL_S = 1.0   # how often the answering side tells each open chan
 HEARTBEAT_TIMEOUT_S = 15.0   # silence this long means the peer is lost (far beyond a heartbeat's delay on a loaded box)
 CONNECT_TIMEOUT_S = 10.0
 MAX_FRAME_BYTES = 1 << 31
+# Abstract Unix sockets (a name, not a file) are Linux's; elsewhere every channel is TCP.
+LOCAL_SOCKETS = sys.platform.startswith("linux")
 
 
 class ChannelLostError(ConnectionError):
@@ -81,12 +92,14 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple:
     return pickle.loads(await reader.readexactly(size))
 
 
-def split_address(address: str) -> tuple[str, int]:
-    """"host:port" (an IPv6 host in brackets) -> (host, port)."""
-    host, sep, port = address.rpartition(":")
+def split_address(address: str) -> tuple[str, int, str | None]:
+    """"host:port" or "host:port@name" (an IPv6 host in brackets) -> (host, port, the local
+    socket's name or None)."""
+    tcp, _, local = address.partition("@")
+    host, sep, port = tcp.rpartition(":")
     if not sep or not port.isdigit():
-        raise ValueError(f"a channel address is host:port, not {address!r}")
-    return host.strip("[]"), int(port)
+        raise ValueError(f"a channel address is host:port[@name], not {address!r}")
+    return host.strip("[]"), int(port), local or None
 
 
 def join_address(host: str, port: int) -> str:
@@ -146,6 +159,7 @@ class Channel:
     def __init__(self, address: str, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
         self.address = address
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.transport: str | None = None   # "local" or "tcp" once connected
         self.error: ChannelLostError | None = None
         self._loop = asyncio.get_running_loop()
         self._ids = itertools.count()
@@ -200,14 +214,7 @@ class Channel:
     async def _run(self) -> None:
         writer = None
         try:
-            host, port = split_address(self.address)
-            try:
-                reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
-            except ConnectionRefusedError as exc:
-                raise EngineGoneError(f"nothing listens at {self.address}") from exc
-            except (OSError, asyncio.TimeoutError) as exc:
-                raise ChannelLostError(f"could not reach {self.address}: {exc!r}") from exc
-            _no_delay(writer)
+            reader, writer = await self._connect()
             self._outbox = _Outbox(writer, self._unpicklable)
             for call in self._waiting:
                 self._outbox.put(call)
@@ -239,6 +246,26 @@ class Channel:
         finally:
             if writer is not None:
                 writer.transport.abort()
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """The peer's local socket where this process shares its host, else its TCP port."""
+        host, port, local = split_address(self.address)
+        if local is not None and LOCAL_SOCKETS:
+            try:
+                opened = await asyncio.wait_for(_open_local(local), CONNECT_TIMEOUT_S)
+                self.transport = "local"
+                return opened
+            except (OSError, asyncio.TimeoutError):
+                pass   # another host (or the peer is gone): TCP tells which
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
+        except ConnectionRefusedError as exc:
+            raise EngineGoneError(f"nothing listens at {self.address}") from exc
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise ChannelLostError(f"could not reach {self.address}: {exc!r}") from exc
+        _no_delay(writer)
+        self.transport = "tcp"
+        return reader, writer
 
     async def _watch(self, writer: asyncio.StreamWriter) -> None:
         """Lose the channel once the peer has been silent past heartbeat_timeout_s."""
@@ -287,6 +314,19 @@ class ChannelPool:
         self._channels.clear()
 
 
+async def _open_local(name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect to the abstract Unix socket name. The socket is made here and handed over, as
+    every event loop (uvloop's too) takes a connected socket but not all take an abstract path."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        await asyncio.get_running_loop().sock_connect(sock, "\0" + name)
+        return await asyncio.open_unix_connection(sock=sock)
+    except BaseException:
+        sock.close()
+        raise
+
+
 def portable_error(error: BaseException) -> BaseException:
     """error itself if it survives a pickle round trip, else a RemoteCallError naming it."""
     try:
@@ -312,21 +352,30 @@ class ChannelServer:
         self._callers = itertools.count()
         self.heartbeat_interval_s = heartbeat_interval_s
         self.address: str | None = None
-        self._server: asyncio.Server | None = None
+        self._servers: list[asyncio.Server] = []
         self._tasks: set[asyncio.Task] = set()
         self.frames_received = 0   # call frames, over every channel
         self.outboxes: list[_Outbox] = []   # one per open channel
 
     async def start(self, host: str) -> str:
-        """Listen on host at a port the OS picks; -> the address ("host:port") callers connect to."""
-        self._server = await asyncio.start_server(self._serve, host, 0)
-        self.address = join_address(host, self._server.sockets[0].getsockname()[1])
+        """Listen on host at a port the OS picks, and on a local socket of a fresh name; -> the
+        address ("host:port@name") callers connect to."""
+        tcp = await asyncio.start_server(self._serve, host, 0)
+        self._servers.append(tcp)
+        self.address = join_address(host, tcp.sockets[0].getsockname()[1])
+        if LOCAL_SOCKETS:
+            name = f"specserve-{os.getpid()}-{secrets.token_hex(8)}"
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind("\0" + name)
+            self._servers.append(await asyncio.start_unix_server(self._serve, sock=sock))
+            self.address += "@" + name
         return self.address
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        for server in self._servers:
+            server.close()
+        for server in self._servers:
+            await server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         _no_delay(writer)

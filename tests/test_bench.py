@@ -489,7 +489,8 @@ def test_channel_hops_times_every_variant_and_writes_its_tables(tmp_path):
     from specserve.bench.figures.channel_hops import main
 
     result = main(["--calls", "20", "--turns", "2", "--out", str(tmp_path), "--name", "hops"])
-    assert len(result["median_us"]) == 4
+    assert len(result["median_us"]) == 6
     assert all(len(turns) == 2 and min(turns) > 0 for turns in result["turns_us"].values())
     assert json.loads((tmp_path / "hops.json").read_text())["median_us"] == result["median_us"]
-    assert "| channel round trip |" in (tmp_path / "hops.md").read_text()
+    table = (tmp_path / "hops.md").read_text()
+    assert "| channel round trip, local socket |" in table and "| channel round trip, TCP |" in table

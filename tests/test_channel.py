@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from specserve.common.channel import (Channel, ChannelLostError, ChannelPool, ChannelServer, EngineGoneError,
-                                      RemoteCallError, split_address)
+from specserve.common.channel import (LOCAL_SOCKETS, Channel, ChannelLostError, ChannelPool, ChannelServer,
+                                      EngineGoneError, RemoteCallError, split_address)
 
 HOST = "127.0.0.1"
 
@@ -191,8 +191,30 @@ def test_a_pool_keeps_one_channel_per_address_and_replaces_only_a_lost_one():
     asyncio.run(scenario())
 
 
-def test_an_address_must_be_host_and_port():
-    assert split_address("10.0.0.2:4711") == ("10.0.0.2", 4711)
-    assert split_address("[::1]:80") == ("::1", 80)
+def test_an_address_must_be_host_and_port_with_an_optional_local_socket():
+    assert split_address("10.0.0.2:4711") == ("10.0.0.2", 4711, None)
+    assert split_address("[::1]:80") == ("::1", 80, None)
+    assert split_address("10.0.0.2:4711@specserve-1-ab") == ("10.0.0.2", 4711, "specserve-1-ab")
     with pytest.raises(ValueError, match="host:port"):
         split_address("10.0.0.2")
+    with pytest.raises(ValueError, match="host:port"):
+        split_address("10.0.0.2@specserve-1-ab")
+
+
+@pytest.mark.skipif(not LOCAL_SOCKETS, reason="abstract Unix sockets are Linux's")
+def test_a_channel_on_one_host_takes_the_local_socket_and_tcp_where_that_is_not_there():
+    """A peer on this host is reached over its local socket; an address whose local socket this
+    process cannot reach (another host's, as a peer on another node's looks from here) over TCP."""
+    async def scenario():
+        server = ChannelServer(answer)
+        address = await server.start(HOST)
+        local = Channel(address)
+        assert await local.call("echo", 1) == (1,) and local.transport == "local"
+        elsewhere = Channel(address.partition("@")[0] + "@specserve-on-another-host")
+        assert await elsewhere.call("echo", 2) == (2,) and elsewhere.transport == "tcp"
+        tcp_only = Channel(address.partition("@")[0])
+        assert await tcp_only.call("echo", 3) == (3,) and tcp_only.transport == "tcp"
+        assert len(server.outboxes) == 3
+        await server.close()
+
+    asyncio.run(scenario())

@@ -7,10 +7,11 @@ Why: a served round's orchestration (bench.round_profile) is mostly its hops, ea
 the router's send to the engine's batching loop and back. These are their floors on the same box,
 so the two can be read side by side (docs/transport.md). Variants, taking turns, each turn
 `calls` calls one after another, spaced as a round's calls are (SPACING_S):
-- channel: `Channel.call` to a `ChannelServer` in another process that answers at once (TCP on
-  loopback, the channels' transport);
-- channel beside busy cores: the same while one process per core spins (what a woken peer meets
-  while the engines compute);
+- channel: `Channel.call` to a `ChannelServer` in another process that answers at once, over the
+  server's local socket (what a channel on one host takes) and over TCP on loopback (what it
+  takes across hosts);
+- channel beside busy cores: each of those while one process per core spins (what a woken peer
+  meets while the engines compute);
 - engine loop: `EngineLoop.submit` of a call whose iteration does nothing, in this process (the
   event loop hands the call to the loop's worker thread and takes the answer back);
 - inline: the same do-nothing iteration on the event loop, with the loop turns EngineLoop lets
@@ -140,13 +141,19 @@ def main(argv: list[str] | None = None) -> dict:
     server.start()
     address = addresses.get(timeout=30)
     cores = os.cpu_count() or 1
-    variants = {
-        "channel round trip": lambda: uvloop.run(_channel_calls(address, args.calls)),
-        f"channel round trip, {cores} cores busy": lambda: _with_spinners(
-            cores, lambda: uvloop.run(_channel_calls(address, args.calls))),
+    transports = {"local socket": address, "TCP": address.partition("@")[0]}
+    variants = {}
+    for transport, reached_at in transports.items():
+        variants[f"channel round trip, {transport}"] = (
+            lambda reached_at=reached_at: uvloop.run(_channel_calls(reached_at, args.calls)))
+    for transport, reached_at in transports.items():
+        variants[f"channel round trip, {transport}, {cores} cores busy"] = (
+            lambda reached_at=reached_at: _with_spinners(
+                cores, lambda: uvloop.run(_channel_calls(reached_at, args.calls))))
+    variants.update({
         "engine loop (worker thread) round trip": lambda: uvloop.run(_engine_loop_calls(args.calls)),
         "inline on the event loop": lambda: uvloop.run(_inline_calls(args.calls)),
-    }
+    })
     turns: dict[str, list[float]] = {name: [] for name in variants}
     try:
         for _ in range(args.turns):
