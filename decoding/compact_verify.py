@@ -395,7 +395,8 @@ def compact_rejection_sample(draft_token_ids, draft_of_draft, numbers: TargetNum
     ones for a deterministic proposer); arrays, tensors or lists, as the target's numbers are.
 
     Why on the host, in numpy: the owner verifies one request's block at a time on a few numbers,
-    where each torch op's dispatch would cost more than its arithmetic (docs/transport.md)."""
+    where each torch op's dispatch would cost more than its arithmetic (docs/sampling.md,
+    "Verification on O(K) numbers")."""
     draft_ids, batch_size, num_draft_tokens = _draft_block(draft_token_ids)
     target_of_draft, _, recovered, bonus = _numbers_on_host(numbers, batch_size, num_draft_tokens)
     uniform = acceptance_uniforms(generator, batch_size, num_draft_tokens)
