@@ -211,6 +211,7 @@ def class_summary(records: list[dict], span_s: float) -> dict:
     drafted = sum(r["num_drafted"] for r in records)
     hops = [sum(r.get(k, 0.0) for k in ("draft_hop_out", "draft_hop_back", "target_hop_out", "target_hop_back"))
             for r in stages]
+    own = [round_orchestration - round_hops for round_orchestration, round_hops in zip(orchestration, hops)]
     first_token_ms = [1000 * r["ttft_s"] for r in records if r.get("ttft_s") is not None]
     return {"requests": len(records), "rounds_profiled": len(stages),
             "tokens_per_s": round(tokens / span_s, 1) if span_s > 0 else None,
@@ -220,6 +221,8 @@ def class_summary(records: list[dict], span_s: float) -> dict:
             "orchestration_median_ms": round(statistics.median(orchestration), 3) if stages else None,
             "orchestration_mean_ms": round(statistics.fmean(orchestration), 3) if stages else None,
             "hops_median_ms": round(statistics.median(hops), 3) if stages else None,
+            "own_median_ms": round(statistics.median(own), 3) if stages else None,
+            "accept_median_ms": round(statistics.median(r.get("accept", 0.0) for r in stages), 3) if stages else None,
             "wall_median_ms": round(statistics.median(r["wall"] for r in stages), 3) if stages else None,
             "engines_median_ms": round(statistics.median(
                 sum(r.get(s, 0.0) for s in ENGINE_STAGES) for r in stages), 3) if stages else None}
@@ -256,20 +259,26 @@ def compare_trees(args) -> None:
                if result["configs"] else []),
              "- orchestration per round = round wall time minus the time it waited in the engines "
              "(forwards and batching-loop waits): hops plus the router's own work", "",
+             "- the router's own work per round = orchestration minus hops, of it the acceptance (the accept "
+             "stage); - where a tree's own round_profile predates these figures", "",
              "| class | tree | orchestration ms per round, median (per turn) | mean | hops ms, median | "
+             "router's own ms, median | of it acceptance ms, median | "
              "round wall ms, median | engines ms, median | tok/s (per turn) | first token ms, median (per turn) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     summary = {}
     for mode in modes:
         for label, _ in trees:
             per_turn = [run["classes"][mode] for run in runs[label]]
-            median = lambda key: round(statistics.median(c[key] for c in per_turn), 3)  # noqa: E731
+            median = lambda key: (round(statistics.median(c[key] for c in per_turn), 3)  # noqa: E731
+                                  if all(c.get(key) is not None for c in per_turn) else None)
             summary[f"{mode}/{label}"] = {key: median(key) for key in (
-                "orchestration_median_ms", "orchestration_mean_ms", "hops_median_ms", "wall_median_ms",
-                "engines_median_ms", "tokens_per_s", "ttft_median_ms")}
+                "orchestration_median_ms", "orchestration_mean_ms", "hops_median_ms", "own_median_ms",
+                "accept_median_ms", "wall_median_ms", "engines_median_ms", "tokens_per_s", "ttft_median_ms")}
+            own, accept = (summary[f"{mode}/{label}"][key] for key in ("own_median_ms", "accept_median_ms"))
             lines.append(f"| {mode} | {label} | {median('orchestration_median_ms')} "
                          f"({', '.join(str(c['orchestration_median_ms']) for c in per_turn)}) | "
-                         f"{median('orchestration_mean_ms')} | {median('hops_median_ms')} | {median('wall_median_ms')} | "
+                         f"{median('orchestration_mean_ms')} | {median('hops_median_ms')} | "
+                         f"{'-' if own is None else own} | {'-' if accept is None else accept} | {median('wall_median_ms')} | "
                          f"{median('engines_median_ms')} | {median('tokens_per_s')} "
                          f"({', '.join(str(c['tokens_per_s']) for c in per_turn)}) | {median('ttft_median_ms')} "
                          f"({', '.join(str(c['ttft_median_ms']) for c in per_turn)}) |")

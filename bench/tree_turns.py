@@ -50,12 +50,16 @@ def runs_per_tree(module: str, child_args: list[str], trees: list[tuple[str, Pat
                   label_args: dict[str, list[str]] | None = None) -> dict[str, list[dict]]:
     """`python -m module *child_args --name N --out SCRATCH` once per tree and turn, the trees
     taking turns (label_args: arguments one label's runs add, such as its own config, so two labels
-    may run one tree two ways); -> each tree's results (the JSON each run wrote), in turn order."""
+    may run one tree two ways); -> each tree's results (the JSON each run wrote), in turn order.
+    Each turn starts one tree further on (turn t runs tree t first), so over as many turns as
+    trees each tree has run at every place in a turn: a box that drifts within a turn (each run
+    starts a cluster right after the last one stopped) favours none of them."""
     runs: dict[str, list[dict]] = defaultdict(list)
     label_args = label_args or {}
     with tempfile.TemporaryDirectory() as scratch:
         for turn in range(turns):
-            for label, root in trees:
+            first = turn % len(trees)
+            for label, root in trees[first:] + trees[:first]:
                 name = f"{label}-turn{turn}"
                 arguments = [*child_args, *label_args.get(label, []), "--name", name, "--out", scratch]
                 subprocess.run([sys.executable, "-m", module, *arguments],

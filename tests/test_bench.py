@@ -312,6 +312,7 @@ def test_a_classes_orchestration_is_each_rounds_wall_minus_its_time_in_the_engin
     summary = class_summary([record], 2.0)
     # 30 - 27 and 24 - 20: the hops (2 ms each) and the router's own work
     assert summary["orchestration_median_ms"] == pytest.approx(3.5) and summary["hops_median_ms"] == pytest.approx(2.0)
+    assert summary["own_median_ms"] == pytest.approx(1.5)   # 3 - 2 and 4 - 2
     assert summary["tokens_per_s"] == 5.0 and summary["acceptance"] == 0.75 and summary["ttft_median_ms"] == 50.0
 
 

@@ -1,4 +1,5 @@
-"""bench/tree_turns.py: a bench run per tree and turn, the trees taking turns, each label with its own arguments."""
+"""bench/tree_turns.py: a bench run per tree and turn, the trees taking turns (each turn starting one tree further on),
+each label with its own arguments."""
 
 import pytest
 
@@ -18,8 +19,9 @@ def test_labels_take_turns_and_each_runs_with_its_own_arguments(tmp_path):
     (tmp_path / "echo_args.py").write_text(ECHO)
     trees = parse_trees([f"plain={tmp_path}", f"configured={tmp_path}"])
     runs = runs_per_tree("echo_args", ["--shared", "1"], trees, 2, {"configured": ["--config", "c.yaml"]})
-    assert (tmp_path / "order.txt").read_text().split() == ["plain-turn0", "configured-turn0", "plain-turn1",
-                                                           "configured-turn1"]
+    # each turn starts one label further on, so neither always runs first
+    assert (tmp_path / "order.txt").read_text().split() == ["plain-turn0", "configured-turn0", "configured-turn1",
+                                                           "plain-turn1"]
     assert all(run["args"][:2] == ["--shared", "1"] and "--config" not in run["args"] for run in runs["plain"])
     assert all(run["args"][2:4] == ["--config", "c.yaml"] for run in runs["configured"])
     assert len(runs["plain"]) == len(runs["configured"]) == 2
