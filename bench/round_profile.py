@@ -258,7 +258,7 @@ def compare_trees(args) -> None:
              *([f"- configs: {', '.join(f'{label} = {path}' for label, path in result['configs'].items())}"]
                if result["configs"] else []),
              "- orchestration per round = round wall time minus the time it waited in the engines "
-             "(forwards and batching-loop waits): hops plus the router's own work", "",
+             "(forwards and batching-loop waits): hops plus the router's own work",
              "- the router's own work per round = orchestration minus hops, of it the acceptance (the accept "
              "stage); - where a tree's own round_profile predates these figures", "",
              "| class | tree | orchestration ms per round, median (per turn) | mean | hops ms, median | "
