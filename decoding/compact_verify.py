@@ -97,7 +97,7 @@ class DraftSupport:
             if self.ids.shape[-1] == 0:   # whole rows: x is its own index
                 return np.take_along_axis(self.probs, token_ids, axis=-1)[..., 0]
             return np.where(self.ids == token_ids, self.probs, np.float32(0)).sum(-1)
-        hits = self.ids.long() == token_ids.long().unsqueeze(-1)
+        hits = self.ids.long() == torch.as_tensor(token_ids, device=self.ids.device).long().unsqueeze(-1)
         return (hits * self.probs.float()).sum(-1)
 
 

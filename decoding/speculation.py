@@ -240,8 +240,7 @@ def accept_round(state: RequestState, proposal: Proposal,
         if proposal.support is None:
             draft_of_draft = np.ones(num_drafted)
         else:
-            draft_of_draft = proposal.support.probs_of(draft_ids if isinstance(proposal.support.probs, np.ndarray)
-                                                       else torch.from_numpy(draft_ids).to(proposal.support.ids.device))
+            draft_of_draft = proposal.support.probs_of(draft_ids)
         block = verification == "block" and proposal.support is not None
         verify = compact_block_verify if block else compact_rejection_sample
         output = verify(draft_ids, draft_of_draft, answer, state.generator)
