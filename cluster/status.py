@@ -66,6 +66,9 @@ def summarize(engine_stats: Sequence[EngineStats | UnreachableEngine], router_st
                    "decision": decision or None},
         "load": {"active_requests": int(router.get("active_requests", 0)),
                  "queued_requests": int(router.get("queued_requests", 0))},
+        # How the answering router reaches its engines and ingress replicas: "local" sockets on
+        # its host, "tcp" across hosts (common/channel.py).
+        "channels": dict(router.get("channels") or {}),
         "draft_training": None if trainer_status is None else {
             key: trainer_status.get(key) for key in TRAINING_FIELDS},
     }
@@ -97,6 +100,10 @@ def render_table(summary: Mapping[str, Any]) -> str:
     lines.append(f"requests: {load['active_requests']} active, {load['queued_requests']} queued; "
                  f"draft depth for a greedy request now: {fmt(policy['num_draft_tokens'])} "
                  f"(drafting: {fmt(policy.get('draft_kind'))})")
+    channels = summary.get("channels")
+    if channels:
+        lines.append("a router's channels: " + ", ".join(f"{count} {transport}"
+                                                        for transport, count in sorted(channels.items())))
     training = summary.get("draft_training")
     if training:
         trained = "-" if training["trained_at"] is None else time.strftime(

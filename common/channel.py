@@ -308,6 +308,15 @@ class ChannelPool:
             channel = self._channels[key] = Channel(address, self.heartbeat_timeout_s)
         return channel
 
+    def transports(self) -> dict[str, int]:
+        """How many open channels go over each transport ("local", "tcp"): which way this
+        process reaches its peers."""
+        counts: dict[str, int] = {}
+        for channel in self._channels.values():
+            if not channel.lost and channel.transport is not None:
+                counts[channel.transport] = counts.get(channel.transport, 0) + 1
+        return counts
+
     def close(self) -> None:
         for channel in self._channels.values():
             channel.close()

@@ -73,13 +73,14 @@ class Router:
         return len(self.active_requests)
 
     def status(self) -> dict[str, Any]:
-        """This router's load and the depth it would give a fresh greedy (unseeded) request now."""
+        """This router's load, the depth it would give a fresh greedy (unseeded) request now, and
+        its open channels (to engines and ingress replicas) by transport."""
         typical_depth = self.depth.typical_depth(len(self.active_requests), time.monotonic())
         decision = self.depth.policy_decision
         return {"active_requests": len(self.active_requests), "queued_requests": self.admission.num_waiting,
                 "num_draft_tokens": typical_depth if self.config.uses_draft_workers else 0,
                 "draft_kind": self.config.speculation.draft_kind,
-                "pending_releases": len(self._background),
+                "pending_releases": len(self._background), "channels": self.channels.transports(),
                 "policy": None if decision is None else decision.to_dict()}
 
     async def pool_health(self) -> dict[str, Any]:

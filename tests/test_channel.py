@@ -215,6 +215,12 @@ def test_a_channel_on_one_host_takes_the_local_socket_and_tcp_where_that_is_not_
         tcp_only = Channel(address.partition("@")[0])
         assert await tcp_only.call("echo", 3) == (3,) and tcp_only.transport == "tcp"
         assert len(server.outboxes) == 3
+        pool = ChannelPool()
+        await pool.to(address).call("echo", 4)
+        await pool.to(address.partition("@")[0]).call("echo", 5)
+        assert pool.transports() == {"local": 1, "tcp": 1}
+        pool.close()
+        assert pool.transports() == {}
         await server.close()
 
     asyncio.run(scenario())

@@ -163,6 +163,19 @@ def test_http_comes_through_haproxy_not_serves_python_proxy(server):
     assert {psutil.Process(pid).name() for pid in holders} == {"haproxy"}
 
 
+def test_a_routers_channels_on_one_host_take_the_local_socket(server, client):
+    """Every process here shares one host, so the router reaches its engines and the ingress over
+    their local sockets, none over TCP (common/channel.py; tests/test_channel.py covers the TCP way
+    a peer on another host takes)."""
+    from specserve.common.channel import LOCAL_SOCKETS
+
+    if not LOCAL_SOCKETS:
+        pytest.skip("abstract Unix sockets are Linux's: every channel is TCP")
+    client.completions.create(model=MODEL, prompt="Channels", max_tokens=8, temperature=0.0)
+    channels = serve.get_deployment_handle("Router", APP_NAME).status.remote().result()["channels"]
+    assert channels.get("local", 0) >= 2 and "tcp" not in channels, channels
+
+
 def test_engine_processes_start_with_the_engines_malloc_settings(server):
     """glibc reads them once, at a process's start (decoding/host_memory.py): a local cluster starts
     every process with them, the engines' actors included, not given them later."""

@@ -17,7 +17,7 @@ ENGINES = [
     UnreachableEngine("draft", "d2", "RayActorError"),
 ]
 ROUTER = {"active_requests": 4, "queued_requests": 1, "num_draft_tokens": 3, "draft_kind": "EAGLE-3 head",
-          "policy": {"num_draft_tokens": {"greedy": 3, "sampled": 2}}}
+          "policy": {"num_draft_tokens": {"greedy": 3, "sampled": 2}}, "channels": {"local": 2, "tcp": 1}}
 
 
 def test_the_document_sums_each_pool_and_carries_policy_and_load():
@@ -39,6 +39,7 @@ def test_the_document_sums_each_pool_and_carries_policy_and_load():
 def test_no_router_and_no_engines_read_as_zero_not_a_crash():
     summary = summarize([], None, {})
     assert summary["pools"]["target"]["replicas"] == 0 and summary["load"]["active_requests"] == 0
+    assert summary["channels"] == {} and "channels" not in render_table(summary)
     assert summary["policy"]["num_draft_tokens"] is None
 
 
@@ -49,6 +50,7 @@ def test_the_table_names_every_pool_and_an_unreachable_engine():
     assert lines[1].split()[:3] == ["target", "2", "4"] and lines[2].split()[:3] == ["draft", "1", "4"]
     assert lines[1].split()[-1] == "0.25" and lines[2].split()[-1] == "-"
     assert "4 active, 1 queued" in table and "d2: unreachable (RayActorError)" in table
+    assert "a router's channels: 2 local, 1 tcp" in table
 
 
 def test_a_tensor_parallel_engine_shows_its_group_and_each_rank():
