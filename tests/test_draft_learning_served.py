@@ -1,7 +1,7 @@
 """Online draft training end to end on the tiny pair (docs/online-learning.md): real Ray Serve, HTTP and the
 official openai client. Traffic comes in, the trainer distils the draft while the cluster is
-idle, the canary passes, every draft engine swaps, and the next responses carry draft_version 1
-with greedy texts still equal to the target's own; `specserve status` shows the version and the
+idle, the canary passes, every draft engine swaps, and the next responses carry a trained
+draft_version with greedy texts still equal to the target's own; `specserve status` shows the version and the
 acceptance before and after, and the captured rows were persisted only because capture_dir asked."""
 
 from __future__ import annotations
@@ -70,27 +70,30 @@ def test_traffic_in_a_new_draft_version_out(server):
     before = traffic(client)
     assert {r.model_extra["speculation"]["draft_version"] for r in before} == {0}
     status = wait_for_a_trained_version(TRAIN_TIMEOUT_S, lambda: traffic(client))  # trains, canaries, swaps
-    assert status and status["draft_version"] == 1, status
+    assert status and status["draft_version"] >= 1, status
     assert status["expected_acceptance_after"] > status["expected_acceptance_before"]
     after = [complete(client, prompt, 0.0) for prompt in PROMPTS]
-    assert {r.model_extra["speculation"]["draft_version"] for r in after} == {1}
+    # Trained versions only: the positions the traffic left may have started another pass, whose
+    # version can be swapped in while these run (the trainer doing its job).
+    assert min(r.model_extra["speculation"]["draft_version"] for r in after) >= status["draft_version"]
     reference = greedy_reference(config.target.path)
     assert [r.choices[0].text for r in after] == [r.choices[0].text for r in before]
     assert after[0].choices[0].text == reference(PROMPTS[0], 32)
-    table = render_table(summarize([], None, {}, trainer_status()))
-    assert "draft version 1: trained" in table
+    now = trainer_status()
+    assert f"draft version {now['draft_version']}: trained" in render_table(summarize([], None, {}, now))
     captured = list(load_blocks(config.draft_training.capture_dir))
     assert captured and all(b.top_ids.shape == (b.num_positions, config.draft_training.top_k) for b in captured)
     print(f"live acceptance {status['live_acceptance_before']} -> {trainer_status()['live_acceptance_after']}; "
           f"expected {status['expected_acceptance_before']:.3f} -> {status['expected_acceptance_after']:.3f}")
-    # A trainer that dies leaves serving untouched: the engines keep version 1, and the trainer the
-    # next captured rounds start adopts it instead of taking the engines back.
+    # A trainer that dies leaves serving untouched: the engines keep the version they serve, and
+    # the trainer the next captured rounds start adopts it instead of taking the engines back.
     ray.kill(ray.get_actor(f"draft-trainer:{MODEL}", namespace="specserve"), no_restart=True)
     again = [complete(client, prompt, 0.0) for prompt in PROMPTS[:4] * 2]
-    assert {r.model_extra["speculation"]["draft_version"] for r in again} == {1}
+    served = {r.model_extra["speculation"]["draft_version"] for r in again}
+    assert len(served) == 1 and min(served) >= 1, served
     assert [r.choices[0].text for r in again[:4]] == [r.choices[0].text for r in before[:4]]
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not ((status := trainer_status()) and status["draft_version"] == 1):
+    while time.monotonic() < deadline and not ((status := trainer_status()) and {status["draft_version"]} == served):
         complete(client, PROMPTS[0], 0.0)  # captured rounds: their pushes find the trainer gone and start one
         time.sleep(0.5)
-    assert status and status["draft_version"] == 1, status
+    assert status and {status["draft_version"]} == served, status
