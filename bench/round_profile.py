@@ -271,16 +271,16 @@ def compare_trees(args) -> None:
             per_turn = [run["classes"][mode] for run in runs[label]]
             median = lambda key: (round(statistics.median(c[key] for c in per_turn), 3)  # noqa: E731
                                   if all(c.get(key) is not None for c in per_turn) else None)
-            summary[f"{mode}/{label}"] = {key: median(key) for key in (
+            row = summary[f"{mode}/{label}"] = {key: median(key) for key in (
                 "orchestration_median_ms", "orchestration_mean_ms", "hops_median_ms", "own_median_ms",
                 "accept_median_ms", "wall_median_ms", "engines_median_ms", "tokens_per_s", "ttft_median_ms")}
-            own, accept = (summary[f"{mode}/{label}"][key] for key in ("own_median_ms", "accept_median_ms"))
-            lines.append(f"| {mode} | {label} | {median('orchestration_median_ms')} "
+            cell = lambda key: "-" if row[key] is None else row[key]  # noqa: E731
+            lines.append(f"| {mode} | {label} | {cell('orchestration_median_ms')} "
                          f"({', '.join(str(c['orchestration_median_ms']) for c in per_turn)}) | "
-                         f"{median('orchestration_mean_ms')} | {median('hops_median_ms')} | "
-                         f"{'-' if own is None else own} | {'-' if accept is None else accept} | {median('wall_median_ms')} | "
-                         f"{median('engines_median_ms')} | {median('tokens_per_s')} "
-                         f"({', '.join(str(c['tokens_per_s']) for c in per_turn)}) | {median('ttft_median_ms')} "
+                         f"{cell('orchestration_mean_ms')} | {cell('hops_median_ms')} | "
+                         f"{cell('own_median_ms')} | {cell('accept_median_ms')} | {cell('wall_median_ms')} | "
+                         f"{cell('engines_median_ms')} | {cell('tokens_per_s')} "
+                         f"({', '.join(str(c['tokens_per_s']) for c in per_turn)}) | {cell('ttft_median_ms')} "
                          f"({', '.join(str(c['ttft_median_ms']) for c in per_turn)}) |")
     result["summary"] = summary
     lines += first_token_lines({f"{mode} / {label}": median_split([run["classes"][mode] for run in runs[label]])
